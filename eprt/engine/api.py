@@ -1,0 +1,70 @@
+"""Typed messages between clients (CLI, batch runner, HTTP server) and the engine.
+
+T prompt tokens, N generated tokens, D hidden size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given; the message names the problem."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0          # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 means no top-k cut
+    seed: Optional[int] = None        # per-request seed; None draws from the engine's generator
+    stop_token_ids: tuple = ()        # extra stop ids besides the model's EOS ids
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0):
+            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        for t in self.stop_token_ids:
+            if not (isinstance(t, int) and 0 <= t < vocab_size):
+                raise RequestError(f"stop token id {t!r} is outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list                  # [T] token ids
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: Optional[str] = None
+    timeout_s: Optional[float] = None  # deadline measured on the engine's clock
+    image_embeds: Optional[np.ndarray] = None  # [n, D] float32 rows for the n image placeholders
+    stream: bool = False
+    on_token: Optional[Callable[[int], None]] = None  # called for every streamed token
+
+
+@dataclass
+class GenerationResult:
+    request_id: Optional[str]
+    prompt_ids: list
+    token_ids: list                   # every generated token, a terminating EOS included
+    finish_reason: str                # "stop" | "length" | "timeout" | "error"
+    cached_tokens: int = 0
+    text: str = ""
+    error: Optional[str] = None
+
+    def to_json(self) -> dict:
+        d = {"prompt_ids": list(self.prompt_ids), "token_ids": list(self.token_ids),
+             "text": self.text, "finish_reason": self.finish_reason,
+             "cached_tokens": self.cached_tokens}
+        if self.request_id is not None:
+            d["id"] = self.request_id
+        if self.error is not None:
+            d["error"] = self.error
+        return d

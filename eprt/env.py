@@ -1,0 +1,64 @@
+"""The one registry of environment variables eprt reads (all prefixed ``EPRT_``).
+
+Every knob that is not a command-line flag lives here, with its type, default and
+meaning, so ``eprt env`` (and this file) is the complete list. Values are read when
+asked for, never at import time.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: object
+    parse: Callable[[str], object]
+    help: str
+
+    def get(self):
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.name}={raw!r}: {e}") from None
+
+
+def _bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected a boolean (1/0, true/false, yes/no, on/off)")
+
+
+REGISTRY: dict[str, EnvVar] = {}
+
+
+def _register(name: str, default, parse, help: str) -> EnvVar:
+    var = EnvVar(name, default, parse, help)
+    REGISTRY[name] = var
+    return var
+
+
+DEVICE = _register("EPRT_DEVICE", "", str, "default backend when --device is not given: cpu or cuda")
+LOG_LEVEL = _register("EPRT_LOG_LEVEL", "INFO", str, "logging level (DEBUG, INFO, WARNING, ERROR)")
+LOG_ALL_RANKS = _register("EPRT_LOG_ALL_RANKS", False, _bool, "log from every rank, not only rank 0")
+COLLECTIVE_TIMEOUT = _register(
+    "EPRT_COLLECTIVE_TIMEOUT", 30.0, float,
+    "seconds a rank waits in one collective before the watchdog aborts the job")
+BLOCK_SIZE = _register("EPRT_BLOCK_SIZE", 16, int, "tokens per KV block")
+NUM_BLOCKS = _register("EPRT_NUM_BLOCKS", 0, int, "KV blocks per rank on the CPU backend (0: sized from max context)")
+KERNEL_DIR = _register("EPRT_KERNEL_DIR", "", str, "directory of the .cu kernel sources (default: the packaged kernels/)")
+
+
+def describe() -> str:
+    lines = []
+    for v in REGISTRY.values():
+        lines.append(f"{v.name:28s} default={v.default!r:8s} {v.help}")
+    return "\n".join(lines)

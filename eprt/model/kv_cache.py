@@ -1,0 +1,32 @@
+"""The paged KV pool of one rank: per layer ``k[NB, BS, Hk, Dh]`` and ``v[NB, BS, Hk, Dh]``.
+
+Block ids come from ``eprt.cache.block_manager.BlockManager``; this class only holds
+the arrays and turns (block table, positions) into flat slots.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from eprt.model.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, ops, cfg: ModelConfig, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [ops.zeros(shape) for _ in range(cfg.num_layers)]
+        self.v = [ops.zeros(shape) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, itemsize: int) -> int:
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    def slots(self, block_table, positions: np.ndarray) -> np.ndarray:
+        """Flat slot of each position: block_table[p // BS] * BS + p % BS.  [T]"""
+        bt = np.asarray(block_table, dtype=np.int64)
+        need = int(positions.max()) // self.block_size + 1 if len(positions) else 0
+        if need > len(bt):
+            raise IndexError(f"position {int(positions.max())} is beyond the {len(bt)} blocks of the block table")
+        return (bt[positions // self.block_size] * self.block_size + positions % self.block_size).astype(np.int32)

@@ -1,0 +1,122 @@
+"""Read tensors from safetensors checkpoints without torch, one tensor at a time.
+
+A checkpoint directory holds ``model.safetensors`` or shards listed by
+``model.safetensors.index.json``. Files are memory-mapped and only the requested
+tensors are read, so a rank that owns a few experts touches only their bytes.
+bfloat16 tensors come back as ``uint16`` raw bits (NumPy has no bfloat16); use
+``to_float32`` to widen them.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+class CheckpointError(ValueError):
+    """A missing or malformed checkpoint file or tensor; the message names it."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str
+    dtype: str            # safetensors dtype name, e.g. "BF16"
+    shape: tuple
+    start: int            # byte offsets into the file's data section
+    end: int
+
+
+class SafetensorsCheckpoint:
+    """Index of every tensor in a checkpoint directory; reads tensors on demand."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self._infos: dict[str, TensorInfo] = {}
+        self._maps: dict[str, tuple[mmap.mmap, int]] = {}
+        self.bytes_read = 0
+        self.tensors_read = 0
+        for path in self._files():
+            self._index_file(path)
+
+    def _files(self) -> list[str]:
+        index = os.path.join(self.model_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(self.model_dir) if f.endswith(".safetensors"))
+        if not files:
+            raise CheckpointError(f"no .safetensors files in {self.model_dir!r}")
+        paths = [os.path.join(self.model_dir, f) for f in files]
+        for p in paths:
+            if not os.path.isfile(p):
+                raise CheckpointError(f"checkpoint shard {p!r} is missing")
+        return paths
+
+    def _index_file(self, path: str) -> None:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"{path!r} is not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", head)
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise CheckpointError(f"{path!r} has a corrupt safetensors header: {e}") from None
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if meta["dtype"] not in _DTYPES:
+                raise CheckpointError(f"tensor {name!r} in {path!r} has unsupported dtype {meta['dtype']}")
+            start, end = meta["data_offsets"]
+            self._infos[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), 8 + n + start, 8 + n + end)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._infos
+
+    def keys(self):
+        return self._infos.keys()
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise CheckpointError(f"checkpoint {self.model_dir!r} has no tensor {name!r}") from None
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as stored (bf16 as uint16 bits); a read-only view of the mapped file."""
+        info = self.info(name)
+        if info.file not in self._maps:
+            f = open(info.file, "rb")
+            self._maps[info.file] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), f)
+        mm = self._maps[info.file][0]
+        dtype = np.dtype(_DTYPES[info.dtype])
+        count = int(np.prod(info.shape)) if info.shape else 1
+        if (info.end - info.start) != count * dtype.itemsize:
+            raise CheckpointError(f"tensor {name!r} size does not match its shape {info.shape}")
+        self.bytes_read += info.end - info.start
+        self.tensors_read += 1
+        return np.frombuffer(mm, dtype=dtype, count=count, offset=info.start).reshape(info.shape)
+
+    def close(self) -> None:
+        for mm, f in self._maps.values():
+            mm.close()
+            f.close()
+        self._maps.clear()
+
+
+def to_float32(a: np.ndarray, dtype_name: str) -> np.ndarray:
+    """Widen a stored tensor to float32 (bf16 bits are shifted into the high half)."""
+    if dtype_name == "BF16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
