@@ -43,7 +43,9 @@ def default_tensors(raw: dict, seed: int = 0) -> dict:
     E, I = raw["num_experts"], raw["moe_intermediate_size"]
     normal = lambda *shape: rng.normal(0.0, 0.08, size=shape).astype(np.float32)   # noqa: E731
     ones = lambda n: (1.0 + rng.normal(0.0, 0.05, size=n)).astype(np.float32)      # noqa: E731
-    t = {"model.embed_tokens.weight": normal(V, D), "model.norm.weight": ones(D), "lm_head.weight": normal(V, D)}
+    lm_head = normal(V, D)
+    lm_head[[i for i in range(V) if not 32 <= i < 127]] = 0.0   # favour printable ASCII: readable output
+    t = {"model.embed_tokens.weight": normal(V, D), "model.norm.weight": ones(D), "lm_head.weight": lm_head}
     for i in range(L):
         p = f"model.layers.{i}"
         t.update({f"{p}.input_layernorm.weight": ones(D), f"{p}.post_attention_layernorm.weight": ones(D),

@@ -1,0 +1,169 @@
+"""Paged KV block accounting with a prefix cache.
+
+A sequence of ``L`` tokens holds ``L // block_size + 1`` blocks: always room for the
+next token. Blocks are identified by their physical id (the index into the runner's
+KV pool, see ``block_table``).
+
+Prefix cache: a *full* block is keyed by a chained hash of every token up to its end
+(and the adapter id), so equal keys mean equal KV. Keyed blocks are reference counted
+and shared between sequences with the same prefix. A keyed block that no live sequence
+uses is *evictable*: it still counts as free, keeps its contents for a later hit, and
+is evicted least-recently-used only when the plain free list is empty.
+
+Every rank runs an identical copy driven by the same command stream, so everything
+here is deterministic: content hashes use ``hashlib`` (never the salted ``hash()``),
+queries (``match_prefix``, ``can_*``, ``num_*``) change no state, and the order in
+which blocks are handed out depends only on the order of calls.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from typing import Hashable, Iterator, Sequence
+
+
+class OutOfBlocks(RuntimeError):
+    """An allocation or growth asked for more blocks than are free."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enabled = bool(prefix_cache)      # prefix caching on/off (lookups and inserts)
+        self._free: deque[int] = deque(range(num_blocks))   # blocks with nothing worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced; LRU first
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, bytes] = {}    # block -> content hash, for keyed blocks
+        self._block_of: dict[bytes, int] = {}  # content hash -> block
+        self._tables: dict[Hashable, list[int]] = {}
+        self._adapters: dict[Hashable, int] = {}
+
+    # -- queries (no state changes) ----------------------------------------------------
+    def blocks_for(self, length: int) -> int:
+        return length // self.block_size + 1
+
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now: never-used plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a prefix-cache entry, whether a live sequence uses them or not."""
+        return len(self._block_of)
+
+    def match_prefix(self, token_ids: Sequence[int], adapter: int = -1) -> int:
+        """Prompt tokens a new sequence would reuse: a multiple of block_size, at most
+        ``len - 1`` so that at least one prompt token is computed."""
+        return len(self._match(token_ids, adapter)) * self.block_size
+
+    def can_allocate(self, token_ids: Sequence[int], adapter: int = -1) -> bool:
+        return self._cost(token_ids, self._match(token_ids, adapter)) <= self.num_free_blocks()
+
+    def can_grow(self, key: Hashable, new_len: int) -> bool:
+        return self.blocks_for(new_len) - len(self._table(key)) <= self.num_free_blocks()
+
+    def block_table(self, key: Hashable) -> list[int]:
+        return list(self._table(key))
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._tables
+
+    # -- changes -----------------------------------------------------------------------
+    def allocate(self, key: Hashable, token_ids: Sequence[int], adapter: int = -1) -> int:
+        """Reserve the blocks of a prompt, reusing its cached prefix; returns the cached length."""
+        if key in self._tables:
+            raise KeyError(f"sequence {key!r} already holds blocks")
+        if len(token_ids) < 1:
+            raise ValueError("cannot allocate an empty prompt")
+        matched = self._match(token_ids, adapter)
+        if self._cost(token_ids, matched) > self.num_free_blocks():
+            raise OutOfBlocks(f"sequence {key!r} needs {self._cost(token_ids, matched)} blocks, "
+                              f"{self.num_free_blocks()} free")
+        for b in matched:                       # claim hits first so eviction cannot take them
+            self._evictable.pop(b, None)
+            self._refs[b] += 1
+        table = matched + [self._take() for _ in range(self.blocks_for(len(token_ids)) - len(matched))]
+        self._tables[key] = table
+        self._adapters[key] = adapter
+        return len(matched) * self.block_size
+
+    def grow(self, key: Hashable, new_len: int) -> None:
+        """Make room for ``new_len`` tokens (no-op when the blocks are already there)."""
+        table = self._table(key)
+        extra = self.blocks_for(new_len) - len(table)
+        if extra > self.num_free_blocks():
+            raise OutOfBlocks(f"sequence {key!r} needs {extra} more blocks, {self.num_free_blocks()} free")
+        table.extend(self._take() for _ in range(extra))
+
+    def cache(self, key: Hashable, token_ids: Sequence[int]) -> None:
+        """Insert the sequence's full blocks among ``token_ids`` (tokens whose KV exists)."""
+        if not self.enabled:
+            return
+        table = self._table(key)
+        n = min(len(token_ids) // self.block_size, len(table))
+        for b, h in zip(table[:n], self._hashes(token_ids, self._adapters[key])):
+            if b in self._key_of or h in self._block_of:
+                continue                        # already keyed, or the same content lives elsewhere
+            self._key_of[b] = h
+            self._block_of[h] = b
+
+    def free(self, key: Hashable) -> int:
+        """Drop the sequence's references; returns how many blocks it held."""
+        table = self._tables.pop(key, None)
+        if table is None:
+            raise KeyError(f"sequence {key!r} holds no blocks")
+        del self._adapters[key]
+        for b in reversed(table):               # tail first: the head of a prefix stays longest
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._key_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+        return len(table)
+
+    # -- internals -----------------------------------------------------------------------
+    def _table(self, key: Hashable) -> list[int]:
+        try:
+            return self._tables[key]
+        except KeyError:
+            raise KeyError(f"sequence {key!r} holds no blocks") from None
+
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(b)]
+        self._refs[b] = 1
+        return b
+
+    def _cost(self, token_ids: Sequence[int], matched: list[int]) -> int:
+        """Free-count cost of allocating: every block except hits that are already live."""
+        live_hits = sum(1 for b in matched if self._refs[b] > 0)
+        return self.blocks_for(len(token_ids)) - live_hits
+
+    def _match(self, token_ids: Sequence[int], adapter: int) -> list[int]:
+        if not self.enabled or len(token_ids) < 2:
+            return []
+        limit = (len(token_ids) - 1) // self.block_size
+        blocks = []
+        for h in self._hashes(token_ids[: limit * self.block_size], adapter):
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def _hashes(self, token_ids: Sequence[int], adapter: int) -> Iterator[bytes]:
+        """Chained content hashes of the full blocks of token_ids."""
+        h = hashlib.blake2b(f"adapter:{adapter}".encode(), digest_size=16).digest()
+        bs = self.block_size
+        for i in range(len(token_ids) // bs):
+            block = ",".join(str(int(t)) for t in token_ids[i * bs:(i + 1) * bs])
+            h = hashlib.blake2b(h + block.encode(), digest_size=16).digest()
+            yield h

@@ -1,0 +1,291 @@
+"""The broadcast protocol of ``shared/spec/PROTOCOL.md``: command words, typed commands,
+the encoder and the incremental decoder, in one place.
+
+The logical stream is a sequence of unsigned 32-bit words. Every command starts with the
+preamble ``[seq, cmd]``; a ``cmd`` below ``RESERVED_BASE`` is itself a token id (decode one
+token into slot ``seq``), anything else is one of the command words below.
+
+eprt always sends the PREFILL's vision count word (0 for a text-only prompt), so a decoder
+never needs to know whether the model has a vision input. The rows themselves do not
+travel in the word stream: the transport broadcasts them right after the frame that holds
+their count (see ``eprt/comm/transport.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence, Union
+
+import numpy as np
+
+RESERVED_BASE = 0xFFFFFFE0  # every word >= this is a command, so token ids stay below it
+DECODE_BATCH = 0xFFFFFFE0
+COMPACT = 0xFFFFFFE2
+PREFILL = 0xFFFFFFF0
+RELEASE = 0xFFFFFFF1
+VERIFY_K2 = 0xFFFFFFF2
+VERIFY_K3 = 0xFFFFFFF3
+VERIFY_K4 = 0xFFFFFFF4
+DECODE_CKPT = 0xFFFFFFF8
+SHUTDOWN = 0xFFFFFFFF
+WORD_MAX = 0xFFFFFFFF
+
+VERIFY_WORDS = {VERIFY_K2: 2, VERIFY_K3: 3, VERIFY_K4: 4}  # command word -> K drafts
+NAMES = {DECODE_BATCH: "DECODE_BATCH", COMPACT: "COMPACT", PREFILL: "PREFILL", RELEASE: "RELEASE",
+         VERIFY_K2: "VERIFY_K2", VERIFY_K3: "VERIFY_K3", VERIFY_K4: "VERIFY_K4",
+         DECODE_CKPT: "DECODE_CKPT", SHUTDOWN: "SHUTDOWN"}
+
+
+class ProtocolError(ValueError):
+    """A word stream that does not follow the protocol (or a command that cannot be encoded)."""
+
+
+@dataclass(frozen=True)
+class Decode1:
+    """Append ``token`` to ``slot`` and run one decode step (the preamble's cmd is the token)."""
+    slot: int
+    token: int
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One batched decode step; row r appends ``tokens[r]`` to ``slots[r]``."""
+    slots: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Compact:
+    """Move the sequence in ``slot`` to the empty ``new_slot``."""
+    slot: int
+    new_slot: int
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill ``tokens[chunk_start : chunk_start + chunk_len]`` of the whole prompt ``tokens``
+    into ``slot``; ``vision_rows`` rows (rows x hidden) follow the frame when non-zero."""
+    slot: int
+    chunk_start: int
+    chunk_len: int
+    tokens: tuple[int, ...]
+    vision_rows: int = 0
+
+    @property
+    def full_len(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.chunk_start + self.chunk_len >= self.full_len
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free the sequence in ``slot``."""
+    slot: int
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Speculative verify of ``len(drafts)`` (2..4) drafts (reserved: workers reject it)."""
+    slot: int
+    drafts: tuple[int, ...]
+    accepted: int
+
+
+@dataclass(frozen=True)
+class DecodeCkpt:
+    """Save rank 0's hybrid-SSM snapshot (reserved: workers reject it)."""
+    slot: int
+    snapshot_tokens: int
+    end_block: int
+    session_hash: int  # 64-bit, sent as lo, hi
+    adapter_id: int    # 64-bit, sent as lo, hi
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Free every slot and leave the worker loop."""
+
+
+Command = Union[Decode1, DecodeBatch, Compact, Prefill, Release, Verify, DecodeCkpt, Shutdown]
+
+
+def validate_vocab_size(vocab_size: int) -> int:
+    """Token ids share the word space with command words, so ids must stay below RESERVED_BASE."""
+    if not 0 < vocab_size <= RESERVED_BASE:
+        raise ProtocolError(f"vocabulary size {vocab_size} does not fit the protocol: token ids must "
+                            f"be < 0x{RESERVED_BASE:08X}")
+    return vocab_size
+
+
+def encode(cmd: Command) -> np.ndarray:
+    """The words of one command, preamble included, as a uint32 array."""
+    if isinstance(cmd, Decode1):
+        if not 0 <= cmd.token < RESERVED_BASE:
+            raise ProtocolError(f"decode token {cmd.token} collides with the reserved command words")
+        words = [cmd.slot, cmd.token]
+    elif isinstance(cmd, DecodeBatch):
+        if len(cmd.slots) != len(cmd.tokens):
+            raise ProtocolError(f"DECODE_BATCH has {len(cmd.slots)} slots but {len(cmd.tokens)} tokens")
+        words = [0, DECODE_BATCH, len(cmd.slots), *cmd.slots, *cmd.tokens]
+    elif isinstance(cmd, Compact):
+        words = [cmd.slot, COMPACT, cmd.new_slot]
+    elif isinstance(cmd, Prefill):
+        words = [cmd.slot, PREFILL, cmd.chunk_len, cmd.chunk_start, cmd.full_len, *cmd.tokens,
+                 cmd.vision_rows]
+    elif isinstance(cmd, Release):
+        words = [cmd.slot, RELEASE]
+    elif isinstance(cmd, Verify):
+        k = len(cmd.drafts)
+        if k not in VERIFY_WORDS.values():
+            raise ProtocolError(f"VERIFY takes 2 to 4 drafts, got {k}")
+        words = [cmd.slot, VERIFY_K2 + k - 2, *cmd.drafts, cmd.accepted]
+    elif isinstance(cmd, DecodeCkpt):
+        words = [cmd.slot, DECODE_CKPT, cmd.snapshot_tokens, cmd.end_block,
+                 cmd.session_hash & WORD_MAX, cmd.session_hash >> 32,
+                 cmd.adapter_id & WORD_MAX, cmd.adapter_id >> 32]
+    elif isinstance(cmd, Shutdown):
+        words = [0, SHUTDOWN]
+    else:
+        raise ProtocolError(f"not a protocol command: {cmd!r}")
+    return as_words(words)
+
+
+def as_words(values: Iterable[int] | np.ndarray) -> np.ndarray:
+    """``values`` as a uint32 array, refusing anything that is not a 32-bit unsigned word."""
+    arr = np.asarray(values if isinstance(values, np.ndarray) else list(values))
+    if arr.dtype == np.uint32:
+        return arr.ravel()
+    if arr.size == 0:
+        return np.zeros(0, np.uint32)
+    if arr.dtype.kind not in "iu":
+        raise ProtocolError(f"protocol words must be integers, got dtype {arr.dtype}")
+    if arr.min() < 0 or arr.max() > WORD_MAX:
+        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+        raise ProtocolError(f"{bad} is not an unsigned 32-bit protocol word")
+    return arr.astype(np.uint32).ravel()
+
+
+class Decoder:
+    """Incremental decoder: ``feed`` words as they arrive (in any chunking), take commands with
+    ``next()`` (None until a whole command has arrived) or by iterating.
+
+    With ``max_slots`` every slot is range-checked; with ``vocab_size`` every token is.
+    """
+
+    def __init__(self, max_slots: int | None = None, vocab_size: int | None = None):
+        self.max_slots = max_slots
+        self.vocab_size = validate_vocab_size(vocab_size) if vocab_size is not None else None
+        self._buf = np.zeros(0, np.uint32)
+        self._pos = 0
+
+    @property
+    def pending(self) -> int:
+        """Words received but not yet part of a whole command."""
+        return len(self._buf) - self._pos
+
+    def feed(self, words: np.ndarray | Sequence[int]) -> None:
+        words = as_words(words)
+        rest = self._buf[self._pos:]
+        self._buf = words.copy() if len(rest) == 0 else np.concatenate([rest, words])
+        self._pos = 0
+
+    def __iter__(self) -> Iterator[Command]:
+        while (cmd := self.next()) is not None:
+            yield cmd
+
+    def finish(self) -> None:
+        """Declare the stream over: leftover words mean a truncated command."""
+        if self.pending:
+            head = self._buf[self._pos:self._pos + 2].tolist()
+            name = _name(head[1]) if len(head) == 2 else "preamble"
+            raise ProtocolError(f"truncated {name}: stream ended inside a command "
+                                f"({self.pending} words left over)")
+
+    def next(self) -> Command | None:
+        """The next whole command, or None if its words have not all arrived yet."""
+        b, p = self._buf, self._pos
+        if len(b) - p < 2:
+            return None
+        seq, cmd = int(b[p]), int(b[p + 1])
+        body = p + 2  # first payload word
+        if cmd < RESERVED_BASE:
+            out, end = Decode1(self._slot(seq, "decode"), self._token(cmd)), body
+        elif cmd == DECODE_BATCH:
+            if len(b) - body < 1:
+                return None
+            n = int(b[body])
+            if not 1 <= n <= (self.max_slots or n):
+                raise ProtocolError(f"DECODE_BATCH of {n} rows (must be 1..{self.max_slots})")
+            end = body + 1 + 2 * n
+            if len(b) < end:
+                return None
+            slots = tuple(self._slot(s, "DECODE_BATCH") for s in b[body + 1:body + 1 + n].tolist())
+            out = DecodeBatch(slots, tuple(self._token(t) for t in b[body + 1 + n:end].tolist()))
+        elif cmd == COMPACT:
+            end = body + 1
+            if len(b) < end:
+                return None
+            out = Compact(self._slot(seq, "COMPACT"), self._slot(int(b[body]), "COMPACT new_slot"))
+        elif cmd == PREFILL:
+            if len(b) - body < 3:
+                return None
+            chunk_len, chunk_start, full_len = (int(x) for x in b[body:body + 3])
+            if full_len < 1 or chunk_len < 1 or chunk_start + chunk_len > full_len:
+                raise ProtocolError(f"PREFILL chunk (len={chunk_len}, start={chunk_start}) does not "
+                                    f"fit a prompt of {full_len} tokens")
+            end = body + 3 + full_len + 1
+            if len(b) < end:
+                return None
+            tokens = tuple(self._token(t) for t in b[body + 3:end - 1].tolist())
+            vision_rows = int(b[end - 1])
+            if vision_rows > full_len:
+                raise ProtocolError(f"PREFILL announces {vision_rows} vision rows for a prompt of "
+                                    f"{full_len} tokens (at most one row per position)")
+            out = Prefill(self._slot(seq, "PREFILL"), chunk_start, chunk_len, tokens, vision_rows)
+        elif cmd == RELEASE:
+            out, end = Release(self._slot(seq, "RELEASE")), body
+        elif cmd in VERIFY_WORDS:
+            end = body + VERIFY_WORDS[cmd] + 1
+            if len(b) < end:
+                return None
+            words = b[body:end].tolist()
+            drafts = tuple(self._token(t) for t in words[:-1])
+            out = Verify(self._slot(seq, _name(cmd)), drafts, words[-1])
+        elif cmd == DECODE_CKPT:
+            end = body + 6
+            if len(b) < end:
+                return None
+            w = b[body:end].tolist()
+            out = DecodeCkpt(self._slot(seq, "DECODE_CKPT"), w[0], w[1], w[2] | w[3] << 32, w[4] | w[5] << 32)
+        elif cmd == SHUTDOWN:
+            out, end = Shutdown(), body
+        else:
+            raise ProtocolError(f"unknown reserved command word 0x{cmd:08X} (slot word {seq})")
+        self._pos = end
+        return out
+
+    def _slot(self, slot: int, what: str) -> int:
+        if self.max_slots is not None and not 0 <= slot < self.max_slots:
+            raise ProtocolError(f"{what}: slot {slot} out of range (max_slots={self.max_slots})")
+        return slot
+
+    def _token(self, token: int) -> int:
+        if self.vocab_size is not None and token >= self.vocab_size:
+            raise ProtocolError(f"token {token} out of range (vocab_size={self.vocab_size})")
+        return token
+
+
+def decode_all(words: np.ndarray | Sequence[int], max_slots: int | None = None,
+               vocab_size: int | None = None) -> list[Command]:
+    """Decode a complete stream; a trailing partial command is a ProtocolError."""
+    dec = Decoder(max_slots, vocab_size)
+    dec.feed(words)
+    cmds = list(dec)
+    dec.finish()
+    return cmds
+
+
+def _name(cmd: int) -> str:
+    return NAMES.get(cmd, "decode" if cmd < RESERVED_BASE else f"0x{cmd:08X}")

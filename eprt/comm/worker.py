@@ -1,0 +1,117 @@
+"""The worker-rank loop: receive rank 0's commands, check them against the slot mirror, run
+them on the executor (the model on this rank), until SHUTDOWN.
+
+A command that does not fit (unknown reserved word, slot out of range, a decode for an empty
+slot, a compaction onto an occupied slot, a reserved command this build cannot run) or that
+fails in the executor is reported to rank 0 and ends the loop: a worker never guesses, and
+never continues out of step with the other ranks.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import numpy as np
+
+from eprt.comm.protocol import (Command, Compact, Decode1, DecodeBatch, Decoder, Prefill, ProtocolError,
+                                Release, Shutdown)
+from eprt.comm.slots import SlotMirror
+from eprt.comm.transport import RootDown
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    """What a worker runs each command on (the lead's model runner implements it).
+
+    Every call mirrors what rank 0 does for the same command, including the MoE combines
+    (``transport.allsum``) inside the forward passes, in the same order on every rank.
+    """
+
+    hidden_size: int  # width of one vision row (the model's hidden size)
+
+    def prefill(self, slot: int, tokens: np.ndarray, chunk_start: int, chunk_len: int,
+                vision_rows: np.ndarray | None) -> None:
+        """Prefill ``tokens[chunk_start : chunk_start + chunk_len]`` into ``slot``.
+        ``tokens``: uint32 [full prompt]; ``vision_rows``: float32 [rows, hidden_size] to
+        scatter into the prompt's image placeholder positions, or None."""
+
+    def decode(self, slots: list[int], tokens: list[int]) -> None:
+        """One decode step; row r appends ``tokens[r]`` to ``slots[r]`` (DECODE_BATCH and
+        decode-one-token alike)."""
+
+    def compact(self, slot: int, new_slot: int) -> None:
+        """Move the sequence in ``slot`` to the empty ``new_slot``."""
+
+    def release(self, slot: int) -> None:
+        """Free the sequence in ``slot``."""
+
+    def shutdown(self) -> None:
+        """Free every slot and everything else the executor holds."""
+
+
+class WorkerTransport(Protocol):
+    """The worker side of ``eprt.comm.transport.Transport`` that the loop uses."""
+
+    rank: int
+
+    def recv_frame(self) -> np.ndarray:
+        """The next frame's words (uint32); blocks without a time limit."""
+
+    def recv_rows(self, n: int, width: int) -> np.ndarray:
+        """The vision rows announced by the last PREFILL: float32 [n, width]."""
+
+    def report_error(self, text: str) -> None:
+        """Tell rank 0 this rank failed and wait until the job goes down."""
+
+
+def run_worker(transport: WorkerTransport, executor: Executor, max_slots: int,
+               vocab_size: int | None = None) -> int:
+    """Serve rank 0's commands until SHUTDOWN (returns 0 after ``executor.shutdown()``).
+
+    Returns 1 after a failure was reported to rank 0, or when rank 0 announced it is going
+    down without a SHUTDOWN (then ``executor.shutdown()`` runs too).
+    """
+    decoder = Decoder(max_slots=max_slots, vocab_size=vocab_size)
+    mirror = SlotMirror(max_slots)
+    try:
+        while True:
+            cmd = decoder.next()
+            if cmd is None:
+                decoder.feed(transport.recv_frame())
+                continue
+            mirror.apply(cmd)
+            if isinstance(cmd, Shutdown):
+                executor.shutdown()
+                return 0
+            _execute(cmd, transport, executor, decoder)
+    except RootDown as e:
+        log.error("rank %d: %s", transport.rank, e)
+        executor.shutdown()
+        return 1
+    except Exception as e:  # noqa: BLE001 - every failure goes to rank 0, then the loop ends
+        log.error("rank %d: command failed", transport.rank, exc_info=True)
+        transport.report_error(f"{type(e).__name__}: {e}")
+        return 1
+
+
+def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decoder: Decoder) -> None:
+    if isinstance(cmd, Prefill):
+        rows = None
+        if cmd.vision_rows:
+            if decoder.pending:
+                raise ProtocolError(f"PREFILL slot {cmd.slot}: {decoder.pending} words arrived between "
+                                    "the vision count and its rows")
+            rows = transport.recv_rows(cmd.vision_rows, executor.hidden_size)
+        tokens = np.asarray(cmd.tokens, np.uint32)  # [full_len]
+        executor.prefill(cmd.slot, tokens, cmd.chunk_start, cmd.chunk_len, rows)
+    elif isinstance(cmd, Decode1):
+        executor.decode([cmd.slot], [cmd.token])
+    elif isinstance(cmd, DecodeBatch):
+        executor.decode(list(cmd.slots), list(cmd.tokens))
+    elif isinstance(cmd, Compact):
+        executor.compact(cmd.slot, cmd.new_slot)
+    elif isinstance(cmd, Release):
+        executor.release(cmd.slot)
+    else:  # the mirror rejects everything else before it gets here
+        raise ProtocolError(f"no worker action for {cmd!r}")

@@ -1,0 +1,210 @@
+"""The engine on rank 0, and ``launch_engine`` which builds one on every rank.
+
+    with launch_engine(args_or_config) as engine:    # workers serve inside and exit at SHUTDOWN
+        results = engine.generate([GenerationRequest([1, 2, 3])])
+
+MPI stays on the main thread: ``generate`` and ``serve_forever`` run the scheduler's
+ticks on the calling thread; other threads only ``submit`` (thread-safe) and wait on
+their handles.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from typing import Optional
+
+import numpy as np
+
+from eprt.comm.logging import setup_logging
+from eprt.comm.transport import open_transport
+from eprt.comm.worker import run_worker
+from eprt.engine.api import GenerationRequest, GenerationResult, RequestError
+from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
+from eprt.engine.executor import ShardExecutor
+from eprt.engine.runner import ModelRunner
+from eprt.model.loader import load_model
+from eprt.scheduler.clock import WallClock
+from eprt.scheduler.config import SchedulerConfig
+from eprt.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("eprt.engine")
+
+
+class Handle:
+    """A submitted request: ``result()`` blocks, ``cancel()`` ends it and frees its blocks."""
+
+    def __init__(self, inner, engine: "Engine"):
+        self._inner, self._engine = inner, engine
+
+    @property
+    def seq_id(self) -> int:
+        return self._inner.seq_id
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def cancel(self) -> None:
+        self._inner.cancel()
+
+    def result(self, timeout: Optional[float] = None) -> GenerationResult:
+        return self._engine._with_text(self._inner.result(timeout))
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, loaded, config: EngineConfig, transport):
+        self.runner, self.scheduler, self.config, self.transport = runner, scheduler, config, transport
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.model_config = loaded.config
+        self.vocab_size = loaded.config.vocab_size
+        self.max_model_len = loaded.model.max_len
+        self._lock = threading.Lock()
+        self._counters = {"requests_finished": 0, "generation_tokens": 0, "cached_tokens": 0,
+                          "prompt_tokens": 0}
+        self._closed = False
+
+    # ---- clients (any thread) ------------------------------------------------------------
+    def submit(self, req: GenerationRequest, on_finish=None):
+        """Queue a request; RequestError (naming the problem) if it cannot be served."""
+        self._check_vision(req)
+        return Handle(self.scheduler.submit(req, on_finish=self._finisher(on_finish)), self)
+
+    def _with_text(self, result: GenerationResult) -> GenerationResult:
+        if self.tokenizer is not None and not result.text:
+            eos = set(self.scheduler.config.eos_token_ids)
+            result.text = self.tokenizer.decode([t for t in result.token_ids if t not in eos])
+        return result
+
+    def _finisher(self, user_cb):
+        def done(result: GenerationResult) -> None:
+            self._with_text(result)
+            with self._lock:
+                c = self._counters
+                c["requests_finished"] += 1
+                c["generation_tokens"] += len(result.token_ids)
+                c["cached_tokens"] += result.cached_tokens
+                c["prompt_tokens"] += len(result.prompt_ids)
+            if user_cb is not None:
+                user_cb(result)
+        return done
+
+    def _check_vision(self, req: GenerationRequest) -> None:
+        rows = req.image_embeds
+        if rows is None:
+            return
+        rows = np.asarray(rows)
+        d = self.model_config.hidden_size
+        if rows.ndim != 2 or rows.shape[1] != d:
+            raise RequestError(f"image_embeds must have shape [n, {d}], got {list(rows.shape)}")
+        token = self.runner.ex.image_token_id
+        if token is None:
+            raise RequestError("image_embeds given but the model has no image_token_id (use --image-token-id)")
+        n = sum(1 for t in req.prompt_ids if t == token)
+        if n != len(rows):
+            raise RequestError(f"{len(rows)} image_embeds rows for {n} image placeholder tokens ({token})")
+        req.image_embeds = np.ascontiguousarray(rows, dtype=np.float32)
+
+    # ---- the loop (main thread) ---------------------------------------------------------
+    def generate(self, reqs: list) -> list:
+        """Run requests as one continuous batch; invalid ones come back as error results."""
+        handles, results = [], [None] * len(reqs)
+        for i, req in enumerate(reqs):
+            try:
+                handles.append((i, self.submit(req)))
+            except RequestError as e:
+                results[i] = GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))
+        while not all(h.done() for _, h in handles):
+            self.scheduler.step()
+        for i, h in handles:
+            results[i] = h.result()
+        return results
+
+    def serve_forever(self, stop: threading.Event, poll_s: float = 0.05) -> None:
+        """Tick while there is work, sleep on the inbox while idle, until ``stop`` is set and
+        everything in flight is done."""
+        while not stop.is_set():
+            if self.scheduler.in_flight():
+                self.scheduler.step()
+            else:
+                self.scheduler.wait_for_work(poll_s)
+        while self.scheduler.in_flight():
+            self.scheduler.step()
+
+    def stats(self) -> dict:
+        blocks = self.runner.ex.blocks
+        with self._lock:
+            out = dict(self._counters)
+        out.update(self.scheduler.stats() if hasattr(self.scheduler, "stats") else {})
+        out.update(free_blocks=blocks.num_free_blocks(), cached_blocks=blocks.num_cached_blocks(),
+                   total_blocks=blocks.num_blocks, prompt_tokens_computed=self.runner.prompt_tokens_computed)
+        return out
+
+    def shutdown(self) -> None:
+        """Finish what is in flight, send SHUTDOWN to the workers and free everything."""
+        if self._closed:
+            return
+        self._closed = True
+        self.scheduler.close()
+        while self.scheduler.step():
+            pass
+        self.transport.close()
+
+
+def _select_ops(device: str):
+    if device == "cpu":
+        from eprt.ops.numpy_ops import NumpyOps
+        return NumpyOps()
+    from eprt.ops.device import get_ops
+    return get_ops(device)
+
+
+def _kv_blocks(cfg: EngineConfig, ops, model_cfg) -> int:
+    if cfg.num_blocks:
+        return cfg.num_blocks
+    if ops.name != "cpu":
+        from eprt.ops.device import kv_pool_blocks
+        from eprt.model.kv_cache import KVCache
+        per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
+        return min(kv_pool_blocks(per_block, cfg.gpu_memory_utilization), cfg.blocks_for(cfg.block_size))
+    return cfg.blocks_for(cfg.block_size)
+
+
+@contextlib.contextmanager
+def launch_engine(args_or_config):
+    """Build the engine on every rank. Rank 0 gets the Engine; a worker rank serves the
+    command stream and leaves with SystemExit (0 after SHUTDOWN, 1 after a failure)."""
+    cfg = args_or_config if isinstance(args_or_config, EngineConfig) else engine_config_from_args(args_or_config)
+    cfg.validate()
+    transport = open_transport()
+    rank, world = transport.rank, transport.size
+    setup_logging(rank, cfg.log_all_ranks or None)
+    ops = _select_ops(cfg.device)
+    loaded = load_model(cfg.model, ops, cfg.max_model_len, rank=rank, world=world, combine=transport.allsum)
+    model_cfg = loaded.config
+    executor = ShardExecutor(loaded.model, _kv_blocks(cfg, ops, model_cfg), cfg.block_size, cfg.max_batch,
+                             prefix_cache=cfg.prefix_cache, image_token_id=cfg.image_token_id)
+    log.info("rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, read %d tensors (%.1f MB)",
+             rank, world, loaded.name, ops.name, loaded.model.w.expert_start, loaded.model.w.expert_end,
+             executor.blocks.num_blocks, cfg.block_size, loaded.tensors_read, loaded.bytes_read / 1e6)
+    if rank != 0:
+        executor.compute_logits = False
+        code = run_worker(transport, executor, cfg.max_batch, model_cfg.vocab_size)
+        transport.close()
+        sys.exit(code)
+    runner = ModelRunner(executor, transport, seed=cfg.seed)
+    sched_cfg = SchedulerConfig(vocab_size=model_cfg.vocab_size, eos_token_ids=tuple(
+        loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids),
+        max_batch=cfg.max_batch, max_prefill_tokens=cfg.max_prefill_tokens, block_size=cfg.block_size,
+        max_model_len=loaded.model.max_len)
+    engine = Engine(runner, Scheduler(runner, sched_cfg, clock=WallClock()), loaded, cfg, transport)
+    ok = False
+    try:
+        yield engine
+        ok = True
+    finally:
+        if ok:
+            engine.shutdown()
+        else:
+            transport.close("rank 0 failed")

@@ -1,0 +1,162 @@
+"""One rank's model state: slots, block manager, paged KV and the forward pass.
+
+Every rank runs an identical ShardExecutor. Rank 0 drives it from the scheduler (through
+``runner.ModelRunner``); workers drive it from the broadcast command stream
+(``eprt.comm.worker``). Because both feed it the same commands in the same order, the
+block managers make the same decisions and every rank holds the same KV: a worker
+checks that its prefix-cache hit equals the ``chunk_start`` rank 0 sent.
+
+B sequences in a decode batch, T tokens in a prefill chunk, D hidden, V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from eprt.cache.block_manager import BlockManager
+from eprt.model.kv_cache import KVCache
+from eprt.model.moe_model import AttnBatch, MoEModel
+
+
+class ExecutorError(RuntimeError):
+    """A command this rank cannot execute (its state disagrees with the command)."""
+
+
+@dataclass
+class SlotState:
+    key: int                       # block-manager key: an occupancy counter, identical on every rank
+    tokens: list = field(default_factory=list)
+    length: int = 0                # tokens whose KV is stored
+    adapter: int = -1
+
+
+class ShardExecutor:
+    def __init__(self, model: MoEModel, num_blocks: int, block_size: int, max_slots: int,
+                 prefix_cache: bool = True, image_token_id: Optional[int] = None):
+        self.model, self.ops, self.cfg = model, model.ops, model.cfg
+        self.kv = KVCache(model.ops, model.cfg, num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_cache=prefix_cache)
+        self.block_size = block_size
+        self.max_slots = max_slots
+        self.slots: list[Optional[SlotState]] = [None] * max_slots
+        self.image_token_id = image_token_id if image_token_id is not None else model.cfg.image_token_id
+        self._next_key = 0
+        self.compute_logits = True      # workers turn this off: only rank 0 samples
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    # ---- slot bookkeeping -------------------------------------------------------------
+    def _slot(self, slot: int) -> SlotState:
+        if not 0 <= slot < self.max_slots:
+            raise ExecutorError(f"slot {slot} out of range [0, {self.max_slots})")
+        st = self.slots[slot]
+        if st is None:
+            raise ExecutorError(f"command for empty slot {slot}")
+        return st
+
+    def allocate(self, slot: int, tokens, adapter: int = -1) -> int:
+        """Occupy ``slot`` with a prompt, reserving its blocks; returns the prefix-cache hit length."""
+        if not 0 <= slot < self.max_slots:
+            raise ExecutorError(f"slot {slot} out of range [0, {self.max_slots})")
+        if self.slots[slot] is not None:
+            raise ExecutorError(f"slot {slot} is already occupied")
+        tokens = [int(t) for t in tokens]
+        key = self._next_key
+        self._next_key += 1
+        cached = self.blocks.allocate(key, tokens, adapter)
+        self.slots[slot] = SlotState(key=key, tokens=tokens, length=cached, adapter=adapter)
+        return cached
+
+    def cache(self, slot: int) -> None:
+        st = self._slot(slot)
+        self.blocks.cache(st.key, st.tokens[: st.length])
+
+    def free(self, slot: int) -> int:
+        st = self._slot(slot)
+        self.slots[slot] = None
+        return self.blocks.free(st.key)
+
+    def release(self, slot: int) -> None:
+        self.cache(slot)
+        self.free(slot)
+
+    def compact(self, slot: int, new_slot: int) -> None:
+        st = self._slot(slot)
+        if not 0 <= new_slot < self.max_slots or self.slots[new_slot] is not None:
+            raise ExecutorError(f"cannot compact slot {slot} onto slot {new_slot}: out of range or occupied")
+        self.slots[new_slot], self.slots[slot] = st, None
+
+    def shutdown(self) -> None:
+        for s in range(self.max_slots):
+            if self.slots[s] is not None:
+                self.free(s)
+
+    # ---- compute ----------------------------------------------------------------------
+    def prefill(self, slot: int, tokens, chunk_start: int, chunk_len: int,
+                vision_rows: Optional[np.ndarray] = None):
+        """Prefill tokens[chunk_start : chunk_start+chunk_len] of the full prompt ``tokens``.
+        Returns the logits [1, V] of the chunk's last token (None when compute_logits is off)."""
+        tokens = [int(t) for t in tokens]
+        if self.slots[slot] is None:     # first chunk on a worker: allocate exactly as rank 0 did
+            cached = self.allocate(slot, tokens)
+            if cached != chunk_start:
+                raise ExecutorError(f"prefix cache diverged on slot {slot}: this rank reuses {cached} tokens, "
+                                    f"rank 0 sent chunk_start={chunk_start}")
+        st = self._slot(slot)
+        if chunk_start != st.length or chunk_start + chunk_len > len(tokens) or chunk_len < 1:
+            raise ExecutorError(f"bad prefill chunk on slot {slot}: start={chunk_start} len={chunk_len} "
+                                f"full={len(tokens)} stored={st.length}")
+        st.tokens = tokens
+        end = chunk_start + chunk_len
+        self.blocks.grow(st.key, end)
+        ids = np.asarray(tokens[chunk_start:end], dtype=np.int32)                    # [T]
+        positions = np.arange(chunk_start, end, dtype=np.int32)                        # [T]
+        table = np.asarray(self.blocks.block_table(st.key), dtype=np.int32)
+        rows, mask = self._vision_chunk(tokens, chunk_start, end, vision_rows)
+        batch = AttnBatch(positions=positions, slot_mapping=self.kv.slots(table, positions),
+                          block_table=table, start_pos=chunk_start)
+        h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv)  # [T, D]
+        st.length = end
+        return self.model.logits(h[-1:]) if self.compute_logits else None
+
+    def decode(self, slots: list, tokens: list):
+        """Append tokens[r] to slots[r] and run one step. Returns logits [B, V] (or None)."""
+        states = [self._slot(s) for s in slots]
+        if len(set(slots)) != len(slots):
+            raise ExecutorError(f"decode batch names a slot twice: {slots}")
+        positions = np.asarray([st.length for st in states], dtype=np.int32)          # [B]
+        for st, tok in zip(states, tokens):
+            self.blocks.grow(st.key, st.length + 1)
+        tables = [self.blocks.block_table(st.key) for st in states]
+        width = max(len(t) for t in tables)
+        block_tables = np.zeros((len(states), width), dtype=np.int32)                  # [B, MB]
+        for b, t in enumerate(tables):
+            block_tables[b, : len(t)] = t
+        slot_mapping = np.asarray([self.kv.slots(t, positions[b:b + 1])[0] for b, t in enumerate(tables)],
+                                  dtype=np.int32)
+        batch = AttnBatch(positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
+                          context_lens=positions + 1)
+        ids = np.asarray(tokens, dtype=np.int32)
+        h = self.model.hidden_states(self.model.embed(ids), batch, self.kv)           # [B, D]
+        for st, tok in zip(states, tokens):
+            if len(st.tokens) == st.length:
+                st.tokens.append(int(tok))
+            st.length += 1
+        return self.model.logits(h) if self.compute_logits else None
+
+    def _vision_chunk(self, tokens, start: int, end: int, vision_rows):
+        """Rows [n, D] and mask [T] of the image placeholders inside this chunk."""
+        if vision_rows is None or len(vision_rows) == 0:
+            return None, None
+        if self.image_token_id is None:
+            raise ExecutorError("vision rows were sent but the model has no image_token_id")
+        where = np.asarray(tokens) == self.image_token_id                              # [full]
+        if int(where.sum()) != len(vision_rows):
+            raise ExecutorError(f"{len(vision_rows)} vision rows for {int(where.sum())} image placeholders")
+        before = int(where[:start].sum())
+        mask = where[start:end]
+        return vision_rows[before: before + int(mask.sum())], mask

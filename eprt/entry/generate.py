@@ -1,0 +1,89 @@
+"""``eprt generate``: generate for one or more prompts, run as one continuous batch.
+
+    eprt generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3)... [--max-tokens N]
+                  [--temperature T] [--top-p P] [--top-k K] [--seed S] [--json]
+
+With ``--json`` one object per prompt, in order, one per line:
+``{"prompt_ids": [...], "token_ids": [...], "text": "...", "finish_reason": "stop|length", "cached_tokens": C}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
+from eprt.engine.engine import add_engine_arguments, launch_engine
+
+
+def _ids(text: str) -> tuple:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ("ids", ids)
+
+
+def _embeds(text: str) -> tuple:
+    index, _, path = text.rpartition(":") if ":" in text and text.split(":", 1)[0].isdigit() else ("0", "", text)
+    return int(index), path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s), default=[],
+                        metavar="TEXT", help="a text prompt (repeatable; needs the model's tokenizer)")
+    parser.add_argument("--prompt-ids", dest="prompts", action="append", type=_ids, metavar="1,2,3",
+                        help="a prompt as token ids (repeatable, keeps its place among --prompt)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed given to every prompt")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids")
+    parser.add_argument("--image-embeds", action="append", type=_embeds, default=[], metavar="[I:]FILE.npy",
+                        help="float32 [n, D] rows for the n image placeholders of prompt I (default 0)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    add_engine_arguments(parser)
+
+
+def _requests(args, tokenizer) -> list:
+    if not args.prompts:
+        raise RequestError("give at least one --prompt or --prompt-ids")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    reqs = []
+    for kind, value in args.prompts:
+        if kind == "text":
+            if tokenizer is None:
+                raise RequestError("--prompt needs a tokenizer.json in the model directory; use --prompt-ids")
+            ids = tokenizer.encode(value)
+        else:
+            ids = value
+        reqs.append(GenerationRequest(prompt_ids=ids, params=params))
+    for index, path in args.image_embeds:
+        if not 0 <= index < len(reqs):
+            raise RequestError(f"--image-embeds names prompt {index}, but there are {len(reqs)} prompts")
+        reqs[index].image_embeds = np.load(path).astype(np.float32)
+    return reqs
+
+
+def main(args) -> int:
+    with launch_engine(args) as engine:
+        try:
+            reqs = _requests(args, engine.tokenizer)
+            results = engine.generate(reqs)
+        except (RequestError, OSError) as e:
+            print(f"eprt generate: {e}", file=sys.stderr)
+            return 2
+        failed = 0
+        for res in results:
+            failed += res.finish_reason == "error"
+            if args.json:
+                print(json.dumps(res.to_json()), flush=True)
+            else:
+                print(res.text if engine.tokenizer is not None else " ".join(map(str, res.token_ids)), flush=True)
+        return 1 if failed else 0

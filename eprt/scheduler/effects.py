@@ -1,0 +1,130 @@
+"""Side effects the scheduler plans, and the runner that executes them.
+
+The scheduler describes each batched device step or state change as an effect value and
+hands it to ``EffectRunner.run``. With a tracer (the scenario harness) the runner first
+prints the effect's line (``fx launch Decode{...}``, ``fx apply ReleaseSeq{...}``,
+``fx teardown``); with the real model there is no tracer and the effect simply runs.
+Each effect's ``perform(model)`` makes exactly the model calls of shared/spec/TRACE.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+# Command words of shared/spec/PROTOCOL.md that the scheduler sends itself.
+CMD_PREFILL = 0xFFFFFFF0
+CMD_RELEASE = 0xFFFFFFF1
+DEFAULT_STREAM = 0
+
+
+class Tracer(Protocol):
+    def tick(self, k: int) -> None:
+        """Called once per tick, after the plan (prints ``-- tick K``)."""
+
+    def effect(self, line: str) -> None:
+        """Called with an effect's trace line right before it runs."""
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One batched decode step; rows in ascending slot order. Advances each row's len and
+    returns the next token of every row."""
+    rows: tuple
+
+    def line(self) -> str:
+        return f"fx launch Decode{{n={len(self.rows)}, ctx=Unified, readback=Argmax}}"
+
+    def perform(self, model) -> list[int]:
+        rows = list(self.rows)
+        model.decode_batch([s.token_ids[-1] for s in rows], rows, stream=DEFAULT_STREAM)
+        for r, seq in enumerate(rows):
+            seq.len += 1
+            model.commit_ctx(seq, n=1, base=seq.len - 1, row=r)
+        return list(model.argmax_batch(row=0, n=len(rows), stream=DEFAULT_STREAM))
+
+
+@dataclass(frozen=True)
+class MarconiCheckpoint:
+    """Snapshot of a hybrid model's SSM state after an accepted token (no-op otherwise)."""
+    seq: object
+
+    def line(self) -> str:
+        return "fx apply MarconiCheckpoint"
+
+    def perform(self, model) -> None:
+        model.decode_marconi_checkpoint(self.seq)
+
+
+@dataclass(frozen=True)
+class ReleaseSeq:
+    """Give back a sequence's slot and blocks (inserting its full blocks into the prefix
+    cache first) and tell the workers with the RELEASE frame. ``finish`` is False for a
+    preemption: the sequence goes back to the queue instead of ending."""
+    seq: object
+    cache: bool = True
+    finish: bool = True
+
+    def line(self) -> str:
+        what = "finish_sequence" if self.finish else "preempt"
+        return f"fx apply ReleaseSeq{{cache={str(self.cache).lower()}, {what}}}"
+
+    def perform(self, model) -> int:
+        slot = self.seq.slot
+        if self.cache:
+            model.cache_sequence(self.seq)
+        blocks = model.free_sequence(self.seq)
+        model.ep_broadcast_cmd_for_seq(seq=slot, cmd=CMD_RELEASE)
+        return blocks
+
+
+@dataclass(frozen=True)
+class CompactSlot:
+    """Move a surviving sequence down to a lower free slot."""
+    seq: object
+    target: int
+
+    def line(self) -> str:
+        return f"fx apply CompactSlot{{target={self.target}}}"
+
+    def perform(self, model) -> None:
+        model.compact_sequence(self.seq, new_slot=self.target)
+
+
+@dataclass(frozen=True)
+class EpShutdown:
+    def line(self) -> str:
+        return "fx apply EpShutdown"
+
+    def perform(self, model) -> None:
+        model.ep_shutdown()
+
+
+@dataclass(frozen=True)
+class Quiesce:
+    stream: int
+
+    def line(self) -> str:
+        return f"fx apply Quiesce{{stream={self.stream}}}"
+
+    def perform(self, model) -> None:
+        model.synchronize(stream=self.stream)
+
+
+@dataclass(frozen=True)
+class Teardown:
+    def line(self) -> str:
+        return "fx teardown"
+
+    def perform(self, model) -> None:
+        model.teardown()
+
+
+class EffectRunner:
+    def __init__(self, model, tracer: Optional[Tracer] = None):
+        self.model = model
+        self.tracer = tracer
+
+    def run(self, fx):
+        if self.tracer is not None:
+            self.tracer.effect(fx.line())
+        return fx.perform(self.model)

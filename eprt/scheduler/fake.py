@@ -1,0 +1,166 @@
+"""RecordingModel: a fake model that prints every interface call in the trace format.
+
+It answers from per-request scripts (shared/spec/TRACE.md, "The fake model"): a forward
+pass whose last input token sits at position ``p`` returns ``script[p + 1 - prompt_len]``
+(``prompt_len`` is the client's original prompt), repeating the last entry past the end.
+KV blocks are accounted by the same ``BlockManager`` the real runner uses, and the fake
+checks the scheduler as it goes: a call that a real runner could not serve (a slot out
+of range or empty, KV that does not exist, a block that is not free) raises FakeModelError.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from eprt.cache.block_manager import BlockManager
+
+
+class FakeModelError(RuntimeError):
+    """The scheduler asked the fake for something a real model could not do."""
+
+
+def seq_name(seq, length: int | None = None) -> str:
+    return f"s{seq.seq_id}@{seq.slot}:len={seq.len if length is None else length}"
+
+
+class RecordingModel:
+    def __init__(self, emit: Callable[[str], None], scripts: dict, *, num_slots: int = 8,
+                 num_blocks: int = 1000, block_size: int = 16, prefix_cache: bool = True):
+        """``scripts`` maps seq_id to (original prompt length, script tokens)."""
+        self.emit = emit
+        self.scripts = {k: (int(n), list(s)) for k, (n, s) in scripts.items()}
+        self.blocks = BlockManager(num_blocks, block_size, prefix_cache=prefix_cache)
+        self.slots: list = [None] * num_slots     # the seq_id occupying each slot
+        self._next_token = None                   # from the last prefill's final chunk
+        self._batch_out: list = []                # from the last decode_batch
+
+    # -- script lookup ---------------------------------------------------------------------
+    def _answer(self, seq, last_pos: int) -> int:
+        prompt_len, script = self.scripts[seq.seq_id]
+        i = last_pos + 1 - prompt_len
+        if i < 0:
+            raise FakeModelError(f"s{seq.seq_id}: asked for a token inside the prompt (position {last_pos})")
+        return script[min(i, len(script) - 1)]
+
+    def _check_slot(self, seq) -> None:
+        if not 0 <= seq.slot < len(self.slots) or self.slots[seq.slot] != seq.seq_id:
+            raise FakeModelError(f"s{seq.seq_id} does not occupy slot {seq.slot}")
+
+    # -- start-up ----------------------------------------------------------------------------
+    def bind_gpu_to_thread(self) -> None:
+        self.emit("bind_gpu_to_thread()")
+
+    def create_stream(self) -> int:
+        self.emit("create_stream() -> 1")
+        return 1
+
+    def create_event(self) -> int:
+        self.emit("create_event() -> 2")
+        return 2
+
+    # -- adapters --------------------------------------------------------------------------
+    def adapter_id_for(self, adapter: int) -> int:
+        self.emit(f"adapter_id_for({adapter})")
+        return adapter
+
+    def acquire_adapter_slot(self, adapter: int) -> None:
+        self.emit(f"acquire_adapter_slot({adapter})")
+
+    # -- KV memory -------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        n = self.blocks.num_free_blocks()
+        self.emit(f"num_free_blocks() -> {n}")
+        return n
+
+    def can_admit(self, seq) -> bool:
+        return self.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter)
+
+    def alloc_sequence(self, seq) -> int:
+        if None not in self.slots:
+            raise FakeModelError(f"alloc_sequence for s{seq.seq_id} with every slot occupied")
+        slot = self.slots.index(None)
+        seq.cached = self.blocks.allocate(seq.seq_id, seq.token_ids[: seq.num_prompt], seq.adapter)
+        self.slots[slot] = seq.seq_id
+        self.emit(f"alloc_sequence() -> slot {slot}")
+        return slot
+
+    def cache_sequence(self, seq) -> None:
+        self._check_slot(seq)
+        self.blocks.cache(seq.seq_id, seq.token_ids[: seq.len])
+        self.emit(f"cache_sequence({seq_name(seq)})")
+
+    def free_sequence(self, seq) -> int:
+        self._check_slot(seq)
+        n = self.blocks.free(seq.seq_id)
+        self.slots[seq.slot] = None
+        self.emit(f"free_sequence({seq_name(seq)}, blocks={n})")
+        return n
+
+    def compact_sequence(self, seq, new_slot: int) -> None:
+        self._check_slot(seq)
+        if not 0 <= new_slot < len(self.slots) or self.slots[new_slot] is not None:
+            raise FakeModelError(f"compact s{seq.seq_id} onto slot {new_slot}: out of range or occupied")
+        self.slots[new_slot], self.slots[seq.slot] = seq.seq_id, None
+        self.emit(f"compact_sequence({seq_name(seq)}, new_slot={new_slot})")
+
+    # -- the broadcast frame -----------------------------------------------------------------
+    def ep_broadcast_cmd_for_seq(self, seq: int, cmd: int) -> None:
+        self.emit(f"ep_broadcast_cmd_for_seq(seq={seq}, cmd={cmd:#x})")
+
+    def ep_broadcast_cmd(self, word: int) -> None:
+        self.emit(f"ep_broadcast_cmd({word:#x})")
+
+    def ep_broadcast_tokens(self, tokens) -> None:
+        self.emit(f"ep_broadcast_tokens(n={len(tokens)})")
+
+    def ep_sync_vision_embeds(self, seq) -> None:
+        self.emit(f"ep_sync_vision_embeds(n={seq.num_prompt})")
+
+    # -- compute -----------------------------------------------------------------------------
+    def prefill(self, seq, start: int, n: int, stream: int) -> None:
+        self._check_slot(seq)
+        if start != seq.len or n < 1 or start + n > seq.num_prompt:
+            raise FakeModelError(f"bad prefill chunk for {seq_name(seq)}: start={start} n={n} "
+                                 f"prompt={seq.num_prompt}")
+        end = start + n
+        self._next_token = self._answer(seq, end - 1) if end == seq.num_prompt else None
+        self.emit(f"prefill(n={n}, {seq_name(seq, end)}, stream={stream})")
+
+    def argmax_on_device(self, row: int, stream: int) -> int:
+        if self._next_token is None:
+            raise FakeModelError("argmax_on_device without a completed prefill")
+        token, self._next_token = self._next_token, None
+        self.emit(f"argmax_on_device(row={row}, stream={stream}) -> {token}")
+        return token
+
+    def decode_batch(self, tokens, seqs: list, stream: int) -> None:
+        if len(tokens) != len(seqs) or not seqs:
+            raise FakeModelError(f"decode_batch with {len(tokens)} tokens for {len(seqs)} sequences")
+        for seq in seqs:
+            self._check_slot(seq)
+            if seq.len != len(seq.token_ids) - 1:
+                raise FakeModelError(f"decode of {seq_name(seq)} whose KV is not up to date")
+            self.blocks.grow(seq.seq_id, seq.len + 1)
+        self._batch_out = [self._answer(seq, seq.len) for seq in seqs]
+        names = ", ".join(f'"{seq_name(s)}"' for s in seqs)
+        self.emit(f"decode_batch(tokens=[{', '.join(map(str, tokens))}], seqs=[{names}], stream={stream})")
+
+    def commit_ctx(self, seq, n: int, base: int, row: int) -> None:
+        self.emit(f"commit_ctx({seq_name(seq)}, n={n}, base={base}, row={row})")
+
+    def argmax_batch(self, row: int, n: int, stream: int) -> list[int]:
+        out = self._batch_out[row:row + n]
+        self.emit(f"argmax_batch(row={row}, n={n}, stream={stream}) -> [{', '.join(map(str, out))}]")
+        return out
+
+    def decode_marconi_checkpoint(self, seq) -> None:
+        self.emit(f"decode_marconi_checkpoint({seq_name(seq)})")
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def ep_shutdown(self) -> None:
+        self.emit("ep_broadcast_cmd_for_seq(seq=0, cmd=0xffffffff)")
+
+    def synchronize(self, stream: int) -> None:
+        self.emit(f"synchronize(stream={stream})")
+
+    def teardown(self) -> None:
+        self.emit("teardown()")

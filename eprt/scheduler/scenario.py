@@ -1,0 +1,259 @@
+"""``eprt scenario FILE``: run a scheduler scenario against the recording fake model.
+
+The file format and the trace are those of shared/spec/TRACE.md. Keys added here, all
+optional and consistent with it:
+
+    [engine]
+    max_model_len = 64        # context limit (prompt included); a request that reaches it
+                              # ends with `length`; a prompt of max_model_len tokens or more
+                              # is rejected at submit
+    [[request]]
+    stop_token_ids = [40]     # extra stop ids: kept in the output, not streamed, reason stop
+    ignore_eos = true         # the EOS is an ordinary token for this request
+
+A request rejected at submit prints ``out sI: Rejected("reason")``. The harness submits
+each request right before the plan of its ``arrive_at_tick``, closes the inbox once the
+last one is in, and cancels a request right before tick ``cancel_at_tick`` runs; since
+cancellation is checked by the end-of-tick guards, the request still runs that tick and
+is released at its end.
+"""
+from __future__ import annotations
+
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from typing import Optional
+
+from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
+from eprt.scheduler.clock import VirtualClock
+from eprt.scheduler.fake import RecordingModel
+from eprt.scheduler.config import SchedulerConfig
+from eprt.scheduler.scheduler import Scheduler
+from eprt.scheduler.sequence import RequestHandle
+
+MAX_TICKS = 10_000
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be run as written."""
+
+
+@dataclass
+class EngineSpec:
+    num_blocks: int = 1000
+    block_size: int = 16
+    vocab_size: int = 64
+    eos: int = 63
+    max_batch: int = 8
+    max_prefill_tokens: int = 0
+    prefix_cache: bool = True
+    max_model_len: Optional[int] = None
+
+
+@dataclass
+class RequestSpec:
+    id: int
+    script: list
+    prompt: list
+    max_tokens: int
+    mode: str = "stream"
+    arrive_at_tick: int = 1
+    timeout_ticks: Optional[int] = None
+    cancel_at_tick: Optional[int] = None
+    stop_token_ids: list = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Scenario:
+    name: str
+    engine: EngineSpec
+    requests: list
+
+
+@dataclass
+class Outcome:
+    """What one client saw."""
+    spec: RequestSpec
+    streamed: list = field(default_factory=list)
+    results: list = field(default_factory=list)     # GenerationResult per on_finish call
+    finished_at_line: Optional[int] = None           # trace length when on_finish ran
+    handle: Optional[RequestHandle] = None
+    rejected: Optional[str] = None                   # the RequestError of a refused submit
+
+
+@dataclass
+class ScenarioRun:
+    lines: list
+    outcomes: list
+    model: RecordingModel
+
+    @property
+    def trace(self) -> str:
+        return "".join(line + "\n" for line in self.lines)
+
+
+# -- reading ---------------------------------------------------------------------------------
+def _take(table: dict, key: str, kind, default, where: str):
+    if key not in table:
+        return default
+    value = table[key]
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise ScenarioError(f"{where}: {key} must be {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def parse(doc: dict) -> Scenario:
+    unknown = set(doc) - {"name", "engine", "request"}
+    if unknown:
+        raise ScenarioError(f"unknown top-level keys: {sorted(unknown)}")
+    name = _take(doc, "name", str, None, "scenario")
+    if name is None:
+        raise ScenarioError("the scenario has no name")
+    eng = doc.get("engine", {})
+    fields = EngineSpec.__dataclass_fields__
+    if set(eng) - set(fields):
+        raise ScenarioError(f"[engine]: unknown keys {sorted(set(eng) - set(fields))}")
+    engine = EngineSpec(**{k: _take(eng, k, bool if k == "prefix_cache" else int, f.default, "[engine]")
+                           for k, f in fields.items()})
+    requests = [_parse_request(r, engine) for r in doc.get("request", [])]
+    if not requests:
+        raise ScenarioError("the scenario has no [[request]]")
+    ids = [r.id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise ScenarioError(f"request ids are not unique: {ids}")
+    return Scenario(name, engine, requests)
+
+
+def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
+    known = {"id", "prompt_len", "prompt", "script", "max_tokens", "mode", "arrive_at_tick",
+             "timeout_ticks", "cancel_at_tick", "stop_token_ids", "ignore_eos"}
+    where = f"request {r.get('id', '?')}"
+    if set(r) - known:
+        raise ScenarioError(f"{where}: unknown keys {sorted(set(r) - known)}")
+    rid = _take(r, "id", int, None, where)
+    if rid is None or rid < 0:
+        raise ScenarioError(f"{where}: needs a non-negative integer id")
+    script = _take(r, "script", list, [], where)
+    if not script or not all(isinstance(t, int) and 0 <= t < engine.vocab_size for t in script):
+        raise ScenarioError(f"{where}: script must be a non-empty list of token ids < {engine.vocab_size}")
+    if ("prompt" in r) == ("prompt_len" in r):
+        raise ScenarioError(f"{where}: give exactly one of prompt and prompt_len")
+    prompt = _take(r, "prompt", list, None, where)
+    if prompt is None:
+        n = _take(r, "prompt_len", int, 0, where)
+        if n < 1:
+            raise ScenarioError(f"{where}: prompt_len must be >= 1")
+        prompt = [rid] + list(range(2, n + 1))     # [i, 2, 3, ...]
+    mode = _take(r, "mode", str, "stream", where)
+    if mode not in ("stream", "blocking"):
+        raise ScenarioError(f"{where}: mode must be \"stream\" or \"blocking\", got {mode!r}")
+    spec = RequestSpec(id=rid, script=script, prompt=prompt,
+                       max_tokens=_take(r, "max_tokens", int, len(script), where), mode=mode,
+                       arrive_at_tick=_take(r, "arrive_at_tick", int, 1, where),
+                       timeout_ticks=_take(r, "timeout_ticks", int, None, where),
+                       cancel_at_tick=_take(r, "cancel_at_tick", int, None, where),
+                       stop_token_ids=_take(r, "stop_token_ids", list, [], where),
+                       ignore_eos=_take(r, "ignore_eos", bool, False, where))
+    if spec.arrive_at_tick < 1:
+        raise ScenarioError(f"{where}: arrive_at_tick must be >= 1")
+    if spec.cancel_at_tick is not None and spec.cancel_at_tick < spec.arrive_at_tick:
+        raise ScenarioError(f"{where}: cancel_at_tick comes before arrive_at_tick")
+    return spec
+
+
+def load(path: str) -> Scenario:
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{path}: {e}") from None
+    return parse(doc)
+
+
+# -- running ---------------------------------------------------------------------------------
+class _Tracer:
+    def __init__(self, emit):
+        self.emit = emit
+
+    def tick(self, k: int) -> None:
+        self.emit(f"-- tick {k}")
+
+    def effect(self, line: str) -> None:
+        self.emit(line)
+
+
+def run(sc: Scenario) -> ScenarioRun:
+    lines: list = [f"# scenario {sc.name}"]
+    e = sc.engine
+    model = RecordingModel(lines.append, {r.id: (len(r.prompt), r.script) for r in sc.requests},
+                           num_slots=e.max_batch, num_blocks=e.num_blocks, block_size=e.block_size,
+                           prefix_cache=e.prefix_cache)
+    config = SchedulerConfig(vocab_size=e.vocab_size, eos_token_ids=(e.eos,), max_batch=e.max_batch,
+                             max_prefill_tokens=e.max_prefill_tokens, block_size=e.block_size,
+                             max_model_len=e.max_model_len)
+    sched = Scheduler(model, config, clock=VirtualClock(), tracer=_Tracer(lines.append))
+    outcomes = {r.id: Outcome(r) for r in sc.requests}
+    handles = {}
+    last_arrival = max(r.arrive_at_tick for r in sc.requests)
+    while not sched.is_shut_down:
+        tick = sched.tick + 1
+        if tick > MAX_TICKS:
+            raise ScenarioError(f"scenario {sc.name} still running after {MAX_TICKS} ticks")
+        for r in sc.requests:
+            if r.arrive_at_tick == tick:
+                handles[r.id] = _submit(sched, r, outcomes[r.id], lines)
+            if r.cancel_at_tick == tick and handles.get(r.id) is not None:
+                handles[r.id].cancel()
+        if tick >= last_arrival:
+            sched.close()
+        sched.step()
+    for r in sc.requests:
+        lines.append(f"out s{r.id}: {_client_line(outcomes[r.id])}")
+    return ScenarioRun(lines, [outcomes[r.id] for r in sc.requests], model)
+
+
+def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list):
+    def finished(result):
+        out.results.append(result)
+        out.finished_at_line = len(lines)
+
+    params = SamplingParams(max_tokens=r.max_tokens, stop_token_ids=tuple(r.stop_token_ids),
+                            ignore_eos=r.ignore_eos)
+    request = GenerationRequest(prompt_ids=list(r.prompt), params=params, timeout_s=r.timeout_ticks,
+                                stream=r.mode == "stream", on_token=out.streamed.append)
+    try:
+        out.handle = sched.submit(request, on_finish=finished, seq_id=r.id)
+    except RequestError as e:
+        out.rejected = str(e)
+    return out.handle
+
+
+def _client_line(out: Outcome) -> str:
+    if out.rejected is not None:
+        return f'Rejected("{out.rejected}")'
+    res = out.results[-1]
+    guard = out.handle.guard
+    if out.spec.mode == "blocking":
+        return (f"Response(tokens=[{', '.join(map(str, res.token_ids))}], {res.finish_reason}, think=0, "
+                f"cached={res.cached_tokens}, acc=0, logprobs=0)")
+    shown = "".join(f"T{t} " for t in out.streamed)
+    g = "None" if guard is None else f'Some("{guard}")'
+    return (f"{shown}Done({res.finish_reason}, n={len(res.token_ids)}, think=0, "
+            f"cached={res.cached_tokens}, acc=0, guard={g})")
+
+
+# -- command line ----------------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("file", help="scenario TOML file (format: shared/spec/TRACE.md)")
+
+
+def main(args) -> int:
+    try:
+        result = run(load(args.file))
+    except (OSError, ScenarioError) as e:
+        print(f"eprt scenario: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(result.trace)
+    return 0

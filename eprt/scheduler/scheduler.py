@@ -1,0 +1,319 @@
+"""The rank-0 scheduler: continuous batching over the model interface (interface.py).
+
+Semantics are those of shared/spec/TRACE.md; each tick is plan, prefill lane, decode
+lane, end of tick (guards, releases, compaction). Beyond the spec:
+
+* KV admission: a queued sequence is admitted only when ``model.can_admit(seq)``; the
+  queue is first come first served (a head that does not fit blocks the ones behind it).
+* Preemption: before a decode step the scheduler counts the rows that cross a block
+  boundary (a sequence of length L holds L // block_size + 1 blocks) and, only then,
+  reads ``num_free_blocks()``. While short, it preempts the most recently admitted live
+  sequence (it has made the least progress and was the last one promised memory):
+  ``fx apply ReleaseSeq{cache=true, preempt}`` (blocks go to the prefix cache, RELEASE
+  frame) and back to the front of the queue with its tokens kept. On re-admission its
+  prompt is prompt + generated tokens (``num_prompt`` grows), so the prefill's token is
+  the next new one: no output token is lost or repeated. A sequence that is the only
+  one left and still cannot grow ends with guard ``kv_capacity`` (reason ``length``).
+* Chunked prefill: with ``max_prefill_tokens > 0`` at most that many prompt tokens are
+  prefilled per tick, one PREFILL frame per chunk; unfinished prefills go first, then
+  new admissions. Running sequences keep decoding meanwhile.
+* ``cached`` in a result is the prefix-cache hit of the request's first admission.
+
+Real-use API (thread-safe where noted; the Engine wraps it)::
+
+    sched = Scheduler(runner, SchedulerConfig(vocab_size=V, eos_token_ids=(eos,),
+                      max_batch=8, block_size=16, max_model_len=4096), clock=WallClock())
+    threading.Thread(target=sched.run).start()       # the scheduler thread
+    h = sched.submit(GenerationRequest(prompt_ids, SamplingParams(max_tokens=64),
+                     timeout_s=30.0, stream=True, on_token=print),
+                     on_finish=callback)              # any thread; RequestError if invalid
+    h.result(timeout)                                 # blocking client: GenerationResult
+    sched.cancel(h)                                   # any thread (or h.cancel())
+    sched.close(cancel=False)                         # any thread: no new requests; the loop
+                                                      # finishes the rest, then shuts down
+
+``step()`` runs one tick and returns whether anything is still in flight; ``run()``
+loops over ``step()`` and sleeps on the inbox while idle. Streaming clients
+(``stream=True``) get ``on_token(token)`` for every token as it is produced (never the
+terminating EOS/stop token); blocking clients get nothing until the end. Every request
+ends exactly once: ``on_finish(GenerationResult)`` is called and ``result()`` returns.
+Callbacks run on the scheduler thread and must be quick; one that raises cancels its
+request. Deadlines (``timeout_s``) are on the scheduler's clock (seconds on a
+``WallClock``, ticks on a ``VirtualClock``).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from typing import Optional
+
+from eprt.engine.api import GenerationRequest, RequestError
+from eprt.scheduler import guards
+from eprt.scheduler.clock import WallClock
+from eprt.scheduler.config import SchedulerConfig, validate_request
+from eprt.scheduler.effects import (CMD_PREFILL, DEFAULT_STREAM, CompactSlot, Decode, EffectRunner,
+                                    EpShutdown, MarconiCheckpoint, Quiesce, ReleaseSeq, Teardown, Tracer)
+from eprt.scheduler.inbox import Inbox
+from eprt.scheduler.sequence import (ERROR, GUARD_KV_CAPACITY, LENGTH, STOP, RequestHandle, Sequence,
+                                     SeqState)
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, model, config: SchedulerConfig, clock=None, tracer: Optional[Tracer] = None):
+        self.model = model
+        self.config = config
+        self.clock = clock if clock is not None else WallClock()
+        self.tracer = tracer
+        self.tick = 0
+        self.free_blocks: Optional[int] = None   # num_free_blocks() as read at the last plan
+        self._fx = EffectRunner(model, tracer)
+        self._inbox = Inbox()
+        self._waiting: deque[Sequence] = deque()  # drained or preempted, no slot; front first
+        self._live: list[Sequence] = []           # slot holders, in admission order
+        self._admissions = itertools.count()
+        self._ids_lock = threading.Lock()        # guards _live_ids and _next_id
+        self._live_ids: set[int] = set()
+        self._next_id = 1
+        self._abort = False
+        self._started = False
+        self._stream = DEFAULT_STREAM
+        self.is_shut_down = False
+
+    # -- client side (any thread) ------------------------------------------------------------
+    def submit(self, request: GenerationRequest, *, on_finish=None, seq_id: Optional[int] = None,
+               adapter: int = -1) -> RequestHandle:
+        prompt = validate_request(self.config, request)
+        deadline = None if request.timeout_s is None else self.clock.now() + request.timeout_s
+        with self._ids_lock:
+            if seq_id is None:
+                while self._next_id in self._live_ids:
+                    self._next_id += 1
+                seq_id = self._next_id
+            elif not isinstance(seq_id, int) or seq_id < 0 or seq_id in self._live_ids:
+                raise RequestError(f"sequence id {seq_id!r} is invalid or already in use")
+            self._next_id = max(self._next_id, seq_id + 1)
+            self._live_ids.add(seq_id)
+        seq = Sequence(seq_id, tuple(prompt), request.params, request_id=request.request_id,
+                       adapter=adapter, image_embeds=request.image_embeds, deadline=deadline,
+                       stream=request.stream, on_token=request.on_token, on_finish=on_finish)
+        try:
+            self._inbox.put(seq)
+        except RequestError:
+            with self._ids_lock:
+                self._live_ids.discard(seq_id)
+            raise
+        return RequestHandle(seq)
+
+    def cancel(self, handle: RequestHandle) -> None:
+        handle.cancel()
+
+    def close(self, cancel: bool = False) -> None:
+        """Refuse new requests; with cancel, also end every request in flight (``stop``)."""
+        if cancel:
+            self._abort = True
+        self._inbox.close()
+
+    # -- the scheduler thread ------------------------------------------------------------------
+    def run(self) -> None:
+        """Tick until shut down, sleeping on the inbox while there is nothing to do."""
+        while not self.is_shut_down:
+            if not self.step() and not self.is_shut_down:
+                self._inbox.wait()
+
+    def in_flight(self) -> bool:
+        return bool(len(self._inbox) or self._waiting or self._live)
+
+    def step(self) -> bool:
+        """One tick. Returns whether anything is still in flight (False once shut down)."""
+        if self.is_shut_down:
+            return False
+        if not self._started:
+            self._startup()
+        self.tick += 1
+        self._plan()
+        self.free_blocks = self.model.num_free_blocks()
+        if self.tracer is not None:
+            self.tracer.tick(self.tick)
+        if self._inbox.closed and not self.in_flight():
+            self._shutdown()
+            return False
+        self._prefill_lane()
+        self._decode_lane()
+        self._end_of_tick()
+        return self.in_flight()
+
+    def _startup(self) -> None:
+        self.model.bind_gpu_to_thread()
+        self._stream = self.model.create_stream()
+        self.model.create_event()
+        self._started = True
+
+    def _plan(self) -> None:
+        room = self.config.max_batch - len(self._live) - len(self._waiting)
+        drained = self._inbox.drain(room) if room > 0 else []
+        if not drained:
+            return
+        self.model.adapter_id_for(-1)             # the cohort's active adapter
+        for seq in drained:
+            seq.adapter = self.model.adapter_id_for(seq.adapter)
+            self._waiting.append(seq)
+
+    # -- prefill lane ------------------------------------------------------------------------
+    def _prefill_lane(self) -> None:
+        budget = self.config.max_prefill_tokens or None   # None: unlimited
+        for seq in [s for s in self._live if s.state is SeqState.PREFILLING]:
+            if budget == 0:
+                return
+            budget = self._prefill_chunk(seq, budget)
+        while self._waiting and budget != 0:
+            seq = self._waiting[0]
+            if not self.model.can_admit(seq):
+                if self._live:
+                    return                        # wait for blocks to come back
+                self._waiting.popleft()           # nothing will ever free enough
+                self._finish(seq, ERROR, error=f"the prompt ({seq.num_prompt} tokens) needs more "
+                                                "KV blocks than the whole pool holds")
+                continue
+            self._waiting.popleft()
+            self._admit(seq)
+            budget = self._prefill_chunk(seq, budget)
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.slot = self.model.alloc_sequence(seq)
+        seq.len = seq.cached
+        if seq.cached_tokens is None:
+            seq.cached_tokens = seq.cached
+        seq.admit_order = next(self._admissions)
+        seq.state = SeqState.PREFILLING
+        self._live.append(seq)
+        self.model.adapter_id_for(seq.adapter)
+        self.model.acquire_adapter_slot(seq.adapter)
+
+    def _prefill_chunk(self, seq: Sequence, budget: Optional[int]) -> Optional[int]:
+        """Send one PREFILL frame and run it; returns the budget left."""
+        m, full, start = self.model, seq.num_prompt, seq.len
+        n = full - start if budget is None else min(full - start, budget)
+        m.ep_broadcast_cmd_for_seq(seq=seq.slot, cmd=CMD_PREFILL)
+        for word in (n, start, full):
+            m.ep_broadcast_cmd(word)
+        m.ep_broadcast_tokens(seq.token_ids[:full])
+        m.ep_sync_vision_embeds(seq)
+        m.prefill(seq, start, n, stream=DEFAULT_STREAM)
+        seq.len = start + n
+        if seq.len == full:
+            seq.state = SeqState.RUNNING
+            self._accept(seq, m.argmax_on_device(row=0, stream=DEFAULT_STREAM), checkpoint=False)
+        return None if budget is None else budget - n
+
+    # -- decode lane -------------------------------------------------------------------------
+    def _decode_lane(self) -> None:
+        rows = self._make_room(sorted((s for s in self._live if s.state is SeqState.RUNNING),
+                                      key=lambda s: s.slot))
+        if not rows:
+            return
+        tokens = self._fx.run(Decode(tuple(rows)))
+        for seq, token in zip(rows, tokens):
+            self._accept(seq, token, checkpoint=True)
+
+    def _make_room(self, rows: list) -> list:
+        """Preempt until every row that crosses a block boundary can get its new block."""
+        bs = self.config.block_size
+        while rows:
+            need = sum(1 for s in rows if (s.len + 1) % bs == 0)
+            if need == 0 or need <= self.model.num_free_blocks():
+                return rows
+            candidates = [s for s in self._live if not s.finished]
+            victim = max(candidates, key=lambda s: s.admit_order)
+            if len(candidates) == 1 and len(self._live) == 1:
+                self._finish(victim, LENGTH, guard=GUARD_KV_CAPACITY)
+            else:                                 # alone but others' releases are pending: retry
+                self._preempt(victim)
+            rows = [s for s in rows if s is not victim]
+        return rows
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._fx.run(ReleaseSeq(seq, cache=True, finish=False))
+        self._live.remove(seq)
+        seq.slot, seq.len = -1, 0
+        seq.num_prompt = len(seq.token_ids)
+        seq.state = SeqState.QUEUED
+        self._waiting.appendleft(seq)
+
+    def _accept(self, seq: Sequence, token: int, checkpoint: bool) -> None:
+        """Take one generated token: keep it, apply the per-token guards, stream it."""
+        token = int(token)
+        seq.token_ids.append(token)
+        if guards.is_stop_token(seq, token, self.config.eos_token_ids):
+            self._finish(seq, STOP)
+            return
+        if checkpoint:
+            self._fx.run(MarconiCheckpoint(seq))
+        if seq.stream and seq.on_token is not None:
+            self._call(seq, seq.on_token, token)
+        reason = guards.limit_verdict(seq, self.config.max_model_len)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    # -- end of tick -------------------------------------------------------------------------
+    def _end_of_tick(self) -> None:
+        self.clock.end_tick()
+        now = self.clock.now()
+
+        def verdict(seq: Sequence):
+            return guards.tick_verdict(seq, now, self._abort)
+
+        for seq in self._live:
+            if not seq.finished and verdict(seq) is not None:
+                self._finish(seq, *verdict(seq))
+        queued = [s for s in self._waiting if verdict(s) is not None]
+        self._waiting = deque(s for s in self._waiting if s not in queued)
+        queued += self._inbox.remove_if(lambda s: verdict(s) is not None)
+        for seq in queued:                        # never admitted (or preempted): no slot to free
+            self._finish(seq, *verdict(seq))
+        for seq in sorted((s for s in self._live if s.finished), key=lambda s: s.slot):
+            self._fx.run(ReleaseSeq(seq, cache=True, finish=True))
+            self._live.remove(seq)
+            seq.slot = -1
+            self._notify(seq)
+        self._compact()
+
+    def _compact(self) -> None:
+        survivors = sorted(self._live, key=lambda s: s.slot)
+        n = len(survivors)
+        targets = sorted(set(range(n)) - {s.slot for s in survivors})
+        for seq in survivors:
+            if seq.slot >= n:
+                target = targets.pop()
+                self._fx.run(CompactSlot(seq, target))
+                seq.slot = target
+
+    def _shutdown(self) -> None:
+        for fx in (EpShutdown(), Quiesce(DEFAULT_STREAM), Quiesce(self._stream), Teardown()):
+            self._fx.run(fx)
+        self.is_shut_down = True
+
+    # -- ending requests ---------------------------------------------------------------------
+    def _finish(self, seq: Sequence, reason: str, guard: Optional[str] = None,
+                error: Optional[str] = None) -> None:
+        seq.state = SeqState.FINISHED
+        seq.finish_reason, seq.guard, seq.error = reason, guard, error
+        if seq.slot < 0:                          # holds nothing: tell the client now
+            self._notify(seq)
+
+    def _notify(self, seq: Sequence) -> None:
+        with self._ids_lock:
+            self._live_ids.discard(seq.seq_id)
+        if seq.on_finish is not None:
+            self._call(seq, seq.on_finish, seq.result())
+        seq.done_event.set()
+
+    def _call(self, seq: Sequence, fn, arg) -> None:
+        try:
+            fn(arg)
+        except Exception:                         # a client's bug must not stop the others
+            log.exception("client callback of request s%d raised; cancelling it", seq.seq_id)
+            seq.cancel_event.set()

@@ -1,0 +1,115 @@
+"""One request's life inside the scheduler, and the handle its client holds.
+
+The model (``interface.py``) reads a documented subset of ``Sequence``; the client sees
+only ``RequestHandle``. Everything here is mutated by the scheduler thread alone, except
+the cancel and done events, which are how other threads talk to it.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from eprt.engine.api import GenerationResult, SamplingParams
+
+# Finish reasons (shared/spec/TRACE.md, "Finish reasons").
+STOP = "stop"          # EOS or a stop id, a client cancel, shutdown
+LENGTH = "length"      # token budget, context limit, or a guard other than the deadline
+TIMEOUT = "timeout"    # the request_timeout guard
+ERROR = "error"        # the request can never be served (named in result().error)
+
+# Guard names (printed as guard=Some("name")).
+GUARD_TIMEOUT = "request_timeout"
+GUARD_KV_CAPACITY = "kv_capacity"  # a lone sequence outgrew the whole KV pool
+
+
+class SeqState(enum.Enum):
+    QUEUED = "queued"          # in the inbox or the waiting queue: no slot, no blocks
+    PREFILLING = "prefilling"  # holds a slot; prompt KV partly computed (chunked prefill)
+    RUNNING = "running"        # holds a slot; decoding
+    FINISHED = "finished"      # done; still holds its slot until the end-of-tick release
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: tuple                         # the client's prompt, never changes
+    params: SamplingParams
+    request_id: Optional[str] = None
+    adapter: int = -1
+    image_embeds: object = None               # numpy [n, D] float32 or None
+    deadline: Optional[float] = None          # on the scheduler's clock
+    stream: bool = True                       # streaming client: on_token per token
+    on_token: Optional[Callable[[int], None]] = None
+    on_finish: Optional[Callable[[GenerationResult], None]] = None
+    # -- state read by the model (interface.py) --------------------------------------
+    token_ids: list = field(init=False)       # prompt, then every generated token
+    num_prompt: int = field(init=False)       # grows on re-admission after a preemption
+    len: int = 0                              # tokens whose KV is stored
+    slot: int = -1
+    cached: int = 0                           # prefix-cache hit of the current admission
+    # -- scheduler bookkeeping -----------------------------------------------------------
+    state: SeqState = SeqState.QUEUED
+    cached_tokens: Optional[int] = None       # reported hit: that of the first admission
+    admit_order: int = -1                     # larger: admitted more recently
+    finish_reason: Optional[str] = None
+    guard: Optional[str] = None
+    error: Optional[str] = None
+    cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
+    done_event: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = tuple(self.prompt_ids)
+        self.token_ids = list(self.prompt_ids)
+        self.num_prompt = len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is SeqState.FINISHED
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(request_id=self.request_id, prompt_ids=list(self.prompt_ids),
+                                token_ids=self.output_ids, finish_reason=self.finish_reason or "",
+                                cached_tokens=self.cached_tokens or 0, error=self.error)
+
+
+class RequestHandle:
+    """What ``Scheduler.submit`` returns: cancel the request or wait for its result."""
+
+    def __init__(self, seq: Sequence):
+        self._seq = seq
+
+    @property
+    def seq_id(self) -> int:
+        return self._seq.seq_id
+
+    @property
+    def request_id(self) -> Optional[str]:
+        return self._seq.request_id
+
+    @property
+    def guard(self) -> Optional[str]:
+        """The guard that ended the request (None when none did or before it ends)."""
+        return self._seq.guard if self.done() else None
+
+    def cancel(self) -> None:
+        """Ask the scheduler to stop the request; it ends (``stop``) at the end of the tick."""
+        self._seq.cancel_event.set()
+
+    def done(self) -> bool:
+        return self._seq.done_event.is_set()
+
+    def result(self, timeout: Optional[float] = None) -> GenerationResult:
+        """Block until the request ends (or ``timeout`` seconds pass: TimeoutError)."""
+        if not self._seq.done_event.wait(timeout):
+            raise TimeoutError(f"request s{self.seq_id} still running after {timeout} s")
+        return self._seq.result()

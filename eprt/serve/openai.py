@@ -1,0 +1,182 @@
+"""The OpenAI API shapes: request bodies -> ``ApiRequest``, results -> response dicts.
+
+No I/O here (``eprt.serve.http`` does the HTTP). Every bad request raises ``FieldError``
+naming the field, which the server answers with 400 and an OpenAI-style error body.
+Unknown fields are ignored, as OpenAI clients send many optional ones; fields asking
+for something eprt cannot do (n > 1, logprobs, tools, ...) are refused, not ignored.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from eprt.engine.api import GenerationRequest, GenerationResult, SamplingParams
+from eprt.serve.params import FieldError, parse_options, parse_token_ids
+
+# field -> (value that asks for something unsupported?, what to tell the client)
+UNSUPPORTED = {
+    "n": (lambda v: v not in (None, 1), "n must be 1: send one request per choice"),
+    "best_of": (lambda v: v not in (None, 1), "best_of is not supported"),
+    "logprobs": (lambda v: v not in (None, False, 0), "logprobs are not supported"),
+    "top_logprobs": (lambda v: v not in (None, 0), "top_logprobs are not supported"),
+    "echo": (lambda v: bool(v), "echo is not supported"),
+    "suffix": (lambda v: bool(v), "suffix is not supported"),
+    "tools": (lambda v: bool(v), "tools are not supported"),
+    "response_format": (lambda v: v not in (None, {"type": "text"}), "only response_format {\"type\": \"text\"} is supported"),
+}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class ApiRequest:
+    chat: bool                     # /v1/chat/completions (else /v1/completions)
+    request: GenerationRequest
+    stop_strings: tuple
+    stream: bool
+    include_usage: bool            # stream_options.include_usage: a last chunk with usage
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        if not self.id:
+            self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if not isinstance(v, bool):
+        raise FieldError(name, f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _completion_prompt(prompt, engine) -> list:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]              # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise FieldError("prompt", "prompt is empty")
+        if engine.tokenizer is None:
+            raise FieldError("prompt", "this model has no tokenizer: send the prompt as a list of token ids")
+        return engine.tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise FieldError("prompt", "batched prompts are not supported: send one prompt per request")
+    if isinstance(prompt, list):
+        return parse_token_ids(prompt, "prompt", engine.vocab_size)
+    raise FieldError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def _message(m, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise FieldError("messages", f"{where} must be an object with role and content")
+    role, content = m.get("role"), m.get("content")
+    if role not in CHAT_ROLES:
+        raise FieldError("messages", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+    if isinstance(content, list):       # content parts: only text ones
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise FieldError("messages", f"{where}.content: only {{\"type\": \"text\", \"text\": ...}} parts are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise FieldError("messages", f"{where}.content must be a string or a list of text parts, got {content!r}")
+    return {"role": role, "content": content}
+
+
+def _chat_prompt(messages, engine) -> list:
+    if not isinstance(messages, list) or not messages:
+        raise FieldError("messages", "messages must be a non-empty list of {role, content} objects")
+    msgs = [_message(m, i) for i, m in enumerate(messages)]
+    if engine.tokenizer is None:
+        raise FieldError("messages", "this model has no tokenizer (so no chat template): use /v1/completions with token ids")
+    try:
+        text = engine.tokenizer.apply_chat_template(msgs)
+    except ValueError as e:
+        raise FieldError("messages", f"this model has no usable chat template: {e}") from None
+    return engine.tokenizer.encode(text)
+
+
+def parse_request(body, engine, chat: bool) -> ApiRequest:
+    """Validate one request body of /v1/chat/completions (chat) or /v1/completions."""
+    if not isinstance(body, dict):
+        raise FieldError("body", f"the request body must be a JSON object, got {type(body).__name__}")
+    model = body.get("model", engine.model_name)
+    if model != engine.model_name:
+        raise FieldError("model", f"model {model!r} is not served here; this server serves {engine.model_name!r}")
+    for name, (unsupported, message) in UNSUPPORTED.items():
+        if unsupported(body.get(name)):
+            raise FieldError(name, message)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise FieldError("stream_options", "stream_options must be an object")
+    include_usage = _flag(options, "include_usage")
+    if chat:
+        prompt_ids = _chat_prompt(body.get("messages"), engine)
+        # Chat answers run to the end of the context unless told otherwise, as in OpenAI's API.
+        default_max = max(1, engine.max_model_len - len(prompt_ids))
+        max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    else:
+        if "prompt" not in body:
+            raise FieldError("prompt", "prompt is required")
+        prompt_ids = _completion_prompt(body["prompt"], engine)
+        default_max, max_field = SamplingParams().max_tokens, "max_tokens"
+    opts = parse_options(body, engine.vocab_size, default_max, max_tokens_field=max_field)
+    api = ApiRequest(chat, GenerationRequest(prompt_ids, opts.params, timeout_s=opts.timeout_s),
+                     opts.stop_strings, stream, include_usage, engine.model_name)
+    api.request.request_id = api.id
+    return api
+
+
+# ---- responses ------------------------------------------------------------------------
+
+def usage(result: GenerationResult) -> dict:
+    prompt, completion = len(result.prompt_ids), len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+
+
+def _envelope(api: ApiRequest, obj: str, choices: list) -> dict:
+    return {"id": api.id, "object": obj, "created": api.created, "model": api.model, "choices": choices}
+
+
+def response_body(api: ApiRequest, result: GenerationResult) -> dict:
+    """The whole answer of a non-streaming request."""
+    if api.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                  "logprobs": None, "finish_reason": result.finish_reason}
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+    body = _envelope(api, "chat.completion" if api.chat else "text_completion", [choice])
+    body["usage"] = usage(result)
+    return body
+
+
+def chunk(api: ApiRequest, text: str = "", finish_reason: str | None = None, first: bool = False) -> dict:
+    """One streamed chunk: new text, or (with finish_reason) the last one of the choice."""
+    if api.chat:
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    body = _envelope(api, "chat.completion.chunk" if api.chat else "text_completion", [choice])
+    if api.include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(api: ApiRequest, result: GenerationResult) -> dict:
+    body = _envelope(api, "chat.completion.chunk" if api.chat else "text_completion", [])
+    body["usage"] = usage(result)
+    return body
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def models_body(engine, created: int) -> dict:
+    return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": created,
+                                        "owned_by": "eprt", "max_model_len": engine.max_model_len}]}

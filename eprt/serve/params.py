@@ -1,0 +1,112 @@
+"""Request fields shared by ``eprt serve`` and ``eprt run``: JSON values -> typed options.
+
+Both entry points accept the same per-request fields (max_tokens, temperature, top_p,
+top_k, seed, stop, timeout) with the same checks and the same error messages. Every
+error is a ``FieldError`` that names the offending field, so the HTTP server can answer
+400 with ``param`` set and the batch runner can record the message on the line.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from eprt.engine.api import RequestError, SamplingParams
+
+
+class FieldError(RequestError):
+    """A request field with a wrong type or value; ``param`` is the field's name."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    params: SamplingParams
+    stop_strings: tuple            # text stop sequences, matched on the decoded output
+    timeout_s: Optional[float]     # per-request deadline in seconds, None for no deadline
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _get_int(body: dict, name: str, default, minimum: int) -> Optional[int]:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v) or v < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise FieldError(name, f"{name} must be {what}, got {v!r}")
+    return v
+
+
+def _get_number(body: dict, name: str, default: float, low: float, high: float,
+                low_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = _is_number(v) and (v > low if low_open else v >= low) and v <= high
+    if not ok:
+        where = f">= {low:g}" if high == math.inf else f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise FieldError(name, f"{name} must be a number {where}, got {v!r}")
+    return float(v)
+
+
+def parse_token_ids(value, param: str, vocab_size: int) -> list:
+    """A non-empty list of token ids inside the vocabulary."""
+    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+        raise FieldError(param, f"{param} must be a list of integer token ids")
+    if not value:
+        raise FieldError(param, f"{param} is empty")
+    bad = [t for t in value if not 0 <= t < vocab_size]
+    if bad:
+        raise FieldError(param, f"{param} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    return list(value)
+
+
+def parse_stop(value, vocab_size: int) -> tuple:
+    """``stop``: a string or a list of strings and/or token ids -> (strings, token ids)."""
+    if value is None:
+        return (), ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise FieldError("stop", f"stop must be a string or a list of strings / token ids, got {value!r}")
+    strings, ids = [], []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise FieldError("stop", "stop strings must not be empty")
+            strings.append(item)
+        elif _is_int(item):
+            if not 0 <= item < vocab_size:
+                raise FieldError("stop", f"stop token id {item} is outside the vocabulary [0, {vocab_size})")
+            ids.append(item)
+        else:
+            raise FieldError("stop", f"stop entries must be strings or token ids, got {item!r}")
+    return tuple(strings), tuple(ids)
+
+
+def parse_options(body: dict, vocab_size: int, default_max_tokens: int,
+                  max_tokens_field: str = "max_tokens") -> RequestOptions:
+    """Sampling, stop and timeout fields of one request (an HTTP body or a batch line)."""
+    max_tokens = _get_int(body, max_tokens_field, default_max_tokens, minimum=1)
+    stop_strings, stop_ids = parse_stop(body.get("stop"), vocab_size)
+    timeout = body.get("timeout")
+    if timeout is not None and not (_is_number(timeout) and timeout > 0):
+        raise FieldError("timeout", f"timeout must be a positive number of seconds, got {timeout!r}")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_get_number(body, "temperature", 0.0, 0.0, math.inf),
+        top_p=_get_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=_get_int(body, "top_k", 0, minimum=0),
+        seed=_get_int(body, "seed", None, minimum=0),
+        stop_token_ids=stop_ids,
+    )
+    return RequestOptions(params, stop_strings, None if timeout is None else float(timeout))

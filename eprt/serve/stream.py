@@ -1,0 +1,150 @@
+"""Streamed token ids -> text, with stop strings; one in-flight request seen from a client thread.
+
+``TextStream`` turns generated ids into text deltas that are safe to show: it never
+splits a multi-byte character (a decode ending in U+FFFD waits for the next token),
+and it holds back a tail that could still become a stop string. When a stop string
+appears the text is cut just before it and ``stopped`` is set.
+
+``LiveRequest`` submits a request with an ``on_token`` callback that only queues the
+id (the engine thread does no decoding); the client thread (an HTTP handler, the batch
+writer) pumps the queue, and cancels the sequence once a stop string matched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+from typing import Optional
+
+from eprt.engine.api import GenerationRequest
+from eprt.serve.params import FieldError
+
+
+class TextStream:
+    """Incremental detokenizer for one sequence. N generated ids."""
+
+    def __init__(self, tokenizer, stop_strings=(), hidden_ids=()):
+        self._tok = tokenizer
+        self._stops = tuple(stop_strings)
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self._hidden = frozenset(hidden_ids)   # EOS / stop ids: generated but never shown
+        self._ids: list = []                   # [N] visible ids
+        self._prefix = 0                       # ids[_prefix:_read] were decoded last time
+        self._read = 0
+        self._sent = 0                         # len(text) already handed out
+        self.text = ""
+        self.stopped = False
+
+    def feed(self, token_id: int) -> str:
+        """Add one generated id; return the new text that is safe to show."""
+        if self.stopped or self._tok is None or token_id in self._hidden:
+            return ""
+        self._ids.append(token_id)
+        return self._append(self._decode(final=False))
+
+    def finish(self) -> str:
+        """No more ids: flush any held-back text (an unfinished stop string did not match)."""
+        if self.stopped or self._tok is None:
+            return ""
+        self._append(self._decode(final=True))
+        out = self.text[self._sent:]
+        self._sent = len(self.text)
+        return out
+
+    def _decode(self, final: bool) -> str:
+        # Decode a short window rather than every id each step: ids[_prefix:_read] gives the
+        # context (a leading-space token decodes differently alone), the rest is new.
+        if self._read == len(self._ids):
+            return ""
+        old = self._tok.decode(self._ids[self._prefix:self._read])
+        new = self._tok.decode(self._ids[self._prefix:])
+        if len(new) > len(old) and (final or not new.endswith("\ufffd")):
+            self._prefix, self._read = self._read, len(self._ids)
+            return new[len(old):]
+        return ""
+
+    def _append(self, delta: str) -> str:
+        if not delta:
+            return ""
+        search_from = max(0, len(self.text) - self._longest + 1)
+        self.text += delta
+        hits = [i for i in (self.text.find(s, search_from) for s in self._stops) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+            safe = len(self.text)
+        else:
+            safe = len(self.text) - self._held_back()
+        out = self.text[self._sent:safe]
+        self._sent = max(self._sent, safe)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that begins some stop string."""
+        for k in range(min(self._longest - 1, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self._stops):
+                return k
+        return 0
+
+
+class LiveRequest:
+    """A submitted request whose tokens are consumed, as they come, on the caller's thread."""
+
+    def __init__(self, engine, request: GenerationRequest, stop_strings=()):
+        tok = engine.tokenizer
+        if stop_strings and tok is None:
+            raise FieldError("stop", "stop strings need a tokenizer and this model has none; "
+                                     "give stop token ids instead")
+        self._tokens: queue.SimpleQueue = queue.SimpleQueue()
+        request.stream = True
+        request.on_token = self._tokens.put
+        hidden = set(request.params.stop_token_ids) | set(tok.eos_token_ids if tok else ())
+        self.text = TextStream(tok, stop_strings, hidden)
+        self.token_ids: list = []          # every id consumed so far, hidden ones included
+        self.submitted_at = time.monotonic()
+        self.first_token_at: Optional[float] = None
+        self._cancelled = False
+        self.handle = engine.submit(request)   # raises RequestError for a bad request
+
+    def pump(self, timeout: float = 0.0) -> str:
+        """Consume the queued ids (waiting up to ``timeout`` for the first); return new text."""
+        out = []
+        try:
+            tok = self._tokens.get(timeout=timeout) if timeout > 0 else self._tokens.get_nowait()
+            while True:
+                self._consume(tok, out)
+                tok = self._tokens.get_nowait()
+        except queue.Empty:
+            pass
+        return "".join(out)
+
+    def _consume(self, tok: int, out: list) -> None:
+        if self.text.stopped:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.token_ids.append(tok)
+        out.append(self.text.feed(tok))
+        if self.text.stopped:
+            self.cancel()
+
+    def finished(self) -> bool:
+        # Every on_token call happens before the handle is done, so a done handle with an
+        # empty queue has nothing left to consume.
+        return self.text.stopped or (self.handle.done() and self._tokens.empty())
+
+    def cancel(self) -> None:
+        if not self._cancelled:
+            self._cancelled = True
+            self.handle.cancel()
+
+    def result(self) -> tuple:
+        """(the final result, the text not yet returned by ``pump``); call once finished."""
+        res = self.handle.result()
+        tail = self.text.finish()
+        if self.text.stopped:
+            # The sequence was cancelled by us at a stop string: report it as a normal stop.
+            res = dataclasses.replace(res, token_ids=list(self.token_ids), finish_reason="stop",
+                                      error=None)
+        return dataclasses.replace(res, text=self.text.text), tail

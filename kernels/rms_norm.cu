@@ -1,0 +1,55 @@
+// RMSNorm, plain and with the residual add fused in front of it.
+// One block per row; rows are D contiguous elements. fp32 statistics, bf16 in and out.
+#include "common.cuh"
+
+// out[row] = x[row] * rsqrt(mean(x[row]^2) + eps) * w          x, out [R, D]; w [D]
+extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                    bf16* __restrict__ out, int D, float eps) {
+    __shared__ float scratch[WARP_SIZE];
+    const long long row = blockIdx.x;
+    x += row * D;
+    out += row * D;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float v = to_f32(x[d]);
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / D + eps);
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        out[d] = __float2bfloat16(to_f32(x[d]) * inv * to_f32(w[d]));
+}
+
+// s = x + residual (stored as bf16 in sum_out); out = rms_norm(s) computed from the stored s,
+// so the residual stream and the normed input agree. x is bf16, or fp32 (a MoE layer's output).
+template <typename TX>
+__device__ void add_rms_norm_row(const TX* __restrict__ x, const bf16* __restrict__ residual,
+                                 const bf16* __restrict__ w, bf16* __restrict__ out,
+                                 bf16* __restrict__ sum_out, int D, float eps) {
+    __shared__ float scratch[WARP_SIZE];
+    const long long off = (long long)blockIdx.x * D;
+    x += off;
+    residual += off;
+    out += off;
+    sum_out += off;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        bf16 s = __float2bfloat16(to_f32(x[d]) + to_f32(residual[d]));
+        sum_out[d] = s;
+        float v = to_f32(s);
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / D + eps);
+    // Each thread re-reads only the elements it wrote itself: no barrier needed for them.
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        out[d] = __float2bfloat16(to_f32(sum_out[d]) * inv * to_f32(w[d]));
+}
+
+extern "C" __global__ void add_rms_norm_bf16(const bf16* x, const bf16* residual, const bf16* w,
+                                             bf16* out, bf16* sum_out, int D, float eps) {
+    add_rms_norm_row<bf16>(x, residual, w, out, sum_out, D, eps);
+}
+
+extern "C" __global__ void add_rms_norm_f32(const float* x, const bf16* residual, const bf16* w,
+                                            bf16* out, bf16* sum_out, int D, float eps) {
+    add_rms_norm_row<float>(x, residual, w, out, sum_out, D, eps);
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what the tests need, then runs the single-process
+# suite and the MPI suite at world sizes 1, 2 and 3. README and .ci/run call this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# torch first and pinned (a CPU build); an unpinned torch would pull a CUDA build.
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e '.[test]'
+command -v shellcheck >/dev/null || { apt-get install -y -q shellcheck >/dev/null 2>&1 || true; }
+
+export EPRT_TEST_CKPT_DIR="${EPRT_TEST_CKPT_DIR:-$(mktemp -d)/ckpt}"
+python3 -m pytest -q -p no:cacheprovider --ignore=tests/mpi tests
+
+# The MPI tests: written once, run at several world sizes.
+for n in 1 2 3; do
+  echo "== tests/mpi at mpiexec -n $n"
+  mpiexec -n "$n" python3 -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+done
