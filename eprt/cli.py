@@ -18,31 +18,27 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; sub-command arguments are added only for ``only`` (imports stay lazy)."""
     parser = argparse.ArgumentParser(prog="eprt", description="Expert-parallel MoE runtime")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if name == only:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Build only the chosen sub-command's parser when we can tell which it is.
-    if argv and argv[0] in COMMANDS:
-        parser = argparse.ArgumentParser(prog="eprt")
-        sub = parser.add_subparsers(dest="command")
-        module_name, help_text = COMMANDS[argv[0]]
-        p = sub.add_parser(argv[0], help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(p)
-        args = parser.parse_args(argv)
-        return int(module.main(args) or 0)
-    args = build_parser().parse_args(argv)
-    return int(importlib.import_module(args._module).main(args) or 0)
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(chosen).parse_args(argv)
+    try:
+        return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
+    except (ValueError, OSError) as e:   # bad input (config, checkpoint, request, file): no traceback
+        print(f"eprt {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

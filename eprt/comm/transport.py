@@ -88,6 +88,7 @@ class Transport:
         self._out = np.zeros(frame_words, np.uint32)  # word 0: count, then the pending words
         self._n = 1
         self._shutdown_sent = False
+        self.closed = False
 
     @property
     def mirror(self) -> SlotMirror | None:
@@ -114,7 +115,8 @@ class Transport:
         self.send_word(n)
         if n:
             self.flush()
-            self._send_rows(np.ascontiguousarray(rows, np.float32))
+            if self.size > 1:
+                self._send_rows(np.ascontiguousarray(rows, np.float32))
 
     def flush(self) -> None:
         """Send every pending word (no MPI call when none is pending)."""
@@ -126,7 +128,8 @@ class Transport:
         if self.checker is not None:
             self.checker.feed(self._out[1:self._n])
         self._out[0] = n
-        self._send_frame(self._out, n)
+        if self.size > 1:
+            self._send_frame(self._out, n)
         self._n = 1
         self.stats.frames += 1
         self.stats.words += n
@@ -165,6 +168,7 @@ class Transport:
 
     def close(self, reason: str | None = None) -> None:
         """Rank 0 leaving without a SHUTDOWN (an error) tells every worker to leave too."""
+        self.closed = True
 
     def __enter__(self) -> Transport:
         return self
@@ -251,7 +255,6 @@ class MpiTransport(Transport):
         self._ctl, self._moe, self._err = self._world.Dup(), self._world.Dup(), self._world.Dup()
         self._inflight = False      # a wait was left by an exception: the comms are unusable
         self._failed: WorkerFailed | None = None
-        self._closed = False
         if self.rank == 0:
             atexit.register(self._at_exit)  # a rank 0 that dies of an exception still frees the workers
 
@@ -306,9 +309,9 @@ class MpiTransport(Transport):
     def close(self, reason: str | None = None) -> None:
         """Release the communicators. Rank 0 closing without a SHUTDOWN sent (or after a
         worker failed) sends every worker the notice instead, so none waits forever."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         atexit.unregister(self._at_exit)
         if self.rank == 0 and (not self._shutdown_sent or self._failed or self._inflight):
             why = reason or (str(self._failed) if self._failed else "rank 0 stopped without SHUTDOWN")

@@ -172,12 +172,13 @@ def _kv_blocks(cfg: EngineConfig, ops, model_cfg) -> int:
 
 
 @contextlib.contextmanager
-def launch_engine(args_or_config):
+def launch_engine(args_or_config, transport=None):
     """Build the engine on every rank. Rank 0 gets the Engine; a worker rank serves the
-    command stream and leaves with SystemExit (0 after SHUTDOWN, 1 after a failure)."""
+    command stream and leaves with SystemExit (0 after SHUTDOWN, 1 after a failure).
+    ``transport`` defaults to the launcher's world (``open_transport()``)."""
     cfg = args_or_config if isinstance(args_or_config, EngineConfig) else engine_config_from_args(args_or_config)
     cfg.validate()
-    transport = open_transport()
+    transport = open_transport() if transport is None else transport
     rank, world = transport.rank, transport.size
     setup_logging(rank, cfg.log_all_ranks or None)
     ops = _select_ops(cfg.device)

@@ -228,9 +228,9 @@ class Scheduler:
                 return rows
             candidates = [s for s in self._live if not s.finished]
             victim = max(candidates, key=lambda s: s.admit_order)
-            if len(candidates) == 1 and len(self._live) == 1:
+            if len(self._live) == 1:              # it has the whole pool and still cannot grow
                 self._finish(victim, LENGTH, guard=GUARD_KV_CAPACITY)
-            else:                                 # alone but others' releases are pending: retry
+            else:                                 # (if alone among finished ones: retry next tick)
                 self._preempt(victim)
             rows = [s for s in rows if s is not victim]
         return rows

@@ -1,0 +1,114 @@
+"""Expert parallelism with the real model, written once and run at several world sizes:
+
+    mpiexec -n 1|2|3 python -m pytest --with-mpi tests/mpi
+
+Every world size must give exactly the tokens of a single-rank run.  The checkpoints
+have 7 experts, so 2 and 3 ranks split them unevenly (4+3, 3+2+2).
+"""
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+from checkpoints import build_checkpoint
+from eprt.comm.transport import LocalTransport
+from eprt.engine.api import GenerationRequest, SamplingParams
+from eprt.engine.engine import EngineConfig, launch_engine
+from eprt.model.loader import expert_shard, load_model
+from eprt.ops.numpy_ops import NumpyOps
+
+MPI = pytest.importorskip("mpi4py.MPI")
+COMM = MPI.COMM_WORLD
+IMAGE = 250
+PROMPTS = [[5, 77, 3], [140, 9, 9, 31, 200, 17, 64, 12, 250, 11], [8], list(range(90, 130)),
+           [7, 7, 7, 7, 7], [200, 100, 50, 25, 12, 6, 3]]
+
+
+def shared_checkpoint(arch, **overrides):
+    """Rank 0 builds the checkpoint once; every rank gets its path."""
+    path = None
+    if COMM.rank == 0:
+        root = os.environ.get("EPRT_TEST_CKPT_DIR") or os.path.join(tempfile.gettempdir(), "eprt-mpi-ckpt")
+        expert_key = "num_local_experts" if arch == "mixtral" else "num_experts"
+        path = build_checkpoint(arch, os.path.join(root, f"{arch}-7experts"), **{expert_key: 7}, **overrides)
+    return COMM.bcast(path, root=0)
+
+
+def engine_config(path, **kw):
+    return EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=96,
+                        image_token_id=IMAGE, **kw)
+
+
+def run_everywhere(cfg, reqs_fn):
+    """Generate on every rank of the world; rank 0 returns the results, workers None."""
+    try:
+        with launch_engine(cfg) as engine:
+            return engine.generate(reqs_fn())
+    except SystemExit as e:          # worker ranks leave the engine at SHUTDOWN
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        return None
+
+
+def run_single(cfg, reqs_fn):
+    """The single-rank reference, computed on rank 0 only."""
+    if COMM.rank != 0:
+        return None
+    with launch_engine(cfg, transport=LocalTransport()) as engine:
+        return engine.generate(reqs_fn())
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "olmoe"])
+def test_batch_tokens_equal_single_rank(arch):
+    cfg = engine_config(shared_checkpoint(arch))
+    reqs = lambda: [GenerationRequest(p, SamplingParams(max_tokens=12)) for p in PROMPTS]  # noqa: E731
+    multi = run_everywhere(cfg, reqs)
+    single = run_single(cfg, reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+        assert all(len(r.token_ids) > 0 for r in multi)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_chunked_prefill_and_prefix_cache_equal_single_rank():
+    cfg = engine_config(shared_checkpoint("qwen3_moe"), max_prefill_tokens=6)
+    system = list(range(20, 52))
+    reqs = lambda: [GenerationRequest(system + [i, i + 1], SamplingParams(max_tokens=6)) for i in range(6)]  # noqa
+    multi = run_everywhere(cfg, reqs)
+    single = run_single(engine_config(cfg.model, prefix_cache=False), reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_vision_rows_equal_single_rank():
+    cfg = engine_config(shared_checkpoint("mixtral"))
+    rows = np.random.default_rng(1).normal(0, 0.3, size=(2, 64)).astype(np.float32)
+    reqs = lambda: [GenerationRequest([4, IMAGE, 9, IMAGE, 13], SamplingParams(max_tokens=8), image_embeds=rows),  # noqa
+                    GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=8))]
+    multi = run_everywhere(cfg, reqs)
+    single = run_single(cfg, reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_each_rank_reads_only_its_experts():
+    path = shared_checkpoint("olmoe")
+    loaded = load_model(path, NumpyOps(), 64, rank=COMM.rank, world=COMM.size)
+    start, end = expert_shard(7, COMM.rank, COMM.size)
+    cfg = loaded.config
+    layers = cfg.num_layers
+    replicated = 3 + layers * (2 + 4 + 2 + 1)    # embed, norm, lm_head; norms, q/k/v/o, q/k norm, router
+    assert (loaded.model.w.expert_start, loaded.model.w.expert_end) == (start, end)
+    assert loaded.tensors_read == replicated + layers * 3 * (end - start)
+    expert_bytes = layers * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    counts = COMM.allgather((loaded.tensors_read, loaded.bytes_read))
+    if COMM.rank == 0:
+        total_experts = sum(c[0] - replicated for c in counts) // (3 * layers)
+        assert total_experts == 7
+        replicated_bytes = counts[0][1] - expert_bytes * (expert_shard(7, 0, COMM.size)[1])
+        for r, (n, b) in enumerate(counts):
+            s, e = expert_shard(7, r, COMM.size)
+            assert b == replicated_bytes + expert_bytes * (e - s)

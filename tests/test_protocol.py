@@ -1,0 +1,132 @@
+"""The broadcast protocol: exact words of every command, round trips, coalesced and
+arbitrarily split streams, and the errors a bad stream produces."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eprt.comm import protocol as p
+from eprt.comm.protocol import (Compact, Decode1, DecodeBatch, DecodeCkpt, Decoder, Prefill, ProtocolError,
+                                Release, Shutdown, Verify, decode_all, encode)
+
+COMMANDS = [
+    Decode1(slot=3, token=42),
+    DecodeBatch(slots=(0, 2, 1), tokens=(10, 20, 0xFFFFFFDF)),
+    Compact(slot=5, new_slot=0),
+    Prefill(slot=1, chunk_start=0, chunk_len=5, tokens=(1, 2, 3, 4, 5)),
+    Prefill(slot=2, chunk_start=4, chunk_len=2, tokens=(9, 8, 7, 6, 5, 4, 3), vision_rows=3),
+    Release(slot=7),
+    Verify(slot=1, drafts=(4, 5), accepted=1),
+    Verify(slot=1, drafts=(4, 5, 6, 7), accepted=4),
+    DecodeCkpt(slot=2, snapshot_tokens=64, end_block=3, session_hash=0x123456789ABCDEF0, adapter_id=2**32 + 7),
+    Shutdown(),
+]
+
+
+def test_words_match_the_spec():
+    # The PREFILL frame of shared/conformance/request_timeout.trace: seq 0, (5, 0, 5), 5 tokens.
+    words = encode(Prefill(0, 0, 5, (0, 2, 3, 4, 5))).tolist()
+    assert words == [0, 0xFFFFFFF0, 5, 0, 5, 0, 2, 3, 4, 5, 0]
+    assert encode(Decode1(3, 42)).tolist() == [3, 42]
+    assert encode(DecodeBatch((0, 1), (10, 20))).tolist() == [0, 0xFFFFFFE0, 2, 0, 1, 10, 20]
+    assert encode(Compact(1, 0)).tolist() == [1, 0xFFFFFFE2, 0]
+    assert encode(Release(4)).tolist() == [4, 0xFFFFFFF1]
+    assert encode(Verify(1, (4, 5, 6), 2)).tolist() == [1, 0xFFFFFFF3, 4, 5, 6, 2]
+    assert encode(DecodeCkpt(2, 64, 3, 0x1_0000_0002, 0x3_0000_0004)).tolist() == \
+        [2, 0xFFFFFFF8, 64, 3, 2, 1, 4, 3]
+    assert encode(Shutdown()).tolist() == [0, 0xFFFFFFFF]
+    assert all(encode(c).dtype == np.uint32 for c in COMMANDS)
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: type(c).__name__)
+def test_every_command_round_trips(cmd):
+    assert decode_all(encode(cmd)) == [cmd]
+
+
+def test_prefill_properties():
+    cmd = Prefill(slot=0, chunk_start=4, chunk_len=3, tokens=tuple(range(7)))
+    assert cmd.full_len == 7 and cmd.is_last_chunk
+    assert not Prefill(0, 0, 4, tuple(range(7))).is_last_chunk
+
+
+@settings(max_examples=60, deadline=None)
+@given(order=st.permutations(range(len(COMMANDS))), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_coalesced_stream_decodes_identically_however_it_is_split(order, cuts):
+    cmds = [COMMANDS[i] for i in order]
+    stream = np.concatenate([encode(c) for c in cmds])
+    dec = Decoder(max_slots=8)
+    out = []
+    for chunk in np.split(stream, sorted(c % (len(stream) + 1) for c in cuts)):
+        dec.feed(chunk)
+        out.extend(dec)
+    dec.finish()
+    assert out == cmds
+
+
+def test_next_waits_for_a_whole_command_without_consuming():
+    words = encode(Prefill(1, 0, 3, (7, 8, 9)))
+    dec = Decoder()
+    dec.feed(words[:6])
+    assert dec.next() is None and dec.pending == 6
+    dec.feed(words[6:])
+    assert dec.next() == Prefill(1, 0, 3, (7, 8, 9)) and dec.pending == 0
+
+
+@pytest.mark.parametrize("words, message", [
+    ([0, 0xFFFFFFE1], "unknown reserved command word 0xFFFFFFE1"),
+    ([2, 0xFFFFFFF5], "unknown reserved command word 0xFFFFFFF5"),
+    ([8, 42], "decode: slot 8 out of range (max_slots=8)"),
+    ([0, p.DECODE_BATCH, 2, 1, 9, 5, 5], "DECODE_BATCH: slot 9 out of range"),
+    ([0, p.DECODE_BATCH, 0], "DECODE_BATCH of 0 rows"),
+    ([0, p.DECODE_BATCH, 9], "DECODE_BATCH of 9 rows"),
+    ([1, p.COMPACT, 12], "COMPACT new_slot: slot 12 out of range"),
+    ([1, p.PREFILL, 4, 3, 5], "PREFILL chunk (len=4, start=3) does not fit a prompt of 5 tokens"),
+    ([1, p.PREFILL, 0, 0, 5], "PREFILL chunk (len=0, start=0)"),
+    ([1, p.PREFILL, 1, 0, 2, 7, 7, 3], "announces 3 vision rows for a prompt of 2 tokens"),
+    ([1, 64], "token 64 out of range (vocab_size=64)"),
+    ([0, p.DECODE_BATCH, 1, 0, 70], "token 70 out of range"),
+])
+def test_bad_streams_name_the_problem(words, message):
+    with pytest.raises(ProtocolError) as e:
+        decode_all(words, max_slots=8, vocab_size=64)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("cmd, name", [
+    (Prefill(0, 0, 5, (1, 2, 3, 4, 5)), "PREFILL"),
+    (DecodeBatch((0, 1), (3, 4)), "DECODE_BATCH"),
+    (Compact(0, 1), "COMPACT"),
+    (DecodeCkpt(0, 1, 2, 3, 4), "DECODE_CKPT"),
+])
+def test_truncated_payload_is_reported(cmd, name):
+    words = encode(cmd)[:-1]
+    with pytest.raises(ProtocolError, match=f"truncated {name}"):
+        decode_all(words)
+    with pytest.raises(ProtocolError, match="truncated preamble"):
+        decode_all([3])
+
+
+def test_vocabulary_must_stay_below_the_command_words():
+    assert p.validate_vocab_size(0xFFFFFFE0) == 0xFFFFFFE0  # ids 0..0xFFFFFFDF
+    for bad in (0xFFFFFFE1, 0, -1):
+        with pytest.raises(ProtocolError, match="vocabulary size"):
+            p.validate_vocab_size(bad)
+    with pytest.raises(ProtocolError, match="vocabulary size"):
+        Decoder(vocab_size=2**32)
+
+
+def test_encode_refuses_what_cannot_travel():
+    with pytest.raises(ProtocolError, match="collides with the reserved command words"):
+        encode(Decode1(0, 0xFFFFFFE0))
+    with pytest.raises(ProtocolError, match="2 slots but 1 tokens"):
+        encode(DecodeBatch((0, 1), (5,)))
+    with pytest.raises(ProtocolError, match="2 to 4 drafts"):
+        encode(Verify(0, (1,), 0))
+    with pytest.raises(ProtocolError, match="-1 is not an unsigned 32-bit"):
+        encode(Compact(-1, 0))
+    with pytest.raises(ProtocolError, match=str(2**32)):
+        p.as_words([1, 2**32])
+    with pytest.raises(ProtocolError, match="must be integers"):
+        p.as_words(np.array([1.5]))
+    with pytest.raises(ProtocolError, match="not a protocol command"):
+        encode("SHUTDOWN")

@@ -1,0 +1,222 @@
+"""The worker loop fed a recorded stream: it ends in rank 0's slot state, runs the executor
+calls rank 0 meant, and reports (never guesses) when the stream does not fit its slots."""
+import numpy as np
+import pytest
+
+from eprt.comm import protocol as p
+from eprt.comm.protocol import Compact, DecodeBatch, Prefill, ProtocolError, Release
+from eprt.comm.slots import SlotError, SlotMirror, StreamChecker
+from eprt.comm.transport import LocalTransport, RootDown
+from eprt.comm.worker import run_worker
+
+MAX_SLOTS = 4
+HIDDEN = 3
+
+
+class LoopbackRoot(LocalTransport):
+    """Rank 0 of a world of two whose worker is replayed in this process: it checks its
+    stream like the real one and records what it sends."""
+
+    def __init__(self, frame_words=16):
+        super().__init__(StreamChecker(MAX_SLOTS, vocab_size=64), frame_words)
+        self.size = 2  # so the frames are "sent" (a world of one sends nothing)
+        self.sent = []  # ("frame", words) and ("rows", array), in send order
+
+    def _send_frame(self, out, n):
+        self.sent.append(("frame", out[1:n + 1].copy()))
+
+    def _send_rows(self, rows):
+        self.sent.append(("rows", rows.copy()))
+
+
+class ReplayTransport:
+    """The worker side: hands back the recorded frames and rows, in order."""
+    rank = 1
+
+    def __init__(self, sent, fail_with=None):
+        self.sent = list(sent)
+        self.errors = []
+        self.fail_with = fail_with  # raised once the recording runs out
+
+    def recv_frame(self):
+        if not self.sent and self.fail_with:
+            raise self.fail_with
+        kind, data = self.sent.pop(0)
+        assert kind == "frame", "the worker asked for a frame where rank 0 sent rows"
+        return data
+
+    def recv_rows(self, n, width):
+        kind, data = self.sent.pop(0)
+        assert kind == "rows" and data.shape == (n, width)
+        return data
+
+    def report_error(self, text):
+        self.errors.append(text)
+
+
+class RecordingExecutor:
+    """Records every call and keeps the slot state the calls imply."""
+    hidden_size = HIDDEN
+
+    def __init__(self, fail_on_decode=False):
+        self.calls, self.slots, self.final = [], {}, None
+        self.fail_on_decode = fail_on_decode
+
+    def prefill(self, slot, tokens, chunk_start, chunk_len, vision_rows):
+        assert tokens.dtype == np.uint32
+        rows = None if vision_rows is None else vision_rows.tolist()
+        self.calls.append(("prefill", slot, tokens.tolist(), chunk_start, chunk_len, rows))
+        prompt, done = self.slots.get(slot, (len(tokens), []))
+        self.slots[slot] = (prompt, done + tokens[chunk_start:chunk_start + chunk_len].tolist())
+
+    def decode(self, slots, tokens):
+        if self.fail_on_decode:
+            raise RuntimeError("out of KV blocks")
+        self.calls.append(("decode", slots, tokens))
+        for s, t in zip(slots, tokens):
+            self.slots[s][1].append(t)
+
+    def compact(self, slot, new_slot):
+        self.calls.append(("compact", slot, new_slot))
+        self.slots[new_slot] = self.slots.pop(slot)
+
+    def release(self, slot):
+        self.calls.append(("release", slot))
+        del self.slots[slot]
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+        self.final = {s: (n, tuple(toks)) for s, (n, toks) in self.slots.items()}
+
+
+def drive_rank0(root):
+    """A scheduler's worth of traffic, sent the way the runner forwards it word by word:
+    the request_timeout flow, a chunked prefill with vision rows, a one-token decode."""
+    def prefill(slot, prompt, start, n, rows=None):
+        root.send_words([slot, p.PREFILL])
+        for w in (n, start, len(prompt)):
+            root.send_word(w)
+        root.send_words(np.array(prompt, np.uint32))
+        root.send_vision(rows)
+        root.flush()  # the runner flushes before its forward pass
+
+    prefill(0, [1, 2, 3, 4, 5], 0, 5)
+    prefill(1, [2, 2, 3, 4, 5], 0, 5)
+    root.send_command(DecodeBatch((0, 1), (10, 20)))
+    root.flush()
+    root.send_command(Release(0))
+    root.send_command(Compact(1, 0))
+    root.send_command(DecodeBatch((0,), (21,)))  # coalesced with the release and compaction
+    root.flush()
+    rows = np.arange(2 * HIDDEN, dtype=np.float32).reshape(2, HIDDEN)
+    long_prompt = list(range(30))  # 30 tokens overflow a 16-word frame
+    prefill(2, long_prompt, 0, 20, rows)
+    prefill(2, long_prompt, 20, 10, rows)
+    root.send_words([2, 33])  # decode-one-token: the command word is the token
+    root.flush()
+    return rows, long_prompt
+
+
+def test_worker_replaying_rank0_stream_ends_in_rank0_state():
+    root = LoopbackRoot()
+    rows, long_prompt = drive_rank0(root)
+    expected_state = root.mirror.state()
+    root.shutdown()
+
+    assert expected_state == {0: (5, (2, 2, 3, 4, 5, 20, 21)), 2: (30, tuple(long_prompt) + (33,))}
+    assert root.mirror.state() == {}  # SHUTDOWN frees every slot
+    assert [kind for kind, _ in root.sent].count("rows") == 2
+    assert root.stats.mpi_calls == 0 and root.stats.frames == 8
+
+    worker, executor = ReplayTransport(root.sent), RecordingExecutor()
+    assert run_worker(worker, executor, MAX_SLOTS, vocab_size=64) == 0
+    assert worker.errors == [] and worker.sent == []
+    assert executor.final == expected_state
+    assert executor.calls == [
+        ("prefill", 0, [1, 2, 3, 4, 5], 0, 5, None),
+        ("prefill", 1, [2, 2, 3, 4, 5], 0, 5, None),
+        ("decode", [0, 1], [10, 20]),
+        ("release", 0),
+        ("compact", 1, 0),
+        ("decode", [0], [21]),
+        ("prefill", 2, long_prompt, 0, 20, rows.tolist()),
+        ("prefill", 2, long_prompt, 20, 10, rows.tolist()),
+        ("decode", [2], [33]),
+        ("shutdown",),
+    ]
+
+
+def frames(*commands):
+    return [("frame", np.concatenate([p.encode(c) for c in commands]))]
+
+
+PROMPT = Prefill(0, 0, 3, (1, 2, 3))
+
+
+@pytest.mark.parametrize("stream, error", [
+    (frames(DecodeBatch((0, 2), (5, 6))), "SlotError: DECODE_BATCH for empty slot 0"),
+    (frames(PROMPT, Prefill(1, 0, 2, (4, 5)), Compact(0, 1)),
+     "SlotError: COMPACT slot 0 -> 1: target slot is occupied"),
+    (frames(PROMPT, PROMPT), "already holds a prefilled sequence"),
+    (frames(Prefill(0, 0, 2, (1, 2, 3)), DecodeBatch((0,), (4,))), "prefill incomplete (2 of 3"),
+    (frames(Prefill(0, 0, 1, (1, 2, 3)), Prefill(0, 2, 1, (1, 2, 3))), "chunk starts at 2 but the slot holds 1"),
+    (frames(Release(3)), "RELEASE for empty slot 3"),
+    ([("frame", np.array([0, 0xFFFFFFE1], np.uint32))], "unknown reserved command word 0xFFFFFFE1"),
+    ([("frame", np.array([4, 7], np.uint32))], "slot 4 out of range (max_slots=4)"),
+    ([("frame", np.array([0, p.VERIFY_K2, 1, 2, 1], np.uint32))], "UnsupportedCommand: VERIFY_K2"),
+    ([("frame", np.array([0, p.PREFILL, 1, 0, 1, 5, 1, 0, p.RELEASE], np.uint32))],
+     "2 words arrived between the vision count and its rows"),
+])
+def test_bad_stream_is_reported_not_guessed(stream, error):
+    worker, executor = ReplayTransport(stream), RecordingExecutor()
+    assert run_worker(worker, executor, MAX_SLOTS, vocab_size=64) == 1
+    assert len(worker.errors) == 1 and error in worker.errors[0], worker.errors
+    assert not any(c[0] in ("decode", "compact") for c in executor.calls)
+
+
+def test_executor_failure_is_reported():
+    worker = ReplayTransport(frames(PROMPT, DecodeBatch((0,), (4,))))
+    assert run_worker(worker, RecordingExecutor(fail_on_decode=True), MAX_SLOTS) == 1
+    assert worker.errors == ["RuntimeError: out of KV blocks"]
+
+
+def test_root_going_down_ends_the_loop_with_shutdown():
+    worker = ReplayTransport(frames(PROMPT), fail_with=RootDown("rank 0 is going down: boom"))
+    executor = RecordingExecutor()
+    assert run_worker(worker, executor, MAX_SLOTS) == 1
+    assert worker.errors == [] and executor.calls[-1] == ("shutdown",)
+
+
+def test_rank0_refuses_a_stream_the_workers_would_reject():
+    root = LoopbackRoot()
+    root.send_command(PROMPT)
+    root.send_command(Compact(1, 2))
+    with pytest.raises(SlotError, match="COMPACT for empty slot 1"):
+        root.flush()
+    assert root.sent == []  # nothing left rank 0
+    with pytest.raises(ProtocolError, match="not an unsigned 32-bit"):
+        LoopbackRoot().send_word(-3)
+    with pytest.raises(ValueError, match="2-D float array"):
+        LoopbackRoot().send_vision(np.zeros(3, np.float32))
+
+
+def test_slot_mirror_leaves_state_unchanged_on_error():
+    m = SlotMirror(2)
+    m.apply(PROMPT)
+    before = m.state()
+    with pytest.raises(SlotError, match="slot listed twice"):
+        m.apply(DecodeBatch((0, 0), (1, 2)))
+    with pytest.raises(SlotError, match="empty slot 1"):
+        m.apply(DecodeBatch((0, 1), (1, 2)))
+    assert m.state() == before
+
+
+def test_world_of_one_needs_no_mpi():
+    t = LocalTransport()
+    partial = np.ones((2, 3), np.float32)
+    assert t.allsum(partial) is partial
+    t.send_command(PROMPT)
+    t.flush()
+    assert (t.stats.mpi_calls, t.stats.words, t.stats.frames) == (0, len(p.encode(PROMPT)), 1)
+    with pytest.raises(TypeError, match="float32"):
+        t.allsum(np.ones((2, 3)))
