@@ -2,7 +2,8 @@
 
 Same surface as the real engine: ``tokenizer``, ``model_name``, ``vocab_size``,
 ``max_model_len``, thread-safe ``submit`` -> handle (``result``/``done``/``cancel``),
-``generate``, ``serve_forever(stop)`` and ``stats``. What it computes is trivial and
+``generate``, ``serve_forever(stop)`` and ``stats``; ``submit`` also takes the real
+engine's ``on_finish`` callback. What it computes is trivial and
 predictable so that tests can assert exact outputs:
 
 - tokenizer: bytes. Id b < 256 is the byte b, 256 is EOS (vocabulary of 260), so a
@@ -51,6 +52,7 @@ class ByteTokenizer:
 class _Seq:
     request: GenerationRequest
     submitted: float
+    on_finish: object = None      # called with the result once the request ends
     generated: list = field(default_factory=list)
     cached: int = 0
     result: GenerationResult | None = None
@@ -94,7 +96,7 @@ class FakeEngine:
 
     # ---- the contract ---------------------------------------------------------------------
 
-    def submit(self, req: GenerationRequest) -> FakeHandle:
+    def submit(self, req: GenerationRequest, on_finish=None) -> FakeHandle:
         req.params.validate(self.vocab_size)
         if not req.prompt_ids:
             raise RequestError("the prompt is empty")
@@ -103,7 +105,7 @@ class FakeEngine:
         if len(req.prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(req.prompt_ids)} tokens but the context holds "
                                f"{self.max_model_len}")
-        seq = _Seq(req, time.monotonic())
+        seq = _Seq(req, time.monotonic(), on_finish)
         with self._lock:
             self._waiting.append(seq)
             self.submitted.append(req)
@@ -182,6 +184,8 @@ class FakeEngine:
         seq.result = GenerationResult(seq.request.request_id, list(seq.request.prompt_ids),
                                       list(seq.generated), reason, seq.cached, text, error)
         seq.done.set()
+        if seq.on_finish is not None:
+            seq.on_finish(seq.result)
 
     def _cancel(self, seq: _Seq) -> None:
         with self._lock:

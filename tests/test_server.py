@@ -37,7 +37,7 @@ def running_server(engine, api_key=None):
     engine_thread = threading.Thread(target=loop.run, daemon=True)
     engine_thread.start()
     httpd = OpenAIServer(("127.0.0.1", 0), engine, loop, api_key)
-    http_thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    http_thread = threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True)
     http_thread.start()
     try:
         yield f"http://127.0.0.1:{httpd.server_port}"
@@ -305,6 +305,34 @@ def test_metrics_prometheus_text(client):
     assert samples["eprt_requests_running"] == "0"
 
 
+class ServerProcess:
+    """``eprt serve`` in a subprocess; stderr is drained on a thread (so the pipe never fills)."""
+
+    def __init__(self, cmd: list):
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.log: list = []
+        self._url = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.log.append(line)
+            m = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
+            if m:
+                self.url = m.group(1)
+                self._url.set()
+
+    def wait_url(self, timeout: float) -> str:
+        assert self._url.wait(timeout), "the server never announced its address:\n" + "".join(self.log)
+        return self.url
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 SERVE_FAKE = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -315,17 +343,15 @@ sys.exit(serve(FakeEngine(token_delay=0.01), "127.0.0.1", 0))
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits_0():
-    proc = subprocess.Popen([sys.executable, "-c", SERVE_FAKE.format(tests=str(TESTS))],
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    server = ServerProcess([sys.executable, "-c", SERVE_FAKE.format(tests=str(TESTS))])
     try:
-        banner = proc.stderr.readline()
-        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", banner).group(1)
+        url = server.wait_url(30)
         prompt = "graceful " * 12
         with httpx.Client(base_url=url, timeout=20) as c:
             with c.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 200, "stream": True}) as r:
                 lines = r.iter_lines()
                 first = next(lines)
-                proc.send_signal(signal.SIGTERM)
+                server.proc.send_signal(signal.SIGTERM)
                 health = httpx.get(url + "/health", timeout=5)
                 refused = httpx.post(url + "/v1/completions", json={"prompt": "late"}, timeout=5)
                 rest = list(lines)
@@ -334,12 +360,11 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0():
         assert streamed_text(evs, chat=False) == prompt and evs[-1] == "[DONE]"
         assert health.status_code == 503
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
-        assert proc.wait(timeout=20) == 0
-        assert "eprt serve: stopped" in proc.stderr.read()
+        assert server.proc.wait(timeout=20) == 0
+        time.sleep(0.1)                                   # let the drain thread read the last line
+        assert "eprt serve: stopped" in "".join(server.log)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 # ---- the real engine under MPI (skipped until eprt.engine.engine lands) -----------------
@@ -351,20 +376,11 @@ needs_engine = pytest.mark.skipif(importlib.util.find_spec("eprt.engine.engine")
 @needs_engine
 @pytest.mark.slow
 def test_real_engine_server_under_mpiexec(checkpoint):
-    model = checkpoint("mixtral")
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "eprt.cli", "serve", "--model", model,
-           "--device", "cpu", "--port", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = ServerProcess(["mpiexec", "-n", "2", sys.executable, "-m", "eprt.cli", "serve",
+                            "--model", checkpoint("mixtral"), "--device", "cpu", "--port", "0"])
     try:
-        url = None
-        for line in proc.stderr:
-            m = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url, "the server never announced its address"
-        prompt = [1, 5, 9, 12, 20, 33]
-        with httpx.Client(base_url=url, timeout=120) as c:
+        prompt = list(range(3, 43))                       # 40 tokens: two whole 16-token KV blocks
+        with httpx.Client(base_url=server.wait_url(120), timeout=120) as c:
             body = complete(c, prompt=prompt, max_tokens=8)
             with c.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 8, "stream": True,
                                                            "stream_options": {"include_usage": True}}) as r:
@@ -372,11 +388,9 @@ def test_real_engine_server_under_mpiexec(checkpoint):
             bad = c.post("/v1/completions", json={"prompt": [1] * 10_000})
         assert body["usage"]["prompt_tokens"] == len(prompt)
         assert evs[-2]["usage"]["completion_tokens"] == body["usage"]["completion_tokens"]   # greedy: same run
-        assert evs[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
-        assert bad.status_code == 400
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert evs[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0                # the same prompt again
+        assert bad.status_code == 400 and "10000 tokens" in bad.json()["error"]["message"]
+        server.proc.send_signal(signal.SIGTERM)           # mpiexec forwards it to every rank
+        assert server.proc.wait(timeout=60) == 0, "".join(server.log)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()

@@ -222,7 +222,7 @@ class Decoder:
             if len(b) < end:
                 return None
             slots = tuple(self._slot(s, "DECODE_BATCH") for s in b[body + 1:body + 1 + n].tolist())
-            out = DecodeBatch(slots, tuple(self._token(t) for t in b[body + 1 + n:end].tolist()))
+            out = DecodeBatch(slots, self._tokens(b[body + 1 + n:end]))
         elif cmd == COMPACT:
             end = body + 1
             if len(b) < end:
@@ -238,7 +238,7 @@ class Decoder:
             end = body + 3 + full_len + 1
             if len(b) < end:
                 return None
-            tokens = tuple(self._token(t) for t in b[body + 3:end - 1].tolist())
+            tokens = self._tokens(b[body + 3:end - 1])
             vision_rows = int(b[end - 1])
             if vision_rows > full_len:
                 raise ProtocolError(f"PREFILL announces {vision_rows} vision rows for a prompt of "
@@ -250,9 +250,7 @@ class Decoder:
             end = body + VERIFY_WORDS[cmd] + 1
             if len(b) < end:
                 return None
-            words = b[body:end].tolist()
-            drafts = tuple(self._token(t) for t in words[:-1])
-            out = Verify(self._slot(seq, _name(cmd)), drafts, words[-1])
+            out = Verify(self._slot(seq, _name(cmd)), self._tokens(b[body:end - 1]), int(b[end - 1]))
         elif cmd == DECODE_CKPT:
             end = body + 6
             if len(b) < end:
@@ -275,6 +273,11 @@ class Decoder:
         if self.vocab_size is not None and token >= self.vocab_size:
             raise ProtocolError(f"token {token} out of range (vocab_size={self.vocab_size})")
         return token
+
+    def _tokens(self, words: np.ndarray) -> tuple[int, ...]:
+        if len(words):
+            self._token(int(words.max()))
+        return tuple(words.tolist())
 
 
 def decode_all(words: np.ndarray | Sequence[int], max_slots: int | None = None,

@@ -16,8 +16,14 @@ sleeps (ranks oversubscribed on few cores must not starve each other). While it 
 rank 0 watches the error channel and raises ``WorkerFailed`` (after printing
 ``eprt: rank K failed: <error>``); a worker watches for rank 0's notice and raises
 ``RootDown``. A compute-time wait that exceeds EPRT_COLLECTIVE_TIMEOUT aborts the job; a
-worker waiting for its next command never times out (a server may idle for hours).
+worker waiting for its next command never times out (a server may idle for hours), and
+neither does ``startup_barrier`` (ranks load their weights at different speeds).
 
+Failures. A worker that fails calls ``report_error``: rank 0 sees it at its next wait or
+flush, prints it and raises ``WorkerFailed``; the runner fails its requests and closes the
+transport, which sends every worker the "going down" notice, and every rank exits non-zero.
+Rank 0 closing (or exiting) without having sent SHUTDOWN sends the same notice. If rank 0
+never answers a report, the worker aborts the job itself after the collective timeout.
 A rank killed outright (``kill -9``) is handled by MPICH's hydra, which tears the whole job
 down with a non-zero exit at once; the watchdog covers launchers that do not.
 """
@@ -39,10 +45,13 @@ TAG_WORKER_ERROR = 1  # worker -> rank 0: utf-8 error text (the sender is the fa
 TAG_ROOT_DOWN = 2     # rank 0 -> worker: utf-8 reason; rank 0 is going down without SHUTDOWN
 BUSY_SLEEP_MAX = 5e-4  # s, longest sleep between polls inside a compute-time collective
 IDLE_SLEEP_MAX = 5e-3  # s, longest sleep while a worker waits for its next command
+ABORT_GRACE = 0.5      # s between printing why and aborting, so the message reaches the terminal
 DEFAULT_FRAME_WORDS = 512
 
 
 class WorkerFailed(RuntimeError):
+    """Raised on rank 0 when worker ``rank`` reported ``error``; the job cannot continue."""
+
     def __init__(self, rank: int, error: str):
         super().__init__(f"rank {rank} failed: {error}")
         self.rank, self.error = rank, error
@@ -58,7 +67,7 @@ class CommStats:
     mpi_calls: int = 0    # Ibcast, Iallgather and error-channel sends
     bcasts: int = 0
     bcast_bytes: int = 0  # bytes of the broadcast buffers (frames and rows)
-    allsums: int = 0
+    allsums: int = 0       # MoE combines (in a world of one too, where they cost nothing)
     allsum_bytes: int = 0  # bytes this rank contributed to combines
     frames: int = 0        # flushes that carried words (rank 0)
     words: int = 0         # logical words sent (rank 0)
@@ -72,7 +81,8 @@ class CommStats:
 
 class Transport:
     """The API both world sizes share. Rank 0: ``send_*``, ``flush``, ``shutdown``. Workers:
-    ``recv_frame``, ``recv_rows``, ``report_error``. Everyone: ``allsum``, ``close``.
+    ``recv_frame``, ``recv_rows``, ``report_error``. Everyone: ``startup_barrier``,
+    ``allsum``, ``close``.
 
     ``checker`` (rank 0 only) decodes every outgoing frame onto a slot mirror first, so a
     stream the workers would reject raises ``ProtocolError`` here instead.
@@ -150,10 +160,10 @@ class Transport:
             raise TypeError(f"allsum takes a float32 ndarray, got {getattr(partial, 'dtype', type(partial))}")
         if self.rank == 0:
             self.flush()
+        self.stats.allsums += 1
         if self.size == 1:
             return partial
         self.stats.mpi_calls += 1
-        self.stats.allsums += 1
         self.stats.allsum_bytes += partial.nbytes
         gathered = self._gather(np.ascontiguousarray(partial))  # [P, *partial.shape]
         # Summing the gathered partials in rank order does the same float operations on the
@@ -165,6 +175,9 @@ class Transport:
         for r in range(1, self.size):
             out += gathered[r]
         return out
+
+    def startup_barrier(self) -> None:
+        """Every rank calls it once its model is loaded, before the first command."""
 
     def close(self, reason: str | None = None) -> None:
         """Rank 0 leaving without a SHUTDOWN (an error) tells every worker to leave too."""
@@ -252,6 +265,8 @@ class MpiTransport(Transport):
         self._world = MPI.COMM_WORLD if comm is None else comm
         super().__init__(self._world.Get_rank(), self._world.Get_size(), checker, frame_words)
         self.timeout = float(env.COLLECTIVE_TIMEOUT.get() if timeout is None else timeout)
+        if not self.timeout > 0:
+            raise ValueError(f"EPRT_COLLECTIVE_TIMEOUT must be > 0 seconds, got {self.timeout:g}")
         self._ctl, self._moe, self._err = self._world.Dup(), self._world.Dup(), self._world.Dup()
         self._inflight = False      # a wait was left by an exception: the comms are unusable
         self._failed: WorkerFailed | None = None
@@ -273,8 +288,17 @@ class MpiTransport(Transport):
         self._wait(self._moe.Iallgather(partial, gathered), "the MoE combine")
         return gathered
 
+    def startup_barrier(self) -> None:
+        """Wait, without a time limit, until every rank has loaded its model: ranks load at
+        different speeds, and only after this barrier are the collectives timed."""
+        if self.size == 1:
+            return
+        self.stats.mpi_calls += 1
+        self._wait(self._ctl.Ibarrier(), "the start-up barrier", idle=True)
+
     def recv_frame(self) -> np.ndarray:
         """The words of rank 0's next frame; waits without a time limit (the server may idle)."""
+        self._require_worker("recv_frame")
         fw = self.frame_words
         frame = np.empty(fw, np.uint32)
         self._bcast(frame, "the next command", idle=True)
@@ -286,6 +310,7 @@ class MpiTransport(Transport):
         return np.concatenate([frame[1:], rest])
 
     def recv_rows(self, n: int, width: int) -> np.ndarray:
+        self._require_worker("recv_rows")
         rows = np.empty((n, width), np.float32)  # [rows, hidden]
         self._bcast(rows, "the vision rows")
         return rows
@@ -314,7 +339,9 @@ class MpiTransport(Transport):
         self.closed = True
         atexit.unregister(self._at_exit)
         if self.rank == 0 and (not self._shutdown_sent or self._failed or self._inflight):
-            why = reason or (str(self._failed) if self._failed else "rank 0 stopped without SHUTDOWN")
+            why = reason or "rank 0 stopped without SHUTDOWN"
+            if self._failed is not None and str(self._failed) not in why:
+                why = f"{why} ({self._failed})"
             self._notify_workers(why)
         elif not self._inflight:
             for c in (self._ctl, self._moe, self._err):
@@ -389,6 +416,7 @@ class MpiTransport(Transport):
 
     def _abort(self, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
+        time.sleep(ABORT_GRACE)  # MPI_Abort tears the job down before hydra forwards our stderr
         self._world.Abort(1)
 
     def _require_worker(self, what: str) -> None:

@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from eprt.comm.logging import setup_logging
+from eprt.comm.slots import StreamChecker
 from eprt.comm.transport import open_transport
 from eprt.comm.worker import run_worker
 from eprt.engine.api import GenerationRequest, GenerationResult, RequestError
@@ -184,6 +185,9 @@ def launch_engine(args_or_config, transport=None):
     ops = _select_ops(cfg.device)
     loaded = load_model(cfg.model, ops, cfg.max_model_len, rank=rank, world=world, combine=transport.allsum)
     model_cfg = loaded.config
+    transport.startup_barrier()     # ranks load at different speeds; no watchdog until all are ready
+    if rank == 0:                   # rank 0 decodes its own frames as a worker will: bugs surface here
+        transport.checker = StreamChecker(cfg.max_batch, model_cfg.vocab_size)
     executor = ShardExecutor(loaded.model, _kv_blocks(cfg, ops, model_cfg), cfg.block_size, cfg.max_batch,
                              prefix_cache=cfg.prefix_cache, image_token_id=cfg.image_token_id)
     log.info("rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, read %d tensors (%.1f MB)",

@@ -5,9 +5,10 @@ splits a multi-byte character (a decode ending in U+FFFD waits for the next toke
 and it holds back a tail that could still become a stop string. When a stop string
 appears the text is cut just before it and ``stopped`` is set.
 
-``LiveRequest`` submits a request with an ``on_token`` callback that only queues the
-id (the engine thread does no decoding); the client thread (an HTTP handler, the batch
-writer) pumps the queue, and cancels the sequence once a stop string matched.
+``LiveRequest`` submits a request whose ``on_token`` and ``on_finish`` callbacks only
+queue the id, then an end marker (the engine thread does no decoding); the client
+thread (an HTTP handler, the batch writer) pumps the queue, wakes up as soon as the
+request ends, and cancels the sequence once a stop string matched.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Optional
 
 from eprt.engine.api import GenerationRequest
 from eprt.serve.params import FieldError
+
+_END = object()     # queued by on_finish, after every token
 
 
 class TextStream:
@@ -104,17 +107,21 @@ class LiveRequest:
         self.token_ids: list = []          # every id consumed so far, hidden ones included
         self.submitted_at = time.monotonic()
         self.first_token_at: Optional[float] = None
+        self._ended = False
         self._cancelled = False
-        self.handle = engine.submit(request)   # raises RequestError for a bad request
+        # Raises RequestError for a bad request. on_finish runs on the engine thread after
+        # the last on_token, for every end (finished, stopped, cancelled, timed out, failed).
+        self.handle = engine.submit(request, on_finish=lambda result: self._tokens.put(_END))
 
     def pump(self, timeout: float = 0.0) -> str:
         """Consume the queued ids (waiting up to ``timeout`` for the first); return new text."""
         out = []
         try:
-            tok = self._tokens.get(timeout=timeout) if timeout > 0 else self._tokens.get_nowait()
-            while True:
-                self._consume(tok, out)
-                tok = self._tokens.get_nowait()
+            item = self._tokens.get(timeout=timeout) if timeout > 0 else self._tokens.get_nowait()
+            while item is not _END:
+                self._consume(item, out)
+                item = self._tokens.get_nowait()
+            self._ended = True
         except queue.Empty:
             pass
         return "".join(out)
@@ -130,9 +137,8 @@ class LiveRequest:
             self.cancel()
 
     def finished(self) -> bool:
-        # Every on_token call happens before the handle is done, so a done handle with an
-        # empty queue has nothing left to consume.
-        return self.text.stopped or (self.handle.done() and self._tokens.empty())
+        """Whether the engine is done with the request and every token has been pumped."""
+        return self._ended
 
     def cancel(self) -> None:
         if not self._cancelled:

@@ -8,6 +8,7 @@ import io
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -74,6 +75,23 @@ def test_frames_arrive_in_order_coalesced(t):
 
 
 @pytest.mark.mpi
+def test_startup_barrier_waits_untimed_for_slow_loaders():
+    t = MpiTransport(timeout=0.2)
+    if t.rank == t.size - 1:
+        time.sleep(0.6)  # a slow model load, longer than the watchdog's limit
+    t.startup_barrier()
+    if t.rank == 0:
+        t.shutdown()
+    else:
+        t.recv_frame()
+    t.close()
+    assert t.stats.mpi_calls == (0 if t.size == 1 else 2)
+    if t.rank == 0:
+        with pytest.raises(RuntimeError, match="recv_frame is for worker ranks"):
+            t.recv_frame()
+
+
+@pytest.mark.mpi
 def test_vision_rows_follow_their_prefill(t):
     rows = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)  # [rows, hidden]
     prefill = Prefill(2, 0, 4, (1, 2, 3, 4), vision_rows=3)
@@ -122,14 +140,15 @@ def test_allsum_is_bitwise_identical_on_every_rank(t):
 
 @pytest.mark.mpi
 def test_allsum_flushes_pending_words_first(t):
+    prefill = Prefill(0, 0, 2, (3, 4))
     if t.rank == 0:
-        t.send_command(Decode1(0, 5))  # never flushed by hand: the combine must send it
-        t.allsum(np.ones((1, D), np.float32))
-        got = [Decode1(0, 5)]
+        t.send_command(prefill)  # never flushed by hand: the combine must send it
+        t.allsum(np.ones((2, D), np.float32))
+        got = [prefill]
     else:
         got, _ = recv_commands(t, 1)
-        t.allsum(np.ones((1, D), np.float32))
-    assert got == [Decode1(0, 5)]
+        t.allsum(np.ones((2, D), np.float32))
+    assert got == [prefill]
 
 
 class CombiningExecutor:

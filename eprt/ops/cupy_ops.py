@@ -1,0 +1,364 @@
+"""The CuPy backend: raw CUDA kernels from ``kernels/*.cu`` plus cuBLAS for the dense GEMMs.
+
+Shape legend in ``base.py``. Storage: CuPy has no bfloat16 dtype, so activations, KV caches
+and weights are ``uint16`` arrays holding raw bfloat16 bits (``act_dtype``); the kernels
+read them as ``__nv_bfloat16`` and accumulate in fp32. Router weights and the MoE output
+are float32; index arrays int32. Only ``Ops`` methods may do arithmetic on activations:
+``xp`` arithmetic on a ``uint16`` array would treat the bits as integers.
+
+Every launch validates its arguments first (type, dtype, shape, contiguity and, for 16-byte
+vector loads, alignment) and raises naming the op and the argument. Index *contents*
+(slots, block tables, positions, token ids) are trusted: checking them would cost a
+device-to-host sync per call.
+"""
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from eprt.ops.base import Ops
+from eprt.ops.kernel_loader import get_kernel
+
+# cuBLAS / CUDA library enum values (stable ABI: cublas_api.h, library_types.h).
+_OP_N, _OP_T = 0, 1
+_R_32F, _R_16BF = 0, 14
+_COMPUTE_32F = 68
+_GEMM_DEFAULT = -1
+
+_BF16 = np.dtype(np.uint16)
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+_DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32"}
+
+_SMEM_LIMIT = 48 * 1024             # dynamic shared memory usable without opting in
+_ATTN_THREADS = _ATTN_CHUNK = 128   # paged_attention.cu: ATTN_THREADS, ATTN_CHUNK
+_ATTN_GROUP_CAPS = (4, 8, 16)       # attention_*_g{cap} entry points
+_ROUTER_WARPS = 4                   # router.cu: ROUTER_WARPS
+_GG_WARPS = 4                       # moe_grouped_gemm.cu: GG_WARPS
+MOE_IMPLS = ("auto", "grouped", "gathered")
+GATHERED_MIN_TOKENS = 256           # "auto": tokens per call from which cuBLAS per expert wins
+
+
+def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even); returns the uint16 bit patterns."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    bits = a.view(np.uint32)
+    out = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    out[np.isnan(a)] = 0x7FC0
+    return out
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _check(op: str, name: str, a, dtypes, shape: tuple | None = None, aligned: bool = False):
+    """Validate one kernel argument; ``shape`` entries of None match any size."""
+    if not isinstance(a, cupy.ndarray):
+        raise TypeError(f"{op}: {name} must be a cupy array on the GPU, got {type(a).__name__}")
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if a.dtype not in dtypes:
+        want = " or ".join(_DTYPE_NAMES[d] for d in dtypes)
+        raise TypeError(f"{op}: {name} must be {want}, got {a.dtype}")
+    if shape is not None and (a.ndim != len(shape)
+                              or any(s is not None and s != n for s, n in zip(shape, a.shape))):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{op}: {name} has shape {list(a.shape)}, expected {want}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{op}: {name} must be C-contiguous (use xp.ascontiguousarray)")
+    if aligned and a.data.ptr % 16:
+        raise ValueError(f"{op}: {name} must start on a 16-byte boundary (a row slice of odd width?)")
+
+
+def _require(op: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{op}: {message}")
+
+
+def _threads(n: int, cap: int = 1024) -> int:
+    """A block size: n rounded up to whole warps, at least one warp, at most cap."""
+    return max(32, min(cap, (n + 31) // 32 * 32))
+
+
+def _launch(file: str, name: str, grid: tuple, block: int, args: tuple, smem: int = 0) -> None:
+    get_kernel(file, name)(grid, (block,), args, shared_mem=smem)
+
+
+def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, beta: float = 0.0):
+    """Row-major c[m, n] = a[m, k] @ b[n, k].T (+ beta * c): bf16 inputs, fp32 accumulation,
+    c bf16 or fp32. cuBLAS is column-major, so it computes c.T = op_T(b) @ a.T."""
+    from cupy_backends.cuda.libs import cublas
+
+    alpha, beta_ = np.array(1.0, np.float32), np.array(beta, np.float32)   # host scalars
+    cublas.gemmEx(cupy.cuda.device.get_cublas_handle(), _OP_T, _OP_N, n, m, k,
+                  alpha.ctypes.data, b_ptr, _R_16BF, k, a_ptr, _R_16BF, k,
+                  beta_.ctypes.data, c_ptr, _R_32F if c_dtype == _F32 else _R_16BF, n,
+                  _COMPUTE_32F, _GEMM_DEFAULT)
+
+
+class CupyOps(Ops):
+    name = "cuda"
+    act_dtype = np.uint16   # bfloat16 bits
+
+    def __init__(self, moe_impl: str = "auto"):
+        if moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+        self.xp = cupy
+        self.moe_impl = moe_impl
+        self.sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    # ---- data movement -------------------------------------------------------------
+    def weight(self, host: np.ndarray):
+        if host.dtype == np.uint16:
+            return cupy.asarray(np.ascontiguousarray(host))
+        if host.dtype.kind != "f":
+            raise TypeError(f"weight: expected float32 or uint16 bfloat16 bits, got {host.dtype}")
+        return cupy.asarray(f32_to_bf16_bits(host))
+
+    def activation(self, host: np.ndarray):
+        host = np.asarray(host)
+        if host.dtype.kind != "f":
+            raise TypeError(f"activation: expected float data, got {host.dtype}")
+        return cupy.asarray(f32_to_bf16_bits(host))
+
+    def index(self, host):
+        if isinstance(host, cupy.ndarray):
+            return cupy.ascontiguousarray(host, dtype=cupy.int32)
+        return cupy.asarray(np.ascontiguousarray(host, dtype=np.int32))
+
+    def to_host(self, a) -> np.ndarray:
+        h = cupy.asnumpy(a)
+        if h.dtype == np.uint16:
+            return bf16_bits_to_f32(h)
+        return h.astype(np.float32) if h.dtype.kind == "f" else h
+
+    def zeros(self, shape: tuple, dtype: str = "act"):
+        dtypes = {"act": _BF16, "f32": _F32, "i32": _I32}
+        if dtype not in dtypes:
+            raise ValueError(f"zeros: dtype must be 'act', 'f32' or 'i32', got {dtype!r}")
+        return cupy.zeros(shape, dtype=dtypes[dtype])
+
+    def synchronize(self) -> None:
+        cupy.cuda.get_current_stream().synchronize()
+
+    # ---- norms, linear, rope ---------------------------------------------------------
+    def embedding(self, table, ids):
+        _check("embedding", "table", table, _BF16, (None, None))
+        _check("embedding", "ids", ids, _I32, (None,))
+        return cupy.take(table, ids, axis=0)                         # [T, D]
+
+    def rms_norm(self, x, weight, eps):
+        _check("rms_norm", "x", x, _BF16)
+        _require("rms_norm", x.ndim >= 1 and x.shape[-1] > 0, f"x needs a last dim, got shape {x.shape}")
+        D = x.shape[-1]
+        _check("rms_norm", "weight", weight, _BF16, (D,))
+        out = cupy.empty_like(x)
+        if x.size:
+            _launch("rms_norm.cu", "rms_norm", (x.size // D,), _threads(D // 4, 512),
+                    (x, weight, out, np.int32(D), np.float32(eps)))
+        return out
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        _check("add_rms_norm", "residual", residual, _BF16, (None, None))
+        T, D = residual.shape
+        _check("add_rms_norm", "x", x, (_BF16, _F32), (T, D))
+        _check("add_rms_norm", "weight", weight, _BF16, (D,))
+        out, s = cupy.empty_like(residual), cupy.empty_like(residual)
+        if T:
+            kernel = "add_rms_norm_f32" if x.dtype == _F32 else "add_rms_norm_bf16"
+            _launch("rms_norm.cu", kernel, (T,), _threads(D // 4, 512),
+                    (x, residual, weight, out, s, np.int32(D), np.float32(eps)))
+        return out, s
+
+    def linear(self, x, w, bias=None):
+        _check("linear", "w", w, _BF16, (None, None))
+        N, K = w.shape
+        _check("linear", "x", x, _BF16, (None, K))
+        out = cupy.empty((x.shape[0], N), dtype=_BF16)                # [T, N]
+        if bias is not None:
+            _check("linear", "bias", bias, _BF16, (N,))
+            out[...] = bias                                           # accumulated with beta = 1
+        if x.shape[0] and N:
+            _gemm(x.shape[0], N, K, x.data.ptr, w.data.ptr, out.data.ptr, _BF16,
+                  beta=0.0 if bias is None else 1.0)
+        return out
+
+    def rope(self, x, positions, cos_sin):
+        _check("rope", "x", x, _BF16, (None, None, None))
+        T, H, Dh = x.shape
+        _require("rope", Dh % 2 == 0, f"head dim must be even, got {Dh}")
+        _check("rope", "positions", positions, _I32, (T,))
+        _check("rope", "cos_sin", cos_sin, (_BF16, _F32), (None, Dh))
+        out = cupy.empty_like(x)
+        if T:
+            kernel = "rope_cs_f32" if cos_sin.dtype == _F32 else "rope_cs_bf16"
+            _launch("rope.cu", kernel, (T,), _threads(H * Dh // 2, 256),
+                    (x, positions, cos_sin, out, np.int32(H), np.int32(Dh)))
+        return out
+
+    # ---- paged KV and attention ------------------------------------------------------
+    def kv_write(self, k_cache, v_cache, k, v, slot_mapping):
+        _check("kv_write", "k_cache", k_cache, _BF16, (None, None, None, None), aligned=True)
+        NB, BS, Hk, Dh = k_cache.shape
+        _check("kv_write", "v_cache", v_cache, _BF16, k_cache.shape, aligned=True)
+        _check("kv_write", "k", k, _BF16, (None, Hk, Dh), aligned=True)
+        T = k.shape[0]
+        _check("kv_write", "v", v, _BF16, (T, Hk, Dh), aligned=True)
+        _check("kv_write", "slot_mapping", slot_mapping, _I32, (T,))
+        _require("kv_write", (Hk * Dh) % 8 == 0, f"Hk*Dh must be a multiple of 8, got {Hk}*{Dh}")
+        if T:
+            _launch("kv_write.cu", "kv_write", (T,), _threads(Hk * Dh // 8, 256),
+                    (k_cache, v_cache, k, v, slot_mapping, np.int32(Hk * Dh)))
+
+    def _attention_args(self, op, q, k_cache, v_cache):
+        """Shared checks; returns (H, Hk, Dh, BS, cap, shared-memory bytes)."""
+        _check(op, "q", q, _BF16, (None, None, None))
+        H, Dh = q.shape[1:]
+        _check(op, "k_cache", k_cache, _BF16, (None, None, None, Dh), aligned=True)
+        _check(op, "v_cache", v_cache, _BF16, k_cache.shape, aligned=True)
+        BS, Hk = k_cache.shape[1:3]
+        _require(op, Hk > 0 and H % Hk == 0, f"query heads {H} must be a multiple of KV heads {Hk}")
+        _require(op, Dh % 8 == 0 and 8 <= Dh <= 256, f"head dim must be a multiple of 8 in [8, 256], got {Dh}")
+        G = H // Hk
+        caps = [c for c in _ATTN_GROUP_CAPS if c >= G]
+        _require(op, bool(caps), f"at most {_ATTN_GROUP_CAPS[-1]} query heads per KV head, got {G}")
+        ntg = _ATTN_THREADS // (Dh // 4)
+        smem = 4 * (G * Dh + G * _ATTN_CHUNK + 3 * G + ntg * G * Dh)
+        _require(op, smem <= _SMEM_LIMIT, f"needs {smem} bytes of shared memory (G={G}, Dh={Dh})")
+        return H, Hk, Dh, BS, caps[0], smem
+
+    def attention_prefill(self, q, k_cache, v_cache, block_table, start_pos, scale):
+        H, Hk, Dh, BS, cap, smem = self._attention_args("attention_prefill", q, k_cache, v_cache)
+        T = q.shape[0]
+        _check("attention_prefill", "block_table", block_table, _I32, (None,))
+        _require("attention_prefill", start_pos >= 0 and block_table.shape[0] * BS >= start_pos + T,
+                 f"block table of {block_table.shape[0]} blocks of {BS} cannot hold positions "
+                 f"[0, {start_pos + T}) (start_pos={start_pos})")
+        out = cupy.empty_like(q)
+        if T:
+            _launch("paged_attention.cu", f"attention_prefill_g{cap}", (T, Hk), _ATTN_THREADS,
+                    (q, k_cache, v_cache, block_table, np.int32(start_pos), out, np.int32(H),
+                     np.int32(Hk), np.int32(Dh), np.int32(BS), np.float32(scale)), smem)
+        return out
+
+    def attention_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        H, Hk, Dh, BS, cap, smem = self._attention_args("attention_decode", q, k_cache, v_cache)
+        B = q.shape[0]
+        _check("attention_decode", "block_tables", block_tables, _I32, (B, None))
+        _check("attention_decode", "context_lens", context_lens, _I32, (B,))
+        out = cupy.empty_like(q)
+        if B:
+            _launch("paged_attention.cu", f"attention_decode_g{cap}", (B, Hk), _ATTN_THREADS,
+                    (q, k_cache, v_cache, block_tables, context_lens, out, np.int32(H), np.int32(Hk),
+                     np.int32(Dh), np.int32(BS), np.int32(block_tables.shape[1]), np.float32(scale)),
+                    smem)
+        return out
+
+    # ---- MoE -------------------------------------------------------------------------
+    def router(self, logits, top_k, renormalize):
+        _check("router", "logits", logits, (_BF16, _F32), (None, None))
+        T, E = logits.shape
+        _require("router", 1 <= top_k <= min(E, 32), f"top_k must be in [1, min(E={E}, 32)], got {top_k}")
+        smem = 4 * _ROUTER_WARPS * E
+        _require("router", smem <= _SMEM_LIMIT, f"too many experts for one warp per token: {E}")
+        weights = cupy.empty((T, top_k), dtype=_F32)                  # [T, k]
+        ids = cupy.empty((T, top_k), dtype=_I32)                      # [T, k]
+        if T:
+            kernel = "router_topk_f32" if logits.dtype == _F32 else "router_topk_bf16"
+            _launch("router.cu", kernel, ((T + _ROUTER_WARPS - 1) // _ROUTER_WARPS,),
+                    32 * _ROUTER_WARPS, (logits, weights, ids, np.int32(T), np.int32(E),
+                                         np.int32(top_k), np.int32(bool(renormalize))), smem)
+        return weights, ids
+
+    def silu_and_mul(self, x):
+        _check("silu_and_mul", "x", x, _BF16, (None, None))
+        T, I2 = x.shape
+        _require("silu_and_mul", I2 % 2 == 0, f"x's last dim must be even (gate | up), got {I2}")
+        out = cupy.empty((T, I2 // 2), dtype=_BF16)                   # [T, I]
+        if out.size:
+            _launch("silu_and_mul.cu", "silu_and_mul", (min((out.size + 255) // 256, 65536),), 256,
+                    (x, out, np.int64(out.size), np.int32(I2 // 2)))
+        return out
+
+    def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
+        op = "moe_experts"
+        _check(op, "w_gate_up", w_gate_up, _BF16, (None, None, None), aligned=True)
+        El, I2, D = w_gate_up.shape
+        I = I2 // 2
+        _require(op, I2 % 2 == 0 and D % 8 == 0 and I % 8 == 0,
+                 f"D and I must be multiples of 8, got D={D}, 2I={I2}")
+        _check(op, "w_down", w_down, _BF16, (El, D, I), aligned=True)
+        _check(op, "x", x, _BF16, (None, D), aligned=True)
+        T = x.shape[0]
+        _check(op, "ids", ids, _I32, (T, None))
+        k = ids.shape[1]
+        _check(op, "weights", weights, _F32, (T, k))
+        _require(op, 2 * 4 * El <= _SMEM_LIMIT, f"too many local experts for one permutation block: {El}")
+        out = cupy.empty((T, D), dtype=_F32)                          # [T, D]
+        if T == 0 or k == 0:
+            out.fill(0)
+            return out
+        n = T * k
+        offsets = cupy.empty(El + 1, dtype=_I32)                      # [El + 1]
+        sorted_slot = cupy.empty(n, dtype=_I32)                       # [<= T*k]
+        slot_pos = cupy.empty(n, dtype=_I32)                          # [T*k]
+        _launch("moe_permute.cu", "moe_permute", (1,), 1024,
+                (ids, np.int32(n), np.int32(expert_start), np.int32(El), offsets, sorted_slot,
+                 slot_pos), 2 * 4 * El)
+        gathered = self.moe_impl == "gathered" or (self.moe_impl == "auto" and T >= GATHERED_MIN_TOKENS)
+        run = self._experts_gathered if gathered else self._experts_grouped
+        y = run(x, k, offsets, sorted_slot, w_gate_up, w_down)        # [P, D] fp32, sorted rows
+        _launch("moe_combine.cu", "moe_combine", (T,), _threads(D, 256),
+                (y, weights, slot_pos, out, np.int32(D), np.int32(k)))
+        return out
+
+    def _units_per_warp(self, units: int, active_experts: int) -> int:
+        """Spread the chosen experts' work over about 32 warps per SM."""
+        want = self.sm_count * 32
+        return max(1, min(16, -(-units * active_experts // want)))
+
+    def _experts_grouped(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
+        El, I2, D = w_gate_up.shape
+        I, n = I2 // 2, x.shape[0] * k
+        active = min(El, n)
+        h = cupy.empty((n, I), dtype=_BF16)                           # [P, I] (P <= T*k rows used)
+        y = cupy.empty((n, D), dtype=_F32)                            # [P, D]
+        upw = self._units_per_warp(I, active)
+        _launch("moe_grouped_gemm.cu", "moe_gate_up_silu", (-(-I // (_GG_WARPS * upw)), El),
+                32 * _GG_WARPS, (x, sorted_slot, offsets, w_gate_up, h, np.int32(D), np.int32(I),
+                                 np.int32(k), np.int32(upw)))
+        units = (D + 1) // 2
+        upw = self._units_per_warp(units, active)
+        _launch("moe_grouped_gemm.cu", "moe_down", (-(-units // (_GG_WARPS * upw)), El),
+                32 * _GG_WARPS, (h, offsets, w_down, y, np.int32(D), np.int32(I), np.int32(upw)))
+        return y
+
+    def _experts_gathered(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
+        El, I2, D = w_gate_up.shape
+        I = I2 // 2
+        offs = cupy.asnumpy(offsets)                                  # host sync: GEMM sizes
+        P = int(offs[-1])
+        y = cupy.empty((P, D), dtype=_F32)                            # [P, D]
+        if P == 0:
+            return y
+        xs = cupy.empty((P, D), dtype=_BF16)                          # [P, D] rows by expert
+        gate_up = cupy.empty((P, I2), dtype=_BF16)                    # [P, 2I]
+        _launch("moe_permute.cu", "moe_gather_rows", (P,), _threads(D // 8, 256),
+                (x, sorted_slot, xs, np.int32(D), np.int32(k)))
+        busy = [(e, int(offs[e]), int(offs[e + 1] - offs[e])) for e in range(El) if offs[e + 1] > offs[e]]
+        for e, o, c in busy:
+            _gemm(c, I2, D, xs[o].data.ptr, w_gate_up[e].data.ptr, gate_up[o].data.ptr, _BF16)
+        h = self.silu_and_mul(gate_up)                                # [P, I]
+        for e, o, c in busy:
+            _gemm(c, D, I, h[o].data.ptr, w_down[e].data.ptr, y[o].data.ptr, _F32)
+        return y
+
+    def argmax(self, logits) -> np.ndarray:
+        _check("argmax", "logits", logits, (_BF16, _F32), (None, None))
+        B, V = logits.shape
+        _require("argmax", V > 0, "logits have an empty vocabulary")
+        out = cupy.empty(B, dtype=_I32)
+        if B:
+            kernel = "argmax_f32" if logits.dtype == _F32 else "argmax_bf16"
+            _launch("argmax.cu", kernel, (B,), 1024, (logits, out, np.int32(V)))
+        return cupy.asnumpy(out).astype(np.int64)

@@ -1,0 +1,125 @@
+"""Choosing the backend, binding a rank to its GPU, and sizing the KV pool on a GPU.
+
+Binding. Ranks on one node share its GPUs: a rank uses GPU ``local_rank % gpu_count``,
+with the local rank read from the launcher's environment (Open MPI, MPICH/Hydra and Intel
+MPI, Slurm, MVAPICH2). Call ``bind_local_gpu()`` before MPI is initialised (before the
+first ``from mpi4py import MPI``) and before any CUDA work: a CUDA-aware MPI creates its
+CUDA context on the current device during ``MPI_Init``, so binding afterwards would leave
+every rank with a stray context on GPU 0. ``get_ops("cuda")`` binds too (a no-op when done).
+"""
+from __future__ import annotations
+
+import os
+
+from eprt import env
+from eprt.ops.base import Ops
+
+# The launchers' own variables (not eprt settings, hence read here rather than in env.py),
+# each naming the rank's index among the ranks on its node, in the order they are tried.
+LOCAL_RANK_VARS = (
+    "OMPI_COMM_WORLD_LOCAL_RANK",  # Open MPI
+    "MPI_LOCALRANKID",             # MPICH / Hydra, Intel MPI
+    "SLURM_LOCALID",               # Slurm srun
+    "MV2_COMM_WORLD_LOCAL_RANK",   # MVAPICH2
+)
+DEVICES = ("cpu", "cuda", "auto")
+_GIB = float(1 << 30)
+
+
+def local_rank(environ=None) -> int | None:
+    """This process's rank among the ranks on its node, or None when no launcher set one."""
+    environ = os.environ if environ is None else environ
+    for name in LOCAL_RANK_VARS:
+        value = environ.get(name, "").strip()
+        if value:
+            try:
+                rank = int(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not a local rank (a non-negative integer)") from None
+            if rank < 0:
+                raise ValueError(f"{name}={value!r} is not a local rank (a non-negative integer)")
+            return rank
+    return None
+
+
+def cuda_usable() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, no driver, no device: all mean "use the CPU"
+        return False
+
+
+def bind_local_gpu() -> int:
+    """Make GPU ``local_rank % gpu_count`` this thread's current device; returns its id.
+    Without a launcher (a plain single process) the current device is kept."""
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < 1:
+        raise RuntimeError("bind_local_gpu: no CUDA device is visible")
+    rank = local_rank()
+    if rank is None:
+        return cupy.cuda.runtime.getDevice()
+    device = rank % count
+    cupy.cuda.runtime.setDevice(device)
+    return device
+
+
+def resolve_device(device: str | None) -> str:
+    """'cpu' or 'cuda': an explicit choice wins, then EPRT_DEVICE, then cuda when usable."""
+    choice = (device or env.DEVICE.get() or "auto").strip().lower()
+    if choice not in DEVICES:
+        source = "device" if device else "EPRT_DEVICE"
+        raise ValueError(f"{source} must be one of {', '.join(DEVICES)}, got {choice!r}")
+    if choice == "auto":
+        return "cuda" if cuda_usable() else "cpu"
+    if choice == "cuda" and not cuda_usable():
+        raise RuntimeError("device 'cuda' was asked for, but CuPy cannot use a CUDA device here "
+                           "(install cupy-cuda13x and check the driver, or use --device cpu)")
+    return choice
+
+
+def get_ops(device: str | None = None) -> Ops:
+    """The ops backend for ``device`` (cpu, cuda, auto or None: see ``resolve_device``)."""
+    if resolve_device(device) == "cpu":
+        from eprt.ops.numpy_ops import NumpyOps
+
+        return NumpyOps()
+    bind_local_gpu()
+    from eprt.ops.cupy_ops import CupyOps
+
+    return CupyOps()
+
+
+def pool_blocks(available: int, total: int, bytes_per_block: int, gpu_memory_utilization: float) -> int:
+    """KV blocks that fit when this process may use ``gpu_memory_utilization`` of ``total``
+    bytes and ``total - available`` are already taken (weights, other processes)."""
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
+    used = total - available
+    budget = int(total * gpu_memory_utilization) - used
+    blocks = budget // bytes_per_block
+    if blocks < 1:
+        raise RuntimeError(
+            f"no room for a KV pool: {used / _GIB:.2f} GiB of {total / _GIB:.2f} GiB are in use "
+            f"(weights, other processes) and gpu_memory_utilization={gpu_memory_utilization} caps "
+            f"this process at {total * gpu_memory_utilization / _GIB:.2f} GiB; one block needs "
+            f"{bytes_per_block / (1 << 20):.2f} MiB. Raise the utilization or spread the experts "
+            f"over more ranks.")
+    return int(blocks)
+
+
+def kv_pool_blocks(bytes_per_block: int, gpu_memory_utilization: float) -> int:
+    """How many KV blocks of ``bytes_per_block`` to allocate on the current GPU, measured
+    after the weights are loaded: memory CuPy's pool holds but does not use counts as free."""
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    reusable = cupy.get_default_memory_pool().free_bytes()
+    return pool_blocks(free + reusable, total, bytes_per_block, gpu_memory_utilization)

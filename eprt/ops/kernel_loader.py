@@ -1,0 +1,78 @@
+"""Compile and cache the CUDA kernels of ``kernels/*.cu`` with ``cupy.RawModule``.
+
+Each ``.cu`` file is one module, compiled (NVRTC, C++17) the first time one of its kernels
+is asked for on a device, and cached per (file, device). ``KERNELS`` lists every entry
+point each file exports: ``tests/test_kernels_compile.py`` checks it against the PTX nvcc
+produces, so a renamed kernel fails in CI rather than on the first GPU run.
+
+The sources live in the repository's ``kernels/`` folder (or ``EPRT_KERNEL_DIR``).
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from eprt import env
+
+KERNELS: dict[str, tuple[str, ...]] = {
+    "rms_norm.cu": ("rms_norm", "add_rms_norm_bf16", "add_rms_norm_f32"),
+    "rope.cu": ("rope_cs_bf16", "rope_cs_f32"),
+    "kv_write.cu": ("kv_write",),
+    "paged_attention.cu": tuple(f"attention_{kind}_g{g}" for kind in ("decode", "prefill")
+                                for g in (4, 8, 16)),
+    "router.cu": ("router_topk_bf16", "router_topk_f32"),
+    "moe_permute.cu": ("moe_permute", "moe_gather_rows"),
+    "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down"),
+    "moe_combine.cu": ("moe_combine",),
+    "silu_and_mul.cu": ("silu_and_mul",),
+    "argmax.cu": ("argmax_bf16", "argmax_f32"),
+}
+
+COMPILE_OPTIONS = ("--std=c++17",)
+
+_modules: dict[tuple[str, int], object] = {}
+
+
+def kernel_dir() -> Path:
+    """The folder of the ``.cu`` sources: ``EPRT_KERNEL_DIR`` or the repository's ``kernels/``."""
+    configured = env.KERNEL_DIR.get()
+    path = Path(configured) if configured else Path(__file__).resolve().parents[2] / "kernels"
+    if not path.is_dir():
+        raise FileNotFoundError(f"kernel directory {path} does not exist (set EPRT_KERNEL_DIR)")
+    return path
+
+
+def _options(directory: Path) -> tuple[str, ...]:
+    # CuPy's compile cache keys on the source text and the options; the digest of the shared
+    # headers goes into the options so an edited common.cuh recompiles every module.
+    digest = hashlib.sha256()
+    for header in sorted(directory.glob("*.cuh")):
+        digest.update(header.read_bytes())
+    return COMPILE_OPTIONS + (f"-I{directory}", f"-DEPRT_HEADERS_SHA={digest.hexdigest()[:16]}")
+
+
+def get_module(filename: str):
+    """The compiled module of ``kernels/<filename>`` on the current CUDA device."""
+    import cupy
+
+    if filename not in KERNELS:
+        raise KeyError(f"unknown kernel file {filename!r}; known: {sorted(KERNELS)}")
+    key = (filename, cupy.cuda.Device().id)
+    module = _modules.get(key)
+    if module is None:
+        directory = kernel_dir()
+        source = (directory / filename).read_text()
+        module = cupy.RawModule(code=source, options=_options(directory))
+        try:
+            module.compile()
+        except cupy.cuda.compiler.CompileException as e:
+            raise RuntimeError(f"compiling {directory / filename} failed:\n{e}") from None
+        _modules[key] = module
+    return module
+
+
+def get_kernel(filename: str, name: str):
+    """One ``extern "C"`` entry point of ``kernels/<filename>`` as a ``cupy.RawKernel``."""
+    if name not in KERNELS.get(filename, ()):
+        raise KeyError(f"{filename} does not export a kernel named {name!r}")
+    return get_module(filename).get_function(name)

@@ -1,0 +1,151 @@
+"""Scheduler properties over random scenarios (arrivals, scripts, limits, cancels, deadlines,
+small KV pools that force preemption, chunked prefill, prefix caching), checked on the
+trace the fake model records and on what each client saw."""
+import math
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eprt.scheduler.scenario import EngineSpec, RequestSpec, Scenario, run
+
+EOS = 63
+STOP_ID = 40
+SHARED_PROMPT = list(range(1, 25))     # requests may share prefixes of it (prefix-cache hits)
+SEQ_NAME = re.compile(r"s(\d+)@(\d+):len=\d+")
+
+
+@st.composite
+def scenarios(draw, with_guards: bool):
+    bs = draw(st.sampled_from([2, 4, 4, 16]))
+    requests = []
+    for i in range(1, draw(st.integers(1, 6)) + 1):
+        n = draw(st.integers(1, 20))
+        prompt = SHARED_PROMPT[:n] if draw(st.booleans()) else [i] + list(range(2, n + 1))
+        arrive = draw(st.integers(1, 4))
+        spec = RequestSpec(id=i, prompt=prompt, arrive_at_tick=arrive,
+                           script=draw(st.lists(st.sampled_from([10, 11, 12, 13, STOP_ID, EOS]),
+                                                min_size=1, max_size=8)),
+                           max_tokens=draw(st.integers(1, 12)),
+                           mode=draw(st.sampled_from(["stream", "blocking"])))
+        if with_guards:
+            spec.timeout_ticks = draw(st.none() | st.integers(1, 12))
+            spec.cancel_at_tick = draw(st.none() | st.integers(arrive, arrive + 12))
+            spec.stop_token_ids = draw(st.sampled_from([[], [STOP_ID]]))
+            spec.ignore_eos = draw(st.booleans())
+        requests.append(spec)
+    # every request fits the pool on its own (its last token's KV is never computed)
+    fits_alone = max((len(r.prompt) + r.max_tokens - 1) // bs + 1 for r in requests)
+    engine = EngineSpec(num_blocks=draw(st.integers(fits_alone, fits_alone + 3)), block_size=bs,
+                        max_batch=draw(st.integers(1, 4)),
+                        max_prefill_tokens=draw(st.sampled_from([0, 0, 1, 3, 8])),
+                        prefix_cache=draw(st.booleans()))
+    return Scenario("random", engine, requests)
+
+
+def expected_output(r: RequestSpec) -> list:
+    """The tokens the script yields with no guard interfering."""
+    out = []
+    for k in range(r.max_tokens):
+        tok = r.script[min(k, len(r.script) - 1)]
+        out.append(tok)
+        if (tok == EOS and not r.ignore_eos) or tok in r.stop_token_ids:
+            break
+    return out
+
+
+def tick_of_line(lines: list, index: int) -> int:
+    return max(int(l.split()[2]) for l in lines[:index] if l.startswith("-- tick "))
+
+
+def check_slots(lines: list) -> None:
+    """Every slot: alloc, then only its own sequence, then exactly one RELEASE before reuse."""
+    occupant: dict = {}                                  # slot -> seq id (None until named)
+    allocs = releases = 0
+    for line in lines:
+        if m := re.fullmatch(r"alloc_sequence\(\) -> slot (\d+)", line):
+            slot = int(m[1])
+            assert slot not in occupant, f"slot {slot} reused before its RELEASE"
+            assert slot == min(set(range(len(occupant) + 1)) - set(occupant)), "not the lowest free slot"
+            occupant[slot] = None
+            allocs += 1
+        elif m := re.fullmatch(r"ep_broadcast_cmd_for_seq\(seq=(\d+), cmd=0xfffffff1\)", line):
+            assert int(m[1]) in occupant, f"RELEASE of empty slot {m[1]}"
+            del occupant[int(m[1])]
+            releases += 1
+        elif m := re.fullmatch(r"compact_sequence\(s(\d+)@(\d+):len=\d+, new_slot=(\d+)\)", line):
+            src, dst = int(m[2]), int(m[3])
+            assert occupant.get(src) == int(m[1]) and dst not in occupant and dst < src
+            occupant[dst] = occupant.pop(src)
+        else:
+            for sid, slot in SEQ_NAME.findall(line):
+                assert int(slot) in occupant, f"{line!r} names an empty slot"
+                if occupant[int(slot)] is None:
+                    occupant[int(slot)] = int(sid)
+                assert occupant[int(slot)] == int(sid), f"{line!r}: slot {slot} holds s{occupant[int(slot)]}"
+    assert not occupant and allocs == releases
+
+
+def check_preempted_go_first(lines: list) -> None:
+    """A preempted sequence goes back to the front of the queue: while any is waiting, the
+    next admission is one of them (valid without guards, which could end it while queued)."""
+    preempted: set = set()
+    admitting = False
+    for prev, line in zip(lines, lines[1:]):
+        if prev == "fx apply ReleaseSeq{cache=true, preempt}":
+            preempted.add(SEQ_NAME.search(line)[1])
+        elif line.startswith("alloc_sequence()"):
+            admitting = True
+        elif admitting and line.startswith("prefill("):
+            sid = SEQ_NAME.search(line)[1]
+            assert not preempted or sid in preempted, f"s{sid} admitted before preempted {preempted}"
+            preempted.discard(sid)
+            admitting = False
+
+
+def check_run(sc: Scenario, with_guards: bool) -> None:
+    result = run(sc)
+    lines = result.lines
+    check_slots(lines)
+    model = result.model
+    assert model.blocks.num_free_blocks() == sc.engine.num_blocks    # cached blocks allowed
+    assert all(s is None for s in model.slots)
+    for out in result.outcomes:
+        r = out.spec
+        assert len(out.results) == 1, f"s{r.id} ended {len(out.results)} times"
+        res, want = out.results[0], expected_output(r)
+        got = res.token_ids
+        # never decoded (or named at all) after it ended
+        assert not any(f"s{r.id}@" in line for line in lines[out.finished_at_line:])
+        # the client saw each token once, in order; a stop token is kept but never streamed
+        streamed = [t for t in got if not ((t == EOS and not r.ignore_eos) or t in r.stop_token_ids)]
+        assert out.streamed == (streamed if r.mode == "stream" else [])
+        assert res.cached_tokens % sc.engine.block_size == 0 and res.cached_tokens < len(r.prompt)
+        natural = "stop" if want[-1] in r.stop_token_ids or (want[-1] == EOS and not r.ignore_eos) else "length"
+        if not with_guards:
+            check_preempted_go_first(lines)
+            assert got == want and res.finish_reason == natural and out.handle.guard is None
+            continue
+        assert got == want[:len(got)]
+        end = tick_of_line(lines, out.finished_at_line)
+        deadline = math.inf if r.timeout_ticks is None else r.arrive_at_tick + r.timeout_ticks - 1
+        cancel = math.inf if r.cancel_at_tick is None else r.cancel_at_tick
+        assert end <= min(deadline, cancel)
+        if got == want and res.finish_reason == natural:
+            continue                                     # ended on its own, in time
+        if res.finish_reason == "timeout":
+            assert out.handle.guard == "request_timeout" and end == deadline <= cancel
+        else:
+            assert (res.finish_reason, out.handle.guard) == ("stop", None) and end == cancel < deadline
+
+
+@settings(max_examples=250, deadline=None)
+@given(scenarios(with_guards=False))
+def test_without_guards_every_output_is_its_script(sc):
+    check_run(sc, with_guards=False)
+
+
+@settings(max_examples=250, deadline=None)
+@given(scenarios(with_guards=True))
+def test_guards_end_each_request_once_for_the_right_reason(sc):
+    check_run(sc, with_guards=True)
