@@ -40,13 +40,16 @@ def scenarios(draw, with_guards: bool):
                         max_batch=draw(st.integers(1, 4)),
                         max_prefill_tokens=draw(st.sampled_from([0, 0, 1, 3, 8])),
                         prefix_cache=draw(st.booleans()))
+    if with_guards:
+        engine.max_model_len = draw(st.none() | st.integers(4, 24))
     return Scenario("random", engine, requests)
 
 
-def expected_output(r: RequestSpec) -> list:
+def expected_output(r: RequestSpec, max_model_len=None) -> list:
     """The tokens the script yields with no guard interfering."""
+    room = r.max_tokens if max_model_len is None else min(r.max_tokens, max_model_len - len(r.prompt))
     out = []
-    for k in range(r.max_tokens):
+    for k in range(room):
         tok = r.script[min(k, len(r.script) - 1)]
         out.append(tok)
         if (tok == EOS and not r.ignore_eos) or tok in r.stop_token_ids:
@@ -107,13 +110,19 @@ def check_run(sc: Scenario, with_guards: bool) -> None:
     result = run(sc)
     lines = result.lines
     check_slots(lines)
+    if not with_guards:
+        check_preempted_go_first(lines)
     model = result.model
     assert model.blocks.num_free_blocks() == sc.engine.num_blocks    # cached blocks allowed
     assert all(s is None for s in model.slots)
+    limit = sc.engine.max_model_len
     for out in result.outcomes:
         r = out.spec
+        if limit is not None and len(r.prompt) >= limit:     # refused at submit, never scheduled
+            assert out.rejected and not out.results and not any(f"s{r.id}@" in line for line in lines)
+            continue
         assert len(out.results) == 1, f"s{r.id} ended {len(out.results)} times"
-        res, want = out.results[0], expected_output(r)
+        res, want = out.results[0], expected_output(r, limit)
         got = res.token_ids
         # never decoded (or named at all) after it ended
         assert not any(f"s{r.id}@" in line for line in lines[out.finished_at_line:])
@@ -123,7 +132,6 @@ def check_run(sc: Scenario, with_guards: bool) -> None:
         assert res.cached_tokens % sc.engine.block_size == 0 and res.cached_tokens < len(r.prompt)
         natural = "stop" if want[-1] in r.stop_token_ids or (want[-1] == EOS and not r.ignore_eos) else "length"
         if not with_guards:
-            check_preempted_go_first(lines)
             assert got == want and res.finish_reason == natural and out.handle.guard is None
             continue
         assert got == want[:len(got)]

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, strategies as st
 
 from eprt.serve.http import OpenAIServer
 from eprt.serve.loop import EngineLoop
-from fake_engine import ByteTokenizer, FakeEngine
+from eprt.serve.stream import TextStream
+from fake_engine import EOS, ByteTokenizer, FakeEngine
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -78,6 +80,21 @@ def complete(client, path="/v1/completions", **body):
     r = client.post(path, json=body)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+@given(text=st.text(alphabet="ab é東\n", max_size=24),
+       stops=st.lists(st.text(alphabet="ab é東", min_size=1, max_size=3), max_size=3))
+def test_text_stream_deltas_add_up_and_stop_at_the_first_stop_string(text, stops):
+    tok = ByteTokenizer()                        # multi-byte characters span several tokens
+    stream = TextStream(tok, stops, hidden_ids=[EOS])
+    deltas = [stream.feed(t) for t in tok.encode(text) + [EOS]]
+    shown = "".join(deltas) + stream.finish()
+    assert "\ufffd" not in shown                 # never half a character
+    # Generation stops where the first stop string is complete (earliest end, then earliest start).
+    ends = sorted((text.find(s) + len(s), text.find(s)) for s in stops if s in text)
+    expected = text[:ends[0][1]] if ends else text
+    assert shown == stream.text == expected
+    assert stream.stopped == bool(ends)
 
 
 def test_health_models_and_unknown_routes(client):

@@ -241,7 +241,7 @@ class Scheduler:
         seq.slot, seq.len = -1, 0
         seq.num_prompt = len(seq.token_ids)
         seq.state = SeqState.QUEUED
-        self._waiting.append(seq)
+        self._waiting.appendleft(seq)
 
     def _accept(self, seq: Sequence, token: int, checkpoint: bool) -> None:
         """Take one generated token: keep it, apply the per-token guards, stream it."""

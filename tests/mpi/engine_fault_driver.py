@@ -1,0 +1,44 @@
+"""A real-model job for the engine fault tests (tests/mpi/test_engine_faults.py).
+
+    mpiexec -n 2 python engine_fault_driver.py CHECKPOINT_DIR raise|kill|clean
+
+Rank 1's decode is wrapped to fail at its 4th step: ``raise`` raises an exception,
+``kill`` SIGKILLs the process (as the OOM killer would).
+"""
+import os
+import signal
+import sys
+
+from eprt.engine.api import GenerationRequest, SamplingParams
+from eprt.engine.engine import EngineConfig, launch_engine
+from eprt.engine.executor import ShardExecutor
+
+
+def inject(mode: str) -> None:
+    real = ShardExecutor.decode
+    steps = {"n": 0}
+
+    def failing(self, slots, tokens):
+        steps["n"] += 1
+        if steps["n"] == 4:
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("injected failure in decode step 4")
+        return real(self, slots, tokens)
+
+    ShardExecutor.decode = failing
+
+
+def main() -> int:
+    path, mode = sys.argv[1], sys.argv[2]
+    if mode != "clean" and os.environ.get("PMI_RANK") == "1":
+        inject(mode)
+    cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=64)
+    with launch_engine(cfg) as engine:
+        results = engine.generate([GenerationRequest([1, 2, 3, i], SamplingParams(max_tokens=10)) for i in range(3)])
+        print("generated", [len(r.token_ids) for r in results], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
