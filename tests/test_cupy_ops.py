@@ -201,7 +201,7 @@ def test_kv_write_is_an_exact_copy_and_skips_padding(ops, rng):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("group,dh", [(1, 64), (4, 128), (6, 128), (16, 64), (8, 256)])
+@pytest.mark.parametrize("group,dh", [(1, 64), (4, 128), (6, 128), (16, 64), (8, 256), (16, 256)])
 def test_attention_decode(ops, rng, group, dh):
     g, c = ops
     hk, bs, lens = 2, 16, [1, 37, 300]             # 300 > one 128-key chunk

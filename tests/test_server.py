@@ -181,6 +181,18 @@ def test_chat_without_template_is_a_400():
     assert r.json()["error"]["param"] == "messages" and "chat template" in r.json()["error"]["message"]
 
 
+def test_model_without_tokenizer_takes_token_ids():
+    with running_server(FakeEngine(tokenizer=None)) as url, httpx.Client(base_url=url) as c:
+        ok = complete(c, prompt=[104, 105], max_tokens=5)
+        text_prompt = c.post("/v1/completions", json={"prompt": "hi"})
+        stop_string = c.post("/v1/completions", json={"prompt": [104, 105], "stop": "i"})
+        stop_id = complete(c, prompt=[104, 105], stop=[105])
+    assert ok["choices"][0]["text"] == "" and ok["usage"]["completion_tokens"] == 3
+    assert text_prompt.status_code == 400 and text_prompt.json()["error"]["param"] == "prompt"
+    assert stop_string.status_code == 400 and stop_string.json()["error"]["param"] == "stop"
+    assert stop_id["usage"]["completion_tokens"] == 2
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_cuts_text_and_cancels_the_sequence(client, engine, stream):
     body = {"prompt": "one two. three four", "max_tokens": 100, "stop": ["nothing", ". th"], "stream": stream}

@@ -30,7 +30,7 @@ _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 _DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32"}
 
-_SMEM_LIMIT = 48 * 1024             # dynamic shared memory usable without opting in
+_SMEM_DEFAULT = 48 * 1024           # dynamic shared memory usable without opting in
 _ATTN_THREADS = _ATTN_CHUNK = 128   # paged_attention.cu: ATTN_THREADS, ATTN_CHUNK
 _ATTN_GROUP_CAPS = (4, 8, 16)       # attention_*_g{cap} entry points
 _ROUTER_WARPS = 4                   # router.cu: ROUTER_WARPS
@@ -81,7 +81,10 @@ def _threads(n: int, cap: int = 1024) -> int:
 
 
 def _launch(file: str, name: str, grid: tuple, block: int, args: tuple, smem: int = 0) -> None:
-    get_kernel(file, name)(grid, (block,), args, shared_mem=smem)
+    kernel = get_kernel(file, name)
+    if smem > _SMEM_DEFAULT:   # opt in to the larger carve-out (sm_80+); callers check the limit
+        kernel.max_dynamic_shared_size_bytes = smem
+    kernel(grid, (block,), args, shared_mem=smem)
 
 
 def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, beta: float = 0.0):
@@ -105,7 +108,9 @@ class CupyOps(Ops):
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         self.xp = cupy
         self.moe_impl = moe_impl
-        self.sm_count = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        rt, dev = cupy.cuda.runtime, cupy.cuda.Device().id
+        self.sm_count = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev)
+        self.smem_limit = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)  # bytes
 
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray):
@@ -224,7 +229,7 @@ class CupyOps(Ops):
         _require(op, bool(caps), f"at most {_ATTN_GROUP_CAPS[-1]} query heads per KV head, got {G}")
         ntg = _ATTN_THREADS // (Dh // 4)
         smem = 4 * (G * Dh + G * _ATTN_CHUNK + 3 * G + ntg * G * Dh)
-        _require(op, smem <= _SMEM_LIMIT, f"needs {smem} bytes of shared memory (G={G}, Dh={Dh})")
+        _require(op, smem <= self.smem_limit, f"needs {smem} bytes of shared memory (G={G}, Dh={Dh})")
         return H, Hk, Dh, BS, caps[0], smem
 
     def attention_prefill(self, q, k_cache, v_cache, block_table, start_pos, scale):
@@ -260,7 +265,7 @@ class CupyOps(Ops):
         T, E = logits.shape
         _require("router", 1 <= top_k <= min(E, 32), f"top_k must be in [1, min(E={E}, 32)], got {top_k}")
         smem = 4 * _ROUTER_WARPS * E
-        _require("router", smem <= _SMEM_LIMIT, f"too many experts for one warp per token: {E}")
+        _require("router", smem <= self.smem_limit, f"too many experts for one warp per token: {E}")
         weights = cupy.empty((T, top_k), dtype=_F32)                  # [T, k]
         ids = cupy.empty((T, top_k), dtype=_I32)                      # [T, k]
         if T:
@@ -293,7 +298,7 @@ class CupyOps(Ops):
         _check(op, "ids", ids, _I32, (T, None))
         k = ids.shape[1]
         _check(op, "weights", weights, _F32, (T, k))
-        _require(op, 2 * 4 * El <= _SMEM_LIMIT, f"too many local experts for one permutation block: {El}")
+        _require(op, 2 * 4 * El <= self.smem_limit, f"too many local experts for one permutation block: {El}")
         out = cupy.empty((T, D), dtype=_F32)                          # [T, D]
         if T == 0 or k == 0:
             out.fill(0)

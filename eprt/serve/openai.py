@@ -23,7 +23,8 @@ UNSUPPORTED = {
     "echo": (lambda v: bool(v), "echo is not supported"),
     "suffix": (lambda v: bool(v), "suffix is not supported"),
     "tools": (lambda v: bool(v), "tools are not supported"),
-    "response_format": (lambda v: v not in (None, {"type": "text"}), "only response_format {\"type\": \"text\"} is supported"),
+    "response_format": (lambda v: v not in (None, {"type": "text"}),
+                        'only response_format {"type": "text"} is supported'),
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -77,7 +78,8 @@ def _message(m, i: int) -> dict:
     if isinstance(content, list):       # content parts: only text ones
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):
-            raise FieldError("messages", f"{where}.content: only {{\"type\": \"text\", \"text\": ...}} parts are supported")
+            raise FieldError("messages", f"{where}.content: only text parts "
+                                         f"({{\"type\": \"text\", \"text\": ...}}) are supported")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise FieldError("messages", f"{where}.content must be a string or a list of text parts, got {content!r}")
@@ -89,7 +91,8 @@ def _chat_prompt(messages, engine) -> list:
         raise FieldError("messages", "messages must be a non-empty list of {role, content} objects")
     msgs = [_message(m, i) for i, m in enumerate(messages)]
     if engine.tokenizer is None:
-        raise FieldError("messages", "this model has no tokenizer (so no chat template): use /v1/completions with token ids")
+        raise FieldError("messages", "this model has no tokenizer (so no chat template): "
+                                     "use /v1/completions with token ids")
     try:
         text = engine.tokenizer.apply_chat_template(msgs)
     except ValueError as e:
