@@ -120,3 +120,17 @@ def test_cli_missing_model_dir_is_clear(bad, tmp_path):
     p = subprocess.run([sys.executable, "-m", "eprt.cli", "generate", "--model", str(tmp_path / bad),
                         "--device", "cpu", "--prompt-ids", "1"], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "config.json" in p.stderr
+
+
+def test_16_prompts_through_the_scheduler_equal_each_alone(checkpoint):
+    """More prompts than slots: continuous batching admits new ones as others finish."""
+    path = checkpoint("qwen3_moe")
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(1 + (5 * i) % 23)] for i in range(16)]
+    lengths = [4 + (3 * i) % 11 for i in range(16)]          # different budgets: slots free up at different ticks
+    with launch_engine(EngineConfig(model=path, device="cpu", max_batch=5, block_size=4, max_model_len=64)) as engine:
+        together = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=n, ignore_eos=True))
+                                    for p, n in zip(prompts, lengths)])
+        alone = [engine.generate([GenerationRequest(p, SamplingParams(max_tokens=n, ignore_eos=True))])[0]
+                 for p, n in zip(prompts, lengths)]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [len(r.token_ids) for r in together] == lengths

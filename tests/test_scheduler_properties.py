@@ -45,6 +45,10 @@ def scenarios(draw, with_guards: bool):
     return Scenario("random", engine, requests)
 
 
+def is_stop(r: RequestSpec, tok: int) -> bool:
+    return (tok == EOS and not r.ignore_eos) or tok in r.stop_token_ids
+
+
 def expected_output(r: RequestSpec, max_model_len=None) -> list:
     """The tokens the script yields with no guard interfering."""
     room = r.max_tokens if max_model_len is None else min(r.max_tokens, max_model_len - len(r.prompt))
@@ -52,7 +56,7 @@ def expected_output(r: RequestSpec, max_model_len=None) -> list:
     for k in range(room):
         tok = r.script[min(k, len(r.script) - 1)]
         out.append(tok)
-        if (tok == EOS and not r.ignore_eos) or tok in r.stop_token_ids:
+        if is_stop(r, tok):
             break
     return out
 
@@ -127,10 +131,10 @@ def check_run(sc: Scenario, with_guards: bool) -> None:
         # never decoded (or named at all) after it ended
         assert not any(f"s{r.id}@" in line for line in lines[out.finished_at_line:])
         # the client saw each token once, in order; a stop token is kept but never streamed
-        streamed = [t for t in got if not ((t == EOS and not r.ignore_eos) or t in r.stop_token_ids)]
+        streamed = [t for t in got if not is_stop(r, t)]
         assert out.streamed == (streamed if r.mode == "stream" else [])
         assert res.cached_tokens % sc.engine.block_size == 0 and res.cached_tokens < len(r.prompt)
-        natural = "stop" if want[-1] in r.stop_token_ids or (want[-1] == EOS and not r.ignore_eos) else "length"
+        natural = "stop" if is_stop(r, want[-1]) else "length"
         if not with_guards:
             assert got == want and res.finish_reason == natural and out.handle.guard is None
             continue

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from hypothesis import given, strategies as st
 
 from eprt.serve.http import OpenAIServer
 from eprt.serve.loop import EngineLoop
+from eprt.serve.server import serve
 from eprt.serve.stream import TextStream
 from fake_engine import EOS, ByteTokenizer, FakeEngine
 
@@ -332,6 +334,14 @@ def test_metrics_prometheus_text(client):
     assert samples["eprt_prompt_tokens_total"] == "4"
     assert samples["eprt_kv_blocks_free"] == samples["eprt_kv_blocks_capacity"] == "1024"
     assert samples["eprt_requests_running"] == "0"
+
+
+def test_port_in_use_is_a_clear_error(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert serve(FakeEngine(), "127.0.0.1", taken.getsockname()[1]) == 2
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
 
 
 class ServerProcess:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
 import threading
 from typing import Optional
@@ -194,6 +195,10 @@ def launch_engine(args_or_config, transport=None):
              rank, world, loaded.name, ops.name, loaded.model.w.expert_start, loaded.model.w.expert_end,
              executor.blocks.num_blocks, cfg.block_size, loaded.tensors_read, loaded.bytes_read / 1e6)
     if rank != 0:
+        # mpiexec and srun forward SIGINT/SIGTERM to every rank; only rank 0 decides when the
+        # job ends (it finishes what is in flight, then sends SHUTDOWN), so workers ignore them.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         executor.compute_logits = False
         code = run_worker(transport, executor, cfg.max_batch, model_cfg.vocab_size)
         transport.close()

@@ -10,6 +10,8 @@ The sources live in the repository's ``kernels/`` folder (or ``EPRT_KERNEL_DIR``
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import shutil
 from pathlib import Path
 
 from eprt import env
@@ -42,13 +44,32 @@ def kernel_dir() -> Path:
     return path
 
 
-def _options(directory: Path) -> tuple[str, ...]:
+def compile_options(directory: Path) -> tuple[str, ...]:
+    """NVRTC options for the sources in ``directory``."""
     # CuPy's compile cache keys on the source text and the options; the digest of the shared
     # headers goes into the options so an edited common.cuh recompiles every module.
     digest = hashlib.sha256()
     for header in sorted(directory.glob("*.cuh")):
         digest.update(header.read_bytes())
     return COMPILE_OPTIONS + (f"-I{directory}", f"-DEPRT_HEADERS_SHA={digest.hexdigest()[:16]}")
+
+
+def cuda_include_dir() -> Path | None:
+    """A directory holding ``cuda_bf16.h`` for NVRTC: CuPy's CUDA path, the toolkit of the
+    nvcc on PATH, /usr/local/cuda, or the headers of an ``nvidia-*`` wheel; None if none has it.
+    (CuPy adds its own guess, which can point at a wheel without headers.)"""
+    import cupy
+
+    candidates = []
+    if cupy.cuda.get_cuda_path():
+        candidates.append(Path(cupy.cuda.get_cuda_path()) / "include")
+    if shutil.which("nvcc"):
+        candidates.append(Path(shutil.which("nvcc")).resolve().parents[1] / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates.extend(sorted(Path(root).glob("*/include")))
+    return next((c for c in candidates if (c / "cuda_bf16.h").is_file()), None)
 
 
 def get_module(filename: str):
@@ -62,11 +83,14 @@ def get_module(filename: str):
     if module is None:
         directory = kernel_dir()
         source = (directory / filename).read_text()
-        module = cupy.RawModule(code=source, options=_options(directory))
+        include = cuda_include_dir()
+        options = compile_options(directory) + ((f"-I{include}",) if include else ())
+        module = cupy.RawModule(code=source, options=options)
         try:
             module.compile()
         except cupy.cuda.compiler.CompileException as e:
-            raise RuntimeError(f"compiling {directory / filename} failed:\n{e}") from None
+            raise RuntimeError(f"compiling {directory / filename} failed (if cuda_bf16.h is not found, "
+                               f"set CUDA_PATH to the CUDA toolkit):\n{e}") from None
         _modules[key] = module
     return module
 

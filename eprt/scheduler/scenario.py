@@ -26,8 +26,8 @@ from typing import Optional
 
 from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
 from eprt.scheduler.clock import VirtualClock
-from eprt.scheduler.fake import RecordingModel
 from eprt.scheduler.config import SchedulerConfig
+from eprt.scheduler.fake import RecordingModel
 from eprt.scheduler.scheduler import Scheduler
 from eprt.scheduler.sequence import RequestHandle
 
@@ -117,6 +117,15 @@ def parse(doc: dict) -> Scenario:
         raise ScenarioError(f"[engine]: unknown keys {sorted(set(eng) - set(fields))}")
     engine = EngineSpec(**{k: _take(eng, k, bool if k == "prefix_cache" else int, f.default, "[engine]")
                            for k, f in fields.items()})
+    for key in ("num_blocks", "block_size", "vocab_size", "max_batch"):
+        if getattr(engine, key) < 1:
+            raise ScenarioError(f"[engine]: {key} must be >= 1, got {getattr(engine, key)}")
+    if not 0 <= engine.eos < engine.vocab_size:
+        raise ScenarioError(f"[engine]: eos {engine.eos} is outside the vocabulary [0, {engine.vocab_size})")
+    if engine.max_prefill_tokens < 0:
+        raise ScenarioError(f"[engine]: max_prefill_tokens must be >= 0, got {engine.max_prefill_tokens}")
+    if engine.max_model_len is not None and engine.max_model_len < 2:
+        raise ScenarioError(f"[engine]: max_model_len must be >= 2, got {engine.max_model_len}")
     requests = [_parse_request(r, engine) for r in doc.get("request", [])]
     if not requests:
         raise ScenarioError("the scenario has no [[request]]")
@@ -136,7 +145,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
     if rid is None or rid < 0:
         raise ScenarioError(f"{where}: needs a non-negative integer id")
     script = _take(r, "script", list, [], where)
-    if not script or not all(isinstance(t, int) and 0 <= t < engine.vocab_size for t in script):
+    if not script or not all(type(t) is int and 0 <= t < engine.vocab_size for t in script):
         raise ScenarioError(f"{where}: script must be a non-empty list of token ids < {engine.vocab_size}")
     if ("prompt" in r) == ("prompt_len" in r):
         raise ScenarioError(f"{where}: give exactly one of prompt and prompt_len")
@@ -195,17 +204,17 @@ def run(sc: Scenario) -> ScenarioRun:
                              max_model_len=e.max_model_len)
     sched = Scheduler(model, config, clock=VirtualClock(), tracer=_Tracer(lines.append))
     outcomes = {r.id: Outcome(r) for r in sc.requests}
-    handles = {}
     last_arrival = max(r.arrive_at_tick for r in sc.requests)
     while not sched.is_shut_down:
         tick = sched.tick + 1
         if tick > MAX_TICKS:
             raise ScenarioError(f"scenario {sc.name} still running after {MAX_TICKS} ticks")
         for r in sc.requests:
+            out = outcomes[r.id]
             if r.arrive_at_tick == tick:
-                handles[r.id] = _submit(sched, r, outcomes[r.id], lines)
-            if r.cancel_at_tick == tick and handles.get(r.id) is not None:
-                handles[r.id].cancel()
+                _submit(sched, r, out, lines)
+            if r.cancel_at_tick == tick and out.handle is not None:
+                out.handle.cancel()
         if tick >= last_arrival:
             sched.close()
         sched.step()
@@ -214,7 +223,7 @@ def run(sc: Scenario) -> ScenarioRun:
     return ScenarioRun(lines, [outcomes[r.id] for r in sc.requests], model)
 
 
-def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list):
+def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None:
     def finished(result):
         out.results.append(result)
         out.finished_at_line = len(lines)
@@ -227,7 +236,6 @@ def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list):
         out.handle = sched.submit(request, on_finish=finished, seq_id=r.id)
     except RequestError as e:
         out.rejected = str(e)
-    return out.handle
 
 
 def _client_line(out: Outcome) -> str:

@@ -32,14 +32,18 @@ Real-use API (thread-safe where noted; the Engine wraps it)::
     sched.close(cancel=False)                         # any thread: no new requests; the loop
                                                       # finishes the rest, then shuts down
 
-``step()`` runs one tick and returns whether anything is still in flight; ``run()``
-loops over ``step()`` and sleeps on the inbox while idle. Streaming clients
-(``stream=True``) get ``on_token(token)`` for every token as it is produced (never the
-terminating EOS/stop token); blocking clients get nothing until the end. Every request
-ends exactly once: ``on_finish(GenerationResult)`` is called and ``result()`` returns.
-Callbacks run on the scheduler thread and must be quick; one that raises cancels its
-request. Deadlines (``timeout_s``) are on the scheduler's clock (seconds on a
-``WallClock``, ticks on a ``VirtualClock``).
+``step()`` runs one tick and returns True while more ticks are needed (requests in
+flight, or the inbox closed and the shutdown sequence still to run), so after ``close()``
+``while sched.step(): pass`` finishes everything and shuts down. ``in_flight()`` says
+whether requests remain, ``wait_for_work(timeout)`` sleeps on the inbox while idle,
+``run()`` loops over both until shut down, ``stats()`` gives counters for metrics.
+
+Streaming clients (``stream=True``) get ``on_token(token)`` for every token as it is
+produced (never the terminating EOS/stop token); blocking clients get nothing until the
+end. Every request ends exactly once: ``on_finish(GenerationResult)`` is called and
+``result()`` returns. Callbacks run on the scheduler thread and must be quick; one that
+raises cancels its request. Deadlines (``timeout_s``) are on the scheduler's clock
+(seconds on a ``WallClock``, ticks on a ``VirtualClock``).
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ class Scheduler:
         self.tracer = tracer
         self.tick = 0
         self.free_blocks: Optional[int] = None   # num_free_blocks() as read at the last plan
+        self.preemptions = 0
         self._fx = EffectRunner(model, tracer)
         self._inbox = Inbox()
         self._waiting: deque[Sequence] = deque()  # drained or preempted, no slot; front first
@@ -89,9 +94,7 @@ class Scheduler:
         prompt = validate_request(self.config, request)
         deadline = None if request.timeout_s is None else self.clock.now() + request.timeout_s
         with self._ids_lock:
-            if seq_id is None:
-                while self._next_id in self._live_ids:
-                    self._next_id += 1
+            if seq_id is None:                    # above every id given so far: never live
                 seq_id = self._next_id
             elif not isinstance(seq_id, int) or seq_id < 0 or seq_id in self._live_ids:
                 raise RequestError(f"sequence id {seq_id!r} is invalid or already in use")
@@ -122,13 +125,22 @@ class Scheduler:
         """Tick until shut down, sleeping on the inbox while there is nothing to do."""
         while not self.is_shut_down:
             if not self.step() and not self.is_shut_down:
-                self._inbox.wait()
+                self.wait_for_work()
+
+    def wait_for_work(self, timeout: Optional[float] = None) -> bool:
+        """Block until a request is in the inbox or it is closed; False on timeout."""
+        return self._inbox.wait(timeout)
 
     def in_flight(self) -> bool:
         return bool(len(self._inbox) or self._waiting or self._live)
 
+    def stats(self) -> dict:
+        return {"ticks": self.tick, "queued": len(self._inbox) + len(self._waiting),
+                "running": len(self._live), "preemptions": self.preemptions}
+
     def step(self) -> bool:
-        """One tick. Returns whether anything is still in flight (False once shut down)."""
+        """One tick. True while more ticks are needed (requests in flight, or the inbox
+        closed and the shutdown sequence still to run); False when idle or shut down."""
         if self.is_shut_down:
             return False
         if not self._started:
@@ -144,7 +156,7 @@ class Scheduler:
         self._prefill_lane()
         self._decode_lane()
         self._end_of_tick()
-        return self.in_flight()
+        return self.in_flight() or self._inbox.closed
 
     def _startup(self) -> None:
         self.model.bind_gpu_to_thread()
@@ -237,6 +249,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._fx.run(ReleaseSeq(seq, cache=True, finish=False))
+        self.preemptions += 1
         self._live.remove(seq)
         seq.slot, seq.len = -1, 0
         seq.num_prompt = len(seq.token_ids)

@@ -1,6 +1,6 @@
 """``eprt serve``: an OpenAI-compatible HTTP server on rank 0.
 
-    mpiexec -n 4 eprt serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    mpiexec -n 4 eprt serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]  (or EPRT_API_KEY)
 
 Every rank loads its shard; the worker ranks then follow rank 0's broadcasts, and only
 rank 0 gets past ``launch_engine``. There the HTTP server runs on its own threads
@@ -15,6 +15,7 @@ import logging
 import sys
 import threading
 
+from eprt import env
 from eprt.serve.http import OpenAIServer
 from eprt.serve.loop import EngineLoop
 
@@ -38,7 +39,7 @@ def main(args) -> int:
     from eprt.engine.engine import launch_engine
 
     with launch_engine(args) as engine:     # worker ranks never get past this line
-        return serve(engine, args.host, args.port, args.api_key)
+        return serve(engine, args.host, args.port, args.api_key or env.API_KEY.get() or None)
 
 
 def _is_loopback(host: str) -> bool:
