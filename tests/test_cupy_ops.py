@@ -253,6 +253,19 @@ def test_silu_and_mul(ops, rng):
 
 @gpu
 @pytest.mark.gpu
+def test_clip_and_sigmoid_gate_add(ops, rng):
+    import cupy
+    g, c = ops
+    x = bf16(4 * rng.standard_normal((5, 48)))
+    close(g.to_host(g.clip(g.activation(x), 1.5)), c.clip(x, 1.5), "silu_and_mul")  # bf16 tolerance
+    out = rng.standard_normal((5, 48)).astype(np.float32)
+    s, gate = bf16(rng.standard_normal((5, 48))), bf16(rng.standard_normal((5, 1)))
+    got = g.sigmoid_gate_add(cupy.asarray(out), g.activation(s), g.activation(gate))
+    close(g.to_host(got), c.sigmoid_gate_add(out, s, gate), "silu_and_mul")
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["grouped", "gathered"])
 @pytest.mark.parametrize("T", [1, 5, 40])
 def test_moe_experts(rng, impl, T):
@@ -315,3 +328,21 @@ def test_bad_arguments_name_the_argument(ops):
     with pytest.raises(ValueError, match="query heads 6 must be a multiple of KV heads 4"):
         g.attention_decode(g.zeros((1, 6, 64)), g.zeros((2, 16, 4, 64)), g.zeros((2, 16, 4, 64)),
                            g.zeros((1, 2), "i32"), g.zeros((1,), "i32"), 0.125)
+
+
+@gpu
+@pytest.mark.gpu
+def test_staging_round_trip_through_pinned_memory():
+    import cupy
+
+    from eprt.comm.cuda_staging import Staging
+
+    a = cupy.arange(12, dtype=cupy.float32).reshape(3, 4) * 1.5
+    staged = Staging(cuda_aware=False)
+    host = staged.send_buffer(a)
+    assert isinstance(host, np.ndarray)
+    np.testing.assert_array_equal(host, cupy.asnumpy(a))
+    recv = staged.recv_buffer((3, 4), np.float32)
+    recv[...] = host + 1
+    np.testing.assert_array_equal(cupy.asnumpy(staged.to_device(recv)), cupy.asnumpy(a) + 1)
+    assert Staging(cuda_aware=True).send_buffer(a) is a     # aware MPI reads the device array

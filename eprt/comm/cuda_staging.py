@@ -102,7 +102,8 @@ class Staging:
             return a
         import cupy
 
-        a = cupy.ascontiguousarray(a)
+        if not a.flags.c_contiguous:
+            a = cupy.ascontiguousarray(a)
         if self.cuda_aware:
             self.synchronize()
             return a

@@ -68,7 +68,7 @@ class MoEModel:
             q = ops.rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
-            q, k, v = (self.ops.xp.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+            q, k, v = (ops.clip(t, cfg.clip_qkv) for t in (q, k, v))
         q = q.reshape(T, cfg.num_heads, cfg.head_dim)                        # [T, H, Dh]
         k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)                     # [T, Hk, Dh]
         v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -94,8 +94,7 @@ class MoEModel:
         out = self.combine(partial)                                          # [T, D] summed over ranks
         if lw.shared_gate_up is not None:                                    # Qwen2-MoE shared expert
             s = ops.linear(ops.silu_and_mul(ops.linear(x, lw.shared_gate_up)), lw.shared_down)
-            gate = ops.linear(x, lw.shared_gate)                             # [T, 1]
-            out = out + s / (1.0 + ops.xp.exp(-gate))
+            out = ops.sigmoid_gate_add(out, s, ops.linear(x, lw.shared_gate))  # gate [T, 1]
         return out
 
     def _dense_mlp(self, lw, x):

@@ -112,6 +112,14 @@ class Ops:
         """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]  [T, I]"""
         raise NotImplementedError
 
+    def clip(self, x: Array, limit: float) -> Array:
+        """Element-wise clamp to [-limit, limit] (OLMoE's clip_qkv). Same shape as x."""
+        raise NotImplementedError
+
+    def sigmoid_gate_add(self, out: Array, s: Array, gate: Array) -> Array:
+        """out[T, D] (float32) + sigmoid(gate[T, 1]) * s[T, D]: Qwen2-MoE's gated shared expert."""
+        raise NotImplementedError
+
     def moe_experts(self, x: Array, weights: Array, ids: Array, w_gate_up: Array, w_down: Array,
                     expert_start: int) -> Array:
         """This rank's share of a MoE layer. x[T, D], weights/ids[T, k], w_gate_up[El, 2I, D],

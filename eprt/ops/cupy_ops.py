@@ -102,6 +102,7 @@ def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, b
 class CupyOps(Ops):
     name = "cuda"
     act_dtype = np.uint16   # bfloat16 bits
+    kv_itemsize = 2         # bytes per KV cache element (bf16)
 
     def __init__(self, moe_impl: str = "auto"):
         if moe_impl not in MOE_IMPLS:
@@ -283,6 +284,24 @@ class CupyOps(Ops):
         if out.size:
             _launch("silu_and_mul.cu", "silu_and_mul", (min((out.size + 255) // 256, 65536),), 256,
                     (x, out, np.int64(out.size), np.int32(I2 // 2)))
+        return out
+
+    def clip(self, x, limit):
+        _check("clip", "x", x, _BF16)
+        out = cupy.empty_like(x)
+        if out.size:
+            _launch("elementwise.cu", "clip_bf16", (min((out.size + 255) // 256, 65536),), 256,
+                    (x, out, np.int64(out.size), np.float32(limit)))
+        return out
+
+    def sigmoid_gate_add(self, out, s, gate):
+        _check("sigmoid_gate_add", "out", out, _F32, (None, None))
+        T, D = out.shape
+        _check("sigmoid_gate_add", "s", s, _BF16, (T, D))
+        _check("sigmoid_gate_add", "gate", gate, _BF16, (T, 1))
+        if out.size:
+            _launch("elementwise.cu", "sigmoid_gate_add", (min((out.size + 255) // 256, 65536),), 256,
+                    (out, s, gate, np.int64(out.size), np.int32(D)))
         return out
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):

@@ -27,6 +27,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down"),
     "moe_combine.cu": ("moe_combine",),
     "silu_and_mul.cu": ("silu_and_mul",),
+    "elementwise.cu": ("clip_bf16", "sigmoid_gate_add"),
     "argmax.cu": ("argmax_bf16", "argmax_f32"),
 }
 

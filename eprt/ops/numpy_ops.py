@@ -114,6 +114,12 @@ class NumpyOps(Ops):
         g, u = x[:, :inter], x[:, inter:]
         return g / (1.0 + np.exp(-g)) * u                            # [T, I]
 
+    def clip(self, x, limit):
+        return np.clip(x, -limit, limit)
+
+    def sigmoid_gate_add(self, out, s, gate):
+        return out + s / (1.0 + np.exp(-gate))                       # [T, D]
+
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
         out = np.zeros((T, D), dtype=np.float32)                     # [T, D]

@@ -40,7 +40,7 @@ class Sequence:
     adapter: int = -1
     image_embeds: object = None               # numpy [n, D] float32 or None
     deadline: Optional[float] = None          # on the scheduler's clock
-    stream: bool = True                       # streaming client: on_token per token
+    stream: bool = False                      # streaming client: on_token per token
     on_token: Optional[Callable[[int], None]] = None
     on_finish: Optional[Callable[[GenerationResult], None]] = None
     # -- state read by the model (interface.py) --------------------------------------
