@@ -27,6 +27,7 @@ from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config
 from eprt.engine.executor import ShardExecutor
 from eprt.engine.runner import ModelRunner
 from eprt.model.loader import load_model
+from eprt.ops.device import bind_local_gpu, get_ops, resolve_device
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.scheduler import Scheduler
@@ -154,20 +155,22 @@ class Engine:
         self.transport.close()
 
 
-def _select_ops(device: str):
-    if device == "cpu":
-        from eprt.ops.numpy_ops import NumpyOps
-        return NumpyOps()
-    from eprt.ops.device import get_ops
-    return get_ops(device)
+def _combine(transport, ops):
+    """The MoE combine for this backend. GPU partials are staged through the host (the
+    stream is synchronized by the copy), which is correct with or without CUDA-aware MPI."""
+    if transport.size == 1:
+        return lambda partial: partial
+    if ops.name == "cpu":
+        return transport.allsum
+    return lambda partial: ops.xp.asarray(transport.allsum(ops.to_host(partial)))
 
 
 def _kv_blocks(cfg: EngineConfig, ops, model_cfg) -> int:
     if cfg.num_blocks:
         return cfg.num_blocks
     if ops.name != "cpu":
-        from eprt.ops.device import kv_pool_blocks
         from eprt.model.kv_cache import KVCache
+        from eprt.ops.device import kv_pool_blocks
         per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
         return min(kv_pool_blocks(per_block, cfg.gpu_memory_utilization), cfg.blocks_for(cfg.block_size))
     return cfg.blocks_for(cfg.block_size)
@@ -180,11 +183,15 @@ def launch_engine(args_or_config, transport=None):
     ``transport`` defaults to the launcher's world (``open_transport()``)."""
     cfg = args_or_config if isinstance(args_or_config, EngineConfig) else engine_config_from_args(args_or_config)
     cfg.validate()
+    device = resolve_device(cfg.device)
+    if device == "cuda":
+        bind_local_gpu()            # before MPI initialises: a CUDA-aware MPI must see the right GPU
     transport = open_transport() if transport is None else transport
     rank, world = transport.rank, transport.size
     setup_logging(rank, cfg.log_all_ranks or None)
-    ops = _select_ops(cfg.device)
-    loaded = load_model(cfg.model, ops, cfg.max_model_len, rank=rank, world=world, combine=transport.allsum)
+    ops = get_ops(device)
+    loaded = load_model(cfg.model, ops, cfg.max_model_len, rank=rank, world=world,
+                        combine=_combine(transport, ops))
     model_cfg = loaded.config
     transport.startup_barrier()     # ranks load at different speeds; no watchdog until all are ready
     if rank == 0:                   # rank 0 decodes its own frames as a worker will: bugs surface here
