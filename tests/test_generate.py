@@ -134,3 +134,18 @@ def test_16_prompts_through_the_scheduler_equal_each_alone(checkpoint):
                  for p, n in zip(prompts, lengths)]
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert [len(r.token_ids) for r in together] == lengths
+
+
+def test_seeded_sampling_survives_preemption(checkpoint):
+    """A pool too small for every sequence forces preemptions; seeded samples do not change."""
+    path = checkpoint("mixtral")
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+    prompts = [[3 + i, 40, 41, 42, 43, 44] for i in range(4)]
+    outs = []
+    for blocks in (400, 14):
+        cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=64, num_blocks=blocks)
+        with launch_engine(cfg) as engine:
+            outs.append([r.token_ids for r in engine.generate([GenerationRequest(p, params) for p in prompts])])
+            if blocks == 14:
+                assert engine.stats()["preemptions"] > 0
+    assert outs[0] == outs[1]

@@ -61,14 +61,16 @@ class ModelRunner:
         if slot is None:
             raise RuntimeError("alloc_sequence with every slot occupied")
         seq.cached = self.ex.allocate(slot, seq.token_ids[: seq.num_prompt], seq.adapter)
-        self._rngs[seq.seq_id] = make_rng(seq.params, self._rng)
+        if seq.seq_id not in self._rngs:     # a preempted sequence keeps its sampling stream
+            self._rngs[seq.seq_id] = make_rng(seq.params, self._rng)
         return slot
 
     def cache_sequence(self, seq) -> None:
         self.ex.cache(seq.slot)
 
     def free_sequence(self, seq) -> int:
-        self._rngs.pop(seq.seq_id, None)
+        if seq.finished:
+            self._rngs.pop(seq.seq_id, None)
         return self.ex.free(seq.slot)
 
     def compact_sequence(self, seq, new_slot: int) -> None:

@@ -14,8 +14,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from eprt.comm.protocol import RESERVED_BASE
+
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-MAX_VOCAB = 0xFFFFFFE0  # protocol words at or above this are commands
 
 
 class ConfigError(ValueError):
@@ -117,7 +118,7 @@ def config_from_dict(raw: dict, generation_config: Optional[dict] = None) -> Mod
     layers = int(_require(raw, "num_hidden_layers"))
     experts = int(_require(raw, "num_experts", "num_local_experts"))
     vocab = int(_require(raw, "vocab_size"))
-    if vocab >= MAX_VOCAB:
+    if vocab >= RESERVED_BASE:
         raise ConfigError(f"vocab_size {vocab} collides with the protocol's reserved command words")
     top_k = int(_require(raw, "num_experts_per_tok"))
     if not 0 < top_k <= experts:

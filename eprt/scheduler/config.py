@@ -5,9 +5,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Optional
 
+from eprt.comm.protocol import RESERVED_BASE as RESERVED_WORDS  # token ids stay below the commands
 from eprt.engine.api import GenerationRequest, RequestError
-
-RESERVED_WORDS = 0xFFFFFFE0  # PROTOCOL.md: token ids must stay below the command words
 
 
 @dataclass(frozen=True)

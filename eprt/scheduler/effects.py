@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
+from eprt.comm.protocol import RELEASE
+
 # Command words of shared/spec/PROTOCOL.md that the scheduler sends itself.
-CMD_PREFILL = 0xFFFFFFF0
-CMD_RELEASE = 0xFFFFFFF1
 DEFAULT_STREAM = 0
 
 
@@ -73,7 +73,7 @@ class ReleaseSeq:
         if self.cache:
             model.cache_sequence(self.seq)
         blocks = model.free_sequence(self.seq)
-        model.ep_broadcast_cmd_for_seq(seq=slot, cmd=CMD_RELEASE)
+        model.ep_broadcast_cmd_for_seq(seq=slot, cmd=RELEASE)
         return blocks
 
 

@@ -57,7 +57,8 @@ from eprt.engine.api import GenerationRequest, RequestError
 from eprt.scheduler import guards
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig, validate_request
-from eprt.scheduler.effects import (CMD_PREFILL, DEFAULT_STREAM, CompactSlot, Decode, EffectRunner,
+from eprt.comm.protocol import PREFILL
+from eprt.scheduler.effects import (DEFAULT_STREAM, CompactSlot, Decode, EffectRunner,
                                     EpShutdown, MarconiCheckpoint, Quiesce, ReleaseSeq, Teardown, Tracer)
 from eprt.scheduler.inbox import Inbox
 from eprt.scheduler.sequence import (ERROR, GUARD_KV_CAPACITY, LENGTH, STOP, RequestHandle, Sequence,
@@ -209,7 +210,7 @@ class Scheduler:
         """Send one PREFILL frame and run it; returns the budget left."""
         m, full, start = self.model, seq.num_prompt, seq.len
         n = full - start if budget is None else min(full - start, budget)
-        m.ep_broadcast_cmd_for_seq(seq=seq.slot, cmd=CMD_PREFILL)
+        m.ep_broadcast_cmd_for_seq(seq=seq.slot, cmd=PREFILL)
         for word in (n, start, full):
             m.ep_broadcast_cmd(word)
         m.ep_broadcast_tokens(seq.token_ids[:full])
