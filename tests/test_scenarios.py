@@ -1,5 +1,6 @@
 """Golden scenario traces, the ``eprt scenario`` command, and the scheduler's client API
 driven against the recording fake model."""
+import logging
 import pathlib
 import threading
 
@@ -160,8 +161,13 @@ def test_a_raising_callback_cancels_only_its_request(caplog):
     h1 = sched.submit(_req([1], max_tokens=100, stream=True, on_token=boom), seq_id=1)
     h2 = sched.submit(_req([2]), seq_id=2)
     sched.close()
-    while not sched.is_shut_down:
-        sched.step()
+    eprt_logger = logging.getLogger("eprt")    # an engine run in this process may have stopped
+    eprt_logger.addHandler(caplog.handler)     # "eprt" propagating to the root logger
+    try:
+        while not sched.is_shut_down:
+            sched.step()
+    finally:
+        eprt_logger.removeHandler(caplog.handler)
     assert h1.result(timeout=0).finish_reason == "stop" and h1.result().token_ids == [10, 10]
     assert h2.result(timeout=0).token_ids == [20, 21, 63]
     assert "client callback of request s1 raised" in caplog.text
