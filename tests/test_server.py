@@ -119,7 +119,8 @@ def test_completion_text_usage_and_prefix_cache(client):
     assert first["usage"] == {"prompt_tokens": 12, "completion_tokens": 13, "total_tokens": 25,
                               "prompt_tokens_details": {"cached_tokens": 0}}
     again = complete(client, prompt="hello world!", max_tokens=5)
-    assert again["choices"][0] == {"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}
+    assert again["choices"][0] == {"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length",
+                                   "token_ids": list(b"hello")}
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
     assert complete(client, prompt=[104, 105])["choices"][0]["text"] == "hi"
 

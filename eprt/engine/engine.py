@@ -139,9 +139,11 @@ class Engine:
         blocks = self.runner.ex.blocks
         with self._lock:
             out = dict(self._counters)
-        out.update(self.scheduler.stats() if hasattr(self.scheduler, "stats") else {})
-        out.update(free_blocks=blocks.num_free_blocks(), cached_blocks=blocks.num_cached_blocks(),
-                   total_blocks=blocks.num_blocks, prompt_tokens_computed=self.runner.prompt_tokens_computed)
+        sched = self.scheduler.stats()
+        out.update(sched, waiting=sched["queued"], free_blocks=blocks.num_free_blocks(),
+                   cached_blocks=blocks.num_cached_blocks(), total_blocks=blocks.num_blocks,
+                   prompt_tokens_computed=self.runner.prompt_tokens_computed,
+                   decode_steps=self.runner.decode_steps, decode_rows=self.runner.decode_rows)
         return out
 
     def shutdown(self) -> None:

@@ -28,6 +28,8 @@ class ModelRunner:
         self._logits: Optional[np.ndarray] = None   # [B, V] of the last forward
         self._rows: list = []                # the sequences behind those rows
         self.prompt_tokens_computed = 0
+        self.decode_steps = 0
+        self.decode_rows = 0
 
     # ---- start-up (no device streams on the CPU backend) ----------------------------
     def bind_gpu_to_thread(self) -> None:
@@ -109,6 +111,8 @@ class ModelRunner:
         self.flush()
         self._logits = self.ex.decode(slots, list(tokens))
         self._rows = list(seqs)
+        self.decode_steps += 1
+        self.decode_rows += len(slots)
 
     def commit_ctx(self, seq, n: int, base: int, row: int) -> None:
         pass  # no drafter context to commit

@@ -113,6 +113,7 @@ class Handler(BaseHTTPRequestHandler):
         except (ClientGone, BrokenPipeError, ConnectionResetError):
             log.info("%s: client went away; its request was cancelled", path)
             self.close_connection = True
+            self._status = 499              # "client closed request", even after a 200 header
         except RequestError as e:           # FieldError carries the field's name
             self._fail(ApiError(400, str(e), param=getattr(e, "param", None)))
         except ApiError as e:

@@ -26,6 +26,13 @@ ENGINE_METRICS = {
     "cached_tokens": ("eprt_prompt_cached_tokens_total", "counter", "Prompt tokens served from the prefix cache"),
     "generation_tokens": ("eprt_generation_tokens_total", "counter", "Tokens generated"),
     "requests_finished": ("eprt_requests_finished_total", "counter", "Requests the engine finished"),
+    "ticks": ("eprt_scheduler_ticks_total", "counter", "Scheduler steps run"),
+    "decode_steps": ("eprt_decode_steps_total", "counter", "Batched decode steps run"),
+    "decode_rows": ("eprt_decode_rows_total", "counter", "Sequence rows over all decode steps "
+                    "(rows / steps is the mean decode batch)"),
+    "preemptions": ("eprt_preemptions_total", "counter", "Sequences preempted when KV blocks ran out"),
+    "prompt_tokens_computed": ("eprt_prompt_tokens_computed_total", "counter",
+                               "Prompt tokens prefilled (not served from the prefix cache)"),
 }
 
 

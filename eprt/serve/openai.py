@@ -145,12 +145,14 @@ def _envelope(api: ApiRequest, obj: str, choices: list) -> dict:
 
 
 def response_body(api: ApiRequest, result: GenerationResult) -> dict:
-    """The whole answer of a non-streaming request."""
+    """The whole answer of a non-streaming request. ``token_ids`` (an eprt extension) lists the
+    generated ids, so a model without a tokenizer still shows what it generated."""
     if api.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                   "logprobs": None, "finish_reason": result.finish_reason}
     else:
         choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+    choice["token_ids"] = list(result.token_ids)
     body = _envelope(api, "chat.completion" if api.chat else "text_completion", [choice])
     body["usage"] = usage(result)
     return body
