@@ -144,6 +144,7 @@ def _ask(url: str, prompt: list, max_tokens: int, stream: bool, start: threading
 def test_concurrent_requests_match_generate_and_are_batched(server, client, reference):
     answers, running, done = {}, [], threading.Event()
     start = threading.Barrier(len(PROMPTS))
+    before = scrape(client)
 
     def ask(i):
         prompt, max_tokens, stream = PROMPTS[i]
@@ -171,6 +172,10 @@ def test_concurrent_requests_match_generate_and_are_batched(server, client, refe
     # The engine held several sequences at once, so its decode steps ran them as one batch.
     assert max(running) >= 2, running
     after = scrape(client)
+    steps = after["eprt_decode_steps_total"] - before["eprt_decode_steps_total"]
+    rows = after["eprt_decode_rows_total"] - before["eprt_decode_rows_total"]
+    assert rows > steps > 0, (rows, steps)           # mean decode batch above one sequence
+    assert steps < sum(n for _, n, _ in PROMPTS) - len(PROMPTS)   # fewer steps than one-at-a-time
     assert after["eprt_requests_running"] == 0
     assert after["eprt_kv_blocks_free"] == after["eprt_kv_blocks_capacity"]
 
