@@ -43,7 +43,7 @@ from eprt.comm.slots import SlotMirror, StreamChecker
 
 TAG_WORKER_ERROR = 1  # worker -> rank 0: utf-8 error text (the sender is the failing rank)
 TAG_ROOT_DOWN = 2     # rank 0 -> worker: utf-8 reason; rank 0 is going down without SHUTDOWN
-BUSY_SLEEP_MAX = 5e-4  # s, longest sleep between polls inside a compute-time collective
+BUSY_SLEEP_MAX = 1e-4  # s, longest sleep between polls inside a compute-time collective
 IDLE_SLEEP_MAX = 5e-3  # s, longest sleep while a worker waits for its next command
 ABORT_GRACE = 0.5      # s between printing why and aborting, so the message reaches the terminal
 DEFAULT_FRAME_WORDS = 512
