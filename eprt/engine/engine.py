@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from typing import Optional
 
 import numpy as np
@@ -33,6 +34,7 @@ from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("eprt.engine")
+STATS_LOG_INTERVAL_S = 10.0     # how often a busy engine logs its counters and KV accounting
 
 
 class Handle:
@@ -67,6 +69,7 @@ class Engine:
         self._counters = {"requests_finished": 0, "generation_tokens": 0, "cached_tokens": 0,
                           "prompt_tokens": 0}
         self._closed = False
+        self._next_log = time.monotonic() + STATS_LOG_INTERVAL_S
 
     # ---- clients (any thread) ------------------------------------------------------------
     def submit(self, req: GenerationRequest, on_finish=None):
@@ -119,7 +122,7 @@ class Engine:
             except RequestError as e:
                 results[i] = GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))
         while not all(h.done() for _, h in handles):
-            self.scheduler.step()
+            self._step()
         for i, h in handles:
             results[i] = h.result()
         return results
@@ -129,11 +132,25 @@ class Engine:
         everything in flight is done."""
         while not stop.is_set():
             if self.scheduler.in_flight():
-                self.scheduler.step()
+                self._step()
             else:
                 self.scheduler.wait_for_work(poll_s)
         while self.scheduler.in_flight():
-            self.scheduler.step()
+            self._step()
+
+    def _step(self) -> None:
+        self.scheduler.step()
+        now = time.monotonic()
+        if now >= self._next_log:
+            self._next_log = now + STATS_LOG_INTERVAL_S
+            log.info("%s", self.stats_line())
+
+    def stats_line(self) -> str:
+        s = self.stats()
+        return (f"running {s['running']}, waiting {s['waiting']}; KV blocks: {s['free_blocks']} free "
+                f"of {s['total_blocks']} ({s['cached_blocks']} cached); prompt tokens computed "
+                f"{s['prompt_tokens_computed']}, from cache {s['cached_tokens']}; generated "
+                f"{s['generation_tokens']}; preemptions {s['preemptions']}")
 
     def stats(self) -> dict:
         blocks = self.runner.ex.blocks
@@ -154,6 +171,7 @@ class Engine:
         self.scheduler.close()
         while self.scheduler.step():
             pass
+        log.info("shutdown: %s", self.stats_line())
         self.transport.close()
 
 
