@@ -29,23 +29,14 @@ down with a non-zero exit at once; the watchdog covers launchers that do not.
 """
 from __future__ import annotations
 
-import atexit
 import os
-import sys
-import time
 from dataclasses import dataclass, fields
 
 import numpy as np
 
-from eprt import env
 from eprt.comm.protocol import WORD_MAX, Command, ProtocolError, Shutdown, as_words, encode
 from eprt.comm.slots import SlotMirror, StreamChecker
 
-TAG_WORKER_ERROR = 1  # worker -> rank 0: utf-8 error text (the sender is the failing rank)
-TAG_ROOT_DOWN = 2     # rank 0 -> worker: utf-8 reason; rank 0 is going down without SHUTDOWN
-BUSY_SLEEP_MAX = 1e-4  # s, longest sleep between polls inside a compute-time collective
-IDLE_SLEEP_MAX = 5e-3  # s, longest sleep while a worker waits for its next command
-ABORT_GRACE = 0.5      # s between printing why and aborting, so the message reaches the terminal
 DEFAULT_FRAME_WORDS = 512
 
 
@@ -251,177 +242,5 @@ def open_transport(max_slots: int | None = None, vocab_size: int | None = None,
     checker = StreamChecker(max_slots, vocab_size) if max_slots is not None else None
     if launcher_world_size() == 1:
         return LocalTransport(checker, frame_words)
+    from eprt.comm.mpi_transport import MpiTransport
     return MpiTransport(checker=checker, frame_words=frame_words)
-
-
-class MpiTransport(Transport):
-    """The transport over ``comm`` (COMM_WORLD by default); construct it on every rank in the
-    same order (it duplicates communicators, a collective)."""
-
-    def __init__(self, comm=None, checker: StreamChecker | None = None,
-                 frame_words: int = DEFAULT_FRAME_WORDS, timeout: float | None = None):
-        from mpi4py import MPI
-        self._MPI = MPI
-        self._world = MPI.COMM_WORLD if comm is None else comm
-        super().__init__(self._world.Get_rank(), self._world.Get_size(), checker, frame_words)
-        self.timeout = float(env.COLLECTIVE_TIMEOUT.get() if timeout is None else timeout)
-        if not self.timeout > 0:
-            raise ValueError(f"EPRT_COLLECTIVE_TIMEOUT must be > 0 seconds, got {self.timeout:g}")
-        self._ctl, self._moe, self._err = self._world.Dup(), self._world.Dup(), self._world.Dup()
-        self._inflight = False      # a wait was left by an exception: the comms are unusable
-        self._failed: WorkerFailed | None = None
-        if self.rank == 0:
-            atexit.register(self._at_exit)  # a rank 0 that dies of an exception still frees the workers
-
-    # -- the hooks of Transport ----------------------------------------------------------------
-    def _send_frame(self, out: np.ndarray, n: int) -> None:
-        fw = self.frame_words
-        self._bcast(out[:fw], "a command frame")
-        if n + 1 > fw:
-            self._bcast(out[fw:n + 1], "a command frame's overflow")
-
-    def _send_rows(self, rows: np.ndarray) -> None:
-        self._bcast(rows, "the vision rows")
-
-    def _gather(self, partial: np.ndarray) -> np.ndarray:
-        gathered = np.empty((self.size,) + partial.shape, np.float32)  # [P, *partial.shape]
-        self._wait(self._moe.Iallgather(partial, gathered), "the MoE combine")
-        return gathered
-
-    def startup_barrier(self) -> None:
-        """Wait, without a time limit, until every rank has loaded its model: ranks load at
-        different speeds, and only after this barrier are the collectives timed."""
-        if self.size == 1:
-            return
-        self.stats.mpi_calls += 1
-        self._wait(self._ctl.Ibarrier(), "the start-up barrier", idle=True)
-
-    def recv_frame(self) -> np.ndarray:
-        """The words of rank 0's next frame; waits without a time limit (the server may idle)."""
-        self._require_worker("recv_frame")
-        fw = self.frame_words
-        frame = np.empty(fw, np.uint32)
-        self._bcast(frame, "the next command", idle=True)
-        n = int(frame[0])
-        if n < fw:
-            return frame[1:n + 1]
-        rest = np.empty(n + 1 - fw, np.uint32)
-        self._bcast(rest, "a command frame's overflow")
-        return np.concatenate([frame[1:], rest])
-
-    def recv_rows(self, n: int, width: int) -> np.ndarray:
-        self._require_worker("recv_rows")
-        rows = np.empty((n, width), np.float32)  # [rows, hidden]
-        self._bcast(rows, "the vision rows")
-        return rows
-
-    def report_error(self, text: str) -> None:
-        """Tell rank 0 this worker failed, then wait for rank 0's notice that the job is going
-        down; if none comes within the collective timeout, abort the job from here."""
-        self._require_worker("report_error")
-        data = np.frombuffer(text.encode("utf-8", "replace"), np.uint8)
-        req = self._err.Isend(data, dest=0, tag=TAG_WORKER_ERROR)
-        self.stats.mpi_calls += 1
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self._root_notice() is not None:
-                req.Test()
-                return
-            time.sleep(BUSY_SLEEP_MAX)
-        self._abort(f"eprt: rank {self.rank} failed: {text}\neprt: rank {self.rank}: rank 0 did not "
-                    f"answer the error report within {self.timeout:g} s; aborting the job")
-
-    def close(self, reason: str | None = None) -> None:
-        """Release the communicators. Rank 0 closing without a SHUTDOWN sent (or after a
-        worker failed) sends every worker the notice instead, so none waits forever."""
-        if self.closed:
-            return
-        self.closed = True
-        atexit.unregister(self._at_exit)
-        if self.rank == 0 and (not self._shutdown_sent or self._failed or self._inflight):
-            why = reason or "rank 0 stopped without SHUTDOWN"
-            if self._failed is not None and str(self._failed) not in why:
-                why = f"{why} ({self._failed})"
-            self._notify_workers(why)
-        elif not self._inflight:
-            for c in (self._ctl, self._moe, self._err):
-                c.Free()
-
-    # -- waiting, the watchdog and the error channel ------------------------------------------------
-    def _bcast(self, buf: np.ndarray, what: str, idle: bool = False) -> None:
-        self.stats.mpi_calls += 1
-        self.stats.bcasts += 1
-        self.stats.bcast_bytes += buf.nbytes
-        self._wait(self._ctl.Ibcast(buf, root=0), what, idle)
-
-    def _wait(self, req, what: str, idle: bool = False) -> None:
-        """Poll ``req`` to completion with growing sleeps, watching the error channel; a
-        compute-time wait (not ``idle``) longer than the collective timeout aborts the job."""
-        self._inflight = True
-        deadline = None if idle else time.monotonic() + self.timeout
-        delay, cap = 0.0, IDLE_SLEEP_MAX if idle else BUSY_SLEEP_MAX
-        while not req.Test():
-            self._check_channel()
-            if deadline is not None and time.monotonic() > deadline:
-                self._watchdog(what)
-            time.sleep(delay)
-            delay = min(cap, 2 * delay if delay else 1e-5)
-        self._inflight = False
-
-    def _check_channel(self) -> None:
-        if self.rank != 0:
-            reason = self._root_notice()
-            if reason is not None:
-                raise RootDown(f"rank 0 is going down: {reason}")
-            return
-        if self._failed is not None:
-            raise self._failed
-        status = self._MPI.Status()
-        if self._err.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_WORKER_ERROR, status=status):
-            src = status.Get_source()
-            text = self._recv_text(src, TAG_WORKER_ERROR, status)
-            print(f"eprt: rank {src} failed: {text}", file=sys.stderr, flush=True)
-            self._failed = WorkerFailed(src, text)
-            raise self._failed
-
-    def _root_notice(self) -> str | None:
-        status = self._MPI.Status()
-        if self._err.Iprobe(source=0, tag=TAG_ROOT_DOWN, status=status):
-            return self._recv_text(0, TAG_ROOT_DOWN, status)
-        return None
-
-    def _recv_text(self, src: int, tag: int, status) -> str:
-        data = np.empty(status.Get_count(self._MPI.BYTE), np.uint8)
-        self._err.Recv(data, source=src, tag=tag)
-        return data.tobytes().decode("utf-8", "replace")
-
-    def _notify_workers(self, reason: str) -> None:
-        data = np.frombuffer(reason.encode("utf-8", "replace"), np.uint8)
-        reqs = [self._err.Isend(data, dest=k, tag=TAG_ROOT_DOWN) for k in range(1, self.size)]
-        self.stats.mpi_calls += len(reqs)
-        deadline = time.monotonic() + self.timeout
-        while not self._MPI.Request.Testall(reqs):
-            if time.monotonic() > deadline:
-                self._abort(f"eprt: rank 0: could not tell the workers to stop ({reason}); aborting")
-            time.sleep(BUSY_SLEEP_MAX)
-
-    def _watchdog(self, what: str) -> None:
-        if self.rank == 0:
-            try:
-                self._check_channel()  # a worker's report explains the stall better than we can
-            except WorkerFailed:
-                pass
-        self._abort(f"eprt: rank {self.rank}: {what} did not complete within {self.timeout:g} s "
-                    "(EPRT_COLLECTIVE_TIMEOUT); a rank died or fell out of step; aborting the job")
-
-    def _abort(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-        time.sleep(ABORT_GRACE)  # MPI_Abort tears the job down before hydra forwards our stderr
-        self._world.Abort(1)
-
-    def _require_worker(self, what: str) -> None:
-        if self.rank == 0:
-            raise RuntimeError(f"{what} is for worker ranks")
-
-    def _at_exit(self) -> None:
-        self.close("rank 0 exited without closing its transport")

@@ -20,7 +20,8 @@ from eprt.comm.slots import SlotMirror, StreamChecker
 from eprt.comm.worker import run_worker
 
 MPI = pytest.importorskip("mpi4py.MPI")
-from eprt.comm.transport import MpiTransport, RootDown, WorkerFailed  # noqa: E402
+from eprt.comm.mpi_transport import MpiTransport  # noqa: E402
+from eprt.comm.transport import RootDown, WorkerFailed  # noqa: E402
 
 TIMEOUT = 20.0  # watchdog for these tests: a bug aborts the job instead of hanging it
 D = 5
