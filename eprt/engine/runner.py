@@ -118,14 +118,15 @@ class ModelRunner:
         pass  # no drafter context to commit
 
     def argmax_batch(self, row: int = 0, n: int = 1, stream: int = 0) -> list[int]:
-        return [self._sample(r) for r in range(row, row + n)]
+        greedy = self.ex.ops.argmax(self._logits[row:row + n])      # one device call for every row
+        return [int(greedy[r - row]) if self._rows[r].params.temperature == 0.0 else self._sample(r)
+                for r in range(row, row + n)]
 
     def _sample(self, row: int) -> int:
         seq = self._rows[row]
-        params = seq.params
-        if params.temperature == 0.0:
+        if seq.params.temperature == 0.0:
             return int(self.ex.ops.argmax(self._logits[row:row + 1])[0])
-        return sample(self.ex.ops.to_host(self._logits[row]), params, self._rngs[seq.seq_id])
+        return sample(self.ex.ops.to_host(self._logits[row]), seq.params, self._rngs[seq.seq_id])
 
     def decode_marconi_checkpoint(self, seq) -> None:
         pass  # no SSM layers in the supported architectures
