@@ -176,13 +176,16 @@ class Engine:
 
 
 def _combine(transport, ops):
-    """The MoE combine for this backend. GPU partials are staged through the host (the
-    stream is synchronized by the copy), which is correct with or without CUDA-aware MPI."""
+    """The MoE combine for this backend. GPU partials go through reused pinned host buffers
+    (the stream is synchronized before MPI reads them), which is correct with or without a
+    CUDA-aware MPI; the frames and vision rows are host data already."""
     if transport.size == 1:
         return lambda partial: partial
     if ops.name == "cpu":
         return transport.allsum
-    return lambda partial: ops.xp.asarray(transport.allsum(ops.to_host(partial)))
+    from eprt.comm.cuda_staging import Staging
+    staging = Staging(cuda_aware=False)
+    return lambda partial: staging.to_device(transport.allsum(staging.send_buffer(partial)))
 
 
 def _kv_blocks(cfg: EngineConfig, ops, model_cfg) -> int:
