@@ -85,7 +85,8 @@ class Ops:
         raise NotImplementedError
 
     def kv_write(self, k_cache: Array, v_cache: Array, k: Array, v: Array, slot_mapping: Array) -> None:
-        """In place: k/v[T, Hk, Dh] go to flat slots slot_mapping[T] of the caches."""
+        """In place: k/v[T, Hk, Dh] go to flat slots slot_mapping[T] of the caches; a negative
+        slot marks a padding row that is not written."""
         raise NotImplementedError
 
     def attention_prefill(self, q: Array, k_cache: Array, v_cache: Array, block_table: Array,
@@ -98,7 +99,7 @@ class Ops:
     def attention_decode(self, q: Array, k_cache: Array, v_cache: Array, block_tables: Array,
                          context_lens: Array, scale: float) -> Array:
         """Batched decode, one query per sequence. q[B, H, Dh], block_tables[B, MB],
-        context_lens[B] (the new token's KV already written, so it is included).
+        context_lens[B] >= 1 (the new token's KV already written, so it is included).
         Returns [B, H, Dh]."""
         raise NotImplementedError
 

@@ -299,6 +299,7 @@ class CupyOps(Ops):
         T, D = out.shape
         _check("sigmoid_gate_add", "s", s, _BF16, (T, D))
         _check("sigmoid_gate_add", "gate", gate, _BF16, (T, 1))
+        out = out.copy()   # the kernel adds in place; the contract returns a new array
         if out.size:
             _launch("elementwise.cu", "sigmoid_gate_add", (min((out.size + 255) // 256, 65536),), 256,
                     (out, s, gate, np.int64(out.size), np.int32(D)))
@@ -319,7 +320,7 @@ class CupyOps(Ops):
         _check(op, "weights", weights, _F32, (T, k))
         _require(op, 2 * 4 * El <= self.smem_limit, f"too many local experts for one permutation block: {El}")
         out = cupy.empty((T, D), dtype=_F32)                          # [T, D]
-        if T == 0 or k == 0:
+        if T == 0 or k == 0 or El == 0:   # El == 0 would launch a grid with gridDim.y = 0
             out.fill(0)
             return out
         n = T * k

@@ -63,8 +63,9 @@ class NumpyOps(Ops):
 
     def kv_write(self, k_cache, v_cache, k, v, slot_mapping):
         nb, bs = k_cache.shape[:2]
-        k_cache.reshape(nb * bs, *k_cache.shape[2:])[slot_mapping] = k
-        v_cache.reshape(nb * bs, *v_cache.shape[2:])[slot_mapping] = v
+        keep = slot_mapping >= 0                                     # negative: padding, skipped
+        k_cache.reshape(nb * bs, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
+        v_cache.reshape(nb * bs, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
 
     def _gather_kv(self, cache, block_table, n):
         bs = cache.shape[1]
