@@ -34,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     args = build_parser(chosen).parse_args(argv)
+    from eprt.comm.transport import StartupFailed
     try:
         return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
-    except (ValueError, OSError) as e:   # bad input (config, checkpoint, request, file): no traceback
-        print(f"eprt {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, StartupFailed) as e:   # bad input (config, checkpoint, request,
+        print(f"eprt {args.command}: error: {e}", file=sys.stderr)   # file) or a rank that could
+        return 2                                                      # not start: no traceback
 
 
 if __name__ == "__main__":

@@ -56,9 +56,6 @@ BLOCK_SIZE = _register("EPRT_BLOCK_SIZE", 16, int, "tokens per KV block")
 NUM_BLOCKS = _register("EPRT_NUM_BLOCKS", 0, int, "KV blocks per rank on the CPU backend (0: sized from max context)")
 API_KEY = _register("EPRT_API_KEY", "", str, "API key eprt serve requires (Bearer) when --api-key is not given")
 KERNEL_DIR = _register("EPRT_KERNEL_DIR", "", str, "directory of the .cu kernel sources (default: the packaged kernels/)")
-CUDA_AWARE_MPI = _register(
-    "EPRT_CUDA_AWARE_MPI", "auto", str,
-    "auto, 1 or 0: whether MPI may be handed GPU buffers (auto asks MPIX_Query_cuda_support)")
 
 
 def describe() -> str:

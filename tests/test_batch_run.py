@@ -2,11 +2,10 @@
 
 Most tests drive ``run_batch`` with tests/fake_engine.py (it echoes the prompt back,
 one byte-token per step, so every expected text is exact); the last one runs the real
-engine under mpiexec and is skipped until eprt.engine.engine exists.
+engine under mpiexec.
 """
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import signal
@@ -70,6 +69,7 @@ def test_mixed_good_and_bad_lines(tmp_path):
     for line, words in expected_errors.items():
         assert words in records[line]["error"], records[line]
     assert records[4]["id"] == "d" and records[13]["id"] == 7
+    assert records[8]["duplicate_of"] == 1 and "duplicate_of" not in records[1]
     assert "9 failed" in log and "wrote 12 results" in log
 
 
@@ -113,6 +113,25 @@ def test_rerun_skips_finished_ids_and_repairs_a_torn_line(tmp_path):
     assert "2 skipped as already done" in log
     rc, log = run(FakeEngine(), inp, out)                     # nothing left to do
     assert rc == 0 and "wrote 0 results" in log and len(read_records(out)) == 4
+
+
+def test_rerun_after_a_duplicate_error_still_runs_the_first_line(tmp_path):
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "aa"}, {"id": "a", "prompt": "again"},
+                                              {"id": "b", "prompt": "bb"}])
+    out = tmp_path / "out.jsonl"
+    rc, _ = run(FakeEngine(), inp, out)
+    assert rc == 0
+    duplicate = next(r for r in read_records(out) if r["line"] == 2)
+    assert duplicate["duplicate_of"] == 1 and "duplicate id 'a'" in duplicate["error"]
+    out.write_text(json.dumps(duplicate) + "\n")       # stopped before line 1 finished
+    engine = FakeEngine()
+    rc, log = run(engine, inp, out)
+    assert rc == 0 and "1 skipped as already done" in log
+    assert sorted(r.request_id for r in engine.submitted) == ["a", "b"]
+    records = {r["line"]: r for r in read_records(out)}
+    assert sorted(records) == [1, 2, 3] and records[1]["text"] == "aa"
+    rc, log = run(FakeEngine(), inp, out)                     # nothing left, duplicate not rewritten
+    assert rc == 0 and "wrote 0 results" in log and len(read_records(out)) == 3
 
 
 INTERRUPTIBLE = """
@@ -166,8 +185,6 @@ def test_progress_line_and_fatal_errors(tmp_path):
     assert rc == 2 and foreign.read_text() == "not written by eprt run\n"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("eprt.engine.engine") is None,
-                    reason="eprt.engine.engine is not available yet")
 @pytest.mark.slow
 def test_real_engine_batch_under_mpiexec(checkpoint, tmp_path):
     inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt_ids": [1, 5, 9, 12], "max_tokens": 6},

@@ -149,3 +149,61 @@ def test_seeded_sampling_survives_preemption(checkpoint):
             if blocks == 14:
                 assert engine.stats()["preemptions"] > 0
     assert outs[0] == outs[1]
+
+
+def test_engine_failure_fails_every_request_instead_of_hanging(checkpoint, monkeypatch):
+    from eprt.engine.executor import ShardExecutor
+    real, calls = ShardExecutor.decode, {"n": 0}
+
+    def failing(self, slots, tokens):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected model failure")
+        return real(self, slots, tokens)
+
+    monkeypatch.setattr(ShardExecutor, "decode", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        with launch_engine(engine_config(checkpoint("olmoe"))) as engine:
+            early = engine.submit(GenerationRequest(PROMPTS[0], SamplingParams(max_tokens=10)))
+            engine.generate([GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=10))])
+    res = early.result(timeout=0)
+    assert res.finish_reason == "error" and "injected model failure" in res.error
+    assert len(res.token_ids) == 3            # prefill token + 2 decode steps before the failure: kept
+
+
+def test_image_embeds_argument_splits_only_a_leading_index():
+    from eprt.entry.generate import _embeds
+    assert _embeds("1:/data/run:3/x.npy") == (1, "/data/run:3/x.npy")
+    assert _embeds("/data/run:3/x.npy") == (0, "/data/run:3/x.npy")
+    assert _embeds("x.npy") == (0, "x.npy")
+    assert _embeds("²:x.npy") == (0, "²:x.npy")                  # not an ASCII index: part of the name
+
+
+def test_image_embeds_file_must_be_a_2d_float_npy(tmp_path):
+    import argparse
+
+    import numpy as np
+
+    from eprt.engine.api import RequestError
+    from eprt.entry.generate import _requests, add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def embeds_for(path):
+        args = parser.parse_args(["--prompt-ids", "1,2", "--prompt-ids", "3", "--image-embeds", f"1:{path}"])
+        return _requests(args, None)[1].image_embeds
+
+    good = tmp_path / "rows.npy"
+    np.save(good, np.arange(6, dtype=np.float64).reshape(2, 3))
+    rows = embeds_for(good)
+    assert rows.dtype == np.float32 and rows.tolist() == [[0, 1, 2], [3, 4, 5]]
+    np.savez(tmp_path / "rows.npz", a=np.zeros((2, 3), np.float32))
+    np.save(tmp_path / "flat.npy", np.zeros(3, np.float32))
+    np.save(tmp_path / "ints.npy", np.zeros((2, 3), np.int64))
+    np.save(tmp_path / "objects.npy", np.array([[{"a": 1}]], dtype=object), allow_pickle=True)
+    (tmp_path / "junk.npy").write_bytes(b"not an array")
+    for name, words in [("rows.npz", "is an .npz archive"), ("flat.npy", "want a 2-D float array"),
+                        ("ints.npy", "want a 2-D float array"), ("objects.npy", "cannot read it"),
+                        ("junk.npy", "cannot read it"), ("missing.npy", "cannot read it")]:
+        with pytest.raises(RequestError, match=f"{name}: {words}"):
+            embeds_for(tmp_path / name)

@@ -39,3 +39,16 @@ def test_request_seed_fixes_the_stream():
     params = SamplingParams(temperature=1.0, seed=42)
     a, b = make_rng(params, np.random.default_rng(1)), make_rng(params, np.random.default_rng(2))
     assert [sample(LOGITS, params, a) for _ in range(20)] == [sample(LOGITS, params, b) for _ in range(20)]
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    rng = np.random.default_rng(0)
+    for t in (1e-310, 1e-30, 1e-8):
+        assert sample(LOGITS, SamplingParams(temperature=t), rng) == 1
+
+
+def test_infinite_temperature_is_rejected():
+    import pytest
+    from eprt.engine.api import RequestError
+    with pytest.raises(RequestError, match="finite"):
+        SamplingParams(temperature=float("inf")).validate(10)

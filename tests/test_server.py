@@ -3,11 +3,10 @@
 Most tests run the real server code (eprt.serve.http, .openai, .stream, .metrics,
 .loop) against tests/fake_engine.py, which echoes the prompt back one byte-token per
 step, so every expected text is known exactly. The last test runs the real engine
-under mpiexec and is skipped until eprt.engine.engine exists.
+under mpiexec.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -273,6 +272,21 @@ def test_bad_request_is_a_400_and_does_not_disturb_others(what, path, body, name
     assert streamed_text(good["evs"], chat=False) == "still fine" and good["evs"][-1] == "[DONE]"
 
 
+@pytest.mark.parametrize("length", [b"\xb2", b"\xb9", b"1e3", b"-1"])   # '\xb2' is '\u00b2' in latin-1
+def test_bad_content_length_is_a_400_not_a_500(engine, length):
+    with running_server(engine) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + length + b"\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400", reply
+    assert "bad Content-Length" in json.loads(body)["error"]["message"]
+
+
 def _wait_for(condition, seconds=5.0):
     deadline = time.monotonic() + seconds
     while not condition():
@@ -407,13 +421,9 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0():
         server.stop()
 
 
-# ---- the real engine under MPI (skipped until eprt.engine.engine lands) -----------------
-
-needs_engine = pytest.mark.skipif(importlib.util.find_spec("eprt.engine.engine") is None,
-                                  reason="eprt.engine.engine is not available yet")
+# ---- the real engine under MPI --------------------------------------------------------
 
 
-@needs_engine
 @pytest.mark.slow
 def test_real_engine_server_under_mpiexec(checkpoint):
     server = ServerProcess(["mpiexec", "-n", "2", sys.executable, "-m", "eprt.cli", "serve",

@@ -47,3 +47,31 @@ def test_wrong_row_count_or_width_is_rejected(checkpoint):
             engine.submit(GenerationRequest(PROMPT, image_embeds=image_rows(3, 64)))
         with pytest.raises(RequestError, match=r"shape \[n, 64\]"):
             engine.submit(GenerationRequest(PROMPT, image_embeds=image_rows(4, 32)))
+
+
+def test_prefix_cache_never_mixes_images(checkpoint):
+    """Same placeholder tokens, different rows: no cache hit across images, a hit for the same image."""
+    path = checkpoint("qwen3_moe")
+    prompt = [IMAGE] * 8 + [5, 6, 7]
+    rows_a, rows_b = image_rows(8, 64, seed=1), image_rows(8, 64, seed=2)
+    cfg = EngineConfig(model=path, device="cpu", max_batch=2, block_size=4, max_model_len=64,
+                       image_token_id=IMAGE)
+    with launch_engine(cfg) as engine:
+        gen = lambda rows: engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=10),  # noqa: E731
+                                                              image_embeds=rows)])[0]
+        a, b, a_again = gen(rows_a), gen(rows_b), gen(rows_a)
+    with launch_engine(cfg) as fresh:
+        b_alone = fresh.generate([GenerationRequest(prompt, SamplingParams(max_tokens=10), image_embeds=rows_b)])[0]
+    assert b.cached_tokens == 0 and b.token_ids == b_alone.token_ids
+    assert a_again.cached_tokens == 8 and a_again.token_ids == a.token_ids
+    assert a.token_ids != b.token_ids
+
+
+def test_non_finite_rows_are_rejected(checkpoint):
+    cfg = EngineConfig(model=checkpoint("qwen3_moe"), device="cpu", max_batch=2, block_size=4,
+                       max_model_len=64, image_token_id=IMAGE)
+    rows = image_rows(4, 64)
+    rows[1, 3] = np.nan
+    with launch_engine(cfg) as engine:
+        with pytest.raises(RequestError, match="finite"):
+            engine.submit(GenerationRequest(PROMPT, image_embeds=rows))

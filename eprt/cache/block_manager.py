@@ -5,7 +5,8 @@ next token. Blocks are identified by their physical id (the index into the runne
 KV pool, see ``block_table``).
 
 Prefix cache: a *full* block is keyed by a chained hash of every token up to its end
-(and the adapter id), so equal keys mean equal KV. Keyed blocks are reference counted
+(seeded with the adapter id and a salt: a digest of the sequence's vision rows, since
+image placeholders are one token id whatever the image), so equal keys mean equal KV. Keyed blocks are reference counted
 and shared between sequences with the same prefix. A keyed block that no live sequence
 uses is *evictable*: it still counts as free, keeps its contents for a later hit, and
 is evicted least-recently-used only when the plain free list is empty.
@@ -41,7 +42,7 @@ class BlockManager:
         self._key_of: dict[int, bytes] = {}    # block -> content hash, for keyed blocks
         self._block_of: dict[bytes, int] = {}  # content hash -> block
         self._tables: dict[Hashable, list[int]] = {}
-        self._adapters: dict[Hashable, int] = {}
+        self._seeds: dict[Hashable, tuple] = {}   # key -> (adapter, salt) of its hash chain
 
     # -- queries (no state changes) ----------------------------------------------------
     def blocks_for(self, length: int) -> int:
@@ -55,13 +56,13 @@ class BlockManager:
         """Blocks holding a prefix-cache entry, whether a live sequence uses them or not."""
         return len(self._block_of)
 
-    def match_prefix(self, token_ids: Sequence[int], adapter: int = -1) -> int:
+    def match_prefix(self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"") -> int:
         """Prompt tokens a new sequence would reuse: a multiple of block_size, at most
         ``len - 1`` so that at least one prompt token is computed."""
-        return len(self._match(token_ids, adapter)) * self.block_size
+        return len(self._match(token_ids, adapter, salt)) * self.block_size
 
-    def can_allocate(self, token_ids: Sequence[int], adapter: int = -1) -> bool:
-        return self._cost(token_ids, self._match(token_ids, adapter)) <= self.num_free_blocks()
+    def can_allocate(self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"") -> bool:
+        return self._cost(token_ids, self._match(token_ids, adapter, salt)) <= self.num_free_blocks()
 
     def can_grow(self, key: Hashable, new_len: int) -> bool:
         return self.blocks_for(new_len) - len(self._table(key)) <= self.num_free_blocks()
@@ -73,13 +74,13 @@ class BlockManager:
         return key in self._tables
 
     # -- changes -----------------------------------------------------------------------
-    def allocate(self, key: Hashable, token_ids: Sequence[int], adapter: int = -1) -> int:
+    def allocate(self, key: Hashable, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"") -> int:
         """Reserve the blocks of a prompt, reusing its cached prefix; returns the cached length."""
         if key in self._tables:
             raise KeyError(f"sequence {key!r} already holds blocks")
         if len(token_ids) < 1:
             raise ValueError("cannot allocate an empty prompt")
-        matched = self._match(token_ids, adapter)
+        matched = self._match(token_ids, adapter, salt)
         if self._cost(token_ids, matched) > self.num_free_blocks():
             raise OutOfBlocks(f"sequence {key!r} needs {self._cost(token_ids, matched)} blocks, "
                               f"{self.num_free_blocks()} free")
@@ -88,7 +89,7 @@ class BlockManager:
             self._refs[b] += 1
         table = matched + [self._take() for _ in range(self.blocks_for(len(token_ids)) - len(matched))]
         self._tables[key] = table
-        self._adapters[key] = adapter
+        self._seeds[key] = (adapter, salt)
         return len(matched) * self.block_size
 
     def grow(self, key: Hashable, new_len: int) -> None:
@@ -105,7 +106,7 @@ class BlockManager:
             return
         table = self._table(key)
         n = min(len(token_ids) // self.block_size, len(table))
-        for b, h in zip(table[:n], self._hashes(token_ids, self._adapters[key])):
+        for b, h in zip(table[:n], self._hashes(token_ids, *self._seeds[key])):
             if b in self._key_of or h in self._block_of:
                 continue                        # already keyed, or the same content lives elsewhere
             self._key_of[b] = h
@@ -116,7 +117,7 @@ class BlockManager:
         table = self._tables.pop(key, None)
         if table is None:
             raise KeyError(f"sequence {key!r} holds no blocks")
-        del self._adapters[key]
+        del self._seeds[key]
         for b in reversed(table):               # tail first: the head of a prefix stays longest
             self._refs[b] -= 1
             if self._refs[b] == 0:
@@ -147,21 +148,21 @@ class BlockManager:
         live_hits = sum(1 for b in matched if self._refs[b] > 0)
         return self.blocks_for(len(token_ids)) - live_hits
 
-    def _match(self, token_ids: Sequence[int], adapter: int) -> list[int]:
+    def _match(self, token_ids: Sequence[int], adapter: int, salt: bytes) -> list[int]:
         if not self.enabled or len(token_ids) < 2:
             return []
         limit = (len(token_ids) - 1) // self.block_size
         blocks = []
-        for h in self._hashes(token_ids[: limit * self.block_size], adapter):
+        for h in self._hashes(token_ids[: limit * self.block_size], adapter, salt):
             b = self._block_of.get(h)
             if b is None:
                 break
             blocks.append(b)
         return blocks
 
-    def _hashes(self, token_ids: Sequence[int], adapter: int) -> Iterator[bytes]:
+    def _hashes(self, token_ids: Sequence[int], adapter: int, salt: bytes) -> Iterator[bytes]:
         """Chained content hashes of the full blocks of token_ids."""
-        h = hashlib.blake2b(f"adapter:{adapter}".encode(), digest_size=16).digest()
+        h = hashlib.blake2b(f"adapter:{adapter}".encode() + bytes(salt), digest_size=16).digest()
         bs = self.block_size
         for i in range(len(token_ids) // bs):
             block = ",".join(str(int(t)) for t in token_ids[i * bs:(i + 1) * bs])

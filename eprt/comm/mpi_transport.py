@@ -12,7 +12,8 @@ import numpy as np
 
 from eprt import env
 from eprt.comm.slots import StreamChecker
-from eprt.comm.transport import DEFAULT_FRAME_WORDS, RootDown, Transport, WorkerFailed
+from eprt.comm.transport import (DEFAULT_FRAME_WORDS, STARTUP_ERROR_BYTES, RootDown, StartupFailed, Transport,
+                                  WorkerFailed)
 
 TAG_WORKER_ERROR = 1  # worker -> rank 0: utf-8 error text (the sender is the failing rank)
 TAG_ROOT_DOWN = 2     # rank 0 -> worker: utf-8 reason; rank 0 is going down without SHUTDOWN
@@ -55,13 +56,23 @@ class MpiTransport(Transport):
         self._wait(self._moe.Iallgather(partial, gathered), "the MoE combine")
         return gathered
 
-    def startup_barrier(self) -> None:
-        """Wait, without a time limit, until every rank has loaded its model: ranks load at
-        different speeds, and only after this barrier are the collectives timed."""
+    def startup_barrier(self, error: str | None = None) -> None:
+        """Wait, without a time limit, until every rank has loaded its model or failed to:
+        ranks load at different speeds, and only after this exchange are the collectives
+        timed. Every rank contributes its error text (empty: ready), so a rank that could
+        not start (a checkpoint missing on one node) ends the job on every rank, named."""
         if self.size == 1:
-            return
+            return super().startup_barrier(error)
+        mine = np.zeros(STARTUP_ERROR_BYTES, np.uint8)
+        text = (error or "").encode("utf-8", "replace")[:STARTUP_ERROR_BYTES]
+        mine[:len(text)] = np.frombuffer(text, np.uint8)
+        every = np.empty((self.size, STARTUP_ERROR_BYTES), np.uint8)
         self.stats.mpi_calls += 1
-        self._wait(self._ctl.Ibarrier(), "the start-up barrier", idle=True)
+        self._wait(self._ctl.Iallgather(mine, every), "the start-up exchange", idle=True)
+        failures = [(r, bytes(row).rstrip(b"\0").decode("utf-8", "replace")) for r, row in enumerate(every)
+                    if row.any()]
+        if failures:
+            raise StartupFailed(failures)
 
     def recv_frame(self) -> np.ndarray:
         """The words of rank 0's next frame; waits without a time limit (the server may idle)."""

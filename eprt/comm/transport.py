@@ -52,6 +52,17 @@ class RootDown(RuntimeError):
     """Raised on a worker when rank 0 reports it is going down without a SHUTDOWN command."""
 
 
+class StartupFailed(RuntimeError):
+    """Raised on every rank by ``startup_barrier`` when any rank could not start."""
+
+    def __init__(self, failures: list):
+        self.failures = failures              # [(rank, error text)]
+        super().__init__("; ".join(f"rank {r} could not start: {text}" for r, text in failures))
+
+
+STARTUP_ERROR_BYTES = 480  # error text each rank contributes to the start-up exchange
+
+
 @dataclass
 class CommStats:
     """Counters of communication started by this rank (polls are not counted)."""
@@ -167,8 +178,11 @@ class Transport:
             out += gathered[r]
         return out
 
-    def startup_barrier(self) -> None:
-        """Every rank calls it once its model is loaded, before the first command."""
+    def startup_barrier(self, error: str | None = None) -> None:
+        """Every rank calls it once it has loaded its model, or failed to (``error``); waits
+        without a time limit, then raises StartupFailed on every rank if any rank failed."""
+        if error:
+            raise StartupFailed([(self.rank, error)])
 
     def close(self, reason: str | None = None) -> None:
         """Rank 0 leaving without a SHUTDOWN (an error) tells every worker to leave too."""

@@ -27,8 +27,8 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0):
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 <= self.temperature < float("inf")):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -21,7 +21,7 @@ import numpy as np
 
 from eprt.comm.logging import setup_logging
 from eprt.comm.slots import StreamChecker
-from eprt.comm.transport import open_transport
+from eprt.comm.transport import StartupFailed, open_transport
 from eprt.comm.worker import run_worker
 from eprt.engine.api import GenerationRequest, GenerationResult, RequestError
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
@@ -104,6 +104,8 @@ class Engine:
         d = self.model_config.hidden_size
         if rows.ndim != 2 or rows.shape[1] != d:
             raise RequestError(f"image_embeds must have shape [n, {d}], got {list(rows.shape)}")
+        if rows.dtype.kind not in "fiu" or not np.isfinite(rows).all():
+            raise RequestError("image_embeds must be finite numbers")
         token = self.runner.ex.image_token_id
         if token is None:
             raise RequestError("image_embeds given but the model has no image_token_id (use --image-token-id)")
@@ -139,7 +141,11 @@ class Engine:
             self._step()
 
     def _step(self) -> None:
-        self.scheduler.step()
+        try:
+            self.scheduler.step()
+        except BaseException as e:   # a failed rank or model error: no request waits forever
+            self.scheduler.fail_all(f"engine failed: {type(e).__name__}: {e}")
+            raise
         now = time.monotonic()
         if now >= self._next_log:
             self._next_log = now + STATS_LOG_INTERVAL_S
@@ -184,7 +190,7 @@ def _combine(transport, ops):
     if ops.name == "cpu":
         return transport.allsum
     from eprt.comm.cuda_staging import Staging
-    staging = Staging(cuda_aware=False)
+    staging = Staging()
     return lambda partial: staging.to_device(transport.allsum(staging.send_buffer(partial)))
 
 
@@ -212,11 +218,23 @@ def launch_engine(args_or_config, transport=None):
     transport = open_transport() if transport is None else transport
     rank, world = transport.rank, transport.size
     setup_logging(rank, cfg.log_all_ranks or None)
-    ops = get_ops(device)
-    loaded = load_model(cfg.model, ops, cfg.max_model_len, rank=rank, world=world,
-                        combine=_combine(transport, ops))
+    try:
+        ops = get_ops(device)
+        loaded = load_model(cfg.model, ops, cfg.max_model_len, rank=rank, world=world,
+                            combine=_combine(transport, ops))
+    except Exception as e:
+        if world == 1:
+            raise
+        loaded, error = None, f"{type(e).__name__}: {e}"
+    else:
+        error = None
+    try:   # ranks load at different speeds; no watchdog until all are ready (or one failed)
+        transport.startup_barrier(error)
+    except StartupFailed:
+        if rank != 0:
+            sys.exit(1)             # rank 0 reports every failing rank
+        raise
     model_cfg = loaded.config
-    transport.startup_barrier()     # ranks load at different speeds; no watchdog until all are ready
     if rank == 0:                   # rank 0 decodes its own frames as a worker will: bugs surface here
         transport.checker = StreamChecker(cfg.max_batch, model_cfg.vocab_size)
     executor = ShardExecutor(loaded.model, _kv_blocks(cfg, ops, model_cfg), cfg.block_size, cfg.max_batch,

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import hashlib
+
 import numpy as np
 
 from eprt.cache.block_manager import BlockManager
@@ -22,6 +24,15 @@ from eprt.model.moe_model import AttnBatch, MoEModel
 
 class ExecutorError(RuntimeError):
     """A command this rank cannot execute (its state disagrees with the command)."""
+
+
+def vision_salt(rows: Optional[np.ndarray]) -> bytes:
+    """Prefix-cache salt of a prompt's vision rows: image placeholders are one token id
+    whatever the image, so KV after them depends on the rows too. Rank 0 hashes the
+    float32 rows it broadcasts, so every rank computes the same salt."""
+    if rows is None or len(rows) == 0:
+        return b""
+    return hashlib.blake2b(np.ascontiguousarray(rows, dtype=np.float32).tobytes(), digest_size=16).digest()
 
 
 @dataclass
@@ -58,8 +69,9 @@ class ShardExecutor:
             raise ExecutorError(f"command for empty slot {slot}")
         return st
 
-    def allocate(self, slot: int, tokens, adapter: int = -1) -> int:
-        """Occupy ``slot`` with a prompt, reserving its blocks; returns the prefix-cache hit length."""
+    def allocate(self, slot: int, tokens, adapter: int = -1, salt: bytes = b"") -> int:
+        """Occupy ``slot`` with a prompt, reserving its blocks; returns the prefix-cache hit length.
+        ``salt``: ``vision_salt`` of the prompt's vision rows."""
         if not 0 <= slot < self.max_slots:
             raise ExecutorError(f"slot {slot} out of range [0, {self.max_slots})")
         if self.slots[slot] is not None:
@@ -67,7 +79,7 @@ class ShardExecutor:
         tokens = [int(t) for t in tokens]
         key = self._next_key
         self._next_key += 1
-        cached = self.blocks.allocate(key, tokens, adapter)
+        cached = self.blocks.allocate(key, tokens, adapter, salt)
         self.slots[slot] = SlotState(key=key, tokens=tokens, length=cached, adapter=adapter)
         return cached
 
@@ -102,7 +114,7 @@ class ShardExecutor:
         Returns the logits [1, V] of the chunk's last token (None when compute_logits is off)."""
         tokens = [int(t) for t in tokens]
         if self.slots[slot] is None:     # first chunk on a worker: allocate exactly as rank 0 did
-            cached = self.allocate(slot, tokens)
+            cached = self.allocate(slot, tokens, salt=vision_salt(vision_rows))
             if cached != chunk_start:
                 raise ExecutorError(f"prefix cache diverged on slot {slot}: this rank reuses {cached} tokens, "
                                     f"rank 0 sent chunk_start={chunk_start}")

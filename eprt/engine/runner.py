@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from eprt.comm import protocol as P
-from eprt.engine.executor import ShardExecutor
+from eprt.engine.executor import ShardExecutor, vision_salt
 from eprt.engine.sampling import make_rng, sample
 
 
@@ -23,8 +23,7 @@ class ModelRunner:
     def __init__(self, executor: ShardExecutor, link, seed: int = 0):
         self.ex = executor
         self.link = link                     # eprt.comm.transport.Transport (LocalTransport on one rank)
-        self._rng = np.random.default_rng(seed)
-        self._rngs: dict[int, np.random.Generator] = {}
+        self._rng = np.random.default_rng(seed)   # seeds requests that bring none
         self._logits: Optional[np.ndarray] = None   # [B, V] of the last forward
         self._rows: list = []                # the sequences behind those rows
         self.prompt_tokens_computed = 0
@@ -56,23 +55,25 @@ class ModelRunner:
         return self.ex.blocks.num_cached_blocks()
 
     def can_admit(self, seq) -> bool:
-        return self.ex.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter)
+        return self.ex.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter,
+                                           vision_salt(seq.image_embeds))
 
     def alloc_sequence(self, seq) -> int:
+        if seq.adapter != -1:   # PREFILL carries no adapter: workers could not mirror the allocation
+            raise ValueError(f"adapter {seq.adapter} requested but this model serves no adapters")
         slot = next((s for s, st in enumerate(self.ex.slots) if st is None), None)
         if slot is None:
             raise RuntimeError("alloc_sequence with every slot occupied")
-        seq.cached = self.ex.allocate(slot, seq.token_ids[: seq.num_prompt], seq.adapter)
-        if seq.seq_id not in self._rngs:     # a preempted sequence keeps its sampling stream
-            self._rngs[seq.seq_id] = make_rng(seq.params, self._rng)
+        seq.cached = self.ex.allocate(slot, seq.token_ids[: seq.num_prompt], seq.adapter,
+                                      vision_salt(seq.image_embeds))
+        if seq.model_state is None:          # its sampler; a preempted sequence keeps its stream
+            seq.model_state = make_rng(seq.params, self._rng)
         return slot
 
     def cache_sequence(self, seq) -> None:
         self.ex.cache(seq.slot)
 
     def free_sequence(self, seq) -> int:
-        if seq.finished:
-            self._rngs.pop(seq.seq_id, None)
         return self.ex.free(seq.slot)
 
     def compact_sequence(self, seq, new_slot: int) -> None:
@@ -103,7 +104,7 @@ class ModelRunner:
         self.prompt_tokens_computed += n
 
     def argmax_on_device(self, row: int = 0, stream: int = 0) -> int:
-        return self._sample(row)
+        return self.argmax_batch(row, 1)[0]
 
     def decode_batch(self, tokens, seqs, stream: int = 0) -> None:
         slots = [s.slot for s in seqs]
@@ -118,15 +119,14 @@ class ModelRunner:
         pass  # no drafter context to commit
 
     def argmax_batch(self, row: int = 0, n: int = 1, stream: int = 0) -> list[int]:
-        greedy = self.ex.ops.argmax(self._logits[row:row + n])      # one device call for every row
-        return [int(greedy[r - row]) if self._rows[r].params.temperature == 0.0 else self._sample(r)
-                for r in range(row, row + n)]
-
-    def _sample(self, row: int) -> int:
-        seq = self._rows[row]
-        if seq.params.temperature == 0.0:
-            return int(self.ex.ops.argmax(self._logits[row:row + 1])[0])
-        return sample(self.ex.ops.to_host(self._logits[row]), seq.params, self._rngs[seq.seq_id])
+        """Greedy rows take one device argmax together; sampled rows come to the host."""
+        seqs = self._rows[row:row + n]
+        greedy = None
+        if any(s.params.temperature == 0.0 for s in seqs):
+            greedy = self.ex.ops.argmax(self._logits[row:row + n])
+        return [int(greedy[i]) if s.params.temperature == 0.0 else
+                sample(self.ex.ops.to_host(self._logits[row + i]), s.params, s.model_state)
+                for i, s in enumerate(seqs)]
 
     def decode_marconi_checkpoint(self, seq) -> None:
         pass  # no SSM layers in the supported architectures

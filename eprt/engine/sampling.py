@@ -19,11 +19,11 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     """One token from logits[V] (float32)."""
     if params.temperature == 0.0:
         return int(np.argmax(logits))
-    x = logits.astype(np.float64) / params.temperature                 # [V]
+    x = logits.astype(np.float64)                                      # [V]
+    x = (x - x.max()) / params.temperature   # max first: a tiny temperature gives -inf, never NaN
     if 0 < params.top_k < x.shape[0]:
         kth = np.partition(x, -params.top_k)[-params.top_k]
         x = np.where(x < kth, -np.inf, x)
-    x -= x.max()
     p = np.exp(x)
     p /= p.sum()
     if params.top_p < 1.0:

@@ -29,8 +29,26 @@ def _ids(text: str) -> tuple:
 
 
 def _embeds(text: str) -> tuple:
-    index, _, path = text.rpartition(":") if ":" in text and text.split(":", 1)[0].isdigit() else ("0", "", text)
-    return int(index), path
+    """``I:FILE`` -> (I, FILE); a FILE without an all-digit ``I:`` prefix is for prompt 0."""
+    index, sep, path = text.partition(":")
+    if sep and index.isascii() and index.isdigit():
+        return int(index), path
+    return 0, text
+
+
+def _load_embeds(path: str) -> np.ndarray:
+    """The float32 [n, D] rows stored in a .npy file; RequestError names the file when they are not."""
+    try:
+        rows = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise RequestError(f"--image-embeds {path}: cannot read it as a .npy array ({e})") from None
+    if not isinstance(rows, np.ndarray):      # an NpzFile: a zip of named arrays
+        rows.close()
+        raise RequestError(f"--image-embeds {path}: is an .npz archive; save one array with np.save (.npy)")
+    if rows.ndim != 2 or rows.dtype.kind != "f":
+        raise RequestError(f"--image-embeds {path}: want a 2-D float array [n, D], got {rows.dtype} "
+                           f"of shape {rows.shape}")
+    return rows.astype(np.float32)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +85,7 @@ def _requests(args, tokenizer) -> list:
     for index, path in args.image_embeds:
         if not 0 <= index < len(reqs):
             raise RequestError(f"--image-embeds names prompt {index}, but there are {len(reqs)} prompts")
-        reqs[index].image_embeds = np.load(path).astype(np.float32)
+        reqs[index].image_embeds = _load_embeds(path)
     return reqs
 
 

@@ -82,27 +82,54 @@ def _require(raw: dict, name: str, *aliases):
     return v
 
 
+def _int(raw: dict, name: str, *aliases, default=None, minimum: int = 1) -> int:
+    """An integer field (``default`` when absent; required when ``default`` is None), >= ``minimum``."""
+    v = _require(raw, name, *aliases) if default is None else _first(raw, name, *aliases, default=default)
+    given = next((n for n in (name, *aliases) if raw.get(n) is not None), name)
+    return _checked_int(v, given, minimum)
+
+
+def _checked_int(v, name: str, minimum: int = 1, source: str = "config.json") -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ConfigError(f"{source} field {name!r} must be an integer, got {v!r}")
+    if v < minimum:
+        raise ConfigError(f"{source} field {name!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def _positive_float(v, name: str) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+        raise ConfigError(f"config.json field {name!r} must be a positive number, got {v!r}")
+    return float(v)
+
+
 def _rope_theta(raw: dict) -> float:
     params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling")
-    for spec in (params, scaling or {}):
+    scaling = raw.get("rope_scaling") or {}
+    for name, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(spec, dict):
+            raise ConfigError(f"config.json field {name!r} must be an object, got {spec!r}")
         kind = spec.get("rope_type", spec.get("type", "default"))
         if kind not in (None, "default"):
             raise ConfigError(f"rope type {kind!r} is not supported (only default RoPE)")
-    theta = _first(raw, "rope_theta", default=params.get("rope_theta", 10000.0))
-    return float(theta)
+    return _positive_float(_first(raw, "rope_theta", default=params.get("rope_theta", 10000.0)), "rope_theta")
 
 
 def _eos_ids(*values) -> tuple:
     ids: list[int] = []
     for v in values:
         for t in (v if isinstance(v, (list, tuple)) else [v]):
-            if t is not None and int(t) not in ids:
-                ids.append(int(t))
+            source = "config.json or generation_config.json"
+            if t is not None and _checked_int(t, "eos_token_id", 0, source) not in ids:
+                ids.append(t)
     return tuple(ids)
 
 
 def config_from_dict(raw: dict, generation_config: Optional[dict] = None) -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
+    if generation_config is not None and not isinstance(generation_config, dict):
+        raise ConfigError(f"generation_config.json must hold a JSON object, got {type(generation_config).__name__}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"unsupported model_type {model_type!r}; eprt supports {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -110,66 +137,80 @@ def config_from_dict(raw: dict, generation_config: Optional[dict] = None) -> Mod
         raise ConfigError("use_sliding_window=true is not supported")
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
-    hidden = int(_require(raw, "hidden_size"))
-    heads = int(_require(raw, "num_attention_heads"))
-    kv_heads = int(_first(raw, "num_key_value_heads", default=heads))
+    hidden = _int(raw, "hidden_size")
+    heads = _int(raw, "num_attention_heads")
+    kv_heads = _int(raw, "num_key_value_heads", default=heads)
     if heads % kv_heads:
         raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    layers = int(_require(raw, "num_hidden_layers"))
-    experts = int(_require(raw, "num_experts", "num_local_experts"))
-    vocab = int(_require(raw, "vocab_size"))
+    if raw.get("head_dim") is None and hidden < heads:
+        raise ConfigError(f"hidden_size={hidden} < num_attention_heads={heads} and no head_dim is given")
+    head_dim = _int(raw, "head_dim", default=hidden // heads)
+    layers = _int(raw, "num_hidden_layers")
+    experts = _int(raw, "num_experts", "num_local_experts")
+    vocab = _int(raw, "vocab_size")
     if vocab >= RESERVED_BASE:
         raise ConfigError(f"vocab_size {vocab} collides with the protocol's reserved command words")
-    top_k = int(_require(raw, "num_experts_per_tok"))
-    if not 0 < top_k <= experts:
+    top_k = _int(raw, "num_experts_per_tok")
+    if top_k > experts:
         raise ConfigError(f"num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
-    intermediate = int(_first(raw, "intermediate_size", default=0))
+    image_token = _first(raw, "image_token_id", "image_token_index")
+    eps = _positive_float(_first(raw, "rms_norm_eps", default=1e-6), "rms_norm_eps")
 
     common = dict(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                  num_kv_heads=kv_heads, head_dim=int(_first(raw, "head_dim", default=hidden // heads)),
-                  rms_norm_eps=float(_first(raw, "rms_norm_eps", default=1e-6)), rope_theta=_rope_theta(raw),
-                  max_position_embeddings=int(_first(raw, "max_position_embeddings", default=4096)),
+                  num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=eps, rope_theta=_rope_theta(raw),
+                  max_position_embeddings=_int(raw, "max_position_embeddings", default=4096),
                   tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                  num_experts=experts, top_k=top_k, intermediate_size=intermediate,
-                  image_token_id=_first(raw, "image_token_id", "image_token_index"))
+                  num_experts=experts, top_k=top_k,
+                  image_token_id=None if image_token is None else _checked_int(image_token, "image_token_id", 0))
     gen = generation_config or {}
     common["eos_token_ids"] = _eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id"))
 
+    if model_type in ("mixtral", "olmoe"):       # every layer sparse; intermediate_size sizes the experts
+        intermediate = _int(raw, "intermediate_size")
+        common.update(moe_intermediate_size=intermediate, intermediate_size=intermediate,
+                      sparse_layers=(True,) * layers)
     if model_type == "mixtral":
-        return ModelConfig(model_type=model_type, moe_intermediate_size=intermediate, norm_topk_prob=True,
-                           sparse_layers=(True,) * layers, expert_names=("w1", "w3", "w2"),
+        return ModelConfig(model_type=model_type, norm_topk_prob=True, expert_names=("w1", "w3", "w2"),
                            moe_prefix="block_sparse_moe", **common)
     if model_type == "olmoe":
         clip = raw.get("clip_qkv")
-        return ModelConfig(model_type=model_type, moe_intermediate_size=intermediate,
-                           norm_topk_prob=bool(raw.get("norm_topk_prob", False)), sparse_layers=(True,) * layers,
+        return ModelConfig(model_type=model_type, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                            qkv_bias=bool(raw.get("attention_bias", False)), qk_norm="full",
-                           clip_qkv=None if clip is None else float(clip), **common)
+                           clip_qkv=None if clip is None else _positive_float(clip, "clip_qkv"), **common)
     # qwen2_moe / qwen3_moe: dense layers by mlp_only_layers and decoder_sparse_step
-    step = int(_first(raw, "decoder_sparse_step", default=1))
-    dense = set(raw.get("mlp_only_layers") or [])
-    sparse = tuple((i not in dense) and experts > 0 and (i + 1) % step == 0 for i in range(layers))
-    moe_inter = int(_require(raw, "moe_intermediate_size"))
+    step = _int(raw, "decoder_sparse_step", default=1)
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise ConfigError(f"config.json field 'mlp_only_layers' must be a list of layer indices, got {dense!r}")
+    sparse = tuple((i not in dense) and (i + 1) % step == 0 for i in range(layers))
+    common.update(sparse_layers=sparse, moe_intermediate_size=_int(raw, "moe_intermediate_size"),
+                  intermediate_size=_int(raw, "intermediate_size", default=0, minimum=0 if all(sparse) else 1))
     if model_type == "qwen2_moe":
-        return ModelConfig(model_type=model_type, moe_intermediate_size=moe_inter,
-                           norm_topk_prob=bool(raw.get("norm_topk_prob", False)), sparse_layers=sparse,
+        return ModelConfig(model_type=model_type, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                            qkv_bias=bool(raw.get("qkv_bias", True)),
-                           shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+                           shared_expert_intermediate_size=_int(raw, "shared_expert_intermediate_size",
+                                                                default=0, minimum=0),
                            **common)
-    return ModelConfig(model_type=model_type, moe_intermediate_size=moe_inter,
-                       norm_topk_prob=bool(raw.get("norm_topk_prob", False)), sparse_layers=sparse,
+    return ModelConfig(model_type=model_type, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                        qkv_bias=bool(raw.get("attention_bias", False)), qk_norm="head", **common)
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:         # JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
 
 
 def load_config(model_dir: str) -> ModelConfig:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"{model_dir!r} has no config.json (is it a Hugging Face checkpoint directory?)")
-    with open(path) as f:
-        raw = json.load(f)
-    gen = None
+    raw = _read_json(path)
     gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            gen = json.load(f)
-    return config_from_dict(raw, gen)
+    gen = _read_json(gen_path) if os.path.isfile(gen_path) else None
+    try:
+        return config_from_dict(raw, gen)
+    except ConfigError as e:
+        raise ConfigError(f"{model_dir}: {e}") from None

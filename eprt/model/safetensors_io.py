@@ -48,10 +48,14 @@ class SafetensorsCheckpoint:
     def _files(self) -> list[str]:
         index = os.path.join(self.model_dir, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index} has no weight_map")
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)
+            except ValueError as e:     # JSONDecodeError, UnicodeDecodeError
+                raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index} has no weight_map of tensor names to file names")
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(f for f in os.listdir(self.model_dir) if f.endswith(".safetensors"))
@@ -64,22 +68,25 @@ class SafetensorsCheckpoint:
         return paths
 
     def _index_file(self, path: str) -> None:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) != 8:
                 raise CheckpointError(f"{path!r} is not a safetensors file (too short)")
             (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(f"{path!r} is truncated or corrupt: its header length {n} "
+                                      f"exceeds the file size {size}")
             try:
                 header = json.loads(f.read(n))
             except ValueError as e:
                 raise CheckpointError(f"{path!r} has a corrupt safetensors header: {e}") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path!r} has a corrupt safetensors header: not a JSON object")
+        data_size = size - 8 - n
         for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            if meta["dtype"] not in _DTYPES:
-                raise CheckpointError(f"tensor {name!r} in {path!r} has unsupported dtype {meta['dtype']}")
-            start, end = meta["data_offsets"]
-            self._infos[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), 8 + n + start, 8 + n + end)
+            if name != "__metadata__":
+                self._infos[name] = _tensor_info(path, name, meta, 8 + n, data_size)
 
     def __contains__(self, name: str) -> bool:
         return name in self._infos
@@ -113,6 +120,31 @@ class SafetensorsCheckpoint:
             mm.close()
             f.close()
         self._maps.clear()
+
+
+def _tensor_info(path: str, name: str, meta, data_start: int, data_size: int) -> TensorInfo:
+    """One header entry, checked: known dtype, integer shape, offsets inside the file's data section."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"tensor {name!r} in {path!r} {why}")
+
+    if not isinstance(meta, dict):
+        raise bad("has a corrupt header entry")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if dtype not in _DTYPES:
+        raise bad(f"has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_index(d) for d in shape):
+        raise bad(f"has an invalid shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_index(o) for o in offsets)):
+        raise bad(f"has invalid data_offsets {offsets!r}")
+    start, end = offsets
+    if not start <= end <= data_size:
+        raise bad(f"lies outside the file (data_offsets [{start}, {end}], data section of {data_size} bytes): "
+                  f"the file is truncated or corrupt")
+    return TensorInfo(path, dtype, tuple(shape), data_start + start, data_start + end)
+
+
+def _is_index(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def to_float32(a: np.ndarray, dtype_name: str) -> np.ndarray:

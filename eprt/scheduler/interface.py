@@ -16,7 +16,8 @@ model may read these attributes and nothing else:
     seq.params        eprt.engine.api.SamplingParams
     seq.adapter       int, the adapter id (-1: the active one)
     seq.image_embeds  numpy [n, D] float32 or None
-and the model may set ``seq.cached`` (prefix-cache hit length) inside ``alloc_sequence``.
+and the model may set ``seq.cached`` (prefix-cache hit length) inside ``alloc_sequence``
+and keep its own per-sequence state in ``seq.model_state`` (the scheduler never reads it).
 
 Block accounting (shared by the fake and the real runner through
 ``eprt.cache.block_manager.BlockManager``): a sequence of length L holds

@@ -310,6 +310,21 @@ class Scheduler:
             self._fx.run(fx)
         self.is_shut_down = True
 
+    def fail_all(self, message: str) -> None:
+        """The engine broke (a worker failed, a model error): close the inbox and end every
+        request in flight, queued or live, with reason ``error`` and ``message``, without
+        touching the model again. The scheduler is shut down afterwards."""
+        self._inbox.close()
+        pending = self._inbox.drain(len(self._inbox)) + list(self._waiting) + list(self._live)
+        self._waiting.clear()
+        self._live.clear()
+        for seq in pending:
+            if not seq.done_event.is_set():
+                seq.state = SeqState.FINISHED
+                seq.finish_reason, seq.error = ERROR, message
+                self._notify(seq)
+        self.is_shut_down = True
+
     # -- ending requests ---------------------------------------------------------------------
     def _finish(self, seq: Sequence, reason: str, guard: Optional[str] = None,
                 error: Optional[str] = None) -> None:

@@ -49,6 +49,7 @@ class Sequence:
     len: int = 0                              # tokens whose KV is stored
     slot: int = -1
     cached: int = 0                           # prefix-cache hit of the current admission
+    model_state: object = None                # the model's own (e.g. its sampler); never read here
     # -- scheduler bookkeeping -----------------------------------------------------------
     state: SeqState = SeqState.QUEUED
     cached_tokens: Optional[int] = None       # reported hit: that of the first admission

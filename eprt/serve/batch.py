@@ -14,7 +14,9 @@ number), or ``{"id": ..., "line": N, "error": "..."}`` for a line that could not
 served. A bad line never stops the job; the exit code is 0 and the summary says how
 many failed. Running the same command again skips every line whose id (or, without an
 id, whose line number) is already in the output, so an interrupted job resumes where
-it stopped; delete a line from the output to run it again.
+it stopped; delete a line from the output to run it again. A line repeating an earlier
+line's id is an error; its record carries ``"duplicate_of"`` (the first line's number)
+and is keyed by its own line number, so it never marks the first line as done.
 """
 from __future__ import annotations
 
@@ -63,10 +65,14 @@ class Line:
     id: object                    # the line's "id" (str or int), None when it has none
     obj: Optional[dict] = None    # the parsed line, None when it is not a JSON object
     error: Optional[str] = None   # why the line cannot be served, found before submission
+    duplicate_of: Optional[int] = None  # number of the earlier line with the same id
 
     @property
     def key(self) -> tuple:
-        return ("line", self.number) if self.id is None else ("id", json.dumps(self.id))
+        """What marks this line done in the output: its id, else (no id, or a repeated id) its number."""
+        if self.id is None or self.duplicate_of is not None:
+            return ("line", self.number)
+        return ("id", json.dumps(self.id))
 
 
 def read_lines(path: str) -> list:
@@ -106,7 +112,7 @@ def finished_keys(path: str) -> set:
     for raw in data[:end].splitlines():
         try:
             rec = json.loads(raw)
-            keys.add(Line(rec["line"], rec.get("id")).key)
+            keys.add(Line(rec["line"], rec.get("id"), duplicate_of=rec.get("duplicate_of")).key)
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"{path} has a line that eprt run did not write: {raw[:80]!r}") from None
     return keys
@@ -190,6 +196,8 @@ class BatchWriter:
 
     def _write(self, line: Line, record: dict, failed: bool, tokens: int = 0) -> None:
         record = {"id": line.id, "line": line.number, **{k: v for k, v in record.items() if k != "id"}}
+        if line.duplicate_of is not None:
+            record["duplicate_of"] = line.duplicate_of
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.out.flush()
         self.unfinished -= 1
@@ -206,14 +214,15 @@ def run_batch(engine, input_path: str, output_path: str, in_flight: int = 64,
     except (OSError, UnicodeDecodeError, ValueError) as e:
         print(f"eprt run: {e}", file=sys.stderr)
         return 2
-    todo, seen = [], {}
+    todo, first_line = [], {}           # first_line: id key -> number of the first line using it
     for line in lines:
-        if line.key in done:
-            continue
-        if line.id is not None and line.key in seen:
-            line.error = f"duplicate id {line.id!r} (first used on line {seen[line.key]})"
-        seen.setdefault(line.key, line.number)
-        todo.append(line)
+        if line.id is not None:
+            first = first_line.setdefault(line.key, line.number)
+            if first != line.number:
+                line.duplicate_of = first
+                line.error = f"duplicate id {line.id!r} (first used on line {first})"
+        if line.key not in done:
+            todo.append(line)
     start = time.monotonic()
     progress = Progress(len(todo), progress_stream)
     loop = EngineLoop(engine)

@@ -159,7 +159,7 @@ class Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             raise ApiError(411, "send the request body with a Content-Length header")
-        if not length.isdigit():
+        if not (length.isascii() and length.isdigit()):     # str.isdigit() alone takes '²'
             raise ApiError(400, f"bad Content-Length {length!r}")
         if int(length) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body of {length} bytes is over the {MAX_BODY_BYTES} byte limit")

@@ -1,9 +1,10 @@
 """A real-model job for the engine fault tests (tests/mpi/test_engine_faults.py).
 
-    mpiexec -n 2 python engine_fault_driver.py CHECKPOINT_DIR raise|kill|clean
+    mpiexec -n 2 python engine_fault_driver.py CHECKPOINT_DIR raise|kill|loadfail|clean
 
 Rank 1's decode is wrapped to fail at its 4th step: ``raise`` raises an exception,
-``kill`` SIGKILLs the process (as the OOM killer would).
+``kill`` SIGKILLs the process (as the OOM killer would). ``loadfail``: rank 1 is given a
+checkpoint directory that does not exist (a model missing on one node).
 """
 import os
 import signal
@@ -31,8 +32,10 @@ def inject(mode: str) -> None:
 
 def main() -> int:
     path, mode = sys.argv[1], sys.argv[2]
-    if mode != "clean" and os.environ.get("PMI_RANK") == "1":
+    if mode in ("raise", "kill") and os.environ.get("PMI_RANK") == "1":
         inject(mode)
+    if mode == "loadfail" and os.environ.get("PMI_RANK") == "1":
+        path += "-missing-on-this-node"
     cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=64)
     with launch_engine(cfg) as engine:
         results = engine.generate([GenerationRequest([1, 2, 3, i], SamplingParams(max_tokens=10)) for i in range(3)])

@@ -53,3 +53,10 @@ def test_killed_worker_ends_the_job_within_60s(ckpt):
     code, out, took = launch(ckpt, "kill")
     assert code != 0
     assert took < 60
+
+
+def test_a_rank_that_cannot_load_ends_the_job_named(ckpt):
+    code, out, took = launch(ckpt, "loadfail")
+    assert code != 0
+    assert "rank 1 could not start: ConfigError" in out and "-missing-on-this-node" in out
+    assert took < 60

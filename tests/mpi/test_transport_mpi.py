@@ -21,7 +21,7 @@ from eprt.comm.worker import run_worker
 
 MPI = pytest.importorskip("mpi4py.MPI")
 from eprt.comm.mpi_transport import MpiTransport  # noqa: E402
-from eprt.comm.transport import RootDown, WorkerFailed  # noqa: E402
+from eprt.comm.transport import RootDown, StartupFailed, WorkerFailed  # noqa: E402
 
 TIMEOUT = 20.0  # watchdog for these tests: a bug aborts the job instead of hanging it
 D = 5
@@ -249,3 +249,12 @@ def test_logging_is_rank_aware():
     assert log_as(2, True) == ["[rank 2] INFO eprt.test: hello", "[rank 2] ERROR eprt.test: bad"]
     with pytest.raises(ValueError, match="unknown log level 'LOUD'"):
         setup_logging(0, level="LOUD")
+
+
+@pytest.mark.mpi
+def test_startup_exchange_names_every_rank_that_failed():
+    t = MpiTransport(timeout=5)
+    failing = t.size - 1
+    with pytest.raises(StartupFailed, match=f"rank {failing} could not start: OSError: disk gone"):
+        t.startup_barrier("OSError: disk gone" if t.rank == failing else None)
+    t.close()
