@@ -20,7 +20,8 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     if params.temperature == 0.0:
         return int(np.argmax(logits))
     x = logits.astype(np.float64)                                      # [V]
-    x = (x - x.max()) / params.temperature   # max first: a tiny temperature gives -inf, never NaN
+    with np.errstate(over="ignore"):         # max first: a tiny temperature gives -inf, never NaN
+        x = (x - x.max()) / params.temperature
     if 0 < params.top_k < x.shape[0]:
         kth = np.partition(x, -params.top_k)[-params.top_k]
         x = np.where(x < kth, -np.inf, x)
