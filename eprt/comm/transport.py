@@ -20,8 +20,8 @@ worker waiting for its next command never times out (a server may idle for hours
 neither does ``startup_barrier`` (ranks load their weights at different speeds).
 
 Failures. A worker that fails calls ``report_error``: rank 0 sees it at its next wait or
-flush, prints it and raises ``WorkerFailed``; the runner fails its requests and closes the
-transport, which sends every worker the "going down" notice, and every rank exits non-zero.
+flush, prints it and raises ``WorkerFailed``; the engine fails every request in flight, closes the
+transport (which sends every worker the "going down" notice), and every rank exits non-zero.
 Rank 0 closing (or exiting) without having sent SHUTDOWN sends the same notice. If rank 0
 never answers a report, the worker aborts the job itself after the collective timeout.
 A rank killed outright (``kill -9``) is handled by MPICH's hydra, which tears the whole job
