@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import shutil
+import sys
 from pathlib import Path
 
 from eprt import env
@@ -37,9 +38,15 @@ _modules: dict[tuple[str, int], object] = {}
 
 
 def kernel_dir() -> Path:
-    """The folder of the ``.cu`` sources: ``EPRT_KERNEL_DIR`` or the repository's ``kernels/``."""
+    """The folder of the ``.cu`` sources: ``EPRT_KERNEL_DIR``, the repository's ``kernels/``,
+    or where a wheel installed them."""
     configured = env.KERNEL_DIR.get()
-    path = Path(configured) if configured else Path(__file__).resolve().parents[2] / "kernels"
+    if configured:
+        path = Path(configured)
+    else:   # a source checkout or editable install; a wheel installs them to <prefix>/share/eprt
+        path = Path(__file__).resolve().parents[2] / "kernels"
+        if not path.is_dir():
+            path = Path(sys.prefix) / "share" / "eprt" / "kernels"
     if not path.is_dir():
         raise FileNotFoundError(f"kernel directory {path} does not exist (set EPRT_KERNEL_DIR)")
     return path
