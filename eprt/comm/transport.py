@@ -57,7 +57,19 @@ class StartupFailed(RuntimeError):
 
     def __init__(self, failures: list):
         self.failures = failures              # [(rank, error text)]
-        super().__init__("; ".join(f"rank {r} could not start: {text}" for r, text in failures))
+        by_text: dict = {}
+        for rank, text in failures:           # the same error on many ranks is said once
+            by_text.setdefault(text, []).append(rank)
+        super().__init__("; ".join(f"{_ranks(ranks)} could not start: {text}" for text, ranks in by_text.items()))
+
+
+def _ranks(ranks: list) -> str:
+    """"rank 3", "ranks 0, 2" or "ranks 0-8"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 STARTUP_ERROR_BYTES = 480  # error text each rank contributes to the start-up exchange
