@@ -22,8 +22,8 @@ from test_server import ROOT, ServerProcess, complete, events
 
 pytestmark = pytest.mark.slow
 
-ENGINE_FLAGS = ["--device", "cpu", "--max-batch", "4", "--block-size", "4", "--max-model-len", "128"]
-MAX_MODEL_LEN = 128
+ENGINE_FLAGS = ["--device", "cpu", "--max-batch", "4", "--block-size", "4", "--max-model-len", "512"]
+MAX_MODEL_LEN = 512          # long good streams: the bad requests overlap them even on a loaded machine
 EOS = 2                                                      # the tiny checkpoints' eos_token_id
 
 # Six prompts of different lengths (more than --max-batch 4, so some wait for a slot);
@@ -185,7 +185,7 @@ BAD_REQUESTS = [
     ("malformed JSON", b'{"prompt": [5, 6', "body", "not valid JSON"),
     ("max_tokens as a word", {"prompt": [5, 6], "max_tokens": "ten"}, "max_tokens", "max_tokens"),
     ("temperature as a word", {"prompt": [5, 6], "temperature": "hot"}, "temperature", "temperature"),
-    ("prompt longer than the context", {"prompt": [5] * 200}, None, "200 tokens"),
+    ("prompt longer than the context", {"prompt": [5] * 600}, None, "600 tokens"),
     ("negative max_tokens", {"prompt": [5, 6], "max_tokens": -3}, "max_tokens", "max_tokens"),
 ]
 
