@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # Peak HBM bandwidth in GB/s by device-name substring; first match wins (specific first).
-PEAK_GBS = (("H200", 4800), ("GH200", 4000), ("H100 PCIe", 2000), ("H100 NVL", 3900),
+PEAK_GBS = (("GH200", 4000), ("H200", 4800), ("H100 PCIe", 2000), ("H100 NVL", 3900),
             ("H100", 3350), ("H800", 3350), ("A100 80GB PCIe", 1935), ("A100-SXM4-80GB", 2039),
             ("A100", 1555), ("B200", 8000), ("L40S", 864), ("RTX 4090", 1008))
 
