@@ -141,7 +141,7 @@ class ShardExecutor:
         if len(set(slots)) != len(slots):
             raise ExecutorError(f"decode batch names a slot twice: {slots}")
         positions = np.asarray([st.length for st in states], dtype=np.int32)          # [B]
-        for st, tok in zip(states, tokens):
+        for st in states:
             self.blocks.grow(st.key, st.length + 1)
         tables = [self.blocks.block_table(st.key) for st in states]
         width = max(len(t) for t in tables)
@@ -154,9 +154,8 @@ class ShardExecutor:
                           context_lens=positions + 1)
         ids = np.asarray(tokens, dtype=np.int32)
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv)           # [B, D]
-        for st, tok in zip(states, tokens):
-            if len(st.tokens) == st.length:
-                st.tokens.append(int(tok))
+        for st, tok in zip(states, tokens):     # the token's KV is stored now
+            st.tokens.append(int(tok))
             st.length += 1
         return self.model.logits(h) if self.compute_logits else None
 
