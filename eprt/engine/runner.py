@@ -30,7 +30,7 @@ class ModelRunner:
         self.decode_steps = 0
         self.decode_rows = 0
 
-    # ---- start-up (no device streams on the CPU backend) ----------------------------
+    # ---- start-up: launch_engine binds the GPU; ops run on its current stream ---------
     def bind_gpu_to_thread(self) -> None:
         pass
 
@@ -50,9 +50,6 @@ class ModelRunner:
     # ---- KV memory -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
         return self.ex.blocks.num_free_blocks()
-
-    def num_cached_blocks(self) -> int:
-        return self.ex.blocks.num_cached_blocks()
 
     def can_admit(self, seq) -> bool:
         return self.ex.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter,
