@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 # torch first and pinned (a CPU build); an unpinned torch would pull a CUDA build.
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[test]'
-command -v shellcheck >/dev/null || { apt-get install -y -q shellcheck >/dev/null 2>&1 || true; }
+# The linter for launch/ (tests/test_launch.py skips that check where it cannot be installed).
+command -v shellcheck >/dev/null || { (apt-get update -q && apt-get install -y -q shellcheck) >/dev/null 2>&1 || true; }
 
 export EPRT_TEST_CKPT_DIR="${EPRT_TEST_CKPT_DIR:-$(mktemp -d)/ckpt}"
 python3 -m pytest -q -p no:cacheprovider --ignore=tests/mpi tests
