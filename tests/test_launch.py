@@ -8,6 +8,7 @@ fake srun/scontrol the same way. The last tests use the real MPICH here.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -204,10 +205,10 @@ def _real_hydra() -> bool:
 
 @pytest.mark.skipif(not _real_hydra(), reason="needs MPICH's Hydra mpiexec")
 def test_localhost_hydra_hostfile_with_real_mpiexec():
-    proc = run(["mpiexec", "-f", HOSTFILES / "localhost.hydra", "-n", "2",
-                "python", "-c", "import os; print('rank', os.environ['PMI_RANK'])"])
+    proc = run(["mpiexec", "-f", HOSTFILES / "localhost.hydra", "-n", "2", "python", "-c",
+                "import os; os.write(1, f\"<rank {os.environ['PMI_RANK']}>\\n\".encode())"])   # one write each
     assert proc.returncode == 0, proc.stderr
-    assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
+    assert sorted(re.findall(r"<rank \d>", proc.stdout)) == ["<rank 0>", "<rank 1>"], proc.stdout
 
 
 @pytest.mark.skipif(not _real_hydra() or shutil.which("eprt") is None, reason="needs Hydra and eprt on PATH")

@@ -100,7 +100,10 @@ class Engine:
         rows = req.image_embeds
         if rows is None:
             return
-        rows = np.asarray(rows)
+        try:
+            rows = np.asarray(rows)
+        except (ValueError, TypeError) as e:     # ragged nested lists, objects NumPy cannot take
+            raise RequestError(f"image_embeds is not an array of numbers: {e}") from None
         d = self.model_config.hidden_size
         if rows.ndim != 2 or rows.shape[1] != d:
             raise RequestError(f"image_embeds must have shape [n, {d}], got {list(rows.shape)}")

@@ -16,6 +16,7 @@ import numpy as np
 
 from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import add_engine_arguments, launch_engine
+from eprt.serve.params import check_text
 
 
 def _ids(text: str) -> tuple:
@@ -73,12 +74,15 @@ def _requests(args, tokenizer) -> list:
         raise RequestError("give at least one --prompt or --prompt-ids")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    params.validate(vocab_size=1)     # the flags alone; stop ids (none here) need the real vocabulary
     reqs = []
     for kind, value in args.prompts:
         if kind == "text":
             if tokenizer is None:
                 raise RequestError("--prompt needs a tokenizer.json in the model directory; use --prompt-ids")
-            ids = tokenizer.encode(value)
+            ids = tokenizer.encode(check_text(value, "--prompt")) if value else []
+            if not ids:
+                raise RequestError(f"--prompt {value!r} encodes to no tokens")
         else:
             ids = value
         reqs.append(GenerationRequest(prompt_ids=ids, params=params))
@@ -102,6 +106,9 @@ def main(args) -> int:
             failed += res.finish_reason == "error"
             if args.json:
                 print(json.dumps(res.to_json()), flush=True)
+            elif res.finish_reason == "error":
+                print(f"eprt generate: {res.error}", file=sys.stderr, flush=True)
+                print(flush=True)           # one output line per prompt, an empty one for a failure
             else:
                 print(res.text if engine.tokenizer is not None else " ".join(map(str, res.token_ids)), flush=True)
         return 1 if failed else 0

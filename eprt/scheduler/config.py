@@ -32,6 +32,8 @@ class SchedulerConfig:
 
 def validate_request(cfg: SchedulerConfig, request: GenerationRequest) -> list:
     """The prompt as a list of ints, or RequestError naming what is wrong."""
+    if isinstance(request.prompt_ids, (str, bytes)) or not hasattr(request.prompt_ids, "__iter__"):
+        raise RequestError(f"the prompt must be a list of token ids, got {type(request.prompt_ids).__name__}")
     prompt = list(request.prompt_ids)
     if not prompt:
         raise RequestError("the prompt is empty")
@@ -42,6 +44,8 @@ def validate_request(cfg: SchedulerConfig, request: GenerationRequest) -> list:
     if cfg.max_model_len is not None and len(prompt) >= cfg.max_model_len:
         raise RequestError(f"the prompt has {len(prompt)} tokens but max_model_len={cfg.max_model_len} "
                            f"leaves room for at most {cfg.max_model_len - 1}")
-    if request.timeout_s is not None and not request.timeout_s > 0:
+    timeout = request.timeout_s
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                or not timeout > 0):
         raise RequestError(f"timeout must be positive, got {request.timeout_s!r}")
     return [int(t) for t in prompt]

@@ -31,7 +31,7 @@ from typing import Optional
 
 from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
 from eprt.serve.loop import EngineLoop
-from eprt.serve.params import FieldError, parse_options, parse_token_ids
+from eprt.serve.params import FieldError, check_text, encode_prompt, parse_options, parse_token_ids
 from eprt.serve.progress import Progress
 from eprt.serve.stream import LiveRequest
 
@@ -78,14 +78,21 @@ class Line:
 def read_lines(path: str) -> list:
     """Every non-blank input line, parsed as far as finding its id."""
     lines = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:         # split on b"\n" only: a stray \r or bad byte spoils one line
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw)
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                lines.append(Line(number, None, error=f"not valid UTF-8: byte {raw[e.start]:#04x} at "
+                                                      f"offset {e.start}"))
+                continue
             except json.JSONDecodeError as e:
                 lines.append(Line(number, None, error=f"not valid JSON: {e.msg} at column {e.colno}"))
+                continue
+            except RecursionError:
+                lines.append(Line(number, None, error="not valid JSON: nested too deeply"))
                 continue
             if not isinstance(obj, dict):
                 lines.append(Line(number, None, error=f"expected a JSON object, got {type(obj).__name__}"))
@@ -94,6 +101,12 @@ def read_lines(path: str) -> list:
             if line_id is not None and (not isinstance(line_id, (str, int)) or isinstance(line_id, bool)):
                 lines.append(Line(number, None, error=f"id must be a string or an integer, got {line_id!r}"))
                 continue
+            if isinstance(line_id, str):
+                try:
+                    check_text(line_id, "id")
+                except FieldError as e:
+                    lines.append(Line(number, None, error=str(e)))
+                    continue
             lines.append(Line(number, line_id, obj))
     return lines
 
@@ -127,12 +140,7 @@ def build_request(line: Line, engine) -> tuple:
     if ("prompt" in obj) == ("prompt_ids" in obj):
         raise FieldError("prompt", "give exactly one of prompt (text) or prompt_ids (token ids)")
     if "prompt" in obj:
-        prompt = obj["prompt"]
-        if not isinstance(prompt, str) or not prompt:
-            raise FieldError("prompt", f"prompt must be a non-empty string, got {prompt!r}")
-        if engine.tokenizer is None:
-            raise FieldError("prompt", "this model has no tokenizer: give prompt_ids instead of prompt")
-        prompt_ids = engine.tokenizer.encode(prompt)
+        prompt_ids = encode_prompt(engine.tokenizer, obj["prompt"], "prompt")
     else:
         prompt_ids = parse_token_ids(obj["prompt_ids"], "prompt_ids", engine.vocab_size)
     opts = parse_options(obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens)

@@ -8,7 +8,9 @@ A generation handler submits to the engine (``engine.submit`` is thread-safe) an
 waits on the request's token queue, writing SSE chunks as text arrives. While it waits
 it checks whether the client went away (a failed write, or EOF on the socket) and, if
 so, cancels the sequence so its KV blocks are freed. A bad request is answered 400 from
-the handler's own thread and never touches other requests.
+the handler's own thread and never touches other requests. Request bodies come with a
+Content-Length or chunked; a client that stalls (sends or reads nothing for
+``_SOCKET_TIMEOUT_S``) is dropped, so it holds no thread and no sequence for ever.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ log = logging.getLogger("eprt.serve")
 MAX_BODY_BYTES = 32 << 20     # larger request bodies get 413
 _WAIT_S = 0.05                # longest wait for tokens before looking at the client and the engine
 _CLIENT_CHECK_S = 0.25        # how often a waiting handler checks that its client is still there
+_SOCKET_TIMEOUT_S = 120.0     # a client that sends nothing (or reads nothing) this long is dropped
+_MAX_TRAILERS = 64            # header lines after a chunked body
 
 GET_ROUTES = ("/health", "/metrics", "/v1/models")
 POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}   # path -> is chat
@@ -84,6 +88,7 @@ class OpenAIServer(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"eprt/{__version__}"
+    timeout = _SOCKET_TIMEOUT_S     # socket timeout: a stalled read or write raises TimeoutError
     server: OpenAIServer
 
     def do_GET(self):
@@ -104,13 +109,13 @@ class Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         path = urlsplit(self.path).path
         route = path if path in GET_ROUTES or path in POST_ROUTES else "other"
-        self._status, self._streaming, self._ttft = None, False, None
+        self._status, self._streaming, self._chunked, self._ttft = None, False, True, None
         start = time.monotonic()
         metrics = self.server.metrics
         metrics.request_started()
         try:
             self._route(method, path)
-        except (ClientGone, BrokenPipeError, ConnectionResetError):
+        except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError):  # timeout: a stuck reader
             log.info("%s: client went away; its request was cancelled", path)
             self.close_connection = True
             self._status = 499              # "client closed request", even after a 200 header
@@ -133,6 +138,8 @@ class Handler(BaseHTTPRequestHandler):
                            code="not_found")
         if (method == "GET") != (path in GET_ROUTES):
             raise ApiError(405, f"{path} does not accept {method}", code="method_not_allowed")
+        if method == "GET" and ("Content-Length" in self.headers or "Transfer-Encoding" in self.headers):
+            self.close_connection = True    # an unread body must not be taken for the next request
         if path.startswith("/v1/"):
             self._check_api_key()
         if path == "/health":
@@ -156,17 +163,61 @@ class Handler(BaseHTTPRequestHandler):
                            code="invalid_api_key")
 
     def _read_json(self):
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise ApiError(411, "send the request body with a Content-Length header")
+        try:
+            raw = self._read_chunked() if self._chunked_body() else self._read_sized()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.timeout:g}s") from None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: nested too deep
+            raise ApiError(400, f"the request body is not valid JSON: {e}", param="body") from None
+
+    def _chunked_body(self) -> bool:
+        codings = [c.strip().lower() for v in self.headers.get_all("Transfer-Encoding", [])
+                   for c in v.split(",")]
+        if codings and codings != ["chunked"]:
+            raise ApiError(501, f"unsupported Transfer-Encoding {', '.join(codings)!r}; send chunked or "
+                                f"a Content-Length")
+        return bool(codings)
+
+    def _read_sized(self) -> bytes:
+        lengths = {v.strip() for v in self.headers.get_all("Content-Length", [])}
+        if not lengths:
+            raise ApiError(411, "send the request body with a Content-Length header (or chunked)")
+        if len(lengths) > 1:                # which one the body follows is ambiguous (request smuggling)
+            raise ApiError(400, f"conflicting Content-Length headers {sorted(lengths)}")
+        length = lengths.pop()
         if not (length.isascii() and length.isdigit()):     # str.isdigit() alone takes '²'
             raise ApiError(400, f"bad Content-Length {length!r}")
         if int(length) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body of {length} bytes is over the {MAX_BODY_BYTES} byte limit")
-        try:
-            return json.loads(self.rfile.read(int(length)))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", param="body") from None
+        data = self.rfile.read(int(length))
+        if len(data) < int(length):
+            raise ApiError(400, f"the request body ended after {len(data)} of its {length} bytes")
+        return data
+
+    def _read_chunked(self) -> bytes:
+        """A ``Transfer-Encoding: chunked`` body (what clients send for a body of unknown size)."""
+        parts, size = [], 0
+        while True:
+            line = self.rfile.readline(1024)
+            digits = line.split(b";")[0].strip()     # chunk extensions after ';' are ignored
+            if not line.endswith(b"\n") or not digits or digits.strip(b"0123456789abcdefABCDEF"):
+                raise ApiError(400, f"bad chunk size line {line[:40]!r} in a chunked body")
+            n = int(digits, 16)
+            size += n
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"chunked request body is over the {MAX_BODY_BYTES} byte limit")
+            if n == 0:
+                break
+            data = self.rfile.read(n)
+            if len(data) < n or self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                raise ApiError(400, "a chunk of the chunked body is shorter than its size line says")
+            parts.append(data)
+        for _ in range(_MAX_TRAILERS):     # trailer fields, ignored, up to the empty line
+            if self.rfile.readline(65537) in (b"\r\n", b"\n", b""):
+                return b"".join(parts)
+        raise ApiError(400, f"more than {_MAX_TRAILERS} trailer lines after a chunked body")
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -214,7 +265,13 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
+        # An HTTP/1.0 client knows no chunked encoding: the stream ends when the connection closes.
+        self._chunked = self.request_version != "HTTP/1.0"
+        if self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         self._streaming = True
         if api.chat:
@@ -243,7 +300,10 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        if self._chunked:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        elif data:
+            self.wfile.write(data)
 
     def _event(self, obj: dict) -> None:
         self._chunk(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from eprt.engine.api import GenerationRequest, GenerationResult, SamplingParams
-from eprt.serve.params import FieldError, parse_options, parse_token_ids
+from eprt.serve.params import FieldError, check_text, encode_prompt, parse_options, parse_token_ids
 
 # field -> (value that asks for something unsupported?, what to tell the client)
 UNSUPPORTED = {
@@ -56,11 +56,7 @@ def _completion_prompt(prompt, engine) -> list:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]              # a batch of one prompt
     if isinstance(prompt, str):
-        if not prompt:
-            raise FieldError("prompt", "prompt is empty")
-        if engine.tokenizer is None:
-            raise FieldError("prompt", "this model has no tokenizer: send the prompt as a list of token ids")
-        return engine.tokenizer.encode(prompt)
+        return encode_prompt(engine.tokenizer, prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise FieldError("prompt", "batched prompts are not supported: send one prompt per request")
     if isinstance(prompt, list):
@@ -83,6 +79,10 @@ def _message(m, i: int) -> dict:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise FieldError("messages", f"{where}.content must be a string or a list of text parts, got {content!r}")
+    try:
+        check_text(content, "messages")
+    except FieldError as e:
+        raise FieldError("messages", f"{where}.content: {e}") from None
     return {"role": role, "content": content}
 
 
@@ -95,9 +95,19 @@ def _chat_prompt(messages, engine) -> list:
                                      "use /v1/completions with token ids")
     try:
         text = engine.tokenizer.apply_chat_template(msgs)
-    except ValueError as e:
-        raise FieldError("messages", f"this model has no usable chat template: {e}") from None
-    return engine.tokenizer.encode(text)
+    except _template_errors() as e:    # no template, or one that refuses these messages
+        raise FieldError("messages", f"the chat template cannot render these messages: {e}") from None
+    return encode_prompt(engine.tokenizer, text, "messages")
+
+
+def _template_errors() -> tuple:
+    """What rendering a chat template raises for messages it refuses (its raise_exception
+    calls, or an undefined name in it); jinja2 is only imported once a chat comes in."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, TemplateError)
 
 
 def parse_request(body, engine, chat: bool) -> ApiRequest:

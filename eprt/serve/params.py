@@ -13,6 +13,8 @@ from typing import Optional
 
 from eprt.engine.api import RequestError, SamplingParams
 
+MAX_STOPS = 64      # stop strings and ids of one request
+
 
 class FieldError(RequestError):
     """A request field with a wrong type or value; ``param`` is the field's name."""
@@ -59,6 +61,29 @@ def _get_number(body: dict, name: str, default: float, low: float, high: float,
     return float(v)
 
 
+def check_text(text: str, param: str) -> str:
+    """``text`` itself, or FieldError if it cannot be UTF-8 encoded (JSON's ``"\\ud800"``
+    escapes decode to lone surrogates, which tokenizers and the output file cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise FieldError(param, f"{param} has a lone surrogate {text[e.start]!r} at index {e.start}: "
+                                f"send valid Unicode") from None
+    return text
+
+
+def encode_prompt(tokenizer, text, param: str) -> list:
+    """A non-empty text prompt -> its token ids; FieldError when that cannot be done."""
+    if not isinstance(text, str) or not text:
+        raise FieldError(param, f"{param} must be a non-empty string, got {text!r}")
+    if tokenizer is None:
+        raise FieldError(param, f"this model has no tokenizer: send {param} as token ids")
+    ids = tokenizer.encode(check_text(text, param))
+    if not ids:
+        raise FieldError(param, f"{param} {text[:40]!r} encodes to no tokens")
+    return ids
+
+
 def parse_token_ids(value, param: str, vocab_size: int) -> list:
     """A non-empty list of token ids inside the vocabulary."""
     if not isinstance(value, list) or not all(_is_int(t) for t in value):
@@ -78,12 +103,14 @@ def parse_stop(value, vocab_size: int) -> tuple:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
         raise FieldError("stop", f"stop must be a string or a list of strings / token ids, got {value!r}")
+    if len(items) > MAX_STOPS:      # each one is searched for after every token
+        raise FieldError("stop", f"stop has {len(items)} entries; at most {MAX_STOPS} are allowed")
     strings, ids = [], []
     for item in items:
         if isinstance(item, str):
             if not item:
                 raise FieldError("stop", "stop strings must not be empty")
-            strings.append(item)
+            strings.append(check_text(item, "stop"))
         elif _is_int(item):
             if not 0 <= item < vocab_size:
                 raise FieldError("stop", f"stop token id {item} is outside the vocabulary [0, {vocab_size})")
