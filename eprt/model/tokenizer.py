@@ -25,11 +25,17 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
+        """The checkpoint's template rendered in a sandbox (templates are data from the
+        checkpoint); a template's own ``raise_exception(msg)`` becomes ValueError(msg)."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        import jinja2  # only needed for chat
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # only needed for chat
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
 
