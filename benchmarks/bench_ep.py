@@ -69,7 +69,8 @@ def main() -> None:
     from eprt.model.config import load_config
     build_checkpoint("mixtral", args.dir, **EP_MODEL)
     cfg = load_config(args.dir)
-    expert_share = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size / cfg.param_count()
+    expert_params = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    expert_share = expert_params / cfg.param_count()
     print(f"model {args.dir}: {cfg.param_count() / 1e6:.0f}M parameters, experts {100 * expert_share:.0f}% of them; "
           f"batch {args.batch}, {args.steps} decode steps, 1 BLAS thread per rank")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",

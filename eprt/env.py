@@ -55,7 +55,8 @@ COLLECTIVE_TIMEOUT = _register(
 BLOCK_SIZE = _register("EPRT_BLOCK_SIZE", 16, int, "tokens per KV block")
 NUM_BLOCKS = _register("EPRT_NUM_BLOCKS", 0, int, "KV blocks per rank on the CPU backend (0: sized from max context)")
 API_KEY = _register("EPRT_API_KEY", "", str, "API key eprt serve requires (Bearer) when --api-key is not given")
-KERNEL_DIR = _register("EPRT_KERNEL_DIR", "", str, "directory of the .cu kernel sources (default: the packaged kernels/)")
+KERNEL_DIR = _register("EPRT_KERNEL_DIR", "", str,
+                       "directory of the .cu kernel sources (default: the checkout's or the wheel's kernels/)")
 
 
 def describe() -> str:

@@ -298,7 +298,8 @@ def test_dropped_stream_cancels_the_sequence():
     engine = FakeEngine(token_delay=0.01)
     with running_server(engine) as url:
         with httpx.Client(base_url=url, timeout=20) as c:
-            with c.stream("POST", "/v1/completions", json={"prompt": "y" * 400, "max_tokens": 400, "stream": True}) as r:
+            body = {"prompt": "y" * 400, "max_tokens": 400, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
         # The client is gone after a few tokens: the server must cancel, freeing the blocks.

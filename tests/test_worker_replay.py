@@ -58,7 +58,8 @@ def test_worker_replay_matches_rank_0_bitwise(checkpoint):
                        max_prefill_tokens=6, image_token_id=IMAGE)
     system = list(range(30, 46))
     rows = np.random.default_rng(0).normal(0, 0.3, size=(2, 64)).astype(np.float32)
-    reqs = [GenerationRequest(system + [i, i + 1, i + 2], SamplingParams(max_tokens=14 + 3 * i, ignore_eos=True)) for i in range(4)]
+    reqs = [GenerationRequest(system + [i, i + 1, i + 2], SamplingParams(max_tokens=14 + 3 * i, ignore_eos=True))
+            for i in range(4)]
     reqs.append(GenerationRequest([7, IMAGE, IMAGE, 9], SamplingParams(max_tokens=6), image_embeds=rows))
     transport = RecordingTransport()
     with launch_engine(cfg, transport=transport) as engine:

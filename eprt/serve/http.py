@@ -8,8 +8,8 @@ A generation handler submits to the engine (``engine.submit`` is thread-safe) an
 waits on the request's token queue, writing SSE chunks as text arrives. While it waits
 it checks whether the client went away (a failed write, or EOF on the socket) and, if
 so, cancels the sequence so its KV blocks are freed. A bad request is answered 400 from
-the handler's own thread and never touches other requests. Request bodies come with a
-Content-Length or chunked; a client that stalls (sends or reads nothing for
+the handler's own thread and never touches other requests. Request bodies are read by
+``body.py``; a client that stalls (sends or reads nothing for
 ``_SOCKET_TIMEOUT_S``) is dropped, so it holds no thread and no sequence for ever.
 """
 from __future__ import annotations
@@ -28,28 +28,18 @@ from urllib.parse import urlsplit
 from eprt import __version__
 from eprt.engine.api import RequestError
 from eprt.serve import openai
+from eprt.serve.body import ApiError, read_json
 from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from eprt.serve.stream import LiveRequest
 
 log = logging.getLogger("eprt.serve")
 
-MAX_BODY_BYTES = 32 << 20     # larger request bodies get 413
 _WAIT_S = 0.05                # longest wait for tokens before looking at the client and the engine
 _CLIENT_CHECK_S = 0.25        # how often a waiting handler checks that its client is still there
 _SOCKET_TIMEOUT_S = 120.0     # a client that sends nothing (or reads nothing) this long is dropped
-_MAX_TRAILERS = 64            # header lines after a chunked body
 
 GET_ROUTES = ("/health", "/metrics", "/v1/models")
 POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}   # path -> is chat
-
-
-class ApiError(Exception):
-    """An error answer: HTTP status plus the fields of an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
 
 
 class ClientGone(Exception):
@@ -163,61 +153,7 @@ class Handler(BaseHTTPRequestHandler):
                            code="invalid_api_key")
 
     def _read_json(self):
-        try:
-            raw = self._read_chunked() if self._chunked_body() else self._read_sized()
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.timeout:g}s") from None
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:   # RecursionError: nested too deep
-            raise ApiError(400, f"the request body is not valid JSON: {e}", param="body") from None
-
-    def _chunked_body(self) -> bool:
-        codings = [c.strip().lower() for v in self.headers.get_all("Transfer-Encoding", [])
-                   for c in v.split(",")]
-        if codings and codings != ["chunked"]:
-            raise ApiError(501, f"unsupported Transfer-Encoding {', '.join(codings)!r}; send chunked or "
-                                f"a Content-Length")
-        return bool(codings)
-
-    def _read_sized(self) -> bytes:
-        lengths = {v.strip() for v in self.headers.get_all("Content-Length", [])}
-        if not lengths:
-            raise ApiError(411, "send the request body with a Content-Length header (or chunked)")
-        if len(lengths) > 1:                # which one the body follows is ambiguous (request smuggling)
-            raise ApiError(400, f"conflicting Content-Length headers {sorted(lengths)}")
-        length = lengths.pop()
-        if not (length.isascii() and length.isdigit()):     # str.isdigit() alone takes '²'
-            raise ApiError(400, f"bad Content-Length {length!r}")
-        if int(length) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body of {length} bytes is over the {MAX_BODY_BYTES} byte limit")
-        data = self.rfile.read(int(length))
-        if len(data) < int(length):
-            raise ApiError(400, f"the request body ended after {len(data)} of its {length} bytes")
-        return data
-
-    def _read_chunked(self) -> bytes:
-        """A ``Transfer-Encoding: chunked`` body (what clients send for a body of unknown size)."""
-        parts, size = [], 0
-        while True:
-            line = self.rfile.readline(1024)
-            digits = line.split(b";")[0].strip()     # chunk extensions after ';' are ignored
-            if not line.endswith(b"\n") or not digits or digits.strip(b"0123456789abcdefABCDEF"):
-                raise ApiError(400, f"bad chunk size line {line[:40]!r} in a chunked body")
-            n = int(digits, 16)
-            size += n
-            if size > MAX_BODY_BYTES:
-                raise ApiError(413, f"chunked request body is over the {MAX_BODY_BYTES} byte limit")
-            if n == 0:
-                break
-            data = self.rfile.read(n)
-            if len(data) < n or self.rfile.readline(3) not in (b"\r\n", b"\n"):
-                raise ApiError(400, "a chunk of the chunked body is shorter than its size line says")
-            parts.append(data)
-        for _ in range(_MAX_TRAILERS):     # trailer fields, ignored, up to the empty line
-            if self.rfile.readline(65537) in (b"\r\n", b"\n", b""):
-                return b"".join(parts)
-        raise ApiError(400, f"more than {_MAX_TRAILERS} trailer lines after a chunked body")
+        return read_json(self.headers, self.rfile, self.timeout)
 
     # ---- generation ---------------------------------------------------------------------
 
