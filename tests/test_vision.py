@@ -75,3 +75,22 @@ def test_non_finite_rows_are_rejected(checkpoint):
     with launch_engine(cfg) as engine:
         with pytest.raises(RequestError, match="finite"):
             engine.submit(GenerationRequest(PROMPT, image_embeds=rows))
+
+
+def test_cli_image_embeds_from_npy_match_the_python_api(checkpoint, tmp_path):
+    import json
+    import subprocess
+    import sys
+    path = checkpoint("mixtral")
+    rows = image_rows(4, 64, seed=3)
+    np.save(tmp_path / "rows.npy", rows)
+    cmd = [sys.executable, "-m", "eprt.cli", "generate", "--model", path, "--device", "cpu", "--json",
+           "--max-tokens", "8", "--image-token-id", str(IMAGE), "--prompt-ids", "1,2,3",
+           "--prompt-ids", ",".join(map(str, PROMPT)), "--image-embeds", f"1:{tmp_path / 'rows.npy'}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    cli = json.loads(out[1])["token_ids"]
+    cfg = EngineConfig(model=path, device="cpu", max_batch=2, block_size=16, max_model_len=64,
+                       image_token_id=IMAGE)
+    with launch_engine(cfg) as engine:
+        api = engine.generate([GenerationRequest(PROMPT, SamplingParams(max_tokens=8), image_embeds=rows)])[0]
+    assert cli == api.token_ids == hf_greedy_with_rows(path, PROMPT, rows, 8)
