@@ -253,11 +253,17 @@ class LocalTransport(Transport):
 def launcher_world_size() -> int:
     """The world size the MPI launcher announced (1 when not launched by one), read without
     importing mpi4py so a single-rank run never loads MPI. These are the launchers' own
-    variables (MPICH/hydra, Slurm PMI, Open MPI), not eprt settings."""
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+    variables, not eprt settings: MPICH/Hydra and Intel MPI (and Slurm's PMI-2) set PMI_SIZE,
+    Open MPI OMPI_COMM_WORLD_SIZE, MVAPICH2 MV2_COMM_WORLD_SIZE, and ``srun`` the step's task
+    count (with ``--mpi=pmix`` it is the only one set). In a batch script outside ``srun``
+    the step has one task, so a plain ``eprt`` there runs as a world of one."""
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
         value = os.environ.get(name)
         if value:
-            return int(value)
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"launcher variable {name}={value!r} is not a task count") from None
     return 1
 
 
