@@ -10,6 +10,7 @@ B rows in a decode batch, V vocabulary.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -17,6 +18,13 @@ import numpy as np
 from eprt.comm import protocol as P
 from eprt.engine.executor import ShardExecutor, vision_salt
 from eprt.engine.sampling import make_rng, sample
+
+
+@dataclass
+class SeqModelState:
+    """What the runner keeps on a sequence (``seq.model_state``)."""
+    rng: np.random.Generator     # its sampler: a preempted sequence keeps its stream
+    salt: bytes                  # prefix-cache salt of its vision rows, hashed once
 
 
 class ModelRunner:
@@ -51,9 +59,14 @@ class ModelRunner:
     def num_free_blocks(self) -> int:
         return self.ex.blocks.num_free_blocks()
 
+    def _state(self, seq) -> "SeqModelState":
+        """This runner's per-sequence state, made once (a preempted sequence keeps it)."""
+        if seq.model_state is None:
+            seq.model_state = SeqModelState(rng=make_rng(seq.params, self._rng), salt=vision_salt(seq.image_embeds))
+        return seq.model_state
+
     def can_admit(self, seq) -> bool:
-        return self.ex.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter,
-                                           vision_salt(seq.image_embeds))
+        return self.ex.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
 
     def alloc_sequence(self, seq) -> int:
         if seq.adapter != -1:   # PREFILL carries no adapter: workers could not mirror the allocation
@@ -61,10 +74,7 @@ class ModelRunner:
         slot = next((s for s, st in enumerate(self.ex.slots) if st is None), None)
         if slot is None:
             raise RuntimeError("alloc_sequence with every slot occupied")
-        seq.cached = self.ex.allocate(slot, seq.token_ids[: seq.num_prompt], seq.adapter,
-                                      vision_salt(seq.image_embeds))
-        if seq.model_state is None:          # its sampler; a preempted sequence keeps its stream
-            seq.model_state = make_rng(seq.params, self._rng)
+        seq.cached = self.ex.allocate(slot, seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
         return slot
 
     def cache_sequence(self, seq) -> None:
@@ -122,7 +132,7 @@ class ModelRunner:
         if any(s.params.temperature == 0.0 for s in seqs):
             greedy = self.ex.ops.argmax(self._logits[row:row + n])
         return [int(greedy[i]) if s.params.temperature == 0.0 else
-                sample(self.ex.ops.to_host(self._logits[row + i]), s.params, s.model_state)
+                sample(self.ex.ops.to_host(self._logits[row + i]), s.params, s.model_state.rng)
                 for i, s in enumerate(seqs)]
 
     def decode_marconi_checkpoint(self, seq) -> None:
