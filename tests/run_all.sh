@@ -13,6 +13,16 @@ command -v shellcheck >/dev/null || { (apt-get update -q && apt-get install -y -
 export EPRT_TEST_CKPT_DIR="${EPRT_TEST_CKPT_DIR:-$(mktemp -d)/ckpt}"
 python3 -m pytest -q -p no:cacheprovider --ignore=tests/mpi tests
 
+# The GPU tests once more, on cusim (tests/cusim): the real kernels/*.cu and CupyOps on the CPU.
+# Where a GPU is usable the run above already ran them on it.
+if command -v g++ >/dev/null; then
+  echo "== GPU tests on the CPU CUDA simulator (cusim)"
+  PYTHONPATH=tests python3 -m pytest -q -p no:cacheprovider -p cusim.plugin -m gpu \
+    tests/test_cupy_ops.py tests/test_gpu_end_to_end.py
+else
+  echo "== skipped: GPU tests on cusim (no g++ here)"
+fi
+
 # The MPI tests: written once, run at several world sizes.
 for n in 1 2 3; do
   echo "== tests/mpi at mpiexec -n $n"

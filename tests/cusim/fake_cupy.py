@@ -1,0 +1,566 @@
+"""A stand-in for the parts of CuPy eprt uses, backed by host memory and cusim.
+
+``install()`` puts it in ``sys.modules`` as ``cupy`` (and ``cupy_backends...cublas``), so
+``eprt.ops.cupy_ops.CupyOps`` runs unchanged: its kernels are compiled from ``kernels/*.cu``
+by cusim, its cuBLAS GEMMs are evaluated from the raw pointers and leading dimensions it
+passes, and its arrays are "device" arrays that behave as strictly as CuPy's:
+
+- ``ndarray`` is not a NumPy array: ``np.asarray(dev)`` raises (use ``cupy.asnumpy``), and
+  mixing device and host arrays in arithmetic or assignment raises, as CuPy does;
+- every allocation is 256-byte aligned (like CuPy's pool), starts filled with 0xFF bytes
+  (NaN floats, -1 ints: an output element a kernel forgot to write shows up), and is fenced
+  by 0xFF canaries that are checked after each launch and GEMM touching it;
+- kernel arguments are checked against the kernel's C signature (scalar dtypes, pointee
+  dtypes, device pointers), and launch shapes against CUDA's limits.
+
+Device properties are those of an H100/H200-class GPU (132 SMs, 227 KiB opt-in shared memory).
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+import types
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from . import build as _build
+
+PAD = 256
+FILL = 0xFF
+SM_COUNT = 132
+SMEM_OPTIN = 232448
+MEMORY_TOTAL = 4 << 30
+
+_live: dict[int, "weakref.ref[_Allocation]"] = {}
+
+
+class _Allocation:
+    """nbytes of fenced, aligned host memory standing in for a device allocation."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.root = np.full(nbytes + 3 * PAD, FILL, np.uint8)
+        base = self.root.__array_interface__["data"][0]
+        self.offset = PAD + (-(base + PAD)) % PAD
+        self.ptr = base + self.offset
+        _live[self.ptr] = weakref.ref(self)
+        weakref.finalize(self, _live.pop, self.ptr, None)
+
+    def buffer(self) -> np.ndarray:
+        return self.root[self.offset:self.offset + self.nbytes]
+
+    def check(self, who: str) -> None:
+        before, after = self.root[:self.offset], self.root[self.offset + self.nbytes:]
+        if (before != FILL).any() or (after != FILL).any():
+            where = "before the start" if (before != FILL).any() else "past the end"
+            raise _build.LaunchError(f"{who} wrote {where} of a {self.nbytes}-byte allocation")
+
+    def contains(self, ptr: int, nbytes: int) -> bool:
+        return self.ptr <= ptr and ptr + nbytes <= self.ptr + self.nbytes
+
+
+def _find(ptr: int, nbytes: int, who: str) -> _Allocation:
+    for ref in list(_live.values()):
+        a = ref()
+        if a is not None and a.contains(ptr, nbytes):
+            return a
+    raise _build.LaunchError(f"{who}: [{ptr:#x}, +{nbytes}) is not inside one device allocation "
+                             f"(a host pointer, or a range running past the end)")
+
+
+class _Ptr:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class ndarray:
+    """A device array: a NumPy view into an _Allocation, with CuPy's strictness."""
+
+    __array_ufunc__ = None    # numpy_array + device_array raises TypeError, as with CuPy
+    __array_priority__ = 100
+
+    def __init__(self, view: np.ndarray, alloc: _Allocation):
+        self._a, self._alloc = view, alloc
+
+    # -- attributes
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    ndim = property(lambda self: self._a.ndim)
+    size = property(lambda self: self._a.size)
+    nbytes = property(lambda self: self._a.nbytes)
+    itemsize = property(lambda self: self._a.itemsize)
+    strides = property(lambda self: self._a.strides)
+    flags = property(lambda self: self._a.flags)
+    data = property(lambda self: _Ptr(self._a.__array_interface__["data"][0]))
+    T = property(lambda self: ndarray(self._a.T, self._alloc))
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.data.ptr, False),
+                "version": 3, "strides": None if self.flags.c_contiguous else self.strides}
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                        "Please use `.get()` to construct a NumPy array explicitly.")
+
+    def __repr__(self):
+        return f"cusim.ndarray({self._a!r})"
+
+    def __len__(self):
+        return len(self._a)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    # -- views and copies
+    def _view(self, a: np.ndarray) -> "ndarray":
+        return ndarray(a, self._alloc)
+
+    def reshape(self, *shape, **kw):
+        return self._view(self._a.reshape(*shape, **kw))
+
+    def view(self, dtype):
+        return self._view(self._a.view(dtype))
+
+    def ravel(self):
+        return self._view(self._a.ravel()) if self.flags.c_contiguous else self.copy().ravel()
+
+    def transpose(self, *axes):
+        return self._view(self._a.transpose(*axes))
+
+    def squeeze(self, axis=None):
+        return self._view(self._a.squeeze(axis))
+
+    def copy(self):
+        return _device(self._a)
+
+    def astype(self, dtype, copy=True):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return _device(self._a.astype(dtype))
+
+    def get(self) -> np.ndarray:
+        return self._a.copy()
+
+    def item(self):
+        return self._a.item()
+
+    def fill(self, value):
+        self._a.fill(value)
+
+    def __getitem__(self, idx):
+        r = self._a[_index(idx)]
+        if isinstance(r, np.ndarray):
+            return self._view(r) if np.may_share_memory(r, self._a) else _device(r)
+        return _device(np.asarray(r))   # CuPy returns 0-d device arrays, not scalars
+
+    def __setitem__(self, idx, value):
+        self._a[_index(idx)] = _operand(value)
+
+    def __bool__(self):
+        return bool(self._a)
+
+    def __int__(self):
+        return int(self._a)
+
+    def __float__(self):
+        return float(self._a)
+
+    def __index__(self):
+        return self._a.__index__()
+
+    # -- reductions and arithmetic (device operands or Python/NumPy scalars only)
+    def sum(self, *a, **k):
+        return _result(self._a.sum(*a, **k))
+
+    def max(self, *a, **k):
+        return _result(self._a.max(*a, **k))
+
+    def min(self, *a, **k):
+        return _result(self._a.min(*a, **k))
+
+    def any(self, *a, **k):
+        return _result(self._a.any(*a, **k))
+
+    def all(self, *a, **k):
+        return _result(self._a.all(*a, **k))
+
+
+def _binary(op):
+    def method(self, other):
+        return _result(op(self._a, _operand(other)))
+    return method
+
+
+def _rbinary(op):
+    def method(self, other):
+        return _result(op(_operand(other), self._a))
+    return method
+
+
+def _inplace(op):
+    def method(self, other):
+        op(self._a, _operand(other), out=self._a)
+        return self
+    return method
+
+
+for _name, _op in [("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("truediv", np.true_divide),
+                   ("floordiv", np.floor_divide), ("mod", np.mod), ("pow", np.power), ("and", np.bitwise_and),
+                   ("or", np.bitwise_or), ("xor", np.bitwise_xor), ("lshift", np.left_shift),
+                   ("rshift", np.right_shift)]:
+    setattr(ndarray, f"__{_name}__", _binary(_op))
+    setattr(ndarray, f"__r{_name}__", _rbinary(_op))
+    setattr(ndarray, f"__i{_name}__", _inplace(_op))
+for _name, _op in [("eq", np.equal), ("ne", np.not_equal), ("lt", np.less), ("le", np.less_equal),
+                   ("gt", np.greater), ("ge", np.greater_equal)]:
+    setattr(ndarray, f"__{_name}__", _binary(_op))
+ndarray.__neg__ = lambda self: _result(-self._a)
+ndarray.__abs__ = lambda self: _result(np.abs(self._a))
+ndarray.__hash__ = None
+
+
+def _operand(v):
+    """A device array's data, or a scalar; host arrays are refused as CuPy refuses them."""
+    if isinstance(v, ndarray):
+        return v._a
+    if isinstance(v, np.ndarray) and v.ndim > 0:
+        raise TypeError(f"Unsupported type {type(v)}: a host numpy array cannot be mixed with "
+                        f"device arrays (cupy.asarray it first)")
+    if isinstance(v, (list, tuple)):
+        raise TypeError(f"Unsupported type {type(v)} in a device array operation")
+    return v
+
+
+def _index(idx):
+    if isinstance(idx, tuple):
+        return tuple(_index(i) for i in idx)
+    if isinstance(idx, ndarray):
+        return idx._a
+    if isinstance(idx, np.ndarray) and idx.ndim > 0:
+        return idx   # CuPy accepts host index arrays (it copies them to the device)
+    return idx
+
+
+def _device(a) -> ndarray:
+    """A new device allocation holding a copy of host data ``a``."""
+    a = np.asarray(a)
+    alloc = _Allocation(a.nbytes)
+    view = alloc.buffer().view(a.dtype).reshape(a.shape) if a.size else np.empty(a.shape, a.dtype)
+    if a.size:
+        view[...] = a
+    return ndarray(view, alloc)
+
+
+def _result(r):
+    return _device(r) if isinstance(r, np.ndarray) else _device(np.asarray(r))
+
+
+def _unwrap(v):
+    if isinstance(v, ndarray):
+        return v._a
+    if isinstance(v, np.ndarray) and v.ndim > 0:
+        raise TypeError(f"Unsupported type {type(v)}: pass device arrays to cupy functions")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_unwrap(x) for x in v)
+    return v
+
+
+# ---- module-level functions -----------------------------------------------------------------
+def empty(shape, dtype=np.float32, order="C"):
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    alloc = _Allocation(n)
+    view = alloc.buffer().view(dtype).reshape(shape) if n else np.empty(shape, dtype)
+    return ndarray(view, alloc)
+
+
+def zeros(shape, dtype=np.float32):
+    a = empty(shape, dtype)
+    a.fill(0)
+    return a
+
+
+def ones(shape, dtype=np.float32):
+    a = empty(shape, dtype)
+    a.fill(1)
+    return a
+
+
+def full(shape, value, dtype=None):
+    a = empty(shape, dtype if dtype is not None else np.asarray(value).dtype)
+    a.fill(value)
+    return a
+
+
+def empty_like(a, dtype=None):
+    return empty(a.shape, dtype or a.dtype)
+
+
+def zeros_like(a, dtype=None):
+    return zeros(a.shape, dtype or a.dtype)
+
+
+def arange(*args, dtype=None):
+    return _device(np.arange(*args, dtype=dtype))
+
+
+def asarray(a, dtype=None):
+    if isinstance(a, ndarray):
+        return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    return _device(np.asarray(a, dtype=dtype))
+
+
+array = asarray
+
+
+def ascontiguousarray(a, dtype=None):
+    if not isinstance(a, ndarray):
+        return _device(np.ascontiguousarray(a, dtype=dtype))
+    if a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
+        return a
+    return _device(np.ascontiguousarray(a._a, dtype=dtype))
+
+
+def asnumpy(a):
+    return a.get() if isinstance(a, ndarray) else np.asarray(a)
+
+
+def take(a, indices, axis=None):
+    return _device(np.take(_unwrap(a), _unwrap(indices), axis=axis))
+
+
+def concatenate(arrays, axis=0):
+    return _device(np.concatenate([_unwrap(a) for a in arrays], axis=axis))
+
+
+def stack(arrays, axis=0):
+    return _device(np.stack([_unwrap(a) for a in arrays], axis=axis))
+
+
+def __getattr__(name):   # dtypes and other NumPy names used as cupy.<name>
+    value = getattr(np, name)
+    if isinstance(value, type) and issubclass(value, np.generic):
+        return value
+    raise AttributeError(f"cusim's cupy stand-in has no {name!r} (add it to tests/cusim/fake_cupy.py)")
+
+
+# ---- cupy.cuda -----------------------------------------------------------------------------
+class _Runtime:
+    cudaDevAttrMultiProcessorCount = 16
+    cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
+    memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice = 1, 2, 3
+    _device = 0
+
+    def getDeviceCount(self):
+        return 1
+
+    def getDevice(self):
+        return self._device
+
+    def setDevice(self, device):
+        if device != 0:
+            raise RuntimeError(f"cusim has one device, got setDevice({device})")
+        self._device = device
+
+    def deviceGetAttribute(self, attr, device):
+        return {16: SM_COUNT, 97: SMEM_OPTIN}[attr]
+
+    def memGetInfo(self):
+        used = sum(a.nbytes for a in (r() for r in _live.values()) if a is not None)
+        return max(MEMORY_TOTAL - used, 0), MEMORY_TOTAL
+
+    def memcpyAsync(self, dst, src, nbytes, kind, stream):
+        who = "memcpyAsync"
+        if kind == self.memcpyDeviceToHost:
+            _find(src, nbytes, who)
+        elif kind == self.memcpyHostToDevice:
+            _find(dst, nbytes, who)
+        elif kind == self.memcpyDeviceToDevice:
+            _find(src, nbytes, who)
+            _find(dst, nbytes, who)
+        else:
+            raise ValueError(f"memcpyAsync: unsupported kind {kind}")
+        ctypes.memmove(dst, src, nbytes)
+
+
+class _Stream:
+    ptr = 0
+
+    def synchronize(self):
+        pass
+
+
+class Device:
+    def __init__(self, device=None):
+        self.id = runtime.getDevice() if device is None else int(device)
+
+    def use(self):
+        runtime.setDevice(self.id)
+
+    def synchronize(self):
+        pass
+
+
+class PinnedMemory(bytearray):
+    def size(self):
+        return len(self)
+
+
+class CompileException(Exception):
+    pass
+
+
+class RawKernel:
+    def __init__(self, kernel: _build.Kernel):
+        self._kernel = kernel
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+
+    def __call__(self, grid, block, args, *, shared_mem=0):
+        if not 0 <= self.max_dynamic_shared_size_bytes <= SMEM_OPTIN:
+            raise _build.LaunchError(f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} "
+                                     f"exceeds the device's {SMEM_OPTIN}")
+        touched = []
+
+        def pointer_of(name, i, p, a):
+            if not isinstance(a, ndarray):
+                raise _build.LaunchError(f"{name}: argument {i} ({p.name}) must be a device array, "
+                                         f"got {type(a).__module__}.{type(a).__name__}")
+            touched.append(a._alloc)
+            return a.data.ptr, a.dtype
+
+        self._kernel.launch(grid, block, tuple(args), int(shared_mem), pointer_of,
+                            self.max_dynamic_shared_size_bytes)
+        for alloc in touched:
+            alloc.check(self._kernel.name)
+
+
+class RawModule:
+    def __init__(self, code: str, options=(), **kwargs):
+        self.code, self.options = code, tuple(options)
+        self._module = None
+
+    def compile(self, log_stream=None):
+        if self._module is None:
+            dirs = [Path(o[2:]) for o in self.options if o.startswith("-I")]
+            defines = [o[2:] for o in self.options if o.startswith("-D")]
+            try:
+                self._module = _build.build(self.code, dirs, defines)
+            except _build.BuildError as e:
+                raise CompileException(str(e)) from None
+        return self
+
+    def get_function(self, name: str) -> RawKernel:
+        return RawKernel(self.compile()._module.kernel(name))
+
+
+class _MemoryPool:
+    def free_bytes(self):
+        return 0
+
+    def used_bytes(self):
+        return runtime.memGetInfo()[1] - runtime.memGetInfo()[0]
+
+
+runtime = _Runtime()
+_stream = _Stream()
+_pool = _MemoryPool()
+
+
+def get_default_memory_pool():
+    return _pool
+
+
+# ---- cuBLAS gemmEx, evaluated on the host from what cupy_ops passes ---------------------------
+_CUBLAS_TYPES = {0: np.float32, 14: "bf16"}   # CUDA_R_32F, CUDA_R_16BF
+
+
+def _read(ptr: int, count: int, kind) -> np.ndarray:
+    ctype = ctypes.c_float if kind is np.float32 else ctypes.c_uint16
+    raw = np.ctypeslib.as_array((ctype * count).from_address(ptr)).copy()
+    return raw if kind is np.float32 else (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def _col_major(ptr, rows, cols, ld, kind, who) -> np.ndarray:
+    """A rows x cols column-major matrix with leading dimension ld, as a NumPy [rows, cols]."""
+    if ld < max(1, rows):
+        raise _build.LaunchError(f"{who}: leading dimension {ld} < rows {rows} (CUBLAS_STATUS_INVALID_VALUE)")
+    count = ld * (cols - 1) + rows
+    size = 4 if kind is np.float32 else 2
+    _find(ptr, count * size, who)
+    flat = _read(ptr, count, kind)
+    return flat[np.arange(rows)[:, None] + ld * np.arange(cols)[None, :]]
+
+
+def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+           computeType, algo):
+    who = "cublas.gemmEx"
+    if computeType != 68:
+        raise _build.LaunchError(f"{who}: cusim implements CUBLAS_COMPUTE_32F only, got {computeType}")
+    kinds = [_CUBLAS_TYPES.get(t) for t in (Atype, Btype, Ctype)]
+    if None in kinds:
+        raise _build.LaunchError(f"{who}: unsupported data types {(Atype, Btype, Ctype)}")
+    a = _col_major(A, *((m, k) if transa == 0 else (k, m)), lda, kinds[0], who + " A")
+    b = _col_major(B, *((k, n) if transb == 0 else (n, k)), ldb, kinds[1], who + " B")
+    a = a if transa == 0 else a.T
+    b = b if transb == 0 else b.T
+    alpha_v = ctypes.c_float.from_address(alpha).value
+    beta_v = ctypes.c_float.from_address(beta).value
+    c = alpha_v * (a.astype(np.float64) @ b.astype(np.float64))
+    if beta_v != 0.0:
+        c = c + beta_v * _col_major(C, m, n, ldc, kinds[2], who + " C")
+    c = c.astype(np.float32)
+    if ldc < max(1, m):
+        raise _build.LaunchError(f"{who}: ldc {ldc} < m {m}")
+    size = 4 if kinds[2] is np.float32 else 2
+    count = ldc * (n - 1) + m
+    alloc = _find(C, count * size, who + " C")
+    dst = np.ctypeslib.as_array(((ctypes.c_float if size == 4 else ctypes.c_uint16) * count).from_address(C))
+    dst[np.arange(m)[:, None] + ldc * np.arange(n)[None, :]] = c if size == 4 else _f32_to_bf16(c)
+    alloc.check(who)
+
+
+def _f32_to_bf16(a: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    out = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    out[np.isnan(a)] = 0x7FFF
+    return out
+
+
+def install() -> None:
+    """Make ``import cupy`` (and cupy_backends' cuBLAS) resolve to this stand-in."""
+    me = sys.modules[__name__]
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.runtime = runtime
+    cuda.Device = Device
+    cuda.Stream = _Stream
+    cuda.get_current_stream = lambda: _stream
+    cuda.alloc_pinned_memory = lambda n: PinnedMemory(n)
+    cuda.get_cuda_path = lambda: None
+    cuda.compiler = types.SimpleNamespace(CompileException=CompileException)
+    cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
+    cupy = types.ModuleType("cupy")
+    for name in ("ndarray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "arange",
+                 "asarray", "array", "ascontiguousarray", "asnumpy", "take", "concatenate", "stack",
+                 "get_default_memory_pool", "RawModule"):
+        setattr(cupy, name, getattr(me, name))
+    cupy.RawKernel = RawKernel
+    cupy.cuda = cuda
+    cupy.__getattr__ = __getattr__
+    cupy.__cusim__ = True
+    cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
+    cublas.gemmEx = gemmEx
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.cublas = cublas
+    backends_cuda = types.ModuleType("cupy_backends.cuda")
+    backends_cuda.libs = libs
+    backends = types.ModuleType("cupy_backends")
+    backends.cuda = backends_cuda
+    for mod in [m for m in sys.modules if m == "cupy" or m.startswith(("cupy.", "cupy_backends"))]:
+        del sys.modules[mod]
+    sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": backends,
+                        "cupy_backends.cuda": backends_cuda, "cupy_backends.cuda.libs": libs,
+                        "cupy_backends.cuda.libs.cublas": cublas})

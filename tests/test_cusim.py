@@ -1,0 +1,201 @@
+"""cusim, the CPU simulator the GPU tests run on in CI (tests/cusim): it must reproduce the
+CUDA semantics the kernels rely on and report the mistakes a GPU would punish.
+
+Small kernels here exercise each rule; the mutation tests at the end edit real kernels
+(dropping one barrier) and check the GPU tests, run on cusim, then fail.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cusim import fake_cupy  # noqa: E402
+from cusim.build import LaunchError, build  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cusim needs g++")
+ROOT = Path(__file__).resolve().parents[1]
+
+HEADER = """
+#include <cuda_bf16.h>
+#define FULL 0xffffffffu
+"""
+
+
+def module(body: str):
+    return fake_cupy.RawModule(HEADER + body)
+
+
+def dev(a):
+    return fake_cupy.asarray(np.asarray(a))
+
+
+def test_block_barrier_and_warp_shuffles():
+    m = module(r"""
+extern "C" __global__ void reverse_and_sum(const float* x, float* out, float* total) {
+    __shared__ float buf[256];
+    const int t = threadIdx.x;
+    buf[t] = x[blockIdx.x * blockDim.x + t];
+    __syncthreads();
+    out[blockIdx.x * blockDim.x + t] = buf[blockDim.x - 1 - t];
+    float v = buf[t];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    if (t % 32 == 0) atomicAdd(total + blockIdx.x, v);
+}""")
+    x = np.arange(512, dtype=np.float32)
+    out, total = fake_cupy.empty(512, np.float32), fake_cupy.zeros(2, np.float32)
+    m.get_function("reverse_and_sum")((2,), (256,), (dev(x), out, total))
+    np.testing.assert_array_equal(out.get(), np.concatenate([x[255::-1], x[:255:-1]]))
+    np.testing.assert_array_equal(total.get(), [x[:256].sum(), x[256:].sum()])
+
+
+def test_a_race_gives_launch_dependent_results():
+    # thread t reads its neighbour's write without a barrier: on a GPU the result depends
+    # on timing; cusim shuffles the run order per launch so the answer changes too
+    m = module(r"""
+extern "C" __global__ void racy(float* out) {
+    __shared__ float buf[128];
+    buf[threadIdx.x] = threadIdx.x;
+    out[threadIdx.x] = buf[(threadIdx.x + 1) % 128];
+}""")
+    results = set()
+    for _ in range(4):
+        out = fake_cupy.empty(128, np.float32)
+        m.get_function("racy")((1,), (128,), (out,))
+        results.add(out.get().tobytes())
+    assert len(results) > 1
+
+
+def test_uninitialized_shared_memory_reads_nan():
+    m = module(r"""
+extern "C" __global__ void forgot(float* out) {
+    extern __shared__ float s[];
+    __shared__ float t[32];
+    out[threadIdx.x] = s[threadIdx.x] + t[threadIdx.x];
+}""")
+    out = fake_cupy.zeros(32, np.float32)
+    m.get_function("forgot")((1,), (32,), (out,), shared_mem=128)
+    assert np.isnan(out.get()).all()
+
+
+@pytest.mark.parametrize("body,message", [
+    (r"if (threadIdx.x % 32 < 16) __syncthreads(); else { float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v; }",
+     "deadlock"),
+    (r"if (threadIdx.x == 3) return; float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v;",
+     "has exited"),
+    (r"if (threadIdx.x % 2) __syncwarp(); else { float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v; }",
+     "different warp collectives"),
+    (r"float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v;", "beyond the block's threads"),
+    (r"extern __shared__ float s[]; s[threadIdx.x + 8] = 1.0f;", "wrote past the 64 bytes of dynamic shared memory"),
+])
+def test_collective_and_shared_memory_misuse_is_reported(body, message):
+    m = module('extern "C" __global__ void k(float* out) { ' + body + " }")
+    block = {"beyond": 48, "wrote": 32}.get(message.split()[0], 128)   # 48 threads: a partial 2nd warp
+    with pytest.raises(LaunchError, match=message):
+        m.get_function("k")((1,), (block,), (fake_cupy.zeros(4, np.float32),), shared_mem=64)
+
+
+def test_arguments_are_checked_against_the_signature():
+    m = module(r"""
+extern "C" __global__ void scale(const __nv_bfloat16* x, float* out, int n, float s) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = __bfloat162float(x[i]) * s;
+}""")
+    k = m.get_function("scale")
+    x, out = fake_cupy.zeros(64, np.uint16), fake_cupy.zeros(64, np.float32)
+    k((1,), (64,), (x, out, np.int32(64), np.float32(2)))
+    with pytest.raises(LaunchError, match=r"argument 2 \(n\) is a int, but a Python int would be passed as int64"):
+        k((1,), (64,), (x, out, 64, np.float32(2)))
+    with pytest.raises(LaunchError, match=r"argument 3 \(s\) is a float; got a numpy float64"):
+        k((1,), (64,), (x, out, np.int32(64), np.float64(2)))
+    with pytest.raises(LaunchError, match=r"argument 1 \(out\) points to float, got an array of float16"):
+        k((1,), (64,), (x, fake_cupy.zeros(64, np.float16), np.int32(64), np.float32(2)))
+    with pytest.raises(LaunchError, match=r"argument 0 \(x\) must be a device array, got numpy.ndarray"):
+        k((1,), (64,), (np.zeros(64, np.uint16), out, np.int32(64), np.float32(2)))
+    with pytest.raises(LaunchError, match="takes 4 arguments"):
+        k((1,), (64,), (x, out))
+    with pytest.raises(LaunchError, match="not a valid CUDA block"):
+        k((1,), (2048,), (x, out, np.int32(64), np.float32(2)))
+    with pytest.raises(LaunchError, match="exceed the 49152 allowed"):
+        k((1,), (64,), (x, out, np.int32(64), np.float32(2)), shared_mem=64 * 1024)
+
+
+def test_writes_past_an_allocation_are_caught():
+    m = module(r"""
+extern "C" __global__ void fill(float* out, int n) { out[threadIdx.x] = 1.0f; (void)n; }""")
+    with pytest.raises(LaunchError, match="fill wrote past the end of a 124-byte allocation"):
+        m.get_function("fill")((1,), (32,), (fake_cupy.zeros(31, np.float32), np.int32(31)))
+
+
+def test_device_arrays_are_as_strict_as_cupys():
+    a = fake_cupy.arange(6, dtype=np.float32).reshape(2, 3)
+    assert a.data.ptr % 256 == 0 and hasattr(a, "__cuda_array_interface__")
+    with pytest.raises(TypeError, match="Implicit conversion to a NumPy array"):
+        np.asarray(a)
+    with pytest.raises(TypeError):
+        a + np.ones((2, 3), np.float32)
+    with pytest.raises(TypeError, match="host numpy array"):
+        a[...] = np.ones((2, 3), np.float32)
+    assert np.isnan(fake_cupy.empty(4, np.float32).get()).all()   # never-written memory is NaN
+    np.testing.assert_array_equal((a * 2 + 1)[1].get(), [7, 9, 11])
+    view = a[1]
+    view.fill(0)                                                     # views share memory
+    np.testing.assert_array_equal(a.get(), [[0, 1, 2], [0, 0, 0]])
+
+
+@pytest.mark.parametrize("transa,transb", [(1, 0), (0, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("c_type", [0, 14])
+def test_gemmex_follows_cublas_column_major_rules(transa, transb, c_type):
+    rng = np.random.default_rng(0)
+    m, n, k = 5, 7, 16
+    a = rng.standard_normal((m, k)).astype(np.float32)   # op(A), column-major view
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    c0 = rng.standard_normal((m, n)).astype(np.float32)
+    bf = lambda x: ((x.view(np.uint32) + 0x7FFF + ((x.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)  # noqa: E731
+    to_f32 = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+    # column-major storage of A (m x k, or k x m when transposed) is row-major of its transpose
+    A = dev(bf(np.ascontiguousarray(a.T if transa == 0 else a)))
+    B = dev(bf(np.ascontiguousarray(b.T if transb == 0 else b)))
+    C = dev(np.ascontiguousarray(c0.T) if c_type == 0 else bf(np.ascontiguousarray(c0.T)))
+    alpha, beta = np.array(2.0, np.float32), np.array(0.5, np.float32)
+    fake_cupy.gemmEx(0, transa, transb, m, n, k, alpha.ctypes.data, A.data.ptr, 14, m if transa == 0 else k,
+                     B.data.ptr, 14, k if transb == 0 else n, beta.ctypes.data, C.data.ptr, c_type, m, 68, -1)
+    c_in = c0 if c_type == 0 else to_f32(bf(c0))
+    want = 2.0 * to_f32(bf(a)) @ to_f32(bf(b)) + 0.5 * c_in
+    got = C.get().T if c_type == 0 else to_f32(C.get()).T
+    np.testing.assert_allclose(got, want, rtol=1e-5 if c_type == 0 else 1e-2, atol=1e-5 if c_type == 0 else 3e-2)
+    with pytest.raises(LaunchError, match="leading dimension"):
+        fake_cupy.gemmEx(0, 0, 0, m, n, k, alpha.ctypes.data, A.data.ptr, 14, 1, B.data.ptr, 14, k,
+                         beta.ctypes.data, C.data.ptr, c_type, m, 68, -1)
+
+
+# ---- mutations of the real kernels: the GPU tests on cusim must notice each -----------------
+MUTATIONS = {
+    "permute: no barrier between reading and advancing the expert cursor": (
+        "moe_permute.cu", "__syncwarp();  // all reads of cursor precede the update", "", "moe_experts"),
+    "router: lanes read the scores before the winner is knocked out": (
+        "router.cu", "if (lane == 0) p[best_i] = -1.0f;\n        __syncwarp();",
+        "if (lane == 0) p[best_i] = -1.0f;", "router"),
+    "attention: the next chunk overwrites scores still being read": (
+        "paged_attention.cu", "__syncthreads();  // s_s is overwritten by the next chunk", "", "attention_decode"),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_gpu_tests_on_cusim_catch_a_missing_barrier(tmp_path, name):
+    file, old, new, selection = MUTATIONS[name]
+    kernels = tmp_path / "kernels"
+    shutil.copytree(ROOT / "kernels", kernels)
+    source = (kernels / file).read_text()
+    assert source.count(old) == 1, f"the mutation no longer applies to {file}"
+    (kernels / file).write_text(source.replace(old, new))
+    env = dict(os.environ, EPRT_KERNEL_DIR=str(kernels), PYTHONPATH=str(ROOT / "tests"))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "cusim.plugin", "-p", "no:cacheprovider",
+                           "-m", "gpu", "-k", selection, str(ROOT / "tests" / "test_cupy_ops.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and " failed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
