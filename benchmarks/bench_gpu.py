@@ -16,7 +16,6 @@ fraction of the device's peak (table below, or --peak-gbs).
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -43,6 +42,10 @@ class Shape:
     block_size: int = 16       # BS
 
 
+TINY = Shape(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=16, top_k=4, inter=128,
+             vocab=1024)
+
+
 def peak_gbs(name: str) -> float | None:
     for key, gbs in PEAK_GBS:
         if key in name:
@@ -50,19 +53,12 @@ def peak_gbs(name: str) -> float | None:
     return None
 
 
-@functools.cache
-def _to_bf16_bits():
-    import cupy as cp
-
-    return cp.ElementwiseKernel(  # round to nearest even, as eprt.ops.cupy_ops.f32_to_bf16_bits
-        "float32 x", "uint16 y",
-        "unsigned int b = __float_as_uint(x); y = (unsigned short)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16)",
-        "eprt_bench_f32_to_bf16")
-
-
 def random_bf16(cp, shape, scale: float):
-    """Normal(0, scale) values as bf16 bits, generated and rounded on the GPU."""
-    return _to_bf16_bits()(cp.random.standard_normal(shape, dtype=cp.float32) * np.float32(scale))
+    """Normal(0, scale) values as bf16 bits, generated and rounded on the GPU (round to
+    nearest even, as eprt.ops.cupy_ops.f32_to_bf16_bits)."""
+    b = (cp.random.standard_normal(shape, dtype=cp.float32) * np.float32(scale)).view(cp.uint32)
+    b += 0x7FFF + ((b >> 16) & 1)
+    return (b >> 16).astype(cp.uint16)
 
 
 class Model:
@@ -145,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps per batch size (after 3 warm-ups)")
     p.add_argument("--peak-gbs", type=float, default=None, help="device peak memory bandwidth, GB/s")
     p.add_argument("--moe-impl", default="auto", choices=("auto", "grouped", "gathered"))
+    p.add_argument("--tiny", action="store_true",
+                   help="a toy shape, to check the script itself (e.g. on cusim: python -m cusim.run)")
     args = p.parse_args(argv)
 
     from eprt.ops import device
@@ -158,7 +156,7 @@ def main(argv=None) -> int:
     ops = CupyOps(moe_impl=args.moe_impl)
     name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
     peak = args.peak_gbs or peak_gbs(name)
-    shape = Shape(layers=args.layers)
+    shape = TINY if args.tiny else Shape(layers=args.layers)
     print(f"device {name}; peak {peak or 'unknown (pass --peak-gbs)'} GB/s; {shape}; context {args.context}")
     print(f"{'batch':>6} {'ms/step':>9} {'tokens/s':>10} {'GB/step':>8} {'GB/s':>8} {'of peak':>8}")
     model = Model(ops, shape, args.context)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared run for a machine with a GPU (run from the repository root, nothing installed):
 # the device name, every GPU kernel test against the NumPy reference, the end-to-end greedy
-# check (CuPy tokens == NumPy tokens), then the GPU benchmark. Logs go to ${OUT:-/tmp/eprt-gpu}.
+# check (CuPy tokens follow NumPy's), 2-rank expert parallelism, then the GPU benchmark. Logs go to ${OUT:-/tmp/eprt-gpu}.
 #   bash benchmarks/gpu_session.sh            # about 5 minutes on an H200
 set -uo pipefail
 out=${OUT:-/tmp/eprt-gpu}
@@ -11,6 +11,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels_compile.py tests/test_cupy_ops.py \
     tests/test_gpu_end_to_end.py 2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
+if command -v mpiexec >/dev/null; then   # expert parallelism on the GPU: 2 ranks share it
+  timeout 120 mpiexec -n 2 python3 -m pytest -q -p no:cacheprovider --with-mpi -m gpu \
+      tests/mpi/test_gpu_expert_parallel_mpi.py 2>&1 | tee "$out/gpu_mpi.log"
+fi
 timeout 240 python3 benchmarks/bench_gpu.py 2>&1 | tee "$out/bench_gpu.log"
 bench=${PIPESTATUS[0]}
 echo "gpu tests exit $tests, benchmark exit $bench"

@@ -199,3 +199,16 @@ def test_gpu_tests_on_cusim_catch_a_missing_barrier(tmp_path, name):
                            "-m", "gpu", "-k", selection, str(ROOT / "tests" / "test_cupy_ops.py")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and " failed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("impl", ["grouped", "gathered"])
+def test_gpu_benchmark_script_runs_on_cusim(impl):
+    # benchmarks/gpu_session.sh runs it on a GPU when one is lent; a crash there would waste
+    # the device time, so its whole path (weights, KV, decode steps, byte count) runs here
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
+    proc = subprocess.run([sys.executable, "-m", "cusim.run", str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny",
+                           "--context", "20", "--batches", "1,3", "--steps", "1", "--moe-impl", impl],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["1", "3"] and all(float(r[2]) > 0 for r in rows), proc.stdout

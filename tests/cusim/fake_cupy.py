@@ -341,6 +341,25 @@ def stack(arrays, axis=0):
     return _device(np.stack([_unwrap(a) for a in arrays], axis=axis))
 
 
+class _Random:
+    """cupy.random: draws from NumPy's generator (seeded), stored on the "device"."""
+
+    def __init__(self):
+        self._rng = np.random.default_rng(0)
+
+    def seed(self, seed=None):
+        self._rng = np.random.default_rng(seed)
+
+    def standard_normal(self, size=None, dtype=np.float64):
+        return _device(self._rng.standard_normal(size, dtype=dtype))
+
+    def random(self, size=None, dtype=np.float64):
+        return _device(self._rng.random(size, dtype=dtype))
+
+
+random = _Random()
+
+
 def __getattr__(name):   # dtypes and other NumPy names used as cupy.<name>
     value = getattr(np, name)
     if isinstance(value, type) and issubclass(value, np.generic):
@@ -368,6 +387,10 @@ class _Runtime:
 
     def deviceGetAttribute(self, attr, device):
         return {16: SM_COUNT, 97: SMEM_OPTIN}[attr]
+
+    def getDeviceProperties(self, device):
+        return {"name": b"cusim (CUDA simulated on the CPU)", "multiProcessorCount": SM_COUNT,
+                "sharedMemPerBlockOptin": SMEM_OPTIN, "totalGlobalMem": MEMORY_TOTAL}
 
     def memGetInfo(self):
         used = sum(a.nbytes for a in (r() for r in _live.values()) if a is not None)
@@ -461,6 +484,9 @@ class _MemoryPool:
     def free_bytes(self):
         return 0
 
+    def free_all_blocks(self):
+        pass
+
     def used_bytes(self):
         return runtime.memGetInfo()[1] - runtime.memGetInfo()[0]
 
@@ -545,7 +571,7 @@ def install() -> None:
     cupy = types.ModuleType("cupy")
     for name in ("ndarray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "arange",
                  "asarray", "array", "ascontiguousarray", "asnumpy", "take", "concatenate", "stack",
-                 "get_default_memory_pool", "RawModule"):
+                 "get_default_memory_pool", "RawModule", "random"):
         setattr(cupy, name, getattr(me, name))
     cupy.RawKernel = RawKernel
     cupy.cuda = cuda
