@@ -8,7 +8,7 @@ out=${OUT:-/tmp/eprt-gpu}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 EPRT_TEST_CKPT_DIR="$out/ckpt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$out/device.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels_compile.py tests/test_cupy_ops.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels_compile.py tests/test_cupy_ops.py tests/test_cupy_ops_shapes.py \
     tests/test_gpu_end_to_end.py 2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 if command -v mpiexec >/dev/null; then   # expert parallelism on the GPU: 2 ranks share it
