@@ -225,6 +225,7 @@ def launch_engine(args_or_config, transport=None):
         ops = get_ops(device)
         loaded = load_model(cfg.model, ops, cfg.max_model_len, rank=rank, world=world,
                             combine=_combine(transport, ops))
+        blocks = _kv_blocks(cfg, ops, loaded.config)   # on a GPU: what fits next to this rank's weights
     except Exception as e:
         if world == 1:
             raise
@@ -237,10 +238,17 @@ def launch_engine(args_or_config, transport=None):
         if rank != 0:
             sys.exit(1)             # rank 0 reports every failing rank
         raise
+    # Every rank's block manager must make rank 0's decisions (evictions, prefix hits) from the
+    # command stream alone, so all use the smallest pool (GPU ranks with more free memory, e.g.
+    # fewer experts in an uneven split, would otherwise keep blocks rank 0 evicted).
+    agreed = transport.min_over_ranks(blocks)
+    if agreed < blocks:
+        log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)",
+                 rank, agreed, blocks)
     model_cfg = loaded.config
     if rank == 0:                   # rank 0 decodes its own frames as a worker will: bugs surface here
         transport.checker = StreamChecker(cfg.max_batch, model_cfg.vocab_size)
-    executor = ShardExecutor(loaded.model, _kv_blocks(cfg, ops, model_cfg), cfg.block_size, cfg.max_batch,
+    executor = ShardExecutor(loaded.model, agreed, cfg.block_size, cfg.max_batch,
                              prefix_cache=cfg.prefix_cache, image_token_id=cfg.image_token_id)
     log.info("rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, read %d tensors (%.1f MB)",
              rank, world, loaded.name, ops.name, loaded.model.w.expert_start, loaded.model.w.expert_end,
