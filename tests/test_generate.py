@@ -207,3 +207,18 @@ def test_image_embeds_file_must_be_a_2d_float_npy(tmp_path):
                         ("junk.npy", "cannot read it"), ("missing.npy", "cannot read it")]:
         with pytest.raises(RequestError, match=f"{name}: {words}"):
             embeds_for(tmp_path / name)
+
+
+def test_text_is_decoded_once_for_callback_and_handle():
+    # the default model has a tokenizer; on_finish and handle.result() see one result object
+    cfg = EngineConfig(model=None, device="cpu", max_batch=2)
+    with launch_engine(cfg) as engine:
+        calls, seen = [], []
+        decode = engine.tokenizer.decode
+        engine.tokenizer.decode = lambda ids: calls.append(list(ids)) or decode(ids)
+        handle = engine.submit(GenerationRequest([72, 105], SamplingParams(max_tokens=5)), on_finish=seen.append)
+        while not handle.done():
+            engine._step()   # what generate() and serve_forever() do
+        result = handle.result()
+        assert result is seen[0] and result.text and len(calls) == 1
+        assert handle.result() is result

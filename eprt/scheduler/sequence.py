@@ -59,6 +59,7 @@ class Sequence:
     error: Optional[str] = None
     cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
+    _result: Optional[GenerationResult] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = tuple(self.prompt_ids)
@@ -78,9 +79,16 @@ class Sequence:
         return self.state is SeqState.FINISHED
 
     def result(self) -> GenerationResult:
-        return GenerationResult(request_id=self.request_id, prompt_ids=list(self.prompt_ids),
-                                token_ids=self.output_ids, finish_reason=self.finish_reason or "",
-                                cached_tokens=self.cached_tokens or 0, error=self.error)
+        """The request's result; once it has finished, always the same object (so text the
+        engine decoded for on_finish is not decoded again for the handle)."""
+        if self._result is not None:
+            return self._result
+        result = GenerationResult(request_id=self.request_id, prompt_ids=list(self.prompt_ids),
+                                  token_ids=self.output_ids, finish_reason=self.finish_reason or "",
+                                  cached_tokens=self.cached_tokens or 0, error=self.error)
+        if self.finished:
+            self._result = result
+        return result
 
 
 class RequestHandle:
