@@ -10,6 +10,9 @@ Bandwidth = bytes a step must read (every dense weight, the weights of the exper
 router actually chose, the KV of every sequence, the lm_head) / step time, reported as a
 fraction of the device's peak (table below, or --peak-gbs).
 
+Then decode attention of one layer alone at batch 1 and 8, one pass per (sequence, KV
+head) vs split into partitions (flash-decoding), side by side.
+
     python benchmarks/bench_gpu.py                      # batches 1, 32, 128; 16 layers
     python benchmarks/bench_gpu.py --layers 48 --context 4096 --peak-gbs 4800
 """
@@ -133,6 +136,40 @@ class Model:
         return dense + chosen * expert + kv + self.lm_head.nbytes + B * s.hidden * 2
 
 
+def time_ms(fn, steps: int, sync) -> float:
+    for _ in range(2):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def attention_split_table(s: Shape, batches, contexts, steps: int, moe_impl: str) -> None:
+    """Decode attention of one layer alone, one pass per (sequence, KV head) vs split into
+    partitions (flash-decoding), measured side by side."""
+    from eprt.ops.cupy_ops import CupyOps
+
+    one, split = CupyOps(moe_impl, decode_split="off"), CupyOps(moe_impl, decode_split="on")
+    cp, scale = one.xp, s.head_dim ** -0.5
+    print("decode attention, one layer: one pass vs split (flash-decoding)")
+    print(f"{'batch':>6} {'context':>8} {'partitions':>10} {'one pass us':>12} {'split us':>9} {'speed-up':>9}")
+    for batch in batches:
+        for context in contexts:
+            per_seq = -(-context // s.block_size)
+            shape = (batch * per_seq, s.block_size, s.kv_heads, s.head_dim)
+            k, v = random_bf16(cp, shape, 1.0), random_bf16(cp, shape, 1.0)
+            q = random_bf16(cp, (batch, s.heads, s.head_dim), 1.0)
+            tables = one.index(np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq))
+            lens = one.index(np.full(batch, context, np.int32))
+            a = time_ms(lambda: one.attention_decode(q, k, v, tables, lens, scale), steps, one.synchronize)
+            b = time_ms(lambda: split.attention_decode(q, k, v, tables, lens, scale), steps, one.synchronize)
+            parts = split._decode_partitions(batch * s.kv_heads, per_seq * s.block_size)[0]
+            print(f"{batch:6d} {context:8d} {parts:10d} {a * 1e3:12.1f} {b * 1e3:9.1f} {a / b:9.2f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=16)
@@ -141,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps per batch size (after 3 warm-ups)")
     p.add_argument("--peak-gbs", type=float, default=None, help="device peak memory bandwidth, GB/s")
     p.add_argument("--moe-impl", default="auto", choices=("auto", "grouped", "gathered"))
+    p.add_argument("--attention-contexts", default="1024,4096,16384",
+                   help="contexts of the one-pass vs split decode attention table ('' skips it)")
     p.add_argument("--tiny", action="store_true",
                    help="a toy shape, to check the script itself (e.g. on cusim: python -m cusim.run)")
     args = p.parse_args(argv)
@@ -172,6 +211,10 @@ def main(argv=None) -> int:
         gb = model.bytes_per_step() / 1e9
         frac = f"{gb / dt / peak:8.1%}" if peak else f"{'-':>8}"
         print(f"{batch:6d} {dt * 1e3:9.2f} {batch / dt:10.1f} {gb:8.2f} {gb / dt:8.0f} {frac}")
+    if args.attention_contexts:
+        del model
+        attention_split_table(shape, (1, 8), [int(c) for c in args.attention_contexts.split(",")],
+                              max(args.steps, 1), args.moe_impl)
     return 0
 
 

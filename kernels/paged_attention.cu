@@ -11,6 +11,14 @@
 //   2. softmax update: one warp per head finds the chunk max, rescales, exponentiates;
 //   3. P.V: threads split into token groups of Dh/4 threads, each owning 4 output dims.
 // Dh must be a multiple of 8 and at most 256; G at most the entry point's MAXG (host-checked).
+//
+// Split decode (flash-decoding): with few sequences there are too few (sequence, KV head)
+// blocks to fill the GPU, so attention_decode_split_g* also splits each context into
+// partitions of split_keys keys, grid (B, Hk, P). Each block writes its partition's
+// unnormalized output and its softmax max and sum (fp32). attention_split_combine then
+// rescales the partitions to a common max and normalizes:
+//   part_acc [B, P, H, Dh], part_ml [B, P, H, 2] (max, sum); a partition past the context
+//   writes (acc 0, max -inf, sum 0), which the combine weighs 0.
 #include "common.cuh"
 
 #define ATTN_THREADS 128
@@ -19,11 +27,15 @@
 
 // Dynamic shared memory, in floats (the host computes the same total):
 //   q_s [G, Dh] | s_s [G, ATTN_CHUNK] | m_s [G] | l_s [G] | a_s [G] | red [ntg, G, Dh]
+// Keys [k_begin, k_end) of one sequence for the G query heads of KV head kvh. With part_acc
+// null: the normalized output, bf16, to out [G, Dh]. Otherwise the partition's unnormalized
+// output to part_acc [G, Dh] and its (max, sum) per head to part_ml [G, 2], fp32.
 template <int MAXG>
 __device__ void attend_group(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                              const bf16* __restrict__ v_cache, const int* __restrict__ block_table,
-                             int ctx, bf16* __restrict__ out, int G, int Dh, int Hk, int kvh,
-                             int block_size, float scale) {
+                             int k_begin, int k_end, bf16* __restrict__ out,
+                             float* __restrict__ part_acc, float* __restrict__ part_ml, int G,
+                             int Dh, int Hk, int kvh, int block_size, float scale) {
     extern __shared__ float smem[];
     float* q_s = smem;
     float* s_s = q_s + G * Dh;
@@ -35,8 +47,16 @@ __device__ void attend_group(const bf16* __restrict__ q, const bf16* __restrict_
     const long long slot_elems = (long long)Hk * Dh;
     const long long head_off = (long long)kvh * Dh;
 
-    if (ctx <= 0) {  // nothing to attend to (uniform per block, so the early exit is safe)
-        for (int i = tid; i < G * Dh; i += ATTN_THREADS) out[i] = __float2bfloat16(0.0f);
+    if (k_end <= k_begin) {  // nothing to attend to (uniform per block: the early exit is safe)
+        if (part_acc) {
+            for (int i = tid; i < G * Dh; i += ATTN_THREADS) part_acc[i] = 0.0f;
+            for (int g = tid; g < G; g += ATTN_THREADS) {
+                part_ml[2 * g] = neg_inf();
+                part_ml[2 * g + 1] = 0.0f;
+            }
+        } else {
+            for (int i = tid; i < G * Dh; i += ATTN_THREADS) out[i] = __float2bfloat16(0.0f);
+        }
         return;
     }
     for (int i = tid; i < G * Dh; i += ATTN_THREADS) q_s[i] = to_f32(q[i]) * scale;
@@ -54,8 +74,8 @@ __device__ void attend_group(const bf16* __restrict__ q, const bf16* __restrict_
         for (int i = 0; i < 4; ++i) acc[g][i] = 0.0f;
     __syncthreads();
 
-    for (int c0 = 0; c0 < ctx; c0 += ATTN_CHUNK) {
-        const int n = min(ATTN_CHUNK, ctx - c0);
+    for (int c0 = k_begin; c0 < k_end; c0 += ATTN_CHUNK) {
+        const int n = min(ATTN_CHUNK, k_end - c0);
         // 1. scores of key c0 + tid
         if (tid < n) {
             const int pos = c0 + tid;
@@ -146,7 +166,16 @@ __device__ void attend_group(const bf16* __restrict__ q, const bf16* __restrict_
         const int g = i / Dh, d = i % Dh;
         float sum = 0.0f;
         for (int j = 0; j < ntg; ++j) sum += red[(j * G + g) * Dh + d];
-        out[i] = __float2bfloat16(sum / l_s[g]);
+        if (part_acc)
+            part_acc[i] = sum;
+        else
+            out[i] = __float2bfloat16(sum / l_s[g]);
+    }
+    if (part_acc) {
+        for (int g = tid; g < G; g += ATTN_THREADS) {
+            part_ml[2 * g] = m_s[g];
+            part_ml[2 * g + 1] = l_s[g];
+        }
     }
 }
 
@@ -157,8 +186,24 @@ __device__ void decode_block(const bf16* q, const bf16* k_cache, const bf16* v_c
                              int Hk, int Dh, int block_size, int max_blocks, float scale) {
     const int b = blockIdx.x, kvh = blockIdx.y, G = H / Hk;
     const long long row = ((long long)b * H + (long long)kvh * G) * Dh;
-    attend_group<MAXG>(q + row, k_cache, v_cache, block_tables + (long long)b * max_blocks,
-                       context_lens[b], out + row, G, Dh, Hk, kvh, block_size, scale);
+    attend_group<MAXG>(q + row, k_cache, v_cache, block_tables + (long long)b * max_blocks, 0,
+                       context_lens[b], out + row, nullptr, nullptr, G, Dh, Hk, kvh, block_size,
+                       scale);
+}
+
+// Split decode: grid (B, Hk, P); partition p holds keys [p * split_keys, (p + 1) * split_keys).
+template <int MAXG>
+__device__ void decode_split_block(const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                                   const int* block_tables, const int* context_lens,
+                                   float* part_acc, float* part_ml, int H, int Hk, int Dh,
+                                   int block_size, int max_blocks, int split_keys, float scale) {
+    const int b = blockIdx.x, kvh = blockIdx.y, p = blockIdx.z, P = gridDim.z, G = H / Hk;
+    const int begin = p * split_keys, end = min(begin + split_keys, context_lens[b]);
+    const long long part = ((long long)b * P + p) * H + (long long)kvh * G;   // [b, p, kvh * G]
+    attend_group<MAXG>(q + ((long long)b * H + (long long)kvh * G) * Dh, k_cache, v_cache,
+                       block_tables + (long long)b * max_blocks, begin, end, nullptr,
+                       part_acc + part * Dh, part_ml + part * 2, G, Dh, Hk, kvh, block_size,
+                       scale);
 }
 
 // Prefill of one sequence: grid (T, Hk). q, out [T, H, Dh]; query t sits at position
@@ -169,8 +214,8 @@ __device__ void prefill_block(const bf16* q, const bf16* k_cache, const bf16* v_
                               int Dh, int block_size, float scale) {
     const int t = blockIdx.x, kvh = blockIdx.y, G = H / Hk;
     const long long row = ((long long)t * H + (long long)kvh * G) * Dh;
-    attend_group<MAXG>(q + row, k_cache, v_cache, block_table, start_pos + t + 1, out + row, G,
-                       Dh, Hk, kvh, block_size, scale);
+    attend_group<MAXG>(q + row, k_cache, v_cache, block_table, 0, start_pos + t + 1, out + row,
+                       nullptr, nullptr, G, Dh, Hk, kvh, block_size, scale);
 }
 
 // One decode and one prefill entry point per cap on the group size G (the host picks the
@@ -183,6 +228,13 @@ __device__ void prefill_block(const bf16* q, const bf16* k_cache, const bf16* v_
         decode_block<MAXG>(q, k_cache, v_cache, block_tables, context_lens, out, H, Hk, Dh,     \
                            block_size, max_blocks, scale);                                       \
     }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_decode_split_g##MAXG(  \
+        const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables,       \
+        const int* context_lens, float* part_acc, float* part_ml, int H, int Hk, int Dh,        \
+        int block_size, int max_blocks, int split_keys, float scale) {                           \
+        decode_split_block<MAXG>(q, k_cache, v_cache, block_tables, context_lens, part_acc,     \
+                                 part_ml, H, Hk, Dh, block_size, max_blocks, split_keys, scale); \
+    }                                                                                            \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill_g##MAXG(       \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_table,        \
         int start_pos, bf16* out, int H, int Hk, int Dh, int block_size, float scale) {         \
@@ -193,3 +245,37 @@ __device__ void prefill_block(const bf16* q, const bf16* k_cache, const bf16* v_
 ATTENTION_ENTRIES(4)
 ATTENTION_ENTRIES(8)
 ATTENTION_ENTRIES(16)
+
+// The partitions of a split decode, merged: grid (B, H), one block per (sequence, head).
+// out[b, h] = sum_p w_p * acc_p / sum_p w_p * l_p with w_p = exp(m_p - max_p m_p); out [B, H, Dh].
+// P <= ATTN_MAX_SPLITS (host-checked).
+#define ATTN_MAX_SPLITS 256
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_split_combine(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, bf16* __restrict__ out,
+    int H, int Dh, int P) {
+    __shared__ float w_s[ATTN_MAX_SPLITS];
+    __shared__ float inv_s;
+    const int b = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const long long stride = (long long)H;   // from partition p to p + 1, in (acc row, ml pair)s
+    const float* ml = part_ml + ((long long)b * P * H + h) * 2;
+    if (tid == 0) {   // P is small (context / split_keys): one thread weighs the partitions
+        float mx = neg_inf();
+        for (int p = 0; p < P; ++p) mx = fmaxf(mx, ml[p * stride * 2]);
+        float total = 0.0f;
+        for (int p = 0; p < P; ++p) {
+            const float m = ml[p * stride * 2];
+            const float w = m == neg_inf() ? 0.0f : __expf(m - mx);   // empty partition: 0
+            w_s[p] = w;
+            total += w * ml[p * stride * 2 + 1];
+        }
+        inv_s = total > 0.0f ? 1.0f / total : 0.0f;   // an empty context gives a zero row
+    }
+    __syncthreads();
+    const float* acc = part_acc + ((long long)b * P * H + h) * Dh;
+    bf16* o = out + ((long long)b * H + h) * Dh;
+    for (int d = tid; d < Dh; d += ATTN_THREADS) {
+        float sum = 0.0f;
+        for (int p = 0; p < P; ++p) sum += w_s[p] * acc[p * stride * Dh + d];
+        o[d] = __float2bfloat16(sum * inv_s);
+    }
+}

@@ -192,9 +192,13 @@ def test_kv_write_is_an_exact_copy_and_skips_padding(ops, rng):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", ["off", "on"])
 @pytest.mark.parametrize("group,dh", [(1, 64), (4, 128), (6, 128), (16, 64), (8, 256), (16, 256)])
-def test_attention_decode(ops, rng, group, dh):
-    g, c = ops
+def test_attention_decode(rng, split, group, dh):
+    from eprt.ops.cupy_ops import CupyOps
+
+    # split "on" with 128-key partitions: 3 partitions, the short sequences' later ones empty
+    g, c = CupyOps(decode_split=split, split_keys=128), NumpyOps()
     hk, bs, lens = 2, 16, [1, 37, 300]             # 300 > one 128-key chunk
     kc, vc, tables = paged_kv(rng, lens, bs, hk, dh)
     q = bf16(rng.standard_normal((len(lens), hk * group, dh)))
@@ -202,6 +206,23 @@ def test_attention_decode(ops, rng, group, dh):
     got = g.attention_decode(g.activation(q), g.activation(kc), g.activation(vc), g.index(tables),
                              g.index(cl), dh ** -0.5)
     close(g.to_host(got), c.attention_decode(q, kc, vc, tables, cl, dh ** -0.5), "attention")
+
+
+@gpu
+@pytest.mark.gpu
+def test_decode_partitions():
+    from eprt.ops.cupy_ops import CupyOps
+
+    auto, off = CupyOps(split_keys=512), CupyOps(decode_split="off")
+    sm = auto.sm_count
+    assert auto._decode_partitions(4, 4096) == (8, 512)           # batch 1, 4 KV heads: split
+    assert auto._decode_partitions(2 * sm, 4096) == (1, 4096)     # enough blocks already
+    assert off._decode_partitions(4, 4096) == (1, 4096)
+    assert auto._decode_partitions(4, 300) == (1, 512)            # one partition holds it all
+    parts, keys = auto._decode_partitions(4, 1 << 20)             # 1M keys: at most 256 partitions
+    assert parts <= 256 and parts * keys >= 1 << 20 and keys % 128 == 0
+    with pytest.raises(ValueError, match="split_keys"):
+        CupyOps(split_keys=100)
 
 
 @gpu

@@ -30,9 +30,12 @@ def ops():
 
 @SETTINGS
 @given(hk=st.integers(1, 3), group=st.integers(1, 16), dh=HEAD_DIMS, bs=st.sampled_from([1, 3, 16]),
-       lens=st.lists(CONTEXTS, min_size=1, max_size=3), seed=st.integers(0, 2**16))
-def test_attention_decode_shapes(ops, hk, group, dh, bs, lens, seed):
-    g, c = ops
+       lens=st.lists(CONTEXTS, min_size=1, max_size=3), split=st.sampled_from(["off", "on"]),
+       split_keys=st.sampled_from([128, 256]), seed=st.integers(0, 2**16))
+def test_attention_decode_shapes(hk, group, dh, bs, lens, split, split_keys, seed):
+    from eprt.ops.cupy_ops import CupyOps
+
+    g, c = CupyOps(decode_split=split, split_keys=split_keys), NumpyOps()
     rng = np.random.default_rng(seed)
     kc, vc, tables = paged_kv(rng, lens, bs, hk, dh, spare_blocks=1)
     q = bf16(rng.standard_normal((len(lens), hk * group, dh)))

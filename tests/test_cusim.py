@@ -207,8 +207,11 @@ def test_gpu_benchmark_script_runs_on_cusim(impl):
     # the device time, so its whole path (weights, KV, decode steps, byte count) runs here
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
     proc = subprocess.run([sys.executable, "-m", "cusim.run", str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny",
-                           "--context", "20", "--batches", "1,3", "--steps", "1", "--moe-impl", impl],
+                           "--context", "20", "--batches", "1,3", "--steps", "1", "--moe-impl", impl,
+                           "--attention-contexts", "300"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
-    assert [r[0] for r in rows] == ["1", "3"] and all(float(r[2]) > 0 for r in rows), proc.stdout
+    decode, attention = rows[:2], rows[2:]
+    assert [r[0] for r in decode] == ["1", "3"] and all(float(r[2]) > 0 for r in decode), proc.stdout
+    assert [r[:2] for r in attention] == [["1", "300"], ["8", "300"]], proc.stdout

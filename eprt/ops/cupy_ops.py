@@ -33,6 +33,8 @@ _DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32"}
 _SMEM_DEFAULT = 48 * 1024           # dynamic shared memory usable without opting in
 _ATTN_THREADS = _ATTN_CHUNK = 128   # paged_attention.cu: ATTN_THREADS, ATTN_CHUNK
 _ATTN_GROUP_CAPS = (4, 8, 16)       # attention_*_g{cap} entry points
+_ATTN_MAX_SPLITS = 256              # paged_attention.cu: ATTN_MAX_SPLITS
+DECODE_SPLITS = ("auto", "on", "off")
 _ROUTER_WARPS = 4                   # router.cu: ROUTER_WARPS
 _GG_WARPS = 4                       # moe_grouped_gemm.cu: GG_WARPS
 MOE_IMPLS = ("auto", "grouped", "gathered")
@@ -104,11 +106,18 @@ class CupyOps(Ops):
     act_dtype = np.uint16   # bfloat16 bits
     kv_itemsize = 2         # bytes per KV cache element (bf16)
 
-    def __init__(self, moe_impl: str = "auto"):
+    def __init__(self, moe_impl: str = "auto", decode_split: str = "auto", split_keys: int = 512):
+        """``moe_impl``: expert GEMMs (see ``moe_experts``). ``decode_split``: split each decode
+        context into partitions of ``split_keys`` keys ("auto": when there are fewer
+        (sequence, KV head) blocks than two per SM, the case of small batches)."""
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+        if decode_split not in DECODE_SPLITS:
+            raise ValueError(f"decode_split must be one of {DECODE_SPLITS}, got {decode_split!r}")
+        if split_keys < 1 or split_keys % _ATTN_CHUNK:
+            raise ValueError(f"split_keys must be a positive multiple of {_ATTN_CHUNK}, got {split_keys}")
         self.xp = cupy
-        self.moe_impl = moe_impl
+        self.moe_impl, self.decode_split, self.split_keys = moe_impl, decode_split, split_keys
         rt, dev = cupy.cuda.runtime, cupy.cuda.Device().id
         self.sm_count = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev)
         self.smem_limit = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)  # bytes
@@ -253,12 +262,36 @@ class CupyOps(Ops):
         _check("attention_decode", "block_tables", block_tables, _I32, (B, None))
         _check("attention_decode", "context_lens", context_lens, _I32, (B,))
         out = cupy.empty_like(q)
-        if B:
+        if not B:
+            return out
+        MB = block_tables.shape[1]
+        splits, split_keys = self._decode_partitions(B * Hk, MB * BS)
+        if splits == 1:
             _launch("paged_attention.cu", f"attention_decode_g{cap}", (B, Hk), _ATTN_THREADS,
                     (q, k_cache, v_cache, block_tables, context_lens, out, np.int32(H), np.int32(Hk),
-                     np.int32(Dh), np.int32(BS), np.int32(block_tables.shape[1]), np.float32(scale)),
-                    smem)
+                     np.int32(Dh), np.int32(BS), np.int32(MB), np.float32(scale)), smem)
+            return out
+        part_acc = cupy.empty((B, splits, H, Dh), dtype=_F32)        # [B, P, H, Dh]
+        part_ml = cupy.empty((B, splits, H, 2), dtype=_F32)          # [B, P, H, (max, sum)]
+        _launch("paged_attention.cu", f"attention_decode_split_g{cap}", (B, Hk, splits), _ATTN_THREADS,
+                (q, k_cache, v_cache, block_tables, context_lens, part_acc, part_ml, np.int32(H),
+                 np.int32(Hk), np.int32(Dh), np.int32(BS), np.int32(MB), np.int32(split_keys),
+                 np.float32(scale)), smem)
+        _launch("paged_attention.cu", "attention_split_combine", (B, H), _ATTN_THREADS,
+                (part_acc, part_ml, out, np.int32(H), np.int32(Dh), np.int32(splits)))
         return out
+
+    def _decode_partitions(self, blocks: int, max_keys: int) -> tuple[int, int]:
+        """(partitions per context, keys per partition) for a decode launch of ``blocks``
+        (sequence, KV head) blocks over contexts of at most ``max_keys`` keys (the block
+        tables' capacity: no device sync to learn the real lengths; partitions past a
+        context return at once)."""
+        if self.decode_split == "off" or (self.decode_split == "auto" and blocks >= 2 * self.sm_count):
+            return 1, max_keys
+        keys = self.split_keys
+        if -(-max_keys // keys) > _ATTN_MAX_SPLITS:   # very long tables: bigger partitions
+            keys = -(-max_keys // (_ATTN_MAX_SPLITS * _ATTN_CHUNK)) * _ATTN_CHUNK
+        return max(1, -(-max_keys // keys)), keys
 
     # ---- MoE -------------------------------------------------------------------------
     def router(self, logits, top_k, renormalize):

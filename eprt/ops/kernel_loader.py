@@ -21,8 +21,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "rms_norm.cu": ("rms_norm", "add_rms_norm_bf16", "add_rms_norm_f32"),
     "rope.cu": ("rope_cs_bf16", "rope_cs_f32"),
     "kv_write.cu": ("kv_write",),
-    "paged_attention.cu": tuple(f"attention_{kind}_g{g}" for kind in ("decode", "prefill")
-                                for g in (4, 8, 16)),
+    "paged_attention.cu": tuple(f"attention_{kind}_g{g}" for kind in ("decode", "decode_split", "prefill")
+                                for g in (4, 8, 16)) + ("attention_split_combine",),
     "router.cu": ("router_topk_bf16", "router_topk_f32"),
     "moe_permute.cu": ("moe_permute", "moe_gather_rows"),
     "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down"),

@@ -8,7 +8,7 @@ and builds a shared library with g++ (cached by content under ``$CUSIM_CACHE`` o
 its arguments the way a GPU launch would fail on them, then runs it.
 
 Rewrites: ``extern __shared__ T a[];`` -> a pointer to the launch's dynamic shared memory;
-``__shared__ T a[N];`` -> the block's own copy of the array (fresh, 0xFF-filled, per block).
+``__shared__ T a[N];`` and ``__shared__ T a;`` -> the block's own copy (fresh, 0xFF-filled, per block).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-U
             "-Wno-unknown-pragmas", "-Wno-unused-function", "-Wno-unused-variable")
 
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
-_SHARED = re.compile(r"__shared__\s+([\w:]+)\s+(\w+)\s*((?:\[[^\]]+\])+)\s*;")
+_SHARED = re.compile(r"__shared__\s+([\w:]+)\s+(\w+)\s*((?:\[[^\]]+\])*)\s*;")
 _ENTRY = re.compile(r'extern\s+"C"\s+__cusim_global__\s+void\s+(\w+)\s*\(([^)]*)\)')
 
 # C parameter type -> (ctypes type, numpy dtype CuPy must be given for it)
