@@ -215,3 +215,14 @@ def test_gpu_benchmark_script_runs_on_cusim(impl):
     decode, attention = rows[:2], rows[2:]
     assert [r[0] for r in decode] == ["1", "3"] and all(float(r[2]) > 0 for r in decode), proc.stdout
     assert [r[:2] for r in attention] == [["1", "300"], ["8", "300"]], proc.stdout
+
+
+def test_eprt_generate_on_the_cuda_backend_runs_on_cusim():
+    # the CLI's GPU path (device binding, KV pool from free memory and
+    # --gpu-memory-utilization, CuPy backend, text out) as a user runs it on a GPU node
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
+    proc = subprocess.run([sys.executable, "-m", "cusim.run", "-m", "eprt", "generate", "--device", "cuda",
+                           "--prompt", "Hello, experts", "--max-tokens", "8", "--gpu-memory-utilization", "0.5"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on cuda" in proc.stderr and "generated 8" in proc.stderr, proc.stderr[-3000:]
