@@ -47,6 +47,10 @@ def test_pool_blocks_counts_what_is_already_used():
         device.pool_blocks(5 * gib, 80 * gib, gib, 0.9)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         device.pool_blocks(50 * gib, 80 * gib, gib, 1.5)
+    # two ranks on one GPU, both measured after both loaded their weights: 42 GiB between them
+    assert device.pool_blocks(50 * gib, 80 * gib, gib, 0.9, sharers=2) == 21
+    with pytest.raises(RuntimeError, match="for 3 ranks"):
+        device.pool_blocks(10 * gib, 80 * gib, 4 * gib, 0.9, sharers=3)
 
 
 def test_backend_choice(monkeypatch):

@@ -63,16 +63,20 @@ class MpiTransport(Transport):
         not start (a checkpoint missing on one node) ends the job on every rank, named."""
         if self.size == 1:
             return super().startup_barrier(error)
+        failures = [(r, text) for r, text in enumerate(self.allgather_text(error or "")) if text]
+        if failures:
+            raise StartupFailed(failures)
+
+    def allgather_text(self, text: str) -> list[str]:
+        if self.size == 1:
+            return [text]
         mine = np.zeros(STARTUP_ERROR_BYTES, np.uint8)
-        text = (error or "").encode("utf-8", "replace")[:STARTUP_ERROR_BYTES]
-        mine[:len(text)] = np.frombuffer(text, np.uint8)
+        raw = text.encode("utf-8", "replace")[:STARTUP_ERROR_BYTES]
+        mine[:len(raw)] = np.frombuffer(raw, np.uint8)
         every = np.empty((self.size, STARTUP_ERROR_BYTES), np.uint8)
         self.stats.mpi_calls += 1
         self._wait(self._ctl.Iallgather(mine, every), "the start-up exchange", idle=True)
-        failures = [(r, bytes(row).rstrip(b"\0").decode("utf-8", "replace")) for r, row in enumerate(every)
-                    if row.any()]
-        if failures:
-            raise StartupFailed(failures)
+        return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in every]
 
     def min_over_ranks(self, value: int) -> int:
         if self.size == 1:

@@ -196,6 +196,11 @@ class Transport:
         if error:
             raise StartupFailed([(self.rank, error)])
 
+    def allgather_text(self, text: str) -> list[str]:
+        """Every rank's ``text`` (at most STARTUP_ERROR_BYTES of UTF-8), in rank order, on
+        every rank (start-up only: no time limit)."""
+        return [text]
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` over the ranks, on every rank (start-up only: no time limit)."""
         return int(value)

@@ -25,10 +25,9 @@ from eprt.comm.transport import StartupFailed, open_transport
 from eprt.comm.worker import run_worker
 from eprt.engine.api import GenerationRequest, GenerationResult, RequestError
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
-from eprt.engine.executor import ShardExecutor
 from eprt.engine.runner import ModelRunner
-from eprt.model.loader import load_model
-from eprt.ops.device import bind_local_gpu, get_ops, resolve_device
+from eprt.engine.startup import start_rank
+from eprt.ops.device import bind_local_gpu, resolve_device
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.scheduler import Scheduler
@@ -184,30 +183,6 @@ class Engine:
         self.transport.close()
 
 
-def _combine(transport, ops):
-    """The MoE combine for this backend. GPU partials go through reused pinned host buffers
-    (the stream is synchronized before MPI reads them), which is correct with or without a
-    CUDA-aware MPI; the frames and vision rows are host data already."""
-    if transport.size == 1:
-        return lambda partial: partial
-    if ops.name == "cpu":
-        return transport.allsum
-    from eprt.comm.cuda_staging import Staging
-    staging = Staging()
-    return lambda partial: staging.to_device(transport.allsum(staging.send_buffer(partial)))
-
-
-def _kv_blocks(cfg: EngineConfig, ops, model_cfg) -> int:
-    if cfg.num_blocks:
-        return cfg.num_blocks
-    if ops.name != "cpu":
-        from eprt.model.kv_cache import KVCache
-        from eprt.ops.device import kv_pool_blocks
-        per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
-        return min(kv_pool_blocks(per_block, cfg.gpu_memory_utilization), cfg.blocks_for(cfg.block_size))
-    return cfg.blocks_for(cfg.block_size)
-
-
 @contextlib.contextmanager
 def launch_engine(args_or_config, transport=None):
     """Build the engine on every rank. Rank 0 gets the Engine; a worker rank serves the
@@ -222,34 +197,15 @@ def launch_engine(args_or_config, transport=None):
     rank, world = transport.rank, transport.size
     setup_logging(rank, cfg.log_all_ranks or None)
     try:
-        ops = get_ops(device)
-        loaded = load_model(cfg.model, ops, cfg.max_model_len, rank=rank, world=world,
-                            combine=_combine(transport, ops))
-        blocks = _kv_blocks(cfg, ops, loaded.config)   # on a GPU: what fits next to this rank's weights
-    except Exception as e:
-        if world == 1:
-            raise
-        loaded, error = None, f"{type(e).__name__}: {e}"
-    else:
-        error = None
-    try:   # ranks load at different speeds; no watchdog until all are ready (or one failed)
-        transport.startup_barrier(error)
+        started = start_rank(cfg, device, transport)
     except StartupFailed:
         if rank != 0:
             sys.exit(1)             # rank 0 reports every failing rank
         raise
-    # Every rank's block manager must make rank 0's decisions (evictions, prefix hits) from the
-    # command stream alone, so all use the smallest pool (GPU ranks with more free memory, e.g.
-    # fewer experts in an uneven split, would otherwise keep blocks rank 0 evicted).
-    agreed = transport.min_over_ranks(blocks)
-    if agreed < blocks:
-        log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)",
-                 rank, agreed, blocks)
+    ops, loaded, executor = started.ops, started.loaded, started.executor
     model_cfg = loaded.config
     if rank == 0:                   # rank 0 decodes its own frames as a worker will: bugs surface here
         transport.checker = StreamChecker(cfg.max_batch, model_cfg.vocab_size)
-    executor = ShardExecutor(loaded.model, agreed, cfg.block_size, cfg.max_batch,
-                             prefix_cache=cfg.prefix_cache, image_token_id=cfg.image_token_id)
     log.info("rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, read %d tensors (%.1f MB)",
              rank, world, loaded.name, ops.name, loaded.model.w.expert_start, loaded.model.w.expert_end,
              executor.blocks.num_blocks, cfg.block_size, loaded.tensors_read, loaded.bytes_read / 1e6)

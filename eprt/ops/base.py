@@ -63,6 +63,9 @@ class Ops:
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on the CPU)."""
 
+    def warm_up(self) -> None:
+        """Prepare everything the forward pass needs (the GPU backend compiles its kernels)."""
+
     # ---- compute -------------------------------------------------------------------
     def embedding(self, table: Array, ids: Array) -> Array:
         """table[V, D], ids[T] -> [T, D]"""

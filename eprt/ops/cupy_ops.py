@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 
 from eprt.ops.base import Ops
-from eprt.ops.kernel_loader import get_kernel
+from eprt.ops.kernel_loader import KERNELS, get_kernel, get_module
 
 # cuBLAS / CUDA library enum values (stable ABI: cublas_api.h, library_types.h).
 _OP_N, _OP_T = 0, 1
@@ -155,6 +155,13 @@ class CupyOps(Ops):
 
     def synchronize(self) -> None:
         cupy.cuda.get_current_stream().synchronize()
+
+    def warm_up(self) -> None:
+        """Compile (or load from CuPy's cache) every kernel module now, not in the first
+        forward pass: a cold NVRTC cache costs seconds, and a compile error is then a named
+        start-up failure."""
+        for file in KERNELS:
+            get_module(file)
 
     # ---- norms, linear, rope ---------------------------------------------------------
     def embedding(self, table, ids):

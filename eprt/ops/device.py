@@ -10,6 +10,7 @@ every rank with a stray context on GPU 0. ``get_ops("cuda")`` binds too (a no-op
 from __future__ import annotations
 
 import os
+import socket
 
 from eprt import env
 from eprt.ops.base import Ops
@@ -94,32 +95,58 @@ def get_ops(device: str | None = None) -> Ops:
     return CupyOps()
 
 
-def pool_blocks(available: int, total: int, bytes_per_block: int, gpu_memory_utilization: float) -> int:
-    """KV blocks that fit when this process may use ``gpu_memory_utilization`` of ``total``
-    bytes and ``total - available`` are already taken (weights, other processes)."""
+def compute_identity(ops: Ops) -> tuple[str, str]:
+    """(how this rank computes, which device it computes on). Ranks whose first part differs
+    may round differently; ranks with equal second parts share one GPU."""
+    host = socket.gethostname()
+    if ops.name == "cpu":
+        import numpy as np
+
+        blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+        return (f"cpu: NumPy {np.__version__}, BLAS {blas.get('name', '?')} {blas.get('version', '?')}",
+                f"{host}:cpu:{os.getpid()}")
+    import cupy
+
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return (f"cuda: {name} (sm_{props['major']}{props['minor']}, {props['multiProcessorCount']} SMs), "
+            f"CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, CuPy {cupy.__version__}",
+            f"{host}:{dev.pci_bus_id}")
+
+
+def pool_blocks(available: int, total: int, bytes_per_block: int, gpu_memory_utilization: float,
+                sharers: int = 1) -> int:
+    """KV blocks that fit when the processes on this GPU may use ``gpu_memory_utilization`` of
+    ``total`` bytes, ``total - available`` are already taken (weights, other processes), and
+    ``sharers`` ranks (this one included) split what is left equally."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if bytes_per_block <= 0:
         raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
+    if sharers < 1:
+        raise ValueError(f"sharers must be at least 1, got {sharers}")
     used = total - available
     budget = int(total * gpu_memory_utilization) - used
-    blocks = budget // bytes_per_block
+    blocks = budget // sharers // bytes_per_block
     if blocks < 1:
         raise RuntimeError(
             f"no room for a KV pool: {used / _GIB:.2f} GiB of {total / _GIB:.2f} GiB are in use "
             f"(weights, other processes) and gpu_memory_utilization={gpu_memory_utilization} caps "
-            f"this process at {total * gpu_memory_utilization / _GIB:.2f} GiB; one block needs "
+            f"this GPU at {total * gpu_memory_utilization / _GIB:.2f} GiB"
+            f"{f' for {sharers} ranks' if sharers > 1 else ''}; one block needs "
             f"{bytes_per_block / (1 << 20):.2f} MiB. Raise the utilization or spread the experts "
             f"over more ranks.")
     return int(blocks)
 
 
-def kv_pool_blocks(bytes_per_block: int, gpu_memory_utilization: float) -> int:
-    """How many KV blocks of ``bytes_per_block`` to allocate on the current GPU, measured
-    after the weights are loaded: memory CuPy's pool holds but does not use counts as free."""
+def kv_pool_blocks(bytes_per_block: int, gpu_memory_utilization: float, sharers: int = 1) -> int:
+    """How many KV blocks of ``bytes_per_block`` to allocate on the current GPU, shared by
+    ``sharers`` ranks; measure once every rank on it has loaded its weights. Memory CuPy's
+    pool holds but does not use counts as free."""
     import cupy
 
     cupy.cuda.get_current_stream().synchronize()
     free, total = cupy.cuda.runtime.memGetInfo()
     reusable = cupy.get_default_memory_pool().free_bytes()
-    return pool_blocks(free + reusable, total, bytes_per_block, gpu_memory_utilization)
+    return pool_blocks(free + reusable, total, bytes_per_block, gpu_memory_utilization, sharers)

@@ -389,8 +389,11 @@ class _Runtime:
         return {16: SM_COUNT, 97: SMEM_OPTIN}[attr]
 
     def getDeviceProperties(self, device):
-        return {"name": b"cusim (CUDA simulated on the CPU)", "multiProcessorCount": SM_COUNT,
+        return {"name": b"cusim (CUDA simulated on the CPU)", "major": 9, "minor": 0, "multiProcessorCount": SM_COUNT,
                 "sharedMemPerBlockOptin": SMEM_OPTIN, "totalGlobalMem": MEMORY_TOTAL}
+
+    def runtimeGetVersion(self):
+        return 13000
 
     def memGetInfo(self):
         used = sum(a.nbytes for a in (r() for r in _live.values()) if a is not None)
@@ -420,6 +423,7 @@ class _Stream:
 class Device:
     def __init__(self, device=None):
         self.id = runtime.getDevice() if device is None else int(device)
+        self.pci_bus_id = f"0000:{self.id:02x}:00.0"
 
     def use(self):
         runtime.setDevice(self.id)
@@ -577,6 +581,7 @@ def install() -> None:
     cupy.cuda = cuda
     cupy.__getattr__ = __getattr__
     cupy.__cusim__ = True
+    cupy.__version__ = "cusim"
     cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
     cublas.gemmEx = gemmEx
     libs = types.ModuleType("cupy_backends.cuda.libs")

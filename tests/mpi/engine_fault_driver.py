@@ -1,10 +1,11 @@
 """A real-model job for the engine fault tests (tests/mpi/test_engine_faults.py).
 
-    mpiexec -n 2 python engine_fault_driver.py CHECKPOINT_DIR raise|kill|loadfail|clean
+    mpiexec -n 2 python engine_fault_driver.py CHECKPOINT_DIR raise|kill|loadfail|mixedcompute|kvfail|clean
 
 Rank 1's decode is wrapped to fail at its 4th step: ``raise`` raises an exception,
 ``kill`` SIGKILLs the process (as the OOM killer would). ``loadfail``: rank 1 is given a
-checkpoint directory that does not exist (a model missing on one node).
+checkpoint directory that does not exist (a model missing on one node). ``mixedcompute``:
+rank 1 reports another NumPy/BLAS build. ``kvfail``: rank 1 has no room for its KV pool.
 """
 import os
 import signal
@@ -36,6 +37,16 @@ def main() -> int:
         inject(mode)
     if mode == "loadfail" and os.environ.get("PMI_RANK") == "1":
         path += "-missing-on-this-node"
+    if mode == "mixedcompute" and os.environ.get("PMI_RANK") == "1":   # another NumPy/BLAS build
+        from eprt.engine import startup
+
+        startup.compute_identity = lambda ops: ("cpu: NumPy 0.0, BLAS other", "node2:cpu")
+    if mode == "kvfail" and os.environ.get("PMI_RANK") == "1":         # no room after the weights
+        from eprt.engine import startup
+
+        def no_room(*args):
+            raise RuntimeError("no room for a KV pool (injected)")
+        startup._kv_blocks = no_room
     cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=64)
     with launch_engine(cfg) as engine:
         results = engine.generate([GenerationRequest([1, 2, 3, i], SamplingParams(max_tokens=10)) for i in range(3)])

@@ -60,3 +60,17 @@ def test_a_rank_that_cannot_load_ends_the_job_named(ckpt):
     assert code != 0
     assert "rank 1 could not start: ConfigError" in out and "-missing-on-this-node" in out
     assert took < 60
+
+
+def test_ranks_that_compute_differently_are_refused_named(ckpt):
+    code, out, took = launch(ckpt, "mixedcompute")
+    assert code != 0
+    assert "rank 1 could not start: it computes with 'cpu: NumPy 0.0, BLAS other', rank 0 with 'cpu: NumPy" in out
+    assert "generated" not in out and took < 60
+
+
+def test_a_rank_without_room_for_its_kv_pool_ends_the_job_named(ckpt):
+    code, out, took = launch(ckpt, "kvfail")
+    assert code != 0
+    assert "rank 1 could not start: RuntimeError: no room for a KV pool (injected)" in out
+    assert "generated" not in out and took < 60

@@ -1,0 +1,109 @@
+"""Bringing one rank up in lock-step with the others.
+
+Every step that can fail on one rank (a checkpoint missing on one node, a kernel that does not
+compile, no room for a KV pool, out of memory) ends with ``Transport.startup_barrier``, so the
+job ends on every rank with the failing ranks named (``StartupFailed``) instead of hanging in
+the first collective. The steps:
+
+1. backend, kernels compiled (a cold NVRTC cache costs seconds; it must not eat into the
+   first timed collective), model loaded;
+2. the ranks compare how they compute: replicated work (attention, the router) must give the
+   same bits on every rank, or a near-tie routes a token to different experts on different
+   ranks and the combine counts an expert twice or not at all. Different GPU models, CUDA or
+   CuPy versions, backends, or NumPy/BLAS builds are refused, naming the ranks;
+3. the KV pool: each rank sizes it after every rank has loaded its weights, splitting the
+   budget between the ranks sharing one GPU, then all take the smallest (every rank's block
+   manager must make rank 0's decisions from the command stream alone);
+4. the pool is allocated.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from eprt.comm.transport import StartupFailed, Transport
+from eprt.engine.config import EngineConfig
+from eprt.engine.executor import ShardExecutor
+from eprt.model.loader import LoadedModel, load_model
+from eprt.ops.base import Ops
+from eprt.ops.device import compute_identity, get_ops
+
+log = logging.getLogger("eprt.engine")
+
+
+@dataclass
+class Started:
+    ops: Ops
+    loaded: LoadedModel
+    executor: ShardExecutor
+
+
+def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
+    """This rank's backend, model and executor; StartupFailed (on every rank) if any rank failed."""
+    rank, world = transport.rank, transport.size
+
+    def step(fn: Callable):
+        try:
+            value, error = fn(), None
+        except Exception as e:
+            if world == 1:
+                raise
+            value, error = None, f"{type(e).__name__}: {e}"
+        transport.startup_barrier(error)
+        return value
+
+    def load():
+        ops = get_ops(device)
+        ops.warm_up()
+        return ops, load_model(cfg.model, ops, cfg.max_model_len, rank=rank, world=world,
+                               combine=_combine(transport, ops))
+
+    ops, loaded = step(load)
+    sharers = _check_identities(transport, ops)
+    blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, sharers))
+    agreed = transport.min_over_ranks(blocks)
+    if agreed < blocks:
+        log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)",
+                 rank, agreed, blocks)
+    executor = step(lambda: ShardExecutor(loaded.model, agreed, cfg.block_size, cfg.max_batch,
+                                          prefix_cache=cfg.prefix_cache, image_token_id=cfg.image_token_id))
+    return Started(ops, loaded, executor)
+
+
+def _check_identities(transport: Transport, ops: Ops) -> int:
+    """Refuse ranks that do not compute identically; returns how many ranks share this rank's device."""
+    identity, device_key = compute_identity(ops)
+    every = [json.loads(t) for t in transport.allgather_text(json.dumps([identity, device_key]))]
+    differ = [(r, f"it computes with {i!r}, rank 0 with {every[0][0]!r}; expert parallelism needs "
+                  f"identical arithmetic on every rank (same GPU model and CUDA/CuPy, or the same NumPy/BLAS)")
+              for r, (i, _) in enumerate(every) if i != every[0][0]]
+    if differ:
+        raise StartupFailed(differ)
+    return sum(key == device_key for _, key in every)
+
+
+def _combine(transport: Transport, ops: Ops):
+    """The MoE combine for this backend. GPU partials go through reused pinned host buffers
+    (the stream is synchronized before MPI reads them), which is correct with or without a
+    CUDA-aware MPI; the frames and vision rows are host data already."""
+    if transport.size == 1:
+        return lambda partial: partial
+    if ops.name == "cpu":
+        return transport.allsum
+    from eprt.comm.cuda_staging import Staging
+    staging = Staging()
+    return lambda partial: staging.to_device(transport.allsum(staging.send_buffer(partial)))
+
+
+def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, sharers: int = 1) -> int:
+    """KV blocks this rank has room for (before the ranks agree on the smallest)."""
+    if cfg.num_blocks:
+        return cfg.num_blocks
+    if ops.name != "cpu":
+        from eprt.model.kv_cache import KVCache
+        from eprt.ops.device import kv_pool_blocks
+        per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
+        return min(kv_pool_blocks(per_block, cfg.gpu_memory_utilization, sharers), cfg.blocks_for(cfg.block_size))
+    return cfg.blocks_for(cfg.block_size)
