@@ -72,6 +72,102 @@ extern "C" __global__ void racy(float* out) {
     assert len(results) > 1
 
 
+def test_a_race_between_warps_is_exposed():
+    # common.cuh's block_sum without its trailing barrier, called twice: a fast warp can
+    # overwrite the scratch slot of the second sum before a slow warp read the first
+    m = module(r"""
+__device__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+__device__ float racy_block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < blockDim.x / 32 ? scratch[lane] : 0.0f);   // no barrier after reading
+}
+extern "C" __global__ void two_sums(float* out) {
+    __shared__ float scratch[32];
+    const float a = racy_block_sum(1.0f, scratch);
+    const float b = racy_block_sum(2.0f, scratch);
+    out[threadIdx.x] = a + b;   // 128 + 256 when nothing raced
+}""")
+    wrong = 0
+    for _ in range(20):
+        out = fake_cupy.empty(128, np.float32)
+        m.get_function("two_sums")((1,), (128,), (out,))
+        wrong += int((out.get() != 384).any())
+    assert wrong > 0
+
+
+def test_shuffles_follow_cudas_lane_rules():
+    m = module(r"""
+extern "C" __global__ void lanes(int* out) {
+    const int lane = threadIdx.x;
+    out[lane] = __shfl_sync(FULL, lane, lane + 33);                  // srcLane modulo 32
+    out[32 + lane] = __shfl_xor_sync(FULL, lane, 16, 16);            // earlier group ok, later: own
+    out[64 + lane] = __shfl_up_sync(FULL, lane, 3, 8);               // below the segment: own
+    out[96 + lane] = __shfl_down_sync(FULL, lane, 3, 8);             // past the segment: own
+    out[128 + lane] = (int)max(1.0f, __int_as_float(0x7fc00000));    // fmaxf: NaN ignored
+}""")
+    out = fake_cupy.zeros(160, np.int32)
+    m.get_function("lanes")((1,), (32,), (out,))
+    lane = np.arange(32)
+    got = out.get().reshape(5, 32)
+    np.testing.assert_array_equal(got[0], (lane + 1) % 32)
+    np.testing.assert_array_equal(got[1], np.where(lane ^ 16 < (lane & ~15) + 16, lane ^ 16, lane))
+    np.testing.assert_array_equal(got[2], np.where(lane % 8 >= 3, lane - 3, lane))
+    np.testing.assert_array_equal(got[3], np.where(lane % 8 < 5, lane + 3, lane))
+    np.testing.assert_array_equal(got[4], 1)
+
+
+def test_shared_memory_per_template_instance_and_limits():
+    m = module(r"""
+template <typename T, int N>
+__device__ T fill_and_sum() {
+    __shared__ T buf[N];
+    for (int i = threadIdx.x; i < N; i += blockDim.x) buf[i] = (T)1;
+    __syncthreads();
+    T s = 0;
+    for (int i = 0; i < N; ++i) s += buf[i];
+    __syncthreads();
+    return s;
+}
+extern "C" __global__ void two_sizes(double* out) {
+    out[threadIdx.x] = fill_and_sum<float, 4>() + fill_and_sum<double, 4096>();
+}
+extern "C" __global__ void __launch_bounds__(64) big_static(float* out) {
+    __shared__ float s[10240];   // 40 KiB
+    extern __shared__ float d[];
+    s[threadIdx.x] = d[0] = 1.0f;
+    out[threadIdx.x] = s[threadIdx.x];
+}""")
+    out = fake_cupy.zeros(32, np.float64)
+    m.get_function("two_sizes")((1,), (32,), (out,))
+    np.testing.assert_array_equal(out.get(), 4100)
+    k, buf = m.get_function("big_static"), fake_cupy.zeros(64, np.float32)
+    k((1,), (64,), (buf,), shared_mem=4096)                       # 40 + 4 KiB: fits the default 48
+    with pytest.raises(LaunchError, match="40960 bytes of static and 16384 of dynamic"):
+        k((1,), (64,), (buf,), shared_mem=16384)                  # 56 KiB: needs the opt-in
+    k.max_dynamic_shared_size_bytes = 16384
+    k((1,), (64,), (buf,), shared_mem=16384)
+    with pytest.raises(LaunchError, match=r"128 threads exceed its __launch_bounds__\(64\)"):
+        k((1,), (128,), (fake_cupy.zeros(128, np.float32),), shared_mem=4096)
+
+
+def test_async_copies_land_at_synchronize():
+    # eprt/comm/cuda_staging.py synchronizes before MPI reads a staged buffer; without it the
+    # host buffer still holds garbage here, as it may on a GPU
+    src = fake_cupy.arange(4, dtype=np.float32)
+    host = np.zeros(4, np.float32)
+    rt = fake_cupy.runtime
+    rt.memcpyAsync(host.ctypes.data, src.data.ptr, 16, rt.memcpyDeviceToHost, 0)
+    assert np.isnan(host).all()
+    fake_cupy._Stream().synchronize()
+    np.testing.assert_array_equal(host, [0, 1, 2, 3])
+
+
 def test_uninitialized_shared_memory_reads_nan():
     m = module(r"""
 extern "C" __global__ void forgot(float* out) {
@@ -121,7 +217,7 @@ extern "C" __global__ void scale(const __nv_bfloat16* x, float* out, int n, floa
         k((1,), (64,), (x, out))
     with pytest.raises(LaunchError, match="not a valid CUDA block"):
         k((1,), (2048,), (x, out, np.int32(64), np.float32(2)))
-    with pytest.raises(LaunchError, match="exceed the 49152 allowed"):
+    with pytest.raises(LaunchError, match=r"dynamic at most 49152 without raising max_dynamic_shared_size_bytes"):
         k((1,), (64,), (x, out, np.int32(64), np.float32(2)), shared_mem=64 * 1024)
 
 
@@ -130,6 +226,10 @@ def test_writes_past_an_allocation_are_caught():
 extern "C" __global__ void fill(float* out, int n) { out[threadIdx.x] = 1.0f; (void)n; }""")
     with pytest.raises(LaunchError, match="fill wrote past the end of a 124-byte allocation"):
         m.get_function("fill")((1,), (32,), (fake_cupy.zeros(31, np.float32), np.int32(31)))
+    m2 = module(r"""
+extern "C" __global__ void minus_one(int* out) { out[threadIdx.x] = -1; }""")   # the fill pattern itself
+    with pytest.raises(LaunchError, match="past the end"):
+        m2.get_function("minus_one")((1,), (32,), (fake_cupy.zeros(31, np.int32),))
 
 
 def test_device_arrays_are_as_strict_as_cupys():
@@ -142,6 +242,7 @@ def test_device_arrays_are_as_strict_as_cupys():
     with pytest.raises(TypeError, match="host numpy array"):
         a[...] = np.ones((2, 3), np.float32)
     assert np.isnan(fake_cupy.empty(4, np.float32).get()).all()   # never-written memory is NaN
+    assert fake_cupy.zeros(3).dtype == np.float64                    # CuPy's default dtype
     np.testing.assert_array_equal((a * 2 + 1)[1].get(), [7, 9, 11])
     view = a[1]
     view.fill(0)                                                     # views share memory
@@ -169,6 +270,9 @@ def test_gemmex_follows_cublas_column_major_rules(transa, transb, c_type):
     want = 2.0 * to_f32(bf(a)) @ to_f32(bf(b)) + 0.5 * c_in
     got = C.get().T if c_type == 0 else to_f32(C.get()).T
     np.testing.assert_allclose(got, want, rtol=1e-5 if c_type == 0 else 1e-2, atol=1e-5 if c_type == 0 else 3e-2)
+    with pytest.raises(LaunchError, match="NOT_SUPPORTED"):
+        fake_cupy.gemmEx(0, 0, 0, m, n, k, alpha.ctypes.data, A.data.ptr, 14, m, B.data.ptr, 0, k,
+                         beta.ctypes.data, C.data.ptr, c_type, m, 68, -1)
     with pytest.raises(LaunchError, match="leading dimension"):
         fake_cupy.gemmEx(0, 0, 0, m, n, k, alpha.ctypes.data, A.data.ptr, 14, 1, B.data.ptr, 14, k,
                          beta.ctypes.data, C.data.ptr, c_type, m, 68, -1)

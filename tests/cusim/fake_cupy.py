@@ -28,7 +28,8 @@ import numpy as np
 from . import build as _build
 
 PAD = 256
-FILL = 0xFF
+FILL = 0xFF    # fresh memory: NaN floats, -1 ints
+GUARD = 0xFE   # the canaries around each allocation (differ from FILL: -1 / NaN writes show)
 SM_COUNT = 132
 SMEM_OPTIN = 232448
 MEMORY_TOTAL = 4 << 30
@@ -41,9 +42,10 @@ class _Allocation:
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self.root = np.full(nbytes + 3 * PAD, FILL, np.uint8)
+        self.root = np.full(nbytes + 3 * PAD, GUARD, np.uint8)
         base = self.root.__array_interface__["data"][0]
         self.offset = PAD + (-(base + PAD)) % PAD
+        self.root[self.offset:self.offset + nbytes] = FILL
         self.ptr = base + self.offset
         _live[self.ptr] = weakref.ref(self)
         weakref.finalize(self, _live.pop, self.ptr, None)
@@ -53,8 +55,8 @@ class _Allocation:
 
     def check(self, who: str) -> None:
         before, after = self.root[:self.offset], self.root[self.offset + self.nbytes:]
-        if (before != FILL).any() or (after != FILL).any():
-            where = "before the start" if (before != FILL).any() else "past the end"
+        if (before != GUARD).any() or (after != GUARD).any():
+            where = "before the start" if (before != GUARD).any() else "past the end"
             raise _build.LaunchError(f"{who} wrote {where} of a {self.nbytes}-byte allocation")
 
     def contains(self, ptr: int, nbytes: int) -> bool:
@@ -142,15 +144,18 @@ class ndarray:
         return _device(self._a.astype(dtype))
 
     def get(self) -> np.ndarray:
+        _flush()   # CuPy's get() synchronizes the stream
         return self._a.copy()
 
     def item(self):
         return self._a.item()
 
     def fill(self, value):
+        _flush()
         self._a.fill(value)
 
     def __getitem__(self, idx):
+        _flush()
         r = self._a[_index(idx)]
         if isinstance(r, np.ndarray):
             return self._view(r) if np.may_share_memory(r, self._a) else _device(r)
@@ -224,6 +229,7 @@ ndarray.__hash__ = None
 
 def _operand(v):
     """A device array's data, or a scalar; host arrays are refused as CuPy refuses them."""
+    _flush()   # array operations run after earlier copies on the stream
     if isinstance(v, ndarray):
         return v._a
     if isinstance(v, np.ndarray) and v.ndim > 0:
@@ -246,6 +252,7 @@ def _index(idx):
 
 def _device(a) -> ndarray:
     """A new device allocation holding a copy of host data ``a``."""
+    _flush()
     a = np.asarray(a)
     alloc = _Allocation(a.nbytes)
     view = alloc.buffer().view(a.dtype).reshape(a.shape) if a.size else np.empty(a.shape, a.dtype)
@@ -269,7 +276,7 @@ def _unwrap(v):
 
 
 # ---- module-level functions -----------------------------------------------------------------
-def empty(shape, dtype=np.float32, order="C"):
+def empty(shape, dtype=np.float64, order="C"):
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -278,13 +285,13 @@ def empty(shape, dtype=np.float32, order="C"):
     return ndarray(view, alloc)
 
 
-def zeros(shape, dtype=np.float32):
+def zeros(shape, dtype=np.float64):
     a = empty(shape, dtype)
     a.fill(0)
     return a
 
 
-def ones(shape, dtype=np.float32):
+def ones(shape, dtype=np.float64):
     a = empty(shape, dtype)
     a.fill(1)
     return a
@@ -400,6 +407,8 @@ class _Runtime:
         return max(MEMORY_TOTAL - used, 0), MEMORY_TOTAL
 
     def memcpyAsync(self, dst, src, nbytes, kind, stream):
+        """Queued on the stream: the bytes move at the next synchronize (or stream-ordered
+        work), reading ``src`` then, and ``dst`` holds garbage (0xFF) until then."""
         who = "memcpyAsync"
         if kind == self.memcpyDeviceToHost:
             _find(src, nbytes, who)
@@ -410,14 +419,24 @@ class _Runtime:
             _find(dst, nbytes, who)
         else:
             raise ValueError(f"memcpyAsync: unsupported kind {kind}")
-        ctypes.memmove(dst, src, nbytes)
+        ctypes.memset(dst, FILL, nbytes)
+        _pending.append(lambda: ctypes.memmove(dst, src, nbytes))
+
+
+_pending: list = []   # queued async copies, in stream order
+
+
+def _flush() -> None:
+    """Run the queued copies: a synchronize, or work ordered after them on the stream."""
+    while _pending:
+        _pending.pop(0)()
 
 
 class _Stream:
     ptr = 0
 
     def synchronize(self):
-        pass
+        _flush()
 
 
 class Device:
@@ -429,7 +448,7 @@ class Device:
         runtime.setDevice(self.id)
 
     def synchronize(self):
-        pass
+        _flush()
 
 
 class PinnedMemory(bytearray):
@@ -444,10 +463,10 @@ class CompileException(Exception):
 class RawKernel:
     def __init__(self, kernel: _build.Kernel):
         self._kernel = kernel
-        self.max_dynamic_shared_size_bytes = 48 * 1024
+        self.max_dynamic_shared_size_bytes = None   # unset: CUDA's default (48 KiB - static)
 
     def __call__(self, grid, block, args, *, shared_mem=0):
-        if not 0 <= self.max_dynamic_shared_size_bytes <= SMEM_OPTIN:
+        if self.max_dynamic_shared_size_bytes is not None and not 0 <= self.max_dynamic_shared_size_bytes <= SMEM_OPTIN:
             raise _build.LaunchError(f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} "
                                      f"exceeds the device's {SMEM_OPTIN}")
         touched = []
@@ -459,8 +478,10 @@ class RawKernel:
             touched.append(a._alloc)
             return a.data.ptr, a.dtype
 
-        self._kernel.launch(grid, block, tuple(args), int(shared_mem), pointer_of,
-                            self.max_dynamic_shared_size_bytes)
+        _flush()   # earlier copies on the stream complete before the kernel runs
+        limit = self.max_dynamic_shared_size_bytes
+        self._kernel.launch(grid, block, tuple(args), int(shared_mem), pointer_of, SMEM_OPTIN,
+                            -1 if limit is None else limit)
         for alloc in touched:
             alloc.check(self._kernel.name)
 
@@ -528,6 +549,10 @@ def _col_major(ptr, rows, cols, ld, kind, who) -> np.ndarray:
 def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
            computeType, algo):
     who = "cublas.gemmEx"
+    _flush()
+    if (Atype, Btype, Ctype) not in ((14, 14, 14), (14, 14, 0), (0, 0, 0)):
+        raise _build.LaunchError(f"{who}: cuBLAS does not support A/B/C types {(Atype, Btype, Ctype)} "
+                                 f"with CUBLAS_COMPUTE_32F here (CUBLAS_STATUS_NOT_SUPPORTED)")
     if computeType != 68:
         raise _build.LaunchError(f"{who}: cusim implements CUBLAS_COMPUTE_32F only, got {computeType}")
     kinds = [_CUBLAS_TYPES.get(t) for t in (Atype, Btype, Ctype)]

@@ -4,27 +4,36 @@
 // tests/cusim/build.py has rewritten (its __shared__ declarations become per-block arena
 // lookups). Semantics kept from CUDA, because the kernels depend on them:
 //   - a block's threads run as fibers on one OS thread; a fiber runs until it reaches a
-//     barrier (__syncthreads) or a warp collective (shuffles, match, __syncwarp), so all
+//     barrier (__syncthreads) or a warp collective (shuffles, match, ballot, __syncwarp), so
 //     writes before a barrier are visible after it, and nothing else is promised;
-//   - the order in which fibers run between barriers is shuffled per launch (seeded), so a
-//     kernel whose result depends on an unsynchronized read of another thread's write
-//     gives different answers from launch to launch instead of silently "working";
+//   - scheduling is per warp and random (seeded per launch): a chosen warp runs its lanes (in
+//     shuffled order) until each blocks, and its collective completes at once. Per launch,
+//     warps either interleave at every collective, or mostly keep running, or run until
+//     they wait at __syncthreads, so one warp can get far ahead of the others, as on a GPU.
+//     A kernel reading another warp's (or lane's) write without a barrier gets
+//     launch-dependent results instead of passing by luck. Blocks run one after another,
+//     in a random order;
 //   - __syncthreads completes when every thread that has not exited reached it;
 //   - a warp collective completes when every lane named in its mask reached the same
-//     collective; a named lane that exited, does not exist, or waits elsewhere is an error
-//     (on a GPU: undefined behaviour or a hang), as is a block that can make no progress;
-//   - shared memory (static and dynamic) starts filled with 0xFF bytes (NaN floats, -1
-//     ints), and writes past the dynamic shared-memory size are reported.
-// Errors end the launch; cusim_last_error() says which block and thread and why.
+//     collective with the same mask; a named lane that exited or does not exist is an error,
+//     lanes of one group waiting at different collectives are reported when the block can
+//     make no progress (a deadlock), as is any other deadlock;
+//   - shared memory (static and dynamic) starts as 0xFF bytes (NaN floats, -1 ints); 4 KiB of
+//     0xFE canary after the dynamic shared memory catch writes past it; static + dynamic
+//     shared memory is checked against the launch's limit;
+//   - fiber stacks are 256 KiB, mmap'ed with a guard page.
+// Errors end the launch; cusim_launch returns which block and thread and why.
 #pragma once
 
 #include <cmath>
+#include <csetjmp>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <csetjmp>
 #include <cstring>
 #include <string>
+#include <sys/mman.h>
+#include <typeinfo>
 #include <ucontext.h>
 #include <unordered_map>
 #include <vector>
@@ -36,7 +45,9 @@
 #define __host__
 #define __forceinline__ inline
 #define __noinline__
+#ifndef __launch_bounds__
 #define __launch_bounds__(...)
+#endif
 #define __align__(n) alignas(n)
 
 struct uint3 { unsigned x, y, z; };
@@ -71,18 +82,37 @@ struct Launch {
     void (*body)(void*) = nullptr;
     void* body_arg = nullptr;
     std::vector<unsigned char> dyn_smem;   // dynamic shared memory + canary tail
-    size_t dyn_bytes = 0;
-    std::unordered_map<int, std::vector<unsigned char>> static_smem;  // site -> block's array
+    std::unordered_map<std::string, std::vector<unsigned char>> static_smem;  // site+type -> array
+    size_t static_bytes = 0;
     std::string error;
     uint64_t rng = 0;
 };
 
 inline Launch* g = nullptr;
-constexpr size_t kCanary = 4096;   // bytes of 0xFF checked after the dynamic shared memory
-constexpr size_t kStack = 64 * 1024;
-inline std::vector<std::vector<char>>& stacks() {
-    static std::vector<std::vector<char>> s;
+constexpr size_t kCanary = 4096;        // bytes of 0xFE checked after the dynamic shared memory
+constexpr unsigned char kFill = 0xFF;   // fresh shared memory
+constexpr unsigned char kGuard = 0xFE;  // canary (differs from kFill: -1 / NaN writes show)
+constexpr size_t kStack = 256 * 1024;
+inline long g_max_dyn = -1;             // the kernel's max dynamic shared memory; -1: CUDA's default
+
+struct Stack {
+    char* base = nullptr;   // guard page, then kStack usable bytes
+};
+inline std::vector<Stack>& stacks() {
+    static std::vector<Stack> s;
     return s;
+}
+inline char* stack_for(size_t i) {
+    auto& st = stacks();
+    while (st.size() <= i) {
+        const size_t page = 4096;
+        void* p = mmap(nullptr, kStack + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
+        if (p == MAP_FAILED) return nullptr;
+        mprotect(p, page, PROT_NONE);   // stacks grow down: an overflow faults instead of corrupting
+        st.push_back(Stack{static_cast<char*>(p)});
+    }
+    return st[i].base + 4096;
 }
 
 inline void fail(const std::string& why) {
@@ -115,9 +145,16 @@ inline void resume(Thread& t) {
     _longjmp(t.jb, 1);
 }
 
+inline uint64_t next_random() {
+    g->rng ^= g->rng << 13;
+    g->rng ^= g->rng >> 7;
+    g->rng ^= g->rng << 17;
+    return g->rng;
+}
+
 // ---- warp collectives: each lane posts its value, waits for its peers, reads a peer's ----
 enum Op { OP_SHFL = 1, OP_SHFL_XOR, OP_SHFL_UP, OP_SHFL_DOWN, OP_MATCH, OP_SYNCWARP, OP_BALLOT,
-          OP_ANY, OP_ALL, OP_DONE_READING = 100 };
+          OP_DONE_READING = 100 };
 
 inline int lane_of(const Thread* t) { return t->linear % 32; }
 inline Thread* lane_thread(const Thread* t, int lane) {
@@ -159,16 +196,28 @@ inline T from_bits(uint64_t b) {
     return v;
 }
 
+// The source lane of a shuffle, by CUDA's rules for a segment of `width` lanes starting at
+// `base`; -1: the lane's own value.
+inline int shfl_source(int op, int lane, int arg, int width) {
+    const int base = lane & ~(width - 1);
+    switch (op) {
+        case OP_SHFL: return base + (arg & (width - 1));                  // srcLane modulo width
+        case OP_SHFL_UP: return lane - arg >= base ? lane - arg : -1;
+        case OP_SHFL_DOWN: return lane + arg < base + width ? lane + arg : -1;
+        default: {                                                        // xor: earlier groups ok,
+            const int j = lane ^ arg;                                     // later ones give own value
+            return j < base + width ? j : -1;
+        }
+    }
+}
+
 template <typename T>
-inline T shfl_from(unsigned mask, int op, T v, int (*src)(int lane, int arg), int arg, int width) {
+inline T shfl(unsigned mask, int op, T v, int arg, int width) {
     if (width <= 0 || width > 32 || (width & (width - 1))) fail("shuffle width must be a power of 2 <= 32");
     const uint64_t out = warp_collective(mask, op, bits_of(v), [&](Thread* t) {
-        const int lane = lane_of(t);
-        const int base = lane & ~(width - 1);
-        int s = src(lane - base, arg);
-        if (s < 0 || s >= width) s = lane - base;   // out of the segment: own value
-        s += base;
-        if (!(mask >> s & 1u)) {   // reading a lane outside the mask is undefined on a GPU
+        const int s = shfl_source(op, lane_of(t), arg, width);
+        if (s < 0 || s == lane_of(t)) return t->slot;
+        if (s > 31 || !(mask >> s & 1u)) {   // reading a lane outside the mask is undefined on a GPU
             fail("a shuffle reads a lane its mask does not name");
             return t->slot;
         }
@@ -177,93 +226,118 @@ inline T shfl_from(unsigned mask, int op, T v, int (*src)(int lane, int arg), in
     return from_bits<T>(out);
 }
 
-inline int src_idx(int, int a) { return a; }
-inline int src_xor(int l, int a) { return l ^ a; }
-inline int src_up(int l, int a) { return l - a; }
-inline int src_down(int l, int a) { return l + a; }
-
 // ---- shared memory ------------------------------------------------------------------------
 template <typename T>
 inline T& shared_array(int site) {
-    auto& mem = g->static_smem[site];
-    if (mem.empty()) mem.assign(sizeof(T), 0xFF);   // first thread of the block to get here
+    const std::string key = std::to_string(site) + typeid(T).name();   // per template instance
+    auto& mem = g->static_smem[key];
+    if (mem.empty()) {   // the first thread of the block to get here
+        mem.assign(sizeof(T), kFill);
+        g->static_bytes += sizeof(T);
+    }
     return *reinterpret_cast<T*>(mem.data());
 }
 
 inline void* dynamic_shared() { return g->dyn_smem.data(); }
 
-// ---- the launch -----------------------------------------------------------------------------
-inline uint64_t next_random() {
-    g->rng ^= g->rng << 13;
-    g->rng ^= g->rng >> 7;
-    g->rng ^= g->rng << 17;
-    return g->rng;
-}
-
-// Release the collective of the warp containing thread i if all of its lanes arrived.
-inline bool try_release_warp(size_t first) {
-    Thread* t0 = nullptr;
-    for (size_t i = first; i < first + 32 && i < g->threads.size(); ++i)
-        if (g->threads[i].state == AT_WARP) { t0 = &g->threads[i]; break; }
-    if (!t0) return false;
-    const unsigned mask = t0->warp_mask;
-    for (int lane = 0; lane < 32; ++lane) {
-        if (!(mask >> lane & 1u)) continue;
-        Thread* p = lane_thread(t0, lane);
-        g->cur = t0;
-        if (!p) { fail("a warp collective's mask names a lane beyond the block's threads"); return false; }
-        if (p->state == DONE) { g->cur = p; fail("a warp collective waits for this lane, which has exited"); return false; }
-        if (p->state != AT_WARP) return false;   // not there yet
-        if (p->warp_mask != mask || p->warp_op != t0->warp_op) {
-            g->cur = p;
-            fail("lanes of one warp wait at different warp collectives (or with different masks)");
-            return false;
+// ---- scheduling -----------------------------------------------------------------------------
+// Complete every collective of warp w whose lanes have all arrived; errors for named lanes
+// that exited or do not exist.
+inline bool release_warp(size_t w) {
+    bool released = false;
+    const size_t first = w * 32, n = g->threads.size();
+    for (size_t i = first; i < first + 32 && i < n; ++i) {
+        Thread* t0 = &g->threads[i];
+        if (t0->state != AT_WARP) continue;
+        const unsigned mask = t0->warp_mask;
+        bool ready = true;
+        for (int lane = 0; lane < 32 && ready; ++lane) {
+            if (!(mask >> lane & 1u)) continue;
+            Thread* p = lane_thread(t0, lane);
+            g->cur = t0;
+            if (!p) { fail("a warp collective's mask names a lane beyond the block's threads"); return false; }
+            if (p->state == DONE) { g->cur = p; fail("a warp collective waits for this lane, which has exited"); return false; }
+            ready = p->state == AT_WARP && p->warp_mask == mask && p->warp_op == t0->warp_op;
         }
+        if (!ready) continue;
+        for (int lane = 0; lane < 32; ++lane)
+            if (mask >> lane & 1u) lane_thread(t0, lane)->state = RUNNABLE;
+        released = true;
     }
-    for (int lane = 0; lane < 32; ++lane)
-        if (mask >> lane & 1u) lane_thread(t0, lane)->state = RUNNABLE;
-    return true;
+    return released;
 }
 
-inline void run_block() {
-    const size_t n = g->threads.size();
-    std::vector<size_t> order(n);
-    for (size_t i = 0; i < n; ++i) order[i] = i;
+inline void diagnose_deadlock() {
+    for (auto& t : g->threads) {
+        if (t.state != AT_WARP) continue;
+        for (int lane = 0; lane < 32; ++lane) {
+            Thread* p = lane_thread(&t, lane);
+            if ((t.warp_mask >> lane & 1u) && p && p->state == AT_WARP &&
+                (p->warp_mask != t.warp_mask || p->warp_op != t.warp_op)) {
+                g->cur = p;
+                fail("lanes of one warp wait at different warp collectives (or with different masks)");
+                return;
+            }
+        }
+        g->cur = &t;
+        fail("deadlock: a warp collective cannot complete (its lanes wait at __syncthreads or elsewhere)");
+        return;
+    }
+    g->cur = nullptr;
+    fail("deadlock");
+}
+
+// How long a warp keeps running once picked, chosen per launch: 0 interleaves the warps at
+// every collective; 90 (percent) lets one run ahead often; 100 runs each warp until it waits
+// at __syncthreads or exits (the largest skew between warps a GPU could show).
+inline int pick_stickiness() {
+    static const int choices[] = {0, 90, 100};
+    return choices[next_random() % 3];
+}
+
+inline void run_block(int stickiness) {
+    const size_t n = g->threads.size(), nwarps = (n + 31) / 32;
+    std::vector<size_t> ready, lanes;
+    size_t current = (size_t)-1;
     for (;;) {
-        // shuffled run order between synchronisation points
-        for (size_t i = n; i > 1; --i) std::swap(order[i - 1], order[next_random() % i]);
-        bool ran = false;
-        for (size_t i : order) {
-            Thread& t = g->threads[i];
-            if (t.state != RUNNABLE) continue;
-            resume(t);
-            ran = true;
+        ready.clear();
+        bool current_ready = false;
+        for (size_t w = 0; w < nwarps; ++w)
+            for (size_t i = w * 32; i < w * 32 + 32 && i < n; ++i)
+                if (g->threads[i].state == RUNNABLE) {
+                    ready.push_back(w);
+                    current_ready |= w == current;
+                    break;
+                }
+        if (!ready.empty()) {   // run one warp's lanes until each blocks
+            const bool stay = current_ready && (int)(next_random() % 100) < stickiness;
+            const size_t w = stay ? current : ready[next_random() % ready.size()];
+            current = w;
+            lanes.clear();
+            for (size_t i = w * 32; i < w * 32 + 32 && i < n; ++i)
+                if (g->threads[i].state == RUNNABLE) lanes.push_back(i);
+            for (size_t i = lanes.size(); i > 1; --i) std::swap(lanes[i - 1], lanes[next_random() % i]);
+            for (size_t i : lanes) {
+                resume(g->threads[i]);
+                if (!g->error.empty()) return;
+            }
+            release_warp(w);
             if (!g->error.empty()) return;
+            continue;
         }
-        bool released = false;
-        for (size_t w = 0; w < n; w += 32) {
-            released |= try_release_warp(w);
-            if (!g->error.empty()) return;
-        }
-        size_t done = 0, at_barrier = 0, at_warp = 0;
+        size_t done = 0, at_barrier = 0;
         for (auto& t : g->threads) {
             done += t.state == DONE;
             at_barrier += t.state == AT_BARRIER;
-            at_warp += t.state == AT_WARP;
         }
         if (done == n) return;
-        if (!ran && !released) {
-            if (at_warp == 0 && at_barrier + done == n) {   // every live thread is at the barrier
-                for (auto& t : g->threads)
-                    if (t.state == AT_BARRIER) t.state = RUNNABLE;
-                continue;
-            }
+        if (at_barrier + done == n) {   // every live thread is at __syncthreads
             for (auto& t : g->threads)
-                if (t.state == AT_WARP) { g->cur = &t; break; }
-            fail("deadlock: some threads wait at __syncthreads while others wait at a warp "
-                 "collective that cannot complete");
-            return;
+                if (t.state == AT_BARRIER) t.state = RUNNABLE;
+            continue;
         }
+        diagnose_deadlock();
+        return;
     }
 }
 
@@ -288,19 +362,19 @@ inline void __threadfence_block() {}
 
 template <typename T>
 inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
-    return cusim::shfl_from(mask, cusim::OP_SHFL, v, cusim::src_idx, src, width);
+    return cusim::shfl(mask, cusim::OP_SHFL, v, src, width);
 }
 template <typename T>
 inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
-    return cusim::shfl_from(mask, cusim::OP_SHFL_XOR, v, cusim::src_xor, lane_mask, width);
+    return cusim::shfl(mask, cusim::OP_SHFL_XOR, v, lane_mask, width);
 }
 template <typename T>
 inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-    return cusim::shfl_from(mask, cusim::OP_SHFL_UP, v, cusim::src_up, (int)delta, width);
+    return cusim::shfl(mask, cusim::OP_SHFL_UP, v, (int)delta, width);
 }
 template <typename T>
 inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-    return cusim::shfl_from(mask, cusim::OP_SHFL_DOWN, v, cusim::src_down, (int)delta, width);
+    return cusim::shfl(mask, cusim::OP_SHFL_DOWN, v, (int)delta, width);
 }
 template <typename T>
 inline unsigned __match_any_sync(unsigned mask, T v) {
@@ -322,16 +396,16 @@ inline unsigned __ballot_sync(unsigned mask, int pred) {
 inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
 inline int __all_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) == mask; }
 
-template <typename T>
-inline T atomicAdd(T* p, T v) {   // fibers never run concurrently: a plain update is atomic
+template <typename T, typename U>
+inline T atomicAdd(T* p, U v) {   // fibers never run concurrently: a plain update is atomic
     T old = *p;
-    *p = old + v;
+    *p = old + (T)v;
     return old;
 }
-template <typename T>
-inline T atomicMax(T* p, T v) {
+template <typename T, typename U>
+inline T atomicMax(T* p, U v) {
     T old = *p;
-    if (v > old) *p = v;
+    if ((T)v > old) *p = (T)v;
     return old;
 }
 
@@ -340,18 +414,27 @@ inline int __clz(unsigned v) { return v ? __builtin_clz(v) : 32; }
 inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
 inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
 inline int __float_as_int(float f) { int v; std::memcpy(&v, &f, 4); return v; }
+inline unsigned __float_as_uint(float f) { unsigned v; std::memcpy(&v, &f, 4); return v; }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
-// CUDA's min/max take mixed integer types; std::min does not.
+// CUDA's min/max: integers of mixed types, and fminf/fmaxf (NaN-ignoring) for floats.
 template <typename A, typename B>
 inline auto min(A a, B b) -> decltype(a + b) { return a < b ? a : b; }
 template <typename A, typename B>
 inline auto max(A a, B b) -> decltype(a + b) { return a > b ? a : b; }
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
 
-// ---- entry point called by the generated launchers ---------------------------------------------
+// ---- entry points called from Python ------------------------------------------------------------
+// The launch's limit on dynamic shared memory (the kernel attribute; -1: CUDA's default of
+// 48 KiB minus the kernel's static shared memory).
+extern "C" void cusim_set_max_dynamic_shared(long bytes) { cusim::g_max_dyn = bytes; }
+
 // Runs body(arg) as every thread of every block; returns "" or the first error.
 inline const char* cusim_launch(dim3 grid, dim3 block, size_t smem, uint64_t seed,
                                 void (*body)(void*), void* arg) {
@@ -364,41 +447,60 @@ inline const char* cusim_launch(dim3 grid, dim3 block, size_t smem, uint64_t see
     launch.body_arg = arg;
     launch.rng = seed * 0x9E3779B97F4A7C15ull + 1;
     const size_t n = (size_t)block.x * block.y * block.z;
-    auto& st = cusim::stacks();
-    while (st.size() < n) st.emplace_back(cusim::kStack);
+    std::vector<uint3> order;   // blocks in a random order
     for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                launch.block_idx = {bx, by, bz};
-                launch.static_smem.clear();
-                launch.dyn_smem.assign(smem + cusim::kCanary, 0xFF);
-                launch.dyn_bytes = smem;
-                launch.threads.assign(n, cusim::Thread());
-                for (size_t i = 0; i < n; ++i) {
-                    cusim::Thread& t = launch.threads[i];
-                    t.linear = (int)i;
-                    t.idx = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y),
-                             (unsigned)(i / ((size_t)block.x * block.y))};
-                    getcontext(&t.ctx);
-                    t.ctx.uc_stack.ss_sp = st[i].data();
-                    t.ctx.uc_stack.ss_size = st[i].size();
-                    t.ctx.uc_link = nullptr;
-                    makecontext(&t.ctx, cusim::trampoline, 0);
+            for (unsigned bx = 0; bx < grid.x; ++bx) order.push_back({bx, by, bz});
+    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[cusim::next_random() % i]);
+    bool first = true;
+    const int stickiness = cusim::pick_stickiness();
+    for (const uint3& b : order) {
+        launch.block_idx = b;
+        launch.static_smem.clear();
+        launch.static_bytes = 0;
+        launch.dyn_smem.assign(smem, cusim::kFill);
+        launch.dyn_smem.resize(smem + cusim::kCanary, cusim::kGuard);
+        launch.threads.assign(n, cusim::Thread());
+        for (size_t i = 0; i < n; ++i) {
+            cusim::Thread& t = launch.threads[i];
+            t.linear = (int)i;
+            t.idx = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y),
+                     (unsigned)(i / ((size_t)block.x * block.y))};
+            char* stack = cusim::stack_for(i);
+            if (!stack) return "cusim: cannot map a fiber stack";
+            getcontext(&t.ctx);
+            t.ctx.uc_stack.ss_sp = stack;
+            t.ctx.uc_stack.ss_size = cusim::kStack;
+            t.ctx.uc_link = nullptr;
+            makecontext(&t.ctx, cusim::trampoline, 0);
+        }
+        launch.cur = nullptr;
+        cusim::run_block(stickiness);
+        if (launch.error.empty()) {
+            for (size_t i = smem; i < smem + cusim::kCanary; ++i)
+                if (launch.dyn_smem[i] != cusim::kGuard) {
+                    launch.cur = nullptr;
+                    char msg[128];
+                    std::snprintf(msg, sizeof msg, "wrote past the %zu bytes of dynamic shared memory "
+                                  "(byte %zu)", smem, i);
+                    cusim::fail(msg);
+                    break;
                 }
+        }
+        if (launch.error.empty() && first) {   // the static arrays are known once a block ran
+            const long stat = (long)launch.static_bytes;
+            const long limit = cusim::g_max_dyn < 0 ? 49152 - stat : cusim::g_max_dyn;
+            char msg[200];
+            if (stat > 49152 || (long)smem > limit) {
                 launch.cur = nullptr;
-                cusim::run_block();
-                if (launch.error.empty()) {
-                    for (size_t i = smem; i < smem + cusim::kCanary; ++i)
-                        if (launch.dyn_smem[i] != 0xFF) {
-                            launch.cur = nullptr;
-                            char msg[128];
-                            std::snprintf(msg, sizeof msg, "wrote past the %zu bytes of dynamic shared memory "
-                                          "(byte %zu)", smem, i);
-                            cusim::fail(msg);
-                            break;
-                        }
-                }
-                if (!launch.error.empty()) return launch.error.c_str();
+                std::snprintf(msg, sizeof msg, "%ld bytes of static and %zu of dynamic shared memory "
+                              "exceed the limit (dynamic at most %ld without raising "
+                              "max_dynamic_shared_size_bytes)", stat, smem, limit);
+                cusim::fail(msg);
             }
+        }
+        first = false;
+        if (!launch.error.empty()) return launch.error.c_str();
+    }
     return "";
 }
