@@ -231,9 +231,13 @@ def test_decode_partitions():
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("start_pos,T", [(0, 1), (0, 150), (40, 150)])
-def test_attention_prefill(ops, rng, start_pos, T):
-    g, c = ops
+@pytest.mark.parametrize("start_pos,T", [(0, 1), (0, 150), (40, 150), (290, 6)])
+@pytest.mark.parametrize("split", ["off", "auto"])
+def test_attention_prefill(rng, start_pos, T, split):
+    from eprt.ops.cupy_ops import CupyOps
+
+    # auto with 128-key partitions: a few rows over a long context go through split decode
+    g, c = CupyOps(decode_split=split, split_keys=128), NumpyOps()
     hk, group, dh, bs = 2, 4, 128, 16
     kc, vc, tables = paged_kv(rng, [start_pos + T], bs, hk, dh)
     q = bf16(rng.standard_normal((T, hk * group, dh)))

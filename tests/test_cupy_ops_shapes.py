@@ -47,9 +47,12 @@ def test_attention_decode_shapes(hk, group, dh, bs, lens, split, split_keys, see
 
 @SETTINGS
 @given(hk=st.integers(1, 2), group=st.sampled_from([1, 3, 8]), dh=HEAD_DIMS, bs=st.sampled_from([1, 5, 16]),
-       start=st.integers(0, 140), T=st.integers(1, 140), seed=st.integers(0, 2**16))
-def test_attention_prefill_shapes(ops, hk, group, dh, bs, start, T, seed):
-    g, c = ops
+       start=st.integers(0, 300), T=st.integers(1, 140), split=st.sampled_from(["off", "auto"]),
+       seed=st.integers(0, 2**16))
+def test_attention_prefill_shapes(hk, group, dh, bs, start, T, split, seed):
+    from eprt.ops.cupy_ops import CupyOps
+
+    g, c = CupyOps(decode_split=split, split_keys=128), NumpyOps()
     rng = np.random.default_rng(seed)
     kc, vc, tables = paged_kv(rng, [start + T], bs, hk, dh, spare_blocks=1)
     q = bf16(rng.standard_normal((T, hk * group, dh)))

@@ -256,6 +256,13 @@ class CupyOps(Ops):
         _require("attention_prefill", start_pos >= 0 and block_table.shape[0] * BS >= start_pos + T,
                  f"block table of {block_table.shape[0]} blocks of {BS} cannot hold positions "
                  f"[0, {start_pos + T}) (start_pos={start_pos})")
+        if T and self._decode_partitions(T * Hk, start_pos + T)[0] > 1:
+            # few rows over a long context (a new turn after a cached prefix): row t is a
+            # decode query over start_pos + t + 1 keys, and the split path fills the GPU
+            MB = block_table.shape[0]
+            tables = cupy.ascontiguousarray(cupy.broadcast_to(block_table, (T, MB)))      # [T, MB]
+            lens = cupy.arange(start_pos + 1, start_pos + T + 1, dtype=_I32)            # [T]
+            return self.attention_decode(q, k_cache, v_cache, tables, lens, scale)
         out = cupy.empty_like(q)
         if T:
             _launch("paged_attention.cu", f"attention_prefill_g{cap}", (T, Hk), _ATTN_THREADS,

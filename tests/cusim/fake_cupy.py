@@ -336,6 +336,10 @@ def asnumpy(a):
     return a.get() if isinstance(a, ndarray) else np.asarray(a)
 
 
+def broadcast_to(a, shape):
+    return a._view(np.broadcast_to(a._a, shape))
+
+
 def take(a, indices, axis=None):
     return _device(np.take(_unwrap(a), _unwrap(indices), axis=axis))
 
@@ -599,7 +603,7 @@ def install() -> None:
     cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
     cupy = types.ModuleType("cupy")
     for name in ("ndarray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "arange",
-                 "asarray", "array", "ascontiguousarray", "asnumpy", "take", "concatenate", "stack",
+                 "asarray", "array", "ascontiguousarray", "asnumpy", "broadcast_to", "take", "concatenate", "stack",
                  "get_default_memory_pool", "RawModule", "random"):
         setattr(cupy, name, getattr(me, name))
     cupy.RawKernel = RawKernel
