@@ -20,6 +20,7 @@ TAG_ROOT_DOWN = 2     # rank 0 -> worker: utf-8 reason; rank 0 is going down wit
 BUSY_SLEEP_MAX = 1e-4  # s, longest sleep between polls inside a compute-time collective
 IDLE_SLEEP_MAX = 5e-3  # s, longest sleep while a worker waits for its next command
 ABORT_GRACE = 0.5      # s between printing why and aborting, so the message reaches the terminal
+REDUCE_SCATTER_MIN_BYTES = 1 << 20   # MoE partials from this size on 3+ ranks: reduce-scatter
 
 
 class MpiTransport(Transport):
@@ -50,6 +51,33 @@ class MpiTransport(Transport):
 
     def _send_rows(self, rows: np.ndarray) -> None:
         self._bcast(rows, "the vision rows")
+
+    def _sum(self, partial: np.ndarray) -> np.ndarray:
+        """Large partials on 3+ ranks (prefill chunks): a reduce-scatter, rank r summing slice r
+        of every rank's partial in rank order, then an all-gather of the sums. The float
+        operations are those of the gather-and-sum, so the bits are the same on every rank
+        (and as with the gather), while each rank receives about 2x the partial instead of
+        (P - 1)x. Small partials (decode) keep the single all-gather: one collective's latency."""
+        P = self.size
+        if P < 3 or partial.nbytes < REDUCE_SCATTER_MIN_BYTES:
+            return super()._sum(partial)
+        MPI = self._MPI
+        flat = partial.reshape(-1)
+        bounds = [r * flat.size // P for r in range(P + 1)]
+        counts = [bounds[r + 1] - bounds[r] for r in range(P)]
+        mine = counts[self.rank]
+        parts = np.empty((P, mine), np.float32)                      # [P, slice]: every rank's slice
+        self.stats.mpi_calls += 1                                    # (allsum counted the first)
+        self._wait(self._moe.Ialltoallv([flat, (counts, bounds[:-1]), MPI.FLOAT],
+                                        [parts, ([mine] * P, [r * mine for r in range(P)]), MPI.FLOAT]),
+                   "the MoE combine (reduce-scatter)")
+        reduced = parts[0].copy()
+        for r in range(1, P):
+            reduced += parts[r]
+        out = np.empty(flat.size, np.float32)
+        self._wait(self._moe.Iallgatherv(reduced, [out, (counts, bounds[:-1]), MPI.FLOAT]),
+                   "the MoE combine (all-gather)")
+        return out.reshape(partial.shape)
 
     def _gather(self, partial: np.ndarray) -> np.ndarray:
         gathered = np.empty((self.size,) + partial.shape, np.float32)  # [P, *partial.shape]

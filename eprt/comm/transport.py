@@ -179,12 +179,16 @@ class Transport:
             return partial
         self.stats.mpi_calls += 1
         self.stats.allsum_bytes += partial.nbytes
-        gathered = self._gather(np.ascontiguousarray(partial))  # [P, *partial.shape]
-        # Summing the gathered partials in rank order does the same float operations on the
-        # same data on every rank, so the result is bitwise identical everywhere. An MPI
-        # Allreduce does not promise that (its reduction order may differ between ranks and
-        # algorithms), and a single differing bit would let the ranks' KV drift apart. The
-        # price, P x the bytes of a reduce, is small for decode-sized T.
+        return self._sum(np.ascontiguousarray(partial))
+
+    def _sum(self, partial: np.ndarray) -> np.ndarray:
+        """The rank-ordered sum, gathered everywhere: summing the gathered partials in rank
+        order does the same float operations on the same data on every rank, so the result
+        is bitwise identical everywhere. An MPI Allreduce does not promise that (its
+        reduction order may differ between ranks and algorithms), and a single differing bit
+        would let the ranks' KV drift apart. The price, P x the bytes of a reduce, is small
+        for decode-sized T (MpiTransport switches to a reduce-scatter for large partials)."""
+        gathered = self._gather(partial)  # [P, *partial.shape]
         out = gathered[0].copy()
         for r in range(1, self.size):
             out += gathered[r]

@@ -140,6 +140,27 @@ def test_allsum_is_bitwise_identical_on_every_rank(t):
 
 
 @pytest.mark.mpi
+def test_large_allsum_is_the_rank_ordered_sum_bitwise(t):
+    # a prefill-sized partial (over REDUCE_SCATTER_MIN_BYTES): on 3+ ranks it goes through a
+    # reduce-scatter and an all-gather, and must still be bitwise the rank-ordered sum everywhere
+    from eprt.comm.mpi_transport import REDUCE_SCATTER_MIN_BYTES
+
+    mine = partials(t.size, shape=(701, 512))   # 1.4 MB, an element count no world size divides
+    assert mine[0].nbytes >= REDUCE_SCATTER_MIN_BYTES
+    before = t.stats.copy()
+    out = t.allsum(mine[t.rank])
+    used = t.stats - before
+    ordered = mine[0].copy()
+    for r in range(1, t.size):
+        ordered += mine[r]
+    assert np.array_equal(out.view(np.uint32), ordered.view(np.uint32))
+    everyone = np.empty((t.size,) + out.shape, np.float32)
+    MPI.COMM_WORLD.Allgather(out, everyone)
+    assert all(np.array_equal(everyone[r].view(np.uint32), out.view(np.uint32)) for r in range(t.size))
+    assert used.mpi_calls == {1: 0, 2: 1}.get(t.size, 2)
+
+
+@pytest.mark.mpi
 def test_allsum_flushes_pending_words_first(t):
     prefill = Prefill(0, 0, 2, (3, 4))
     if t.rank == 0:
