@@ -5,60 +5,89 @@
 //   offsets [El + 1]      expert e owns sorted rows [offsets[e], offsets[e+1]); offsets[El] = P
 //   sorted_slot [P]       the slot of each sorted row (ascending slot order within an expert)
 //   slot_pos [T*k]        the sorted row of each slot, -1 when the slot's expert is not local
-// The result is deterministic: counting uses shared-memory atomics (order-free) and the
-// placement walks the slots in order, 32 at a time, with warp match/rank instead of atomics.
-// One block; dynamic shared memory 2 * El ints.
+// One block of W warps (blockDim.x = 32 W); warp w owns the contiguous slots
+// [w * chunk, (w + 1) * chunk). The result is deterministic, without atomics on positions:
+//   1. each warp counts its slots per expert (lanes holding the same expert group with
+//      __match_any_sync, the group's highest lane adds the group's size): cnt[w][e];
+//   2. per expert, an exclusive scan over the warps turns cnt[w][e] into where warp w's
+//      slots of e start among e's rows; warp 0 scans the expert totals into offsets;
+//   3. each warp walks its slots again, 32 at a time, placing lane i of a group after the
+//      group's lower lanes, and advances its cursor by the group's size.
+// Dynamic shared memory: (W + 1) * El ints (cnt [W][El] | base [El]); the host picks W.
 #include "common.cuh"
 
 extern "C" __global__ void moe_permute(const int* __restrict__ ids, int n_slots, int expert_start,
                                        int El, int* __restrict__ offsets,
                                        int* __restrict__ sorted_slot, int* __restrict__ slot_pos) {
-    extern __shared__ int counts[];  // counts [El] | cursor [El]
-    int* cursor = counts + El;
-    const int tid = threadIdx.x, lane = tid % WARP_SIZE;
-    for (int e = tid; e < El; e += blockDim.x) counts[e] = 0;
-    __syncthreads();
-    for (int s = tid; s < n_slots; s += blockDim.x) {
-        const int e = ids[s] - expert_start;
-        if (e >= 0 && e < El) atomicAdd(&counts[e], 1);
-    }
-    __syncthreads();
-    if (tid >= WARP_SIZE) return;  // warp 0 does the scan and the ordered placement
-
-    // Exclusive scan of counts, 32 experts at a time.
-    int carry = 0;
-    for (int base = 0; base < El; base += WARP_SIZE) {
-        const int e = base + lane;
-        const int c = e < El ? counts[e] : 0;
-        int incl = c;
-#pragma unroll
-        for (int o = 1; o < WARP_SIZE; o <<= 1) {
-            const int up = __shfl_up_sync(FULL_MASK, incl, o);
-            if (lane >= o) incl += up;
-        }
-        if (e < El) {
-            offsets[e] = carry + incl - c;
-            cursor[e] = carry + incl - c;
-        }
-        carry += __shfl_sync(FULL_MASK, incl, WARP_SIZE - 1);
-    }
-    if (lane == 0) offsets[El] = carry;
-    __syncwarp();
-
-    // Ordered placement: lanes holding the same expert rank themselves by lane id.
+    extern __shared__ int smem[];
+    const int W = blockDim.x / WARP_SIZE;
+    int* cnt = smem;            // [W][El]
+    int* base = smem + W * El;  // [El]
+    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const int chunk = (n_slots + W - 1) / W;
+    const int lo = min(warp * chunk, n_slots), hi = min(lo + chunk, n_slots);
     const unsigned lower = (1u << lane) - 1u;
-    for (int base = 0; base < n_slots; base += WARP_SIZE) {
-        const int s = base + lane;
-        int e = s < n_slots ? ids[s] - expert_start : -1;
+    int* mine = cnt + warp * El;
+
+    // 1. per-warp counts
+    for (int e = lane; e < El; e += WARP_SIZE) mine[e] = 0;
+    __syncwarp();
+    for (int b = lo; b < hi; b += WARP_SIZE) {
+        const int s = b + lane;
+        int e = s < hi ? ids[s] - expert_start : -1;
+        const bool local = e >= 0 && e < El;
+        if (!local) e = -1;
+        const unsigned peers = __match_any_sync(FULL_MASK, e);
+        if (local && lane == 31 - __clz(peers)) mine[e] += __popc(peers);
+        __syncwarp();
+    }
+    __syncthreads();
+
+    // 2. per expert: exclusive scan over the warps; totals into base[e]
+    for (int e = tid; e < El; e += blockDim.x) {
+        int run = 0;
+        for (int w = 0; w < W; ++w) {
+            const int c = cnt[w * El + e];
+            cnt[w * El + e] = run;
+            run += c;
+        }
+        base[e] = run;
+    }
+    __syncthreads();
+    if (warp == 0) {   // exclusive scan of the totals, 32 experts at a time
+        int carry = 0;
+        for (int b = 0; b < El; b += WARP_SIZE) {
+            const int e = b + lane;
+            const int c = e < El ? base[e] : 0;
+            int incl = c;
+#pragma unroll
+            for (int o = 1; o < WARP_SIZE; o <<= 1) {
+                const int up = __shfl_up_sync(FULL_MASK, incl, o);
+                if (lane >= o) incl += up;
+            }
+            if (e < El) {
+                offsets[e] = carry + incl - c;
+                base[e] = carry + incl - c;
+            }
+            carry += __shfl_sync(FULL_MASK, incl, WARP_SIZE - 1);
+        }
+        if (lane == 0) offsets[El] = carry;
+    }
+    __syncthreads();
+
+    // 3. ordered placement
+    for (int b = lo; b < hi; b += WARP_SIZE) {
+        const int s = b + lane;
+        int e = s < hi ? ids[s] - expert_start : -1;
         const bool local = e >= 0 && e < El;
         if (!local) e = -1;
         const unsigned peers = __match_any_sync(FULL_MASK, e);
         int pos = -1;
-        if (local) pos = cursor[e] + __popc(peers & lower);
-        __syncwarp();  // all reads of cursor precede the update
-        if (local && lane == 31 - __clz(peers)) cursor[e] += __popc(peers);
+        if (local) pos = base[e] + mine[e] + __popc(peers & lower);
+        __syncwarp();  // all reads of the cursor precede the update
+        if (local && lane == 31 - __clz(peers)) mine[e] += __popc(peers);
         __syncwarp();
-        if (s < n_slots) {
+        if (s < hi) {
             slot_pos[s] = pos;
             if (local) sorted_slot[pos] = s;
         }

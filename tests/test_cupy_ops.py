@@ -311,6 +311,25 @@ def test_moe_experts(rng, impl, T):
 
 @gpu
 @pytest.mark.gpu
+def test_moe_experts_many_slots(rng):
+    # a prefill-sized routing: 1100 tokens x top-8 = 8800 slots, placed by all 32 warps of
+    # moe_permute (ranges of 275 slots: not whole rounds of 32), 20 of 64 experts local
+    import cupy
+
+    from eprt.ops.cupy_ops import CupyOps
+
+    g, c = CupyOps(moe_impl="gathered"), NumpyOps()
+    T, E, El, start, k, D, I = 1100, 64, 20, 30, 8, 8, 8
+    x = bf16(rng.standard_normal((T, D)))
+    wgu, wd = bf16(rng.standard_normal((El, 2 * I, D)) / 3), bf16(rng.standard_normal((El, D, I)) / 3)
+    w, ids = c.router(rng.standard_normal((T, E)).astype(np.float32), k, True)
+    got = g.to_host(g.moe_experts(g.activation(x), cupy.asarray(w), g.index(ids), g.weight(wgu), g.weight(wd), start))
+    want = c.moe_experts(x, w, ids, wgu, wd, start)
+    close(got, want, "moe", scale=float(np.abs(want).max()))
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("logit_dtype", ["act", "f32"])
 def test_argmax_first_maximum_wins(ops, rng, logit_dtype):
     import cupy

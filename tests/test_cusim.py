@@ -281,7 +281,7 @@ def test_gemmex_follows_cublas_column_major_rules(transa, transb, c_type):
 # ---- mutations of the real kernels: the GPU tests on cusim must notice each -----------------
 MUTATIONS = {
     "permute: no barrier between reading and advancing the expert cursor": (
-        "moe_permute.cu", "__syncwarp();  // all reads of cursor precede the update", "", "moe_experts"),
+        "moe_permute.cu", "__syncwarp();  // all reads of the cursor precede the update", "", "moe_experts"),
     "router: lanes read the scores before the winner is knocked out": (
         "router.cu", "if (lane == 0) p[best_i] = -1.0f;\n        __syncwarp();",
         "if (lane == 0) p[best_i] = -1.0f;", "router"),
