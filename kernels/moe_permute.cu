@@ -16,6 +16,13 @@
 // Dynamic shared memory: (W + 1) * El ints (cnt [W][El] | base [El]); the host picks W.
 #include "common.cuh"
 
+// The local expert of slot s, or -1 when s >= end or its expert is on another rank.
+__device__ __forceinline__ int local_expert(const int* __restrict__ ids, int s, int end, int expert_start,
+                                            int El) {
+    const int e = s < end ? ids[s] - expert_start : -1;
+    return e >= 0 && e < El ? e : -1;
+}
+
 extern "C" __global__ void moe_permute(const int* __restrict__ ids, int n_slots, int expert_start,
                                        int El, int* __restrict__ offsets,
                                        int* __restrict__ sorted_slot, int* __restrict__ slot_pos) {
@@ -33,12 +40,9 @@ extern "C" __global__ void moe_permute(const int* __restrict__ ids, int n_slots,
     for (int e = lane; e < El; e += WARP_SIZE) mine[e] = 0;
     __syncwarp();
     for (int b = lo; b < hi; b += WARP_SIZE) {
-        const int s = b + lane;
-        int e = s < hi ? ids[s] - expert_start : -1;
-        const bool local = e >= 0 && e < El;
-        if (!local) e = -1;
+        const int e = local_expert(ids, b + lane, hi, expert_start, El);
         const unsigned peers = __match_any_sync(FULL_MASK, e);
-        if (local && lane == 31 - __clz(peers)) mine[e] += __popc(peers);
+        if (e >= 0 && lane == 31 - __clz(peers)) mine[e] += __popc(peers);
         __syncwarp();
     }
     __syncthreads();
@@ -77,19 +81,15 @@ extern "C" __global__ void moe_permute(const int* __restrict__ ids, int n_slots,
 
     // 3. ordered placement
     for (int b = lo; b < hi; b += WARP_SIZE) {
-        const int s = b + lane;
-        int e = s < hi ? ids[s] - expert_start : -1;
-        const bool local = e >= 0 && e < El;
-        if (!local) e = -1;
+        const int s = b + lane, e = local_expert(ids, s, hi, expert_start, El);
         const unsigned peers = __match_any_sync(FULL_MASK, e);
-        int pos = -1;
-        if (local) pos = base[e] + mine[e] + __popc(peers & lower);
+        const int pos = e >= 0 ? base[e] + mine[e] + __popc(peers & lower) : -1;
         __syncwarp();  // all reads of the cursor precede the update
-        if (local && lane == 31 - __clz(peers)) mine[e] += __popc(peers);
+        if (e >= 0 && lane == 31 - __clz(peers)) mine[e] += __popc(peers);
         __syncwarp();
         if (s < hi) {
             slot_pos[s] = pos;
-            if (local) sorted_slot[pos] = s;
+            if (e >= 0) sorted_slot[pos] = s;
         }
     }
 }

@@ -203,8 +203,12 @@ def test_attention_decode(rng, split, group, dh):
 
     # split "on" with 128-key partitions: 3 partitions, the short sequences' later ones empty
     g, c = CupyOps(decode_split=split, split_keys=128), NumpyOps()
-    hk, bs, lens = 2, 16, [1, 37, 300]             # 300 > one 128-key chunk
-    kc, vc, tables = paged_kv(rng, lens, bs, hk, dh)
+    check_attention_decode(g, c, rng, lens=[1, 37, 300], bs=16, hk=2, group=group, dh=dh)   # 300: 3 chunks
+
+
+def check_attention_decode(g, c, rng, lens, bs, hk, group, dh, spare_blocks=3):
+    """attention_decode of backend g against c on random paged caches and queries."""
+    kc, vc, tables = paged_kv(rng, lens, bs, hk, dh, spare_blocks)
     q = bf16(rng.standard_normal((len(lens), hk * group, dh)))
     cl = np.array(lens, np.int32)
     got = g.attention_decode(g.activation(q), g.activation(kc), g.activation(vc), g.index(tables),

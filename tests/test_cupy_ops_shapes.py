@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from eprt.ops import device
 from eprt.ops.numpy_ops import NumpyOps
-from test_cupy_ops import bf16, close, paged_kv
+from test_cupy_ops import bf16, check_attention_decode, close, paged_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not device.cuda_usable(), reason="CuPy cannot use a CUDA device here")]
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
@@ -36,13 +36,7 @@ def test_attention_decode_shapes(hk, group, dh, bs, lens, split, split_keys, see
     from eprt.ops.cupy_ops import CupyOps
 
     g, c = CupyOps(decode_split=split, split_keys=split_keys), NumpyOps()
-    rng = np.random.default_rng(seed)
-    kc, vc, tables = paged_kv(rng, lens, bs, hk, dh, spare_blocks=1)
-    q = bf16(rng.standard_normal((len(lens), hk * group, dh)))
-    cl = np.array(lens, np.int32)
-    got = g.attention_decode(g.activation(q), g.activation(kc), g.activation(vc), g.index(tables),
-                             g.index(cl), dh ** -0.5)
-    close(g.to_host(got), c.attention_decode(q, kc, vc, tables, cl, dh ** -0.5), "attention")
+    check_attention_decode(g, c, np.random.default_rng(seed), lens, bs, hk, group, dh, spare_blocks=1)
 
 
 @SETTINGS
