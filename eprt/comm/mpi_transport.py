@@ -106,14 +106,6 @@ class MpiTransport(Transport):
         self._wait(self._ctl.Iallgather(mine, every), "the start-up exchange", idle=True)
         return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in every]
 
-    def min_over_ranks(self, value: int) -> int:
-        if self.size == 1:
-            return int(value)
-        every = np.empty(self.size, np.int64)
-        self.stats.mpi_calls += 1
-        self._wait(self._ctl.Iallgather(np.array([value], np.int64), every), "the start-up exchange", idle=True)
-        return int(every.min())
-
     def recv_frame(self) -> np.ndarray:
         """The words of rank 0's next frame; waits without a time limit (the server may idle)."""
         self._require_worker("recv_frame")

@@ -205,10 +205,6 @@ class Transport:
         every rank (start-up only: no time limit)."""
         return [text]
 
-    def min_over_ranks(self, value: int) -> int:
-        """The smallest ``value`` over the ranks, on every rank (start-up only: no time limit)."""
-        return int(value)
-
     def close(self, reason: str | None = None) -> None:
         """Rank 0 leaving without a SHUTDOWN (an error) tells every worker to leave too."""
         self.closed = True

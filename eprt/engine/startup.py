@@ -63,7 +63,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     ops, loaded = step(load)
     sharers = _check_identities(transport, ops)
     blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, sharers))
-    agreed = transport.min_over_ranks(blocks)
+    agreed = min(int(b) for b in transport.allgather_text(str(blocks)))
     if agreed < blocks:
         log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)",
                  rank, agreed, blocks)
