@@ -53,6 +53,16 @@ def test_pool_blocks_counts_what_is_already_used():
         device.pool_blocks(10 * gib, 80 * gib, 4 * gib, 0.9, sharers=3)
 
 
+def test_compute_identity_ends_with_an_arithmetic_fingerprint():
+    ops = NumpyOps()
+    what, where = device.compute_identity(ops)
+    assert what.startswith("cpu: NumPy") and what == device.compute_identity(NumpyOps())[0]
+    # arithmetic that differs in the last bit of one product changes the identity
+    real = ops.linear
+    ops.linear = lambda x, w, bias=None: np.nextafter(real(x, w, bias), np.inf)
+    assert device.compute_identity(ops)[0] != what
+
+
 def test_backend_choice(monkeypatch):
     monkeypatch.setenv("EPRT_DEVICE", "cpu")
     assert isinstance(device.get_ops(None), NumpyOps)

@@ -97,22 +97,43 @@ def get_ops(device: str | None = None) -> Ops:
 
 def compute_identity(ops: Ops) -> tuple[str, str]:
     """(how this rank computes, which device it computes on). Ranks whose first part differs
-    may round differently; ranks with equal second parts share one GPU."""
+    may round differently; ranks with equal second parts share one GPU. The first part names
+    the backend's versions and ends with an arithmetic fingerprint: the same library build
+    can still pick other kernels (OpenBLAS per CPU model) or split sums differently (thread
+    counts), which only the bits of an actual product show."""
+    import numpy as np
+
     host = socket.gethostname()
     if ops.name == "cpu":
-        import numpy as np
-
         blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
-        return (f"cpu: NumPy {np.__version__}, BLAS {blas.get('name', '?')} {blas.get('version', '?')}",
-                f"{host}:cpu:{os.getpid()}")
-    import cupy
+        what = f"cpu: NumPy {np.__version__}, BLAS {blas.get('name', '?')} {blas.get('version', '?')}"
+        where = f"{host}:cpu:{os.getpid()}"
+    else:
+        import cupy
 
-    dev = cupy.cuda.Device()
-    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    return (f"cuda: {name} (sm_{props['major']}{props['minor']}, {props['multiProcessorCount']} SMs), "
-            f"CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, CuPy {cupy.__version__}",
-            f"{host}:{dev.pci_bus_id}")
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        what = (f"cuda: {name} (sm_{props['major']}{props['minor']}, {props['multiProcessorCount']} SMs), "
+                f"CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, CuPy {cupy.__version__}")
+        where = f"{host}:{dev.pci_bus_id}"
+    return f"{what}, arithmetic {arithmetic_fingerprint(ops)}", where
+
+
+def arithmetic_fingerprint(ops: Ops) -> str:
+    """A digest of the bits of ``ops.linear`` on fixed data, at decode (1 row), small and
+    prefill-like (7, 64 rows) shapes."""
+    import hashlib
+
+    import numpy as np
+
+    rng = np.random.default_rng(20261202)
+    w = ops.weight((rng.standard_normal((384, 512)) / 16).astype(np.float32))   # [N, K]
+    digest = hashlib.sha256()
+    for rows in (1, 7, 64):
+        x = ops.activation(rng.standard_normal((rows, 512)).astype(np.float32))  # [T, K]
+        digest.update(np.ascontiguousarray(ops.to_host(ops.linear(x, w))).tobytes())
+    return digest.hexdigest()[:12]
 
 
 def pool_blocks(available: int, total: int, bytes_per_block: int, gpu_memory_utilization: float,
