@@ -197,6 +197,23 @@ def test_collective_and_shared_memory_misuse_is_reported(body, message):
         m.get_function("k")((1,), (block,), (fake_cupy.zeros(4, np.float32),), shared_mem=64)
 
 
+def test_faults_in_a_kernel_are_launch_errors_not_crashes():
+    m = module(r"""
+extern "C" __global__ void far(float* out, long long off) { out[threadIdx.x + off] = 1.0f; }
+extern "C" __global__ void div0(int* out, int d) { out[threadIdx.x] = 7 / d; }
+__device__ int deep(int n) { volatile char buf[4096]; buf[0] = (char)n; return n ? deep(n - 1) + buf[0] : 0; }
+extern "C" __global__ void overflow(int* out) { out[threadIdx.x] = deep(1000); }""")
+    ints = fake_cupy.zeros(32, np.int32)
+    with pytest.raises(LaunchError, match=r"thread \(\d+,0,0\): invalid memory access \(SIGSEGV"):
+        m.get_function("far")((1,), (32,), (fake_cupy.zeros(32, np.float32), np.int64(1 << 40)))
+    with pytest.raises(LaunchError, match="SIGFPE"):
+        m.get_function("div0")((1,), (32,), (ints, np.int32(0)))
+    with pytest.raises(LaunchError, match="stack overflow"):    # into the fiber stack's guard page
+        m.get_function("overflow")((1,), (32,), (ints,))
+    m.get_function("div0")((1,), (32,), (ints, np.int32(7)))   # and the process carries on
+    np.testing.assert_array_equal(ints.get(), 1)
+
+
 def test_arguments_are_checked_against_the_signature():
     m = module(r"""
 extern "C" __global__ void scale(const __nv_bfloat16* x, float* out, int n, float s) {

@@ -21,7 +21,8 @@
 //   - shared memory (static and dynamic) starts as 0xFF bytes (NaN floats, -1 ints); 4 KiB of
 //     0xFE canary after the dynamic shared memory catch writes past it; static + dynamic
 //     shared memory is checked against the launch's limit;
-//   - fiber stacks are 256 KiB, mmap'ed with a guard page.
+//   - fiber stacks are 256 KiB, mmap'ed with a guard page; a fault in a kernel (SIGSEGV,
+//     SIGBUS, SIGFPE) ends the launch with an error instead of killing the process.
 // Errors end the launch; cusim_launch returns which block and thread and why.
 #pragma once
 
@@ -30,6 +31,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <csignal>
 #include <cstring>
 #include <string>
 #include <sys/mman.h>
@@ -343,6 +345,47 @@ inline void run_block(int stickiness) {
 
 }  // namespace cusim
 
+// ---- faults inside a kernel ------------------------------------------------------------------------
+// A SIGSEGV/SIGBUS (an access far out of bounds, a fiber stack overflowing into its guard
+// page) or SIGFPE (integer division by zero) in a fiber ends the launch with an error naming
+// the thread, instead of killing the process. The handler runs on its own stack; the fiber
+// is abandoned (never resumed). Installed only while a launch runs.
+namespace cusim {
+inline void on_fault(int sig, siginfo_t* info, void*) {
+    char msg[160];
+    if (sig == SIGFPE)
+        std::snprintf(msg, sizeof msg, "arithmetic fault (SIGFPE: an integer division by zero?)");
+    else
+        std::snprintf(msg, sizeof msg, "invalid memory access (%s at address %p: out of bounds, or a "
+                      "stack overflow)", sig == SIGSEGV ? "SIGSEGV" : "SIGBUS", info->si_addr);
+    fail(msg);
+    g->cur->state = DONE;
+    _longjmp(g->scheduler, 1);   // SA_NODEFER: the signal is not left blocked
+}
+
+struct FaultGuard {
+    struct sigaction old[3];
+    stack_t old_stack;
+    static constexpr int sigs[3] = {SIGSEGV, SIGBUS, SIGFPE};
+    FaultGuard() {
+        static std::vector<char> alt(64 * 1024);
+        stack_t st{};
+        st.ss_sp = alt.data();
+        st.ss_size = alt.size();
+        sigaltstack(&st, &old_stack);
+        struct sigaction sa{};
+        sa.sa_sigaction = on_fault;
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+        sigemptyset(&sa.sa_mask);
+        for (int i = 0; i < 3; ++i) sigaction(sigs[i], &sa, &old[i]);
+    }
+    ~FaultGuard() {
+        for (int i = 0; i < 3; ++i) sigaction(sigs[i], &old[i], nullptr);
+        sigaltstack(&old_stack, nullptr);
+    }
+};
+}  // namespace cusim
+
 // ---- the CUDA built-ins the kernels use -------------------------------------------------------
 #define threadIdx (cusim::g->cur->idx)
 #define blockIdx (cusim::g->block_idx)
@@ -439,6 +482,7 @@ extern "C" void cusim_set_max_dynamic_shared(long bytes) { cusim::g_max_dyn = by
 inline const char* cusim_launch(dim3 grid, dim3 block, size_t smem, uint64_t seed,
                                 void (*body)(void*), void* arg) {
     static cusim::Launch launch;
+    cusim::FaultGuard guard;
     launch = cusim::Launch();
     cusim::g = &launch;
     launch.grid_dim = grid;
