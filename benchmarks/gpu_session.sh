@@ -11,11 +11,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels_compile.py tests/test_cupy_ops.py tests/test_cupy_ops_shapes.py \
     tests/test_gpu_end_to_end.py 2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
+mpi=0
 if command -v mpiexec >/dev/null; then   # expert parallelism on the GPU: 2 ranks share it
   timeout 90 mpiexec -n 2 python3 -m pytest -q -p no:cacheprovider --with-mpi -m gpu \
       tests/mpi/test_gpu_expert_parallel_mpi.py 2>&1 | tee "$out/gpu_mpi.log"
+  mpi=${PIPESTATUS[0]}
 fi
 timeout 200 python3 benchmarks/bench_gpu.py 2>&1 | tee "$out/bench_gpu.log"
 bench=${PIPESTATUS[0]}
-echo "gpu tests exit $tests, benchmark exit $bench"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+echo "gpu tests exit $tests, 2-rank gpu tests exit $mpi, benchmark exit $bench"
+[ "$tests" -eq 0 ] && [ "$mpi" -eq 0 ] && [ "$bench" -eq 0 ]

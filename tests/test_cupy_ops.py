@@ -325,6 +325,20 @@ def test_moe_experts(rng, impl, T):
 
 @gpu
 @pytest.mark.gpu
+def test_moe_experts_without_local_experts_is_zero(rng):
+    import cupy
+
+    from eprt.ops.cupy_ops import CupyOps
+
+    g = CupyOps()
+    w = cupy.asarray(np.full((3, 2), 0.5, np.float32))
+    out = g.moe_experts(g.zeros((3, 16)), w, g.index(np.zeros((3, 2), np.int32)), g.zeros((0, 32, 16)),
+                        g.zeros((0, 16, 16)), 0)
+    np.testing.assert_array_equal(g.to_host(out), np.zeros((3, 16), np.float32))
+
+
+@gpu
+@pytest.mark.gpu
 def test_moe_experts_many_slots(rng):
     # a prefill-sized routing: 1100 tokens x top-8 = 8800 slots, placed by all 32 warps of
     # moe_permute (ranges of 275 slots: not whole rounds of 32), 20 of 64 experts local

@@ -1,9 +1,10 @@
 """Bringing one rank up in lock-step with the others.
 
 Every step that can fail on one rank (a checkpoint missing on one node, a kernel that does not
-compile, no room for a KV pool, out of memory) ends with ``Transport.startup_barrier``, so the
-job ends on every rank with the failing ranks named (``StartupFailed``) instead of hanging in
-the first collective. The steps:
+compile, no room for a KV pool, out of memory) runs inside ``step``, which ends with
+``Transport.startup_barrier``, so the job ends on every rank with the failing ranks named
+(``StartupFailed``) instead of hanging in the next exchange; nothing that can raise runs
+between two exchanges outside it. The steps:
 
 1. backend, kernels compiled (a cold NVRTC cache costs seconds; it must not eat into the
    first timed collective), model loaded;
@@ -61,7 +62,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
                                combine=_combine(transport, ops))
 
     ops, loaded = step(load)
-    sharers = _check_identities(transport, ops)
+    sharers = _check_identities(transport, step(lambda: compute_identity(ops)))
     blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, sharers))
     agreed = min(int(b) for b in transport.allgather_text(str(blocks)))
     if agreed < blocks:
@@ -72,9 +73,11 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     return Started(ops, loaded, executor)
 
 
-def _check_identities(transport: Transport, ops: Ops) -> int:
-    """Refuse ranks that do not compute identically; returns how many ranks share this rank's device."""
-    identity, device_key = compute_identity(ops)
+def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:
+    """Refuse ranks that do not compute identically (``mine``: this rank's compute_identity);
+    returns how many ranks share this rank's device. Nothing here can fail on one rank only:
+    every rank decides from the same gathered texts."""
+    identity, device_key = mine
     every = [json.loads(t) for t in transport.allgather_text(json.dumps([identity, device_key]))]
     differ = [(r, f"it computes with {i!r}, rank 0 with {every[0][0]!r}; expert parallelism needs "
                   f"identical arithmetic on every rank (same GPU model and CUDA/CuPy, or the same NumPy/BLAS)")

@@ -366,14 +366,14 @@ class CupyOps(Ops):
         k = ids.shape[1]
         _check(op, "weights", weights, _F32, (T, k))
         _require(op, 2 * 4 * El <= self.smem_limit, f"too many local experts for one permutation block: {El}")
-        # moe_permute: one block of W warps, each placing a contiguous range of slots; W is
-        # capped by the shared memory of its per-warp counts ((W + 1) * El ints)
-        perm_warps = max(1, min(32, -(-T * ids.shape[1] // 256), self.smem_limit // (4 * El) - 1))
         out = cupy.empty((T, D), dtype=_F32)                          # [T, D]
         if T == 0 or k == 0 or El == 0:   # El == 0 would launch a grid with gridDim.y = 0
             out.fill(0)
             return out
         n = T * k
+        # moe_permute: one block of W warps, each placing a contiguous range of slots (one warp
+        # per 256 slots); W is capped by the shared memory of its per-warp counts ((W + 1) * El ints)
+        perm_warps = max(1, min(32, -(-n // 256), self.smem_limit // (4 * El) - 1))
         offsets = cupy.empty(El + 1, dtype=_I32)                      # [El + 1]
         sorted_slot = cupy.empty(n, dtype=_I32)                       # [<= T*k]
         slot_pos = cupy.empty(n, dtype=_I32)                          # [T*k]

@@ -105,7 +105,10 @@ def compute_identity(ops: Ops) -> tuple[str, str]:
 
     host = socket.gethostname()
     if ops.name == "cpu":
-        blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+        try:
+            blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+        except TypeError:   # NumPy < 1.26 has no mode=; the fingerprint still tells builds apart
+            blas = {}
         what = f"cpu: NumPy {np.__version__}, BLAS {blas.get('name', '?')} {blas.get('version', '?')}"
         where = f"{host}:cpu:{os.getpid()}"
     else:

@@ -336,8 +336,9 @@ class Scheduler:
     def _notify(self, seq: Sequence) -> None:
         with self._ids_lock:
             self._live_ids.discard(seq.seq_id)
+        result = seq.result()   # built once, here, before anyone can see the request done
         if seq.on_finish is not None:
-            self._call(seq, seq.on_finish, seq.result())
+            self._call(seq, seq.on_finish, result)
         seq.done_event.set()
 
     def _call(self, seq: Sequence, fn, arg) -> None:

@@ -79,8 +79,9 @@ class Sequence:
         return self.state is SeqState.FINISHED
 
     def result(self) -> GenerationResult:
-        """The request's result; once it has finished, always the same object (so text the
-        engine decoded for on_finish is not decoded again for the handle)."""
+        """The request's result; once it has finished, always the same object, built by the
+        scheduler when it notifies the client (so text the engine decoded for on_finish is
+        not decoded again for the handle)."""
         if self._result is not None:
             return self._result
         result = GenerationResult(request_id=self.request_id, prompt_ids=list(self.prompt_ids),

@@ -1,11 +1,12 @@
 """A real-model job for the engine fault tests (tests/mpi/test_engine_faults.py).
 
-    mpiexec -n 2 python engine_fault_driver.py CHECKPOINT_DIR raise|kill|loadfail|mixedcompute|kvfail|clean
+    mpiexec -n 2 python engine_fault_driver.py CHECKPOINT_DIR raise|kill|loadfail|mixedcompute|identityfail|kvfail|clean
 
 Rank 1's decode is wrapped to fail at its 4th step: ``raise`` raises an exception,
 ``kill`` SIGKILLs the process (as the OOM killer would). ``loadfail``: rank 1 is given a
 checkpoint directory that does not exist (a model missing on one node). ``mixedcompute``:
-rank 1 reports another NumPy/BLAS build. ``kvfail``: rank 1 has no room for its KV pool.
+rank 1 reports another NumPy/BLAS build; ``identityfail``: computing it fails on rank 1.
+``kvfail``: rank 1 has no room for its KV pool.
 """
 import os
 import signal
@@ -41,6 +42,12 @@ def main() -> int:
         from eprt.engine import startup
 
         startup.compute_identity = lambda ops: ("cpu: NumPy 0.0, BLAS other", "node2:cpu")
+    if mode == "identityfail" and os.environ.get("PMI_RANK") == "1":   # the identity itself fails
+        from eprt.engine import startup
+
+        def broken(ops):
+            raise RuntimeError("cannot read the device properties (injected)")
+        startup.compute_identity = broken
     if mode == "kvfail" and os.environ.get("PMI_RANK") == "1":         # no room after the weights
         from eprt.engine import startup
 

@@ -74,3 +74,10 @@ def test_a_rank_without_room_for_its_kv_pool_ends_the_job_named(ckpt):
     assert code != 0
     assert "rank 1 could not start: RuntimeError: no room for a KV pool (injected)" in out
     assert "generated" not in out and took < 60
+
+
+def test_a_rank_failing_to_describe_its_compute_ends_the_job_named(ckpt):
+    code, out, took = launch(ckpt, "identityfail")
+    assert code != 0
+    assert "rank 1 could not start: RuntimeError: cannot read the device properties (injected)" in out
+    assert "generated" not in out and took < 60
