@@ -77,7 +77,7 @@ def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:
     """Refuse ranks that do not compute identically (``mine``: this rank's compute_identity);
     returns how many ranks share this rank's device. Nothing here can fail on one rank only:
     every rank decides from the same gathered texts."""
-    identity, device_key = mine
+    identity, device_key = mine[0][:300], mine[1][:150]   # the JSON fits the exchange's 480 bytes
     every = [json.loads(t) for t in transport.allgather_text(json.dumps([identity, device_key]))]
     differ = [(r, f"it computes with {i!r}, rank 0 with {every[0][0]!r}; expert parallelism needs "
                   f"identical arithmetic on every rank (same GPU model and CUDA/CuPy, or the same NumPy/BLAS)")
