@@ -214,6 +214,19 @@ extern "C" __global__ void overflow(int* out) { out[threadIdx.x] = deep(1000); }
     np.testing.assert_array_equal(ints.get(), 1)
 
 
+def test_a_spin_wait_ends_in_an_error_not_a_hang():
+    # fibers are not preempted, so a thread spinning on a flag hangs the launch (here nobody
+    # sets it); the CPU-time watchdog, 120 s as compiled by default, is shortened by a define
+    m = fake_cupy.RawModule(HEADER + r"""
+extern "C" __global__ void spin(volatile int* flag) { while (flag[0] == 0) {} }
+extern "C" __global__ void ok(int* out) { out[threadIdx.x] = 1; }""", options=("-DCUSIM_WATCHDOG_SECONDS=2",))
+    with pytest.raises(LaunchError, match="2 s of CPU time without finishing"):
+        m.get_function("spin")((1,), (32,), (fake_cupy.zeros(1, np.int32),))
+    out = fake_cupy.zeros(32, np.int32)
+    m.get_function("ok")((1,), (32,), (out,))           # the next launch is unaffected
+    np.testing.assert_array_equal(out.get(), 1)
+
+
 def test_arguments_are_checked_against_the_signature():
     m = module(r"""
 extern "C" __global__ void scale(const __nv_bfloat16* x, float* out, int n, float s) {

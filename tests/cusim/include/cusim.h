@@ -22,7 +22,8 @@
 //     0xFE canary after the dynamic shared memory catch writes past it; static + dynamic
 //     shared memory is checked against the launch's limit;
 //   - fiber stacks are 256 KiB, mmap'ed with a guard page; a fault in a kernel (SIGSEGV,
-//     SIGBUS, SIGFPE) ends the launch with an error instead of killing the process.
+//     SIGBUS, SIGFPE) ends the launch with an error instead of killing the process, and so
+//     does a launch that runs 120 s of CPU time (a spin-wait: fibers are not preempted).
 // Errors end the launch; cusim_launch returns which block and thread and why.
 #pragma once
 
@@ -32,9 +33,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <csignal>
+#include <pthread.h>
 #include <cstring>
 #include <string>
 #include <sys/mman.h>
+#include <sys/time.h>
 #include <typeinfo>
 #include <ucontext.h>
 #include <unordered_map>
@@ -88,6 +91,7 @@ struct Launch {
     size_t static_bytes = 0;
     std::string error;
     uint64_t rng = 0;
+    volatile bool in_fiber = false;   // a fiber runs (not the scheduler): faults can leave it
 };
 
 inline Launch* g = nullptr;
@@ -139,7 +143,11 @@ inline void trampoline() {
 
 inline void resume(Thread& t) {
     g->cur = &t;
-    if (_setjmp(g->scheduler)) return;   // back from the fiber
+    if (_setjmp(g->scheduler)) {   // back from the fiber
+        g->in_fiber = false;
+        return;
+    }
+    g->in_fiber = true;
     if (!t.started) {
         t.started = true;
         setcontext(&t.ctx);
@@ -351,22 +359,41 @@ inline void run_block(int stickiness) {
 // the thread, instead of killing the process. The handler runs on its own stack; the fiber
 // is abandoned (never resumed). Installed only while a launch runs.
 namespace cusim {
+#ifndef CUSIM_WATCHDOG_SECONDS
+#define CUSIM_WATCHDOG_SECONDS 120
+#endif
+constexpr long kWatchdogSeconds = CUSIM_WATCHDOG_SECONDS;   // CPU time before a launch counts as hung
+
+inline pthread_t g_launcher;   // the thread running the launch (faults elsewhere are not ours)
+
 inline void on_fault(int sig, siginfo_t* info, void*) {
+    if (!pthread_equal(pthread_self(), g_launcher)) {   // another thread of the process
+        if (sig != SIGVTALRM) signal(sig, SIG_DFL);      // its fault: crash as usual
+        return;
+    }
     char msg[160];
-    if (sig == SIGFPE)
+    if (sig == SIGVTALRM)
+        std::snprintf(msg, sizeof msg, "the launch ran %ld s of CPU time without finishing (a thread "
+                      "spinning on another's write? fibers are not preempted)", kWatchdogSeconds);
+    else if (sig == SIGFPE)
         std::snprintf(msg, sizeof msg, "arithmetic fault (SIGFPE: an integer division by zero?)");
     else
         std::snprintf(msg, sizeof msg, "invalid memory access (%s at address %p: out of bounds, or a "
                       "stack overflow)", sig == SIGSEGV ? "SIGSEGV" : "SIGBUS", info->si_addr);
+    if (!g || !g->in_fiber) {    // the scheduler itself, not a kernel
+        if (sig != SIGVTALRM) signal(sig, SIG_DFL);   // a fault in cusim: crash as usual
+        else fail(msg);                                 // the watchdog: it stops on the error
+        return;
+    }
     fail(msg);
     g->cur->state = DONE;
     _longjmp(g->scheduler, 1);   // SA_NODEFER: the signal is not left blocked
 }
 
 struct FaultGuard {
-    struct sigaction old[3];
+    struct sigaction old[4];
     stack_t old_stack;
-    static constexpr int sigs[3] = {SIGSEGV, SIGBUS, SIGFPE};
+    static constexpr int sigs[4] = {SIGSEGV, SIGBUS, SIGFPE, SIGVTALRM};
     FaultGuard() {
         static std::vector<char> alt(64 * 1024);
         stack_t st{};
@@ -377,10 +404,16 @@ struct FaultGuard {
         sa.sa_sigaction = on_fault;
         sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
         sigemptyset(&sa.sa_mask);
-        for (int i = 0; i < 3; ++i) sigaction(sigs[i], &sa, &old[i]);
+        g_launcher = pthread_self();
+        for (int i = 0; i < 4; ++i) sigaction(sigs[i], &sa, &old[i]);
+        itimerval watchdog{};
+        watchdog.it_value.tv_sec = kWatchdogSeconds;
+        setitimer(ITIMER_VIRTUAL, &watchdog, nullptr);
     }
     ~FaultGuard() {
-        for (int i = 0; i < 3; ++i) sigaction(sigs[i], &old[i], nullptr);
+        itimerval off{};
+        setitimer(ITIMER_VIRTUAL, &off, nullptr);
+        for (int i = 0; i < 4; ++i) sigaction(sigs[i], &old[i], nullptr);
         sigaltstack(&old_stack, nullptr);
     }
 };
