@@ -52,3 +52,42 @@ def test_infinite_temperature_is_rejected():
     from eprt.engine.api import RequestError
     with pytest.raises(RequestError, match="finite"):
         SamplingParams(temperature=float("inf")).validate(10)
+
+
+def reference_nucleus(p, top_p):
+    """The plain definition: sort everything (descending, ties by index), keep the prefix."""
+    order = np.argsort(-p, kind="stable")
+    return order[: int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
+
+
+def test_nucleus_equals_the_full_sort():
+    from hypothesis import given, settings, strategies as st
+
+    from eprt.engine.sampling import TOP_P_HEADS, nucleus
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(V=st.sampled_from([10, 4 * TOP_P_HEADS[0] + 1, 4 * TOP_P_HEADS[1] + 1, 150_000]),
+           temp=st.sampled_from([0.05, 0.7, 1.5, 8.0]),
+           top_p=st.sampled_from([0.01, 0.5, 0.9, 0.999, 0.99999]), ties=st.booleans(), seed=st.integers(0, 2**16))
+    def check(V, temp, top_p, ties, seed):
+        rng = np.random.default_rng(seed)
+        x = np.round(rng.standard_normal(V)) if ties else rng.standard_normal(V)   # ties straddle the cut
+        p = np.exp((x - x.max()) / temp)
+        p /= p.sum()
+        np.testing.assert_array_equal(nucleus(p, top_p), reference_nucleus(p, top_p))
+
+    check()
+
+
+def test_sampled_rows_of_a_batch_match_one_by_one(checkpoint):
+    # one host copy for all sampled rows gives the tokens of sampling each request alone
+    from eprt.engine.api import GenerationRequest
+    from eprt.engine.engine import EngineConfig, launch_engine
+
+    cfg = EngineConfig(model=checkpoint("qwen3_moe"), device="cpu", max_batch=4)
+    reqs = [GenerationRequest([5, 9, i], SamplingParams(max_tokens=8, temperature=0.9 if i % 2 else 0.0,
+                                                        top_p=0.9, seed=i)) for i in range(4)]
+    with launch_engine(cfg) as engine:
+        together = [r.token_ids for r in engine.generate(reqs)]
+        alone = [engine.generate([r])[0].token_ids for r in reqs]
+    assert together == alone

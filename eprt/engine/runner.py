@@ -126,14 +126,23 @@ class ModelRunner:
         pass  # no drafter context to commit
 
     def argmax_batch(self, row: int = 0, n: int = 1, stream: int = 0) -> list[int]:
-        """Greedy rows take one device argmax together; sampled rows come to the host."""
+        """Greedy rows take one device argmax together; sampled rows come to the host in one
+        copy (on a GPU, one transfer of [rows, V] rather than one per row)."""
         seqs = self._rows[row:row + n]
-        greedy = None
+        logits = self._logits[row:row + n]                                   # [n, V]
+        greedy = sampled = None
         if any(s.params.temperature == 0.0 for s in seqs):
-            greedy = self.ex.ops.argmax(self._logits[row:row + n])
-        return [int(greedy[i]) if s.params.temperature == 0.0 else
-                sample(self.ex.ops.to_host(self._logits[row + i]), s.params, s.model_state.rng)
-                for i, s in enumerate(seqs)]
+            greedy = self.ex.ops.argmax(logits)
+        rows = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0]
+        if rows:
+            sampled = self.ex.ops.to_host(logits[rows] if len(rows) < n else logits)   # [len(rows), V]
+        out = []
+        for i, s in enumerate(seqs):
+            if s.params.temperature == 0.0:
+                out.append(int(greedy[i]))
+            else:
+                out.append(sample(sampled[rows.index(i)], s.params, s.model_state.rng))
+        return out
 
     def decode_marconi_checkpoint(self, seq) -> None:
         pass  # no SSM layers in the supported architectures
