@@ -130,19 +130,13 @@ class ModelRunner:
         copy (on a GPU, one transfer of [rows, V] rather than one per row)."""
         seqs = self._rows[row:row + n]
         logits = self._logits[row:row + n]                                   # [n, V]
-        greedy = sampled = None
+        greedy = None
         if any(s.params.temperature == 0.0 for s in seqs):
             greedy = self.ex.ops.argmax(logits)
         rows = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0]
-        if rows:
-            sampled = self.ex.ops.to_host(logits[rows] if len(rows) < n else logits)   # [len(rows), V]
-        out = []
-        for i, s in enumerate(seqs):
-            if s.params.temperature == 0.0:
-                out.append(int(greedy[i]))
-            else:
-                out.append(sample(sampled[rows.index(i)], s.params, s.model_state.rng))
-        return out
+        sampled = iter(self.ex.ops.to_host(logits[rows] if len(rows) < n else logits) if rows else ())  # [len(rows), V]
+        return [int(greedy[i]) if s.params.temperature == 0.0 else sample(next(sampled), s.params, s.model_state.rng)
+                for i, s in enumerate(seqs)]
 
     def decode_marconi_checkpoint(self, seq) -> None:
         pass  # no SSM layers in the supported architectures

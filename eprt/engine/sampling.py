@@ -55,9 +55,15 @@ def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
             head = np.flatnonzero(p >= part[V - m])                    # ascending index
             if p[head].sum() < top_p * (1 - 1e-9):                     # cannot hold the nucleus: no sort
                 continue
-            order = head[np.argsort(-p[head], kind="stable")]
-            n = int(np.searchsorted(np.cumsum(p[order]), top_p))
+            order, n = _prefix(p, head, top_p)
             if n < order.shape[0]:
                 return order[: n + 1]
-    order = np.argsort(-p, kind="stable")
-    return order[: int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
+    order, n = _prefix(p, np.arange(V), top_p)
+    return order[: n + 1]
+
+
+def _prefix(p: np.ndarray, idx: np.ndarray, top_p: float) -> tuple[np.ndarray, int]:
+    """``idx`` (ascending) sorted by descending p, ties by index, and the position where the
+    running mass first reaches ``top_p`` (len(idx) if it never does)."""
+    order = idx[np.argsort(-p[idx], kind="stable")]
+    return order, int(np.searchsorted(np.cumsum(p[order]), top_p))
