@@ -47,7 +47,7 @@ def bench_transformers(path, prompts, n):
 
 
 def bench_eprt(path, prompts, n, max_batch):
-    from eprt.engine.api import GenerationRequest, SamplingParams
+    from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
 
     cfg = EngineConfig(model=path, device="cpu", max_batch=max_batch, max_model_len=256, prefix_cache=False)

@@ -27,7 +27,7 @@ EP_MODEL = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_atten
 
 
 def child(args) -> None:
-    from eprt.engine.api import GenerationRequest, SamplingParams
+    from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
 
     cfg = EngineConfig(model=args.dir, device="cpu", max_batch=args.batch, max_model_len=512, prefix_cache=False)

@@ -58,7 +58,7 @@ def peak_gbs(name: str) -> float | None:
 
 def random_bf16(cp, shape, scale: float):
     """Normal(0, scale) values as bf16 bits, generated and rounded on the GPU (round to
-    nearest even, as eprt.ops.cupy_ops.f32_to_bf16_bits)."""
+    nearest even, as eprt.ops.bf16.f32_to_bf16_bits)."""
     b = (cp.random.standard_normal(shape, dtype=cp.float32) * np.float32(scale)).view(cp.uint32)
     b += 0x7FFF + ((b >> 16) & 1)
     return (b >> 16).astype(cp.uint16)

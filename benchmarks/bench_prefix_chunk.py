@@ -26,7 +26,7 @@ sys.path.insert(0, HERE)
 
 
 def shared_prefix(path, cache: bool):
-    from eprt.engine.api import GenerationRequest, SamplingParams
+    from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
     system = [(11 * j) % 4000 + 3 for j in range(192)]
     cfg = EngineConfig(model=path, device="cpu", max_batch=8, max_model_len=512, prefix_cache=cache)
@@ -42,7 +42,7 @@ def shared_prefix(path, cache: bool):
 
 
 def long_prompt_gaps(path, chunk: int):
-    from eprt.engine.api import GenerationRequest, SamplingParams
+    from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
     cfg = EngineConfig(model=path, device="cpu", max_batch=8, max_model_len=1024, max_prefill_tokens=chunk)
     stamps = [[] for _ in range(4)]

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from eprt.engine.api import SamplingParams
+from eprt.api import SamplingParams
 from eprt.engine import sampling
 
 

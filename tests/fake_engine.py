@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from eprt.engine.api import GenerationRequest, GenerationResult, RequestError
+from eprt.api import GenerationRequest, GenerationResult, RequestError
 
 EOS = 256
 VOCAB = 260

@@ -10,6 +10,8 @@ python3 -m pip install -q -e '.[test]'
 # The linter for launch/ (tests/test_launch.py skips that check where it cannot be installed).
 command -v shellcheck >/dev/null || { (apt-get update -q && apt-get install -y -q shellcheck) >/dev/null 2>&1 || true; }
 
+# The layers (docs/design.md) and the code style, before anything slow.
+lint-imports
 export EPRT_TEST_CKPT_DIR="${EPRT_TEST_CKPT_DIR:-$(mktemp -d)/ckpt}"
 python3 -m pytest -q -p no:cacheprovider --ignore=tests/mpi tests
 

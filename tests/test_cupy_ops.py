@@ -93,7 +93,7 @@ def test_bf16_rounding_is_round_to_nearest_even():
 # ---- helpers for the GPU tests ----------------------------------------------------------
 def bf16(a) -> np.ndarray:
     """Round to bfloat16 and back: the values the GPU will actually hold."""
-    from eprt.ops.cupy_ops import bf16_bits_to_f32, f32_to_bf16_bits
+    from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 
     return bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(a, np.float32)))
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
+from eprt.api import GenerationRequest, RequestError, SamplingParams
 from eprt.engine.config import EngineConfig
 from eprt.engine.engine import launch_engine
 from eprt.scheduler.config import SchedulerConfig, validate_request

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoints import load_reference
-from eprt.engine.api import GenerationRequest, SamplingParams
+from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 
 PROMPTS = [[5, 77, 3], [140, 9, 9, 31, 200, 17, 64, 12, 250, 11], [8], [90, 91, 92, 93, 94, 95, 96, 97, 98, 99,
@@ -184,7 +184,7 @@ def test_image_embeds_file_must_be_a_2d_float_npy(tmp_path):
 
     import numpy as np
 
-    from eprt.engine.api import RequestError
+    from eprt.api import RequestError
     from eprt.entry.generate import _requests, add_arguments
     parser = argparse.ArgumentParser()
     add_arguments(parser)

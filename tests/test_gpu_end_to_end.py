@@ -17,7 +17,7 @@ each backend's token among the other's top 2 and within LOGIT_TIE of its best lo
 import numpy as np
 import pytest
 
-from eprt.engine.api import GenerationRequest, SamplingParams
+from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 from eprt.engine.executor import ShardExecutor
 from eprt.model.loader import load_model

@@ -6,7 +6,7 @@ import sys
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from eprt.engine.api import GenerationRequest, SamplingParams
+from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 
 SYSTEM = list(range(30, 70))          # a 40-token shared system prompt

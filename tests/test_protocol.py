@@ -24,7 +24,7 @@ COMMANDS = [
 
 
 def test_words_match_the_spec():
-    # The PREFILL frame of shared/conformance/request_timeout.trace: seq 0, (5, 0, 5), 5 tokens.
+    # The PREFILL frame of tests/scenarios/request_timeout.trace: seq 0, (5, 0, 5), 5 tokens.
     words = encode(Prefill(0, 0, 5, (0, 2, 3, 4, 5))).tolist()
     assert words == [0, 0xFFFFFFF0, 5, 0, 5, 0, 2, 3, 4, 5, 0]
     assert encode(Decode1(3, 42)).tolist() == [3, 42]

@@ -1,7 +1,7 @@
 """The sampler: greedy, temperature, top-k, top-p and seeds."""
 import numpy as np
 
-from eprt.engine.api import SamplingParams
+from eprt.api import SamplingParams
 from eprt.engine.sampling import make_rng, sample
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.3, 0.15, 0.1], dtype=np.float32))
@@ -49,7 +49,7 @@ def test_tiny_temperature_is_greedy_not_nan():
 
 def test_infinite_temperature_is_rejected():
     import pytest
-    from eprt.engine.api import RequestError
+    from eprt.api import RequestError
     with pytest.raises(RequestError, match="finite"):
         SamplingParams(temperature=float("inf")).validate(10)
 
@@ -81,7 +81,7 @@ def test_nucleus_equals_the_full_sort():
 
 def test_sampled_rows_of_a_batch_match_one_by_one(checkpoint):
     # one host copy for all sampled rows gives the tokens of sampling each request alone
-    from eprt.engine.api import GenerationRequest
+    from eprt.api import GenerationRequest
     from eprt.engine.engine import EngineConfig, launch_engine
 
     cfg = EngineConfig(model=checkpoint("qwen3_moe"), device="cpu", max_batch=4)

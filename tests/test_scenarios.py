@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from eprt import cli
-from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
+from eprt.api import GenerationRequest, RequestError, SamplingParams
 from eprt.scheduler.clock import VirtualClock, WallClock
 from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.fake import RecordingModel

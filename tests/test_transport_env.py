@@ -1,7 +1,8 @@
 """Which transport a process gets, from its launcher's variables (no MPI is started here)."""
 import pytest
 
-from eprt.comm.transport import LocalTransport, launcher_world_size, open_transport
+from eprt.comm.transport import LocalTransport
+from eprt.comm.world import launcher_world_size, open_transport
 
 LAUNCHER_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 

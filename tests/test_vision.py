@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from checkpoints import load_reference
-from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
+from eprt.api import GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 
 IMAGE = 250

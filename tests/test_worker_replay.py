@@ -5,7 +5,7 @@ import numpy as np
 
 from eprt.comm.transport import LocalTransport
 from eprt.comm.worker import run_worker
-from eprt.engine.api import GenerationRequest, SamplingParams
+from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 from eprt.engine.executor import ShardExecutor
 from eprt.model.loader import load_model
@@ -27,10 +27,10 @@ class RecordingTransport(LocalTransport):
             self.frames.append(self._out[1:self._n].copy())
         super().flush()
 
-    def send_vision(self, rows):
-        super().send_vision(rows)          # the count word, flushed before the rows
-        if rows is not None and len(rows):
-            self.rows.append(np.ascontiguousarray(rows, np.float32))
+    def send(self, cmd, vision_rows=None):
+        super().send(cmd, vision_rows)     # a frame announcing rows is flushed before them
+        if vision_rows is not None and len(vision_rows):
+            self.rows.append(np.ascontiguousarray(vision_rows, np.float32))
 
 
 class Replay:
@@ -65,7 +65,7 @@ def test_worker_replay_matches_rank_0_bitwise(checkpoint):
     with launch_engine(cfg, transport=transport) as engine:
         first = engine.generate(reqs[:1])                        # fills the prefix cache
         rest = engine.generate(reqs[1:])                         # hits it, under KV pressure
-        rank0 = engine.runner.ex
+        rank0 = engine.runner.executor
         stats = engine.stats()
     assert first[0].cached_tokens == 0 and any(r.cached_tokens for r in rest)
     assert stats["preemptions"] > 0, "the pool is meant to be small enough to preempt"

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from eprt.comm import protocol as p
-from eprt.comm.protocol import Compact, DecodeBatch, Prefill, ProtocolError, Release
-from eprt.comm.slots import SlotError, SlotMirror, StreamChecker
+from eprt.comm.protocol import Compact, Decode1, DecodeBatch, Prefill, ProtocolError, Release
+from eprt.comm.slots import SlotError, SlotTable
 from eprt.comm.transport import LocalTransport, RootDown
 from eprt.comm.worker import run_worker
 
@@ -14,11 +14,10 @@ HIDDEN = 3
 
 
 class LoopbackRoot(LocalTransport):
-    """Rank 0 of a world of two whose worker is replayed in this process: it checks its
-    stream like the real one and records what it sends."""
+    """Rank 0 of a world of two whose worker is replayed in this process: it records what it sends."""
 
     def __init__(self, frame_words=16):
-        super().__init__(StreamChecker(MAX_SLOTS, vocab_size=64), frame_words)
+        super().__init__(frame_words)
         self.size = 2  # so the frames are "sent" (a world of one sends nothing)
         self.sent = []  # ("frame", words) and ("rows", array), in send order
 
@@ -55,64 +54,66 @@ class ReplayTransport:
 
 
 class RecordingExecutor:
-    """Records every call and keeps the slot state the calls imply."""
+    """Records every call; keeps its slots in a SlotTable and checks each call against it, as
+    the real executor does."""
     hidden_size = HIDDEN
 
     def __init__(self, fail_on_decode=False):
-        self.calls, self.slots, self.final = [], {}, None
+        self.calls, self.slots, self.final = [], SlotTable(MAX_SLOTS), None
         self.fail_on_decode = fail_on_decode
 
     def prefill(self, slot, tokens, chunk_start, chunk_len, vision_rows):
         assert tokens.dtype == np.uint32
+        if self.slots.get(slot) is None:
+            self.slots.occupy(slot, tokens, chunk_start)
+        state = self.slots.check_chunk(slot, tokens, chunk_start, chunk_len)
         rows = None if vision_rows is None else vision_rows.tolist()
         self.calls.append(("prefill", slot, tokens.tolist(), chunk_start, chunk_len, rows))
-        prompt, done = self.slots.get(slot, (len(tokens), []))
-        self.slots[slot] = (prompt, done + tokens[chunk_start:chunk_start + chunk_len].tolist())
+        state.tokens.extend(tokens[chunk_start:chunk_start + chunk_len].tolist())
 
     def decode(self, slots, tokens):
+        states = self.slots.check_decode(slots, tokens, "decode")
         if self.fail_on_decode:
             raise RuntimeError("out of KV blocks")
         self.calls.append(("decode", slots, tokens))
-        for s, t in zip(slots, tokens):
-            self.slots[s][1].append(t)
+        for state, t in zip(states, tokens):
+            state.tokens.append(t)
 
     def compact(self, slot, new_slot):
+        self.slots.move(slot, new_slot)
         self.calls.append(("compact", slot, new_slot))
-        self.slots[new_slot] = self.slots.pop(slot)
 
     def release(self, slot):
+        self.slots.vacate(slot)
         self.calls.append(("release", slot))
-        del self.slots[slot]
 
     def shutdown(self):
         self.calls.append(("shutdown",))
-        self.final = {s: (n, tuple(toks)) for s, (n, toks) in self.slots.items()}
+        self.final = self.slots.state()
+        for slot in self.slots.occupied():
+            self.slots.vacate(slot)
 
 
 def drive_rank0(root):
-    """A scheduler's worth of traffic, sent the way the runner forwards it word by word:
-    the request_timeout flow, a chunked prefill with vision rows, a one-token decode."""
+    """A scheduler's worth of traffic, sent the way the runner sends it: the request_timeout
+    flow, a chunked prefill with vision rows, a one-token decode."""
     def prefill(slot, prompt, start, n, rows=None):
-        root.send_words([slot, p.PREFILL])
-        for w in (n, start, len(prompt)):
-            root.send_word(w)
-        root.send_words(np.array(prompt, np.uint32))
-        root.send_vision(rows)
+        root.send(Prefill(slot, start, n, tuple(prompt), 0 if rows is None else len(rows)), rows)
         root.flush()  # the runner flushes before its forward pass
 
     prefill(0, [1, 2, 3, 4, 5], 0, 5)
     prefill(1, [2, 2, 3, 4, 5], 0, 5)
-    root.send_command(DecodeBatch((0, 1), (10, 20)))
+    root.send(DecodeBatch((0, 1), (10, 20)))
     root.flush()
-    root.send_command(Release(0))
-    root.send_command(Compact(1, 0))
-    root.send_command(DecodeBatch((0,), (21,)))  # coalesced with the release and compaction
+    root.send(Release(0))
+    root.send(Compact(1, 0))
+    root.send(DecodeBatch((0,), (21,)))  # coalesced with the release and compaction
     root.flush()
     rows = np.arange(2 * HIDDEN, dtype=np.float32).reshape(2, HIDDEN)
     long_prompt = list(range(30))  # 30 tokens overflow a 16-word frame
     prefill(2, long_prompt, 0, 20, rows)
     prefill(2, long_prompt, 20, 10, rows)
-    root.send_words([2, 33])  # decode-one-token: the command word is the token
+    root.send(Decode1(2, 33))  # decode-one-token: the command word is the token
     root.flush()
     return rows, long_prompt
 
@@ -120,11 +121,8 @@ def drive_rank0(root):
 def test_worker_replaying_rank0_stream_ends_in_rank0_state():
     root = LoopbackRoot()
     rows, long_prompt = drive_rank0(root)
-    expected_state = root.mirror.state()
     root.shutdown()
-
-    assert expected_state == {0: (5, (2, 2, 3, 4, 5, 20, 21)), 2: (30, tuple(long_prompt) + (33,))}
-    assert root.mirror.state() == {}  # SHUTDOWN frees every slot
+    expected_state = {0: (5, (2, 2, 3, 4, 5, 20, 21)), 2: (30, tuple(long_prompt) + (33,))}
     assert [kind for kind, _ in root.sent].count("rows") == 2
     assert root.stats.mpi_calls == 0 and root.stats.frames == 8
 
@@ -154,7 +152,7 @@ PROMPT = Prefill(0, 0, 3, (1, 2, 3))
 
 
 @pytest.mark.parametrize("stream, error", [
-    (frames(DecodeBatch((0, 2), (5, 6))), "SlotError: DECODE_BATCH for empty slot 0"),
+    (frames(DecodeBatch((0, 2), (5, 6))), "SlotError: decode for empty slot 0"),
     (frames(PROMPT, Prefill(1, 0, 2, (4, 5)), Compact(0, 1)),
      "SlotError: COMPACT slot 0 -> 1: target slot is occupied"),
     (frames(PROMPT, PROMPT), "already holds a prefilled sequence"),
@@ -187,36 +185,41 @@ def test_root_going_down_ends_the_loop_with_shutdown():
     assert worker.errors == [] and executor.calls[-1] == ("shutdown",)
 
 
-def test_rank0_refuses_a_stream_the_workers_would_reject():
+def test_rank0_sends_only_whole_commands_with_their_rows():
     root = LoopbackRoot()
-    root.send_command(PROMPT)
-    root.send_command(Compact(1, 2))
-    with pytest.raises(SlotError, match="COMPACT for empty slot 1"):
-        root.flush()
-    assert root.sent == []  # nothing left rank 0
-    with pytest.raises(ProtocolError, match="not an unsigned 32-bit"):
-        LoopbackRoot().send_word(-3)
+    with pytest.raises(ValueError, match="announces 1 vision rows but 0 were given"):
+        root.send(Prefill(0, 0, 3, (1, 2, 3), vision_rows=1))
     with pytest.raises(ValueError, match="2-D float array"):
-        LoopbackRoot().send_vision(np.zeros(3, np.float32))
+        root.send(Prefill(0, 0, 3, (1, 2, 3), vision_rows=3), np.zeros(3, np.float32))
+    with pytest.raises(ProtocolError, match="collides with the reserved command words"):
+        root.send(Decode1(0, 0xFFFFFFF0))
+    assert root.pending_words == 0 and root.sent == []  # nothing half-sent
 
 
-def test_slot_mirror_leaves_state_unchanged_on_error():
-    m = SlotMirror(2)
-    m.apply(PROMPT)
-    before = m.state()
+def test_slot_table_leaves_state_unchanged_on_error():
+    table = SlotTable(2)
+    table.occupy(0, (1, 2, 3), stored=3)
+    before = table.state()
     with pytest.raises(SlotError, match="slot listed twice"):
-        m.apply(DecodeBatch((0, 0), (1, 2)))
+        table.check_decode((0, 0), (1, 2), "decode")
     with pytest.raises(SlotError, match="empty slot 1"):
-        m.apply(DecodeBatch((0, 1), (1, 2)))
-    assert m.state() == before
+        table.check_decode((0, 1), (1, 2), "decode")
+    with pytest.raises(SlotError, match="target slot is occupied"):
+        table.move(0, 0)
+    with pytest.raises(SlotError, match="already occupied"):
+        table.occupy(0, (4,), stored=0)
+    assert table.state() == before
 
 
 def test_world_of_one_needs_no_mpi():
     t = LocalTransport()
     partial = np.ones((2, 3), np.float32)
     assert t.allsum(partial) is partial
-    t.send_command(PROMPT)
+    t.send(PROMPT)
+    with pytest.raises(RuntimeError, match="not flushed"):   # a compute call never flushes commands
+        t.allsum(partial)
     t.flush()
+    assert t.allsum(partial) is partial
     assert (t.stats.mpi_calls, t.stats.words, t.stats.frames) == (0, len(p.encode(PROMPT)), 1)
     with pytest.raises(TypeError, match="float32"):
         t.allsum(np.ones((2, 3)))

@@ -11,7 +11,6 @@ import time
 import numpy as np
 
 from eprt import env
-from eprt.comm.slots import StreamChecker
 from eprt.comm.transport import (DEFAULT_FRAME_WORDS, STARTUP_ERROR_BYTES, RootDown, StartupFailed, Transport,
                                   WorkerFailed)
 
@@ -27,12 +26,11 @@ class MpiTransport(Transport):
     """The transport over ``comm`` (COMM_WORLD by default); construct it on every rank in the
     same order (it duplicates communicators, a collective)."""
 
-    def __init__(self, comm=None, checker: StreamChecker | None = None,
-                 frame_words: int = DEFAULT_FRAME_WORDS, timeout: float | None = None):
+    def __init__(self, comm=None, frame_words: int = DEFAULT_FRAME_WORDS, timeout: float | None = None):
         from mpi4py import MPI
         self._MPI = MPI
         self._world = MPI.COMM_WORLD if comm is None else comm
-        super().__init__(self._world.Get_rank(), self._world.Get_size(), checker, frame_words)
+        super().__init__(self._world.Get_rank(), self._world.Get_size(), frame_words)
         self.timeout = float(env.COLLECTIVE_TIMEOUT.get() if timeout is None else timeout)
         if not self.timeout > 0:
             raise ValueError(f"EPRT_COLLECTIVE_TIMEOUT must be > 0 seconds, got {self.timeout:g}")

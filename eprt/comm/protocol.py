@@ -1,15 +1,6 @@
-"""The broadcast protocol of ``shared/spec/PROTOCOL.md``: command words, typed commands,
-the encoder and the incremental decoder, in one place.
-
-The logical stream is a sequence of unsigned 32-bit words. Every command starts with the
-preamble ``[seq, cmd]``; a ``cmd`` below ``RESERVED_BASE`` is itself a token id (decode one
-token into slot ``seq``), anything else is one of the command words below.
-
-eprt always sends the PREFILL's vision count word (0 for a text-only prompt), so a decoder
-never needs to know whether the model has a vision input. The rows themselves do not
-travel in the word stream: the transport broadcasts them right after the frame that holds
-their count (see ``eprt/comm/transport.py``).
-"""
+"""The broadcast protocol of docs/protocol.md: command words, typed commands, the one
+encoder and the incremental decoder. The vision rows announced by a PREFILL travel outside
+the word stream (``eprt/comm/transport.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +8,9 @@ from typing import Iterable, Iterator, Sequence, Union
 
 import numpy as np
 
-RESERVED_BASE = 0xFFFFFFE0  # every word >= this is a command, so token ids stay below it
+from eprt.api import TOKEN_ID_LIMIT
+
+RESERVED_BASE = TOKEN_ID_LIMIT  # every word >= this is a command, so token ids stay below it
 DECODE_BATCH = 0xFFFFFFE0
 COMPACT = 0xFFFFFFE2
 PREFILL = 0xFFFFFFF0

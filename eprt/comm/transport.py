@@ -1,41 +1,14 @@
-"""The transport: rank 0's word stream to the workers, the vision rows, the MoE combine and
-the error channel, over mpi4py with NumPy buffers (no pickle anywhere).
-
-Three duplicated communicators keep the traffic apart: ``ctl`` (the broadcast stream),
-``moe`` (the combines inside forward passes) and ``err`` (worker error reports and rank 0's
-"going down" notices), so a stray message on one can never match a receive on another.
-
-Framing. Rank 0 appends logical words (``send_word``/``send_words``/``send_command``) and
-``flush()`` sends them as one Bcast of a fixed ``frame_words`` buffer whose first word is
-the count, plus one more Bcast of exactly the rest when the words overflow it. So a decode
-step costs one Bcast plus the combines. ``send_vision`` appends the PREFILL's vision count
-word and, when it is non-zero, flushes and broadcasts the float32 rows right after.
-
-Waiting. Every collective is non-blocking and waited on by polling with short, growing
-sleeps (ranks oversubscribed on few cores must not starve each other). While it waits,
-rank 0 watches the error channel and raises ``WorkerFailed`` (after printing
-``eprt: rank K failed: <error>``); a worker watches for rank 0's notice and raises
-``RootDown``. A compute-time wait that exceeds EPRT_COLLECTIVE_TIMEOUT aborts the job; a
-worker waiting for its next command never times out (a server may idle for hours), and
-neither does ``startup_barrier`` (ranks load their weights at different speeds).
-
-Failures. A worker that fails calls ``report_error``: rank 0 sees it at its next wait or
-flush, prints it and raises ``WorkerFailed``; the engine fails every request in flight, closes the
-transport (which sends every worker the "going down" notice), and every rank exits non-zero.
-Rank 0 closing (or exiting) without having sent SHUTDOWN sends the same notice. If rank 0
-never answers a report, the worker aborts the job itself after the collective timeout.
-A rank killed outright (``kill -9``) is handled by MPICH's hydra, which tears the whole job
-down with a non-zero exit at once; the watchdog covers launchers that do not.
+"""The transport: rank 0's command frames to the workers, the vision rows, the MoE combine and
+the error channel, over mpi4py with NumPy buffers (no pickle anywhere). Framing, waiting and
+failure rules: docs/protocol.md ("Framing", "Errors") and docs/design.md ("Failure handling").
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 import numpy as np
 
-from eprt.comm.protocol import WORD_MAX, Command, ProtocolError, Shutdown, as_words, encode
-from eprt.comm.slots import SlotMirror, StreamChecker
+from eprt.comm.protocol import Command, Prefill, Shutdown, encode
 
 DEFAULT_FRAME_WORDS = 512
 
@@ -94,53 +67,43 @@ class CommStats:
 
 
 class Transport:
-    """The API both world sizes share. Rank 0: ``send_*``, ``flush``, ``shutdown``. Workers:
+    """The API both world sizes share. Rank 0: ``send``, ``flush``, ``shutdown``. Workers:
     ``recv_frame``, ``recv_rows``, ``report_error``. Everyone: ``startup_barrier``,
-    ``allsum``, ``close``.
+    ``allsum``, ``close``."""
 
-    ``checker`` (rank 0 only) decodes every outgoing frame onto a slot mirror first, so a
-    stream the workers would reject raises ``ProtocolError`` here instead.
-    """
-
-    def __init__(self, rank: int, size: int, checker: StreamChecker | None, frame_words: int):
+    def __init__(self, rank: int, size: int, frame_words: int):
         if frame_words < 16:
             raise ValueError(f"frame_words must be >= 16, got {frame_words}")
         self.rank, self.size = rank, size
         self.stats = CommStats()
-        self.checker = checker if rank == 0 else None
         self.frame_words = frame_words
         self._out = np.zeros(frame_words, np.uint32)  # word 0: count, then the pending words
         self._n = 1
         self._shutdown_sent = False
         self.closed = False
 
-    @property
-    def mirror(self) -> SlotMirror | None:
-        """Rank 0's view of the slots after the frames sent so far (None without a checker)."""
-        return self.checker.mirror if self.checker is not None else None
-
     # -- rank 0 ------------------------------------------------------------------------------
-    def send_word(self, word: int) -> None:
-        if not 0 <= word <= WORD_MAX:
-            raise ProtocolError(f"{word} is not an unsigned 32-bit protocol word")
-        self._append(np.array([word], np.uint32))
+    @property
+    def pending_words(self) -> int:
+        """Words queued by ``send`` and not yet flushed."""
+        return self._n - 1
 
-    def send_words(self, words) -> None:
-        self._append(as_words(words))
-
-    def send_command(self, cmd: Command) -> None:
-        self._append(encode(cmd))
-
-    def send_vision(self, rows: np.ndarray | None) -> None:
-        """The vision sync of a PREFILL: the row count word, then (if any) the rows."""
-        n = 0 if rows is None else len(rows)
-        if n and (not isinstance(rows, np.ndarray) or rows.ndim != 2 or rows.dtype.kind != "f"):
-            raise ValueError(f"vision rows must be a 2-D float array [rows, hidden], got {rows!r:.80}")
-        self.send_word(n)
+    def send(self, cmd: Command, vision_rows: np.ndarray | None = None) -> None:
+        """Queue one command's words (``protocol.encode``); a PREFILL announcing vision rows is
+        flushed at once and its ``vision_rows`` [rows, hidden] follow as one broadcast."""
+        words = encode(cmd)
+        n = len(vision_rows) if vision_rows is not None else 0
+        if n != (cmd.vision_rows if isinstance(cmd, Prefill) else 0):
+            raise ValueError(f"{type(cmd).__name__} announces {getattr(cmd, 'vision_rows', 0)} vision rows "
+                             f"but {n} were given")
+        if n and (vision_rows.ndim != 2 or vision_rows.dtype.kind != "f"):
+            raise ValueError(f"vision rows must be a 2-D float array [rows, hidden], got {vision_rows.shape} "
+                             f"{vision_rows.dtype}")
+        self._append(words)
         if n:
             self.flush()
             if self.size > 1:
-                self._send_rows(np.ascontiguousarray(rows, np.float32))
+                self._send_rows(np.ascontiguousarray(vision_rows, np.float32))
 
     def flush(self) -> None:
         """Send every pending word (no MPI call when none is pending)."""
@@ -149,8 +112,6 @@ class Transport:
         n = self._n - 1
         if n == 0:
             return
-        if self.checker is not None:
-            self.checker.feed(self._out[1:self._n])
         self._out[0] = n
         if self.size > 1:
             self._send_frame(self._out, n)
@@ -160,20 +121,21 @@ class Transport:
 
     def shutdown(self) -> None:
         """Send SHUTDOWN (the last command of every run) and flush it."""
-        self.send_command(Shutdown())
+        self.send(Shutdown())
         self.flush()
         self._shutdown_sent = True
 
     # -- everyone ------------------------------------------------------------------------------
     def allsum(self, partial: np.ndarray) -> np.ndarray:
         """The MoE combine: the sum over ranks of ``partial`` (float32, same shape everywhere),
-        bitwise identical on every rank. Rank 0 flushes pending words first (workers cannot
-        join a forward pass whose command they have not received). In a world of one it
-        returns ``partial`` itself."""
+        bitwise identical on every rank. In a world of one it returns ``partial`` itself.
+        Rank 0 must have flushed the command of this forward pass: workers cannot join a pass
+        whose command they have not received."""
         if not isinstance(partial, np.ndarray) or partial.dtype != np.float32:
             raise TypeError(f"allsum takes a float32 ndarray, got {getattr(partial, 'dtype', type(partial))}")
-        if self.rank == 0:
-            self.flush()
+        if self.rank == 0 and self.pending_words:
+            raise RuntimeError(f"allsum with {self.pending_words} command words not flushed: the workers "
+                               "have not been told to run this forward pass")
         self.stats.allsums += 1
         if self.size == 1:
             return partial
@@ -253,35 +215,7 @@ class Transport:
 
 
 class LocalTransport(Transport):
-    """A world of one rank: the stream is only checked and counted; no MPI at all."""
+    """A world of one rank: frames are only counted; no MPI at all."""
 
-    def __init__(self, checker: StreamChecker | None = None, frame_words: int = DEFAULT_FRAME_WORDS):
-        super().__init__(0, 1, checker, frame_words)
-
-
-def launcher_world_size() -> int:
-    """The world size the MPI launcher announced (1 when not launched by one), read without
-    importing mpi4py so a single-rank run never loads MPI. These are the launchers' own
-    variables, not eprt settings: MPICH/Hydra and Intel MPI (and Slurm's PMI-2) set PMI_SIZE,
-    Open MPI OMPI_COMM_WORLD_SIZE, MVAPICH2 MV2_COMM_WORLD_SIZE, and ``srun`` the step's task
-    count (with ``--mpi=pmix`` it is the only one set). In a batch script outside ``srun``
-    the step has one task, so a plain ``eprt`` there runs as a world of one."""
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
-        value = os.environ.get(name)
-        if value:
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"launcher variable {name}={value!r} is not a task count") from None
-    return 1
-
-
-def open_transport(max_slots: int | None = None, vocab_size: int | None = None,
-                   frame_words: int = DEFAULT_FRAME_WORDS) -> Transport:
-    """The transport for this process: ``LocalTransport`` in a world of one, else an
-    ``MpiTransport`` on COMM_WORLD. With ``max_slots`` rank 0 checks its own stream."""
-    checker = StreamChecker(max_slots, vocab_size) if max_slots is not None else None
-    if launcher_world_size() == 1:
-        return LocalTransport(checker, frame_words)
-    from eprt.comm.mpi_transport import MpiTransport
-    return MpiTransport(checker=checker, frame_words=frame_words)
+    def __init__(self, frame_words: int = DEFAULT_FRAME_WORDS):
+        super().__init__(0, 1, frame_words)

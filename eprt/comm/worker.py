@@ -1,10 +1,7 @@
-"""The worker-rank loop: receive rank 0's commands, check them against the slot mirror, run
-them on the executor (the model on this rank), until SHUTDOWN.
+"""The worker-rank loop: decode rank 0's commands and run them on the executor until SHUTDOWN.
 
-A command that does not fit (unknown reserved word, slot out of range, a decode for an empty
-slot, a compaction onto an occupied slot, a reserved command this build cannot run) or that
-fails in the executor is reported to rank 0 and ends the loop: a worker never guesses, and
-never continues out of step with the other ranks.
+A command that does not decode, does not fit the executor's slots, or fails is reported to
+rank 0 and ends the loop: a worker never guesses (docs/protocol.md, "Errors").
 """
 from __future__ import annotations
 
@@ -13,20 +10,21 @@ from typing import Protocol
 
 import numpy as np
 
-from eprt.comm.protocol import (Command, Compact, Decode1, DecodeBatch, Decoder, Prefill, ProtocolError,
-                                Release, Shutdown)
-from eprt.comm.slots import SlotMirror
+from eprt.comm.protocol import (Command, Compact, Decode1, DecodeBatch, DecodeCkpt, Decoder, Prefill,
+                                ProtocolError, Release, Shutdown, Verify)
 from eprt.comm.transport import RootDown
 
 log = logging.getLogger(__name__)
 
 
-class Executor(Protocol):
-    """What a worker runs each command on (the lead's model runner implements it).
+class UnsupportedCommand(ProtocolError):
+    """A reserved command (speculative verify, hybrid-SSM checkpoint) this build cannot run."""
 
-    Every call mirrors what rank 0 does for the same command, including the MoE combines
-    (``transport.allsum``) inside the forward passes, in the same order on every rank.
-    """
+
+class Executor(Protocol):
+    """What a worker runs each command on (``eprt.engine.executor.ShardExecutor``): every call
+    checks the command against the executor's slot table and mirrors what rank 0 does,
+    including the MoE combines inside the forward passes."""
 
     hidden_size: int  # width of one vision row (the model's hidden size)
 
@@ -73,14 +71,12 @@ def run_worker(transport: WorkerTransport, executor: Executor, max_slots: int,
     down without a SHUTDOWN (then ``executor.shutdown()`` runs too).
     """
     decoder = Decoder(max_slots=max_slots, vocab_size=vocab_size)
-    mirror = SlotMirror(max_slots)
     try:
         while True:
             cmd = decoder.next()
             if cmd is None:
                 decoder.feed(transport.recv_frame())
                 continue
-            mirror.apply(cmd)
             if isinstance(cmd, Shutdown):
                 executor.shutdown()
                 return 0
@@ -113,5 +109,11 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
         executor.compact(cmd.slot, cmd.new_slot)
     elif isinstance(cmd, Release):
         executor.release(cmd.slot)
-    else:  # the mirror rejects everything else before it gets here
+    elif isinstance(cmd, Verify):
+        raise UnsupportedCommand(f"VERIFY_K{len(cmd.drafts)} (slot {cmd.slot}) is reserved for "
+                                 "speculative decoding, which this build does not support")
+    elif isinstance(cmd, DecodeCkpt):
+        raise UnsupportedCommand(f"DECODE_CKPT (slot {cmd.slot}) is reserved for hybrid-SSM "
+                                 "models, which this build does not support")
+    else:
         raise ProtocolError(f"no worker action for {cmd!r}")

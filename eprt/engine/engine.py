@@ -20,10 +20,10 @@ from typing import Optional
 import numpy as np
 
 from eprt.comm.logging import setup_logging
-from eprt.comm.slots import StreamChecker
-from eprt.comm.transport import StartupFailed, open_transport
+from eprt.comm.transport import StartupFailed
+from eprt.comm.world import open_transport
 from eprt.comm.worker import run_worker
-from eprt.engine.api import GenerationRequest, GenerationResult, RequestError
+from eprt.api import GenerationRequest, GenerationResult, RequestError
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
@@ -108,7 +108,7 @@ class Engine:
             raise RequestError(f"image_embeds must have shape [n, {d}], got {list(rows.shape)}")
         if rows.dtype.kind not in "fiu" or not np.isfinite(rows).all():
             raise RequestError("image_embeds must be finite numbers")
-        token = self.runner.ex.image_token_id
+        token = self.runner.executor.image_token_id
         if token is None:
             raise RequestError("image_embeds given but the model has no image_token_id (use --image-token-id)")
         n = sum(1 for t in req.prompt_ids if t == token)
@@ -161,7 +161,7 @@ class Engine:
                 f"{s['generation_tokens']}; preemptions {s['preemptions']}")
 
     def stats(self) -> dict:
-        blocks = self.runner.ex.blocks
+        blocks = self.runner.executor.blocks
         with self._lock:
             out = dict(self._counters)
         sched = self.scheduler.stats()
@@ -204,8 +204,6 @@ def launch_engine(args_or_config, transport=None):
         raise
     ops, loaded, executor = started.ops, started.loaded, started.executor
     model_cfg = loaded.config
-    if rank == 0:                   # rank 0 decodes its own frames as a worker will: bugs surface here
-        transport.checker = StreamChecker(cfg.max_batch, model_cfg.vocab_size)
     log.info("rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, read %d tensors (%.1f MB)",
              rank, world, loaded.name, ops.name, loaded.model.w.expert_start, loaded.model.w.expert_end,
              executor.blocks.num_blocks, cfg.block_size, loaded.tensors_read, loaded.bytes_read / 1e6)

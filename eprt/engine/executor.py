@@ -1,23 +1,18 @@
-"""One rank's model state: slots, block manager, paged KV and the forward pass.
+"""One rank's model state: the slot table, block manager, paged KV and the forward pass.
 
-Every rank runs an identical ShardExecutor. Rank 0 drives it from the scheduler (through
-``runner.ModelRunner``); workers drive it from the broadcast command stream
-(``eprt.comm.worker``). Because both feed it the same commands in the same order, the
-block managers make the same decisions and every rank holds the same KV: a worker
-checks that its prefix-cache hit equals the ``chunk_start`` rank 0 sent.
-
+Rank 0's runner and every worker's command loop feed an identical ShardExecutor the same
+calls in the same order (docs/design.md, "One command stream").
 B sequences in a decode batch, T tokens in a prefill chunk, D hidden, V vocabulary.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
-
 import hashlib
+from typing import Optional
 
 import numpy as np
 
 from eprt.cache.block_manager import BlockManager
+from eprt.comm.slots import SlotError, SlotTable
 from eprt.model.kv_cache import KVCache
 from eprt.model.moe_model import AttnBatch, MoEModel
 
@@ -35,14 +30,6 @@ def vision_salt(rows: Optional[np.ndarray]) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(rows, dtype=np.float32).tobytes(), digest_size=16).digest()
 
 
-@dataclass
-class SlotState:
-    key: int                       # block-manager key: an occupancy counter, identical on every rank
-    tokens: list = field(default_factory=list)
-    length: int = 0                # tokens whose KV is stored
-    adapter: int = -1
-
-
 class ShardExecutor:
     def __init__(self, model: MoEModel, num_blocks: int, block_size: int, max_slots: int,
                  prefix_cache: bool = True, image_token_id: Optional[int] = None):
@@ -50,10 +37,8 @@ class ShardExecutor:
         self.kv = KVCache(model.ops, model.cfg, num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache=prefix_cache)
         self.block_size = block_size
-        self.max_slots = max_slots
-        self.slots: list[Optional[SlotState]] = [None] * max_slots
+        self.slots = SlotTable(max_slots)
         self.image_token_id = image_token_id if image_token_id is not None else model.cfg.image_token_id
-        self._next_key = 0
         self.compute_logits = True      # workers turn this off: only rank 0 samples
 
     @property
@@ -61,51 +46,33 @@ class ShardExecutor:
         return self.cfg.hidden_size
 
     # ---- slot bookkeeping -------------------------------------------------------------
-    def _slot(self, slot: int) -> SlotState:
-        if not 0 <= slot < self.max_slots:
-            raise ExecutorError(f"slot {slot} out of range [0, {self.max_slots})")
-        st = self.slots[slot]
-        if st is None:
-            raise ExecutorError(f"command for empty slot {slot}")
-        return st
-
     def allocate(self, slot: int, tokens, adapter: int = -1, salt: bytes = b"") -> int:
-        """Occupy ``slot`` with a prompt, reserving its blocks; returns the prefix-cache hit length.
-        ``salt``: ``vision_salt`` of the prompt's vision rows."""
-        if not 0 <= slot < self.max_slots:
-            raise ExecutorError(f"slot {slot} out of range [0, {self.max_slots})")
-        if self.slots[slot] is not None:
-            raise ExecutorError(f"slot {slot} is already occupied")
-        tokens = [int(t) for t in tokens]
-        key = self._next_key
-        self._next_key += 1
-        cached = self.blocks.allocate(key, tokens, adapter, salt)
-        self.slots[slot] = SlotState(key=key, tokens=tokens, length=cached, adapter=adapter)
+        """Occupy the empty ``slot`` with a prompt, reserving its blocks; returns the prefix-cache
+        hit length. ``salt``: ``vision_salt`` of the prompt's vision rows."""
+        if self.slots.get(slot) is not None:
+            raise SlotError(f"slot {slot} is already occupied")
+        key = self.slots.next_key
+        cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt)
+        self.slots.occupy(slot, tokens, cached, adapter)
         return cached
 
     def cache(self, slot: int) -> None:
-        st = self._slot(slot)
-        self.blocks.cache(st.key, st.tokens[: st.length])
+        st = self.slots.held(slot, "cache")
+        self.blocks.cache(st.key, st.tokens)
 
     def free(self, slot: int) -> int:
-        st = self._slot(slot)
-        self.slots[slot] = None
-        return self.blocks.free(st.key)
+        return self.blocks.free(self.slots.vacate(slot).key)
 
     def release(self, slot: int) -> None:
         self.cache(slot)
         self.free(slot)
 
     def compact(self, slot: int, new_slot: int) -> None:
-        st = self._slot(slot)
-        if not 0 <= new_slot < self.max_slots or self.slots[new_slot] is not None:
-            raise ExecutorError(f"cannot compact slot {slot} onto slot {new_slot}: out of range or occupied")
-        self.slots[new_slot], self.slots[slot] = st, None
+        self.slots.move(slot, new_slot)
 
     def shutdown(self) -> None:
-        for s in range(self.max_slots):
-            if self.slots[s] is not None:
-                self.free(s)
+        for slot in self.slots.occupied():
+            self.free(slot)
 
     # ---- compute ----------------------------------------------------------------------
     def prefill(self, slot: int, tokens, chunk_start: int, chunk_len: int,
@@ -113,16 +80,12 @@ class ShardExecutor:
         """Prefill tokens[chunk_start : chunk_start+chunk_len] of the full prompt ``tokens``.
         Returns the logits [1, V] of the chunk's last token (None when compute_logits is off)."""
         tokens = [int(t) for t in tokens]
-        if self.slots[slot] is None:     # first chunk on a worker: allocate exactly as rank 0 did
+        if self.slots.get(slot) is None:     # first chunk on a worker: allocate exactly as rank 0 did
             cached = self.allocate(slot, tokens, salt=vision_salt(vision_rows))
             if cached != chunk_start:
                 raise ExecutorError(f"prefix cache diverged on slot {slot}: this rank reuses {cached} tokens, "
                                     f"rank 0 sent chunk_start={chunk_start}")
-        st = self._slot(slot)
-        if chunk_start != st.length or chunk_start + chunk_len > len(tokens) or chunk_len < 1:
-            raise ExecutorError(f"bad prefill chunk on slot {slot}: start={chunk_start} len={chunk_len} "
-                                f"full={len(tokens)} stored={st.length}")
-        st.tokens = tokens
+        st = self.slots.check_chunk(slot, tokens, chunk_start, chunk_len)
         end = chunk_start + chunk_len
         self.blocks.grow(st.key, end)
         ids = np.asarray(tokens[chunk_start:end], dtype=np.int32)                    # [T]
@@ -132,14 +95,12 @@ class ShardExecutor:
         batch = AttnBatch(positions=positions, slot_mapping=self.kv.slots(table, positions),
                           block_table=table, start_pos=chunk_start)
         h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv)  # [T, D]
-        st.length = end
+        st.tokens.extend(tokens[chunk_start:end])
         return self.model.logits(h[-1:]) if self.compute_logits else None
 
     def decode(self, slots: list, tokens: list):
         """Append tokens[r] to slots[r] and run one step. Returns logits [B, V] (or None)."""
-        states = [self._slot(s) for s in slots]
-        if len(set(slots)) != len(slots):
-            raise ExecutorError(f"decode batch names a slot twice: {slots}")
+        states = self.slots.check_decode(slots, tokens, "decode")
         positions = np.asarray([st.length for st in states], dtype=np.int32)          # [B]
         for st in states:
             self.blocks.grow(st.key, st.length + 1)
@@ -156,7 +117,6 @@ class ShardExecutor:
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv)           # [B, D]
         for st, tok in zip(states, tokens):     # the token's KV is stored now
             st.tokens.append(int(tok))
-            st.length += 1
         return self.model.logits(h) if self.compute_logits else None
 
     def _vision_chunk(self, tokens, start: int, end: int, vision_rows):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eprt.engine.api import SamplingParams
+from eprt.api import SamplingParams
 
 
 def make_rng(params: SamplingParams, fallback: np.random.Generator) -> np.random.Generator:

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
+from eprt.api import GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import add_engine_arguments, launch_engine
 from eprt.serve.params import check_text
 

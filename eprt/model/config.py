@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from eprt.comm.protocol import RESERVED_BASE
+from eprt.api import TOKEN_ID_LIMIT, is_int, is_real
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -90,7 +90,7 @@ def _int(raw: dict, name: str, *aliases, default=None, minimum: int = 1) -> int:
 
 
 def _checked_int(v, name: str, minimum: int = 1, source: str = "config.json") -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
+    if not is_int(v):
         raise ConfigError(f"{source} field {name!r} must be an integer, got {v!r}")
     if v < minimum:
         raise ConfigError(f"{source} field {name!r} must be >= {minimum}, got {v}")
@@ -98,7 +98,7 @@ def _checked_int(v, name: str, minimum: int = 1, source: str = "config.json") ->
 
 
 def _positive_float(v, name: str) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+    if not is_real(v) or not v > 0:
         raise ConfigError(f"config.json field {name!r} must be a positive number, got {v!r}")
     return float(v)
 
@@ -148,7 +148,7 @@ def config_from_dict(raw: dict, generation_config: Optional[dict] = None) -> Mod
     layers = _int(raw, "num_hidden_layers")
     experts = _int(raw, "num_experts", "num_local_experts")
     vocab = _int(raw, "vocab_size")
-    if vocab >= RESERVED_BASE:
+    if vocab >= TOKEN_ID_LIMIT:
         raise ConfigError(f"vocab_size {vocab} collides with the protocol's reserved command words")
     top_k = _int(raw, "num_experts_per_tok")
     if top_k > experts:
@@ -180,7 +180,7 @@ def config_from_dict(raw: dict, generation_config: Optional[dict] = None) -> Mod
     # qwen2_moe / qwen3_moe: dense layers by mlp_only_layers and decoder_sparse_step
     step = _int(raw, "decoder_sparse_step", default=1)
     dense = raw.get("mlp_only_layers") or []
-    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+    if not isinstance(dense, list) or not all(is_int(i) for i in dense):
         raise ConfigError(f"config.json field 'mlp_only_layers' must be a list of layer indices, got {dense!r}")
     sparse = tuple((i not in dense) and (i + 1) % step == 0 for i in range(layers))
     common.update(sparse_layers=sparse, moe_intermediate_size=_int(raw, "moe_intermediate_size"),

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eprt.api import is_int
+from eprt.ops.bf16 import bf16_bits_to_f32
+
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
@@ -144,11 +147,11 @@ def _tensor_info(path: str, name: str, meta, data_start: int, data_size: int) ->
 
 
 def _is_index(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return is_int(v) and v >= 0
 
 
 def to_float32(a: np.ndarray, dtype_name: str) -> np.ndarray:
     """Widen a stored tensor to float32 (bf16 bits are shifted into the high half)."""
     if dtype_name == "BF16":
-        return (a.astype(np.uint32) << 16).view(np.float32)
+        return bf16_bits_to_f32(a)
     return a.astype(np.float32)

@@ -15,6 +15,7 @@ import numpy as np
 
 from eprt.model.config import ModelConfig
 from eprt.model.safetensors_io import CheckpointError
+from eprt.ops.bf16 import bf16_bits_to_f32
 
 
 class TensorSource(Protocol):
@@ -66,7 +67,7 @@ def _same_dtype(*arrays: np.ndarray) -> list:
     """bf16 bits (uint16) can only be stacked with bf16; otherwise widen everything to float32."""
     if all(a.dtype == np.uint16 for a in arrays):
         return list(arrays)
-    return [(a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a for a in arrays]
+    return [bf16_bits_to_f32(a) if a.dtype == np.uint16 else a for a in arrays]
 
 
 def _experts(src: TensorSource, cfg: ModelConfig, prefix: str, start: int, end: int):

@@ -17,6 +17,7 @@ import cupy
 import numpy as np
 
 from eprt.ops.base import Ops
+from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from eprt.ops.kernel_loader import KERNELS, get_kernel, get_module
 
 # cuBLAS / CUDA library enum values (stable ABI: cublas_api.h, library_types.h).
@@ -39,19 +40,6 @@ _ROUTER_WARPS = 4                   # router.cu: ROUTER_WARPS
 _GG_WARPS = 4                       # moe_grouped_gemm.cu: GG_WARPS
 MOE_IMPLS = ("auto", "grouped", "gathered")
 GATHERED_MIN_TOKENS = 256           # "auto": tokens per call from which cuBLAS per expert wins
-
-
-def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
-    """Round float32 to bfloat16 (nearest, ties to even); returns the uint16 bit patterns."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    bits = a.view(np.uint32)
-    out = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
-    out[np.isnan(a)] = 0x7FC0
-    return out
-
-
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (np.ascontiguousarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def _check(op: str, name: str, a, dtypes, shape: tuple | None = None, aligned: bool = False):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from eprt.ops.base import Ops
+from eprt.ops.bf16 import bf16_bits_to_f32
 
 
 def _softmax_last(x: np.ndarray) -> np.ndarray:
@@ -21,7 +22,7 @@ class NumpyOps(Ops):
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray) -> np.ndarray:
         if host.dtype == np.uint16:  # raw bfloat16 bits
-            return (host.astype(np.uint32) << 16).view(np.float32)
+            return bf16_bits_to_f32(host)
         return np.ascontiguousarray(host, dtype=np.float32)
 
     def activation(self, host: np.ndarray) -> np.ndarray:

@@ -1,12 +1,10 @@
 """The scheduler's settings, and the checks a request must pass before it is queued."""
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Optional
 
-from eprt.comm.protocol import RESERVED_BASE as RESERVED_WORDS  # token ids stay below the commands
-from eprt.engine.api import GenerationRequest, RequestError
+from eprt.api import TOKEN_ID_LIMIT, GenerationRequest, RequestError, is_int, is_real
 
 
 @dataclass(frozen=True)
@@ -19,8 +17,8 @@ class SchedulerConfig:
     max_model_len: Optional[int] = None      # context limit, prompt included
 
     def __post_init__(self) -> None:
-        if not 1 <= self.vocab_size <= RESERVED_WORDS:
-            raise ValueError(f"vocab_size must be in [1, {RESERVED_WORDS:#x}], got {self.vocab_size}")
+        if not 1 <= self.vocab_size <= TOKEN_ID_LIMIT:
+            raise ValueError(f"vocab_size must be in [1, {TOKEN_ID_LIMIT:#x}], got {self.vocab_size}")
         for name in ("max_batch", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -38,14 +36,13 @@ def validate_request(cfg: SchedulerConfig, request: GenerationRequest) -> list:
     if not prompt:
         raise RequestError("the prompt is empty")
     for t in prompt:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < cfg.vocab_size:
+        if not is_int(t) or not 0 <= t < cfg.vocab_size:
             raise RequestError(f"prompt token {t!r} is outside the vocabulary [0, {cfg.vocab_size})")
     request.params.validate(cfg.vocab_size)
     if cfg.max_model_len is not None and len(prompt) >= cfg.max_model_len:
         raise RequestError(f"the prompt has {len(prompt)} tokens but max_model_len={cfg.max_model_len} "
                            f"leaves room for at most {cfg.max_model_len - 1}")
     timeout = request.timeout_s
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
-                                or not timeout > 0):
+    if timeout is not None and not (is_real(timeout) and timeout > 0):
         raise RequestError(f"timeout must be positive, got {request.timeout_s!r}")
     return [int(t) for t in prompt]

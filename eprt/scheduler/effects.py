@@ -1,19 +1,12 @@
-"""Side effects the scheduler plans, and the runner that executes them.
-
-The scheduler describes each batched device step or state change as an effect value and
-hands it to ``EffectRunner.run``. With a tracer (the scenario harness) the runner first
-prints the effect's line (``fx launch Decode{...}``, ``fx apply ReleaseSeq{...}``,
-``fx teardown``); with the real model there is no tracer and the effect simply runs.
-Each effect's ``perform(model)`` makes exactly the model calls of shared/spec/TRACE.md.
+"""Side effects the scheduler plans, and the runner that executes them: each effect's
+``line()`` is its ``fx ...`` trace line (printed only with a tracer) and ``perform(model)``
+makes exactly the model calls docs/scenarios.md lists for it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-from eprt.comm.protocol import RELEASE
-
-# Command words of shared/spec/PROTOCOL.md that the scheduler sends itself.
 DEFAULT_STREAM = 0
 
 
@@ -58,8 +51,7 @@ class MarconiCheckpoint:
 @dataclass(frozen=True)
 class ReleaseSeq:
     """Give back a sequence's slot and blocks (inserting its full blocks into the prefix
-    cache first) and tell the workers with the RELEASE frame. ``finish`` is False for a
-    preemption: the sequence goes back to the queue instead of ending."""
+    cache first). ``finish`` is False for a preemption: the sequence goes back to the queue."""
     seq: object
     cache: bool = True
     finish: bool = True
@@ -69,12 +61,9 @@ class ReleaseSeq:
         return f"fx apply ReleaseSeq{{cache={str(self.cache).lower()}, {what}}}"
 
     def perform(self, model) -> int:
-        slot = self.seq.slot
         if self.cache:
             model.cache_sequence(self.seq)
-        blocks = model.free_sequence(self.seq)
-        model.ep_broadcast_cmd_for_seq(seq=slot, cmd=RELEASE)
-        return blocks
+        return model.free_sequence(self.seq)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,14 @@
-"""RecordingModel: a fake model that prints every interface call in the trace format.
-
-It answers from per-request scripts (shared/spec/TRACE.md, "The fake model"): a forward
-pass whose last input token sits at position ``p`` returns ``script[p + 1 - prompt_len]``
-(``prompt_len`` is the client's original prompt), repeating the last entry past the end.
-KV blocks are accounted by the same ``BlockManager`` the real runner uses, and the fake
-checks the scheduler as it goes: a call that a real runner could not serve (a slot out
-of range or empty, KV that does not exist, a block that is not free) raises FakeModelError.
+"""RecordingModel: a fake model that prints every interface call, and the frames the real
+runner would send, in the trace format; it answers from per-request scripts and raises
+FakeModelError for a call a real runner could not serve (docs/scenarios.md, "The fake model").
 """
 from __future__ import annotations
 
 from typing import Callable
 
 from eprt.cache.block_manager import BlockManager
+from eprt.comm.protocol import PREFILL, RELEASE, SHUTDOWN
+from eprt.scheduler.interface import TraceCalls
 
 
 class FakeModelError(RuntimeError):
@@ -22,7 +19,7 @@ def seq_name(seq, length: int | None = None) -> str:
     return f"s{seq.seq_id}@{seq.slot}:len={seq.len if length is None else length}"
 
 
-class RecordingModel:
+class RecordingModel(TraceCalls):
     def __init__(self, emit: Callable[[str], None], scripts: dict, *, num_slots: int = 8,
                  num_blocks: int = 1000, block_size: int = 16, prefix_cache: bool = True):
         """``scripts`` maps seq_id to (original prompt length, script tokens)."""
@@ -93,6 +90,7 @@ class RecordingModel:
         n = self.blocks.free(seq.seq_id)
         self.slots[seq.slot] = None
         self.emit(f"free_sequence({seq_name(seq)}, blocks={n})")
+        self._frame(seq.slot, RELEASE)
         return n
 
     def compact_sequence(self, seq, new_slot: int) -> None:
@@ -102,18 +100,11 @@ class RecordingModel:
         self.slots[new_slot], self.slots[seq.slot] = seq.seq_id, None
         self.emit(f"compact_sequence({seq_name(seq)}, new_slot={new_slot})")
 
-    # -- the broadcast frame -----------------------------------------------------------------
-    def ep_broadcast_cmd_for_seq(self, seq: int, cmd: int) -> None:
-        self.emit(f"ep_broadcast_cmd_for_seq(seq={seq}, cmd={cmd:#x})")
-
-    def ep_broadcast_cmd(self, word: int) -> None:
-        self.emit(f"ep_broadcast_cmd({word:#x})")
-
-    def ep_broadcast_tokens(self, tokens) -> None:
-        self.emit(f"ep_broadcast_tokens(n={len(tokens)})")
-
-    def ep_sync_vision_embeds(self, seq) -> None:
-        self.emit(f"ep_sync_vision_embeds(n={seq.num_prompt})")
+    # -- the frames the real runner sends, printed as the spec's broadcast calls --------------
+    def _frame(self, slot: int, cmd: int, *words: int) -> None:
+        self.emit(f"ep_broadcast_cmd_for_seq(seq={slot}, cmd={cmd:#x})")
+        for word in words:
+            self.emit(f"ep_broadcast_cmd({word:#x})")
 
     # -- compute -----------------------------------------------------------------------------
     def prefill(self, seq, start: int, n: int, stream: int) -> None:
@@ -123,6 +114,9 @@ class RecordingModel:
                                  f"prompt={seq.num_prompt}")
         end = start + n
         self._next_token = self._answer(seq, end - 1) if end == seq.num_prompt else None
+        self._frame(seq.slot, PREFILL, n, start, seq.num_prompt)
+        self.emit(f"ep_broadcast_tokens(n={seq.num_prompt})")
+        self.emit(f"ep_sync_vision_embeds(n={seq.num_prompt})")
         self.emit(f"prefill(n={n}, {seq_name(seq, end)}, stream={stream})")
 
     def argmax_on_device(self, row: int, stream: int) -> int:
@@ -157,7 +151,7 @@ class RecordingModel:
 
     # -- shutdown ----------------------------------------------------------------------------
     def ep_shutdown(self) -> None:
-        self.emit("ep_broadcast_cmd_for_seq(seq=0, cmd=0xffffffff)")
+        self._frame(0, SHUTDOWN)
 
     def synchronize(self, stream: int) -> None:
         self.emit(f"synchronize(stream={stream})")

@@ -5,7 +5,7 @@ import threading
 from collections import deque
 from typing import Callable, Optional
 
-from eprt.engine.api import RequestError
+from eprt.api import RequestError
 
 
 class Inbox:

@@ -1,22 +1,5 @@
-"""``eprt scenario FILE``: run a scheduler scenario against the recording fake model.
-
-The file format and the trace are those of shared/spec/TRACE.md. Keys added here, all
-optional and consistent with it:
-
-    [engine]
-    max_model_len = 64        # context limit (prompt included); a request that reaches it
-                              # ends with `length`; a prompt of max_model_len tokens or more
-                              # is rejected at submit
-    [[request]]
-    stop_token_ids = [40]     # extra stop ids: kept in the output, not streamed, reason stop
-    ignore_eos = true         # the EOS is an ordinary token for this request
-
-A request rejected at submit prints ``out sI: Rejected("reason")``. The harness submits
-each request right before the plan of its ``arrive_at_tick``, closes the inbox once the
-last one is in, and cancels a request right before tick ``cancel_at_tick`` runs; since
-cancellation is checked by the end-of-tick guards, the request still runs that tick and
-is released at its end.
-"""
+"""``eprt scenario FILE``: run a scheduler scenario against the recording fake model and
+print its trace (file format and trace: docs/scenarios.md)."""
 from __future__ import annotations
 
 import sys
@@ -24,7 +7,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Optional
 
-from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
+from eprt.api import GenerationRequest, RequestError, SamplingParams, is_int
 from eprt.scheduler.clock import VirtualClock
 from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.fake import RecordingModel
@@ -98,7 +81,7 @@ def _take(table: dict, key: str, kind, default, where: str):
     if key not in table:
         return default
     value = table[key]
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    ok = is_int(value) if kind is int else isinstance(value, kind)
     if not ok:
         raise ScenarioError(f"{where}: {key} must be {getattr(kind, '__name__', kind)}, got {value!r}")
     return value
@@ -254,7 +237,7 @@ def _client_line(out: Outcome) -> str:
 
 # -- command line ----------------------------------------------------------------------------
 def add_arguments(parser) -> None:
-    parser.add_argument("file", help="scenario TOML file (format: shared/spec/TRACE.md)")
+    parser.add_argument("file", help="scenario TOML file (format: docs/scenarios.md)")
 
 
 def main(args) -> int:

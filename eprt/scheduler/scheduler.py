@@ -1,49 +1,7 @@
-"""The rank-0 scheduler: continuous batching over the model interface (interface.py).
+"""The rank-0 scheduler: continuous batching over the model interface (``interface.py``).
 
-Semantics are those of shared/spec/TRACE.md; each tick is plan, prefill lane, decode
-lane, end of tick (guards, releases, compaction). Beyond the spec:
-
-* KV admission: a queued sequence is admitted only when ``model.can_admit(seq)``; the
-  queue is first come first served (a head that does not fit blocks the ones behind it).
-* Preemption: before a decode step the scheduler counts the rows that cross a block
-  boundary (a sequence of length L holds L // block_size + 1 blocks) and, only then,
-  reads ``num_free_blocks()``. While short, it preempts the most recently admitted live
-  sequence (it has made the least progress and was the last one promised memory):
-  ``fx apply ReleaseSeq{cache=true, preempt}`` (blocks go to the prefix cache, RELEASE
-  frame) and back to the front of the queue with its tokens kept. On re-admission its
-  prompt is prompt + generated tokens (``num_prompt`` grows), so the prefill's token is
-  the next new one: no output token is lost or repeated. A sequence that is the only
-  one left and still cannot grow ends with guard ``kv_capacity`` (reason ``length``).
-* Chunked prefill: with ``max_prefill_tokens > 0`` at most that many prompt tokens are
-  prefilled per tick, one PREFILL frame per chunk; unfinished prefills go first, then
-  new admissions. Running sequences keep decoding meanwhile.
-* ``cached`` in a result is the prefix-cache hit of the request's first admission.
-
-Real-use API (thread-safe where noted; the Engine wraps it)::
-
-    sched = Scheduler(runner, SchedulerConfig(vocab_size=V, eos_token_ids=(eos,),
-                      max_batch=8, block_size=16, max_model_len=4096), clock=WallClock())
-    threading.Thread(target=sched.run).start()       # the scheduler thread
-    h = sched.submit(GenerationRequest(prompt_ids, SamplingParams(max_tokens=64),
-                     timeout_s=30.0, stream=True, on_token=print),
-                     on_finish=callback)              # any thread; RequestError if invalid
-    h.result(timeout)                                 # blocking client: GenerationResult
-    sched.cancel(h)                                   # any thread (or h.cancel())
-    sched.close(cancel=False)                         # any thread: no new requests; the loop
-                                                      # finishes the rest, then shuts down
-
-``step()`` runs one tick and returns True while more ticks are needed (requests in
-flight, or the inbox closed and the shutdown sequence still to run), so after ``close()``
-``while sched.step(): pass`` finishes everything and shuts down. ``in_flight()`` says
-whether requests remain, ``wait_for_work(timeout)`` sleeps on the inbox while idle,
-``run()`` loops over both until shut down, ``stats()`` gives counters for metrics.
-
-Streaming clients (``stream=True``) get ``on_token(token)`` for every token as it is
-produced (never the terminating EOS/stop token); blocking clients get nothing until the
-end. Every request ends exactly once: ``on_finish(GenerationResult)`` is called and
-``result()`` returns. Callbacks run on the scheduler thread and must be quick; one that
-raises cancels its request. Deadlines (``timeout_s``) are on the scheduler's clock
-(seconds on a ``WallClock``, ticks on a ``VirtualClock``).
+Each tick is plan, prefill lane, decode lane, end of tick; the semantics (admission,
+preemption, chunked prefill, guards, the client API) are in docs/scenarios.md.
 """
 from __future__ import annotations
 
@@ -53,11 +11,10 @@ import threading
 from collections import deque
 from typing import Optional
 
-from eprt.engine.api import GenerationRequest, RequestError
+from eprt.api import GenerationRequest, RequestError
 from eprt.scheduler import guards
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig, validate_request
-from eprt.comm.protocol import PREFILL
 from eprt.scheduler.effects import (DEFAULT_STREAM, CompactSlot, Decode, EffectRunner,
                                     EpShutdown, MarconiCheckpoint, Quiesce, ReleaseSeq, Teardown, Tracer)
 from eprt.scheduler.inbox import Inbox
@@ -207,19 +164,14 @@ class Scheduler:
         self.model.acquire_adapter_slot(seq.adapter)
 
     def _prefill_chunk(self, seq: Sequence, budget: Optional[int]) -> Optional[int]:
-        """Send one PREFILL frame and run it; returns the budget left."""
-        m, full, start = self.model, seq.num_prompt, seq.len
+        """Prefill one chunk of the prompt; returns the budget left."""
+        full, start = seq.num_prompt, seq.len
         n = full - start if budget is None else min(full - start, budget)
-        m.ep_broadcast_cmd_for_seq(seq=seq.slot, cmd=PREFILL)
-        for word in (n, start, full):
-            m.ep_broadcast_cmd(word)
-        m.ep_broadcast_tokens(seq.token_ids[:full])
-        m.ep_sync_vision_embeds(seq)
-        m.prefill(seq, start, n, stream=DEFAULT_STREAM)
+        self.model.prefill(seq, start, n, stream=DEFAULT_STREAM)
         seq.len = start + n
         if seq.len == full:
             seq.state = SeqState.RUNNING
-            self._accept(seq, m.argmax_on_device(row=0, stream=DEFAULT_STREAM), checkpoint=False)
+            self._accept(seq, self.model.argmax_on_device(row=0, stream=DEFAULT_STREAM), checkpoint=False)
         return None if budget is None else budget - n
 
     # -- decode lane -------------------------------------------------------------------------

@@ -11,9 +11,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from eprt.engine.api import GenerationResult, SamplingParams
+from eprt.api import GenerationResult, SamplingParams
 
-# Finish reasons (shared/spec/TRACE.md, "Finish reasons").
+# Finish reasons (docs/scenarios.md, "One run").
 STOP = "stop"          # EOS or a stop id, a client cancel, shutdown
 LENGTH = "length"      # token budget, context limit, or a guard other than the deadline
 TIMEOUT = "timeout"    # the request_timeout guard

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
+from eprt.api import GenerationRequest, RequestError, SamplingParams
 from eprt.serve.loop import EngineLoop
 from eprt.serve.params import FieldError, check_text, encode_prompt, parse_options, parse_token_ids
 from eprt.serve.progress import Progress

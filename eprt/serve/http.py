@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from eprt import __version__
-from eprt.engine.api import RequestError
+from eprt.api import RequestError
 from eprt.serve import openai
 from eprt.serve.body import ApiError, read_json
 from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics

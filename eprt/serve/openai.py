@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from eprt.engine.api import GenerationRequest, GenerationResult, SamplingParams
+from eprt.api import GenerationRequest, GenerationResult, SamplingParams
 from eprt.serve.params import FieldError, check_text, encode_prompt, parse_options, parse_token_ids
 
 # field -> (value that asks for something unsupported?, what to tell the client)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from eprt.engine.api import RequestError, SamplingParams
+from eprt.api import RequestError, SamplingParams
 
 MAX_STOPS = 64      # stop strings and ids of one request
 

@@ -17,7 +17,7 @@ import queue
 import time
 from typing import Optional
 
-from eprt.engine.api import GenerationRequest
+from eprt.api import GenerationRequest
 from eprt.serve.params import FieldError
 
 _END = object()     # queued by on_finish, after every token

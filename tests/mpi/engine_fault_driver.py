@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from eprt.engine.api import GenerationRequest, SamplingParams
+from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 from eprt.engine.executor import ShardExecutor
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from eprt.comm.logging import setup_logging
 from eprt.comm.protocol import DecodeBatch, Prefill
-from eprt.comm.transport import open_transport
+from eprt.comm.world import open_transport
 from eprt.comm.worker import run_worker
 
 D, LAYERS, MAX_SLOTS, STEPS, FAIL_STEP = 8, 2, 4, 6, 3
@@ -65,14 +65,16 @@ class ToyExecutor:
 
 
 def run_root(transport, mode) -> int:
-    transport.send_command(Prefill(0, 0, 4, (1, 2, 3, 4)))
+    transport.send(Prefill(0, 0, 4, (1, 2, 3, 4)))
+    transport.flush()
     forward(transport, 4)
     for step in range(1, STEPS + 1):
         if mode == "root-raise" and step == FAIL_STEP:
             raise RuntimeError("injected failure on rank 0")
         if mode == "idle" and step == FAIL_STEP:
             time.sleep(1.5 * transport.timeout)
-        transport.send_command(DecodeBatch((0,), (10 + step,)))
+        transport.send(DecodeBatch((0,), (10 + step,)))
+        transport.flush()
         forward(transport, 1)
     transport.shutdown()
     return 0
@@ -81,7 +83,7 @@ def run_root(transport, mode) -> int:
 def main(mode: str) -> int:
     if mode not in MODES:
         raise SystemExit(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    with open_transport(max_slots=MAX_SLOTS) as transport:
+    with open_transport() as transport:
         setup_logging(transport.rank)
         if transport.rank == 0:
             return run_root(transport, mode)

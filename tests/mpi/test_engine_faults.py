@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from checkpoints import build_checkpoint
-from eprt.comm.transport import launcher_world_size
+from eprt.comm.world import launcher_world_size
 
 DRIVER = Path(__file__).with_name("engine_fault_driver.py")
 

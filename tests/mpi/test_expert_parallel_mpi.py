@@ -13,7 +13,7 @@ import pytest
 
 from checkpoints import build_checkpoint
 from eprt.comm.transport import LocalTransport
-from eprt.engine.api import GenerationRequest, SamplingParams
+from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 from eprt.model.loader import expert_shard, load_model
 from eprt.ops.numpy_ops import NumpyOps

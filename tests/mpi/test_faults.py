@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eprt.comm.transport import launcher_world_size
+from eprt.comm.world import launcher_world_size
 
 DRIVER = Path(__file__).with_name("fault_driver.py")
 TIMEOUT = 2  # EPRT_COLLECTIVE_TIMEOUT for the jobs, seconds

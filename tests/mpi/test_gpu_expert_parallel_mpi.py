@@ -13,7 +13,7 @@ import pytest
 
 from checkpoints import build_checkpoint
 from eprt.comm.transport import LocalTransport
-from eprt.engine.api import GenerationRequest, SamplingParams
+from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 from eprt.ops.device import cuda_usable
 

@@ -16,7 +16,6 @@ import pytest
 from eprt.comm import protocol as p
 from eprt.comm.logging import setup_logging
 from eprt.comm.protocol import Compact, Decode1, DecodeBatch, Decoder, Prefill, Release, Shutdown
-from eprt.comm.slots import SlotMirror, StreamChecker
 from eprt.comm.worker import run_worker
 
 MPI = pytest.importorskip("mpi4py.MPI")
@@ -29,7 +28,7 @@ D = 5
 
 @pytest.fixture
 def t():
-    transport = MpiTransport(checker=StreamChecker(4), frame_words=16, timeout=TIMEOUT)
+    transport = MpiTransport(frame_words=16, timeout=TIMEOUT)
     yield transport
     if not transport.closed:  # end the stream cleanly so the next test starts in step
         if transport.rank == 0:
@@ -62,7 +61,7 @@ def test_frames_arrive_in_order_coalesced(t):
         for group in flushes:
             before = t.stats.bcasts
             for c in group:
-                t.send_command(c)
+                t.send(c)
             t.flush()
             bcasts.append(t.stats.bcasts - before)
         got = cmds
@@ -71,7 +70,6 @@ def test_frames_arrive_in_order_coalesced(t):
     assert got == cmds
     assert bcasts == ([1, 1, 2, 1] if t.size > 1 else [0, 0, 0, 0])
     if t.rank == 0:
-        assert t.mirror.state() == {0: (40, long_prompt + (9,))}
         assert t.stats.words == sum(len(p.encode(c)) for c in cmds) and t.stats.frames == 4
 
 
@@ -97,9 +95,8 @@ def test_vision_rows_follow_their_prefill(t):
     rows = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)  # [rows, hidden]
     prefill = Prefill(2, 0, 4, (1, 2, 3, 4), vision_rows=3)
     if t.rank == 0:
-        t.send_words(p.encode(prefill)[:-1])
-        t.send_vision(rows)
-        t.send_command(DecodeBatch((2,), (9,)))
+        t.send(prefill, rows)
+        t.send(DecodeBatch((2,), (9,)))
         t.flush()
         got, got_rows, left = [prefill, DecodeBatch((2,), (9,))], rows, 0
     else:
@@ -161,16 +158,16 @@ def test_large_allsum_is_the_rank_ordered_sum_bitwise(t):
 
 
 @pytest.mark.mpi
-def test_allsum_flushes_pending_words_first(t):
-    prefill = Prefill(0, 0, 2, (3, 4))
+def test_allsum_never_flushes_commands(t):
+    zeros = np.zeros((2, D), np.float32)
     if t.rank == 0:
-        t.send_command(prefill)  # never flushed by hand: the combine must send it
-        t.allsum(np.ones((2, D), np.float32))
-        got = [prefill]
+        t.send(Prefill(0, 0, 2, (3, 4)))
+        with pytest.raises(RuntimeError, match="2 command words|not flushed"):
+            t.allsum(zeros)   # refused before any collective: the workers would not join it
+        t.flush()
     else:
-        got, _ = recv_commands(t, 1)
-        t.allsum(np.ones((2, D), np.float32))
-    assert got == [prefill]
+        recv_commands(t, 1)
+    t.allsum(zeros)
 
 
 class CombiningExecutor:
@@ -178,24 +175,26 @@ class CombiningExecutor:
     hidden_size = D
 
     def __init__(self, t):
-        self.t, self.mirror, self.final = t, SlotMirror(4), None
+        self.t, self.slots, self.final = t, {}, None   # slot -> (prompt length, stored tokens)
 
     def prefill(self, slot, tokens, chunk_start, chunk_len, vision_rows):
-        self.mirror.apply(Prefill(slot, chunk_start, chunk_len, tuple(tokens.tolist())))
+        prompt, stored = self.slots.get(slot, (len(tokens), []))
+        self.slots[slot] = (prompt, stored + tokens[chunk_start:chunk_start + chunk_len].tolist())
         self.t.allsum(np.full((chunk_len, D), self.t.rank, np.float32))
 
     def decode(self, slots, tokens):
-        self.mirror.apply(DecodeBatch(tuple(slots), tuple(tokens)))
+        for slot, token in zip(slots, tokens):
+            self.slots[slot][1].append(token)
         self.t.allsum(np.full((len(slots), D), self.t.rank, np.float32))
 
     def compact(self, slot, new_slot):
-        self.mirror.apply(Compact(slot, new_slot))
+        self.slots[new_slot] = self.slots.pop(slot)
 
     def release(self, slot):
-        self.mirror.apply(Release(slot))
+        del self.slots[slot]
 
     def shutdown(self):
-        self.final = self.mirror.state()
+        self.final = {s: (n, tuple(tokens)) for s, (n, tokens) in self.slots.items()}
 
 
 @pytest.mark.mpi
@@ -205,11 +204,12 @@ def test_worker_loop_matches_rank0_over_mpi(t):
     expected = {0: (2, (4, 5, 7, 8, 9))}
     if t.rank == 0:
         for cmd in steps:
-            t.send_command(cmd)
+            t.send(cmd)
             if isinstance(cmd, (Prefill, DecodeBatch, Decode1)):
                 n = cmd.chunk_len if isinstance(cmd, Prefill) else len(getattr(cmd, "slots", (0,)))
+                t.flush()
                 t.allsum(np.zeros((n, D), np.float32))  # rank 0's forward pass
-        final, rc = t.mirror.state(), 0
+        final, rc = expected, 0
         t.shutdown()
         t.close()
     else:
@@ -249,8 +249,8 @@ def test_idle_workers_leave_when_rank0_goes_down(t):
 
 
 def test_world_of_one_never_imports_mpi4py():
-    code = ("import sys; from eprt.comm.transport import open_transport, LocalTransport; "
-            "t = open_transport(max_slots=2); t.send_words([0, 0xFFFFFFF1]); "
+    code = ("import sys; from eprt.comm.world import open_transport, LocalTransport; "
+            "from eprt.comm.protocol import Release; t = open_transport(); t.send(Release(0)); t.flush(); "
             "assert isinstance(t, LocalTransport) and 'mpi4py' not in sys.modules; print('ok')")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "HYDRA_"))}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

@@ -1,4 +1,5 @@
-"""Typed messages between clients (CLI, batch runner, HTTP server) and the engine.
+"""Shared types at the bottom of the import graph: requests, results and the checks of
+their fields, used by every layer above (clients, engine, scheduler).
 
 T prompt tokens, N generated tokens, D hidden size.
 """
@@ -10,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
+
+
+TOKEN_ID_LIMIT = 0xFFFFFFE0  # token ids stay below the protocol's command words (docs/protocol.md)
 
 
 class RequestError(ValueError):
@@ -27,29 +31,29 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self, vocab_size: int) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (_is_real(self.temperature) and 0.0 <= self.temperature < math.inf):
+        if not (is_real(self.temperature) and 0.0 <= self.temperature < math.inf):
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
+        if not (is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise RequestError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (tuple, list)):
             raise RequestError(f"stop_token_ids must be a tuple of token ids, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:
-            if not (_is_int(t) and 0 <= t < vocab_size):
+            if not (is_int(t) and 0 <= t < vocab_size):
                 raise RequestError(f"stop token id {t!r} is outside the vocabulary [0, {vocab_size})")
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     """An integer, NumPy's included, but not a bool (True would pass as 1)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
-def _is_real(v) -> bool:
+def is_real(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
