@@ -1,20 +1,8 @@
-"""Paged KV block accounting with a prefix cache.
+"""Paged KV block accounting with a prefix cache, deterministic so every rank makes the same
+decisions from the same calls (docs/design.md, "Prefix cache").
 
-A sequence of ``L`` tokens holds ``L // block_size + 1`` blocks: always room for the
-next token. Blocks are identified by their physical id (the index into the runner's
-KV pool, see ``block_table``).
-
-Prefix cache: a *full* block is keyed by a chained hash of every token up to its end
-(seeded with the adapter id and a salt: a digest of the sequence's vision rows, since
-image placeholders are one token id whatever the image), so equal keys mean equal KV. Keyed blocks are reference counted
-and shared between sequences with the same prefix. A keyed block that no live sequence
-uses is *evictable*: it still counts as free, keeps its contents for a later hit, and
-is evicted least-recently-used only when the plain free list is empty.
-
-Every rank runs an identical copy driven by the same command stream, so everything
-here is deterministic: content hashes use ``hashlib`` (never the salted ``hash()``),
-queries (``match_prefix``, ``can_*``, ``num_*``) change no state, and the order in
-which blocks are handed out depends only on the order of calls.
+A sequence of ``L`` tokens holds ``L // block_size + 1`` blocks: always room for the next
+token. Blocks are identified by their index into the KV pool (``block_table``).
 """
 from __future__ import annotations
 

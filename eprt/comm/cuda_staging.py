@@ -1,16 +1,7 @@
-"""MPI on GPU arrays through pinned host memory: correct with any MPI, CUDA-aware or not.
-
-Two rules, both enforced here:
-1. The stream that produced a GPU array is synchronized before MPI touches its data: MPI
-   knows nothing of CUDA streams.
-2. MPI only ever sees host memory: the data goes through page-locked ("pinned") host
-   buffers, reused between calls, so the copies run at full PCIe/NVLink-C2C speed.
-
-The engine's MoE combine uses it around ``Transport.allsum``:
-    summed = transport.allsum(staging.send_buffer(partial))   # pinned host copy of the GPU array
-    result = staging.to_device(summed)                        # back on the GPU
-Host NumPy arrays pass through untouched. Handing device buffers straight to a CUDA-aware
-MPI would save the two copies; it is not done (it could not be tested here).
+"""MPI on GPU arrays through pinned host memory, correct with any MPI: the producing stream is
+synchronized before MPI touches the data, and MPI only sees reused page-locked host buffers.
+``transport.allsum(staging.send_buffer(partial))`` then ``staging.to_device(summed)``; host
+NumPy arrays pass through untouched (docs/gpu.md, "MPI with device buffers").
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The engine on rank 0, and ``launch_engine`` which builds one on every rank.
-
-    with launch_engine(args_or_config) as engine:    # workers serve inside and exit at SHUTDOWN
-        results = engine.generate([GenerationRequest([1, 2, 3])])
-
-MPI stays on the main thread: ``generate`` and ``serve_forever`` run the scheduler's
-ticks on the calling thread; other threads only ``submit`` (thread-safe) and wait on
-their handles.
+"""The engine on rank 0, and ``launch_engine`` which builds one on every rank:
+``with launch_engine(config) as engine: engine.generate([GenerationRequest([1, 2, 3])])``.
+MPI stays on the main thread: ``generate`` and ``serve_forever`` tick the scheduler on the
+calling thread; other threads only ``submit`` and wait on their handles.
 """
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""Bringing one rank up in lock-step with the others.
-
-Every step that can fail on one rank (a checkpoint missing on one node, a kernel that does not
-compile, no room for a KV pool, out of memory) runs inside ``step``, which ends with
-``Transport.startup_barrier``, so the job ends on every rank with the failing ranks named
-(``StartupFailed``) instead of hanging in the next exchange; nothing that can raise runs
-between two exchanges outside it. The steps:
-
-1. backend, kernels compiled (a cold NVRTC cache costs seconds; it must not eat into the
-   first timed collective), model loaded;
-2. the ranks compare how they compute: replicated work (attention, the router) must give the
-   same bits on every rank, or a near-tie routes a token to different experts on different
-   ranks and the combine counts an expert twice or not at all. Different GPU models, CUDA or
-   CuPy versions, backends, or NumPy/BLAS builds are refused, naming the ranks;
-3. the KV pool: each rank sizes it after every rank has loaded its weights, splitting the
-   budget between the ranks sharing one GPU, then all take the smallest (every rank's block
-   manager must make rank 0's decisions from the command stream alone);
-4. the pool is allocated.
+"""Bringing one rank up in lock-step with the others (docs/design.md, "One command stream"):
+every step that can fail on one rank runs inside ``step``, which ends with
+``Transport.startup_barrier``, so the job ends on every rank with the failing ranks named.
+Steps: backend and kernels, model; identical arithmetic across ranks; one KV pool size; allocation.
 """
 from __future__ import annotations
 

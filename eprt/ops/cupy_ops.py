@@ -1,15 +1,9 @@
 """The CuPy backend: raw CUDA kernels from ``kernels/*.cu`` plus cuBLAS for the dense GEMMs.
 
-Shape legend in ``base.py``. Storage: CuPy has no bfloat16 dtype, so activations, KV caches
-and weights are ``uint16`` arrays holding raw bfloat16 bits (``act_dtype``); the kernels
-read them as ``__nv_bfloat16`` and accumulate in fp32. Router weights and the MoE output
-are float32; index arrays int32. Only ``Ops`` methods may do arithmetic on activations:
-``xp`` arithmetic on a ``uint16`` array would treat the bits as integers.
-
-Every launch validates its arguments first (type, dtype, shape, contiguity and, for 16-byte
-vector loads, alignment) and raises naming the op and the argument. Index *contents*
-(slots, block tables, positions, token ids) are trusted: checking them would cost a
-device-to-host sync per call.
+Shape legend in ``base.py``. Activations, KV and weights are ``uint16`` raw bfloat16 bits
+(``act_dtype``; only ``Ops`` methods may do arithmetic on them); router weights and the MoE
+output float32, indices int32. Every launch checks its arguments' types, dtypes and shapes,
+not index contents (docs/gpu.md).
 """
 from __future__ import annotations
 

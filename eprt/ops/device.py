@@ -1,11 +1,5 @@
-"""Choosing the backend, binding a rank to its GPU, and sizing the KV pool on a GPU.
-
-Binding. Ranks on one node share its GPUs: a rank uses GPU ``local_rank % gpu_count``,
-with the local rank read from the launcher's environment (Open MPI, MPICH/Hydra and Intel
-MPI, Slurm, MVAPICH2). Call ``bind_local_gpu()`` before MPI is initialised (before the
-first ``from mpi4py import MPI``) and before any CUDA work: a CUDA-aware MPI creates its
-CUDA context on the current device during ``MPI_Init``, so binding afterwards would leave
-every rank with a stray context on GPU 0. ``get_ops("cuda")`` binds too (a no-op when done).
+"""Choosing the backend, binding a rank to its GPU (``local_rank % gpu_count``, before MPI
+initialises: docs/gpu.md, "Choosing the backend and the GPU"), and sizing the KV pool on a GPU.
 """
 from __future__ import annotations
 

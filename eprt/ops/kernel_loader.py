@@ -1,11 +1,6 @@
-"""Compile and cache the CUDA kernels of ``kernels/*.cu`` with ``cupy.RawModule``.
-
-Each ``.cu`` file is one module, compiled (NVRTC, C++17) the first time one of its kernels
-is asked for on a device, and cached per (file, device). ``KERNELS`` lists every entry
-point each file exports: ``tests/test_kernels_compile.py`` checks it against the PTX nvcc
-produces, so a renamed kernel fails in CI rather than on the first GPU run.
-
-The sources live in the repository's ``kernels/`` folder (or ``EPRT_KERNEL_DIR``).
+"""Compile (NVRTC, C++17) and cache per (file, device) the CUDA kernels of ``kernels/*.cu``
+(or ``EPRT_KERNEL_DIR``) with ``cupy.RawModule``. ``KERNELS`` lists every entry point each
+file exports; ``tests/test_kernels_compile.py`` checks it against the PTX nvcc produces.
 """
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Guards: the rules that end a sequence, and which finish reason each one gives.
-
-Per generated token, first match wins:
-  * an EOS id (unless ``ignore_eos``) or one of the request's ``stop_token_ids``: the
-    token is kept in the output but not streamed; reason ``stop``;
-  * the token budget (``max_tokens``) spent, or the context limit (``max_model_len``
-    tokens, prompt included) reached (``limit_verdict``): reason ``length``.
-At the end of every tick (``tick_verdict``), for each sequence not yet finished:
-  * its deadline has passed: guard ``request_timeout``, reason ``timeout``;
-  * its client cancelled it (or the engine is closing with cancel): reason ``stop``.
-Both also apply to queued requests that hold no slot yet: they end without ever being
-prefilled (``n=0``). A sequence that alone outgrows the whole KV pool ends with guard
-``kv_capacity`` and reason ``length`` (see the decode lane in scheduler.py).
+"""Guards: the rules that end a sequence and the finish reason each gives, per generated token
+(``is_stop_token``, ``limit_verdict``) and at the end of every tick (``tick_verdict``);
+the rules are in docs/scenarios.md ("One run").
 """
 from __future__ import annotations
 
