@@ -29,10 +29,10 @@ class Executor(Protocol):
     hidden_size: int  # width of one vision row (the model's hidden size)
 
     def prefill(self, slot: int, tokens: np.ndarray, chunk_start: int, chunk_len: int,
-                vision_rows: np.ndarray | None) -> None:
-        """Prefill ``tokens[chunk_start : chunk_start + chunk_len]`` into ``slot``.
-        ``tokens``: uint32 [full prompt]; ``vision_rows``: float32 [rows, hidden_size] to
-        scatter into the prompt's image placeholder positions, or None."""
+                vision_rows: np.ndarray | None) -> object:
+        """Prefill ``tokens[chunk_start : chunk_start + chunk_len]`` into ``slot`` (the return
+        value, logits on rank 0, is not used by workers). ``tokens``: uint32 [full prompt];
+        ``vision_rows``: float32 [rows, hidden_size] for the prompt's image placeholders, or None."""
 
     def decode(self, slots: list[int], tokens: list[int]) -> None:
         """One decode step; row r appends ``tokens[r]`` to ``slots[r]`` (DECODE_BATCH and
