@@ -12,10 +12,13 @@ import numpy as np
 
 from eprt import env
 from eprt.comm.transport import (DEFAULT_FRAME_WORDS, STARTUP_ERROR_BYTES, RootDown, StartupFailed, Transport,
-                                  WorkerFailed)
+                                  WorkerFailed, ranks_text)
 
 TAG_WORKER_ERROR = 1  # worker -> rank 0: utf-8 error text (the sender is the failing rank)
 TAG_ROOT_DOWN = 2     # rank 0 -> worker: utf-8 reason; rank 0 is going down without SHUTDOWN
+TAG_STATUS_ASK = 3    # rank 0 -> worker, on a watchdog expiry: "what are you waiting on?" (empty)
+TAG_STATUS = 4        # worker -> rank 0: utf-8 answer ("waiting on X, collective #N")
+STATUS_GRACE = 2.0    # s rank 0 waits for the answers before naming the ranks that gave none
 BUSY_SLEEP_MAX = 1e-4  # s, longest sleep between polls inside a compute-time collective
 IDLE_SLEEP_MAX = 5e-3  # s, longest sleep while a worker waits for its next command
 ABORT_GRACE = 0.5      # s between printing why and aborting, so the message reaches the terminal
@@ -36,6 +39,7 @@ class MpiTransport(Transport):
             raise ValueError(f"EPRT_COLLECTIVE_TIMEOUT must be > 0 seconds, got {self.timeout:g}")
         self._ctl, self._moe, self._err = self._world.Dup(), self._world.Dup(), self._world.Dup()
         self._inflight = False      # a wait was left by an exception: the comms are unusable
+        self._waiting_on = "nothing"  # what the current (or last) wait is for, for the hang report
         self._failed: WorkerFailed | None = None
         if self.rank == 0:
             atexit.register(self._at_exit)  # a rank 0 that dies of an exception still frees the workers
@@ -166,7 +170,12 @@ class MpiTransport(Transport):
         """Poll ``req`` to completion with growing sleeps, watching the error channel; a
         compute-time wait (not ``idle``) longer than the collective timeout aborts the job."""
         self._inflight = True
-        deadline = None if idle else time.monotonic() + self.timeout
+        self.collectives += 1
+        self._waiting_on = what
+        start = time.monotonic()
+        # A worker's watchdog waits a little longer than rank 0's, so rank 0 reports the hang.
+        deadline = None if idle else start + self.timeout + (0 if self.rank == 0 else STATUS_GRACE + 1.0)
+        self.waiting_since = None if idle else start
         delay, cap = 0.0, IDLE_SLEEP_MAX if idle else BUSY_SLEEP_MAX
         while not req.Test():
             self._check_channel()
@@ -174,6 +183,7 @@ class MpiTransport(Transport):
                 self._watchdog(what)
             time.sleep(delay)
             delay = min(cap, 2 * delay if delay else 1e-5)
+        self.waiting_since = None
         self._inflight = False
 
     def _check_channel(self) -> None:
@@ -181,6 +191,7 @@ class MpiTransport(Transport):
             reason = self._root_notice()
             if reason is not None:
                 raise RootDown(f"rank 0 is going down: {reason}")
+            self._answer_status_ask()
             return
         if self._failed is not None:
             raise self._failed
@@ -191,6 +202,31 @@ class MpiTransport(Transport):
             print(f"eprt: rank {src} failed: {text}", file=sys.stderr, flush=True)
             self._failed = WorkerFailed(src, text)
             raise self._failed
+
+    def _answer_status_ask(self) -> None:
+        status = self._MPI.Status()
+        if self._err.Iprobe(source=0, tag=TAG_STATUS_ASK, status=status):
+            self._recv_text(0, TAG_STATUS_ASK, status)
+            answer = f"waiting on {self._waiting_on} (collective #{self.collectives})".encode()
+            self._err.Send(np.frombuffer(answer, np.uint8), dest=0, tag=TAG_STATUS)
+
+    def hang_report(self) -> dict[int, str | None]:
+        """Rank 0, when a collective is overdue: ask every worker what it waits on; a rank that
+        does not answer within STATUS_GRACE (stopped, dead, or busy outside eprt) maps to None."""
+        empty = np.zeros(0, np.uint8)
+        asks = [self._err.Isend(empty, dest=k, tag=TAG_STATUS_ASK) for k in range(1, self.size)]
+        answers: dict[int, str | None] = dict.fromkeys(range(1, self.size))
+        deadline = time.monotonic() + STATUS_GRACE
+        status = self._MPI.Status()
+        while time.monotonic() < deadline and None in answers.values():
+            if self._err.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_STATUS, status=status):
+                src = status.Get_source()
+                answers[src] = self._recv_text(src, TAG_STATUS, status)
+            else:
+                time.sleep(BUSY_SLEEP_MAX)
+        for req in asks:
+            req.Test()
+        return answers
 
     def _root_notice(self) -> str | None:
         status = self._MPI.Status()
@@ -214,13 +250,20 @@ class MpiTransport(Transport):
             time.sleep(BUSY_SLEEP_MAX)
 
     def _watchdog(self, what: str) -> None:
+        report = ""
         if self.rank == 0:
             try:
                 self._check_channel()  # a worker's report explains the stall better than we can
             except WorkerFailed:
                 pass
+            answers = self.hang_report()
+            silent = [rank for rank, text in answers.items() if text is None]
+            report = "".join(f"\neprt: rank {rank}: {text}" for rank, text in answers.items() if text)
+            if silent:
+                report = (f"\neprt: {ranks_text(silent)} did not answer within {STATUS_GRACE:g} s (stopped, "
+                          f"dead, or busy outside eprt){report}")
         self._abort(f"eprt: rank {self.rank}: {what} did not complete within {self.timeout:g} s "
-                    "(EPRT_COLLECTIVE_TIMEOUT); a rank died or fell out of step; aborting the job")
+                    f"(EPRT_COLLECTIVE_TIMEOUT); a rank died or fell out of step; aborting the job{report}")
 
     def _abort(self, message: str) -> None:
         print(message, file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ failure rules: docs/protocol.md ("Framing", "Errors") and docs/design.md ("Failu
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -33,10 +34,10 @@ class StartupFailed(RuntimeError):
         by_text: dict = {}
         for rank, text in failures:           # the same error on many ranks is said once
             by_text.setdefault(text, []).append(rank)
-        super().__init__("; ".join(f"{_ranks(ranks)} could not start: {text}" for text, ranks in by_text.items()))
+        super().__init__("; ".join(f"{ranks_text(ranks)} could not start: {text}" for text, ranks in by_text.items()))
 
 
-def _ranks(ranks: list) -> str:
+def ranks_text(ranks: list) -> str:
     """"rank 3", "ranks 0, 2" or "ranks 0-8"."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
@@ -77,12 +78,19 @@ class Transport:
         self.rank, self.size = rank, size
         self.stats = CommStats()
         self.frame_words = frame_words
+        self.collectives = 0                   # collectives this rank has started
+        self.waiting_since: float | None = None  # monotonic start of the compute-time wait in progress
         self._out = np.zeros(frame_words, np.uint32)  # word 0: count, then the pending words
         self._n = 1
         self._shutdown_sent = False
         self.closed = False
 
     # -- rank 0 ------------------------------------------------------------------------------
+    def stalled_s(self) -> float:
+        """Seconds the compute-time collective in progress has been waiting (0.0 when none)."""
+        since = self.waiting_since
+        return 0.0 if since is None else time.monotonic() - since
+
     @property
     def pending_words(self) -> int:
         """Words queued by ``send`` and not yet flushed."""

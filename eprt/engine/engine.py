@@ -30,6 +30,7 @@ from eprt.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("eprt.engine")
 STATS_LOG_INTERVAL_S = 10.0     # how often a busy engine logs its counters and KV accounting
+HEALTH_STALL_S = 5.0            # a collective waiting this long makes health() fail, before the watchdog
 
 
 class Handle:
@@ -64,6 +65,7 @@ class Engine:
         self._counters = {"requests_finished": 0, "generation_tokens": 0, "cached_tokens": 0,
                           "prompt_tokens": 0}
         self._closed = False
+        self.failed: Optional[str] = None   # why the engine stopped serving, once it has
         self._next_log = time.monotonic() + STATS_LOG_INTERVAL_S
 
     # ---- clients (any thread) ------------------------------------------------------------
@@ -142,12 +144,24 @@ class Engine:
         try:
             self.scheduler.step()
         except BaseException as e:   # a failed rank or model error: no request waits forever
-            self.scheduler.fail_all(f"engine failed: {type(e).__name__}: {e}")
+            self.failed = f"engine failed: {type(e).__name__}: {e}"
+            self.scheduler.fail_all(self.failed)
             raise
         now = time.monotonic()
         if now >= self._next_log:
             self._next_log = now + STATS_LOG_INTERVAL_S
             log.info("%s", self.stats_line())
+
+    def health(self) -> Optional[str]:
+        """None while the engine can serve; otherwise why not (any thread): it failed, or a
+        collective has waited over HEALTH_STALL_S (a rank stopped or died; the watchdog ends
+        the job at EPRT_COLLECTIVE_TIMEOUT)."""
+        if self.failed is not None:
+            return self.failed
+        stalled = self.transport.stalled_s()
+        if stalled > HEALTH_STALL_S:
+            return f"a collective has waited {stalled:.0f} s: a rank may be stopped or dead"
+        return None
 
     def stats_line(self) -> str:
         s = self.stats()

@@ -62,6 +62,9 @@ def test_stalled_worker_trips_the_watchdog():
     rc, output, _ = launch("stall")
     assert rc != 0, output
     assert f"the MoE combine did not complete within {TIMEOUT} s (EPRT_COLLECTIVE_TIMEOUT)" in output, output
+    # the hang report names the rank that is stuck and says what the others wait on
+    assert "eprt: rank 1 did not answer within 2 s (stopped, dead, or busy outside eprt)" in output, output
+    assert "eprt: rank 2: waiting on the MoE combine (collective #" in output, output
 
 
 def test_rank0_failure_releases_idle_workers():
