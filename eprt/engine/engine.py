@@ -23,7 +23,7 @@ from eprt.comm.logging import setup_logging
 from eprt.comm.slots import StreamChecker
 from eprt.comm.transport import StartupFailed, open_transport
 from eprt.comm.worker import run_worker
-from eprt.engine.api import GenerationRequest, GenerationResult, RequestError
+from eprt.engine.api import ENGINE_FAILED, GenerationRequest, GenerationResult, RequestError
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
@@ -146,7 +146,7 @@ class Engine:
         try:
             self.scheduler.step()
         except BaseException as e:   # a failed rank or model error: no request waits forever
-            self.scheduler.fail_all(f"engine failed: {type(e).__name__}: {e}")
+            self.scheduler.fail_all(f"{ENGINE_FAILED}: {type(e).__name__}: {e}")
             raise
         now = time.monotonic()
         if now >= self._next_log:
