@@ -20,6 +20,10 @@ class RequestError(ValueError):
     """A request that cannot be served as given; the message names the problem."""
 
 
+class EngineClosed(RequestError):
+    """The engine is shutting down (or broke) and takes no new requests: not the request's fault."""
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -87,3 +91,12 @@ class GenerationResult:
         if self.error is not None:
             d["error"] = self.error
         return d
+
+
+ENGINE_FAILED = "engine failed"     # how an error result's message begins when the engine broke, not the request
+
+
+def is_engine_failure(result: GenerationResult) -> bool:
+    """Whether ``result`` ended because the engine broke (a rank died, a model error), so the
+    same request may well succeed when run again, rather than because of the request itself."""
+    return result.finish_reason == "error" and (result.error or "").startswith(ENGINE_FAILED + ":")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from eprt.api import ENGINE_FAILED, EngineClosed
 from eprt.serve.batch import run_batch
 from fake_engine import FakeEngine
 
@@ -101,8 +102,9 @@ def test_rerun_skips_finished_ids_and_repairs_a_torn_line(tmp_path):
     inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "aa"}, {"id": "b", "prompt": "bb"},
                                               {"prompt": "no id"}, {"id": "c", "prompt": "cc"}])
     out = tmp_path / "out.jsonl"
-    out.write_text(json.dumps({"id": "a", "line": 1, "text": "aa", "finish_reason": "stop"}) + "\n"
-                   + json.dumps({"id": None, "line": 3, "text": "no id", "finish_reason": "stop"}) + "\n"
+    assert run(FakeEngine(), inp, out)[0] == 0
+    kept = [r for r in read_records(out) if r["line"] in (1, 3)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in kept)
                    + '{"id": "c", "line": 4, "te')            # a crash in the middle of a write
     engine = FakeEngine()
     rc, log = run(engine, inp, out)
@@ -138,6 +140,7 @@ INTERRUPTIBLE = """
 import sys
 sys.path.insert(0, {tests!r})
 from fake_engine import FakeEngine
+from eprt.api import ENGINE_FAILED, EngineClosed
 from eprt.serve.batch import run_batch
 sys.exit(run_batch(FakeEngine(token_delay=0.01, max_batch=2), {inp!r}, {out!r}, in_flight=2))
 """
@@ -183,6 +186,187 @@ def test_progress_line_and_fatal_errors(tmp_path):
     foreign = write_lines(tmp_path / "foreign.jsonl", ["not written by eprt run"])
     rc, _ = run(FakeEngine(), inp, foreign)
     assert rc == 2 and foreign.read_text() == "not written by eprt run\n"
+
+
+# ---- records keyed by id or content (not line number), a lock on the output, engine failures -----------
+
+def test_inserting_and_editing_lines_between_runs_is_safe(tmp_path):
+    """Was: keyed by line number, an inserted first line answered some prompts twice and never itself."""
+    rows = [{"id": "a", "prompt": "aa"}, {"prompt": "no id"}, {"prompt": "same"}, {"prompt": "same"},
+            {"id": "b", "prompt": "bb"}]
+    inp = write_lines(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    rc, _ = run(FakeEngine(), inp, out)
+    assert rc == 0 and len(read_records(out)) == 5
+    edited = [{"prompt": "new first"}, {"id": "new", "prompt": "nn"}] + rows[:1] \
+        + [{"prompt": "no id, edited"}] + rows[2:] + [{"prompt": "same"}]    # inserted, edited, a third copy
+    write_lines(inp, edited)
+    engine = FakeEngine()
+    rc, log = run(engine, inp, out)
+    assert rc == 0 and "4 skipped as already done" in log
+    assert sorted(r.prompt_ids for r in engine.submitted) == sorted(list(p.encode()) for p in
+                                                                    ["new first", "nn", "no id, edited", "same"])
+    records = read_records(out)
+    texts = sorted(r["text"] for r in records)
+    assert texts == sorted(["aa", "no id", "same", "same", "bb", "new first", "nn", "no id, edited", "same"])
+    assert {r.get("copy", 1) for r in records if r["text"] == "same"} == {1, 2, 3}
+    rc, log = run(FakeEngine(), inp, out)                           # nothing left
+    assert rc == 0 and "wrote 0 results" in log
+
+
+def test_duplicate_ids_are_per_line_errors_that_stay_recorded(tmp_path):
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": "x", "prompt": "one"}, {"id": "x", "prompt": "two"},
+                                              {"id": "x", "prompt": "two"}, {"id": "y", "prompt": "three"}])
+    out = tmp_path / "out.jsonl"
+    rc, _ = run(FakeEngine(), inp, out)
+    records = {r["line"]: r for r in read_records(out)}
+    assert rc == 0 and sorted(records) == [1, 2, 3, 4]
+    assert records[1]["text"] == "one"
+    for line in (2, 3):
+        assert records[line]["duplicate_of"] == 1 and "duplicate id 'x' (first used on line 1)" in records[line]["error"]
+    write_lines(inp, [{"id": "y", "prompt": "three"}, {"id": "x", "prompt": "one"}, {"id": "x", "prompt": "two"},
+                      {"id": "x", "prompt": "two"}])                # moved around: still all done
+    engine = FakeEngine()
+    rc, log = run(engine, inp, out)
+    assert rc == 0 and "wrote 0 results" in log and engine.submitted == [] and len(read_records(out)) == 4
+
+
+def test_a_second_run_on_the_same_output_fails_at_once(tmp_path):
+    """Was: two runs on one output wrote every line twice."""
+    ids = [f"r{i}" for i in range(8)]
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": "z" * 20, "max_tokens": 20} for i in ids])
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE.format(tests=str(TESTS), inp=str(inp), out=str(out))],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (out.exists() and out.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, "no results from the first run"
+            time.sleep(0.01)
+        engine = FakeEngine()
+        started = time.monotonic()
+        with _stderr() as err:
+            rc, _ = run(engine, inp, out)
+        assert rc == 2 and time.monotonic() - started < 5 and engine.submitted == []
+        assert f"{out} is being written by another eprt run" in err.getvalue()
+        assert proc.poll() is None                                  # the first run was not disturbed
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert sorted(r["id"] for r in read_records(out)) == ids        # each exactly once
+    rc, log = run(FakeEngine(), inp, out)                           # the lock went with the first run
+    assert rc == 0 and "wrote 0 results" in log
+
+
+def test_a_held_lock_refuses_before_touching_the_output(tmp_path):
+    import fcntl
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "aa"}])
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "z", "line": 1, "te')                    # a torn line is not repaired by the loser
+    with open(out, "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with _stderr() as err:
+            rc, _ = run(FakeEngine(), inp, out)
+    assert rc == 2 and "being written by another eprt run" in err.getvalue()
+    assert out.read_text() == '{"id": "z", "line": 1, "te'
+
+
+class _stderr:
+    """Capture sys.stderr (where run_batch reports fatal errors)."""
+    def __enter__(self):
+        self._old, sys.stderr = sys.stderr, io.StringIO()
+        return sys.stderr
+
+    def __exit__(self, *exc):
+        sys.stderr = self._old
+
+
+class DyingEngine(FakeEngine):
+    """Fails as the real engine does when a rank dies: after ``die_after`` steps every request in
+    flight ends with an engine-failure error, serve_forever raises, and submit refuses."""
+
+    def __init__(self, die_after: int, **kw):
+        super().__init__(**kw)
+        self.die_after, self.steps, self.dead = die_after, 0, False
+
+    def submit(self, req, on_finish=None):
+        if self.dead:
+            raise EngineClosed("the engine is shutting down and accepts no new requests")
+        return super().submit(req, on_finish)
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps <= self.die_after:
+            return super().step()
+        with self._lock:
+            self.dead = True
+            for seq in list(self._running) + list(self._waiting):
+                self._finish(seq, "error", f"{ENGINE_FAILED}: RuntimeError: rank 1 died")
+        raise RuntimeError("rank 1 died")
+
+
+def test_lines_cut_short_by_an_engine_failure_run_again_on_resume(tmp_path):
+    """Was: written as error records and skipped forever on resume."""
+    rows = [{"id": "bad", "prompt": "x", "temperature": -1}, {"id": "fail", "prompt": "FAIL now"}] \
+        + [{"id": f"r{i}", "prompt": "y" * 12, "max_tokens": 12} for i in range(10)]
+    inp = write_lines(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        run(DyingEngine(die_after=5, max_batch=3), inp, out, in_flight=6)
+    first = {r["id"]: r for r in read_records(out)}
+    assert "temperature" in first["bad"]["error"] and "fake engine failure" in first["fail"]["error"]
+    assert not any("engine failed" in r.get("error", "") for r in first.values())
+    assert len(first) < len(rows)
+    engine = FakeEngine()
+    rc, log = run(engine, inp, out)
+    assert rc == 0
+    assert sorted(r.request_id for r in engine.submitted) == sorted(f"r{i}" for i in range(10) if f"r{i}" not in first)
+    records = read_records(out)
+    assert sorted(r["id"] for r in records) == sorted(r["id"] for r in rows)    # each exactly once
+    assert all(r["text"] == "y" * 12 for r in records if r["id"].startswith("r"))
+
+
+def test_engine_failure_records_of_older_versions_are_retried(tmp_path):
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "aa"}, {"id": "b", "prompt": "bb"}])
+    out = tmp_path / "out.jsonl"
+    write_lines(out, [{"id": "a", "line": 1, "finish_reason": "error", "token_ids": [],
+                       "error": "engine failed: RuntimeError: rank 1 exited"},
+                      {"id": "b", "line": 2, "error": "temperature must be a finite number >= 0"}])
+    engine = FakeEngine()
+    rc, _ = run(engine, inp, out)
+    assert rc == 0 and [r.request_id for r in engine.submitted] == ["a"]
+
+
+def test_sigterm_drains_running_lines_and_leaves_queued_ones_for_resume(tmp_path):
+    """SLURM's --signal=TERM: running requests finish and are recorded, queued ones are cancelled and
+    not recorded; the job exits 1 promptly and a rerun completes every line exactly once."""
+    ids = [f"r{i}" for i in range(12)]
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": f"{i}: " + "z" * 30, "max_tokens": 40}
+                                              for i in ids])
+    out = tmp_path / "out.jsonl"
+    script = INTERRUPTIBLE.replace("in_flight=2", "in_flight=12")
+    proc = subprocess.Popen([sys.executable, "-c", script.format(tests=str(TESTS), inp=str(inp), out=str(out))],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (out.exists() and out.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, "no results from the batch job"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 1
+        assert "run the same command again to resume" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    first = read_records(out)
+    assert 1 <= len(first) <= 6                                     # queued lines were not run to the end
+    assert all(r["text"] == r["id"] + ": " + "z" * 30 for r in first)   # nothing partial recorded
+    rc, _ = run(FakeEngine(), inp, out)
+    assert rc == 0
+    assert sorted(r["id"] for r in read_records(out)) == sorted(ids)
 
 
 @pytest.mark.slow

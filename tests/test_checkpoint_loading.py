@@ -1,6 +1,7 @@
 """Checkpoint loading: sharded files, dtypes, generation_config EOS ids, clear errors."""
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -175,3 +176,144 @@ def test_corrupt_shard_index_is_named(tmp_path):
     index.write_text(json.dumps({"weight_map": {"a": 3}}))
     with pytest.raises(CheckpointError, match="has no weight_map of tensor names to file names"):
         SafetensorsCheckpoint(str(tmp_path))
+
+
+# ---- every tensor checked against the config at load: shapes and values ------------------------------
+
+def _copy_with(src, dst, config_changes=None, tensor_changes=None) -> str:
+    """A copy of checkpoint ``src`` with config.json fields and/or tensors replaced."""
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(src, dst)
+    if config_changes:
+        raw = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**raw, **config_changes}))
+    if tensor_changes:
+        tensors = load_file(dst / "model.safetensors")
+        for name, change in tensor_changes.items():
+            tensors[name] = change(tensors[name].copy())
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def _shape_error(tensor: str, got: tuple, want: tuple, field: str) -> str:
+    return (rf"tensor '{tensor.replace('.', chr(92) + '.')}' has shape {re.escape(str(got))} "
+            rf"but the config implies {re.escape(str(want))} \(.*{re.escape(field)}")
+
+
+@pytest.mark.parametrize("arch, change, tensor, got, want, field", [
+    # the issue's case: vocab_size 1000 over a 256-row embedding (a request with id 700 crashed the job)
+    ("mixtral", {"vocab_size": 1000}, "model.embed_tokens.weight", (256, 64), (1000, 64), "vocab_size=1000"),
+    ("qwen3_moe", {"vocab_size": 200}, "model.embed_tokens.weight", (256, 64), (200, 64), "vocab_size=200"),
+    ("mixtral", {"hidden_size": 32}, "model.embed_tokens.weight", (256, 64), (256, 32), "hidden_size=32"),
+    ("qwen3_moe", {"num_experts": 4}, "model.layers.0.mlp.gate.weight", (6, 64), (4, 64), "num_experts=4"),
+    ("mixtral", {"num_local_experts": 8}, "model.layers.0.block_sparse_moe.gate.weight", (6, 64), (8, 64),
+     "num_local_experts=8"),
+    ("qwen3_moe", {"num_attention_heads": 8}, "model.layers.0.self_attn.q_proj.weight", (64, 64), (128, 64),
+     "num_attention_heads*head_dim=128"),
+    ("olmoe", {"num_key_value_heads": 4}, "model.layers.0.self_attn.k_proj.weight", (32, 64), (64, 64),
+     "num_key_value_heads*head_dim=64"),
+    ("qwen3_moe", {"head_dim": 8}, "model.layers.0.self_attn.q_proj.weight", (64, 64), (32, 64),
+     "num_attention_heads*head_dim=32"),
+    ("qwen3_moe", {"moe_intermediate_size": 32}, "model.layers.0.mlp.experts.0.gate_proj.weight", (48, 64),
+     (32, 64), "moe_intermediate_size=32"),
+    ("qwen3_moe", {"intermediate_size": 80}, "model.layers.1.mlp.gate_proj.weight", (96, 64), (80, 64),
+     "intermediate_size=80"),
+    ("mixtral", {"intermediate_size": 80}, "model.layers.0.block_sparse_moe.experts.0.w1.weight", (96, 64),
+     (80, 64), "intermediate_size=80"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 40}, "model.layers.1.mlp.shared_expert.gate_proj.weight",
+     (80, 64), (40, 64), "shared_expert_intermediate_size=40"),
+])
+def test_config_disagreeing_with_a_tensor_names_tensor_and_shapes(checkpoint, tmp_path, arch, change, tensor,
+                                                                    got, want, field):
+    path = _copy_with(checkpoint(arch), tmp_path / "ck", config_changes=change)
+    with pytest.raises(CheckpointError, match=_shape_error(tensor, got, want, field)):
+        load_model(path, NumpyOps(), 64)
+
+
+def test_expert_count_is_checked_on_a_rank_that_reads_few_experts(checkpoint, tmp_path):
+    """num_experts 4 over 6 stored experts: rank 0 of 2 reads experts 0-1 only, and still refuses."""
+    path = _copy_with(checkpoint("qwen3_moe"), tmp_path / "ck", config_changes={"num_experts": 4})
+    with pytest.raises(CheckpointError, match=r"mlp\.gate\.weight' has shape \(6, 64\).*num_experts=4"):
+        load_model(path, NumpyOps(), 64, rank=0, world=2)
+
+
+def test_lm_head_rows_are_checked_against_vocab_size(checkpoint, tmp_path):
+    path = _copy_with(checkpoint("qwen2_moe"), tmp_path / "ck",
+                      tensor_changes={"lm_head.weight": lambda a: a[:200]})
+    with pytest.raises(CheckpointError, match=_shape_error("lm_head.weight", (200, 64), (256, 64), "vocab_size=256")):
+        load_model(path, NumpyOps(), 64)
+
+
+def test_fused_expert_tensors_are_checked(checkpoint, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    path = tmp_path / "ck"
+    shutil.copytree(checkpoint("qwen3_moe"), path)
+    tensors = load_file(path / "model.safetensors")
+    for layer in (0, 2):
+        p = f"model.layers.{layer}.mlp.experts"
+        gate_up = [np.concatenate([tensors.pop(f"{p}.{e}.gate_proj.weight"), tensors.pop(f"{p}.{e}.up_proj.weight")])
+                   for e in range(6)]
+        tensors[f"{p}.gate_up_proj"] = np.stack(gate_up)
+        tensors[f"{p}.down_proj"] = np.stack([tensors.pop(f"{p}.{e}.down_proj.weight") for e in range(6)])
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    a = load_model(checkpoint("qwen3_moe"), NumpyOps(), 64).model.w
+    b = load_model(str(path), NumpyOps(), 64, rank=1, world=2).model.w
+    np.testing.assert_array_equal(a.layers[2].w_down[3:], b.layers[2].w_down)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "moe_intermediate_size": 24}))
+    with pytest.raises(CheckpointError, match=_shape_error("model.layers.0.mlp.experts.gate_up_proj", (6, 96, 64),
+                                                           (6, 48, 64), "2*moe_intermediate_size=48")):
+        load_model(str(path), NumpyOps(), 64, rank=1, world=2)
+
+
+def _poison(value, index=(3, 5)):
+    def change(a):
+        a[index] = value
+        return a
+    return change
+
+
+@pytest.mark.parametrize("arch, dtype, tensor, value", [
+    ("mixtral", "float32", "model.layers.1.block_sparse_moe.experts.4.w2.weight", np.nan),
+    ("qwen3_moe", "float32", "model.embed_tokens.weight", np.inf),
+    ("qwen2_moe", "float32", "model.layers.2.self_attn.v_proj.weight", -np.inf),
+    ("mixtral", "float16", "lm_head.weight", np.inf),
+    ("mixtral", "bfloat16", "model.layers.0.block_sparse_moe.experts.1.w1.weight", np.nan),
+    ("mixtral", "bfloat16", "model.layers.0.self_attn.o_proj.weight", -np.inf),
+])
+def test_nan_or_inf_weights_are_refused_naming_the_tensor(checkpoint, tmp_path, arch, dtype, tensor, value):
+    src = checkpoint(arch, dtype=dtype)
+    if dtype == "bfloat16":     # safetensors.numpy has no bfloat16: set the raw bits (NaN 0x7FC0, -Inf 0xFF80)
+        bits = np.uint16(0x7FC0) if np.isnan(value) else np.uint16(0xFF80)
+        path = tmp_path / "ck"
+        shutil.copytree(src, path)
+        ck = SafetensorsCheckpoint(str(path))
+        info = ck.info(tensor)
+        ck.close()
+        with open(info.file, "r+b") as f:
+            f.seek(info.start + 2 * 77)
+            f.write(bits.tobytes())
+    else:
+        path = _copy_with(src, tmp_path / "ck", tensor_changes={tensor: _poison(value)})
+    with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(tensor)}' holds 1 NaN/Inf value\(s\)"):
+        load_model(str(path), NumpyOps(), 64)
+
+
+def test_nan_in_an_expert_another_rank_owns_does_not_stop_this_rank(checkpoint, tmp_path):
+    tensor = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
+    path = _copy_with(checkpoint("mixtral"), tmp_path / "ck", tensor_changes={tensor: _poison(np.nan)})
+    load_model(path, NumpyOps(), 64, rank=0, world=2)           # experts 0-2
+    with pytest.raises(CheckpointError, match=re.escape(tensor)):
+        load_model(path, NumpyOps(), 64, rank=1, world=2)       # experts 3-5
+
+
+def test_generate_with_nan_weights_exits_nonzero_naming_the_tensor(checkpoint, tmp_path):
+    """Was: token 0 forever and exit status 0."""
+    import subprocess
+    import sys
+    tensor = "model.layers.0.self_attn.q_proj.weight"
+    path = _copy_with(checkpoint("olmoe"), tmp_path / "ck", tensor_changes={tensor: _poison(np.nan)})
+    proc = subprocess.run([sys.executable, "-m", "eprt", "generate", "--model", path, "--prompt-ids", "5,6,7",
+                           "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert tensor in proc.stderr and "NaN/Inf" in proc.stderr

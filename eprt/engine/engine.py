@@ -19,7 +19,7 @@ from eprt.comm.logging import setup_logging
 from eprt.comm.transport import StartupFailed
 from eprt.comm.world import open_transport
 from eprt.comm.worker import run_worker
-from eprt.api import GenerationRequest, GenerationResult, RequestError
+from eprt.api import ENGINE_FAILED, GenerationRequest, GenerationResult, RequestError
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
@@ -144,7 +144,7 @@ class Engine:
         try:
             self.scheduler.step()
         except BaseException as e:   # a failed rank or model error: no request waits forever
-            self.failed = f"engine failed: {type(e).__name__}: {e}"
+            self.failed = f"{ENGINE_FAILED}: {type(e).__name__}: {e}"
             self.scheduler.fail_all(self.failed)
             raise
         now = time.monotonic()

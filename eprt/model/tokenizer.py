@@ -1,43 +1,123 @@
 """Tokenizers: a checkpoint's ``tokenizer.json`` (the ``tokenizers`` package) or bytes.
 
 Both expose ``encode(text) -> ids``, ``decode(ids) -> text``, ``eos_token_ids`` and
-``apply_chat_template(messages) -> str``.
+``apply_chat_template(messages) -> text``. Text is encoded and chat templates rendered as
+transformers does (docs/tokenizer.md): special tokens by the tokenizer's own post-processor,
+none added to a rendered chat, templates in transformers' Jinja environment.
 """
 from __future__ import annotations
 
 import json
 import os
+from datetime import datetime
 from typing import Optional
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"      # where transformers >= 4.53 / 5.x saves the template
+
+
+class TokenizerFileError(ValueError):
+    """A tokenizer file eprt cannot read; the message names the file and the field."""
+
+
+class ChatPrompt(str):
+    """Text rendered by a chat template. It already holds the special tokens the template
+    wrote (a BOS, role markers), so ``encode`` adds none, as transformers'
+    ``apply_chat_template(tokenize=True)`` encodes with ``add_special_tokens=False``."""
+
+
+def _raise_exception(message):
+    raise ValueError(f"chat template: {message}")
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' ``tojson``: plain ``json.dumps`` (Jinja's own escapes HTML characters)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+def compile_chat_template(source: str):
+    """A chat template compiled in transformers' environment: sandboxed and immutable, trim_blocks,
+    lstrip_blocks, loopcontrols, ``{% generation %}`` blocks, ``raise_exception``, ``strftime_now``,
+    ``tojson`` without HTML escaping, and a namespace that refuses underscore attributes."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        """``{% generation %}...{% endgeneration %}`` (assistant-mask markers) render their body."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"chat template: namespace attribute {name!r} is not allowed")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=TemplateNamespace)
+    return env.from_string(source)
 
 
 class Tokenizer:
     def __init__(self, tok, eos_token_ids, chat_template: Optional[str] = None, bos_token: str = "",
-                 eos_token: str = ""):
+                 eos_token: str = "", special_tokens: Optional[dict] = None):
         self._tok = tok
         self.eos_token_ids = list(eos_token_ids)
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
+        # what a template sees besides its messages: every named special token (bos_token, eos_token, ...)
+        self.special_tokens = {**(special_tokens or {}), "bos_token": bos_token, "eos_token": eos_token}
+        self._bos_id = tok.token_to_id(bos_token) if tok is not None and bos_token else None
+        self._compiled = None
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: Optional[bool] = None) -> list[int]:
+        """Token ids of ``text``. By default special tokens are added as the tokenizer's own
+        post-processor says (a Llama/Mixtral tokenizer prepends BOS), except to a ``ChatPrompt``,
+        which carries its own; a text that already starts with BOS gets no second one."""
+        add = not isinstance(text, ChatPrompt) if add_special_tokens is None else add_special_tokens
+        ids = list(self._tok.encode(str(text), add_special_tokens=add).ids)
+        if add and self._bos_id is not None and ids[:2] == [self._bos_id, self._bos_id] \
+                and text.startswith(self.bos_token):
+            del ids[0]                  # the text's own BOS: BOS exactly once
+        return ids
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The checkpoint's template rendered in a sandbox (templates are data from the
-        checkpoint); a template's own ``raise_exception(msg)`` becomes ValueError(msg)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False):
+        """The checkpoint's template rendered in a sandbox (templates are data from the checkpoint),
+        as a ``ChatPrompt`` (or its ids with ``tokenize=True``); a template's own
+        ``raise_exception(msg)`` becomes ValueError(msg)."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # only needed for chat
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
+        if self._compiled is None:
+            self._compiled = compile_chat_template(self.chat_template)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]   # as transformers drops None
+        text = ChatPrompt(self._compiled.render(**self.special_tokens, messages=messages, tools=None,
+                                                documents=None, add_generation_prompt=add_generation_prompt))
+        return self.encode(text) if tokenize else text
 
 
 class ByteTokenizer:
@@ -49,18 +129,54 @@ class ByteTokenizer:
         self.eos_token_ids = [self.EOS]
         self.chat_template = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: Optional[bool] = None) -> list[int]:
+        """The text's bytes; the default model was built without BOS, so none is ever added."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False):
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        text += "<|assistant|>\n" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
 
 
 def _token_text(v) -> str:
     return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except ValueError as e:         # JSONDecodeError, UnicodeDecodeError
+        raise TokenizerFileError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise TokenizerFileError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _config_template(value, path: str) -> Optional[str]:
+    """``chat_template`` of tokenizer_config.json: a string, or a list of {name, template} (the "default" one)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
+        named = {t.get("name"): t["template"] for t in value}
+        return named.get("default")
+    raise TokenizerFileError(f"{path} field 'chat_template' must be a string or a list of "
+                             f"{{name, template}} objects, got {type(value).__name__}")
+
+
+def load_chat_template(model_dir: str, tokenizer_config: dict) -> Optional[str]:
+    """``chat_template.jinja`` (transformers 5.x) first, as transformers reads it, else tokenizer_config.json's."""
+    path = os.path.join(model_dir, CHAT_TEMPLATE_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    return _config_template(tokenizer_config.get("chat_template"),
+                            os.path.join(model_dir, "tokenizer_config.json"))
 
 
 def load_tokenizer(model_dir: str, cfg) -> Optional[Tokenizer]:
@@ -70,14 +186,12 @@ def load_tokenizer(model_dir: str, cfg) -> Optional[Tokenizer]:
     from tokenizers import Tokenizer as HFTokenizer
 
     tok = HFTokenizer.from_file(path)
-    template, bos, eos = None, "", ""
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
-    if os.path.isfile(cfg_path):
-        with open(cfg_path) as f:
-            tc = json.load(f)
-        template = tc.get("chat_template")
-        bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
+    tc = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+    special = {k: _token_text(v) for k, v in tc.items()
+               if k.endswith("_token") and (isinstance(v, str) or isinstance(v, dict) and "content" in v)}
+    bos, eos = special.get("bos_token", ""), special.get("eos_token", "")
     eos_ids = list(cfg.eos_token_ids)
     if eos and tok.token_to_id(eos) is not None and tok.token_to_id(eos) not in eos_ids:
         eos_ids.append(tok.token_to_id(eos))
-    return Tokenizer(tok, eos_ids, template, bos, eos)
+    return Tokenizer(tok, eos_ids, load_chat_template(model_dir, tc), bos, eos, special)

@@ -5,7 +5,7 @@ import threading
 from collections import deque
 from typing import Callable, Optional
 
-from eprt.api import RequestError
+from eprt.api import EngineClosed
 
 
 class Inbox:
@@ -19,7 +19,7 @@ class Inbox:
     def put(self, item) -> None:
         with self._cv:
             if self._closed:
-                raise RequestError("the engine is shutting down and accepts no new requests")
+                raise EngineClosed("the engine is shutting down and accepts no new requests")
             self._items.append(item)
             self._cv.notify_all()
 

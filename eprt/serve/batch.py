@@ -8,18 +8,21 @@ Input, one JSON object per line (blank lines are ignored)::
 ``id`` (string or integer) is optional; the fields after the prompt are those of
 ``eprt.serve.params`` (max_tokens defaults to 16, as in OpenAI's completions API).
 
-Output, one line per input line in the order requests FINISH (each written and flushed
-at once): the result, ``GenerationResult.to_json()`` plus ``"line"`` (the input line
-number), or ``{"id": ..., "line": N, "error": "..."}`` for a line that could not be
-served. A bad line never stops the job; the exit code is 0 and the summary says how
-many failed. Running the same command again skips every line whose id (or, without an
-id, whose line number) is already in the output, so an interrupted job resumes where
-it stopped; delete a line from the output to run it again. A line repeating an earlier
-line's id is an error; its record carries ``"duplicate_of"`` (the first line's number)
-and is keyed by its own line number, so it never marks the first line as done.
+Output, one line per input line in the order requests FINISH (each written and flushed at
+once): ``GenerationResult.to_json()`` plus ``"line"`` (its input line number, for reading)
+and ``"input_hash"`` (SHA-256 of the line's JSON), or ``{"id", "line", "input_hash", "error"}``
+for a line that cannot be served. A bad line never stops the job. Resume: running the same
+command again answers every line not yet in the output. A line is known by its ``id``, or,
+without one, by its content hash (and which identical copy it is), never by its position, so
+lines may be inserted or edited between runs. A repeated id is a per-line error (its record
+has ``"duplicate_of"``). Lines cut short because the engine failed or the job was stopped
+are not recorded, so they run again; the exit status is then 1. One ``eprt run`` at a time
+may write an output file (it is locked): a second one fails at once. See docs/serving.md.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -29,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from eprt.api import GenerationRequest, RequestError, SamplingParams
+from eprt.api import EngineClosed, GenerationRequest, RequestError, SamplingParams, is_engine_failure
 from eprt.serve.loop import EngineLoop
 from eprt.serve.params import FieldError, check_text, encode_prompt, parse_options, parse_token_ids
 from eprt.serve.progress import Progress
@@ -61,18 +64,30 @@ def main(args) -> int:
 
 @dataclass
 class Line:
-    number: int                   # 1-based line number in the input
+    number: int                   # 1-based line number in the input (reported, never a key)
     id: object                    # the line's "id" (str or int), None when it has none
+    digest: str                   # SHA-256 of the line's canonical JSON (of its bytes if not JSON)
     obj: Optional[dict] = None    # the parsed line, None when it is not a JSON object
     error: Optional[str] = None   # why the line cannot be served, found before submission
     duplicate_of: Optional[int] = None  # number of the earlier line with the same id
+    copy: int = 1                 # which identical copy of its key this line is (1, 2, ...)
 
     @property
     def key(self) -> tuple:
-        """What marks this line done in the output: its id, else (no id, or a repeated id) its number."""
-        if self.id is None or self.duplicate_of is not None:
-            return ("line", self.number)
-        return ("id", json.dumps(self.id))
+        """What marks this line done in the output: its id; without an id its content hash;
+        a repeated id is an error keyed by id and content. Copies of one key are counted."""
+        if self.duplicate_of is not None:
+            return ("duplicate", json.dumps(self.id), self.digest, self.copy)
+        if self.id is not None:
+            return ("id", json.dumps(self.id))
+        return ("hash", self.digest, self.copy)
+
+
+def _digest(raw: bytes, obj=None) -> str:
+    if obj is not None:
+        raw = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8",
+                                                                                           "surrogatepass")
+    return hashlib.sha256(raw.strip()).hexdigest()
 
 
 def read_lines(path: str) -> list:
@@ -82,33 +97,46 @@ def read_lines(path: str) -> list:
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                lines.append(Line(number, None, error=f"not valid UTF-8: byte {raw[e.start]:#04x} at "
-                                                      f"offset {e.start}"))
-                continue
-            except json.JSONDecodeError as e:
-                lines.append(Line(number, None, error=f"not valid JSON: {e.msg} at column {e.colno}"))
-                continue
-            except RecursionError:
-                lines.append(Line(number, None, error="not valid JSON: nested too deeply"))
-                continue
-            if not isinstance(obj, dict):
-                lines.append(Line(number, None, error=f"expected a JSON object, got {type(obj).__name__}"))
-                continue
-            line_id = obj.get("id")
-            if line_id is not None and (not isinstance(line_id, (str, int)) or isinstance(line_id, bool)):
-                lines.append(Line(number, None, error=f"id must be a string or an integer, got {line_id!r}"))
-                continue
-            if isinstance(line_id, str):
-                try:
-                    check_text(line_id, "id")
-                except FieldError as e:
-                    lines.append(Line(number, None, error=str(e)))
-                    continue
-            lines.append(Line(number, line_id, obj))
+            lines.append(_read_line(number, raw))
     return lines
+
+
+def _read_line(number: int, raw: bytes) -> Line:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return Line(number, None, _digest(raw), error=f"not valid UTF-8: byte {raw[e.start]:#04x} at offset {e.start}")
+    except json.JSONDecodeError as e:
+        return Line(number, None, _digest(raw), error=f"not valid JSON: {e.msg} at column {e.colno}")
+    except RecursionError:
+        return Line(number, None, _digest(raw), error="not valid JSON: nested too deeply")
+    if not isinstance(obj, dict):
+        return Line(number, None, _digest(raw), error=f"expected a JSON object, got {type(obj).__name__}")
+    digest = _digest(raw, obj)
+    line_id = obj.get("id")
+    if line_id is not None and (not isinstance(line_id, (str, int)) or isinstance(line_id, bool)):
+        return Line(number, None, digest, error=f"id must be a string or an integer, got {line_id!r}")
+    if isinstance(line_id, str):
+        try:
+            check_text(line_id, "id")
+        except FieldError as e:
+            return Line(number, None, digest, error=str(e))
+    return Line(number, line_id, digest, obj)
+
+
+def record_key(rec: dict):
+    """The key a record of the output marks done; None for a record that marks nothing done:
+    a line cut short by an engine failure (older versions wrote those) or one without a hash."""
+    if not isinstance(rec, dict) or "line" not in rec:
+        raise KeyError("line")
+    if rec.get("finish_reason", "error") == "error" and str(rec.get("error", "")).startswith("engine failed:"):
+        return None
+    digest, copy = rec.get("input_hash"), rec.get("copy", 1)
+    if rec.get("duplicate_of") is not None:
+        return None if digest is None else ("duplicate", json.dumps(rec.get("id")), digest, copy)
+    if rec.get("id") is not None:
+        return ("id", json.dumps(rec["id"]))
+    return None if digest is None else ("hash", digest, copy)
 
 
 def finished_keys(path: str) -> set:
@@ -124,11 +152,28 @@ def finished_keys(path: str) -> set:
     keys = set()
     for raw in data[:end].splitlines():
         try:
-            rec = json.loads(raw)
-            keys.add(Line(rec["line"], rec.get("id"), duplicate_of=rec.get("duplicate_of")).key)
+            keys.add(record_key(json.loads(raw)))
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"{path} has a line that eprt run did not write: {raw[:80]!r}") from None
+    keys.discard(None)
     return keys
+
+
+class OutputLocked(OSError):
+    """Another ``eprt run`` holds the output file."""
+
+
+def lock_output(path: str) -> int:
+    """An exclusive lock on the output file (created if absent), held until the descriptor is
+    closed; OutputLocked at once if another process holds it."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutputLocked(f"{path} is being written by another eprt run (it holds the file's lock): "
+                           f"wait for it to finish, or give another --output") from None
+    return fd
 
 
 def build_request(line: Line, engine) -> tuple:
@@ -150,12 +195,18 @@ def build_request(line: Line, engine) -> tuple:
 
 
 class BatchWriter:
-    """Submits lines (keeping ``in_flight`` requests queued) and writes results as they finish."""
+    """Submits lines (keeping ``in_flight`` requests queued) and writes results as they finish.
+
+    Once the loop is asked to stop (SIGTERM/SIGINT) no line is submitted, queued requests that
+    have no token yet are cancelled, and running ones finish. What is cut short (cancelled, or
+    ended by an engine failure) is not written, so a rerun answers it."""
 
     def __init__(self, engine, lines: list, out, progress: Progress, in_flight: int):
         self.engine, self.lines, self.out, self.progress = engine, lines, out, progress
         self.in_flight = in_flight
         self.unfinished = len(lines)    # lines with nothing written yet
+        self.engine_failures = 0        # lines cut short by an engine failure (not written)
+        self.engine_failure: Optional[str] = None
         self.error: Optional[BaseException] = None
 
     def run(self, loop: EngineLoop) -> None:
@@ -169,6 +220,7 @@ class BatchWriter:
     def _run(self, loop: EngineLoop) -> None:
         todo = iter(self.lines)
         live: dict = {}                  # LiveRequest -> Line
+        dropped: set = set()             # requests cancelled by a stop before their first token
         exhausted = False
         while True:
             engine_gone = loop.stopped.is_set()
@@ -177,33 +229,55 @@ class BatchWriter:
                 if line is None:
                     exhausted = True
                 else:
-                    self._submit(line, live)
+                    exhausted = not self._submit(line, live)
+            if loop.stop.is_set():
+                for req in live:
+                    if req not in dropped and not req.token_ids:
+                        req.pump()
+                        if not req.token_ids and not req.finished():
+                            dropped.add(req)
+                            req.cancel()
             done = []
             for req in live:
                 req.pump()
                 if req.finished():
                     done.append(req)
             for req in done:
-                result, _ = req.result()
-                self._write(live.pop(req), result.to_json(), failed=result.finish_reason == "error",
-                            tokens=len(result.token_ids))
+                self._finish(live.pop(req), req, req in dropped)
             if engine_gone or (not live and (exhausted or loop.stop.is_set())):
                 return                   # what is still live when the engine is gone never finishes
             if not done:
                 time.sleep(_POLL_S)
 
-    def _submit(self, line: Line, live: dict) -> None:
+    def _finish(self, line: Line, req: LiveRequest, dropped: bool) -> None:
+        if dropped:
+            return                       # cancelled by the stop before its first token: runs again next time
+        result, _ = req.result()
+        if is_engine_failure(result):
+            self.engine_failures += 1
+            self.engine_failure = result.error
+            return                       # not the line's fault: runs again next time
+        self._write(line, result.to_json(), failed=result.finish_reason == "error", tokens=len(result.token_ids))
+
+    def _submit(self, line: Line, live: dict) -> bool:
+        """Submit (or record as bad) one line; False when the engine takes no more requests."""
         if line.error is None:
             try:
                 request, stops = build_request(line, self.engine)
                 live[LiveRequest(self.engine, request, stops)] = line
-                return
+                return True
+            except EngineClosed:
+                return False             # not the line's fault: it stays unfinished
             except RequestError as e:
                 line.error = str(e)
         self._write(line, {"error": line.error}, failed=True)
+        return True
 
     def _write(self, line: Line, record: dict, failed: bool, tokens: int = 0) -> None:
-        record = {"id": line.id, "line": line.number, **{k: v for k, v in record.items() if k != "id"}}
+        record = {"id": line.id, "line": line.number, "input_hash": line.digest,
+                  **{k: v for k, v in record.items() if k != "id"}}
+        if line.copy > 1:
+            record["copy"] = line.copy
         if line.duplicate_of is not None:
             record["duplicate_of"] = line.duplicate_of
         self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -212,34 +286,57 @@ class BatchWriter:
         self.progress.add(failed, tokens)
 
 
-def run_batch(engine, input_path: str, output_path: str, in_flight: int = 64,
-              progress_stream=None) -> int:
-    """Run every not-yet-finished line of ``input_path``; 0 unless the job itself failed."""
-    progress_stream = progress_stream or sys.stderr
-    try:
-        lines = read_lines(input_path)
-        done = finished_keys(output_path)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        print(f"eprt run: {e}", file=sys.stderr)
-        return 2
-    todo, first_line = [], {}           # first_line: id key -> number of the first line using it
+def plan(lines: list, done: set) -> list:
+    """The lines still to answer; marks repeated ids as errors and numbers identical copies."""
+    todo, first_line, copies = [], {}, {}   # first_line: id -> number of the first line using it
     for line in lines:
         if line.id is not None:
-            first = first_line.setdefault(line.key, line.number)
+            first = first_line.setdefault(json.dumps(line.id), line.number)
             if first != line.number:
                 line.duplicate_of = first
                 line.error = f"duplicate id {line.id!r} (first used on line {first})"
+        if line.duplicate_of is not None or line.id is None:
+            base = line.key[:-1]
+            line.copy = copies[base] = copies.get(base, 0) + 1
         if line.key not in done:
             todo.append(line)
+    return todo
+
+
+def run_batch(engine, input_path: str, output_path: str, in_flight: int = 64,
+              progress_stream=None) -> int:
+    """Run every not-yet-finished line of ``input_path``; 0 unless the job itself failed or was cut short."""
+    progress_stream = progress_stream or sys.stderr
+    try:
+        lock = lock_output(output_path)
+    except OSError as e:
+        print(f"eprt run: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _run_locked(engine, input_path, output_path, in_flight, progress_stream)
+    finally:
+        os.close(lock)
+
+
+def _run_locked(engine, input_path: str, output_path: str, in_flight: int, progress_stream) -> int:
+    try:
+        lines = read_lines(input_path)
+        todo = plan(lines, finished_keys(output_path))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        print(f"eprt run: {e}", file=sys.stderr)
+        return 2
     start = time.monotonic()
     progress = Progress(len(todo), progress_stream)
     loop = EngineLoop(engine)
+    engine_error: Optional[BaseException] = None
     with open(output_path, "a", encoding="utf-8") as out:
         writer = BatchWriter(engine, todo, out, progress, in_flight)
         thread = threading.Thread(target=writer.run, args=(loop,), name="eprt-run-writer", daemon=True)
         thread.start()
         try:
             loop.run()
+        except BaseException as e:       # the engine failed: report what was done, then re-raise
+            engine_error = e
         finally:
             loop.stop.set()
             thread.join()
@@ -249,8 +346,12 @@ def run_batch(engine, input_path: str, output_path: str, in_flight: int = 64,
     skipped = len(lines) - len(todo)
     print(f"eprt run: wrote {progress.done} results to {output_path} ({progress.failed} failed, "
           f"{skipped} skipped as already done) in {time.monotonic() - start:.1f}s", file=progress_stream)
+    if writer.engine_failures:
+        print(f"eprt run: {writer.engine_failures} lines were cut short by an engine failure "
+              f"({writer.engine_failure}); they are not recorded and run again on resume", file=progress_stream)
     if writer.unfinished:
         print(f"eprt run: interrupted with {writer.unfinished} lines unfinished; run the same command "
               f"again to resume", file=progress_stream)
-        return 1
-    return 0
+    if engine_error is not None:
+        raise engine_error
+    return 1 if writer.unfinished else 0
