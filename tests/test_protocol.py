@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eprt.comm import protocol as p
-from eprt.comm.protocol import (Compact, Decode1, DecodeBatch, DecodeCkpt, Decoder, Prefill, ProtocolError,
-                                Release, Shutdown, Verify, decode_all, encode)
+from eprt.comm.protocol import (Compact, Decode1, DecodeBatch, DecodeCkpt, Decoder, Prefill, PrefillNext,
+                                ProtocolError, Release, Shutdown, Verify, decode_all, encode)
 
 COMMANDS = [
     Decode1(slot=3, token=42),
@@ -15,6 +15,7 @@ COMMANDS = [
     Compact(slot=5, new_slot=0),
     Prefill(slot=1, chunk_start=0, chunk_len=5, tokens=(1, 2, 3, 4, 5)),
     Prefill(slot=2, chunk_start=4, chunk_len=2, tokens=(9, 8, 7, 6, 5, 4, 3), vision_rows=3),
+    PrefillNext(slot=2, chunk_start=6, tokens=(3, 4)),
     Release(slot=7),
     Verify(slot=1, drafts=(4, 5), accepted=1),
     Verify(slot=1, drafts=(4, 5, 6, 7), accepted=4),
@@ -31,6 +32,7 @@ def test_words_match_the_spec():
     assert encode(DecodeBatch((0, 1), (10, 20))).tolist() == [0, 0xFFFFFFE0, 2, 0, 1, 10, 20]
     assert encode(Compact(1, 0)).tolist() == [1, 0xFFFFFFE2, 0]
     assert encode(Release(4)).tolist() == [4, 0xFFFFFFF1]
+    assert encode(PrefillNext(1, 64, (7, 8, 9))).tolist() == [1, 0xFFFFFFE4, 3, 64, 7, 8, 9]
     assert encode(Verify(1, (4, 5, 6), 2)).tolist() == [1, 0xFFFFFFF3, 4, 5, 6, 2]
     assert encode(DecodeCkpt(2, 64, 3, 0x1_0000_0002, 0x3_0000_0004)).tolist() == \
         [2, 0xFFFFFFF8, 64, 3, 2, 1, 4, 3]

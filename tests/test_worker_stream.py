@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from eprt.comm import protocol as p
-from eprt.comm.protocol import Compact, Decode1, DecodeBatch, Prefill, ProtocolError, Release
+from eprt.comm.protocol import Compact, Decode1, DecodeBatch, Prefill, PrefillNext, ProtocolError, Release
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.comm.transport import LocalTransport, RootDown
 from eprt.comm.worker import run_worker
@@ -65,11 +65,16 @@ class RecordingExecutor:
     def prefill(self, slot, tokens, chunk_start, chunk_len, vision_rows):
         assert tokens.dtype == np.uint32
         if self.slots.get(slot) is None:
-            self.slots.occupy(slot, tokens, chunk_start)
+            self.slots.occupy(slot, tokens, chunk_start, vision_rows=vision_rows)
         state = self.slots.check_chunk(slot, tokens, chunk_start, chunk_len)
         rows = None if vision_rows is None else vision_rows.tolist()
         self.calls.append(("prefill", slot, tokens.tolist(), chunk_start, chunk_len, rows))
         state.tokens.extend(tokens[chunk_start:chunk_start + chunk_len].tolist())
+
+    def prefill_next(self, slot, chunk_start, tokens):
+        assert tokens.dtype == np.uint32
+        state = self.slots.check_next_chunk(slot, chunk_start, tokens.tolist())
+        self.prefill(slot, np.asarray(state.prompt, np.uint32), chunk_start, len(tokens), state.vision_rows)
 
     def decode(self, slots, tokens):
         states = self.slots.check_decode(slots, tokens, "decode")
@@ -98,7 +103,10 @@ def drive_rank0(root):
     """A scheduler's worth of traffic, sent the way the runner sends it: the request_timeout
     flow, a chunked prefill with vision rows, a one-token decode."""
     def prefill(slot, prompt, start, n, rows=None):
-        root.send(Prefill(slot, start, n, tuple(prompt), 0 if rows is None else len(rows)), rows)
+        if start == 0:   # the slot's first chunk: the whole prompt and the rows
+            root.send(Prefill(slot, start, n, tuple(prompt), 0 if rows is None else len(rows)), rows)
+        else:            # later chunks: their own tokens only
+            root.send(PrefillNext(slot, start, tuple(prompt[start:start + n])))
         root.flush()  # the runner flushes before its forward pass
 
     prefill(0, [1, 2, 3, 4, 5], 0, 5)
@@ -123,7 +131,7 @@ def test_worker_replaying_rank0_stream_ends_in_rank0_state():
     rows, long_prompt = drive_rank0(root)
     root.shutdown()
     expected_state = {0: (5, (2, 2, 3, 4, 5, 20, 21)), 2: (30, tuple(long_prompt) + (33,))}
-    assert [kind for kind, _ in root.sent].count("rows") == 2
+    assert [kind for kind, _ in root.sent].count("rows") == 1   # with the first chunk only
     assert root.stats.mpi_calls == 0 and root.stats.frames == 8
 
     worker, executor = ReplayTransport(root.sent), RecordingExecutor()
@@ -158,6 +166,9 @@ PROMPT = Prefill(0, 0, 3, (1, 2, 3))
     (frames(PROMPT, PROMPT), "already holds a prefilled sequence"),
     (frames(Prefill(0, 0, 2, (1, 2, 3)), DecodeBatch((0,), (4,))), "prefill incomplete (2 of 3"),
     (frames(Prefill(0, 0, 1, (1, 2, 3)), Prefill(0, 2, 1, (1, 2, 3))), "chunk starts at 2 but the slot holds 1"),
+    (frames(Prefill(0, 0, 1, (1, 2, 3)), PrefillNext(0, 1, (2, 4))), "are not those of the prompt"),
+    (frames(Prefill(0, 0, 1, (1, 2, 3)), PrefillNext(0, 2, (3,))), "chunk starts at 2 but the slot holds 1"),
+    (frames(PrefillNext(1, 0, (1,))), "PREFILL_NEXT for empty slot 1"),
     (frames(Release(3)), "RELEASE for empty slot 3"),
     ([("frame", np.array([0, 0xFFFFFFE1], np.uint32))], "unknown reserved command word 0xFFFFFFE1"),
     ([("frame", np.array([4, 7], np.uint32))], "slot 4 out of range (max_slots=4)"),

@@ -13,6 +13,7 @@ from eprt.api import TOKEN_ID_LIMIT
 RESERVED_BASE = TOKEN_ID_LIMIT  # every word >= this is a command, so token ids stay below it
 DECODE_BATCH = 0xFFFFFFE0
 COMPACT = 0xFFFFFFE2
+PREFILL_NEXT = 0xFFFFFFE4
 PREFILL = 0xFFFFFFF0
 RELEASE = 0xFFFFFFF1
 VERIFY_K2 = 0xFFFFFFF2
@@ -23,7 +24,8 @@ SHUTDOWN = 0xFFFFFFFF
 WORD_MAX = 0xFFFFFFFF
 
 VERIFY_WORDS = {VERIFY_K2: 2, VERIFY_K3: 3, VERIFY_K4: 4}  # command word -> K drafts
-NAMES = {DECODE_BATCH: "DECODE_BATCH", COMPACT: "COMPACT", PREFILL: "PREFILL", RELEASE: "RELEASE",
+NAMES = {DECODE_BATCH: "DECODE_BATCH", COMPACT: "COMPACT", PREFILL_NEXT: "PREFILL_NEXT", PREFILL: "PREFILL",
+         RELEASE: "RELEASE",
          VERIFY_K2: "VERIFY_K2", VERIFY_K3: "VERIFY_K3", VERIFY_K4: "VERIFY_K4",
          DECODE_CKPT: "DECODE_CKPT", SHUTDOWN: "SHUTDOWN"}
 
@@ -73,6 +75,19 @@ class Prefill:
 
 
 @dataclass(frozen=True)
+class PrefillNext:
+    """Prefill the next chunk of the prompt a PREFILL put into ``slot``: ``tokens`` are the
+    prompt's tokens ``[chunk_start, chunk_start + len(tokens))``."""
+    slot: int
+    chunk_start: int
+    tokens: tuple[int, ...]
+
+    @property
+    def chunk_len(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
 class Release:
     """Free the sequence in ``slot``."""
     slot: int
@@ -101,7 +116,7 @@ class Shutdown:
     """Free every slot and leave the worker loop."""
 
 
-Command = Union[Decode1, DecodeBatch, Compact, Prefill, Release, Verify, DecodeCkpt, Shutdown]
+Command = Union[Decode1, DecodeBatch, Compact, Prefill, PrefillNext, Release, Verify, DecodeCkpt, Shutdown]
 
 
 def validate_vocab_size(vocab_size: int) -> int:
@@ -127,6 +142,10 @@ def encode(cmd: Command) -> np.ndarray:
     elif isinstance(cmd, Prefill):
         words = [cmd.slot, PREFILL, cmd.chunk_len, cmd.chunk_start, cmd.full_len, *cmd.tokens,
                  cmd.vision_rows]
+    elif isinstance(cmd, PrefillNext):
+        if not cmd.tokens:
+            raise ProtocolError("PREFILL_NEXT needs at least one token")
+        words = [cmd.slot, PREFILL_NEXT, cmd.chunk_len, cmd.chunk_start, *cmd.tokens]
     elif isinstance(cmd, Release):
         words = [cmd.slot, RELEASE]
     elif isinstance(cmd, Verify):
@@ -237,6 +256,16 @@ class Decoder:
                 raise ProtocolError(f"PREFILL announces {vision_rows} vision rows for a prompt of "
                                     f"{full_len} tokens (at most one row per position)")
             out = Prefill(self._slot(seq, "PREFILL"), chunk_start, chunk_len, tokens, vision_rows)
+        elif cmd == PREFILL_NEXT:
+            if len(b) - body < 2:
+                return None
+            chunk_len, chunk_start = int(b[body]), int(b[body + 1])
+            if chunk_len < 1:
+                raise ProtocolError(f"PREFILL_NEXT chunk of {chunk_len} tokens (must be >= 1)")
+            end = body + 2 + chunk_len
+            if len(b) < end:
+                return None
+            out = PrefillNext(self._slot(seq, "PREFILL_NEXT"), chunk_start, self._tokens(b[body + 2:end]))
         elif cmd == RELEASE:
             out, end = Release(self._slot(seq, "RELEASE")), body
         elif cmd in VERIFY_WORDS:

@@ -21,6 +21,7 @@ class SlotState:
     prompt: tuple[int, ...]  # the whole prompt (the PREFILL's tokens)
     tokens: list[int]        # tokens whose KV is stored: a prefix of the prompt, then decoded tokens
     adapter: int = -1
+    vision_rows: object = None  # the PREFILL's vision rows [n, D], kept for its later chunks
 
     @property
     def length(self) -> int:
@@ -61,12 +62,13 @@ class SlotTable:
         return s
 
     # -- changes -----------------------------------------------------------------------------
-    def occupy(self, slot: int, prompt: Sequence[int], stored: int, adapter: int = -1) -> SlotState:
+    def occupy(self, slot: int, prompt: Sequence[int], stored: int, adapter: int = -1,
+               vision_rows: object = None) -> SlotState:
         """Put a prompt into the empty ``slot``, its first ``stored`` tokens already in KV."""
         if self.get(slot) is not None:
             raise SlotError(f"slot {slot} is already occupied")
         prompt = tuple(int(t) for t in prompt)
-        state = SlotState(self.next_key, prompt, list(prompt[:stored]), adapter)
+        state = SlotState(self.next_key, prompt, list(prompt[:stored]), adapter, vision_rows)
         self.next_key += 1
         self._slots[slot] = state
         return state
@@ -86,6 +88,15 @@ class SlotTable:
             raise SlotError(f"PREFILL slot {slot}: chunk belongs to a different prompt than the one "
                             "being prefilled in that slot")
         return s
+
+    def check_next_chunk(self, slot: int, start: int, tokens: Sequence[int]) -> SlotState:
+        """The held slot whose prompt ``tokens`` continue at ``start`` (a PREFILL_NEXT)."""
+        s = self.held(slot, "PREFILL_NEXT")
+        end = start + len(tokens)
+        if tuple(int(t) for t in tokens) != s.prompt[start:end] or end > len(s.prompt):
+            raise SlotError(f"PREFILL_NEXT slot {slot}: tokens [{start}, {end}) are not those of the prompt "
+                            f"the slot's PREFILL brought ({len(s.prompt)} tokens)")
+        return self.check_chunk(slot, s.prompt, start, len(tokens))
 
     def check_decode(self, slots: Sequence[int], tokens: Sequence[int], what: str) -> list[SlotState]:
         """The states of a decode step's rows: distinct, held, prefilled slots."""

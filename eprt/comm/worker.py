@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from eprt.comm.protocol import (Command, Compact, Decode1, DecodeBatch, DecodeCkpt, Decoder, Prefill,
+from eprt.comm.protocol import (Command, Compact, Decode1, DecodeBatch, DecodeCkpt, Decoder, Prefill, PrefillNext,
                                 ProtocolError, Release, Shutdown, Verify)
 from eprt.comm.transport import RootDown
 
@@ -33,6 +33,10 @@ class Executor(Protocol):
         """Prefill ``tokens[chunk_start : chunk_start + chunk_len]`` into ``slot`` (the return
         value, logits on rank 0, is not used by workers). ``tokens``: uint32 [full prompt];
         ``vision_rows``: float32 [rows, hidden_size] for the prompt's image placeholders, or None."""
+
+    def prefill_next(self, slot: int, chunk_start: int, tokens: np.ndarray) -> object:
+        """Prefill the next chunk of the prompt (and vision rows) the slot's PREFILL brought;
+        ``tokens``: uint32 [chunk_len], the prompt's tokens from ``chunk_start``."""
 
     def decode(self, slots: list[int], tokens: list[int]) -> None:
         """One decode step; row r appends ``tokens[r]`` to ``slots[r]`` (DECODE_BATCH and
@@ -101,6 +105,8 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
             rows = transport.recv_rows(cmd.vision_rows, executor.hidden_size)
         tokens = np.asarray(cmd.tokens, np.uint32)  # [full_len]
         executor.prefill(cmd.slot, tokens, cmd.chunk_start, cmd.chunk_len, rows)
+    elif isinstance(cmd, PrefillNext):
+        executor.prefill_next(cmd.slot, cmd.chunk_start, np.asarray(cmd.tokens, np.uint32))
     elif isinstance(cmd, Decode1):
         executor.decode([cmd.slot], [cmd.token])
     elif isinstance(cmd, DecodeBatch):

@@ -46,14 +46,16 @@ class ShardExecutor:
         return self.cfg.hidden_size
 
     # ---- slot bookkeeping -------------------------------------------------------------
-    def allocate(self, slot: int, tokens, adapter: int = -1, salt: bytes = b"") -> int:
-        """Occupy the empty ``slot`` with a prompt, reserving its blocks; returns the prefix-cache
-        hit length. ``salt``: ``vision_salt`` of the prompt's vision rows."""
+    def allocate(self, slot: int, tokens, adapter: int = -1, vision_rows: Optional[np.ndarray] = None,
+                 salt: Optional[bytes] = None) -> int:
+        """Occupy the empty ``slot`` with a prompt and its vision rows, reserving its blocks;
+        returns the prefix-cache hit length. ``salt``: ``vision_salt(vision_rows)`` if known."""
         if self.slots.get(slot) is not None:
             raise SlotError(f"slot {slot} is already occupied")
         key = self.slots.next_key
+        salt = vision_salt(vision_rows) if salt is None else salt
         cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt)
-        self.slots.occupy(slot, tokens, cached, adapter)
+        self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
         return cached
 
     def cache(self, slot: int) -> None:
@@ -81,7 +83,7 @@ class ShardExecutor:
         Returns the logits [1, V] of the chunk's last token (None when compute_logits is off)."""
         tokens = [int(t) for t in tokens]
         if self.slots.get(slot) is None:     # first chunk on a worker: allocate exactly as rank 0 did
-            cached = self.allocate(slot, tokens, salt=vision_salt(vision_rows))
+            cached = self.allocate(slot, tokens, vision_rows=vision_rows)
             if cached != chunk_start:
                 raise ExecutorError(f"prefix cache diverged on slot {slot}: this rank reuses {cached} tokens, "
                                     f"rank 0 sent chunk_start={chunk_start}")
@@ -97,6 +99,11 @@ class ShardExecutor:
         h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv)  # [T, D]
         st.tokens.extend(tokens[chunk_start:end])
         return self.model.logits(h[-1:]) if self.compute_logits else None
+
+    def prefill_next(self, slot: int, chunk_start: int, tokens):
+        """The next chunk ``tokens`` of the prompt (and vision rows) the slot's PREFILL brought."""
+        st = self.slots.check_next_chunk(slot, chunk_start, tokens)
+        return self.prefill(slot, st.prompt, chunk_start, len(tokens), st.vision_rows)
 
     def decode(self, slots: list, tokens: list):
         """Append tokens[r] to slots[r] and run one step. Returns logits [B, V] (or None)."""

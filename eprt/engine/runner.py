@@ -54,7 +54,8 @@ class ModelRunner(TraceCalls):
         slot = self.executor.slots.lowest_free()
         if slot is None:
             raise RuntimeError("alloc_sequence with every slot occupied")
-        seq.cached = self.executor.allocate(slot, seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
+        seq.cached = self.executor.allocate(slot, seq.token_ids[: seq.num_prompt], seq.adapter, seq.image_embeds,
+                                            self._state(seq).salt)
         return slot
 
     def cache_sequence(self, seq) -> None:
@@ -72,8 +73,10 @@ class ModelRunner(TraceCalls):
     # ---- compute -------------------------------------------------------------------------
     def prefill(self, seq, start: int, n: int, stream: int = 0) -> None:
         prompt, rows = tuple(seq.token_ids[: seq.num_prompt]), seq.image_embeds
-        frame = P.Prefill(seq.slot, start, n, prompt, vision_rows=0 if rows is None else len(rows))
-        self.transport.send(frame, rows)
+        if start == seq.cached:   # the slot's first chunk: the whole prompt and its vision rows, once
+            self.transport.send(P.Prefill(seq.slot, start, n, prompt, 0 if rows is None else len(rows)), rows)
+        else:
+            self.transport.send(P.PrefillNext(seq.slot, start, prompt[start:start + n]))
         self.transport.flush()
         self._logits = self.executor.prefill(seq.slot, prompt, start, n, rows)
         self._rows = [seq]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from eprt.cache.block_manager import BlockManager
-from eprt.comm.protocol import PREFILL, RELEASE, SHUTDOWN
+from eprt.comm.protocol import PREFILL, PREFILL_NEXT, RELEASE, SHUTDOWN
 from eprt.scheduler.interface import TraceCalls
 
 
@@ -114,9 +114,13 @@ class RecordingModel(TraceCalls):
                                  f"prompt={seq.num_prompt}")
         end = start + n
         self._next_token = self._answer(seq, end - 1) if end == seq.num_prompt else None
-        self._frame(seq.slot, PREFILL, n, start, seq.num_prompt)
-        self.emit(f"ep_broadcast_tokens(n={seq.num_prompt})")
-        self.emit(f"ep_sync_vision_embeds(n={seq.num_prompt})")
+        if start == seq.cached:   # the slot's first chunk: PREFILL with the whole prompt
+            self._frame(seq.slot, PREFILL, n, start, seq.num_prompt)
+            self.emit(f"ep_broadcast_tokens(n={seq.num_prompt})")
+            self.emit(f"ep_sync_vision_embeds(n={seq.num_prompt})")
+        else:                     # a later chunk: PREFILL_NEXT with that chunk's tokens
+            self._frame(seq.slot, PREFILL_NEXT, n, start)
+            self.emit(f"ep_broadcast_tokens(n={n})")
         self.emit(f"prefill(n={n}, {seq_name(seq, end)}, stream={stream})")
 
     def argmax_on_device(self, row: int, stream: int) -> int:
