@@ -94,6 +94,7 @@ class GenerationResult:
 
 
 ENGINE_FAILED = "engine failed"     # how an error result's message begins when the engine broke, not the request
+STOPPED = "not run"                 # ... when the run was stopped (SIGTERM) before the request started
 
 
 def is_engine_failure(result: GenerationResult) -> bool:

@@ -223,7 +223,8 @@ def test_duplicate_ids_are_per_line_errors_that_stay_recorded(tmp_path):
     assert rc == 0 and sorted(records) == [1, 2, 3, 4]
     assert records[1]["text"] == "one"
     for line in (2, 3):
-        assert records[line]["duplicate_of"] == 1 and "duplicate id 'x' (first used on line 1)" in records[line]["error"]
+        assert records[line]["duplicate_of"] == 1
+        assert "duplicate id 'x' (first used on line 1)" in records[line]["error"]
     write_lines(inp, [{"id": "y", "prompt": "three"}, {"id": "x", "prompt": "one"}, {"id": "x", "prompt": "two"},
                       {"id": "x", "prompt": "two"}])                # moved around: still all done
     engine = FakeEngine()

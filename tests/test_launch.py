@@ -7,11 +7,15 @@ fake srun/scontrol the same way. The last tests use the real MPICH here.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -223,3 +227,138 @@ def test_hostfiles_are_listed_in_the_readme():
     readme = (HOSTFILES / "README.md").read_text()
     files = sorted(p.name for p in HOSTFILES.iterdir() if p.name != "README.md")
     assert files and all(f"`{name}`" in readme for name in files)
+
+
+# ---- SLURM's signal semantics: the tasks get SIGTERM and time to drain, never srun's SIGKILL ---------
+
+SCALE = 0.1          # test seconds per SLURM second: --signal=TERM@120 comes 12 s before the limit
+LIMIT_S = 22.0       # the job's time limit, in test seconds after srun starts
+
+
+def slurm_tools(tmp_path: Path) -> Path:
+    """bin/ with the fake srun and scancel of tests/fake_slurm.py and an `eprt` running this checkout."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = ROOT / "tests" / "fake_slurm.py"
+    for tool in ("srun", "scancel"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\nexec "{sys.executable}" "{fake}" {tool} "$@"\n')
+    (bin_dir / "eprt").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m eprt "$@"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir
+
+
+def job_signal_spec() -> str:
+    text = (LAUNCH / "eprt.sbatch").read_text()
+    return re.search(r"^#SBATCH --signal=(\S+)", text, re.M).group(1)
+
+
+@pytest.mark.skipif(not shutil.which("mpiexec"), reason="needs mpiexec (the fake srun starts its 2 tasks with it)")
+@pytest.mark.parametrize("how", ["time limit", "signal to the batch shell"])
+def test_sbatch_tasks_drain_on_sigterm_under_slurm_signal_semantics(tmp_path, how):
+    """`eprt run` at -n 2 under the batch script. "time limit": the job's #SBATCH --signal fires;
+    "signal to the batch shell": SIGTERM to the script itself (scancel --batch). Either way the
+    tasks must get SIGTERM (not srun's SIGKILL), drain and exit before the limit: rank 0 exit 1
+    (cut short), every record whole, a rerun resumes."""
+    bin_dir = slurm_tools(tmp_path)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": f"line {i}: tell me about experts", "max_tokens": 48})
+                           + "\n" for i in range(3000)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EPRT_", "SLURM_", "PMI", "OMPI_", "MPIEXEC"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(ROOT), SLURM_JOB_ID="42", SLURM_NNODES="1",
+               SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost", FAKE_SLURM_SCALE=str(SCALE),
+               FAKE_SLURM_KILL_WAIT="30", FAKE_SLURM_TASKS_FILE=str(tmp_path / "tasks"),
+               FAKE_SLURM_LIMIT=str(LIMIT_S if how == "time limit" else 600),
+               FAKE_SLURM_SIGNAL=job_signal_spec())
+    cmd = ["bash", "-c", 'export FAKE_SLURM_BATCH_PID=$$; exec bash "$0" "$@"',    # what slurmd knows
+           str(LAUNCH / "eprt.sbatch"), "run", "--device", "cpu", "--max-batch", "8", "--input", str(inp),
+           "--output", str(out)]
+    log = tmp_path / "job.log"
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            started = time.monotonic()
+            if how == "signal to the batch shell":
+                while not (out.exists() and out.read_text().count("\n") >= 8):
+                    assert proc.poll() is None and time.monotonic() - started < 60, log.read_text()
+                    time.sleep(0.05)
+                os.kill(proc.pid, signal.SIGTERM)
+            rc = proc.wait(timeout=90)
+            elapsed = time.monotonic() - started
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log.read_text()
+    assert "forcing job termination" not in text and "SIGKILL" not in text, text
+    assert rc == 1, text                                     # cut short: exit 1, not 137
+    assert "run the same command again to resume" in text, text
+    if how == "time limit":
+        assert "--signal=SIGTERM@120: SIGTERM to the tasks" in text and elapsed < LIMIT_S, text
+    else:
+        assert "scancel --signal=TERM: SIGTERM to the tasks" in text, text
+    records = [json.loads(line) for line in out.read_text().splitlines()]   # every line whole JSON
+    assert 8 <= len(records) < 3000
+    assert all("error" not in r and r["finish_reason"] in ("stop", "length") for r in records)
+
+
+def test_generate_drains_on_sigterm(tmp_path):
+    """`eprt generate` (rank 0 of 2): SIGTERM lets the running prompts finish and prints them, the
+    queued ones are reported not run, exit 1. Was: killed at once with nothing printed."""
+    if not shutil.which("mpiexec"):
+        pytest.skip("needs mpiexec")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EPRT_", "SLURM_", "PMI", "OMPI_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "eprt", "generate", "--device", "cpu", "--max-batch", "2",
+           "--max-tokens", "600", "--ignore-eos", "--json"]
+    for i in range(12):
+        cmd += ["--prompt-ids", f"{i + 1},5,6"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not _rank0_generating(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)
+        for pid in _eprt_ranks(proc.pid):                       # srun/SLURM signal every task
+            os.kill(pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    results = [json.loads(line) for line in out.splitlines()]
+    assert proc.returncode == 1, err
+    assert len(results) == 12                                     # one line per prompt, in order
+    finished = [r for r in results if r["finish_reason"] == "length"]
+    not_run = [r for r in results if r["finish_reason"] == "error"]
+    assert 2 <= len(finished) < 12 and len(finished) + len(not_run) == 12
+    assert all(len(r["token_ids"]) == 600 for r in finished)      # the running ones were not cut
+    assert all(r["error"].startswith("not run:") for r in not_run)
+    assert "SIGTERM: finishing the prompts already running" in err
+    assert f"stopped by SIGTERM: {len(not_run)} of 12 prompts were not run" in err
+
+
+def _eprt_ranks(mpiexec_pid: int) -> list:
+    """The pids of the eprt processes mpiexec started (rank order not needed)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_slurm import _cmdline, _descendants
+    return [p for p in _descendants(mpiexec_pid) if "-m eprt" in _cmdline(p)]
+
+
+def _rank0_generating(mpiexec_pid: int) -> bool:
+    """Both ranks are up and past loading: rank 0 catches SIGTERM (its drain handler), the
+    workers ignore it; before that a SIGTERM would simply kill them."""
+    ranks = _eprt_ranks(mpiexec_pid)
+    return len(ranks) >= 2 and all(_handles_sigterm(pid) for pid in ranks)
+
+
+def _handles_sigterm(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = {k: int(v, 16) for k, v in (line.split(":") for line in f) if k in ("SigIgn", "SigCgt")}
+    except (OSError, ValueError):
+        return False
+    bit = 1 << (signal.SIGTERM - 1)
+    return bool((masks.get("SigIgn", 0) | masks.get("SigCgt", 0)) & bit)

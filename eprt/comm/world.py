@@ -3,24 +3,61 @@ from __future__ import annotations
 
 import os
 
-from eprt.comm.transport import DEFAULT_FRAME_WORDS, LocalTransport, Transport
+from eprt.comm.transport import DEFAULT_FRAME_WORDS, LocalTransport, StartupFailed, Transport
+
+
+LAUNCHER_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+
+
+class WorldSizeMismatch(StartupFailed):
+    """MPI's world is not the one the launcher started (a PMI mismatch): every task would be
+    its own rank 0, racing for the port or appending to one output file."""
+
+    def __init__(self, message: str):
+        RuntimeError.__init__(self, message)
+        self.failures = []
+
+
+def launcher_task_count() -> tuple[str, int] | None:
+    """(variable, task count) the MPI launcher announced, None when not launched by one. These
+    are the launchers' own variables, not eprt settings: MPICH/Hydra and Intel MPI (and Slurm's
+    PMI-2) set PMI_SIZE, Open MPI OMPI_COMM_WORLD_SIZE, MVAPICH2 MV2_COMM_WORLD_SIZE, and
+    ``srun`` the step's task count (with ``--mpi=pmix`` it is the only one set). The first set
+    one wins: an mpiexec inside a SLURM step sets PMI_SIZE, while SLURM_STEP_NUM_TASKS there
+    counts the step's tasks (mpiexec's proxies), not the MPI ranks."""
+    for name in LAUNCHER_SIZE_VARIABLES:
+        value = os.environ.get(name)
+        if value:
+            try:
+                count = int(value)
+            except ValueError:
+                raise ValueError(f"launcher variable {name}={value!r} is not a task count") from None
+            if count < 1:
+                raise ValueError(f"launcher variable {name}={value!r} is not a task count (must be >= 1)")
+            return name, count
+    return None
 
 
 def launcher_world_size() -> int:
     """The world size the MPI launcher announced (1 when not launched by one), read without
-    importing mpi4py so a single-rank run never loads MPI. These are the launchers' own
-    variables, not eprt settings: MPICH/Hydra and Intel MPI (and Slurm's PMI-2) set PMI_SIZE,
-    Open MPI OMPI_COMM_WORLD_SIZE, MVAPICH2 MV2_COMM_WORLD_SIZE, and ``srun`` the step's task
-    count (with ``--mpi=pmix`` it is the only one set). In a batch script outside ``srun``
+    importing mpi4py so a single-rank run never loads MPI. In a batch script outside ``srun``
     the step has one task, so a plain ``eprt`` there runs as a world of one."""
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
-        value = os.environ.get(name)
-        if value:
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"launcher variable {name}={value!r} is not a task count") from None
-    return 1
+    found = launcher_task_count()
+    return 1 if found is None else found[1]
+
+
+def check_world_size(mpi_size: int) -> None:
+    """WorldSizeMismatch unless MPI's COMM_WORLD has as many ranks as the launcher started tasks."""
+    found = launcher_task_count()
+    if found is None or found[1] == mpi_size:
+        return
+    name, count = found
+    raise WorldSizeMismatch(
+        f"the launcher started {count} tasks ({name}={count}) but MPI sees a world of {mpi_size}: this MPI "
+        f"library did not connect to the launcher's process manager (a PMI mismatch, e.g. srun --mpi=pmix "
+        f"with an MPI built without PMIx, or an mpiexec from another MPI than mpi4py's), so every task would "
+        f"run as its own rank 0. Start eprt with the launcher of mpi4py's MPI (python -c 'from mpi4py import MPI; "
+        f"print(MPI.Get_library_version())'), or give srun the --mpi= plugin that MPI supports (docs/launch.md)")
 
 
 def open_transport(frame_words: int = DEFAULT_FRAME_WORDS) -> Transport:
@@ -28,5 +65,8 @@ def open_transport(frame_words: int = DEFAULT_FRAME_WORDS) -> Transport:
     ``MpiTransport`` on COMM_WORLD."""
     if launcher_world_size() == 1:
         return LocalTransport(frame_words)
+    from mpi4py import MPI
+
     from eprt.comm.mpi_transport import MpiTransport
+    check_world_size(MPI.COMM_WORLD.Get_size())
     return MpiTransport(frame_words=frame_words)

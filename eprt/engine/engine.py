@@ -19,7 +19,7 @@ from eprt.comm.logging import setup_logging
 from eprt.comm.transport import StartupFailed
 from eprt.comm.world import open_transport
 from eprt.comm.worker import run_worker
-from eprt.api import ENGINE_FAILED, GenerationRequest, GenerationResult, RequestError
+from eprt.api import ENGINE_FAILED, STOPPED, GenerationRequest, GenerationResult, RequestError
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
@@ -46,6 +46,10 @@ class Handle:
     def done(self) -> bool:
         return self._inner.done()
 
+    @property
+    def started(self) -> bool:
+        return self._inner.started
+
     def cancel(self) -> None:
         self._inner.cancel()
 
@@ -66,6 +70,7 @@ class Engine:
                           "prompt_tokens": 0}
         self._closed = False
         self.failed: Optional[str] = None   # why the engine stopped serving, once it has
+        self._stop_requested = False
         self._next_log = time.monotonic() + STATS_LOG_INTERVAL_S
 
     # ---- clients (any thread) ------------------------------------------------------------
@@ -115,6 +120,12 @@ class Engine:
         req.image_embeds = np.ascontiguousarray(rows, dtype=np.float32)
 
     # ---- the loop (main thread) ---------------------------------------------------------
+    def request_stop(self) -> None:
+        """Stop admitting work (safe in a signal handler: it only sets a flag). ``generate``
+        then cancels its requests that have not started, which come back as ``error`` results
+        beginning with STOPPED, and lets the running ones finish."""
+        self._stop_requested = True
+
     def generate(self, reqs: list) -> list:
         """Run requests as one continuous batch; invalid ones come back as error results."""
         handles, results = [], [None] * len(reqs)
@@ -123,10 +134,19 @@ class Engine:
                 handles.append((i, self.submit(req)))
             except RequestError as e:
                 results[i] = GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))
+        dropped: set = set()
         while not all(h.done() for _, h in handles):
+            if self._stop_requested:
+                for i, h in handles:
+                    if i not in dropped and not h.started:
+                        dropped.add(i)
+                        h.cancel()
             self._step()
         for i, h in handles:
             results[i] = h.result()
+            if i in dropped:
+                results[i] = GenerationResult(reqs[i].request_id, list(reqs[i].prompt_ids), [], "error",
+                                              error=f"{STOPPED}: the run was stopped before this request started")
         return results
 
     def serve_forever(self, stop: threading.Event, poll_s: float = 0.05) -> None:

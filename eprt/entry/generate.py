@@ -5,16 +5,19 @@
 
 With ``--json`` one object per prompt, in order, one per line:
 ``{"prompt_ids": [...], "token_ids": [...], "text": "...", "finish_reason": "stop|length", "cached_tokens": C}``.
+SIGTERM/SIGINT (SLURM's ``--signal``): the running prompts finish and are printed, the queued
+ones are not run (an error line each), and the exit status is 1; a second signal aborts.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 import numpy as np
 
-from eprt.api import GenerationRequest, RequestError, SamplingParams
+from eprt.api import STOPPED, GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import add_engine_arguments, launch_engine
 from eprt.serve.params import check_text
 
@@ -93,14 +96,42 @@ def _requests(args, tokenizer) -> list:
     return reqs
 
 
+class Drain:
+    """Rank 0's SIGTERM/SIGINT handler: the first asks the engine to stop admitting (running
+    prompts finish), a second abandons the run (KeyboardInterrupt)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.signal: str | None = None
+
+    def install(self) -> None:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"second {name}: abandoning the prompts in flight")
+        self.signal = name
+        print(f"eprt generate: {name}: finishing the prompts already running; the others are not run "
+              f"(send it again to abort)", file=sys.stderr, flush=True)
+        self.engine.request_stop()
+
+
 def main(args) -> int:
-    with launch_engine(args) as engine:
+    with launch_engine(args) as engine:     # worker ranks never get past this line
+        drain = Drain(engine)
+        drain.install()
         try:
             reqs = _requests(args, engine.tokenizer)
             results = engine.generate(reqs)
         except (RequestError, OSError) as e:
             print(f"eprt generate: {e}", file=sys.stderr)
             return 2
+        not_run = sum(r.finish_reason == "error" and (r.error or "").startswith(STOPPED) for r in results)
+        if not_run:
+            print(f"eprt generate: stopped by {drain.signal}: {not_run} of {len(results)} prompts were not run",
+                  file=sys.stderr, flush=True)
         failed = 0
         for res in results:
             failed += res.finish_reason == "error"

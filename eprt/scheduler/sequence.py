@@ -115,6 +115,11 @@ class RequestHandle:
         """Ask the scheduler to stop the request; it ends (``stop``) at the end of the tick."""
         self._seq.cancel_event.set()
 
+    @property
+    def started(self) -> bool:
+        """Whether the request has left the queue: admitted (now or before a preemption) or ended."""
+        return self._seq.state is not SeqState.QUEUED or bool(self._seq.output_ids)
+
     def done(self) -> bool:
         return self._seq.done_event.is_set()
 
