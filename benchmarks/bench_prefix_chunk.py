@@ -11,6 +11,7 @@ B) Decode latency during a long prompt: 4 streaming sequences decode 48 tokens; 
    ``--max-prefill-tokens 64``.
 Uses the same Mixtral-style checkpoint as bench_ep.py (built once).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,16 @@ sys.path.insert(0, HERE)
 def shared_prefix(path, cache: bool):
     from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
+
     system = [(11 * j) % 4000 + 3 for j in range(192)]
     cfg = EngineConfig(model=path, device="cpu", max_batch=8, max_model_len=512, prefix_cache=cache)
     with launch_engine(cfg) as engine:
-        engine.generate([GenerationRequest([5, 6, 7], SamplingParams(max_tokens=2))])   # warm-up
+        engine.generate([GenerationRequest([5, 6, 7], SamplingParams(max_tokens=2))])  # warm-up
         before = engine.stats()["prompt_tokens_computed"]
         t = time.perf_counter()
-        res = engine.generate([GenerationRequest(system + [100 + i] * 8, SamplingParams(max_tokens=8))
-                               for i in range(32)])
+        res = engine.generate(
+            [GenerationRequest(system + [100 + i] * 8, SamplingParams(max_tokens=8)) for i in range(32)]
+        )
         wall = time.perf_counter() - t
         computed = engine.stats()["prompt_tokens_computed"] - before
     return computed, sum(r.cached_tokens for r in res), wall, [r.token_ids for r in res]
@@ -44,16 +47,26 @@ def shared_prefix(path, cache: bool):
 def long_prompt_gaps(path, chunk: int):
     from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
+
     cfg = EngineConfig(model=path, device="cpu", max_batch=8, max_model_len=1024, max_prefill_tokens=chunk)
     stamps = [[] for _ in range(4)]
     with launch_engine(cfg) as engine:
-        handles = [engine.submit(GenerationRequest([3 + i, 9, 10, 11], SamplingParams(max_tokens=48, ignore_eos=True),
-                                                   stream=True, on_token=lambda t, i=i: stamps[i].append(
-                                                       time.perf_counter()))) for i in range(4)]
+        handles = [
+            engine.submit(
+                GenerationRequest(
+                    [3 + i, 9, 10, 11],
+                    SamplingParams(max_tokens=48, ignore_eos=True),
+                    stream=True,
+                    on_token=lambda t, i=i: stamps[i].append(time.perf_counter()),
+                )
+            )
+            for i in range(4)
+        ]
         while len(stamps[0]) < 8:
             engine.scheduler.step()
-        long_req = engine.submit(GenerationRequest([(7 * j) % 4000 + 3 for j in range(768)],
-                                                   SamplingParams(max_tokens=4)))
+        long_req = engine.submit(
+            GenerationRequest([(7 * j) % 4000 + 3 for j in range(768)], SamplingParams(max_tokens=4))
+        )
         while not all(h.done() for h in handles) or not long_req.done():
             engine.scheduler.step()
     gaps = np.concatenate([np.diff(s) for s in stamps]) * 1e3
@@ -66,6 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     from bench_ep import EP_MODEL
     from checkpoints import build_checkpoint
+
     path = build_checkpoint("mixtral", args.dir, **EP_MODEL)
     print("A) shared 192-token system prompt, 32 requests, max_batch 8")
     print(f"{'prefix cache':>12} {'prompt tok computed':>20} {'cached tok':>10} {'wall s':>7}")

@@ -4,6 +4,7 @@ the nucleus), same process, same logits, same seeds; the sampled tokens must be 
 
     python benchmarks/bench_sampling.py                 # V = 151936 (Qwen3), 64 rows
 """
+
 from __future__ import annotations
 
 import argparse

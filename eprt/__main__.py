@@ -1,4 +1,5 @@
 """`python -m eprt ...` is the `eprt` command."""
+
 import sys
 
 from eprt.cli import main

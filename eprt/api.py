@@ -3,15 +3,15 @@ their fields, used by every layer above (clients, engine, scheduler).
 
 T prompt tokens, N generated tokens, D hidden size.
 """
+
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import numpy as np
-
 
 TOKEN_ID_LIMIT = 0xFFFFFFE0  # token ids stay below the protocol's command words (docs/protocol.md)
 
@@ -27,11 +27,11 @@ class EngineClosed(RequestError):
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 0.0          # 0 means greedy
+    temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
-    top_k: int = 0                    # 0 means no top-k cut
-    seed: Optional[int] = None        # per-request seed; None draws from the engine's generator
-    stop_token_ids: tuple = ()        # extra stop ids besides the model's EOS ids
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None  # per-request seed; None draws from the engine's generator
+    stop_token_ids: tuple = ()  # extra stop ids besides the model's EOS ids
     ignore_eos: bool = False
 
     def validate(self, vocab_size: int) -> None:
@@ -63,29 +63,33 @@ def is_real(v) -> bool:
 
 @dataclass
 class GenerationRequest:
-    prompt_ids: list                  # [T] token ids
+    prompt_ids: list  # [T] token ids
     params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: Optional[str] = None
-    timeout_s: Optional[float] = None  # deadline measured on the engine's clock
-    image_embeds: Optional[np.ndarray] = None  # [n, D] float32 rows for the n image placeholders
+    request_id: str | None = None
+    timeout_s: float | None = None  # deadline measured on the engine's clock
+    image_embeds: np.ndarray | None = None  # [n, D] float32 rows for the n image placeholders
     stream: bool = False
-    on_token: Optional[Callable[[int], None]] = None  # called for every streamed token
+    on_token: Callable[[int], None] | None = None  # called for every streamed token
 
 
 @dataclass
 class GenerationResult:
-    request_id: Optional[str]
+    request_id: str | None
     prompt_ids: list
-    token_ids: list                   # every generated token, a terminating EOS included
-    finish_reason: str                # "stop" | "length" | "timeout" | "error"
+    token_ids: list  # every generated token, a terminating EOS included
+    finish_reason: str  # "stop" | "length" | "timeout" | "error"
     cached_tokens: int = 0
     text: str = ""
-    error: Optional[str] = None
+    error: str | None = None
 
     def to_json(self) -> dict:
-        d = {"prompt_ids": list(self.prompt_ids), "token_ids": list(self.token_ids),
-             "text": self.text, "finish_reason": self.finish_reason,
-             "cached_tokens": self.cached_tokens}
+        d = {
+            "prompt_ids": list(self.prompt_ids),
+            "token_ids": list(self.token_ids),
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "cached_tokens": self.cached_tokens,
+        }
         if self.request_id is not None:
             d["id"] = self.request_id
         if self.error is not None:
@@ -93,8 +97,8 @@ class GenerationResult:
         return d
 
 
-ENGINE_FAILED = "engine failed"     # how an error result's message begins when the engine broke, not the request
-STOPPED = "not run"                 # ... when the run was stopped (SIGTERM) before the request started
+ENGINE_FAILED = "engine failed"  # how an error result's message begins when the engine broke, not the request
+STOPPED = "not run"  # ... when the run was stopped (SIGTERM) before the request started
 
 
 def is_engine_failure(result: GenerationResult) -> bool:

@@ -3,6 +3,7 @@
 Each sub-command module exposes ``add_arguments(parser)`` and ``main(args) -> int``;
 they are imported only when chosen, so ``eprt scenario`` never imports the model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     args = build_parser(chosen).parse_args(argv)
     from eprt.comm.transport import StartupFailed
+
     try:
         return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
-    except (ValueError, OSError, StartupFailed) as e:   # bad input (config, checkpoint, request,
-        print(f"eprt {args.command}: error: {e}", file=sys.stderr)   # file) or a rank that could
-        return 2                                                      # not start: no traceback
+    except (ValueError, OSError, StartupFailed) as e:  # bad input (config, checkpoint, request,
+        print(f"eprt {args.command}: error: {e}", file=sys.stderr)  # file) or a rank that could
+        return 2  # not start: no traceback
 
 
 if __name__ == "__main__":

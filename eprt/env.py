@@ -4,11 +4,12 @@ Every knob that is not a command-line flag lives here, with its type, default an
 meaning, so ``eprt env`` (and this file) is the complete list. Values are read when
 asked for, never at import time.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,14 @@ DEVICE = _register("EPRT_DEVICE", "", str, "default backend when --device is not
 LOG_LEVEL = _register("EPRT_LOG_LEVEL", "INFO", str, "logging level (DEBUG, INFO, WARNING, ERROR)")
 LOG_ALL_RANKS = _register("EPRT_LOG_ALL_RANKS", False, _bool, "log from every rank, not only rank 0")
 COLLECTIVE_TIMEOUT = _register(
-    "EPRT_COLLECTIVE_TIMEOUT", 30.0, float,
-    "seconds a rank waits in one collective before the watchdog aborts the job")
+    "EPRT_COLLECTIVE_TIMEOUT", 30.0, float, "seconds a rank waits in one collective before the watchdog aborts the job"
+)
 BLOCK_SIZE = _register("EPRT_BLOCK_SIZE", 16, int, "tokens per KV block")
 NUM_BLOCKS = _register("EPRT_NUM_BLOCKS", 0, int, "KV blocks per rank on the CPU backend (0: sized from max context)")
 API_KEY = _register("EPRT_API_KEY", "", str, "API key eprt serve requires (Bearer) when --api-key is not given")
-KERNEL_DIR = _register("EPRT_KERNEL_DIR", "", str,
-                       "directory of the .cu kernel sources (default: the checkout's or the wheel's kernels/)")
+KERNEL_DIR = _register(
+    "EPRT_KERNEL_DIR", "", str, "directory of the .cu kernel sources (default: the checkout's or the wheel's kernels/)"
+)
 
 
 def describe() -> str:

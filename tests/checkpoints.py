@@ -4,22 +4,49 @@ Used by tests and benchmarks; nothing is downloaded. Each architecture gets a co
 that exercises its peculiarities (dense layers, shared expert, q/k norms, tied head)
 and an expert count that splits unevenly over 2, 3 and 4 ranks.
 """
+
 from __future__ import annotations
 
 import os
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
-_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-               num_key_value_heads=2, intermediate_size=96, max_position_embeddings=512,
-               initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 _ARCH = {
-    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
-                      decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=True, head_dim=16,
-                      rope_theta=10000.0),
-    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False,
-                      shared_expert_intermediate_size=80, decoder_sparse_step=2, rope_theta=20000.0),
+    "qwen3_moe": dict(
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        tie_word_embeddings=True,
+        head_dim=16,
+        rope_theta=10000.0,
+    ),
+    "qwen2_moe": dict(
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+        shared_expert_intermediate_size=80,
+        decoder_sparse_step=2,
+        rope_theta=20000.0,
+    ),
     "mixtral": dict(num_local_experts=6, num_experts_per_tok=2, rope_theta=1e6),
     "olmoe": dict(num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, clip_qkv=None),
 }

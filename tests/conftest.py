@@ -1,7 +1,6 @@
 import os
 
 import pytest
-
 from checkpoints import ARCHS, build_checkpoint
 
 
@@ -17,10 +16,13 @@ def ckpt_root(tmp_path_factory):
 @pytest.fixture(scope="session")
 def checkpoint(ckpt_root):
     """checkpoint(arch, dtype="float32", **overrides) -> directory (built once per session)."""
+
     def make(arch: str, dtype: str = "float32", **overrides) -> str:
         tag = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
-        return build_checkpoint(arch, os.path.join(ckpt_root, f"{arch}-{dtype}{('-' + tag) if tag else ''}"),
-                                dtype=dtype, **overrides)
+        return build_checkpoint(
+            arch, os.path.join(ckpt_root, f"{arch}-{dtype}{('-' + tag) if tag else ''}"), dtype=dtype, **overrides
+        )
+
     return make
 
 

@@ -16,6 +16,7 @@ FAKE_SLURM_SCALE (test seconds per SLURM second):
 scancel --signal=SIG JOBID signals the tasks of the job's steps, not the batch shell.
 Events go to stderr as ``fake-slurm: ...``; task pids to FAKE_SLURM_TASKS_FILE.
 """
+
 from __future__ import annotations
 
 import os
@@ -77,10 +78,13 @@ class Step:
     def _find_tasks(self) -> list:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            found = [p for p in _descendants(self.proc.pid)
-                     if "hydra_pmi_proxy" not in _cmdline(p) and "mpiexec" not in _cmdline(p)]
+            found = [
+                p
+                for p in _descendants(self.proc.pid)
+                if "hydra_pmi_proxy" not in _cmdline(p) and "mpiexec" not in _cmdline(p)
+            ]
             if len(found) >= self.ntasks:
-                return found[:self.ntasks]
+                return found[: self.ntasks]
             time.sleep(0.05)
         raise SystemExit("fake-slurm: the tasks did not start")
 
@@ -103,7 +107,7 @@ def srun(argv: list) -> int:
     batch_only, sig, sig_time = _signal_spec(os.environ["FAKE_SLURM_SIGNAL"])
     batch_pid = int(os.environ["FAKE_SLURM_BATCH_PID"])
 
-    def on_term(signum, frame):        # srun's own answer to SIGTERM/SIGHUP
+    def on_term(signum, frame):  # srun's own answer to SIGTERM/SIGHUP
         say(f"srun got {signal.Signals(signum).name}: forcing job termination")
         step.signal_tasks(signal.SIGKILL, "srun")
 
@@ -121,6 +125,7 @@ def srun(argv: list) -> int:
             while step.proc.poll() is None and time.monotonic() - start < t:
                 time.sleep(0.02)
             return step.proc.poll() is None
+
         if not sleep_until(limit - sig_time * scale):
             return
         if batch_only:

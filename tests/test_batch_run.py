@@ -4,6 +4,7 @@ Most tests drive ``run_batch`` with tests/fake_engine.py (it echoes the prompt b
 one byte-token per step, so every expected text is exact); the last one runs the real
 engine under mpiexec.
 """
+
 from __future__ import annotations
 
 import io
@@ -16,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_engine import FakeEngine
 
 from eprt.api import ENGINE_FAILED, EngineClosed
 from eprt.serve.batch import run_batch
-from fake_engine import FakeEngine
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -40,21 +41,24 @@ def run(engine, inp: Path, out: Path, **kw) -> tuple:
 
 
 def test_mixed_good_and_bad_lines(tmp_path):
-    inp = write_lines(tmp_path / "in.jsonl", [
-        {"id": "a", "prompt": "hello"},                           # 1
-        {"id": "b", "prompt_ids": [104, 105, 106], "max_tokens": 2},
-        '{"id": "c", "prompt": ',                                 # 3: not JSON
-        {"id": "d"},                                              # 4: no prompt
-        {"id": "e", "prompt": "x", "temperature": -1},            # 5: bad parameter
-        {"id": "f", "prompt": "x", "max_tokn": 3},                # 6: misspelt field
-        {"id": "g", "prompt": "x" * 600},                         # 7: longer than the context
-        {"id": "a", "prompt": "again"},                           # 8: duplicate id
-        {"id": "h", "prompt": "FAIL here"},                       # 9: the engine fails it
-        "",                                                       # 10: blank, ignored
-        {"prompt": "no id here", "stop": [" id"]},                # 11
-        "[1, 2]",                                                 # 12: not an object
-        {"id": 7, "prompt_ids": [1, 2], "seed": "x"},             # 13: bad parameter type
-    ])
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "a", "prompt": "hello"},  # 1
+            {"id": "b", "prompt_ids": [104, 105, 106], "max_tokens": 2},
+            '{"id": "c", "prompt": ',  # 3: not JSON
+            {"id": "d"},  # 4: no prompt
+            {"id": "e", "prompt": "x", "temperature": -1},  # 5: bad parameter
+            {"id": "f", "prompt": "x", "max_tokn": 3},  # 6: misspelt field
+            {"id": "g", "prompt": "x" * 600},  # 7: longer than the context
+            {"id": "a", "prompt": "again"},  # 8: duplicate id
+            {"id": "h", "prompt": "FAIL here"},  # 9: the engine fails it
+            "",  # 10: blank, ignored
+            {"prompt": "no id here", "stop": [" id"]},  # 11
+            "[1, 2]",  # 12: not an object
+            {"id": 7, "prompt_ids": [1, 2], "seed": "x"},  # 13: bad parameter type
+        ],
+    )
     out = tmp_path / "out.jsonl"
     rc, log = run(FakeEngine(), inp, out)
     assert rc == 0
@@ -64,9 +68,17 @@ def test_mixed_good_and_bad_lines(tmp_path):
     assert records[1]["token_ids"] == list(b"hello") + [256]
     assert (records[2]["text"], records[2]["finish_reason"]) == ("hi", "length")
     assert (records[11]["id"], records[11]["text"], records[11]["finish_reason"]) == (None, "no", "stop")
-    expected_errors = {3: "not valid JSON", 4: "exactly one of prompt", 5: "temperature", 6: "'max_tokn'",
-                       7: "context", 8: "duplicate id 'a' (first used on line 1)", 9: "fake engine failure",
-                       12: "expected a JSON object", 13: "seed"}
+    expected_errors = {
+        3: "not valid JSON",
+        4: "exactly one of prompt",
+        5: "temperature",
+        6: "'max_tokn'",
+        7: "context",
+        8: "duplicate id 'a' (first used on line 1)",
+        9: "fake engine failure",
+        12: "expected a JSON object",
+        13: "seed",
+    }
     for line, words in expected_errors.items():
         assert words in records[line]["error"], records[line]
     assert records[4]["id"] == "d" and records[13]["id"] == 7
@@ -76,12 +88,13 @@ def test_mixed_good_and_bad_lines(tmp_path):
 
 def test_results_are_written_and_flushed_as_they_finish(tmp_path):
     engine = FakeEngine(token_delay=0.005)
-    inp = write_lines(tmp_path / "in.jsonl", [{"id": "long", "prompt": "L" * 200, "max_tokens": 200},
-                                              {"id": "short", "prompt": "s"}])
+    inp = write_lines(
+        tmp_path / "in.jsonl", [{"id": "long", "prompt": "L" * 200, "max_tokens": 200}, {"id": "short", "prompt": "s"}]
+    )
     out = tmp_path / "out.jsonl"
     seen = {}
 
-    def watch():                  # what the file holds while the long request still runs
+    def watch():  # what the file holds while the long request still runs
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and "short" not in seen:
             if out.exists() and out.read_text():
@@ -99,40 +112,45 @@ def test_results_are_written_and_flushed_as_they_finish(tmp_path):
 
 
 def test_rerun_skips_finished_ids_and_repairs_a_torn_line(tmp_path):
-    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "aa"}, {"id": "b", "prompt": "bb"},
-                                              {"prompt": "no id"}, {"id": "c", "prompt": "cc"}])
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [{"id": "a", "prompt": "aa"}, {"id": "b", "prompt": "bb"}, {"prompt": "no id"}, {"id": "c", "prompt": "cc"}],
+    )
     out = tmp_path / "out.jsonl"
     assert run(FakeEngine(), inp, out)[0] == 0
     kept = [r for r in read_records(out) if r["line"] in (1, 3)]
-    out.write_text("".join(json.dumps(r) + "\n" for r in kept)
-                   + '{"id": "c", "line": 4, "te')            # a crash in the middle of a write
+    out.write_text(
+        "".join(json.dumps(r) + "\n" for r in kept) + '{"id": "c", "line": 4, "te'
+    )  # a crash in the middle of a write
     engine = FakeEngine()
     rc, log = run(engine, inp, out)
     assert rc == 0
     assert [r.request_id for r in engine.submitted] == ["b", "c"]
-    records = read_records(out)                               # every line is whole JSON again
+    records = read_records(out)  # every line is whole JSON again
     assert sorted(r["line"] for r in records) == [1, 2, 3, 4]
     assert "2 skipped as already done" in log
-    rc, log = run(FakeEngine(), inp, out)                     # nothing left to do
+    rc, log = run(FakeEngine(), inp, out)  # nothing left to do
     assert rc == 0 and "wrote 0 results" in log and len(read_records(out)) == 4
 
 
 def test_rerun_after_a_duplicate_error_still_runs_the_first_line(tmp_path):
-    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "aa"}, {"id": "a", "prompt": "again"},
-                                              {"id": "b", "prompt": "bb"}])
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [{"id": "a", "prompt": "aa"}, {"id": "a", "prompt": "again"}, {"id": "b", "prompt": "bb"}],
+    )
     out = tmp_path / "out.jsonl"
     rc, _ = run(FakeEngine(), inp, out)
     assert rc == 0
     duplicate = next(r for r in read_records(out) if r["line"] == 2)
     assert duplicate["duplicate_of"] == 1 and "duplicate id 'a'" in duplicate["error"]
-    out.write_text(json.dumps(duplicate) + "\n")       # stopped before line 1 finished
+    out.write_text(json.dumps(duplicate) + "\n")  # stopped before line 1 finished
     engine = FakeEngine()
     rc, log = run(engine, inp, out)
     assert rc == 0 and "1 skipped as already done" in log
     assert sorted(r.request_id for r in engine.submitted) == ["a", "b"]
     records = {r["line"]: r for r in read_records(out)}
     assert sorted(records) == [1, 2, 3] and records[1]["text"] == "aa"
-    rc, log = run(FakeEngine(), inp, out)                     # nothing left, duplicate not rewritten
+    rc, log = run(FakeEngine(), inp, out)  # nothing left, duplicate not rewritten
     assert rc == 0 and "wrote 0 results" in log and len(read_records(out)) == 3
 
 
@@ -148,11 +166,14 @@ sys.exit(run_batch(FakeEngine(token_delay=0.01, max_batch=2), {inp!r}, {out!r}, 
 
 def test_interrupted_run_resumes_where_it_stopped(tmp_path):
     ids = [f"r{i}" for i in range(12)]
-    inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": f"{i}: " + "z" * 30, "max_tokens": 40}
-                                              for i in ids])
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": f"{i}: " + "z" * 30, "max_tokens": 40} for i in ids])
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE.format(tests=str(TESTS), inp=str(inp), out=str(out))],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTIBLE.format(tests=str(TESTS), inp=str(inp), out=str(out))],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not (out.exists() and len(out.read_text().splitlines()) >= 2):
@@ -166,13 +187,13 @@ def test_interrupted_run_resumes_where_it_stopped(tmp_path):
             proc.kill()
             proc.wait()
     first = [r["id"] for r in read_records(out)]
-    assert 2 <= len(first) < len(ids)                           # stopped early, in-flight ones finished
+    assert 2 <= len(first) < len(ids)  # stopped early, in-flight ones finished
     engine = FakeEngine()
     rc, _ = run(engine, inp, out)
     assert rc == 0
     assert sorted(r.request_id for r in engine.submitted) == sorted(set(ids) - set(first))
     records = read_records(out)
-    assert sorted(r["id"] for r in records) == sorted(ids)       # each id exactly once
+    assert sorted(r["id"] for r in records) == sorted(ids)  # each id exactly once
     assert all(r["text"] == r["id"] + ": " + "z" * 30 for r in records)
 
 
@@ -190,33 +211,52 @@ def test_progress_line_and_fatal_errors(tmp_path):
 
 # ---- records keyed by id or content (not line number), a lock on the output, engine failures -----------
 
+
 def test_inserting_and_editing_lines_between_runs_is_safe(tmp_path):
     """Was: keyed by line number, an inserted first line answered some prompts twice and never itself."""
-    rows = [{"id": "a", "prompt": "aa"}, {"prompt": "no id"}, {"prompt": "same"}, {"prompt": "same"},
-            {"id": "b", "prompt": "bb"}]
+    rows = [
+        {"id": "a", "prompt": "aa"},
+        {"prompt": "no id"},
+        {"prompt": "same"},
+        {"prompt": "same"},
+        {"id": "b", "prompt": "bb"},
+    ]
     inp = write_lines(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     rc, _ = run(FakeEngine(), inp, out)
     assert rc == 0 and len(read_records(out)) == 5
-    edited = [{"prompt": "new first"}, {"id": "new", "prompt": "nn"}] + rows[:1] \
-        + [{"prompt": "no id, edited"}] + rows[2:] + [{"prompt": "same"}]    # inserted, edited, a third copy
+    edited = (
+        [{"prompt": "new first"}, {"id": "new", "prompt": "nn"}]
+        + rows[:1]
+        + [{"prompt": "no id, edited"}]
+        + rows[2:]
+        + [{"prompt": "same"}]
+    )  # inserted, edited, a third copy
     write_lines(inp, edited)
     engine = FakeEngine()
     rc, log = run(engine, inp, out)
     assert rc == 0 and "4 skipped as already done" in log
-    assert sorted(r.prompt_ids for r in engine.submitted) == sorted(list(p.encode()) for p in
-                                                                    ["new first", "nn", "no id, edited", "same"])
+    assert sorted(r.prompt_ids for r in engine.submitted) == sorted(
+        list(p.encode()) for p in ["new first", "nn", "no id, edited", "same"]
+    )
     records = read_records(out)
     texts = sorted(r["text"] for r in records)
     assert texts == sorted(["aa", "no id", "same", "same", "bb", "new first", "nn", "no id, edited", "same"])
     assert {r.get("copy", 1) for r in records if r["text"] == "same"} == {1, 2, 3}
-    rc, log = run(FakeEngine(), inp, out)                           # nothing left
+    rc, log = run(FakeEngine(), inp, out)  # nothing left
     assert rc == 0 and "wrote 0 results" in log
 
 
 def test_duplicate_ids_are_per_line_errors_that_stay_recorded(tmp_path):
-    inp = write_lines(tmp_path / "in.jsonl", [{"id": "x", "prompt": "one"}, {"id": "x", "prompt": "two"},
-                                              {"id": "x", "prompt": "two"}, {"id": "y", "prompt": "three"}])
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "x", "prompt": "one"},
+            {"id": "x", "prompt": "two"},
+            {"id": "x", "prompt": "two"},
+            {"id": "y", "prompt": "three"},
+        ],
+    )
     out = tmp_path / "out.jsonl"
     rc, _ = run(FakeEngine(), inp, out)
     records = {r["line"]: r for r in read_records(out)}
@@ -225,8 +265,15 @@ def test_duplicate_ids_are_per_line_errors_that_stay_recorded(tmp_path):
     for line in (2, 3):
         assert records[line]["duplicate_of"] == 1
         assert "duplicate id 'x' (first used on line 1)" in records[line]["error"]
-    write_lines(inp, [{"id": "y", "prompt": "three"}, {"id": "x", "prompt": "one"}, {"id": "x", "prompt": "two"},
-                      {"id": "x", "prompt": "two"}])                # moved around: still all done
+    write_lines(
+        inp,
+        [
+            {"id": "y", "prompt": "three"},
+            {"id": "x", "prompt": "one"},
+            {"id": "x", "prompt": "two"},
+            {"id": "x", "prompt": "two"},
+        ],
+    )  # moved around: still all done
     engine = FakeEngine()
     rc, log = run(engine, inp, out)
     assert rc == 0 and "wrote 0 results" in log and engine.submitted == [] and len(read_records(out)) == 4
@@ -237,8 +284,12 @@ def test_a_second_run_on_the_same_output_fails_at_once(tmp_path):
     ids = [f"r{i}" for i in range(8)]
     inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": "z" * 20, "max_tokens": 20} for i in ids])
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE.format(tests=str(TESTS), inp=str(inp), out=str(out))],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTIBLE.format(tests=str(TESTS), inp=str(inp), out=str(out))],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not (out.exists() and out.read_text()):
@@ -250,22 +301,23 @@ def test_a_second_run_on_the_same_output_fails_at_once(tmp_path):
             rc, _ = run(engine, inp, out)
         assert rc == 2 and time.monotonic() - started < 5 and engine.submitted == []
         assert f"{out} is being written by another eprt run" in err.getvalue()
-        assert proc.poll() is None                                  # the first run was not disturbed
+        assert proc.poll() is None  # the first run was not disturbed
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert sorted(r["id"] for r in read_records(out)) == ids        # each exactly once
-    rc, log = run(FakeEngine(), inp, out)                           # the lock went with the first run
+    assert sorted(r["id"] for r in read_records(out)) == ids  # each exactly once
+    rc, log = run(FakeEngine(), inp, out)  # the lock went with the first run
     assert rc == 0 and "wrote 0 results" in log
 
 
 def test_a_held_lock_refuses_before_touching_the_output(tmp_path):
     import fcntl
+
     inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "aa"}])
     out = tmp_path / "out.jsonl"
-    out.write_text('{"id": "z", "line": 1, "te')                    # a torn line is not repaired by the loser
+    out.write_text('{"id": "z", "line": 1, "te')  # a torn line is not repaired by the loser
     with open(out, "a") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)
         with _stderr() as err:
@@ -276,6 +328,7 @@ def test_a_held_lock_refuses_before_touching_the_output(tmp_path):
 
 class _stderr:
     """Capture sys.stderr (where run_batch reports fatal errors)."""
+
     def __enter__(self):
         self._old, sys.stderr = sys.stderr, io.StringIO()
         return sys.stderr
@@ -310,8 +363,9 @@ class DyingEngine(FakeEngine):
 
 def test_lines_cut_short_by_an_engine_failure_run_again_on_resume(tmp_path):
     """Was: written as error records and skipped forever on resume."""
-    rows = [{"id": "bad", "prompt": "x", "temperature": -1}, {"id": "fail", "prompt": "FAIL now"}] \
-        + [{"id": f"r{i}", "prompt": "y" * 12, "max_tokens": 12} for i in range(10)]
+    rows = [{"id": "bad", "prompt": "x", "temperature": -1}, {"id": "fail", "prompt": "FAIL now"}] + [
+        {"id": f"r{i}", "prompt": "y" * 12, "max_tokens": 12} for i in range(10)
+    ]
     inp = write_lines(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     with pytest.raises(RuntimeError, match="rank 1 died"):
@@ -325,16 +379,26 @@ def test_lines_cut_short_by_an_engine_failure_run_again_on_resume(tmp_path):
     assert rc == 0
     assert sorted(r.request_id for r in engine.submitted) == sorted(f"r{i}" for i in range(10) if f"r{i}" not in first)
     records = read_records(out)
-    assert sorted(r["id"] for r in records) == sorted(r["id"] for r in rows)    # each exactly once
+    assert sorted(r["id"] for r in records) == sorted(r["id"] for r in rows)  # each exactly once
     assert all(r["text"] == "y" * 12 for r in records if r["id"].startswith("r"))
 
 
 def test_engine_failure_records_of_older_versions_are_retried(tmp_path):
     inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "aa"}, {"id": "b", "prompt": "bb"}])
     out = tmp_path / "out.jsonl"
-    write_lines(out, [{"id": "a", "line": 1, "finish_reason": "error", "token_ids": [],
-                       "error": "engine failed: RuntimeError: rank 1 exited"},
-                      {"id": "b", "line": 2, "error": "temperature must be a finite number >= 0"}])
+    write_lines(
+        out,
+        [
+            {
+                "id": "a",
+                "line": 1,
+                "finish_reason": "error",
+                "token_ids": [],
+                "error": "engine failed: RuntimeError: rank 1 exited",
+            },
+            {"id": "b", "line": 2, "error": "temperature must be a finite number >= 0"},
+        ],
+    )
     engine = FakeEngine()
     rc, _ = run(engine, inp, out)
     assert rc == 0 and [r.request_id for r in engine.submitted] == ["a"]
@@ -344,12 +408,15 @@ def test_sigterm_drains_running_lines_and_leaves_queued_ones_for_resume(tmp_path
     """SLURM's --signal=TERM: running requests finish and are recorded, queued ones are cancelled and
     not recorded; the job exits 1 promptly and a rerun completes every line exactly once."""
     ids = [f"r{i}" for i in range(12)]
-    inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": f"{i}: " + "z" * 30, "max_tokens": 40}
-                                              for i in ids])
+    inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": f"{i}: " + "z" * 30, "max_tokens": 40} for i in ids])
     out = tmp_path / "out.jsonl"
     script = INTERRUPTIBLE.replace("in_flight=2", "in_flight=12")
-    proc = subprocess.Popen([sys.executable, "-c", script.format(tests=str(TESTS), inp=str(inp), out=str(out))],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script.format(tests=str(TESTS), inp=str(inp), out=str(out))],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not (out.exists() and out.read_text()):
@@ -363,8 +430,8 @@ def test_sigterm_drains_running_lines_and_leaves_queued_ones_for_resume(tmp_path
             proc.kill()
             proc.wait()
     first = read_records(out)
-    assert 1 <= len(first) <= 6                                     # queued lines were not run to the end
-    assert all(r["text"] == r["id"] + ": " + "z" * 30 for r in first)   # nothing partial recorded
+    assert 1 <= len(first) <= 6  # queued lines were not run to the end
+    assert all(r["text"] == r["id"] + ": " + "z" * 30 for r in first)  # nothing partial recorded
     rc, _ = run(FakeEngine(), inp, out)
     assert rc == 0
     assert sorted(r["id"] for r in read_records(out)) == sorted(ids)
@@ -372,12 +439,32 @@ def test_sigterm_drains_running_lines_and_leaves_queued_ones_for_resume(tmp_path
 
 @pytest.mark.slow
 def test_real_engine_batch_under_mpiexec(checkpoint, tmp_path):
-    inp = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt_ids": [1, 5, 9, 12], "max_tokens": 6},
-                                              {"id": "b", "prompt_ids": [3, 4], "max_tokens": 4},
-                                              {"id": "c", "prompt_ids": [1] * 5000}])
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "a", "prompt_ids": [1, 5, 9, 12], "max_tokens": 6},
+            {"id": "b", "prompt_ids": [3, 4], "max_tokens": 4},
+            {"id": "c", "prompt_ids": [1] * 5000},
+        ],
+    )
     out = tmp_path / "out.jsonl"
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "eprt.cli", "run", "--model", checkpoint("mixtral"),
-           "--device", "cpu", "--input", str(inp), "--output", str(out)]
+    cmd = [
+        "mpiexec",
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "eprt.cli",
+        "run",
+        "--model",
+        checkpoint("mixtral"),
+        "--device",
+        "cpu",
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     records = {r["id"]: r for r in read_records(out)}

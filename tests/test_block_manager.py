@@ -1,4 +1,5 @@
 """BlockManager: block accounting, the prefix cache, LRU eviction and determinism."""
+
 import os
 import subprocess
 import sys
@@ -24,12 +25,12 @@ def test_match_prefix_leaves_at_least_one_prompt_token_to_compute():
     bm = BlockManager(100, 16)
     bm.allocate("a", PROMPT40)
     bm.cache("a", PROMPT40)
-    assert bm.match_prefix(PROMPT40) == 32                     # 40 tokens -> 32
-    assert bm.match_prefix(PROMPT40[:32]) == 16                # 32 tokens -> 16
+    assert bm.match_prefix(PROMPT40) == 32  # 40 tokens -> 32
+    assert bm.match_prefix(PROMPT40[:32]) == 16  # 32 tokens -> 16
     assert bm.match_prefix(PROMPT40[:33]) == 32
     assert bm.match_prefix(PROMPT40[:16]) == 0
-    assert bm.match_prefix(PROMPT40, adapter=3) == 0           # adapters do not share KV
-    assert bm.match_prefix([99] + PROMPT40[1:]) == 0           # the chain starts at token 0
+    assert bm.match_prefix(PROMPT40, adapter=3) == 0  # adapters do not share KV
+    assert bm.match_prefix([99] + PROMPT40[1:]) == 0  # the chain starts at token 0
     assert bm.match_prefix(PROMPT40[:16] + [0] * 24) == 16
 
 
@@ -42,24 +43,24 @@ def test_allocate_reuses_the_cached_prefix_and_shares_live_blocks():
     assert bm.allocate("b", PROMPT40) == 32
     assert bm.block_table("b")[:2] == bm.block_table("a")[:2]
     assert bm.block_table("b")[2] != bm.block_table("a")[2]
-    assert bm.num_free_blocks() == free - 1                    # live hits cost nothing
+    assert bm.num_free_blocks() == free - 1  # live hits cost nothing
     assert bm.free("a") == 3 and bm.free("b") == 3
     assert bm.num_free_blocks() == 10 and bm.num_cached_blocks() == 2
 
 
 def test_cached_blocks_count_as_free_and_are_evicted_lru_tail_first():
     bm = BlockManager(4, 4)
-    prompt = [1, 2, 3, 4, 5, 6, 7, 8]                          # 2 full blocks + 1
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]  # 2 full blocks + 1
     bm.allocate("a", prompt)
     bm.cache("a", prompt)
     bm.free("a")
     assert bm.num_free_blocks() == 4 and bm.num_cached_blocks() == 2
-    bm.allocate("b", [9, 9, 9])                                # takes a plain free block
-    bm.allocate("c", [7, 7, 7])                                # the last plain one
+    bm.allocate("b", [9, 9, 9])  # takes a plain free block
+    bm.allocate("c", [7, 7, 7])  # the last plain one
     assert bm.num_cached_blocks() == 2
-    bm.allocate("d", [5, 5, 5])                                # must evict: the tail block goes
+    bm.allocate("d", [5, 5, 5])  # must evict: the tail block goes
     assert bm.num_cached_blocks() == 1
-    assert bm.match_prefix(prompt + [0]) == 4                  # the head block survived
+    assert bm.match_prefix(prompt + [0]) == 4  # the head block survived
     assert bm.num_free_blocks() == 1
 
 
@@ -75,18 +76,18 @@ def test_disabled_prefix_cache_neither_matches_nor_inserts():
 
 def test_grow_and_its_limits():
     bm = BlockManager(3, 4)
-    bm.allocate("a", [1, 2, 3])                                # 1 block
+    bm.allocate("a", [1, 2, 3])  # 1 block
     assert bm.can_grow("a", 7) and not bm.can_grow("a", 12)
     bm.grow("a", 4)
     assert len(bm.block_table("a")) == 2
-    bm.grow("a", 5)                                            # already has room
+    bm.grow("a", 5)  # already has room
     assert len(bm.block_table("a")) == 2
     with pytest.raises(OutOfBlocks):
         bm.grow("a", 12)
     assert not bm.can_allocate([1, 2, 3, 4])
     with pytest.raises(OutOfBlocks):
         bm.allocate("b", [1, 2, 3, 4])
-    assert "b" not in bm and bm.num_free_blocks() == 1         # a failed allocation takes nothing
+    assert "b" not in bm and bm.num_free_blocks() == 1  # a failed allocation takes nothing
 
 
 def test_bad_calls_name_the_problem():
@@ -121,8 +122,11 @@ def test_identical_calls_give_identical_tables_whatever_the_hash_seed():
     outs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outs.append(subprocess.run([sys.executable, "-c", _DETERMINISM], env=env, check=True,
-                                   capture_output=True, text=True).stdout)
+        outs.append(
+            subprocess.run(
+                [sys.executable, "-c", _DETERMINISM], env=env, check=True, capture_output=True, text=True
+            ).stdout
+        )
     assert outs[0] == outs[1] and outs[0].count("[") >= 4
 
 
@@ -133,26 +137,31 @@ def test_identical_calls_give_identical_tables_whatever_the_hash_seed():
 BS = 4
 BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5]]
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc"] * 3 + ["release"] * 2 + ["grow", "cache", "free"]),
-                         st.integers(0, 2),                     # sequence key
-                         st.integers(0, len(BASES) - 1),        # which base prompt
-                         st.integers(1, 12),                    # prompt length or growth
-                         st.sampled_from([-1, -1, -1, 2])),     # adapter
-               min_size=10, max_size=50)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc"] * 3 + ["release"] * 2 + ["grow", "cache", "free"]),
+        st.integers(0, 2),  # sequence key
+        st.integers(0, len(BASES) - 1),  # which base prompt
+        st.integers(1, 12),  # prompt length or growth
+        st.sampled_from([-1, -1, -1, 2]),
+    ),  # adapter
+    min_size=10,
+    max_size=50,
+)
 
 
 @settings(max_examples=300, deadline=None)
 @given(num_blocks=st.integers(3, 14), ops=ops)
 def test_eviction_never_takes_a_live_block(num_blocks, ops):
     bm = BlockManager(num_blocks, BS)
-    kv: dict = {}                                   # (block, offset) -> (adapter, prefix tuple)
-    live: dict = {}                                 # key -> (adapter, tokens whose KV exists)
+    kv: dict = {}  # (block, offset) -> (adapter, prefix tuple)
+    live: dict = {}  # key -> (adapter, tokens whose KV exists)
 
     def write(key, start, end):
         adapter, toks = live[key]
         table = bm.block_table(key)
         for p in range(start, end):
-            kv[table[p // BS], p % BS] = (adapter, tuple(toks[:p + 1]))
+            kv[table[p // BS], p % BS] = (adapter, tuple(toks[: p + 1]))
 
     for op, key, base, n, adapter in ops:
         if op == "alloc" and key not in live:
@@ -162,7 +171,7 @@ def test_eviction_never_takes_a_live_block(num_blocks, ops):
             expect = bm.match_prefix(prompt, adapter)
             assert bm.allocate(key, prompt, adapter) == expect
             live[key] = (adapter, list(prompt))
-            write(key, expect, len(prompt))         # the cached part is not recomputed
+            write(key, expect, len(prompt))  # the cached part is not recomputed
         elif op == "grow" and key in live:
             adapter, toks = live[key]
             if not bm.can_grow(key, len(toks) + n):
@@ -170,7 +179,7 @@ def test_eviction_never_takes_a_live_block(num_blocks, ops):
             bm.grow(key, len(toks) + n)
             toks.extend([7] * n)
             write(key, len(toks) - n, len(toks))
-        elif op == "cache":                          # every live sequence publishes its blocks
+        elif op == "cache":  # every live sequence publishes its blocks
             for k, (_, toks) in live.items():
                 bm.cache(k, toks)
         elif op in ("free", "release") and key in live:
@@ -183,7 +192,7 @@ def test_eviction_never_takes_a_live_block(num_blocks, ops):
             table = bm.block_table(k)
             assert len(table) == len(toks) // BS + 1
             for p in range(len(toks)):
-                assert kv[table[p // BS], p % BS] == (adapter, tuple(toks[:p + 1]))
+                assert kv[table[p // BS], p % BS] == (adapter, tuple(toks[: p + 1]))
             used.update(table)
         assert bm.num_free_blocks() == num_blocks - len(used)
     for k in list(live):

@@ -5,6 +5,7 @@ rounded to bfloat16 on the host first and the reference runs on exactly those va
 each tolerance below measures only the kernel's own error: bf16 storage of the output
 (relative step 2^-8 ~ 4e-3) plus fp32 accumulation order. Tolerances (rtol, atol):
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,13 +15,13 @@ from eprt.ops import device
 from eprt.ops.numpy_ops import NumpyOps
 
 TOL = {
-    "rms_norm": (1e-2, 1e-2),        # one bf16 rounding of a ~unit value
-    "linear": (2e-2, 2e-2),          # bf16 output, fp32 accumulation over K
+    "rms_norm": (1e-2, 1e-2),  # one bf16 rounding of a ~unit value
+    "linear": (2e-2, 2e-2),  # bf16 output, fp32 accumulation over K
     "rope": (1e-2, 1e-2),
-    "attention": (2e-2, 2e-2),       # softmax in fp32, bf16 output
-    "router": (1e-4, 1e-6),          # fp32 end to end (ids must match exactly)
+    "attention": (2e-2, 2e-2),  # softmax in fp32, bf16 output
+    "router": (1e-4, 1e-6),  # fp32 end to end (ids must match exactly)
     "silu_and_mul": (1e-2, 1e-2),
-    "moe": (3e-2, 3e-2),             # relative to the output's scale: h is stored as bf16
+    "moe": (3e-2, 3e-2),  # relative to the output's scale: h is stored as bf16
 }
 
 gpu = pytest.mark.skipif(not device.cuda_usable(), reason="CuPy cannot use a CUDA device here")
@@ -123,7 +124,7 @@ def paged_kv(rng, lens, bs, hk, dh, spare_blocks=3):
     tables = np.zeros((len(lens), max(need)), np.int32)
     start = 0
     for b, n in enumerate(need):
-        tables[b, :n] = order[start:start + n]
+        tables[b, :n] = order[start : start + n]
         start += n
     k = bf16(rng.standard_normal((nb, bs, hk, dh)))
     v = bf16(rng.standard_normal((nb, bs, hk, dh)))
@@ -213,7 +214,7 @@ def test_attention_decode(rng, split, group, dh):
 
     # split "on" with 128-key partitions: 3 partitions, the short sequences' later ones empty
     g, c = CupyOps(decode_split=split, split_keys=128), NumpyOps()
-    check_attention_decode(g, c, rng, lens=[1, 37, 300], bs=16, hk=2, group=group, dh=dh)   # 300: 3 chunks
+    check_attention_decode(g, c, rng, lens=[1, 37, 300], bs=16, hk=2, group=group, dh=dh)  # 300: 3 chunks
 
 
 def check_attention_decode(g, c, rng, lens, bs, hk, group, dh, spare_blocks=3):
@@ -221,9 +222,10 @@ def check_attention_decode(g, c, rng, lens, bs, hk, group, dh, spare_blocks=3):
     kc, vc, tables = paged_kv(rng, lens, bs, hk, dh, spare_blocks)
     q = bf16(rng.standard_normal((len(lens), hk * group, dh)))
     cl = np.array(lens, np.int32)
-    got = g.attention_decode(g.activation(q), g.activation(kc), g.activation(vc), g.index(tables),
-                             g.index(cl), dh ** -0.5)
-    close(g.to_host(got), c.attention_decode(q, kc, vc, tables, cl, dh ** -0.5), "attention")
+    got = g.attention_decode(
+        g.activation(q), g.activation(kc), g.activation(vc), g.index(tables), g.index(cl), dh**-0.5
+    )
+    close(g.to_host(got), c.attention_decode(q, kc, vc, tables, cl, dh**-0.5), "attention")
 
 
 @gpu
@@ -233,11 +235,11 @@ def test_decode_partitions():
 
     auto, off = CupyOps(split_keys=512), CupyOps(decode_split="off")
     sm = auto.sm_count
-    assert auto._decode_partitions(4, 4096) == (8, 512)           # batch 1, 4 KV heads: split
-    assert auto._decode_partitions(2 * sm, 4096) == (1, 4096)     # enough blocks already
+    assert auto._decode_partitions(4, 4096) == (8, 512)  # batch 1, 4 KV heads: split
+    assert auto._decode_partitions(2 * sm, 4096) == (1, 4096)  # enough blocks already
     assert off._decode_partitions(4, 4096) == (1, 4096)
-    assert auto._decode_partitions(4, 300) == (1, 512)            # one partition holds it all
-    parts, keys = auto._decode_partitions(4, 1 << 20)             # 1M keys: at most 256 partitions
+    assert auto._decode_partitions(4, 300) == (1, 512)  # one partition holds it all
+    parts, keys = auto._decode_partitions(4, 1 << 20)  # 1M keys: at most 256 partitions
     assert parts <= 256 and parts * keys >= 1 << 20 and keys % 128 == 0
     with pytest.raises(ValueError, match="split_keys"):
         CupyOps(split_keys=100)
@@ -255,9 +257,10 @@ def test_attention_prefill(rng, start_pos, T, split):
     hk, group, dh, bs = 2, 4, 128, 16
     kc, vc, tables = paged_kv(rng, [start_pos + T], bs, hk, dh)
     q = bf16(rng.standard_normal((T, hk * group, dh)))
-    got = g.attention_prefill(g.activation(q), g.activation(kc), g.activation(vc), g.index(tables[0]),
-                              start_pos, dh ** -0.5)
-    close(g.to_host(got), c.attention_prefill(q, kc, vc, tables[0], start_pos, dh ** -0.5), "attention")
+    got = g.attention_prefill(
+        g.activation(q), g.activation(kc), g.activation(vc), g.index(tables[0]), start_pos, dh**-0.5
+    )
+    close(g.to_host(got), c.attention_prefill(q, kc, vc, tables[0], start_pos, dh**-0.5), "attention")
 
 
 @gpu
@@ -269,7 +272,7 @@ def test_router(ops, rng, logit_dtype, renormalize):
 
     g, c = ops
     logits = bf16(3 * rng.standard_normal((33, 64)))
-    logits[5] = 0.25                                  # all tied: ids 0..k-1
+    logits[5] = 0.25  # all tied: ids 0..k-1
     lg = g.activation(logits) if logit_dtype == "act" else cupy.asarray(logits)
     w, ids = g.router(lg, 8, renormalize)
     want_w, want_ids = c.router(logits, 8, renormalize)
@@ -289,9 +292,10 @@ def test_silu_and_mul(ops, rng):
 @pytest.mark.gpu
 def test_clip_and_sigmoid_gate_add(ops, rng):
     import cupy
+
     g, c = ops
     x = bf16(4 * rng.standard_normal((5, 48)))
-    x[2, 7], x[3, 0], x[4, 1] = np.nan, np.inf, -np.inf       # NaN stays NaN, as np.clip keeps it
+    x[2, 7], x[3, 0], x[4, 1] = np.nan, np.inf, -np.inf  # NaN stays NaN, as np.clip keeps it
     close(g.to_host(g.clip(g.activation(x), 1.5)), c.clip(x, 1.5), "silu_and_mul")  # bf16 tolerance
     out = rng.standard_normal((5, 48)).astype(np.float32)
     s, gate = bf16(rng.standard_normal((5, 48))), bf16(rng.standard_normal((5, 1)))
@@ -309,18 +313,18 @@ def test_moe_experts(rng, impl, T):
     from eprt.ops.cupy_ops import CupyOps
 
     g, c = CupyOps(moe_impl=impl), NumpyOps()
-    E, El, start, k, D, I = 16, 8, 4, 4, 256, 128    # this rank owns global experts 4..11
+    E, El, start, k, D, I = 16, 8, 4, 4, 256, 128  # this rank owns global experts 4..11
     x = bf16(rng.standard_normal((T, D)))
     wgu = bf16(rng.standard_normal((El, 2 * I, D)) / 16)
     wd = bf16(rng.standard_normal((El, D, I)) / 11)
     w, ids = c.router(rng.standard_normal((T, E)).astype(np.float32), k, True)
-    ids[0] = [0, 1, 12, 15]                            # token 0: no local expert -> zero row
+    ids[0] = [0, 1, 12, 15]  # token 0: no local expert -> zero row
     args = (g.activation(x), cupy.asarray(w), g.index(ids), g.weight(wgu), g.weight(wd), start)
     got = g.to_host(g.moe_experts(*args))
     want = c.moe_experts(x, w, ids, wgu, wd, start)
     assert not got[0].any()
     close(got, want, "moe", scale=float(np.abs(want).max()))
-    np.testing.assert_array_equal(g.to_host(g.moe_experts(*args)), got)   # reproducible bits
+    np.testing.assert_array_equal(g.to_host(g.moe_experts(*args)), got)  # reproducible bits
 
 
 @gpu
@@ -332,8 +336,9 @@ def test_moe_experts_without_local_experts_is_zero(rng):
 
     g = CupyOps()
     w = cupy.asarray(np.full((3, 2), 0.5, np.float32))
-    out = g.moe_experts(g.zeros((3, 16)), w, g.index(np.zeros((3, 2), np.int32)), g.zeros((0, 32, 16)),
-                        g.zeros((0, 16, 16)), 0)
+    out = g.moe_experts(
+        g.zeros((3, 16)), w, g.index(np.zeros((3, 2), np.int32)), g.zeros((0, 32, 16)), g.zeros((0, 16, 16)), 0
+    )
     np.testing.assert_array_equal(g.to_host(out), np.zeros((3, 16), np.float32))
 
 
@@ -364,7 +369,7 @@ def test_argmax_first_maximum_wins(ops, rng, logit_dtype):
 
     g, c = ops
     logits = bf16(rng.standard_normal((3, 50000)))
-    logits[1, [7, 900, 40000]] = 9.0                   # tie: index 7 wins
+    logits[1, [7, 900, 40000]] = 9.0  # tie: index 7 wins
     lg = g.activation(logits) if logit_dtype == "act" else cupy.asarray(logits)
     np.testing.assert_array_equal(g.argmax(lg), c.argmax(logits))
     assert g.argmax(lg)[1] == 7
@@ -376,8 +381,7 @@ def test_embedding_and_round_trip(ops, rng):
     g, c = ops
     table = bf16(rng.standard_normal((50, 32)))
     ids = np.array([3, 0, 49, 3], np.int32)
-    np.testing.assert_array_equal(g.to_host(g.embedding(g.weight(table), g.index(ids))),
-                                  c.embedding(table, ids))
+    np.testing.assert_array_equal(g.to_host(g.embedding(g.weight(table), g.index(ids))), c.embedding(table, ids))
 
 
 @gpu
@@ -394,8 +398,14 @@ def test_bad_arguments_name_the_argument(ops):
     with pytest.raises(ValueError, match=r"linear: x has shape \[4, 64\], expected \[\*, 32\]"):
         g.linear(x, g.zeros((8, 32)))
     with pytest.raises(ValueError, match="query heads 6 must be a multiple of KV heads 4"):
-        g.attention_decode(g.zeros((1, 6, 64)), g.zeros((2, 16, 4, 64)), g.zeros((2, 16, 4, 64)),
-                           g.zeros((1, 2), "i32"), g.zeros((1,), "i32"), 0.125)
+        g.attention_decode(
+            g.zeros((1, 6, 64)),
+            g.zeros((2, 16, 4, 64)),
+            g.zeros((2, 16, 4, 64)),
+            g.zeros((1, 2), "i32"),
+            g.zeros((1,), "i32"),
+            0.125,
+        )
 
 
 @gpu

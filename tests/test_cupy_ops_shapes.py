@@ -5,17 +5,22 @@ that are not powers of two, a single expert, top_k = E, vocabularies of one word
 GPU tests: skipped without a device, run on cusim in CI (tests/cusim). Examples are
 derandomized, so a failure reproduces. Tolerances: ``TOL`` of test_cupy_ops.py.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cupy_ops import bf16, check_attention_decode, close, paged_kv
 
 from eprt.ops import device
 from eprt.ops.numpy_ops import NumpyOps
-from test_cupy_ops import bf16, check_attention_decode, close, paged_kv
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not device.cuda_usable(), reason="CuPy cannot use a CUDA device here")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not device.cuda_usable(), reason="CuPy cannot use a CUDA device here"),
+]
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 HEAD_DIMS = st.sampled_from([8, 16, 24, 64, 72, 128, 256])
 CONTEXTS = st.one_of(st.integers(1, 300), st.sampled_from([127, 128, 129, 255, 256, 257]))
@@ -29,9 +34,16 @@ def ops():
 
 
 @SETTINGS
-@given(hk=st.integers(1, 3), group=st.integers(1, 16), dh=HEAD_DIMS, bs=st.sampled_from([1, 3, 16]),
-       lens=st.lists(CONTEXTS, min_size=1, max_size=3), split=st.sampled_from(["off", "on"]),
-       split_keys=st.sampled_from([128, 256]), seed=st.integers(0, 2**16))
+@given(
+    hk=st.integers(1, 3),
+    group=st.integers(1, 16),
+    dh=HEAD_DIMS,
+    bs=st.sampled_from([1, 3, 16]),
+    lens=st.lists(CONTEXTS, min_size=1, max_size=3),
+    split=st.sampled_from(["off", "on"]),
+    split_keys=st.sampled_from([128, 256]),
+    seed=st.integers(0, 2**16),
+)
 def test_attention_decode_shapes(hk, group, dh, bs, lens, split, split_keys, seed):
     from eprt.ops.cupy_ops import CupyOps
 
@@ -40,9 +52,16 @@ def test_attention_decode_shapes(hk, group, dh, bs, lens, split, split_keys, see
 
 
 @SETTINGS
-@given(hk=st.integers(1, 2), group=st.sampled_from([1, 3, 8]), dh=HEAD_DIMS, bs=st.sampled_from([1, 5, 16]),
-       start=st.integers(0, 300), T=st.integers(1, 140), split=st.sampled_from(["off", "auto"]),
-       seed=st.integers(0, 2**16))
+@given(
+    hk=st.integers(1, 2),
+    group=st.sampled_from([1, 3, 8]),
+    dh=HEAD_DIMS,
+    bs=st.sampled_from([1, 5, 16]),
+    start=st.integers(0, 300),
+    T=st.integers(1, 140),
+    split=st.sampled_from(["off", "auto"]),
+    seed=st.integers(0, 2**16),
+)
 def test_attention_prefill_shapes(hk, group, dh, bs, start, T, split, seed):
     from eprt.ops.cupy_ops import CupyOps
 
@@ -50,14 +69,20 @@ def test_attention_prefill_shapes(hk, group, dh, bs, start, T, split, seed):
     rng = np.random.default_rng(seed)
     kc, vc, tables = paged_kv(rng, [start + T], bs, hk, dh, spare_blocks=1)
     q = bf16(rng.standard_normal((T, hk * group, dh)))
-    got = g.attention_prefill(g.activation(q), g.activation(kc), g.activation(vc), g.index(tables[0]),
-                              start, dh ** -0.5)
-    close(g.to_host(got), c.attention_prefill(q, kc, vc, tables[0], start, dh ** -0.5), "attention")
+    got = g.attention_prefill(g.activation(q), g.activation(kc), g.activation(vc), g.index(tables[0]), start, dh**-0.5)
+    close(g.to_host(got), c.attention_prefill(q, kc, vc, tables[0], start, dh**-0.5), "attention")
 
 
 @SETTINGS
-@given(T=st.integers(1, 9), E=st.integers(1, 160), data=st.data(), renormalize=st.booleans(),
-       ties=st.booleans(), f32=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    T=st.integers(1, 9),
+    E=st.integers(1, 160),
+    data=st.data(),
+    renormalize=st.booleans(),
+    ties=st.booleans(),
+    f32=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_router_shapes(ops, T, E, data, renormalize, ties, f32, seed):
     import cupy
 
@@ -74,9 +99,16 @@ def test_router_shapes(ops, T, E, data, renormalize, ties, f32, seed):
 
 
 @SETTINGS
-@given(T=st.integers(1, 70), El=st.integers(1, 9), extra=st.integers(0, 6), data=st.data(),
-       D=st.sampled_from([8, 24, 256, 264]), I=st.sampled_from([8, 40, 128]),
-       impl=st.sampled_from(["grouped", "gathered"]), seed=st.integers(0, 2**16))
+@given(
+    T=st.integers(1, 70),
+    El=st.integers(1, 9),
+    extra=st.integers(0, 6),
+    data=st.data(),
+    D=st.sampled_from([8, 24, 256, 264]),
+    I=st.sampled_from([8, 40, 128]),
+    impl=st.sampled_from(["grouped", "gathered"]),
+    seed=st.integers(0, 2**16),
+)
 def test_moe_experts_shapes(T, El, extra, data, D, I, impl, seed):
     import cupy
 

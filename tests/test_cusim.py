@@ -4,6 +4,7 @@ CUDA semantics the kernels rely on and report the mistakes a GPU would punish.
 Small kernels here exercise each rule; the mutation tests at the end edit real kernels
 (dropping one barrier) and check the GPU tests, run on cusim, then fail.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cusim import fake_cupy  # noqa: E402
-from cusim.build import LaunchError, build  # noqa: E402
+from cusim.build import LaunchError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cusim needs g++")
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,9 +148,9 @@ extern "C" __global__ void __launch_bounds__(64) big_static(float* out) {
     m.get_function("two_sizes")((1,), (32,), (out,))
     np.testing.assert_array_equal(out.get(), 4100)
     k, buf = m.get_function("big_static"), fake_cupy.zeros(64, np.float32)
-    k((1,), (64,), (buf,), shared_mem=4096)                       # 40 + 4 KiB: fits the default 48
+    k((1,), (64,), (buf,), shared_mem=4096)  # 40 + 4 KiB: fits the default 48
     with pytest.raises(LaunchError, match="40960 bytes of static and 16384 of dynamic"):
-        k((1,), (64,), (buf,), shared_mem=16384)                  # 56 KiB: needs the opt-in
+        k((1,), (64,), (buf,), shared_mem=16384)  # 56 KiB: needs the opt-in
     k.max_dynamic_shared_size_bytes = 16384
     k((1,), (64,), (buf,), shared_mem=16384)
     with pytest.raises(LaunchError, match=r"128 threads exceed its __launch_bounds__\(64\)"):
@@ -180,19 +181,28 @@ extern "C" __global__ void forgot(float* out) {
     assert np.isnan(out.get()).all()
 
 
-@pytest.mark.parametrize("body,message", [
-    (r"if (threadIdx.x % 32 < 16) __syncthreads(); else { float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v; }",
-     "deadlock"),
-    (r"if (threadIdx.x == 3) return; float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v;",
-     "has exited"),
-    (r"if (threadIdx.x % 2) __syncwarp(); else { float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v; }",
-     "different warp collectives"),
-    (r"float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v;", "beyond the block's threads"),
-    (r"extern __shared__ float s[]; s[threadIdx.x + 8] = 1.0f;", "wrote past the 64 bytes of dynamic shared memory"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (
+            r"if (threadIdx.x % 32 < 16) __syncthreads(); else { float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v; }",
+            "deadlock",
+        ),
+        (r"if (threadIdx.x == 3) return; float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v;", "has exited"),
+        (
+            r"if (threadIdx.x % 2) __syncwarp(); else { float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v; }",
+            "different warp collectives",
+        ),
+        (r"float v = __shfl_xor_sync(FULL, 1.0f, 1); (void)v;", "beyond the block's threads"),
+        (
+            r"extern __shared__ float s[]; s[threadIdx.x + 8] = 1.0f;",
+            "wrote past the 64 bytes of dynamic shared memory",
+        ),
+    ],
+)
 def test_collective_and_shared_memory_misuse_is_reported(body, message):
     m = module('extern "C" __global__ void k(float* out) { ' + body + " }")
-    block = {"beyond": 48, "wrote": 32}.get(message.split()[0], 128)   # 48 threads: a partial 2nd warp
+    block = {"beyond": 48, "wrote": 32}.get(message.split()[0], 128)  # 48 threads: a partial 2nd warp
     with pytest.raises(LaunchError, match=message):
         m.get_function("k")((1,), (block,), (fake_cupy.zeros(4, np.float32),), shared_mem=64)
 
@@ -208,22 +218,26 @@ extern "C" __global__ void overflow(int* out) { out[threadIdx.x] = deep(1000); }
         m.get_function("far")((1,), (32,), (fake_cupy.zeros(32, np.float32), np.int64(1 << 40)))
     with pytest.raises(LaunchError, match="SIGFPE"):
         m.get_function("div0")((1,), (32,), (ints, np.int32(0)))
-    with pytest.raises(LaunchError, match="stack overflow"):    # into the fiber stack's guard page
+    with pytest.raises(LaunchError, match="stack overflow"):  # into the fiber stack's guard page
         m.get_function("overflow")((1,), (32,), (ints,))
-    m.get_function("div0")((1,), (32,), (ints, np.int32(7)))   # and the process carries on
+    m.get_function("div0")((1,), (32,), (ints, np.int32(7)))  # and the process carries on
     np.testing.assert_array_equal(ints.get(), 1)
 
 
 def test_a_spin_wait_ends_in_an_error_not_a_hang():
     # fibers are not preempted, so a thread spinning on a flag hangs the launch (here nobody
     # sets it); the CPU-time watchdog, 120 s as compiled by default, is shortened by a define
-    m = fake_cupy.RawModule(HEADER + r"""
+    m = fake_cupy.RawModule(
+        HEADER
+        + r"""
 extern "C" __global__ void spin(volatile int* flag) { while (flag[0] == 0) {} }
-extern "C" __global__ void ok(int* out) { out[threadIdx.x] = 1; }""", options=("-DCUSIM_WATCHDOG_SECONDS=2",))
+extern "C" __global__ void ok(int* out) { out[threadIdx.x] = 1; }""",
+        options=("-DCUSIM_WATCHDOG_SECONDS=2",),
+    )
     with pytest.raises(LaunchError, match="2 s of CPU time without finishing"):
         m.get_function("spin")((1,), (32,), (fake_cupy.zeros(1, np.int32),))
     out = fake_cupy.zeros(32, np.int32)
-    m.get_function("ok")((1,), (32,), (out,))           # the next launch is unaffected
+    m.get_function("ok")((1,), (32,), (out,))  # the next launch is unaffected
     np.testing.assert_array_equal(out.get(), 1)
 
 
@@ -257,7 +271,7 @@ extern "C" __global__ void fill(float* out, int n) { out[threadIdx.x] = 1.0f; (v
     with pytest.raises(LaunchError, match="fill wrote past the end of a 124-byte allocation"):
         m.get_function("fill")((1,), (32,), (fake_cupy.zeros(31, np.float32), np.int32(31)))
     m2 = module(r"""
-extern "C" __global__ void minus_one(int* out) { out[threadIdx.x] = -1; }""")   # the fill pattern itself
+extern "C" __global__ void minus_one(int* out) { out[threadIdx.x] = -1; }""")  # the fill pattern itself
     with pytest.raises(LaunchError, match="past the end"):
         m2.get_function("minus_one")((1,), (32,), (fake_cupy.zeros(31, np.int32),))
 
@@ -271,11 +285,11 @@ def test_device_arrays_are_as_strict_as_cupys():
         a + np.ones((2, 3), np.float32)
     with pytest.raises(TypeError, match="host numpy array"):
         a[...] = np.ones((2, 3), np.float32)
-    assert np.isnan(fake_cupy.empty(4, np.float32).get()).all()   # never-written memory is NaN
-    assert fake_cupy.zeros(3).dtype == np.float64                    # CuPy's default dtype
+    assert np.isnan(fake_cupy.empty(4, np.float32).get()).all()  # never-written memory is NaN
+    assert fake_cupy.zeros(3).dtype == np.float64  # CuPy's default dtype
     np.testing.assert_array_equal((a * 2 + 1)[1].get(), [7, 9, 11])
     view = a[1]
-    view.fill(0)                                                     # views share memory
+    view.fill(0)  # views share memory
     np.testing.assert_array_equal(a.get(), [[0, 1, 2], [0, 0, 0]])
 
 
@@ -284,7 +298,7 @@ def test_device_arrays_are_as_strict_as_cupys():
 def test_gemmex_follows_cublas_column_major_rules(transa, transb, c_type):
     rng = np.random.default_rng(0)
     m, n, k = 5, 7, 16
-    a = rng.standard_normal((m, k)).astype(np.float32)   # op(A), column-major view
+    a = rng.standard_normal((m, k)).astype(np.float32)  # op(A), column-major view
     b = rng.standard_normal((k, n)).astype(np.float32)
     c0 = rng.standard_normal((m, n)).astype(np.float32)
     bf = lambda x: ((x.view(np.uint32) + 0x7FFF + ((x.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16)  # noqa: E731
@@ -294,29 +308,97 @@ def test_gemmex_follows_cublas_column_major_rules(transa, transb, c_type):
     B = dev(bf(np.ascontiguousarray(b.T if transb == 0 else b)))
     C = dev(np.ascontiguousarray(c0.T) if c_type == 0 else bf(np.ascontiguousarray(c0.T)))
     alpha, beta = np.array(2.0, np.float32), np.array(0.5, np.float32)
-    fake_cupy.gemmEx(0, transa, transb, m, n, k, alpha.ctypes.data, A.data.ptr, 14, m if transa == 0 else k,
-                     B.data.ptr, 14, k if transb == 0 else n, beta.ctypes.data, C.data.ptr, c_type, m, 68, -1)
+    fake_cupy.gemmEx(
+        0,
+        transa,
+        transb,
+        m,
+        n,
+        k,
+        alpha.ctypes.data,
+        A.data.ptr,
+        14,
+        m if transa == 0 else k,
+        B.data.ptr,
+        14,
+        k if transb == 0 else n,
+        beta.ctypes.data,
+        C.data.ptr,
+        c_type,
+        m,
+        68,
+        -1,
+    )
     c_in = c0 if c_type == 0 else to_f32(bf(c0))
     want = 2.0 * to_f32(bf(a)) @ to_f32(bf(b)) + 0.5 * c_in
     got = C.get().T if c_type == 0 else to_f32(C.get()).T
     np.testing.assert_allclose(got, want, rtol=1e-5 if c_type == 0 else 1e-2, atol=1e-5 if c_type == 0 else 3e-2)
     with pytest.raises(LaunchError, match="NOT_SUPPORTED"):
-        fake_cupy.gemmEx(0, 0, 0, m, n, k, alpha.ctypes.data, A.data.ptr, 14, m, B.data.ptr, 0, k,
-                         beta.ctypes.data, C.data.ptr, c_type, m, 68, -1)
+        fake_cupy.gemmEx(
+            0,
+            0,
+            0,
+            m,
+            n,
+            k,
+            alpha.ctypes.data,
+            A.data.ptr,
+            14,
+            m,
+            B.data.ptr,
+            0,
+            k,
+            beta.ctypes.data,
+            C.data.ptr,
+            c_type,
+            m,
+            68,
+            -1,
+        )
     with pytest.raises(LaunchError, match="leading dimension"):
-        fake_cupy.gemmEx(0, 0, 0, m, n, k, alpha.ctypes.data, A.data.ptr, 14, 1, B.data.ptr, 14, k,
-                         beta.ctypes.data, C.data.ptr, c_type, m, 68, -1)
+        fake_cupy.gemmEx(
+            0,
+            0,
+            0,
+            m,
+            n,
+            k,
+            alpha.ctypes.data,
+            A.data.ptr,
+            14,
+            1,
+            B.data.ptr,
+            14,
+            k,
+            beta.ctypes.data,
+            C.data.ptr,
+            c_type,
+            m,
+            68,
+            -1,
+        )
 
 
 # ---- mutations of the real kernels: the GPU tests on cusim must notice each -----------------
 MUTATIONS = {
     "permute: no barrier between reading and advancing the expert cursor": (
-        "moe_permute.cu", "__syncwarp();  // all reads of the cursor precede the update", "", "moe_experts"),
+        "moe_permute.cu",
+        "__syncwarp();  // all reads of the cursor precede the update",
+        "",
+        "moe_experts",
+    ),
     "router: lanes read the scores before the winner is knocked out": (
-        "router.cu", "if (lane == 0) p[best_i] = -1.0f;\n        __syncwarp();",
-        "if (lane == 0) p[best_i] = -1.0f;", "router"),
+        "router.cu",
+        "if (lane == 0) p[best_i] = -1.0f;\n        __syncwarp();",
+        "if (lane == 0) p[best_i] = -1.0f;",
+        "router",
+    ),
     "attention: the next chunk overwrites scores still being read": (
-        "paged_attention.cu", "__syncthreads();  // s_s is overwritten by the next chunk", "", "attention_decode"),
+        "paged_attention.cu",
+        "__syncthreads();  // s_s is overwritten by the next chunk",
+        "",
+        "attention_decode",
+    ),
 }
 
 
@@ -329,9 +411,29 @@ def test_gpu_tests_on_cusim_catch_a_missing_barrier(tmp_path, name):
     assert source.count(old) == 1, f"the mutation no longer applies to {file}"
     (kernels / file).write_text(source.replace(old, new))
     env = dict(os.environ, EPRT_KERNEL_DIR=str(kernels), PYTHONPATH=str(ROOT / "tests"))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "cusim.plugin", "-p", "no:cacheprovider",
-                           "-m", "gpu", "-k", selection, str(ROOT / "tests" / "test_cupy_ops.py")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "cusim.plugin",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            "-k",
+            selection,
+            str(ROOT / "tests" / "test_cupy_ops.py"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1 and " failed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
@@ -340,10 +442,30 @@ def test_gpu_benchmark_script_runs_on_cusim(impl):
     # benchmarks/gpu_session.sh runs it on a GPU when one is lent; a crash there would waste
     # the device time, so its whole path (weights, KV, decode steps, byte count) runs here
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
-    proc = subprocess.run([sys.executable, "-m", "cusim.run", str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny",
-                           "--context", "20", "--batches", "1,3", "--steps", "1", "--moe-impl", impl,
-                           "--attention-contexts", "300"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cusim.run",
+            str(ROOT / "benchmarks" / "bench_gpu.py"),
+            "--tiny",
+            "--context",
+            "20",
+            "--batches",
+            "1,3",
+            "--steps",
+            "1",
+            "--moe-impl",
+            impl,
+            "--attention-contexts",
+            "300",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
     decode, attention = rows[:2], rows[2:]
@@ -355,8 +477,28 @@ def test_eprt_generate_on_the_cuda_backend_runs_on_cusim():
     # the CLI's GPU path (device binding, KV pool from free memory and
     # --gpu-memory-utilization, CuPy backend, text out) as a user runs it on a GPU node
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{ROOT}")
-    proc = subprocess.run([sys.executable, "-m", "cusim.run", "-m", "eprt", "generate", "--device", "cuda",
-                           "--prompt", "Hello, experts", "--max-tokens", "8", "--gpu-memory-utilization", "0.5"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cusim.run",
+            "-m",
+            "eprt",
+            "generate",
+            "--device",
+            "cuda",
+            "--prompt",
+            "Hello, experts",
+            "--max-tokens",
+            "8",
+            "--gpu-memory-utilization",
+            "0.5",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on cuda" in proc.stderr and "generated 8" in proc.stderr, proc.stderr[-3000:]

@@ -1,25 +1,34 @@
 """End-to-end generation against transformers: greedy tokens, batching, the CLI."""
+
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
-
 from checkpoints import load_reference
+
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 
-PROMPTS = [[5, 77, 3], [140, 9, 9, 31, 200, 17, 64, 12, 250, 11], [8], [90, 91, 92, 93, 94, 95, 96, 97, 98, 99,
-           100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111]]
+PROMPTS = [
+    [5, 77, 3],
+    [140, 9, 9, 31, 200, 17, 64, 12, 250, 11],
+    [8],
+    [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111],
+]
 
 
 def hf_greedy(path, prompt, n):
     """transformers' greedy tokens (stops at EOS like eprt; the EOS is included)."""
     with torch.no_grad():
-        out = load_reference(path).generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
-                                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+        out = load_reference(path).generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=n,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def engine_config(path, **kw):
@@ -60,8 +69,7 @@ def test_sampling_is_reproducible_per_request_seed(checkpoint):
     with launch_engine(engine_config(path)) as engine:
         a = engine.generate([GenerationRequest(PROMPTS[1], params)])[0]
         b = engine.generate([GenerationRequest(PROMPTS[0], params), GenerationRequest(PROMPTS[1], params)])[1]
-        c = engine.generate([GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.9,
-                                                                          seed=99))])[0]
+        c = engine.generate([GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.9, seed=99))])[0]
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
 
@@ -71,8 +79,7 @@ def test_stop_token_ids_end_the_sequence(checkpoint):
     free = run(path, [PROMPTS[1]], n=12)[0].token_ids
     stop = free[5]
     with launch_engine(engine_config(path)) as engine:
-        res = engine.generate([GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=12,
-                                                                            stop_token_ids=(stop,)))])[0]
+        res = engine.generate([GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=12, stop_token_ids=(stop,)))])[0]
     assert res.token_ids == free[: free.index(stop) + 1]
     assert res.finish_reason == "stop"
 
@@ -80,10 +87,13 @@ def test_stop_token_ids_end_the_sequence(checkpoint):
 def test_bad_request_is_an_error_result_and_others_complete(checkpoint):
     path = checkpoint("qwen2_moe")
     with launch_engine(engine_config(path)) as engine:
-        good, bad_token, bad_len = engine.generate([
-            GenerationRequest(PROMPTS[0], SamplingParams(max_tokens=4)),
-            GenerationRequest([1, 999999], SamplingParams(max_tokens=4)),
-            GenerationRequest([1] * 200, SamplingParams(max_tokens=4))])
+        good, bad_token, bad_len = engine.generate(
+            [
+                GenerationRequest(PROMPTS[0], SamplingParams(max_tokens=4)),
+                GenerationRequest([1, 999999], SamplingParams(max_tokens=4)),
+                GenerationRequest([1] * 200, SamplingParams(max_tokens=4)),
+            ]
+        )
     assert good.finish_reason == "length" and len(good.token_ids) == 4
     assert bad_token.finish_reason == "error" and "999999" in bad_token.error
     assert bad_len.finish_reason == "error" and "max_model_len" in bad_len.error
@@ -91,9 +101,23 @@ def test_bad_request_is_an_error_result_and_others_complete(checkpoint):
 
 def test_cli_json_matches_transformers_generate(checkpoint):
     path = checkpoint("qwen3_moe")
-    cmd = [sys.executable, "-m", "eprt.cli", "generate", "--model", path, "--device", "cpu", "--json",
-           "--max-tokens", "12", "--prompt-ids", ",".join(map(str, PROMPTS[1])),
-           "--prompt-ids", ",".join(map(str, PROMPTS[0]))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eprt.cli",
+        "generate",
+        "--model",
+        path,
+        "--device",
+        "cpu",
+        "--json",
+        "--max-tokens",
+        "12",
+        "--prompt-ids",
+        ",".join(map(str, PROMPTS[1])),
+        "--prompt-ids",
+        ",".join(map(str, PROMPTS[0])),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
     rows = [json.loads(line) for line in out]
     assert [r["prompt_ids"] for r in rows] == [PROMPTS[1], PROMPTS[0]]
@@ -103,22 +127,69 @@ def test_cli_json_matches_transformers_generate(checkpoint):
 
 
 def test_cli_default_model_runs():
-    out = subprocess.run([sys.executable, "-m", "eprt.cli", "generate", "--device", "cpu", "--prompt", "Hi",
-                          "--max-tokens", "5", "--json"], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eprt.cli",
+            "generate",
+            "--device",
+            "cpu",
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     row = json.loads(out.stdout)
     assert row["prompt_ids"] == [72, 105] and len(row["token_ids"]) == 5 and row["text"]
 
 
 def test_cli_rejects_text_prompt_without_tokenizer(checkpoint):
-    p = subprocess.run([sys.executable, "-m", "eprt.cli", "generate", "--model", checkpoint("mixtral"),
-                        "--device", "cpu", "--prompt", "hello"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eprt.cli",
+            "generate",
+            "--model",
+            checkpoint("mixtral"),
+            "--device",
+            "cpu",
+            "--prompt",
+            "hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and "tokenizer" in p.stderr
 
 
 @pytest.mark.parametrize("bad", ["does-not-exist"])
 def test_cli_missing_model_dir_is_clear(bad, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "eprt.cli", "generate", "--model", str(tmp_path / bad),
-                        "--device", "cpu", "--prompt-ids", "1"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eprt.cli",
+            "generate",
+            "--model",
+            str(tmp_path / bad),
+            "--device",
+            "cpu",
+            "--prompt-ids",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode != 0 and "config.json" in p.stderr
 
 
@@ -126,12 +197,15 @@ def test_16_prompts_through_the_scheduler_equal_each_alone(checkpoint):
     """More prompts than slots: continuous batching admits new ones as others finish."""
     path = checkpoint("qwen3_moe")
     prompts = [[(7 * i + j) % 250 + 3 for j in range(1 + (5 * i) % 23)] for i in range(16)]
-    lengths = [4 + (3 * i) % 11 for i in range(16)]          # different budgets: slots free up at different ticks
+    lengths = [4 + (3 * i) % 11 for i in range(16)]  # different budgets: slots free up at different ticks
     with launch_engine(EngineConfig(model=path, device="cpu", max_batch=5, block_size=4, max_model_len=64)) as engine:
-        together = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=n, ignore_eos=True))
-                                    for p, n in zip(prompts, lengths)])
-        alone = [engine.generate([GenerationRequest(p, SamplingParams(max_tokens=n, ignore_eos=True))])[0]
-                 for p, n in zip(prompts, lengths)]
+        together = engine.generate(
+            [GenerationRequest(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        )
+        alone = [
+            engine.generate([GenerationRequest(p, SamplingParams(max_tokens=n, ignore_eos=True))])[0]
+            for p, n in zip(prompts, lengths)
+        ]
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert [len(r.token_ids) for r in together] == lengths
 
@@ -153,6 +227,7 @@ def test_seeded_sampling_survives_preemption(checkpoint):
 
 def test_engine_failure_fails_every_request_instead_of_hanging(checkpoint, monkeypatch):
     from eprt.engine.executor import ShardExecutor
+
     real, calls = ShardExecutor.decode, {"n": 0}
 
     def failing(self, slots, tokens):
@@ -168,15 +243,16 @@ def test_engine_failure_fails_every_request_instead_of_hanging(checkpoint, monke
             engine.generate([GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=10))])
     res = early.result(timeout=0)
     assert res.finish_reason == "error" and "injected model failure" in res.error
-    assert len(res.token_ids) == 3            # prefill token + 2 decode steps before the failure: kept
+    assert len(res.token_ids) == 3  # prefill token + 2 decode steps before the failure: kept
 
 
 def test_image_embeds_argument_splits_only_a_leading_index():
     from eprt.entry.generate import _embeds
+
     assert _embeds("1:/data/run:3/x.npy") == (1, "/data/run:3/x.npy")
     assert _embeds("/data/run:3/x.npy") == (0, "/data/run:3/x.npy")
     assert _embeds("x.npy") == (0, "x.npy")
-    assert _embeds("²:x.npy") == (0, "²:x.npy")                  # not an ASCII index: part of the name
+    assert _embeds("²:x.npy") == (0, "²:x.npy")  # not an ASCII index: part of the name
 
 
 def test_image_embeds_file_must_be_a_2d_float_npy(tmp_path):
@@ -186,6 +262,7 @@ def test_image_embeds_file_must_be_a_2d_float_npy(tmp_path):
 
     from eprt.api import RequestError
     from eprt.entry.generate import _requests, add_arguments
+
     parser = argparse.ArgumentParser()
     add_arguments(parser)
 
@@ -202,9 +279,14 @@ def test_image_embeds_file_must_be_a_2d_float_npy(tmp_path):
     np.save(tmp_path / "ints.npy", np.zeros((2, 3), np.int64))
     np.save(tmp_path / "objects.npy", np.array([[{"a": 1}]], dtype=object), allow_pickle=True)
     (tmp_path / "junk.npy").write_bytes(b"not an array")
-    for name, words in [("rows.npz", "is an .npz archive"), ("flat.npy", "want a 2-D float array"),
-                        ("ints.npy", "want a 2-D float array"), ("objects.npy", "cannot read it"),
-                        ("junk.npy", "cannot read it"), ("missing.npy", "cannot read it")]:
+    for name, words in [
+        ("rows.npz", "is an .npz archive"),
+        ("flat.npy", "want a 2-D float array"),
+        ("ints.npy", "want a 2-D float array"),
+        ("objects.npy", "cannot read it"),
+        ("junk.npy", "cannot read it"),
+        ("missing.npy", "cannot read it"),
+    ]:
         with pytest.raises(RequestError, match=f"{name}: {words}"):
             embeds_for(tmp_path / name)
 
@@ -218,7 +300,7 @@ def test_text_is_decoded_once_for_callback_and_handle():
         engine.tokenizer.decode = lambda ids: calls.append(list(ids)) or decode(ids)
         handle = engine.submit(GenerationRequest([72, 105], SamplingParams(max_tokens=5)), on_finish=seen.append)
         while not handle.done():
-            engine._step()   # what generate() and serve_forever() do
+            engine._step()  # what generate() and serve_forever() do
         result = handle.result()
         assert result is seen[0] and result.text and len(calls) == 1
         assert handle.result() is result

@@ -14,6 +14,7 @@ must be a near-tie of the reference router (probability gap between its k-th and
 expert below ROUTE_TIE). If no routing differs, the tokens themselves must be near-ties:
 each backend's token among the other's top 2 and within LOGIT_TIE of its best logit.
 """
+
 import numpy as np
 import pytest
 
@@ -27,15 +28,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_usable(), reason="no 
 
 PROMPTS = [[5, 77, 3], [140, 9, 9, 31, 200, 17, 64, 12, 250, 11], list(range(40, 75))]
 NEW_TOKENS = 12
-ROUTE_TIE = 0.01    # router probability; bf16 rounding moves router logits by ~1e-2
-LOGIT_TIE = 0.1     # logits; bf16 activations move these tiny models' logits by ~2e-2
+ROUTE_TIE = 0.01  # router probability; bf16 rounding moves router logits by ~1e-2
+LOGIT_TIE = 0.1  # logits; bf16 activations move these tiny models' logits by ~2e-2
 
 
 def greedy(path, device):
     cfg = EngineConfig(model=path, device=device, max_batch=4, block_size=16, max_model_len=128)
     with launch_engine(cfg) as engine:
-        return [r.token_ids for r in engine.generate(
-            [GenerationRequest(p, SamplingParams(max_tokens=NEW_TOKENS)) for p in PROMPTS])]
+        return [
+            r.token_ids
+            for r in engine.generate([GenerationRequest(p, SamplingParams(max_tokens=NEW_TOKENS)) for p in PROMPTS])
+        ]
 
 
 def teacher_forced(path, device, tokens):
@@ -72,18 +75,22 @@ def explain_divergence(path, context, want, got) -> str | None:
             p = np.exp(logits[pos] - logits[pos].max())
             p = np.sort(p / p.sum())[::-1]
             if p[k - 1] - p[k] >= ROUTE_TIE:
-                return (f"MoE layer {layer} position {pos}: experts {ids[pos].tolist()} (cpu) vs "
-                        f"{dev_ids[pos].tolist()} (cuda) with a probability gap of {p[k - 1] - p[k]:.4f}")
-        return None   # the first routing difference is a near-tie; everything after follows from it
+                return (
+                    f"MoE layer {layer} position {pos}: experts {ids[pos].tolist()} (cpu) vs "
+                    f"{dev_ids[pos].tolist()} (cuda) with a probability gap of {p[k - 1] - p[k]:.4f}"
+                )
+        return None  # the first routing difference is a near-tie; everything after follows from it
     if near_tie(ref, got) and near_tie(dev, want):
         return None
-    return (f"same routing, but token {got} (cuda) vs {want} (cpu) is no near-tie: cpu logits "
-            f"{ref[want]:.3f} vs {ref[got]:.3f}, cuda {dev[got]:.3f} vs {dev[want]:.3f}")
+    return (
+        f"same routing, but token {got} (cuda) vs {want} (cpu) is no near-tie: cpu logits "
+        f"{ref[want]:.3f} vs {ref[got]:.3f}, cuda {dev[got]:.3f} vs {dev[want]:.3f}"
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
 def test_cuda_greedy_tokens_follow_numpy(checkpoint, arch):
-    path = checkpoint(arch, dtype="bfloat16")   # bf16 on disk: both backends start from the same weights
+    path = checkpoint(arch, dtype="bfloat16")  # bf16 on disk: both backends start from the same weights
     cpu, cuda = greedy(path, "cpu"), greedy(path, "cuda")
     for prompt, want, got in zip(PROMPTS, cpu, cuda):
         assert len(got) == len(want) == NEW_TOKENS

@@ -7,6 +7,7 @@ once (one nvcc process each, all files per process) to keep the test quick. Wher
 can load NVRTC (a GPU machine, or the nvidia-cuda-nvrtc wheel) the sources are also
 compiled the way the loader compiles them at run time.
 """
+
 from __future__ import annotations
 
 import re
@@ -48,8 +49,19 @@ def ptx(tmp_path_factory) -> dict[str, dict[str, str]]:
     procs = {}
     for arch in ARCHS:
         out = tmp_path_factory.mktemp(arch)
-        cmd = [NVCC, "-ptx", f"-arch={arch}", *COMPILE_OPTIONS, "-Werror", "all-warnings",
-               "-I", str(src), "-odir", str(out), *map(str, sources)]
+        cmd = [
+            NVCC,
+            "-ptx",
+            f"-arch={arch}",
+            *COMPILE_OPTIONS,
+            "-Werror",
+            "all-warnings",
+            "-I",
+            str(src),
+            "-odir",
+            str(out),
+            *map(str, sources),
+        ]
         procs[arch] = (out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     result = {}
     for arch, (out, proc) in procs.items():
@@ -76,7 +88,8 @@ def test_entry_points_match_the_loader_table(ptx, arch):
     for name, text in ptx[arch].items():
         entries = entry_points(text)
         assert entries == set(KERNELS[name]), (
-            f"{name}: PTX entry points {sorted(entries)} != loader table {sorted(KERNELS[name])}")
+            f"{name}: PTX entry points {sorted(entries)} != loader table {sorted(KERNELS[name])}"
+        )
 
 
 @needs_nvcc

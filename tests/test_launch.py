@@ -5,6 +5,7 @@ prints a chosen --version and echoes its arguments one per line, so every test s
 the exact command for each MPI flavour and hostfile format. The SLURM scripts run with
 fake srun/scontrol the same way. The last tests use the real MPICH here.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,8 @@ def fake_tools(tmp_path: Path, version: str) -> Path:
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "mpiexec").write_text(
         f'#!/bin/sh\nif [ "$1" = "--version" ]; then cat <<\'EOF\'\n{version}\nEOF\nexit 0; fi\n'
-        + ECHO_ARGS.split("\n", 1)[1])
+        + ECHO_ARGS.split("\n", 1)[1]
+    )
     (bin_dir / "srun").write_text(ECHO_ARGS)
     (bin_dir / "scontrol").write_text('#!/bin/sh\nprintf "gpu-a01\\ngpu-a02\\n"\n')
     for tool in bin_dir.iterdir():
@@ -52,8 +54,9 @@ def run(cmd: list, bin_dir: Path | None = None, **env) -> subprocess.CompletedPr
     base = {k: v for k, v in os.environ.items() if not k.startswith(("EPRT_", "SLURM_", "MPIEXEC"))}
     if bin_dir is not None:
         base["PATH"] = f"{bin_dir}:{base['PATH']}"
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env={**base, **env},
-                          cwd=ROOT, timeout=60)
+    return subprocess.run(
+        [str(c) for c in cmd], capture_output=True, text=True, env={**base, **env}, cwd=ROOT, timeout=60
+    )
 
 
 def dry_run(tmp_path, flavour: str, *args, **env) -> list:
@@ -84,20 +87,32 @@ CASES = [
     ("openmpi", "localhost.hydra", [], ["-n", "2", "--host", "localhost:2"]),
     ("hydra", "localhost.hydra", [], ["-n", "2", "-f", "hostfiles/localhost.hydra"]),
     ("hydra", "localhost.openmpi", [], ["-n", "2", "-hosts", "localhost:2"]),
-    ("intel", "two-nodes.hydra", ["--ranks-per-node", "4"],
-     ["-n", "8", "-f", "hostfiles/two-nodes.hydra", "-ppn", "4"]),
-    ("openmpi", "two-nodes.hydra", ["--ranks-per-node", "4"],
-     ["-n", "8", "--host", "node001:8,node002:8", "--map-by", "ppr:4:node"]),
+    (
+        "intel",
+        "two-nodes.hydra",
+        ["--ranks-per-node", "4"],
+        ["-n", "8", "-f", "hostfiles/two-nodes.hydra", "-ppn", "4"],
+    ),
+    (
+        "openmpi",
+        "two-nodes.hydra",
+        ["--ranks-per-node", "4"],
+        ["-n", "8", "--host", "node001:8,node002:8", "--map-by", "ppr:4:node"],
+    ),
     ("openmpi", "two-nodes.openmpi", ["-n", "3"], ["-n", "3", "--hostfile", "hostfiles/two-nodes.openmpi"]),
     ("hydra", "two-nodes.openmpi", [], ["-n", "16", "-hosts", "node001:8,node002:8"]),
 ]
 
 
-@pytest.mark.parametrize("flavour,hostfile,extra,expected", CASES,
-                         ids=[f"{c[0]}-{c[1]}{'-' + '-'.join(c[2]) if c[2] else ''}" for c in CASES])
+@pytest.mark.parametrize(
+    "flavour,hostfile,extra,expected",
+    CASES,
+    ids=[f"{c[0]}-{c[1]}{'-' + '-'.join(c[2]) if c[2] else ''}" for c in CASES],
+)
 def test_dry_run_command_per_mpi_and_hostfile_format(tmp_path, flavour, hostfile, extra, expected):
-    words = dry_run(tmp_path, flavour, "--hostfile", f"hostfiles/{hostfile}", *extra,
-                    "serve", "--model", "/models/my moe")
+    words = dry_run(
+        tmp_path, flavour, "--hostfile", f"hostfiles/{hostfile}", *extra, "serve", "--model", "/models/my moe"
+    )
     assert without_env_forwarding(words) == expected + ["eprt", "serve", "--model", "/models/my moe"]
     assert ("-x" in words) == (flavour == "openmpi")
 
@@ -118,25 +133,31 @@ def test_mpiexec_named_by_environment_and_exec(tmp_path):
     bin_dir = fake_tools(tmp_path, VERSIONS["hydra"])
     renamed = tmp_path / "my-mpiexec"
     (bin_dir / "mpiexec").rename(renamed)
-    proc = run([MPIRUN, "-n", "2", "--ranks-per-node", "1", "run", "--input", "my prompts.jsonl"], bin_dir,
-               MPIEXEC=str(renamed))
+    proc = run(
+        [MPIRUN, "-n", "2", "--ranks-per-node", "1", "run", "--input", "my prompts.jsonl"],
+        bin_dir,
+        MPIEXEC=str(renamed),
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["-n", "2", "-ppn", "1", "eprt", "run", "--input", "my prompts.jsonl"]
 
 
-@pytest.mark.parametrize("args,hostfile_text,message", [
-    (["serve"], None, "give -n/--np"),
-    (["-n", "0", "serve"], None, "-n must be a positive integer"),
-    (["-n", "2"], None, "no eprt command"),
-    (["-n", "2", "--bind-to", "none", "serve"], None, "unknown option '--bind-to'"),
-    (["--mpi", "lam", "-n", "2", "serve"], None, "--mpi must be openmpi or hydra"),
-    (["--hostfile", "HF", "serve"], "a slots=2\nb:2\n", "mixes Open MPI lines"),
-    (["--hostfile", "HF", "serve"], "a slots=two\n", "slot count must be a positive integer"),
-    (["--hostfile", "HF", "serve"], "a cpus=2\n", "HF:1: cannot read 'cpus=2'"),
-    (["--hostfile", "HF", "serve"], "a\nb\n", "give -n/--np"),
-    (["--hostfile", "HF", "serve"], "# nobody\n", "names no host"),
-    (["--hostfile", "missing-file", "serve"], None, "cannot read hostfile"),
-])
+@pytest.mark.parametrize(
+    "args,hostfile_text,message",
+    [
+        (["serve"], None, "give -n/--np"),
+        (["-n", "0", "serve"], None, "-n must be a positive integer"),
+        (["-n", "2"], None, "no eprt command"),
+        (["-n", "2", "--bind-to", "none", "serve"], None, "unknown option '--bind-to'"),
+        (["--mpi", "lam", "-n", "2", "serve"], None, "--mpi must be openmpi or hydra"),
+        (["--hostfile", "HF", "serve"], "a slots=2\nb:2\n", "mixes Open MPI lines"),
+        (["--hostfile", "HF", "serve"], "a slots=two\n", "slot count must be a positive integer"),
+        (["--hostfile", "HF", "serve"], "a cpus=2\n", "HF:1: cannot read 'cpus=2'"),
+        (["--hostfile", "HF", "serve"], "a\nb\n", "give -n/--np"),
+        (["--hostfile", "HF", "serve"], "# nobody\n", "names no host"),
+        (["--hostfile", "missing-file", "serve"], None, "cannot read hostfile"),
+    ],
+)
 def test_clear_errors(tmp_path, args, hostfile_text, message):
     if hostfile_text is not None:
         (tmp_path / "HF").write_text(hostfile_text)
@@ -171,15 +192,22 @@ def test_shellcheck(script):
 def test_sbatch_template(tmp_path):
     text = (LAUNCH / "eprt.sbatch").read_text()
     directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
-    assert directives and all(" # " in line and line.split(" # ", 1)[1].strip() for line in directives), \
+    assert directives and all(" # " in line and line.split(" # ", 1)[1].strip() for line in directives), (
         "every #SBATCH line needs a comment"
+    )
     options = dict((line.split()[1].lstrip("-") + "=").split("=")[:2] for line in directives)
-    assert options["ntasks-per-node"] == options["gpus-per-node"]          # one rank per GPU
+    assert options["ntasks-per-node"] == options["gpus-per-node"]  # one rank per GPU
     outside = run(["bash", LAUNCH / "eprt.sbatch", "serve"])
     assert outside.returncode == 2 and "not inside a SLURM allocation" in outside.stderr
     bin_dir = fake_tools(tmp_path, VERSIONS["openmpi"])
-    inside = run(["bash", LAUNCH / "eprt.sbatch", "serve", "--model", "/m", "--host", "0.0.0.0"], bin_dir,
-                 SLURM_JOB_ID="42", SLURM_NNODES="2", SLURM_NTASKS="16", SLURM_JOB_NODELIST="gpu-a[01-02]")
+    inside = run(
+        ["bash", LAUNCH / "eprt.sbatch", "serve", "--model", "/m", "--host", "0.0.0.0"],
+        bin_dir,
+        SLURM_JOB_ID="42",
+        SLURM_NNODES="2",
+        SLURM_NTASKS="16",
+        SLURM_JOB_NODELIST="gpu-a[01-02]",
+    )
     assert inside.returncode == 0, inside.stderr
     srun_args = inside.stdout.splitlines()[2:]
     assert srun_args == ["--mpi=pmix", "--kill-on-bad-exit=1", "eprt", "serve", "--model", "/m", "--host", "0.0.0.0"]
@@ -191,12 +219,24 @@ def test_interactive_script(tmp_path):
     outside = run([LAUNCH / "interactive.sh", "serve"])
     assert outside.returncode == 2 and "salloc" in outside.stderr
     bin_dir = fake_tools(tmp_path, VERSIONS["hydra"])
-    slurm = dict(SLURM_JOB_ID="7", SLURM_NTASKS="16", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="8",
-                 SLURM_JOB_NODELIST="gpu-a[01-02]")
+    slurm = dict(
+        SLURM_JOB_ID="7",
+        SLURM_NTASKS="16",
+        SLURM_NNODES="2",
+        SLURM_NTASKS_PER_NODE="8",
+        SLURM_JOB_NODELIST="gpu-a[01-02]",
+    )
     with_srun = run([LAUNCH / "interactive.sh", "serve", "--port", "9000"], bin_dir, **slurm)
     assert with_srun.returncode == 0, with_srun.stderr
-    assert with_srun.stdout.splitlines() == ["--mpi=pmix", "--ntasks=16", "--kill-on-bad-exit=1",
-                                             "eprt", "serve", "--port", "9000"]
+    assert with_srun.stdout.splitlines() == [
+        "--mpi=pmix",
+        "--ntasks=16",
+        "--kill-on-bad-exit=1",
+        "eprt",
+        "serve",
+        "--port",
+        "9000",
+    ]
     assert "rank 0 on gpu-a01" in with_srun.stderr
     with_mpirun = run([LAUNCH / "interactive.sh", "--mpirun", "serve"], bin_dir, **slurm)
     assert with_mpirun.returncode == 0, with_mpirun.stderr
@@ -210,8 +250,18 @@ def _real_hydra() -> bool:
 
 @pytest.mark.skipif(not _real_hydra(), reason="needs MPICH's Hydra mpiexec")
 def test_localhost_hydra_hostfile_with_real_mpiexec():
-    proc = run(["mpiexec", "-f", HOSTFILES / "localhost.hydra", "-n", "2", "python", "-c",
-                "import os; os.write(1, f\"<rank {os.environ['PMI_RANK']}>\\n\".encode())"])   # one write each
+    proc = run(
+        [
+            "mpiexec",
+            "-f",
+            HOSTFILES / "localhost.hydra",
+            "-n",
+            "2",
+            "python",
+            "-c",
+            "import os; os.write(1, f\"<rank {os.environ['PMI_RANK']}>\\n\".encode())",
+        ]
+    )  # one write each
     assert proc.returncode == 0, proc.stderr
     assert sorted(re.findall(r"<rank \d>", proc.stdout)) == ["<rank 0>", "<rank 1>"], proc.stdout
 
@@ -220,7 +270,7 @@ def test_localhost_hydra_hostfile_with_real_mpiexec():
 def test_eprt_mpirun_converts_an_open_mpi_hostfile_for_real_hydra():
     proc = run([MPIRUN, "--hostfile", HOSTFILES / "localhost.openmpi", "env"])
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("EPRT_LOG_LEVEL") == 2          # `eprt env` printed by both ranks
+    assert proc.stdout.count("EPRT_LOG_LEVEL") == 2  # `eprt env` printed by both ranks
 
 
 def test_hostfiles_are_listed_in_the_readme():
@@ -231,8 +281,8 @@ def test_hostfiles_are_listed_in_the_readme():
 
 # ---- SLURM's signal semantics: the tasks get SIGTERM and time to drain, never srun's SIGKILL ---------
 
-SCALE = 0.1          # test seconds per SLURM second: --signal=TERM@120 comes 12 s before the limit
-LIMIT_S = 22.0       # the job's time limit, in test seconds after srun starts
+SCALE = 0.1  # test seconds per SLURM second: --signal=TERM@120 comes 12 s before the limit
+LIMIT_S = 22.0  # the job's time limit, in test seconds after srun starts
 
 
 def slurm_tools(tmp_path: Path) -> Path:
@@ -262,21 +312,46 @@ def test_sbatch_tasks_drain_on_sigterm_under_slurm_signal_semantics(tmp_path, ho
     (cut short), every record whole, a rerun resumes."""
     bin_dir = slurm_tools(tmp_path)
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("".join(json.dumps({"id": i, "prompt": f"line {i}: tell me about experts", "max_tokens": 48})
-                           + "\n" for i in range(3000)))
+    inp.write_text(
+        "".join(
+            json.dumps({"id": i, "prompt": f"line {i}: tell me about experts", "max_tokens": 48}) + "\n"
+            for i in range(3000)
+        )
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EPRT_", "SLURM_", "PMI", "OMPI_", "MPIEXEC"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(ROOT), SLURM_JOB_ID="42", SLURM_NNODES="1",
-               SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost", FAKE_SLURM_SCALE=str(SCALE),
-               FAKE_SLURM_KILL_WAIT="30", FAKE_SLURM_TASKS_FILE=str(tmp_path / "tasks"),
-               FAKE_SLURM_LIMIT=str(LIMIT_S if how == "time limit" else 600),
-               FAKE_SLURM_SIGNAL=job_signal_spec())
-    cmd = ["bash", "-c", 'export FAKE_SLURM_BATCH_PID=$$; exec bash "$0" "$@"',    # what slurmd knows
-           str(LAUNCH / "eprt.sbatch"), "run", "--device", "cpu", "--max-batch", "8", "--input", str(inp),
-           "--output", str(out)]
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        PYTHONPATH=str(ROOT),
+        SLURM_JOB_ID="42",
+        SLURM_NNODES="1",
+        SLURM_NTASKS="2",
+        SLURM_JOB_NODELIST="localhost",
+        FAKE_SLURM_SCALE=str(SCALE),
+        FAKE_SLURM_KILL_WAIT="30",
+        FAKE_SLURM_TASKS_FILE=str(tmp_path / "tasks"),
+        FAKE_SLURM_LIMIT=str(LIMIT_S if how == "time limit" else 600),
+        FAKE_SLURM_SIGNAL=job_signal_spec(),
+    )
+    cmd = [
+        "bash",
+        "-c",
+        'export FAKE_SLURM_BATCH_PID=$$; exec bash "$0" "$@"',  # what slurmd knows
+        str(LAUNCH / "eprt.sbatch"),
+        "run",
+        "--device",
+        "cpu",
+        "--max-batch",
+        "8",
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+    ]
     log = tmp_path / "job.log"
     with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
         try:
             started = time.monotonic()
             if how == "signal to the batch shell":
@@ -292,13 +367,13 @@ def test_sbatch_tasks_drain_on_sigterm_under_slurm_signal_semantics(tmp_path, ho
                 proc.wait()
     text = log.read_text()
     assert "forcing job termination" not in text and "SIGKILL" not in text, text
-    assert rc == 1, text                                     # cut short: exit 1, not 137
+    assert rc == 1, text  # cut short: exit 1, not 137
     assert "run the same command again to resume" in text, text
     if how == "time limit":
         assert "--signal=SIGTERM@120: SIGTERM to the tasks" in text and elapsed < LIMIT_S, text
     else:
         assert "scancel --signal=TERM: SIGTERM to the tasks" in text, text
-    records = [json.loads(line) for line in out.read_text().splitlines()]   # every line whole JSON
+    records = [json.loads(line) for line in out.read_text().splitlines()]  # every line whole JSON
     assert 8 <= len(records) < 3000
     assert all("error" not in r and r["finish_reason"] in ("stop", "length") for r in records)
 
@@ -310,8 +385,23 @@ def test_generate_drains_on_sigterm(tmp_path):
         pytest.skip("needs mpiexec")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EPRT_", "SLURM_", "PMI", "OMPI_"))}
     env["PYTHONPATH"] = str(ROOT)
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "eprt", "generate", "--device", "cpu", "--max-batch", "2",
-           "--max-tokens", "600", "--ignore-eos", "--json"]
+    cmd = [
+        "mpiexec",
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "eprt",
+        "generate",
+        "--device",
+        "cpu",
+        "--max-batch",
+        "2",
+        "--max-tokens",
+        "600",
+        "--ignore-eos",
+        "--json",
+    ]
     for i in range(12):
         cmd += ["--prompt-ids", f"{i + 1},5,6"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -321,7 +411,7 @@ def test_generate_drains_on_sigterm(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         time.sleep(1.0)
-        for pid in _eprt_ranks(proc.pid):                       # srun/SLURM signal every task
+        for pid in _eprt_ranks(proc.pid):  # srun/SLURM signal every task
             os.kill(pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -330,11 +420,11 @@ def test_generate_drains_on_sigterm(tmp_path):
             proc.communicate()
     results = [json.loads(line) for line in out.splitlines()]
     assert proc.returncode == 1, err
-    assert len(results) == 12                                     # one line per prompt, in order
+    assert len(results) == 12  # one line per prompt, in order
     finished = [r for r in results if r["finish_reason"] == "length"]
     not_run = [r for r in results if r["finish_reason"] == "error"]
     assert 2 <= len(finished) < 12 and len(finished) + len(not_run) == 12
-    assert all(len(r["token_ids"]) == 600 for r in finished)      # the running ones were not cut
+    assert all(len(r["token_ids"]) == 600 for r in finished)  # the running ones were not cut
     assert all(r["error"].startswith("not run:") for r in not_run)
     assert "SIGTERM: finishing the prompts already running" in err
     assert f"stopped by SIGTERM: {len(not_run)} of 12 prompts were not run" in err
@@ -344,6 +434,7 @@ def _eprt_ranks(mpiexec_pid: int) -> list:
     """The pids of the eprt processes mpiexec started (rank order not needed)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from fake_slurm import _cmdline, _descendants
+
     return [p for p in _descendants(mpiexec_pid) if "-m eprt" in _cmdline(p)]
 
 

@@ -1,9 +1,10 @@
 """eprt's forward pass against the transformers reference, for every architecture."""
+
 import numpy as np
 import pytest
 import torch
-
 from checkpoints import load_reference
+
 from eprt.engine.executor import ShardExecutor
 from eprt.model.loader import load_model
 from eprt.ops.numpy_ops import NumpyOps
@@ -71,6 +72,7 @@ def test_batched_decode_logits_match_single(checkpoint):
 def test_expert_shards_sum_to_the_full_layer(checkpoint):
     """Partial MoE outputs of uneven expert ranges add up to the single-rank output."""
     from eprt.model.loader import expert_shard
+
     path = checkpoint("mixtral")
     full = load_model(path, NumpyOps(), 512)
     x = np.random.default_rng(0).normal(size=(5, 64)).astype(np.float32)
@@ -84,8 +86,7 @@ def test_expert_shards_sum_to_the_full_layer(checkpoint):
             part = load_model(path, NumpyOps(), 512, rank=rank, world=world)
             s, e = expert_shard(6, rank, world)
             assert part.model.w.layers[0].w_gate_up.shape[0] == e - s
-            total += ops.moe_experts(x, w, ids, part.model.w.layers[0].w_gate_up,
-                                     part.model.w.layers[0].w_down, s)
+            total += ops.moe_experts(x, w, ids, part.model.w.layers[0].w_gate_up, part.model.w.layers[0].w_down, s)
         np.testing.assert_allclose(total, want, atol=1e-5, rtol=0)
 
 

@@ -1,15 +1,17 @@
 """Prefix caching and chunked prefill with the real model: outputs never change, and
 ``cached_tokens`` counts exactly the reused prompt tokens."""
+
 import json
 import subprocess
 import sys
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 
-SYSTEM = list(range(30, 70))          # a 40-token shared system prompt
+SYSTEM = list(range(30, 70))  # a 40-token shared system prompt
 
 
 def config(path, **kw):
@@ -49,15 +51,17 @@ def test_shared_system_prompt_outputs_identical_with_cache_and_chunking_on_or_of
 
 def test_multi_turn_chat_reuses_the_previous_turn(checkpoint):
     path = checkpoint("olmoe")
-    with launch_engine(config(path, block_size=8)) as cached, \
-            launch_engine(config(path, block_size=8, prefix_cache=False)) as plain:
+    with (
+        launch_engine(config(path, block_size=8)) as cached,
+        launch_engine(config(path, block_size=8, prefix_cache=False)) as plain,
+    ):
         history = SYSTEM[:20]
         for turn in range(4):
             history = history + [100 + turn, 101 + turn, 102 + turn]
             a = cached.generate([GenerationRequest(history, SamplingParams(max_tokens=5))])[0]
             b = plain.generate([GenerationRequest(history, SamplingParams(max_tokens=5))])[0]
             assert a.token_ids == b.token_ids
-            if turn:   # everything of the last turn's prompt+answer that fills whole blocks is reused
+            if turn:  # everything of the last turn's prompt+answer that fills whole blocks is reused
                 assert a.cached_tokens == (len(history) - 3 - 1) // 8 * 8
             history = history + a.token_ids
 
@@ -65,9 +69,31 @@ def test_multi_turn_chat_reuses_the_previous_turn(checkpoint):
 def test_generate_json_reports_cached_tokens(checkpoint):
     path = checkpoint("mixtral")
     ids = ",".join(map(str, SYSTEM))
-    out = subprocess.run([sys.executable, "-m", "eprt.cli", "generate", "--model", path, "--device", "cpu",
-                          "--json", "--max-tokens", "3", "--max-batch", "1", "--prompt-ids", ids, "--prompt-ids", ids],
-                         capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eprt.cli",
+            "generate",
+            "--model",
+            path,
+            "--device",
+            "cpu",
+            "--json",
+            "--max-tokens",
+            "3",
+            "--max-batch",
+            "1",
+            "--prompt-ids",
+            ids,
+            "--prompt-ids",
+            ids,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.splitlines()
     rows = [json.loads(line) for line in out]
     # max_batch 1: the second prompt is admitted after the first released its blocks to the cache
     assert [r["cached_tokens"] for r in rows] == [0, 32]
@@ -88,7 +114,14 @@ def test_eviction_under_memory_pressure_never_changes_outputs(checkpoint, data):
     chunk = data.draw(st.sampled_from([0, 5]))
     cut = data.draw(st.integers(1, n_prompts))
     ref, _ = waves(path, [prompts[:cut], prompts[cut:]], n=5, block_size=4, prefix_cache=False, num_blocks=400)
-    got, stats = waves(path, [prompts[:cut], prompts[cut:]], n=5, block_size=4, max_batch=3,
-                       num_blocks=num_blocks, max_prefill_tokens=chunk)
+    got, stats = waves(
+        path,
+        [prompts[:cut], prompts[cut:]],
+        n=5,
+        block_size=4,
+        max_batch=3,
+        num_blocks=num_blocks,
+        max_prefill_tokens=chunk,
+    )
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
-    assert stats["free_blocks"] == num_blocks       # nothing referenced at the end; cached blocks count free
+    assert stats["free_blocks"] == num_blocks  # nothing referenced at the end; cached blocks count free

@@ -1,13 +1,27 @@
 """The broadcast protocol: exact words of every command, round trips, coalesced and
 arbitrarily split streams, and the errors a bad stream produces."""
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eprt.comm import protocol as p
-from eprt.comm.protocol import (Compact, Decode1, DecodeBatch, DecodeCkpt, Decoder, Prefill, PrefillNext,
-                                ProtocolError, Release, Shutdown, Verify, decode_all, encode)
+from eprt.comm.protocol import (
+    Compact,
+    Decode1,
+    DecodeBatch,
+    DecodeCkpt,
+    Decoder,
+    Prefill,
+    PrefillNext,
+    ProtocolError,
+    Release,
+    Shutdown,
+    Verify,
+    decode_all,
+    encode,
+)
 
 COMMANDS = [
     Decode1(slot=3, token=42),
@@ -34,8 +48,7 @@ def test_words_match_the_spec():
     assert encode(Release(4)).tolist() == [4, 0xFFFFFFF1]
     assert encode(PrefillNext(1, 64, (7, 8, 9))).tolist() == [1, 0xFFFFFFE4, 3, 64, 7, 8, 9]
     assert encode(Verify(1, (4, 5, 6), 2)).tolist() == [1, 0xFFFFFFF3, 4, 5, 6, 2]
-    assert encode(DecodeCkpt(2, 64, 3, 0x1_0000_0002, 0x3_0000_0004)).tolist() == \
-        [2, 0xFFFFFFF8, 64, 3, 2, 1, 4, 3]
+    assert encode(DecodeCkpt(2, 64, 3, 0x1_0000_0002, 0x3_0000_0004)).tolist() == [2, 0xFFFFFFF8, 64, 3, 2, 1, 4, 3]
     assert encode(Shutdown()).tolist() == [0, 0xFFFFFFFF]
     assert all(encode(c).dtype == np.uint32 for c in COMMANDS)
 
@@ -74,32 +87,38 @@ def test_next_waits_for_a_whole_command_without_consuming():
     assert dec.next() == Prefill(1, 0, 3, (7, 8, 9)) and dec.pending == 0
 
 
-@pytest.mark.parametrize("words, message", [
-    ([0, 0xFFFFFFE1], "unknown reserved command word 0xFFFFFFE1"),
-    ([2, 0xFFFFFFF5], "unknown reserved command word 0xFFFFFFF5"),
-    ([8, 42], "decode: slot 8 out of range (max_slots=8)"),
-    ([0, p.DECODE_BATCH, 2, 1, 9, 5, 5], "DECODE_BATCH: slot 9 out of range"),
-    ([0, p.DECODE_BATCH, 0], "DECODE_BATCH of 0 rows"),
-    ([0, p.DECODE_BATCH, 9], "DECODE_BATCH of 9 rows"),
-    ([1, p.COMPACT, 12], "COMPACT new_slot: slot 12 out of range"),
-    ([1, p.PREFILL, 4, 3, 5], "PREFILL chunk (len=4, start=3) does not fit a prompt of 5 tokens"),
-    ([1, p.PREFILL, 0, 0, 5], "PREFILL chunk (len=0, start=0)"),
-    ([1, p.PREFILL, 1, 0, 2, 7, 7, 3], "announces 3 vision rows for a prompt of 2 tokens"),
-    ([1, 64], "token 64 out of range (vocab_size=64)"),
-    ([0, p.DECODE_BATCH, 1, 0, 70], "token 70 out of range"),
-])
+@pytest.mark.parametrize(
+    "words, message",
+    [
+        ([0, 0xFFFFFFE1], "unknown reserved command word 0xFFFFFFE1"),
+        ([2, 0xFFFFFFF5], "unknown reserved command word 0xFFFFFFF5"),
+        ([8, 42], "decode: slot 8 out of range (max_slots=8)"),
+        ([0, p.DECODE_BATCH, 2, 1, 9, 5, 5], "DECODE_BATCH: slot 9 out of range"),
+        ([0, p.DECODE_BATCH, 0], "DECODE_BATCH of 0 rows"),
+        ([0, p.DECODE_BATCH, 9], "DECODE_BATCH of 9 rows"),
+        ([1, p.COMPACT, 12], "COMPACT new_slot: slot 12 out of range"),
+        ([1, p.PREFILL, 4, 3, 5], "PREFILL chunk (len=4, start=3) does not fit a prompt of 5 tokens"),
+        ([1, p.PREFILL, 0, 0, 5], "PREFILL chunk (len=0, start=0)"),
+        ([1, p.PREFILL, 1, 0, 2, 7, 7, 3], "announces 3 vision rows for a prompt of 2 tokens"),
+        ([1, 64], "token 64 out of range (vocab_size=64)"),
+        ([0, p.DECODE_BATCH, 1, 0, 70], "token 70 out of range"),
+    ],
+)
 def test_bad_streams_name_the_problem(words, message):
     with pytest.raises(ProtocolError) as e:
         decode_all(words, max_slots=8, vocab_size=64)
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("cmd, name", [
-    (Prefill(0, 0, 5, (1, 2, 3, 4, 5)), "PREFILL"),
-    (DecodeBatch((0, 1), (3, 4)), "DECODE_BATCH"),
-    (Compact(0, 1), "COMPACT"),
-    (DecodeCkpt(0, 1, 2, 3, 4), "DECODE_CKPT"),
-])
+@pytest.mark.parametrize(
+    "cmd, name",
+    [
+        (Prefill(0, 0, 5, (1, 2, 3, 4, 5)), "PREFILL"),
+        (DecodeBatch((0, 1), (3, 4)), "DECODE_BATCH"),
+        (Compact(0, 1), "COMPACT"),
+        (DecodeCkpt(0, 1, 2, 3, 4), "DECODE_CKPT"),
+    ],
+)
 def test_truncated_payload_is_reported(cmd, name):
     words = encode(cmd)[:-1]
     with pytest.raises(ProtocolError, match=f"truncated {name}"):

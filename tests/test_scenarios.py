@@ -1,5 +1,6 @@
 """Golden scenario traces, the ``eprt scenario`` command, and the scheduler's client API
 driven against the recording fake model."""
+
 import logging
 import pathlib
 import threading
@@ -33,24 +34,43 @@ def test_cli_prints_the_conformance_trace(capsys):
     assert capsys.readouterr().out == (SCENARIOS / "request_timeout.trace").read_text()
 
 
-@pytest.mark.parametrize("doc, message", [
-    ({"request": [{"id": 1, "prompt_len": 2, "script": [1]}]}, "no name"),
-    ({"name": "x"}, "no \\[\\[request\\]\\]"),
-    ({"name": "x", "engine": {"max_bach": 2}, "request": [{"id": 1, "prompt_len": 2, "script": [1]}]},
-     "unknown keys \\['max_bach'\\]"),
-    ({"name": "x", "request": [{"id": 1, "prompt_len": 2, "prompt": [1], "script": [1]}]}, "exactly one"),
-    ({"name": "x", "request": [{"id": 1, "prompt_len": 2, "script": [64]}]}, "token ids < 64"),
-    ({"name": "x", "request": [{"id": 1, "prompt_len": 2, "script": [1], "mode": "batch"}]}, "mode"),
-    ({"name": "x", "request": [{"id": 1, "prompt_len": 2, "script": [1], "arrive_at_tick": 3,
-                                "cancel_at_tick": 2}]}, "cancel_at_tick comes before"),
-    ({"name": "x", "request": [{"id": 1, "prompt_len": "5", "script": [1]}]}, "prompt_len must be int"),
-    ({"name": "x", "request": [{"id": 1, "prompt_len": 2, "script": [1]},
-                               {"id": 1, "prompt_len": 2, "script": [1]}]}, "not unique"),
-    ({"name": "x", "engine": {"max_batch": 0}, "request": [{"id": 1, "prompt_len": 2, "script": [1]}]},
-     "max_batch must be >= 1"),
-    ({"name": "x", "engine": {"eos": 64}, "request": [{"id": 1, "prompt_len": 2, "script": [1]}]},
-     "eos 64 is outside"),
-])
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"request": [{"id": 1, "prompt_len": 2, "script": [1]}]}, "no name"),
+        ({"name": "x"}, "no \\[\\[request\\]\\]"),
+        (
+            {"name": "x", "engine": {"max_bach": 2}, "request": [{"id": 1, "prompt_len": 2, "script": [1]}]},
+            "unknown keys \\['max_bach'\\]",
+        ),
+        ({"name": "x", "request": [{"id": 1, "prompt_len": 2, "prompt": [1], "script": [1]}]}, "exactly one"),
+        ({"name": "x", "request": [{"id": 1, "prompt_len": 2, "script": [64]}]}, "token ids < 64"),
+        ({"name": "x", "request": [{"id": 1, "prompt_len": 2, "script": [1], "mode": "batch"}]}, "mode"),
+        (
+            {
+                "name": "x",
+                "request": [{"id": 1, "prompt_len": 2, "script": [1], "arrive_at_tick": 3, "cancel_at_tick": 2}],
+            },
+            "cancel_at_tick comes before",
+        ),
+        ({"name": "x", "request": [{"id": 1, "prompt_len": "5", "script": [1]}]}, "prompt_len must be int"),
+        (
+            {
+                "name": "x",
+                "request": [{"id": 1, "prompt_len": 2, "script": [1]}, {"id": 1, "prompt_len": 2, "script": [1]}],
+            },
+            "not unique",
+        ),
+        (
+            {"name": "x", "engine": {"max_batch": 0}, "request": [{"id": 1, "prompt_len": 2, "script": [1]}]},
+            "max_batch must be >= 1",
+        ),
+        (
+            {"name": "x", "engine": {"eos": 64}, "request": [{"id": 1, "prompt_len": 2, "script": [1]}]},
+            "eos 64 is outside",
+        ),
+    ],
+)
 def test_bad_scenarios_name_the_problem(doc, message):
     with pytest.raises(ScenarioError, match=message):
         parse(doc)
@@ -69,17 +89,25 @@ def _doc(engine, *requests):
 
 
 def test_a_sequence_that_outgrows_the_whole_pool_ends_with_the_kv_capacity_guard():
-    res = run(parse(_doc({"num_blocks": 2, "block_size": 4},
-                         {"id": 1, "prompt_len": 3, "script": [10], "max_tokens": 20})))
-    assert res.lines[-1] == ('out s1: T10 T10 T10 T10 T10 '
-                             'Done(length, n=5, think=0, cached=0, acc=0, guard=Some("kv_capacity"))')
+    res = run(
+        parse(_doc({"num_blocks": 2, "block_size": 4}, {"id": 1, "prompt_len": 3, "script": [10], "max_tokens": 20}))
+    )
+    assert res.lines[-1] == (
+        'out s1: T10 T10 T10 T10 T10 Done(length, n=5, think=0, cached=0, acc=0, guard=Some("kv_capacity"))'
+    )
     assert res.model.blocks.num_free_blocks() == 2
 
 
 def test_a_prompt_larger_than_the_pool_fails_alone():
-    res = run(parse(_doc({"num_blocks": 2, "block_size": 4},
-                         {"id": 1, "prompt_len": 9, "script": [10]},
-                         {"id": 2, "prompt_len": 2, "script": [20, 63]})))
+    res = run(
+        parse(
+            _doc(
+                {"num_blocks": 2, "block_size": 4},
+                {"id": 1, "prompt_len": 9, "script": [10]},
+                {"id": 2, "prompt_len": 2, "script": [20, 63]},
+            )
+        )
+    )
     assert res.outcomes[0].results[0].finish_reason == "error"
     assert "more KV blocks than the whole pool" in res.outcomes[0].results[0].error
     assert res.outcomes[1].results[0].token_ids == [20, 63]
@@ -88,8 +116,9 @@ def test_a_prompt_larger_than_the_pool_fails_alone():
 # -- the client API, as the engine uses it ----------------------------------------------------
 def _scheduler(scripts, clock, **config):
     lines = []
-    model = RecordingModel(lines.append, {k: (len(p), s) for k, (p, s) in scripts.items()},
-                           num_slots=config.get("max_batch", 8))
+    model = RecordingModel(
+        lines.append, {k: (len(p), s) for k, (p, s) in scripts.items()}, num_slots=config.get("max_batch", 8)
+    )
     return Scheduler(model, SchedulerConfig(vocab_size=64, eos_token_ids=(63,), **config), clock=clock), lines
 
 
@@ -103,10 +132,9 @@ def test_threaded_clients_stream_block_and_cancel():
     loop = threading.Thread(target=sched.run)
     loop.start()
     streamed, finished = [], []
-    h1 = sched.submit(_req([1, 2, 3], stream=True, on_token=streamed.append), seq_id=1,
-                      on_finish=finished.append)
-    h2 = sched.submit(_req([4, 5]), seq_id=2)                     # blocking client
-    h3 = sched.submit(_req([6], max_tokens=100_000), seq_id=3)    # runs until cancelled
+    h1 = sched.submit(_req([1, 2, 3], stream=True, on_token=streamed.append), seq_id=1, on_finish=finished.append)
+    h2 = sched.submit(_req([4, 5]), seq_id=2)  # blocking client
+    h3 = sched.submit(_req([6], max_tokens=100_000), seq_id=3)  # runs until cancelled
     assert h1.result(timeout=10).token_ids == [10, 11, 63] and streamed == [10, 11]
     assert finished == [h1.result()] and h1.result().finish_reason == "stop"
     assert h2.result(timeout=10).token_ids == [20, 21, 22, 63]
@@ -122,8 +150,12 @@ def test_threaded_clients_stream_block_and_cancel():
 def test_bad_requests_are_refused_without_disturbing_others():
     sched, _ = _scheduler({1: ([1, 2], [10, 63])}, VirtualClock(), max_model_len=6)
     h = sched.submit(_req([1, 2]), seq_id=1)
-    for prompt, message in [([], "empty"), ([1, 64], "outside the vocabulary"),
-                            ([1, 2, 3, 4, 5, 6], "max_model_len=6"), ([True], "outside")]:
+    for prompt, message in [
+        ([], "empty"),
+        ([1, 64], "outside the vocabulary"),
+        ([1, 2, 3, 4, 5, 6], "max_model_len=6"),
+        ([True], "outside"),
+    ]:
         with pytest.raises(RequestError, match=message):
             sched.submit(_req(prompt))
     with pytest.raises(RequestError, match="max_tokens"):
@@ -131,7 +163,7 @@ def test_bad_requests_are_refused_without_disturbing_others():
     with pytest.raises(RequestError, match="already in use"):
         sched.submit(_req([1, 2]), seq_id=1)
     sched.close()
-    while sched.step():                        # True until the shutdown tick
+    while sched.step():  # True until the shutdown tick
         pass
     assert sched.is_shut_down and h.result(timeout=0).token_ids == [10, 63]
     with pytest.raises(RequestError, match="shutting down"):
@@ -141,16 +173,20 @@ def test_bad_requests_are_refused_without_disturbing_others():
 def test_close_with_cancel_ends_everything_in_flight():
     sched, lines = _scheduler({1: ([1], [10]), 2: ([2], [20])}, VirtualClock(), max_batch=1)
     h1 = sched.submit(_req([1], max_tokens=100), seq_id=1)
-    h2 = sched.submit(_req([2], max_tokens=100), seq_id=2)        # still in the inbox
+    h2 = sched.submit(_req([2], max_tokens=100), seq_id=2)  # still in the inbox
     sched.step()
     sched.close(cancel=True)
     while not sched.is_shut_down:
         sched.step()
     assert (h1.result(timeout=0).finish_reason, len(h1.result().token_ids)) == ("stop", 3)
     assert (h2.result(timeout=0).finish_reason, h2.result().token_ids) == ("stop", [])
-    assert sched.is_shut_down                  # no tracer: the effects run without fx lines
-    assert lines[-4:] == ["ep_broadcast_cmd_for_seq(seq=0, cmd=0xffffffff)", "synchronize(stream=0)",
-                          "synchronize(stream=1)", "teardown()"]
+    assert sched.is_shut_down  # no tracer: the effects run without fx lines
+    assert lines[-4:] == [
+        "ep_broadcast_cmd_for_seq(seq=0, cmd=0xffffffff)",
+        "synchronize(stream=0)",
+        "synchronize(stream=1)",
+        "teardown()",
+    ]
 
 
 def test_a_raising_callback_cancels_only_its_request(caplog):
@@ -161,8 +197,8 @@ def test_a_raising_callback_cancels_only_its_request(caplog):
     h1 = sched.submit(_req([1], max_tokens=100, stream=True, on_token=boom), seq_id=1)
     h2 = sched.submit(_req([2]), seq_id=2)
     sched.close()
-    eprt_logger = logging.getLogger("eprt")    # an engine run in this process may have stopped
-    eprt_logger.addHandler(caplog.handler)     # "eprt" propagating to the root logger
+    eprt_logger = logging.getLogger("eprt")  # an engine run in this process may have stopped
+    eprt_logger.addHandler(caplog.handler)  # "eprt" propagating to the root logger
     try:
         while not sched.is_shut_down:
             sched.step()

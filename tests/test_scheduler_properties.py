@@ -1,6 +1,7 @@
 """Scheduler properties over random scenarios (arrivals, scripts, limits, cancels, deadlines,
 small KV pools that force preemption, chunked prefill, prefix caching), checked on the
 trace the fake model records and on what each client saw."""
+
 import math
 import re
 
@@ -11,7 +12,7 @@ from eprt.scheduler.scenario import EngineSpec, RequestSpec, Scenario, run
 
 EOS = 63
 STOP_ID = 40
-SHARED_PROMPT = list(range(1, 25))     # requests may share prefixes of it (prefix-cache hits)
+SHARED_PROMPT = list(range(1, 25))  # requests may share prefixes of it (prefix-cache hits)
 SEQ_NAME = re.compile(r"s(\d+)@(\d+):len=\d+")
 
 
@@ -23,11 +24,14 @@ def scenarios(draw, with_guards: bool):
         n = draw(st.integers(1, 20))
         prompt = SHARED_PROMPT[:n] if draw(st.booleans()) else [i] + list(range(2, n + 1))
         arrive = draw(st.integers(1, 4))
-        spec = RequestSpec(id=i, prompt=prompt, arrive_at_tick=arrive,
-                           script=draw(st.lists(st.sampled_from([10, 11, 12, 13, STOP_ID, EOS]),
-                                                min_size=1, max_size=8)),
-                           max_tokens=draw(st.integers(1, 12)),
-                           mode=draw(st.sampled_from(["stream", "blocking"])))
+        spec = RequestSpec(
+            id=i,
+            prompt=prompt,
+            arrive_at_tick=arrive,
+            script=draw(st.lists(st.sampled_from([10, 11, 12, 13, STOP_ID, EOS]), min_size=1, max_size=8)),
+            max_tokens=draw(st.integers(1, 12)),
+            mode=draw(st.sampled_from(["stream", "blocking"])),
+        )
         if with_guards:
             spec.timeout_ticks = draw(st.none() | st.integers(1, 12))
             spec.cancel_at_tick = draw(st.none() | st.integers(arrive, arrive + 12))
@@ -36,10 +40,13 @@ def scenarios(draw, with_guards: bool):
         requests.append(spec)
     # every request fits the pool on its own (its last token's KV is never computed)
     fits_alone = max((len(r.prompt) + r.max_tokens - 1) // bs + 1 for r in requests)
-    engine = EngineSpec(num_blocks=draw(st.integers(fits_alone, fits_alone + 3)), block_size=bs,
-                        max_batch=draw(st.integers(1, 4)),
-                        max_prefill_tokens=draw(st.sampled_from([0, 0, 1, 3, 8])),
-                        prefix_cache=draw(st.booleans()))
+    engine = EngineSpec(
+        num_blocks=draw(st.integers(fits_alone, fits_alone + 3)),
+        block_size=bs,
+        max_batch=draw(st.integers(1, 4)),
+        max_prefill_tokens=draw(st.sampled_from([0, 0, 1, 3, 8])),
+        prefix_cache=draw(st.booleans()),
+    )
     if with_guards:
         engine.max_model_len = draw(st.none() | st.integers(4, 24))
     return Scenario("random", engine, requests)
@@ -67,7 +74,7 @@ def tick_of_line(lines: list, index: int) -> int:
 
 def check_slots(lines: list) -> None:
     """Every slot: alloc, then only its own sequence, then exactly one RELEASE before reuse."""
-    occupant: dict = {}                                  # slot -> seq id (None until named)
+    occupant: dict = {}  # slot -> seq id (None until named)
     allocs = releases = 0
     for line in lines:
         if m := re.fullmatch(r"alloc_sequence\(\) -> slot (\d+)", line):
@@ -117,19 +124,19 @@ def check_run(sc: Scenario, with_guards: bool) -> None:
     if not with_guards:
         check_preempted_go_first(lines)
     model = result.model
-    assert model.blocks.num_free_blocks() == sc.engine.num_blocks    # cached blocks allowed
+    assert model.blocks.num_free_blocks() == sc.engine.num_blocks  # cached blocks allowed
     assert all(s is None for s in model.slots)
     limit = sc.engine.max_model_len
     for out in result.outcomes:
         r = out.spec
-        if limit is not None and len(r.prompt) >= limit:     # refused at submit, never scheduled
+        if limit is not None and len(r.prompt) >= limit:  # refused at submit, never scheduled
             assert out.rejected and not out.results and not any(f"s{r.id}@" in line for line in lines)
             continue
         assert len(out.results) == 1, f"s{r.id} ended {len(out.results)} times"
         res, want = out.results[0], expected_output(r, limit)
         got = res.token_ids
         # never decoded (or named at all) after it ended
-        assert not any(f"s{r.id}@" in line for line in lines[out.finished_at_line:])
+        assert not any(f"s{r.id}@" in line for line in lines[out.finished_at_line :])
         # the client saw each token once, in order; a stop token is kept but never streamed
         streamed = [t for t in got if not is_stop(r, t)]
         assert out.streamed == (streamed if r.mode == "stream" else [])
@@ -138,13 +145,13 @@ def check_run(sc: Scenario, with_guards: bool) -> None:
         if not with_guards:
             assert got == want and res.finish_reason == natural and out.handle.guard is None
             continue
-        assert got == want[:len(got)]
+        assert got == want[: len(got)]
         end = tick_of_line(lines, out.finished_at_line)
         deadline = math.inf if r.timeout_ticks is None else r.arrive_at_tick + r.timeout_ticks - 1
         cancel = math.inf if r.cancel_at_tick is None else r.cancel_at_tick
         assert end <= min(deadline, cancel)
         if got == want and res.finish_reason == natural:
-            continue                                     # ended on its own, in time
+            continue  # ended on its own, in time
         if res.finish_reason == "timeout":
             assert out.handle.guard == "request_timeout" and end == deadline <= cancel
         else:

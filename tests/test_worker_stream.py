@@ -1,5 +1,6 @@
 """The worker loop fed a recorded stream: it ends in rank 0's slot state, runs the executor
 calls rank 0 meant, and reports (never guesses) when the stream does not fit its slots."""
+
 import numpy as np
 import pytest
 
@@ -22,7 +23,7 @@ class LoopbackRoot(LocalTransport):
         self.sent = []  # ("frame", words) and ("rows", array), in send order
 
     def _send_frame(self, out, n):
-        self.sent.append(("frame", out[1:n + 1].copy()))
+        self.sent.append(("frame", out[1 : n + 1].copy()))
 
     def _send_rows(self, rows):
         self.sent.append(("rows", rows.copy()))
@@ -30,6 +31,7 @@ class LoopbackRoot(LocalTransport):
 
 class ReplayTransport:
     """The worker side: hands back the recorded frames and rows, in order."""
+
     rank = 1
 
     def __init__(self, sent, fail_with=None):
@@ -56,6 +58,7 @@ class ReplayTransport:
 class RecordingExecutor:
     """Records every call; keeps its slots in a SlotTable and checks each call against it, as
     the real executor does."""
+
     hidden_size = HIDDEN
 
     def __init__(self, fail_on_decode=False):
@@ -69,7 +72,7 @@ class RecordingExecutor:
         state = self.slots.check_chunk(slot, tokens, chunk_start, chunk_len)
         rows = None if vision_rows is None else vision_rows.tolist()
         self.calls.append(("prefill", slot, tokens.tolist(), chunk_start, chunk_len, rows))
-        state.tokens.extend(tokens[chunk_start:chunk_start + chunk_len].tolist())
+        state.tokens.extend(tokens[chunk_start : chunk_start + chunk_len].tolist())
 
     def prefill_next(self, slot, chunk_start, tokens):
         assert tokens.dtype == np.uint32
@@ -102,11 +105,12 @@ class RecordingExecutor:
 def drive_rank0(root):
     """A scheduler's worth of traffic, sent the way the runner sends it: the request_timeout
     flow, a chunked prefill with vision rows, a one-token decode."""
+
     def prefill(slot, prompt, start, n, rows=None):
-        if start == 0:   # the slot's first chunk: the whole prompt and the rows
+        if start == 0:  # the slot's first chunk: the whole prompt and the rows
             root.send(Prefill(slot, start, n, tuple(prompt), 0 if rows is None else len(rows)), rows)
-        else:            # later chunks: their own tokens only
-            root.send(PrefillNext(slot, start, tuple(prompt[start:start + n])))
+        else:  # later chunks: their own tokens only
+            root.send(PrefillNext(slot, start, tuple(prompt[start : start + n])))
         root.flush()  # the runner flushes before its forward pass
 
     prefill(0, [1, 2, 3, 4, 5], 0, 5)
@@ -131,7 +135,7 @@ def test_worker_replaying_rank0_stream_ends_in_rank0_state():
     rows, long_prompt = drive_rank0(root)
     root.shutdown()
     expected_state = {0: (5, (2, 2, 3, 4, 5, 20, 21)), 2: (30, tuple(long_prompt) + (33,))}
-    assert [kind for kind, _ in root.sent].count("rows") == 1   # with the first chunk only
+    assert [kind for kind, _ in root.sent].count("rows") == 1  # with the first chunk only
     assert root.stats.mpi_calls == 0 and root.stats.frames == 8
 
     worker, executor = ReplayTransport(root.sent), RecordingExecutor()
@@ -159,23 +163,30 @@ def frames(*commands):
 PROMPT = Prefill(0, 0, 3, (1, 2, 3))
 
 
-@pytest.mark.parametrize("stream, error", [
-    (frames(DecodeBatch((0, 2), (5, 6))), "SlotError: decode for empty slot 0"),
-    (frames(PROMPT, Prefill(1, 0, 2, (4, 5)), Compact(0, 1)),
-     "SlotError: COMPACT slot 0 -> 1: target slot is occupied"),
-    (frames(PROMPT, PROMPT), "already holds a prefilled sequence"),
-    (frames(Prefill(0, 0, 2, (1, 2, 3)), DecodeBatch((0,), (4,))), "prefill incomplete (2 of 3"),
-    (frames(Prefill(0, 0, 1, (1, 2, 3)), Prefill(0, 2, 1, (1, 2, 3))), "chunk starts at 2 but the slot holds 1"),
-    (frames(Prefill(0, 0, 1, (1, 2, 3)), PrefillNext(0, 1, (2, 4))), "are not those of the prompt"),
-    (frames(Prefill(0, 0, 1, (1, 2, 3)), PrefillNext(0, 2, (3,))), "chunk starts at 2 but the slot holds 1"),
-    (frames(PrefillNext(1, 0, (1,))), "PREFILL_NEXT for empty slot 1"),
-    (frames(Release(3)), "RELEASE for empty slot 3"),
-    ([("frame", np.array([0, 0xFFFFFFE1], np.uint32))], "unknown reserved command word 0xFFFFFFE1"),
-    ([("frame", np.array([4, 7], np.uint32))], "slot 4 out of range (max_slots=4)"),
-    ([("frame", np.array([0, p.VERIFY_K2, 1, 2, 1], np.uint32))], "UnsupportedCommand: VERIFY_K2"),
-    ([("frame", np.array([0, p.PREFILL, 1, 0, 1, 5, 1, 0, p.RELEASE], np.uint32))],
-     "2 words arrived between the vision count and its rows"),
-])
+@pytest.mark.parametrize(
+    "stream, error",
+    [
+        (frames(DecodeBatch((0, 2), (5, 6))), "SlotError: decode for empty slot 0"),
+        (
+            frames(PROMPT, Prefill(1, 0, 2, (4, 5)), Compact(0, 1)),
+            "SlotError: COMPACT slot 0 -> 1: target slot is occupied",
+        ),
+        (frames(PROMPT, PROMPT), "already holds a prefilled sequence"),
+        (frames(Prefill(0, 0, 2, (1, 2, 3)), DecodeBatch((0,), (4,))), "prefill incomplete (2 of 3"),
+        (frames(Prefill(0, 0, 1, (1, 2, 3)), Prefill(0, 2, 1, (1, 2, 3))), "chunk starts at 2 but the slot holds 1"),
+        (frames(Prefill(0, 0, 1, (1, 2, 3)), PrefillNext(0, 1, (2, 4))), "are not those of the prompt"),
+        (frames(Prefill(0, 0, 1, (1, 2, 3)), PrefillNext(0, 2, (3,))), "chunk starts at 2 but the slot holds 1"),
+        (frames(PrefillNext(1, 0, (1,))), "PREFILL_NEXT for empty slot 1"),
+        (frames(Release(3)), "RELEASE for empty slot 3"),
+        ([("frame", np.array([0, 0xFFFFFFE1], np.uint32))], "unknown reserved command word 0xFFFFFFE1"),
+        ([("frame", np.array([4, 7], np.uint32))], "slot 4 out of range (max_slots=4)"),
+        ([("frame", np.array([0, p.VERIFY_K2, 1, 2, 1], np.uint32))], "UnsupportedCommand: VERIFY_K2"),
+        (
+            [("frame", np.array([0, p.PREFILL, 1, 0, 1, 5, 1, 0, p.RELEASE], np.uint32))],
+            "2 words arrived between the vision count and its rows",
+        ),
+    ],
+)
 def test_bad_stream_is_reported_not_guessed(stream, error):
     worker, executor = ReplayTransport(stream), RecordingExecutor()
     assert run_worker(worker, executor, MAX_SLOTS, vocab_size=64) == 1
@@ -227,7 +238,7 @@ def test_world_of_one_needs_no_mpi():
     partial = np.ones((2, 3), np.float32)
     assert t.allsum(partial) is partial
     t.send(PROMPT)
-    with pytest.raises(RuntimeError, match="not flushed"):   # a compute call never flushes commands
+    with pytest.raises(RuntimeError, match="not flushed"):  # a compute call never flushes commands
         t.allsum(partial)
     t.flush()
     assert t.allsum(partial) is partial

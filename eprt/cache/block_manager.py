@@ -4,11 +4,12 @@ decisions from the same calls (docs/design.md, "Prefix cache").
 A sequence of ``L`` tokens holds ``L // block_size + 1`` blocks: always room for the next
 token. Blocks are identified by their index into the KV pool (``block_table``).
 """
+
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from typing import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 
 class OutOfBlocks(RuntimeError):
@@ -23,14 +24,14 @@ class BlockManager:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enabled = bool(prefix_cache)      # prefix caching on/off (lookups and inserts)
-        self._free: deque[int] = deque(range(num_blocks))   # blocks with nothing worth keeping
+        self.enabled = bool(prefix_cache)  # prefix caching on/off (lookups and inserts)
+        self._free: deque[int] = deque(range(num_blocks))  # blocks with nothing worth keeping
         self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced; LRU first
         self._refs = [0] * num_blocks
-        self._key_of: dict[int, bytes] = {}    # block -> content hash, for keyed blocks
+        self._key_of: dict[int, bytes] = {}  # block -> content hash, for keyed blocks
         self._block_of: dict[bytes, int] = {}  # content hash -> block
         self._tables: dict[Hashable, list[int]] = {}
-        self._seeds: dict[Hashable, tuple] = {}   # key -> (adapter, salt) of its hash chain
+        self._seeds: dict[Hashable, tuple] = {}  # key -> (adapter, salt) of its hash chain
 
     # -- queries (no state changes) ----------------------------------------------------
     def blocks_for(self, length: int) -> int:
@@ -70,9 +71,10 @@ class BlockManager:
             raise ValueError("cannot allocate an empty prompt")
         matched = self._match(token_ids, adapter, salt)
         if self._cost(token_ids, matched) > self.num_free_blocks():
-            raise OutOfBlocks(f"sequence {key!r} needs {self._cost(token_ids, matched)} blocks, "
-                              f"{self.num_free_blocks()} free")
-        for b in matched:                       # claim hits first so eviction cannot take them
+            raise OutOfBlocks(
+                f"sequence {key!r} needs {self._cost(token_ids, matched)} blocks, {self.num_free_blocks()} free"
+            )
+        for b in matched:  # claim hits first so eviction cannot take them
             self._evictable.pop(b, None)
             self._refs[b] += 1
         table = matched + [self._take() for _ in range(self.blocks_for(len(token_ids)) - len(matched))]
@@ -96,7 +98,7 @@ class BlockManager:
         n = min(len(token_ids) // self.block_size, len(table))
         for b, h in zip(table[:n], self._hashes(token_ids, *self._seeds[key])):
             if b in self._key_of or h in self._block_of:
-                continue                        # already keyed, or the same content lives elsewhere
+                continue  # already keyed, or the same content lives elsewhere
             self._key_of[b] = h
             self._block_of[h] = b
 
@@ -106,7 +108,7 @@ class BlockManager:
         if table is None:
             raise KeyError(f"sequence {key!r} holds no blocks")
         del self._seeds[key]
-        for b in reversed(table):               # tail first: the head of a prefix stays longest
+        for b in reversed(table):  # tail first: the head of a prefix stays longest
             self._refs[b] -= 1
             if self._refs[b] == 0:
                 if b in self._key_of:
@@ -153,6 +155,6 @@ class BlockManager:
         h = hashlib.blake2b(f"adapter:{adapter}".encode() + bytes(salt), digest_size=16).digest()
         bs = self.block_size
         for i in range(len(token_ids) // bs):
-            block = ",".join(str(int(t)) for t in token_ids[i * bs:(i + 1) * bs])
+            block = ",".join(str(int(t)) for t in token_ids[i * bs : (i + 1) * bs])
             h = hashlib.blake2b(h + block.encode(), digest_size=16).digest()
             yield h

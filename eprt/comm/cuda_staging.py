@@ -3,6 +3,7 @@ synchronized before MPI touches the data, and MPI only sees reused page-locked h
 ``transport.allsum(staging.send_buffer(partial))`` then ``staging.to_device(summed)``; host
 NumPy arrays pass through untouched (docs/gpu.md, "MPI with device buffers").
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,7 +18,7 @@ class Staging:
     The pinned send buffer is kept and reused (grown on demand)."""
 
     def __init__(self):
-        self._pinned: dict[str, object] = {}   # role -> cupy PinnedMemoryPointer
+        self._pinned: dict[str, object] = {}  # role -> cupy PinnedMemoryPointer
 
     def _host(self, role: str, shape: tuple, dtype) -> np.ndarray:
         import cupy
@@ -41,8 +42,9 @@ class Staging:
             a = cupy.ascontiguousarray(a)
         host = self._host("send", a.shape, a.dtype)
         stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, a.nbytes,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        cupy.cuda.runtime.memcpyAsync(
+            host.ctypes.data, a.data.ptr, a.nbytes, cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr
+        )
         stream.synchronize()
         return host
 
@@ -54,7 +56,8 @@ class Staging:
             return buf
         out = cupy.empty(buf.shape, dtype=buf.dtype)
         stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(out.data.ptr, buf.ctypes.data, buf.nbytes,
-                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        cupy.cuda.runtime.memcpyAsync(
+            out.data.ptr, buf.ctypes.data, buf.nbytes, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr
+        )
         stream.synchronize()  # the pinned buffer is reused by the next call
         return out

@@ -5,6 +5,7 @@ failing worker's traceback is never lost but N ranks do not print N copies of ev
 ``all_ranks`` (or EPRT_LOG_ALL_RANKS=1) lets every rank log at the chosen level. Every
 record is prefixed with its rank: ``[rank 1] WARNING eprt.comm.worker: ...``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,9 @@ class _RankHandler(logging.StreamHandler):
     """The handler this module installs (so a second setup replaces it, not duplicates it)."""
 
 
-def setup_logging(rank: int, all_ranks: bool | None = None, level: str | int | None = None,
-                  stream: TextIO | None = None) -> logging.Logger:
+def setup_logging(
+    rank: int, all_ranks: bool | None = None, level: str | int | None = None, stream: TextIO | None = None
+) -> logging.Logger:
     """Configure the ``eprt`` logger for this rank and return it.
 
     ``all_ranks`` and ``level`` default to EPRT_LOG_ALL_RANKS and EPRT_LOG_LEVEL; records

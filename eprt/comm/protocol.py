@@ -1,10 +1,11 @@
 """The broadcast protocol of docs/protocol.md: command words, typed commands, the one
 encoder and the incremental decoder. The vision rows announced by a PREFILL travel outside
 the word stream (``eprt/comm/transport.py``)."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -24,10 +25,18 @@ SHUTDOWN = 0xFFFFFFFF
 WORD_MAX = 0xFFFFFFFF
 
 VERIFY_WORDS = {VERIFY_K2: 2, VERIFY_K3: 3, VERIFY_K4: 4}  # command word -> K drafts
-NAMES = {DECODE_BATCH: "DECODE_BATCH", COMPACT: "COMPACT", PREFILL_NEXT: "PREFILL_NEXT", PREFILL: "PREFILL",
-         RELEASE: "RELEASE",
-         VERIFY_K2: "VERIFY_K2", VERIFY_K3: "VERIFY_K3", VERIFY_K4: "VERIFY_K4",
-         DECODE_CKPT: "DECODE_CKPT", SHUTDOWN: "SHUTDOWN"}
+NAMES = {
+    DECODE_BATCH: "DECODE_BATCH",
+    COMPACT: "COMPACT",
+    PREFILL_NEXT: "PREFILL_NEXT",
+    PREFILL: "PREFILL",
+    RELEASE: "RELEASE",
+    VERIFY_K2: "VERIFY_K2",
+    VERIFY_K3: "VERIFY_K3",
+    VERIFY_K4: "VERIFY_K4",
+    DECODE_CKPT: "DECODE_CKPT",
+    SHUTDOWN: "SHUTDOWN",
+}
 
 
 class ProtocolError(ValueError):
@@ -37,6 +46,7 @@ class ProtocolError(ValueError):
 @dataclass(frozen=True)
 class Decode1:
     """Append ``token`` to ``slot`` and run one decode step (the preamble's cmd is the token)."""
+
     slot: int
     token: int
 
@@ -44,6 +54,7 @@ class Decode1:
 @dataclass(frozen=True)
 class DecodeBatch:
     """One batched decode step; row r appends ``tokens[r]`` to ``slots[r]``."""
+
     slots: tuple[int, ...]
     tokens: tuple[int, ...]
 
@@ -51,6 +62,7 @@ class DecodeBatch:
 @dataclass(frozen=True)
 class Compact:
     """Move the sequence in ``slot`` to the empty ``new_slot``."""
+
     slot: int
     new_slot: int
 
@@ -59,6 +71,7 @@ class Compact:
 class Prefill:
     """Prefill ``tokens[chunk_start : chunk_start + chunk_len]`` of the whole prompt ``tokens``
     into ``slot``; ``vision_rows`` rows (rows x hidden) follow the frame when non-zero."""
+
     slot: int
     chunk_start: int
     chunk_len: int
@@ -78,6 +91,7 @@ class Prefill:
 class PrefillNext:
     """Prefill the next chunk of the prompt a PREFILL put into ``slot``: ``tokens`` are the
     prompt's tokens ``[chunk_start, chunk_start + len(tokens))``."""
+
     slot: int
     chunk_start: int
     tokens: tuple[int, ...]
@@ -90,12 +104,14 @@ class PrefillNext:
 @dataclass(frozen=True)
 class Release:
     """Free the sequence in ``slot``."""
+
     slot: int
 
 
 @dataclass(frozen=True)
 class Verify:
     """Speculative verify of ``len(drafts)`` (2..4) drafts (reserved: workers reject it)."""
+
     slot: int
     drafts: tuple[int, ...]
     accepted: int
@@ -104,11 +120,12 @@ class Verify:
 @dataclass(frozen=True)
 class DecodeCkpt:
     """Save rank 0's hybrid-SSM snapshot (reserved: workers reject it)."""
+
     slot: int
     snapshot_tokens: int
     end_block: int
     session_hash: int  # 64-bit, sent as lo, hi
-    adapter_id: int    # 64-bit, sent as lo, hi
+    adapter_id: int  # 64-bit, sent as lo, hi
 
 
 @dataclass(frozen=True)
@@ -116,14 +133,15 @@ class Shutdown:
     """Free every slot and leave the worker loop."""
 
 
-Command = Union[Decode1, DecodeBatch, Compact, Prefill, PrefillNext, Release, Verify, DecodeCkpt, Shutdown]
+Command = Decode1 | DecodeBatch | Compact | Prefill | PrefillNext | Release | Verify | DecodeCkpt | Shutdown
 
 
 def validate_vocab_size(vocab_size: int) -> int:
     """Token ids share the word space with command words, so ids must stay below RESERVED_BASE."""
     if not 0 < vocab_size <= RESERVED_BASE:
-        raise ProtocolError(f"vocabulary size {vocab_size} does not fit the protocol: token ids must "
-                            f"be < 0x{RESERVED_BASE:08X}")
+        raise ProtocolError(
+            f"vocabulary size {vocab_size} does not fit the protocol: token ids must be < 0x{RESERVED_BASE:08X}"
+        )
     return vocab_size
 
 
@@ -140,8 +158,7 @@ def encode(cmd: Command) -> np.ndarray:
     elif isinstance(cmd, Compact):
         words = [cmd.slot, COMPACT, cmd.new_slot]
     elif isinstance(cmd, Prefill):
-        words = [cmd.slot, PREFILL, cmd.chunk_len, cmd.chunk_start, cmd.full_len, *cmd.tokens,
-                 cmd.vision_rows]
+        words = [cmd.slot, PREFILL, cmd.chunk_len, cmd.chunk_start, cmd.full_len, *cmd.tokens, cmd.vision_rows]
     elif isinstance(cmd, PrefillNext):
         if not cmd.tokens:
             raise ProtocolError("PREFILL_NEXT needs at least one token")
@@ -154,9 +171,16 @@ def encode(cmd: Command) -> np.ndarray:
             raise ProtocolError(f"VERIFY takes 2 to 4 drafts, got {k}")
         words = [cmd.slot, VERIFY_K2 + k - 2, *cmd.drafts, cmd.accepted]
     elif isinstance(cmd, DecodeCkpt):
-        words = [cmd.slot, DECODE_CKPT, cmd.snapshot_tokens, cmd.end_block,
-                 cmd.session_hash & WORD_MAX, cmd.session_hash >> 32,
-                 cmd.adapter_id & WORD_MAX, cmd.adapter_id >> 32]
+        words = [
+            cmd.slot,
+            DECODE_CKPT,
+            cmd.snapshot_tokens,
+            cmd.end_block,
+            cmd.session_hash & WORD_MAX,
+            cmd.session_hash >> 32,
+            cmd.adapter_id & WORD_MAX,
+            cmd.adapter_id >> 32,
+        ]
     elif isinstance(cmd, Shutdown):
         words = [0, SHUTDOWN]
     else:
@@ -199,7 +223,7 @@ class Decoder:
 
     def feed(self, words: np.ndarray | Sequence[int]) -> None:
         words = as_words(words)
-        rest = self._buf[self._pos:]
+        rest = self._buf[self._pos :]
         self._buf = words.copy() if len(rest) == 0 else np.concatenate([rest, words])
         self._pos = 0
 
@@ -210,10 +234,9 @@ class Decoder:
     def finish(self) -> None:
         """Declare the stream over: leftover words mean a truncated command."""
         if self.pending:
-            head = self._buf[self._pos:self._pos + 2].tolist()
+            head = self._buf[self._pos : self._pos + 2].tolist()
             name = _name(head[1]) if len(head) == 2 else "preamble"
-            raise ProtocolError(f"truncated {name}: stream ended inside a command "
-                                f"({self.pending} words left over)")
+            raise ProtocolError(f"truncated {name}: stream ended inside a command ({self.pending} words left over)")
 
     def next(self) -> Command | None:
         """The next whole command, or None if its words have not all arrived yet."""
@@ -233,8 +256,8 @@ class Decoder:
             end = body + 1 + 2 * n
             if len(b) < end:
                 return None
-            slots = tuple(self._slot(s, "DECODE_BATCH") for s in b[body + 1:body + 1 + n].tolist())
-            out = DecodeBatch(slots, self._tokens(b[body + 1 + n:end]))
+            slots = tuple(self._slot(s, "DECODE_BATCH") for s in b[body + 1 : body + 1 + n].tolist())
+            out = DecodeBatch(slots, self._tokens(b[body + 1 + n : end]))
         elif cmd == COMPACT:
             end = body + 1
             if len(b) < end:
@@ -243,18 +266,21 @@ class Decoder:
         elif cmd == PREFILL:
             if len(b) - body < 3:
                 return None
-            chunk_len, chunk_start, full_len = (int(x) for x in b[body:body + 3])
+            chunk_len, chunk_start, full_len = (int(x) for x in b[body : body + 3])
             if full_len < 1 or chunk_len < 1 or chunk_start + chunk_len > full_len:
-                raise ProtocolError(f"PREFILL chunk (len={chunk_len}, start={chunk_start}) does not "
-                                    f"fit a prompt of {full_len} tokens")
+                raise ProtocolError(
+                    f"PREFILL chunk (len={chunk_len}, start={chunk_start}) does not fit a prompt of {full_len} tokens"
+                )
             end = body + 3 + full_len + 1
             if len(b) < end:
                 return None
-            tokens = self._tokens(b[body + 3:end - 1])
+            tokens = self._tokens(b[body + 3 : end - 1])
             vision_rows = int(b[end - 1])
             if vision_rows > full_len:
-                raise ProtocolError(f"PREFILL announces {vision_rows} vision rows for a prompt of "
-                                    f"{full_len} tokens (at most one row per position)")
+                raise ProtocolError(
+                    f"PREFILL announces {vision_rows} vision rows for a prompt of "
+                    f"{full_len} tokens (at most one row per position)"
+                )
             out = Prefill(self._slot(seq, "PREFILL"), chunk_start, chunk_len, tokens, vision_rows)
         elif cmd == PREFILL_NEXT:
             if len(b) - body < 2:
@@ -265,14 +291,14 @@ class Decoder:
             end = body + 2 + chunk_len
             if len(b) < end:
                 return None
-            out = PrefillNext(self._slot(seq, "PREFILL_NEXT"), chunk_start, self._tokens(b[body + 2:end]))
+            out = PrefillNext(self._slot(seq, "PREFILL_NEXT"), chunk_start, self._tokens(b[body + 2 : end]))
         elif cmd == RELEASE:
             out, end = Release(self._slot(seq, "RELEASE")), body
         elif cmd in VERIFY_WORDS:
             end = body + VERIFY_WORDS[cmd] + 1
             if len(b) < end:
                 return None
-            out = Verify(self._slot(seq, _name(cmd)), self._tokens(b[body:end - 1]), int(b[end - 1]))
+            out = Verify(self._slot(seq, _name(cmd)), self._tokens(b[body : end - 1]), int(b[end - 1]))
         elif cmd == DECODE_CKPT:
             end = body + 6
             if len(b) < end:
@@ -302,8 +328,9 @@ class Decoder:
         return tuple(words.tolist())
 
 
-def decode_all(words: np.ndarray | Sequence[int], max_slots: int | None = None,
-               vocab_size: int | None = None) -> list[Command]:
+def decode_all(
+    words: np.ndarray | Sequence[int], max_slots: int | None = None, vocab_size: int | None = None
+) -> list[Command]:
     """Decode a complete stream; a trailing partial command is a ProtocolError."""
     dec = Decoder(max_slots, vocab_size)
     dec.feed(words)

@@ -3,10 +3,11 @@
 Every check of a command against the slots is here; a failed check raises ``SlotError`` and
 leaves the table unchanged.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from eprt.comm.protocol import ProtocolError
 
@@ -17,9 +18,9 @@ class SlotError(ProtocolError):
 
 @dataclass
 class SlotState:
-    key: int                 # block-manager key: an occupancy counter, identical on every rank
+    key: int  # block-manager key: an occupancy counter, identical on every rank
     prompt: tuple[int, ...]  # the whole prompt (the PREFILL's tokens)
-    tokens: list[int]        # tokens whose KV is stored: a prefix of the prompt, then decoded tokens
+    tokens: list[int]  # tokens whose KV is stored: a prefix of the prompt, then decoded tokens
     adapter: int = -1
     vision_rows: object = None  # the PREFILL's vision rows [n, D], kept for its later chunks
 
@@ -40,7 +41,7 @@ class SlotTable:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         self.max_slots = max_slots
         self._slots: list[SlotState | None] = [None] * max_slots
-        self.next_key = 0             # the key the next occupied slot gets
+        self.next_key = 0  # the key the next occupied slot gets
 
     def state(self) -> dict[int, tuple[int, tuple[int, ...]]]:
         """Occupied slots as ``{slot: (prompt length, stored tokens)}``: comparable across ranks."""
@@ -62,8 +63,9 @@ class SlotTable:
         return s
 
     # -- changes -----------------------------------------------------------------------------
-    def occupy(self, slot: int, prompt: Sequence[int], stored: int, adapter: int = -1,
-               vision_rows: object = None) -> SlotState:
+    def occupy(
+        self, slot: int, prompt: Sequence[int], stored: int, adapter: int = -1, vision_rows: object = None
+    ) -> SlotState:
         """Put a prompt into the empty ``slot``, its first ``stored`` tokens already in KV."""
         if self.get(slot) is not None:
             raise SlotError(f"slot {slot} is already occupied")
@@ -77,16 +79,19 @@ class SlotTable:
         """The held slot that the chunk ``prompt[start : start + n]`` continues."""
         s = self.held(slot, "PREFILL")
         if s.prefilled:
-            raise SlotError(f"PREFILL slot {slot}: the slot already holds a prefilled sequence "
-                            f"(len {s.length}); RELEASE it first")
+            raise SlotError(
+                f"PREFILL slot {slot}: the slot already holds a prefilled sequence (len {s.length}); RELEASE it first"
+            )
         if start != s.length:
             raise SlotError(f"PREFILL slot {slot}: chunk starts at {start} but the slot holds {s.length} tokens")
         if n < 1 or start + n > len(prompt):
-            raise SlotError(f"PREFILL slot {slot}: chunk [{start}, {start + n}) does not fit the prompt "
-                            f"of {len(prompt)} tokens")
-        if len(prompt) != len(s.prompt) or tuple(prompt[:s.length]) != tuple(s.tokens):
-            raise SlotError(f"PREFILL slot {slot}: chunk belongs to a different prompt than the one "
-                            "being prefilled in that slot")
+            raise SlotError(
+                f"PREFILL slot {slot}: chunk [{start}, {start + n}) does not fit the prompt of {len(prompt)} tokens"
+            )
+        if len(prompt) != len(s.prompt) or tuple(prompt[: s.length]) != tuple(s.tokens):
+            raise SlotError(
+                f"PREFILL slot {slot}: chunk belongs to a different prompt than the one being prefilled in that slot"
+            )
         return s
 
     def check_next_chunk(self, slot: int, start: int, tokens: Sequence[int]) -> SlotState:
@@ -94,8 +99,10 @@ class SlotTable:
         s = self.held(slot, "PREFILL_NEXT")
         end = start + len(tokens)
         if tuple(int(t) for t in tokens) != s.prompt[start:end] or end > len(s.prompt):
-            raise SlotError(f"PREFILL_NEXT slot {slot}: tokens [{start}, {end}) are not those of the prompt "
-                            f"the slot's PREFILL brought ({len(s.prompt)} tokens)")
+            raise SlotError(
+                f"PREFILL_NEXT slot {slot}: tokens [{start}, {end}) are not those of the prompt "
+                f"the slot's PREFILL brought ({len(s.prompt)} tokens)"
+            )
         return self.check_chunk(slot, s.prompt, start, len(tokens))
 
     def check_decode(self, slots: Sequence[int], tokens: Sequence[int], what: str) -> list[SlotState]:
@@ -107,8 +114,7 @@ class SlotTable:
         states = [self.held(slot, what) for slot in slots]
         for slot, s in zip(slots, states):
             if not s.prefilled:
-                raise SlotError(f"{what} slot {slot}: prefill incomplete ({s.length} of {len(s.prompt)} "
-                                "prompt tokens)")
+                raise SlotError(f"{what} slot {slot}: prefill incomplete ({s.length} of {len(s.prompt)} prompt tokens)")
         return states
 
     def move(self, slot: int, new_slot: int) -> None:

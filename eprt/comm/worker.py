@@ -3,6 +3,7 @@
 A command that does not decode, does not fit the executor's slots, or fails is reported to
 rank 0 and ends the loop: a worker never guesses (docs/protocol.md, "Errors").
 """
+
 from __future__ import annotations
 
 import logging
@@ -10,8 +11,20 @@ from typing import Protocol
 
 import numpy as np
 
-from eprt.comm.protocol import (Command, Compact, Decode1, DecodeBatch, DecodeCkpt, Decoder, Prefill, PrefillNext,
-                                ProtocolError, Release, Shutdown, Verify)
+from eprt.comm.protocol import (
+    Command,
+    Compact,
+    Decode1,
+    DecodeBatch,
+    DecodeCkpt,
+    Decoder,
+    Prefill,
+    PrefillNext,
+    ProtocolError,
+    Release,
+    Shutdown,
+    Verify,
+)
 from eprt.comm.transport import RootDown
 
 log = logging.getLogger(__name__)
@@ -28,8 +41,9 @@ class Executor(Protocol):
 
     hidden_size: int  # width of one vision row (the model's hidden size)
 
-    def prefill(self, slot: int, tokens: np.ndarray, chunk_start: int, chunk_len: int,
-                vision_rows: np.ndarray | None) -> object:
+    def prefill(
+        self, slot: int, tokens: np.ndarray, chunk_start: int, chunk_len: int, vision_rows: np.ndarray | None
+    ) -> object:
         """Prefill ``tokens[chunk_start : chunk_start + chunk_len]`` into ``slot`` (the return
         value, logits on rank 0, is not used by workers). ``tokens``: uint32 [full prompt];
         ``vision_rows``: float32 [rows, hidden_size] for the prompt's image placeholders, or None."""
@@ -67,8 +81,7 @@ class WorkerTransport(Protocol):
         """Tell rank 0 this rank failed and wait until the job goes down."""
 
 
-def run_worker(transport: WorkerTransport, executor: Executor, max_slots: int,
-               vocab_size: int | None = None) -> int:
+def run_worker(transport: WorkerTransport, executor: Executor, max_slots: int, vocab_size: int | None = None) -> int:
     """Serve rank 0's commands until SHUTDOWN (returns 0 after ``executor.shutdown()``).
 
     Returns 1 after a failure was reported to rank 0, or when rank 0 announced it is going
@@ -100,8 +113,9 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
         rows = None
         if cmd.vision_rows:
             if decoder.pending:
-                raise ProtocolError(f"PREFILL slot {cmd.slot}: {decoder.pending} words arrived between "
-                                    "the vision count and its rows")
+                raise ProtocolError(
+                    f"PREFILL slot {cmd.slot}: {decoder.pending} words arrived between the vision count and its rows"
+                )
             rows = transport.recv_rows(cmd.vision_rows, executor.hidden_size)
         tokens = np.asarray(cmd.tokens, np.uint32)  # [full_len]
         executor.prefill(cmd.slot, tokens, cmd.chunk_start, cmd.chunk_len, rows)
@@ -116,10 +130,13 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
     elif isinstance(cmd, Release):
         executor.release(cmd.slot)
     elif isinstance(cmd, Verify):
-        raise UnsupportedCommand(f"VERIFY_K{len(cmd.drafts)} (slot {cmd.slot}) is reserved for "
-                                 "speculative decoding, which this build does not support")
+        raise UnsupportedCommand(
+            f"VERIFY_K{len(cmd.drafts)} (slot {cmd.slot}) is reserved for "
+            "speculative decoding, which this build does not support"
+        )
     elif isinstance(cmd, DecodeCkpt):
-        raise UnsupportedCommand(f"DECODE_CKPT (slot {cmd.slot}) is reserved for hybrid-SSM "
-                                 "models, which this build does not support")
+        raise UnsupportedCommand(
+            f"DECODE_CKPT (slot {cmd.slot}) is reserved for hybrid-SSM models, which this build does not support"
+        )
     else:
         raise ProtocolError(f"no worker action for {cmd!r}")

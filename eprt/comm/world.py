@@ -1,10 +1,10 @@
 """This process's world: the launcher's task count and the transport that fits it."""
+
 from __future__ import annotations
 
 import os
 
 from eprt.comm.transport import DEFAULT_FRAME_WORDS, LocalTransport, StartupFailed, Transport
-
 
 LAUNCHER_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 
@@ -57,7 +57,8 @@ def check_world_size(mpi_size: int) -> None:
         f"library did not connect to the launcher's process manager (a PMI mismatch, e.g. srun --mpi=pmix "
         f"with an MPI built without PMIx, or an mpiexec from another MPI than mpi4py's), so every task would "
         f"run as its own rank 0. Start eprt with the launcher of mpi4py's MPI (python -c 'from mpi4py import MPI; "
-        f"print(MPI.Get_library_version())'), or give srun the --mpi= plugin that MPI supports (docs/launch.md)")
+        f"print(MPI.Get_library_version())'), or give srun the --mpi= plugin that MPI supports (docs/launch.md)"
+    )
 
 
 def open_transport(frame_words: int = DEFAULT_FRAME_WORDS) -> Transport:
@@ -68,5 +69,6 @@ def open_transport(frame_words: int = DEFAULT_FRAME_WORDS) -> Transport:
     from mpi4py import MPI
 
     from eprt.comm.mpi_transport import MpiTransport
+
     check_world_size(MPI.COMM_WORLD.Get_size())
     return MpiTransport(frame_words=frame_words)

@@ -1,25 +1,25 @@
 """EngineConfig and the command-line flags every entry point shares."""
+
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Optional
 
 from eprt import env
 
 
 @dataclass
 class EngineConfig:
-    model: Optional[str] = None          # checkpoint directory; None: the built-in default model
-    device: str = "auto"                 # cpu | cuda | auto (cuda when usable)
-    max_batch: int = 32                  # sequence slots (decode batch size)
-    block_size: int = 16                 # tokens per KV block
-    num_blocks: int = 0                  # KV blocks per rank; 0: enough for every slot at max_model_len
-    max_model_len: int = 2048            # prompt + generated tokens per sequence
-    max_prefill_tokens: int = 0          # > 0: chunked prefill with this many prompt tokens per step
+    model: str | None = None  # checkpoint directory; None: the built-in default model
+    device: str = "auto"  # cpu | cuda | auto (cuda when usable)
+    max_batch: int = 32  # sequence slots (decode batch size)
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 0  # KV blocks per rank; 0: enough for every slot at max_model_len
+    max_model_len: int = 2048  # prompt + generated tokens per sequence
+    max_prefill_tokens: int = 0  # > 0: chunked prefill with this many prompt tokens per step
     prefix_cache: bool = True
     gpu_memory_utilization: float = 0.9
-    image_token_id: Optional[int] = None
+    image_token_id: int | None = None
     seed: int = 0
     log_all_ranks: bool = False
 
@@ -41,34 +41,61 @@ class EngineConfig:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, metavar="DIR",
-                   help="Hugging Face MoE checkpoint directory (default: the built-in default model)")
-    g.add_argument("--device", default=None, choices=["cpu", "cuda", "auto"],
-                   help="backend (default: $EPRT_DEVICE, else cuda when usable)")
+    g.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="Hugging Face MoE checkpoint directory (default: the built-in default model)",
+    )
+    g.add_argument(
+        "--device",
+        default=None,
+        choices=["cpu", "cuda", "auto"],
+        help="backend (default: $EPRT_DEVICE, else cuda when usable)",
+    )
     g.add_argument("--max-batch", type=int, default=32, help="sequence slots, i.e. max decode batch (32)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block ($EPRT_BLOCK_SIZE, 16)")
-    g.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks per rank ($EPRT_NUM_BLOCKS; 0: every slot can reach --max-model-len)")
+    g.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per rank ($EPRT_NUM_BLOCKS; 0: every slot can reach --max-model-len)",
+    )
     g.add_argument("--max-model-len", type=int, default=2048, help="max prompt + generated tokens (2048)")
-    g.add_argument("--max-prefill-tokens", type=int, default=0,
-                   help="chunked prefill: prompt tokens per step (0: whole prompts)")
+    g.add_argument(
+        "--max-prefill-tokens", type=int, default=0, help="chunked prefill: prompt tokens per step (0: whole prompts)"
+    )
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights plus KV pool (0.9)")
-    g.add_argument("--image-token-id", type=int, default=None,
-                   help="token id of image placeholders (default: the config's image_token_id)")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights plus KV pool (0.9)",
+    )
+    g.add_argument(
+        "--image-token-id",
+        type=int,
+        default=None,
+        help="token id of image placeholders (default: the config's image_token_id)",
+    )
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")
     g.add_argument("--log-all-ranks", action="store_true", help="log from every rank, not only rank 0")
 
 
 def engine_config_from_args(args) -> EngineConfig:
     cfg = EngineConfig(
-        model=args.model, device=args.device or env.DEVICE.get() or "auto", max_batch=args.max_batch,
+        model=args.model,
+        device=args.device or env.DEVICE.get() or "auto",
+        max_batch=args.max_batch,
         block_size=args.block_size if args.block_size is not None else env.BLOCK_SIZE.get(),
         num_blocks=args.num_blocks if args.num_blocks is not None else env.NUM_BLOCKS.get(),
-        max_model_len=args.max_model_len, max_prefill_tokens=args.max_prefill_tokens,
-        prefix_cache=not args.no_prefix_cache, gpu_memory_utilization=args.gpu_memory_utilization,
-        image_token_id=args.image_token_id, seed=args.engine_seed,
-        log_all_ranks=args.log_all_ranks or env.LOG_ALL_RANKS.get())
+        max_model_len=args.max_model_len,
+        max_prefill_tokens=args.max_prefill_tokens,
+        prefix_cache=not args.no_prefix_cache,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        image_token_id=args.image_token_id,
+        seed=args.engine_seed,
+        log_all_ranks=args.log_all_ranks or env.LOG_ALL_RANKS.get(),
+    )
     cfg.validate()
     return cfg

@@ -4,10 +4,10 @@ matching frame, flushed right before the forward pass that needs it (docs/protoc
 
 B rows in a decode batch, V vocabulary.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -20,17 +20,18 @@ from eprt.scheduler.interface import TraceCalls
 @dataclass
 class SeqModelState:
     """What the runner keeps on a sequence (``seq.model_state``)."""
-    rng: np.random.Generator     # its sampler: a preempted sequence keeps its stream
-    salt: bytes                  # prefix-cache salt of its vision rows, hashed once
+
+    rng: np.random.Generator  # its sampler: a preempted sequence keeps its stream
+    salt: bytes  # prefix-cache salt of its vision rows, hashed once
 
 
 class ModelRunner(TraceCalls):
     def __init__(self, executor: ShardExecutor, transport, seed: int = 0):
         self.executor = executor
-        self.transport = transport           # eprt.comm.transport.Transport (LocalTransport on one rank)
-        self._rng = np.random.default_rng(seed)   # seeds requests that bring none
-        self._logits: Optional[np.ndarray] = None   # [B, V] of the last forward
-        self._rows: list = []                # the sequences behind those rows
+        self.transport = transport  # eprt.comm.transport.Transport (LocalTransport on one rank)
+        self._rng = np.random.default_rng(seed)  # seeds requests that bring none
+        self._logits: np.ndarray | None = None  # [B, V] of the last forward
+        self._rows: list = []  # the sequences behind those rows
         self.prompt_tokens_computed = 0
         self.decode_steps = 0
         self.decode_rows = 0
@@ -39,7 +40,7 @@ class ModelRunner(TraceCalls):
     def num_free_blocks(self) -> int:
         return self.executor.blocks.num_free_blocks()
 
-    def _state(self, seq) -> "SeqModelState":
+    def _state(self, seq) -> SeqModelState:
         """This runner's per-sequence state, made once (a preempted sequence keeps it)."""
         if seq.model_state is None:
             seq.model_state = SeqModelState(rng=make_rng(seq.params, self._rng), salt=vision_salt(seq.image_embeds))
@@ -49,13 +50,14 @@ class ModelRunner(TraceCalls):
         return self.executor.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
 
     def alloc_sequence(self, seq) -> int:
-        if seq.adapter != -1:   # PREFILL carries no adapter: workers could not mirror the allocation
+        if seq.adapter != -1:  # PREFILL carries no adapter: workers could not mirror the allocation
             raise ValueError(f"adapter {seq.adapter} requested but this model serves no adapters")
         slot = self.executor.slots.lowest_free()
         if slot is None:
             raise RuntimeError("alloc_sequence with every slot occupied")
-        seq.cached = self.executor.allocate(slot, seq.token_ids[: seq.num_prompt], seq.adapter, seq.image_embeds,
-                                            self._state(seq).salt)
+        seq.cached = self.executor.allocate(
+            slot, seq.token_ids[: seq.num_prompt], seq.adapter, seq.image_embeds, self._state(seq).salt
+        )
         return slot
 
     def cache_sequence(self, seq) -> None:
@@ -73,10 +75,10 @@ class ModelRunner(TraceCalls):
     # ---- compute -------------------------------------------------------------------------
     def prefill(self, seq, start: int, n: int, stream: int = 0) -> None:
         prompt, rows = tuple(seq.token_ids[: seq.num_prompt]), seq.image_embeds
-        if start == seq.cached:   # the slot's first chunk: the whole prompt and its vision rows, once
+        if start == seq.cached:  # the slot's first chunk: the whole prompt and its vision rows, once
             self.transport.send(P.Prefill(seq.slot, start, n, prompt, 0 if rows is None else len(rows)), rows)
         else:
-            self.transport.send(P.PrefillNext(seq.slot, start, prompt[start:start + n]))
+            self.transport.send(P.PrefillNext(seq.slot, start, prompt[start : start + n]))
         self.transport.flush()
         self._logits = self.executor.prefill(seq.slot, prompt, start, n, rows)
         self._rows = [seq]
@@ -97,15 +99,18 @@ class ModelRunner(TraceCalls):
     def argmax_batch(self, row: int = 0, n: int = 1, stream: int = 0) -> list[int]:
         """Greedy rows take one device argmax together; sampled rows come to the host in one
         copy (on a GPU, one transfer of [rows, V] rather than one per row)."""
-        seqs = self._rows[row:row + n]
-        logits = self._logits[row:row + n]                                   # [n, V]
+        seqs = self._rows[row : row + n]
+        logits = self._logits[row : row + n]  # [n, V]
         greedy = None
         if any(s.params.temperature == 0.0 for s in seqs):
             greedy = self.executor.ops.argmax(logits)
         rows = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0]
-        sampled = iter(self.executor.ops.to_host(logits[rows] if len(rows) < n else logits) if rows else ())  # [len(rows), V]
-        return [int(greedy[i]) if s.params.temperature == 0.0 else sample(next(sampled), s.params, s.model_state.rng)
-                for i, s in enumerate(seqs)]
+        host = self.executor.ops.to_host(logits[rows] if len(rows) < n else logits) if rows else ()  # [len(rows), V]
+        sampled = iter(host)
+        return [
+            int(greedy[i]) if s.params.temperature == 0.0 else sample(next(sampled), s.params, s.model_state.rng)
+            for i, s in enumerate(seqs)
+        ]
 
     # ---- shutdown ----------------------------------------------------------------------
     def ep_shutdown(self) -> None:

@@ -2,6 +2,7 @@
 
 V vocabulary. Only rank 0 samples; workers never see logits.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,8 +20,8 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     """One token from logits[V] (float32)."""
     if params.temperature == 0.0:
         return int(np.argmax(logits))
-    x = logits.astype(np.float64)                                      # [V]
-    with np.errstate(over="ignore"):         # max first: a tiny temperature gives -inf, never NaN
+    x = logits.astype(np.float64)  # [V]
+    with np.errstate(over="ignore"):  # max first: a tiny temperature gives -inf, never NaN
         x = (x - x.max()) / params.temperature
     if 0 < params.top_k < x.shape[0]:
         kth = np.partition(x, -params.top_k)[-params.top_k]
@@ -35,7 +36,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     return int(rng.choice(p.shape[0], p=p))
 
 
-TOP_P_HEADS = (1024, 16384)   # sort only this many of the largest probabilities, when they hold the nucleus
+TOP_P_HEADS = (1024, 16384)  # sort only this many of the largest probabilities, when they hold the nucleus
 
 
 def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
@@ -50,10 +51,10 @@ def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
     V = p.shape[0]
     heads = [m for m in TOP_P_HEADS if V > 4 * m]
     if heads:
-        part = np.partition(p, [V - m for m in reversed(heads)])       # one pass: every head's threshold
+        part = np.partition(p, [V - m for m in reversed(heads)])  # one pass: every head's threshold
         for m in heads:
-            head = np.flatnonzero(p >= part[V - m])                    # ascending index
-            if p[head].sum() < top_p * (1 - 1e-9):                     # cannot hold the nucleus: no sort
+            head = np.flatnonzero(p >= part[V - m])  # ascending index
+            if p[head].sum() < top_p * (1 - 1e-9):  # cannot hold the nucleus: no sort
                 continue
             order, n = _prefix(p, head, top_p)
             if n < order.shape[0]:

@@ -3,12 +3,13 @@ every step that can fail on one rank runs inside ``step``, which ends with
 ``Transport.startup_barrier``, so the job ends on every rank with the failing ranks named.
 Steps: backend and kernels, model; identical arithmetic across ranks; one KV pool size; allocation.
 """
+
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import EngineConfig
@@ -44,18 +45,26 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     def load():
         ops = get_ops(device)
         ops.warm_up()
-        return ops, load_model(cfg.model, ops, cfg.max_model_len, rank=rank, world=world,
-                               combine=_combine(transport, ops))
+        return ops, load_model(
+            cfg.model, ops, cfg.max_model_len, rank=rank, world=world, combine=_combine(transport, ops)
+        )
 
     ops, loaded = step(load)
     sharers = _check_identities(transport, step(lambda: compute_identity(ops)))
     blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, sharers))
     agreed = min(int(b) for b in transport.allgather_text(str(blocks)))
     if agreed < blocks:
-        log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)",
-                 rank, agreed, blocks)
-    executor = step(lambda: ShardExecutor(loaded.model, agreed, cfg.block_size, cfg.max_batch,
-                                          prefix_cache=cfg.prefix_cache, image_token_id=cfg.image_token_id))
+        log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)", rank, agreed, blocks)
+    executor = step(
+        lambda: ShardExecutor(
+            loaded.model,
+            agreed,
+            cfg.block_size,
+            cfg.max_batch,
+            prefix_cache=cfg.prefix_cache,
+            image_token_id=cfg.image_token_id,
+        )
+    )
     return Started(ops, loaded, executor)
 
 
@@ -63,11 +72,17 @@ def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:
     """Refuse ranks that do not compute identically (``mine``: this rank's compute_identity);
     returns how many ranks share this rank's device. Nothing here can fail on one rank only:
     every rank decides from the same gathered texts."""
-    identity, device_key = mine[0][:300], mine[1][:150]   # the JSON fits the exchange's 480 bytes
+    identity, device_key = mine[0][:300], mine[1][:150]  # the JSON fits the exchange's 480 bytes
     every = [json.loads(t) for t in transport.allgather_text(json.dumps([identity, device_key]))]
-    differ = [(r, f"it computes with {i!r}, rank 0 with {every[0][0]!r}; expert parallelism needs "
-                  f"identical arithmetic on every rank (same GPU model and CUDA/CuPy, or the same NumPy/BLAS)")
-              for r, (i, _) in enumerate(every) if i != every[0][0]]
+    differ = [
+        (
+            r,
+            f"it computes with {i!r}, rank 0 with {every[0][0]!r}; expert parallelism needs "
+            f"identical arithmetic on every rank (same GPU model and CUDA/CuPy, or the same NumPy/BLAS)",
+        )
+        for r, (i, _) in enumerate(every)
+        if i != every[0][0]
+    ]
     if differ:
         raise StartupFailed(differ)
     return sum(key == device_key for _, key in every)
@@ -82,6 +97,7 @@ def _combine(transport: Transport, ops: Ops):
     if ops.name == "cpu":
         return transport.allsum
     from eprt.comm.cuda_staging import Staging
+
     staging = Staging()
     return lambda partial: staging.to_device(transport.allsum(staging.send_buffer(partial)))
 
@@ -93,6 +109,7 @@ def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, sharers: int = 1) -> int:
     if ops.name != "cpu":
         from eprt.model.kv_cache import KVCache
         from eprt.ops.device import kv_pool_blocks
+
         per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
         return min(kv_pool_blocks(per_block, cfg.gpu_memory_utilization, sharers), cfg.blocks_for(cfg.block_size))
     return cfg.blocks_for(cfg.block_size)

@@ -1,4 +1,5 @@
 """``eprt env``: print the environment-variable registry."""
+
 from eprt import env
 
 

@@ -8,6 +8,7 @@ With ``--json`` one object per prompt, in order, one per line:
 SIGTERM/SIGINT (SLURM's ``--signal``): the running prompts finish and are printed, the queued
 ones are not run (an error line each), and the exit status is 1; a second signal aborts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,28 +47,48 @@ def _load_embeds(path: str) -> np.ndarray:
         rows = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise RequestError(f"--image-embeds {path}: cannot read it as a .npy array ({e})") from None
-    if not isinstance(rows, np.ndarray):      # an NpzFile: a zip of named arrays
+    if not isinstance(rows, np.ndarray):  # an NpzFile: a zip of named arrays
         rows.close()
         raise RequestError(f"--image-embeds {path}: is an .npz archive; save one array with np.save (.npy)")
     if rows.ndim != 2 or rows.dtype.kind != "f":
-        raise RequestError(f"--image-embeds {path}: want a 2-D float array [n, D], got {rows.dtype} "
-                           f"of shape {rows.shape}")
+        raise RequestError(
+            f"--image-embeds {path}: want a 2-D float array [n, D], got {rows.dtype} of shape {rows.shape}"
+        )
     return rows.astype(np.float32)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s), default=[],
-                        metavar="TEXT", help="a text prompt (repeatable; needs the model's tokenizer)")
-    parser.add_argument("--prompt-ids", dest="prompts", action="append", type=_ids, metavar="1,2,3",
-                        help="a prompt as token ids (repeatable, keeps its place among --prompt)")
+    parser.add_argument(
+        "--prompt",
+        dest="prompts",
+        action="append",
+        type=lambda s: ("text", s),
+        default=[],
+        metavar="TEXT",
+        help="a text prompt (repeatable; needs the model's tokenizer)",
+    )
+    parser.add_argument(
+        "--prompt-ids",
+        dest="prompts",
+        action="append",
+        type=_ids,
+        metavar="1,2,3",
+        help="a prompt as token ids (repeatable, keeps its place among --prompt)",
+    )
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None, help="sampling seed given to every prompt")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids")
-    parser.add_argument("--image-embeds", action="append", type=_embeds, default=[], metavar="[I:]FILE.npy",
-                        help="float32 [n, D] rows for the n image placeholders of prompt I (default 0)")
+    parser.add_argument(
+        "--image-embeds",
+        action="append",
+        type=_embeds,
+        default=[],
+        metavar="[I:]FILE.npy",
+        help="float32 [n, D] rows for the n image placeholders of prompt I (default 0)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     add_engine_arguments(parser)
 
@@ -75,9 +96,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _requests(args, tokenizer) -> list:
     if not args.prompts:
         raise RequestError("give at least one --prompt or --prompt-ids")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    params.validate(vocab_size=1)     # the flags alone; stop ids (none here) need the real vocabulary
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    params.validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
     reqs = []
     for kind, value in args.prompts:
         if kind == "text":
@@ -113,13 +140,17 @@ class Drain:
         if self.signal is not None:
             raise KeyboardInterrupt(f"second {name}: abandoning the prompts in flight")
         self.signal = name
-        print(f"eprt generate: {name}: finishing the prompts already running; the others are not run "
-              f"(send it again to abort)", file=sys.stderr, flush=True)
+        print(
+            f"eprt generate: {name}: finishing the prompts already running; the others are not run "
+            f"(send it again to abort)",
+            file=sys.stderr,
+            flush=True,
+        )
         self.engine.request_stop()
 
 
 def main(args) -> int:
-    with launch_engine(args) as engine:     # worker ranks never get past this line
+    with launch_engine(args) as engine:  # worker ranks never get past this line
         drain = Drain(engine)
         drain.install()
         try:
@@ -130,8 +161,11 @@ def main(args) -> int:
             return 2
         not_run = sum(r.finish_reason == "error" and (r.error or "").startswith(STOPPED) for r in results)
         if not_run:
-            print(f"eprt generate: stopped by {drain.signal}: {not_run} of {len(results)} prompts were not run",
-                  file=sys.stderr, flush=True)
+            print(
+                f"eprt generate: stopped by {drain.signal}: {not_run} of {len(results)} prompts were not run",
+                file=sys.stderr,
+                flush=True,
+            )
         failed = 0
         for res in results:
             failed += res.finish_reason == "error"
@@ -139,7 +173,7 @@ def main(args) -> int:
                 print(json.dumps(res.to_json()), flush=True)
             elif res.finish_reason == "error":
                 print(f"eprt generate: {res.error}", file=sys.stderr, flush=True)
-                print(flush=True)           # one output line per prompt, an empty one for a failure
+                print(flush=True)  # one output line per prompt, an empty one for a failure
             else:
                 print(res.text if engine.tokenizer is not None else " ".join(map(str, res.token_ids)), flush=True)
         return 1 if failed else 0

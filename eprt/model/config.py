@@ -7,12 +7,12 @@ Supported ``model_type`` values share one code path; the differences are data:
     mixtral    top-k always renormalized, every layer sparse, experts named w1/w3/w2
     olmoe      q/k RMSNorm over the whole projection, optional ``clip_qkv``
 """
+
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 from eprt.api import TOKEN_ID_LIMIT, is_int, is_real
 
@@ -40,16 +40,16 @@ class ModelConfig:
     top_k: int
     moe_intermediate_size: int
     norm_topk_prob: bool
-    intermediate_size: int                      # dense MLP layers
-    sparse_layers: tuple                        # bool per layer: MoE (True) or dense MLP
+    intermediate_size: int  # dense MLP layers
+    sparse_layers: tuple  # bool per layer: MoE (True) or dense MLP
     qkv_bias: bool = False
-    qk_norm: Optional[str] = None               # None | "head" (per head) | "full" (whole projection)
-    clip_qkv: Optional[float] = None
-    shared_expert_intermediate_size: int = 0    # qwen2_moe shared expert (0: none)
+    qk_norm: str | None = None  # None | "head" (per head) | "full" (whole projection)
+    clip_qkv: float | None = None
+    shared_expert_intermediate_size: int = 0  # qwen2_moe shared expert (0: none)
     eos_token_ids: tuple = ()
-    image_token_id: Optional[int] = None
+    image_token_id: int | None = None
     expert_names: tuple = ("gate_proj", "up_proj", "down_proj")
-    moe_prefix: str = "mlp"                     # "block_sparse_moe" for mixtral
+    moe_prefix: str = "mlp"  # "block_sparse_moe" for mixtral
 
     @property
     def has_shared_expert(self) -> bool:
@@ -118,14 +118,14 @@ def _rope_theta(raw: dict) -> float:
 def _eos_ids(*values) -> tuple:
     ids: list[int] = []
     for v in values:
-        for t in (v if isinstance(v, (list, tuple)) else [v]):
+        for t in v if isinstance(v, (list, tuple)) else [v]:
             source = "config.json or generation_config.json"
             if t is not None and _checked_int(t, "eos_token_id", 0, source) not in ids:
                 ids.append(t)
     return tuple(ids)
 
 
-def config_from_dict(raw: dict, generation_config: Optional[dict] = None) -> ModelConfig:
+def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
     if generation_config is not None and not isinstance(generation_config, dict):
@@ -156,50 +156,80 @@ def config_from_dict(raw: dict, generation_config: Optional[dict] = None) -> Mod
     image_token = _first(raw, "image_token_id", "image_token_index")
     eps = _positive_float(_first(raw, "rms_norm_eps", default=1e-6), "rms_norm_eps")
 
-    common = dict(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                  num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=eps, rope_theta=_rope_theta(raw),
-                  max_position_embeddings=_int(raw, "max_position_embeddings", default=4096),
-                  tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                  num_experts=experts, top_k=top_k,
-                  image_token_id=None if image_token is None else _checked_int(image_token, "image_token_id", 0))
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=eps,
+        rope_theta=_rope_theta(raw),
+        max_position_embeddings=_int(raw, "max_position_embeddings", default=4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        num_experts=experts,
+        top_k=top_k,
+        image_token_id=None if image_token is None else _checked_int(image_token, "image_token_id", 0),
+    )
     gen = generation_config or {}
     common["eos_token_ids"] = _eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id"))
 
-    if model_type in ("mixtral", "olmoe"):       # every layer sparse; intermediate_size sizes the experts
+    if model_type in ("mixtral", "olmoe"):  # every layer sparse; intermediate_size sizes the experts
         intermediate = _int(raw, "intermediate_size")
-        common.update(moe_intermediate_size=intermediate, intermediate_size=intermediate,
-                      sparse_layers=(True,) * layers)
+        common.update(
+            moe_intermediate_size=intermediate, intermediate_size=intermediate, sparse_layers=(True,) * layers
+        )
     if model_type == "mixtral":
-        return ModelConfig(model_type=model_type, norm_topk_prob=True, expert_names=("w1", "w3", "w2"),
-                           moe_prefix="block_sparse_moe", **common)
+        return ModelConfig(
+            model_type=model_type,
+            norm_topk_prob=True,
+            expert_names=("w1", "w3", "w2"),
+            moe_prefix="block_sparse_moe",
+            **common,
+        )
     if model_type == "olmoe":
         clip = raw.get("clip_qkv")
-        return ModelConfig(model_type=model_type, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                           qkv_bias=bool(raw.get("attention_bias", False)), qk_norm="full",
-                           clip_qkv=None if clip is None else _positive_float(clip, "clip_qkv"), **common)
+        return ModelConfig(
+            model_type=model_type,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            qkv_bias=bool(raw.get("attention_bias", False)),
+            qk_norm="full",
+            clip_qkv=None if clip is None else _positive_float(clip, "clip_qkv"),
+            **common,
+        )
     # qwen2_moe / qwen3_moe: dense layers by mlp_only_layers and decoder_sparse_step
     step = _int(raw, "decoder_sparse_step", default=1)
     dense = raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(is_int(i) for i in dense):
         raise ConfigError(f"config.json field 'mlp_only_layers' must be a list of layer indices, got {dense!r}")
     sparse = tuple((i not in dense) and (i + 1) % step == 0 for i in range(layers))
-    common.update(sparse_layers=sparse, moe_intermediate_size=_int(raw, "moe_intermediate_size"),
-                  intermediate_size=_int(raw, "intermediate_size", default=0, minimum=0 if all(sparse) else 1))
+    common.update(
+        sparse_layers=sparse,
+        moe_intermediate_size=_int(raw, "moe_intermediate_size"),
+        intermediate_size=_int(raw, "intermediate_size", default=0, minimum=0 if all(sparse) else 1),
+    )
     if model_type == "qwen2_moe":
-        return ModelConfig(model_type=model_type, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                           qkv_bias=bool(raw.get("qkv_bias", True)),
-                           shared_expert_intermediate_size=_int(raw, "shared_expert_intermediate_size",
-                                                                default=0, minimum=0),
-                           **common)
-    return ModelConfig(model_type=model_type, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                       qkv_bias=bool(raw.get("attention_bias", False)), qk_norm="head", **common)
+        return ModelConfig(
+            model_type=model_type,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            qkv_bias=bool(raw.get("qkv_bias", True)),
+            shared_expert_intermediate_size=_int(raw, "shared_expert_intermediate_size", default=0, minimum=0),
+            **common,
+        )
+    return ModelConfig(
+        model_type=model_type,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        qk_norm="head",
+        **common,
+    )
 
 
 def _read_json(path: str):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except ValueError as e:         # JSONDecodeError, UnicodeDecodeError
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
 
 

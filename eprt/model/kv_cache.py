@@ -3,6 +3,7 @@
 Block ids come from ``eprt.cache.block_manager.BlockManager``; this class only holds
 the arrays and turns (block table, positions) into flat slots.
 """
+
 from __future__ import annotations
 
 import numpy as np

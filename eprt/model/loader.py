@@ -1,8 +1,9 @@
 """Open a checkpoint directory (or the built-in default model) as a ready ``MoEModel``."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from eprt.model.config import ModelConfig, load_config
 from eprt.model.moe_model import MoEModel
@@ -16,7 +17,7 @@ class LoadedModel:
     name: str
     config: ModelConfig
     model: MoEModel
-    tokenizer: object            # eprt.model.tokenizer.Tokenizer or None
+    tokenizer: object  # eprt.model.tokenizer.Tokenizer or None
     tensors_read: int = 0
     bytes_read: int = 0
 
@@ -24,18 +25,21 @@ class LoadedModel:
 def expert_shard(num_experts: int, rank: int, world: int) -> tuple[int, int]:
     """Contiguous expert range of ``rank``: the first ``E % world`` ranks get one extra."""
     if world > num_experts:
-        raise ValueError(f"{world} ranks but the model has only {num_experts} experts: "
-                         f"run with at most {num_experts} ranks")
+        raise ValueError(
+            f"{world} ranks but the model has only {num_experts} experts: run with at most {num_experts} ranks"
+        )
     base, extra = divmod(num_experts, world)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
 
 
-def load_model(model_dir: Optional[str], ops, max_len: int, rank: int = 0, world: int = 1,
-               combine: Callable = lambda p: p) -> LoadedModel:
+def load_model(
+    model_dir: str | None, ops, max_len: int, rank: int = 0, world: int = 1, combine: Callable = lambda p: p
+) -> LoadedModel:
     """Load config, tokenizer and this rank's weights. ``model_dir=None`` is the default model."""
     if model_dir is None:
         from eprt.model.default import default_checkpoint
+
         cfg, source, tokenizer, name = default_checkpoint()
     else:
         cfg = load_config(model_dir)
@@ -46,8 +50,9 @@ def load_model(model_dir: Optional[str], ops, max_len: int, rank: int = 0, world
     weights = load_weights(source, cfg, ops, start, end)
     max_len = min(max_len, cfg.max_position_embeddings)
     model = MoEModel(cfg, weights, ops, max_len=max_len, combine=combine)
-    loaded = LoadedModel(name, cfg, model, tokenizer, getattr(source, "tensors_read", 0),
-                         getattr(source, "bytes_read", 0))
+    loaded = LoadedModel(
+        name, cfg, model, tokenizer, getattr(source, "tensors_read", 0), getattr(source, "bytes_read", 0)
+    )
     if hasattr(source, "close") and ops.name != "cpu":
         source.close()  # device copies made; the CPU backend may still view the mapped file
     return loaded

@@ -6,6 +6,7 @@ tensors are read, so a rank that owns a few experts touches only their bytes.
 bfloat16 tensors come back as ``uint16`` raw bits (NumPy has no bfloat16); use
 ``to_float32`` to widen them.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,18 @@ import numpy as np
 from eprt.api import is_int
 from eprt.ops.bf16 import bf16_bits_to_f32
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "F64": np.float64,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
 
 class CheckpointError(ValueError):
@@ -30,9 +41,9 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True)
 class TensorInfo:
     file: str
-    dtype: str            # safetensors dtype name, e.g. "BF16"
+    dtype: str  # safetensors dtype name, e.g. "BF16"
     shape: tuple
-    start: int            # byte offsets into the file's data section
+    start: int  # byte offsets into the file's data section
     end: int
 
 
@@ -54,7 +65,7 @@ class SafetensorsCheckpoint:
             try:
                 with open(index, encoding="utf-8") as f:
                     weight_map = json.load(f)
-            except ValueError as e:     # JSONDecodeError, UnicodeDecodeError
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
                 raise CheckpointError(f"{index} is not valid JSON: {e}") from None
             weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -78,8 +89,9 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"{path!r} is not a safetensors file (too short)")
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
-                raise CheckpointError(f"{path!r} is truncated or corrupt: its header length {n} "
-                                      f"exceeds the file size {size}")
+                raise CheckpointError(
+                    f"{path!r} is truncated or corrupt: its header length {n} exceeds the file size {size}"
+                )
             try:
                 header = json.loads(f.read(n))
             except ValueError as e:
@@ -127,6 +139,7 @@ class SafetensorsCheckpoint:
 
 def _tensor_info(path: str, name: str, meta, data_start: int, data_size: int) -> TensorInfo:
     """One header entry, checked: known dtype, integer shape, offsets inside the file's data section."""
+
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"tensor {name!r} in {path!r} {why}")
 
@@ -141,8 +154,10 @@ def _tensor_info(path: str, name: str, meta, data_start: int, data_size: int) ->
         raise bad(f"has invalid data_offsets {offsets!r}")
     start, end = offsets
     if not start <= end <= data_size:
-        raise bad(f"lies outside the file (data_offsets [{start}, {end}], data section of {data_size} bytes): "
-                  f"the file is truncated or corrupt")
+        raise bad(
+            f"lies outside the file (data_offsets [{start}, {end}], data section of {data_size} bytes): "
+            f"the file is truncated or corrupt"
+        )
     return TensorInfo(path, dtype, tuple(shape), data_start + start, data_start + end)
 
 

@@ -5,14 +5,14 @@ Both expose ``encode(text) -> ids``, ``decode(ids) -> text``, ``eos_token_ids`` 
 transformers does (docs/tokenizer.md): special tokens by the tokenizer's own post-processor,
 none added to a rendered chat, templates in transformers' Jinja environment.
 """
+
 from __future__ import annotations
 
 import json
 import os
 from datetime import datetime
-from typing import Optional
 
-CHAT_TEMPLATE_FILE = "chat_template.jinja"      # where transformers >= 4.53 / 5.x saves the template
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.53 / 5.x saves the template
 
 
 class TokenizerFileError(ValueError):
@@ -48,6 +48,7 @@ def compile_chat_template(source: str):
 
     class GenerationBlock(Extension):
         """``{% generation %}...{% endgeneration %}`` (assistant-mask markers) render their body."""
+
         tags = {"generation"}
 
         def parse(self, parser):
@@ -72,16 +73,24 @@ def compile_chat_template(source: str):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"chat template: namespace attribute {name!r} is not allowed")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=TemplateNamespace)
     return env.from_string(source)
 
 
 class Tokenizer:
-    def __init__(self, tok, eos_token_ids, chat_template: Optional[str] = None, bos_token: str = "",
-                 eos_token: str = "", special_tokens: Optional[dict] = None):
+    def __init__(
+        self,
+        tok,
+        eos_token_ids,
+        chat_template: str | None = None,
+        bos_token: str = "",
+        eos_token: str = "",
+        special_tokens: dict | None = None,
+    ):
         self._tok = tok
         self.eos_token_ids = list(eos_token_ids)
         self.chat_template = chat_template
@@ -91,22 +100,25 @@ class Tokenizer:
         self._bos_id = tok.token_to_id(bos_token) if tok is not None and bos_token else None
         self._compiled = None
 
-    def encode(self, text: str, add_special_tokens: Optional[bool] = None) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of ``text``. By default special tokens are added as the tokenizer's own
         post-processor says (a Llama/Mixtral tokenizer prepends BOS), except to a ``ChatPrompt``,
         which carries its own; a text that already starts with BOS gets no second one."""
         add = not isinstance(text, ChatPrompt) if add_special_tokens is None else add_special_tokens
         ids = list(self._tok.encode(str(text), add_special_tokens=add).ids)
-        if add and self._bos_id is not None and ids[:2] == [self._bos_id, self._bos_id] \
-                and text.startswith(self.bos_token):
-            del ids[0]                  # the text's own BOS: BOS exactly once
+        if (
+            add
+            and self._bos_id is not None
+            and ids[:2] == [self._bos_id, self._bos_id]
+            and text.startswith(self.bos_token)
+        ):
+            del ids[0]  # the text's own BOS: BOS exactly once
         return ids
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False):
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False):
         """The checkpoint's template rendered in a sandbox (templates are data from the checkpoint),
         as a ``ChatPrompt`` (or its ids with ``tokenize=True``); a template's own
         ``raise_exception(msg)`` becomes ValueError(msg)."""
@@ -114,14 +126,22 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template")
         if self._compiled is None:
             self._compiled = compile_chat_template(self.chat_template)
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]   # as transformers drops None
-        text = ChatPrompt(self._compiled.render(**self.special_tokens, messages=messages, tools=None,
-                                                documents=None, add_generation_prompt=add_generation_prompt))
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers drops None
+        text = ChatPrompt(
+            self._compiled.render(
+                **self.special_tokens,
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+            )
+        )
         return self.encode(text) if tokenize else text
 
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255 plus <bos>=256, <eos>=257 (the default model's tokenizer)."""
+
     BOS, EOS = 256, 257
     vocab_size = 258
 
@@ -129,15 +149,14 @@ class ByteTokenizer:
         self.eos_token_ids = [self.EOS]
         self.chat_template = None
 
-    def encode(self, text: str, add_special_tokens: Optional[bool] = None) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """The text's bytes; the default model was built without BOS, so none is ever added."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False):
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False):
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
         text += "<|assistant|>\n" if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
@@ -151,35 +170,36 @@ def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-    except ValueError as e:         # JSONDecodeError, UnicodeDecodeError
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise TokenizerFileError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise TokenizerFileError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
 
 
-def _config_template(value, path: str) -> Optional[str]:
+def _config_template(value, path: str) -> str | None:
     """``chat_template`` of tokenizer_config.json: a string, or a list of {name, template} (the "default" one)."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
         named = {t.get("name"): t["template"] for t in value}
         return named.get("default")
-    raise TokenizerFileError(f"{path} field 'chat_template' must be a string or a list of "
-                             f"{{name, template}} objects, got {type(value).__name__}")
+    raise TokenizerFileError(
+        f"{path} field 'chat_template' must be a string or a list of "
+        f"{{name, template}} objects, got {type(value).__name__}"
+    )
 
 
-def load_chat_template(model_dir: str, tokenizer_config: dict) -> Optional[str]:
+def load_chat_template(model_dir: str, tokenizer_config: dict) -> str | None:
     """``chat_template.jinja`` (transformers 5.x) first, as transformers reads it, else tokenizer_config.json's."""
     path = os.path.join(model_dir, CHAT_TEMPLATE_FILE)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             return f.read()
-    return _config_template(tokenizer_config.get("chat_template"),
-                            os.path.join(model_dir, "tokenizer_config.json"))
+    return _config_template(tokenizer_config.get("chat_template"), os.path.join(model_dir, "tokenizer_config.json"))
 
 
-def load_tokenizer(model_dir: str, cfg) -> Optional[Tokenizer]:
+def load_tokenizer(model_dir: str, cfg) -> Tokenizer | None:
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         return None
@@ -188,8 +208,11 @@ def load_tokenizer(model_dir: str, cfg) -> Optional[Tokenizer]:
     tok = HFTokenizer.from_file(path)
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
     tc = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
-    special = {k: _token_text(v) for k, v in tc.items()
-               if k.endswith("_token") and (isinstance(v, str) or isinstance(v, dict) and "content" in v)}
+    special = {
+        k: _token_text(v)
+        for k, v in tc.items()
+        if k.endswith("_token") and (isinstance(v, str) or isinstance(v, dict) and "content" in v)
+    }
     bos, eos = special.get("bos_token", ""), special.get("eos_token", "")
     eos_ids = list(cfg.eos_token_ids)
     if eos and tok.token_to_id(eos) is not None and tok.token_to_id(eos) not in eos_ids:

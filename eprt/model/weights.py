@@ -7,10 +7,11 @@ bytes. Checkpoints saved with fused expert tensors (``experts.gate_up_proj``
 ``[E, 2I, D]`` and ``experts.down_proj`` ``[E, D, I]``) are read too. Every tensor's
 shape is checked against the config and its values scanned for NaN/Inf as it is read.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -37,21 +38,21 @@ class LayerWeights:
     v_bias: object = None
     q_norm: object = None
     k_norm: object = None
-    router: object = None          # [E, D]
-    w_gate_up: object = None       # [El, 2I, D]
-    w_down: object = None          # [El, D, I]
+    router: object = None  # [E, D]
+    w_gate_up: object = None  # [El, 2I, D]
+    w_down: object = None  # [El, D, I]
     shared_gate_up: object = None  # [2Is, D]
-    shared_down: object = None     # [D, Is]
-    shared_gate: object = None     # [1, D]
-    mlp_gate_up: object = None     # dense layer [2I, D]
-    mlp_down: object = None        # dense layer [D, I]
+    shared_down: object = None  # [D, Is]
+    shared_gate: object = None  # [1, D]
+    mlp_gate_up: object = None  # dense layer [2I, D]
+    mlp_down: object = None  # dense layer [D, I]
 
 
 @dataclass
 class ModelWeights:
-    embed: object                  # [V, D]
-    norm: object                   # [D]
-    lm_head: object                # [V, D]
+    embed: object  # [V, D]
+    norm: object  # [D]
+    lm_head: object  # [V, D]
     layers: list = field(default_factory=list)
     expert_start: int = 0
     expert_end: int = 0
@@ -60,6 +61,7 @@ class ModelWeights:
 @dataclass(frozen=True)
 class Dim:
     """One expected tensor dimension and the config field(s) it comes from."""
+
     size: int
     field: str
 
@@ -75,8 +77,9 @@ def _dims(cfg: ModelConfig) -> dict:
         "KV": Dim(cfg.num_kv_heads * cfg.head_dim, "num_key_value_heads*head_dim"),
         "E": Dim(cfg.num_experts, "num_local_experts" if cfg.model_type == "mixtral" else "num_experts"),
         "I": Dim(cfg.moe_intermediate_size, "intermediate_size" if mixtral_like else "moe_intermediate_size"),
-        "2I": Dim(2 * cfg.moe_intermediate_size, "2*" + ("intermediate_size" if mixtral_like
-                                                          else "moe_intermediate_size")),
+        "2I": Dim(
+            2 * cfg.moe_intermediate_size, "2*" + ("intermediate_size" if mixtral_like else "moe_intermediate_size")
+        ),
         "Id": Dim(cfg.intermediate_size, "intermediate_size"),
         "Is": Dim(cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size"),
         "1": Dim(1, "1"),
@@ -88,11 +91,13 @@ def _check_shape(name: str, a: np.ndarray, expected: tuple) -> None:
     want = tuple(d.size for d in expected)
     if tuple(a.shape) != want:
         fields = ", ".join(f"{d.field}={d.size}" for d in expected if d.field != "1")
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)} but the config implies {want} "
-                              f"({fields}): config.json does not describe these weights")
+        raise CheckpointError(
+            f"tensor {name!r} has shape {tuple(a.shape)} but the config implies {want} "
+            f"({fields}): config.json does not describe these weights"
+        )
 
 
-_SCAN_CHUNK = 1 << 22           # elements per step of the bf16 scan (bounds its temporary memory)
+_SCAN_CHUNK = 1 << 22  # elements per step of the bf16 scan (bounds its temporary memory)
 
 
 def _count_nonfinite(a: np.ndarray) -> int:
@@ -100,10 +105,12 @@ def _count_nonfinite(a: np.ndarray) -> int:
     on the common (all finite) path: NaN propagates through min/max and Inf shows in them."""
     if a.size == 0:
         return 0
-    if a.dtype == np.uint16:    # bf16: exponent bits all ones is Inf or NaN
+    if a.dtype == np.uint16:  # bf16: exponent bits all ones is Inf or NaN
         flat = a.reshape(-1)
-        return sum(int(np.count_nonzero((flat[s:s + _SCAN_CHUNK] & 0x7F80) == 0x7F80))
-                   for s in range(0, flat.size, _SCAN_CHUNK))
+        return sum(
+            int(np.count_nonzero((flat[s : s + _SCAN_CHUNK] & 0x7F80) == 0x7F80))
+            for s in range(0, flat.size, _SCAN_CHUNK)
+        )
     if a.dtype.kind != "f" or (np.isfinite(a.min()) and np.isfinite(a.max())):
         return 0
     return int(a.size - np.count_nonzero(np.isfinite(a)))
@@ -112,8 +119,10 @@ def _count_nonfinite(a: np.ndarray) -> int:
 def _check_finite(name: str, a: np.ndarray) -> None:
     bad = _count_nonfinite(a)
     if bad:
-        raise CheckpointError(f"tensor {name!r} holds {bad} NaN/Inf value(s) of {a.size}: "
-                              f"the checkpoint is corrupt or was saved after a diverged update")
+        raise CheckpointError(
+            f"tensor {name!r} holds {bad} NaN/Inf value(s) of {a.size}: "
+            f"the checkpoint is corrupt or was saved after a diverged update"
+        )
 
 
 def _read(src: TensorSource, name: str, expected: tuple) -> np.ndarray:
@@ -154,22 +163,25 @@ def _experts(src: TensorSource, cfg: ModelConfig, prefix: str, start: int, end: 
     gate_up, down = [], []
     for e in range(start, end):
         base = f"{prefix}.experts.{e}"
-        g, u, d = _same_dtype(_host(src, f"{base}.{g_name}.weight", (n["I"], n["D"])),
-                              _host(src, f"{base}.{u_name}.weight", (n["I"], n["D"])),
-                              _host(src, f"{base}.{d_name}.weight", (n["D"], n["I"])))
+        g, u, d = _same_dtype(
+            _host(src, f"{base}.{g_name}.weight", (n["I"], n["D"])),
+            _host(src, f"{base}.{u_name}.weight", (n["I"], n["D"])),
+            _host(src, f"{base}.{d_name}.weight", (n["D"], n["I"])),
+        )
         gate_up.append(np.concatenate([g, u], axis=0))
         down.append(d)
     return np.stack(_same_dtype(*gate_up)), np.stack(_same_dtype(*down))
 
 
-def load_weights(src: TensorSource, cfg: ModelConfig, ops, expert_start: int = 0,
-                 expert_end: Optional[int] = None) -> ModelWeights:
+def load_weights(
+    src: TensorSource, cfg: ModelConfig, ops, expert_start: int = 0, expert_end: int | None = None
+) -> ModelWeights:
     """Read every replicated tensor and the experts in [expert_start, expert_end) into ``ops`` arrays."""
     expert_end = cfg.num_experts if expert_end is None else expert_end
     if not 0 <= expert_start <= expert_end <= cfg.num_experts:
         raise ValueError(f"expert range [{expert_start}, {expert_end}) outside [0, {cfg.num_experts})")
     n = _dims(cfg)
-    W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))   # noqa: E731
+    W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))  # noqa: E731
     embed = W("model.embed_tokens.weight", "V", "D")
     if cfg.tie_word_embeddings or "lm_head.weight" not in src:
         if not cfg.tie_word_embeddings:
@@ -177,19 +189,27 @@ def load_weights(src: TensorSource, cfg: ModelConfig, ops, expert_start: int = 0
         lm_head = embed
     else:
         lm_head = W("lm_head.weight", "V", "D")
-    weights = ModelWeights(embed=embed, norm=W("model.norm.weight", "D"), lm_head=lm_head,
-                           expert_start=expert_start, expert_end=expert_end)
+    weights = ModelWeights(
+        embed=embed, norm=W("model.norm.weight", "D"), lm_head=lm_head, expert_start=expert_start, expert_end=expert_end
+    )
     norm_dims = ("Dh", "Dh") if cfg.qk_norm == "head" else ("Q", "KV")
     for i, sparse in enumerate(cfg.sparse_layers):
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
-        lw = LayerWeights(input_norm=W(f"{p}.input_layernorm.weight", "D"),
-                          post_norm=W(f"{p}.post_attention_layernorm.weight", "D"),
-                          q=W(f"{a}.q_proj.weight", "Q", "D"), k=W(f"{a}.k_proj.weight", "KV", "D"),
-                          v=W(f"{a}.v_proj.weight", "KV", "D"), o=W(f"{a}.o_proj.weight", "D", "Q"))
+        lw = LayerWeights(
+            input_norm=W(f"{p}.input_layernorm.weight", "D"),
+            post_norm=W(f"{p}.post_attention_layernorm.weight", "D"),
+            q=W(f"{a}.q_proj.weight", "Q", "D"),
+            k=W(f"{a}.k_proj.weight", "KV", "D"),
+            v=W(f"{a}.v_proj.weight", "KV", "D"),
+            o=W(f"{a}.o_proj.weight", "D", "Q"),
+        )
         if cfg.qkv_bias:
-            lw.q_bias, lw.k_bias, lw.v_bias = (W(f"{a}.q_proj.bias", "Q"), W(f"{a}.k_proj.bias", "KV"),
-                                               W(f"{a}.v_proj.bias", "KV"))
+            lw.q_bias, lw.k_bias, lw.v_bias = (
+                W(f"{a}.q_proj.bias", "Q"),
+                W(f"{a}.k_proj.bias", "KV"),
+                W(f"{a}.v_proj.bias", "KV"),
+            )
         if cfg.qk_norm:
             lw.q_norm, lw.k_norm = W(f"{a}.q_norm.weight", norm_dims[0]), W(f"{a}.k_norm.weight", norm_dims[1])
         m = f"{p}.{cfg.moe_prefix}"
@@ -199,14 +219,18 @@ def load_weights(src: TensorSource, cfg: ModelConfig, ops, expert_start: int = 0
             lw.w_gate_up, lw.w_down = ops.weight(gate_up), ops.weight(down)
             if cfg.has_shared_expert:
                 s = f"{m}.shared_expert"
-                g, u = _same_dtype(_host(src, f"{s}.gate_proj.weight", (n["Is"], n["D"])),
-                                   _host(src, f"{s}.up_proj.weight", (n["Is"], n["D"])))
+                g, u = _same_dtype(
+                    _host(src, f"{s}.gate_proj.weight", (n["Is"], n["D"])),
+                    _host(src, f"{s}.up_proj.weight", (n["Is"], n["D"])),
+                )
                 lw.shared_gate_up = ops.weight(np.concatenate([g, u], axis=0))
                 lw.shared_down = W(f"{s}.down_proj.weight", "D", "Is")
                 lw.shared_gate = W(f"{m}.shared_expert_gate.weight", "1", "D")
         else:
-            g, u = _same_dtype(_host(src, f"{m}.gate_proj.weight", (n["Id"], n["D"])),
-                               _host(src, f"{m}.up_proj.weight", (n["Id"], n["D"])))
+            g, u = _same_dtype(
+                _host(src, f"{m}.gate_proj.weight", (n["Id"], n["D"])),
+                _host(src, f"{m}.up_proj.weight", (n["Id"], n["D"])),
+            )
             lw.mlp_gate_up = ops.weight(np.concatenate([g, u], axis=0))
             lw.mlp_down = W(f"{m}.down_proj.weight", "D", "Id")
         weights.layers.append(lw)

@@ -24,6 +24,7 @@ Conventions:
     * Index arrays are int32. Float activations are the backend's ``act_dtype``
       (float32 on the CPU; bfloat16 storage with float32 accumulation on the GPU).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -92,15 +93,17 @@ class Ops:
         slot marks a padding row that is not written."""
         raise NotImplementedError
 
-    def attention_prefill(self, q: Array, k_cache: Array, v_cache: Array, block_table: Array,
-                          start_pos: int, scale: float) -> Array:
+    def attention_prefill(
+        self, q: Array, k_cache: Array, v_cache: Array, block_table: Array, start_pos: int, scale: float
+    ) -> Array:
         """One sequence, causal. q[T, H, Dh] are positions start_pos .. start_pos+T-1;
         query t attends to cache positions [0, start_pos + t] (already written).
         block_table[MB]. Returns [T, H, Dh]."""
         raise NotImplementedError
 
-    def attention_decode(self, q: Array, k_cache: Array, v_cache: Array, block_tables: Array,
-                         context_lens: Array, scale: float) -> Array:
+    def attention_decode(
+        self, q: Array, k_cache: Array, v_cache: Array, block_tables: Array, context_lens: Array, scale: float
+    ) -> Array:
         """Batched decode, one query per sequence. q[B, H, Dh], block_tables[B, MB],
         context_lens[B] >= 1 (the new token's KV already written, so it is included).
         Returns [B, H, Dh]."""
@@ -124,8 +127,9 @@ class Ops:
         """out[T, D] (float32) + sigmoid(gate[T, 1]) * s[T, D]: Qwen2-MoE's gated shared expert."""
         raise NotImplementedError
 
-    def moe_experts(self, x: Array, weights: Array, ids: Array, w_gate_up: Array, w_down: Array,
-                    expert_start: int) -> Array:
+    def moe_experts(
+        self, x: Array, weights: Array, ids: Array, w_gate_up: Array, w_down: Array, expert_start: int
+    ) -> Array:
         """This rank's share of a MoE layer. x[T, D], weights/ids[T, k], w_gate_up[El, 2I, D],
         w_down[El, D, I]. Local expert e is global expert expert_start + e. Returns [T, D]
         (float32 accumulation): sum over (t, j) with ids[t, j] local of

@@ -1,4 +1,5 @@
 """bfloat16 as raw bits: NumPy and CuPy have no bfloat16 dtype, so eprt stores it as uint16."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -5,6 +5,7 @@ Shape legend in ``base.py``. Activations, KV and weights are ``uint16`` raw bflo
 output float32, indices int32. Every launch checks its arguments' types, dtypes and shapes,
 not index contents (docs/gpu.md).
 """
+
 from __future__ import annotations
 
 import cupy
@@ -25,15 +26,15 @@ _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 _DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32"}
 
-_SMEM_DEFAULT = 48 * 1024           # dynamic shared memory usable without opting in
-_ATTN_THREADS = _ATTN_CHUNK = 128   # paged_attention.cu: ATTN_THREADS, ATTN_CHUNK
-_ATTN_GROUP_CAPS = (4, 8, 16)       # attention_*_g{cap} entry points
-_ATTN_MAX_SPLITS = 256              # paged_attention.cu: ATTN_MAX_SPLITS
+_SMEM_DEFAULT = 48 * 1024  # dynamic shared memory usable without opting in
+_ATTN_THREADS = _ATTN_CHUNK = 128  # paged_attention.cu: ATTN_THREADS, ATTN_CHUNK
+_ATTN_GROUP_CAPS = (4, 8, 16)  # attention_*_g{cap} entry points
+_ATTN_MAX_SPLITS = 256  # paged_attention.cu: ATTN_MAX_SPLITS
 DECODE_SPLITS = ("auto", "on", "off")
-_ROUTER_WARPS = 4                   # router.cu: ROUTER_WARPS
-_GG_WARPS = 4                       # moe_grouped_gemm.cu: GG_WARPS
+_ROUTER_WARPS = 4  # router.cu: ROUTER_WARPS
+_GG_WARPS = 4  # moe_grouped_gemm.cu: GG_WARPS
 MOE_IMPLS = ("auto", "grouped", "gathered")
-GATHERED_MIN_TOKENS = 256           # "auto": tokens per call from which cuBLAS per expert wins
+GATHERED_MIN_TOKENS = 256  # "auto": tokens per call from which cuBLAS per expert wins
 
 
 def _check(op: str, name: str, a, dtypes, shape: tuple | None = None, aligned: bool = False):
@@ -44,8 +45,7 @@ def _check(op: str, name: str, a, dtypes, shape: tuple | None = None, aligned: b
     if a.dtype not in dtypes:
         want = " or ".join(_DTYPE_NAMES[d] for d in dtypes)
         raise TypeError(f"{op}: {name} must be {want}, got {a.dtype}")
-    if shape is not None and (a.ndim != len(shape)
-                              or any(s is not None and s != n for s, n in zip(shape, a.shape))):
+    if shape is not None and (a.ndim != len(shape) or any(s is not None and s != n for s, n in zip(shape, a.shape))):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{op}: {name} has shape {list(a.shape)}, expected {want}")
     if not a.flags.c_contiguous:
@@ -66,7 +66,7 @@ def _threads(n: int, cap: int = 1024) -> int:
 
 def _launch(file: str, name: str, grid: tuple, block: int, args: tuple, smem: int = 0) -> None:
     kernel = get_kernel(file, name)
-    if smem > _SMEM_DEFAULT:   # opt in to the larger carve-out (sm_80+); callers check the limit
+    if smem > _SMEM_DEFAULT:  # opt in to the larger carve-out (sm_80+); callers check the limit
         kernel.max_dynamic_shared_size_bytes = smem
     kernel(grid, (block,), args, shared_mem=smem)
 
@@ -76,17 +76,34 @@ def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, b
     c bf16 or fp32. cuBLAS is column-major, so it computes c.T = op_T(b) @ a.T."""
     from cupy_backends.cuda.libs import cublas
 
-    alpha, beta_ = np.array(1.0, np.float32), np.array(beta, np.float32)   # host scalars
-    cublas.gemmEx(cupy.cuda.device.get_cublas_handle(), _OP_T, _OP_N, n, m, k,
-                  alpha.ctypes.data, b_ptr, _R_16BF, k, a_ptr, _R_16BF, k,
-                  beta_.ctypes.data, c_ptr, _R_32F if c_dtype == _F32 else _R_16BF, n,
-                  _COMPUTE_32F, _GEMM_DEFAULT)
+    alpha, beta_ = np.array(1.0, np.float32), np.array(beta, np.float32)  # host scalars
+    cublas.gemmEx(
+        cupy.cuda.device.get_cublas_handle(),
+        _OP_T,
+        _OP_N,
+        n,
+        m,
+        k,
+        alpha.ctypes.data,
+        b_ptr,
+        _R_16BF,
+        k,
+        a_ptr,
+        _R_16BF,
+        k,
+        beta_.ctypes.data,
+        c_ptr,
+        _R_32F if c_dtype == _F32 else _R_16BF,
+        n,
+        _COMPUTE_32F,
+        _GEMM_DEFAULT,
+    )
 
 
 class CupyOps(Ops):
     name = "cuda"
-    act_dtype = np.uint16   # bfloat16 bits
-    kv_itemsize = 2         # bytes per KV cache element (bf16)
+    act_dtype = np.uint16  # bfloat16 bits
+    kv_itemsize = 2  # bytes per KV cache element (bf16)
 
     def __init__(self, moe_impl: str = "auto", decode_split: str = "auto", split_keys: int = 512):
         """``moe_impl``: expert GEMMs (see ``moe_experts``). ``decode_split``: split each decode
@@ -149,7 +166,7 @@ class CupyOps(Ops):
     def embedding(self, table, ids):
         _check("embedding", "table", table, _BF16, (None, None))
         _check("embedding", "ids", ids, _I32, (None,))
-        return cupy.take(table, ids, axis=0)                         # [T, D]
+        return cupy.take(table, ids, axis=0)  # [T, D]
 
     def rms_norm(self, x, weight, eps):
         _check("rms_norm", "x", x, _BF16)
@@ -158,8 +175,13 @@ class CupyOps(Ops):
         _check("rms_norm", "weight", weight, _BF16, (D,))
         out = cupy.empty_like(x)
         if x.size:
-            _launch("rms_norm.cu", "rms_norm", (x.size // D,), _threads(D // 4, 512),
-                    (x, weight, out, np.int32(D), np.float32(eps)))
+            _launch(
+                "rms_norm.cu",
+                "rms_norm",
+                (x.size // D,),
+                _threads(D // 4, 512),
+                (x, weight, out, np.int32(D), np.float32(eps)),
+            )
         return out
 
     def add_rms_norm(self, x, residual, weight, eps):
@@ -170,21 +192,25 @@ class CupyOps(Ops):
         out, s = cupy.empty_like(residual), cupy.empty_like(residual)
         if T:
             kernel = "add_rms_norm_f32" if x.dtype == _F32 else "add_rms_norm_bf16"
-            _launch("rms_norm.cu", kernel, (T,), _threads(D // 4, 512),
-                    (x, residual, weight, out, s, np.int32(D), np.float32(eps)))
+            _launch(
+                "rms_norm.cu",
+                kernel,
+                (T,),
+                _threads(D // 4, 512),
+                (x, residual, weight, out, s, np.int32(D), np.float32(eps)),
+            )
         return out, s
 
     def linear(self, x, w, bias=None):
         _check("linear", "w", w, _BF16, (None, None))
         N, K = w.shape
         _check("linear", "x", x, _BF16, (None, K))
-        out = cupy.empty((x.shape[0], N), dtype=_BF16)                # [T, N]
+        out = cupy.empty((x.shape[0], N), dtype=_BF16)  # [T, N]
         if bias is not None:
             _check("linear", "bias", bias, _BF16, (N,))
-            out[...] = bias                                           # accumulated with beta = 1
+            out[...] = bias  # accumulated with beta = 1
         if x.shape[0] and N:
-            _gemm(x.shape[0], N, K, x.data.ptr, w.data.ptr, out.data.ptr, _BF16,
-                  beta=0.0 if bias is None else 1.0)
+            _gemm(x.shape[0], N, K, x.data.ptr, w.data.ptr, out.data.ptr, _BF16, beta=0.0 if bias is None else 1.0)
         return out
 
     def rope(self, x, positions, cos_sin):
@@ -196,8 +222,13 @@ class CupyOps(Ops):
         out = cupy.empty_like(x)
         if T:
             kernel = "rope_cs_f32" if cos_sin.dtype == _F32 else "rope_cs_bf16"
-            _launch("rope.cu", kernel, (T,), _threads(H * Dh // 2, 256),
-                    (x, positions, cos_sin, out, np.int32(H), np.int32(Dh)))
+            _launch(
+                "rope.cu",
+                kernel,
+                (T,),
+                _threads(H * Dh // 2, 256),
+                (x, positions, cos_sin, out, np.int32(H), np.int32(Dh)),
+            )
         return out
 
     # ---- paged KV and attention ------------------------------------------------------
@@ -211,8 +242,13 @@ class CupyOps(Ops):
         _check("kv_write", "slot_mapping", slot_mapping, _I32, (T,))
         _require("kv_write", (Hk * Dh) % 8 == 0, f"Hk*Dh must be a multiple of 8, got {Hk}*{Dh}")
         if T:
-            _launch("kv_write.cu", "kv_write", (T,), _threads(Hk * Dh // 8, 256),
-                    (k_cache, v_cache, k, v, slot_mapping, np.int32(Hk * Dh)))
+            _launch(
+                "kv_write.cu",
+                "kv_write",
+                (T,),
+                _threads(Hk * Dh // 8, 256),
+                (k_cache, v_cache, k, v, slot_mapping, np.int32(Hk * Dh)),
+            )
 
     def _attention_args(self, op, q, k_cache, v_cache):
         """Shared checks; returns (H, Hk, Dh, BS, cap, shared-memory bytes)."""
@@ -235,21 +271,41 @@ class CupyOps(Ops):
         H, Hk, Dh, BS, cap, smem = self._attention_args("attention_prefill", q, k_cache, v_cache)
         T = q.shape[0]
         _check("attention_prefill", "block_table", block_table, _I32, (None,))
-        _require("attention_prefill", start_pos >= 0 and block_table.shape[0] * BS >= start_pos + T,
-                 f"block table of {block_table.shape[0]} blocks of {BS} cannot hold positions "
-                 f"[0, {start_pos + T}) (start_pos={start_pos})")
+        _require(
+            "attention_prefill",
+            start_pos >= 0 and block_table.shape[0] * BS >= start_pos + T,
+            f"block table of {block_table.shape[0]} blocks of {BS} cannot hold positions "
+            f"[0, {start_pos + T}) (start_pos={start_pos})",
+        )
         if T and self._decode_partitions(T * Hk, start_pos + T)[0] > 1:
             # few rows over a long context (a new turn after a cached prefix): row t is a
             # decode query over start_pos + t + 1 keys, and the split path fills the GPU
             MB = block_table.shape[0]
-            tables = cupy.ascontiguousarray(cupy.broadcast_to(block_table, (T, MB)))      # [T, MB]
-            lens = cupy.arange(start_pos + 1, start_pos + T + 1, dtype=_I32)            # [T]
+            tables = cupy.ascontiguousarray(cupy.broadcast_to(block_table, (T, MB)))  # [T, MB]
+            lens = cupy.arange(start_pos + 1, start_pos + T + 1, dtype=_I32)  # [T]
             return self.attention_decode(q, k_cache, v_cache, tables, lens, scale)
         out = cupy.empty_like(q)
         if T:
-            _launch("paged_attention.cu", f"attention_prefill_g{cap}", (T, Hk), _ATTN_THREADS,
-                    (q, k_cache, v_cache, block_table, np.int32(start_pos), out, np.int32(H),
-                     np.int32(Hk), np.int32(Dh), np.int32(BS), np.float32(scale)), smem)
+            _launch(
+                "paged_attention.cu",
+                f"attention_prefill_g{cap}",
+                (T, Hk),
+                _ATTN_THREADS,
+                (
+                    q,
+                    k_cache,
+                    v_cache,
+                    block_table,
+                    np.int32(start_pos),
+                    out,
+                    np.int32(H),
+                    np.int32(Hk),
+                    np.int32(Dh),
+                    np.int32(BS),
+                    np.float32(scale),
+                ),
+                smem,
+            )
         return out
 
     def attention_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -263,18 +319,60 @@ class CupyOps(Ops):
         MB = block_tables.shape[1]
         splits, split_keys = self._decode_partitions(B * Hk, MB * BS)
         if splits == 1:
-            _launch("paged_attention.cu", f"attention_decode_g{cap}", (B, Hk), _ATTN_THREADS,
-                    (q, k_cache, v_cache, block_tables, context_lens, out, np.int32(H), np.int32(Hk),
-                     np.int32(Dh), np.int32(BS), np.int32(MB), np.float32(scale)), smem)
+            _launch(
+                "paged_attention.cu",
+                f"attention_decode_g{cap}",
+                (B, Hk),
+                _ATTN_THREADS,
+                (
+                    q,
+                    k_cache,
+                    v_cache,
+                    block_tables,
+                    context_lens,
+                    out,
+                    np.int32(H),
+                    np.int32(Hk),
+                    np.int32(Dh),
+                    np.int32(BS),
+                    np.int32(MB),
+                    np.float32(scale),
+                ),
+                smem,
+            )
             return out
-        part_acc = cupy.empty((B, splits, H, Dh), dtype=_F32)        # [B, P, H, Dh]
-        part_ml = cupy.empty((B, splits, H, 2), dtype=_F32)          # [B, P, H, (max, sum)]
-        _launch("paged_attention.cu", f"attention_decode_split_g{cap}", (B, Hk, splits), _ATTN_THREADS,
-                (q, k_cache, v_cache, block_tables, context_lens, part_acc, part_ml, np.int32(H),
-                 np.int32(Hk), np.int32(Dh), np.int32(BS), np.int32(MB), np.int32(split_keys),
-                 np.float32(scale)), smem)
-        _launch("paged_attention.cu", "attention_split_combine", (B, H), _ATTN_THREADS,
-                (part_acc, part_ml, out, np.int32(H), np.int32(Dh), np.int32(splits)))
+        part_acc = cupy.empty((B, splits, H, Dh), dtype=_F32)  # [B, P, H, Dh]
+        part_ml = cupy.empty((B, splits, H, 2), dtype=_F32)  # [B, P, H, (max, sum)]
+        _launch(
+            "paged_attention.cu",
+            f"attention_decode_split_g{cap}",
+            (B, Hk, splits),
+            _ATTN_THREADS,
+            (
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                context_lens,
+                part_acc,
+                part_ml,
+                np.int32(H),
+                np.int32(Hk),
+                np.int32(Dh),
+                np.int32(BS),
+                np.int32(MB),
+                np.int32(split_keys),
+                np.float32(scale),
+            ),
+            smem,
+        )
+        _launch(
+            "paged_attention.cu",
+            "attention_split_combine",
+            (B, H),
+            _ATTN_THREADS,
+            (part_acc, part_ml, out, np.int32(H), np.int32(Dh), np.int32(splits)),
+        )
         return out
 
     def _decode_partitions(self, blocks: int, max_keys: int) -> tuple[int, int]:
@@ -285,7 +383,7 @@ class CupyOps(Ops):
         if self.decode_split == "off" or (self.decode_split == "auto" and blocks >= 2 * self.sm_count):
             return 1, max_keys
         keys = self.split_keys
-        if -(-max_keys // keys) > _ATTN_MAX_SPLITS:   # very long tables: bigger partitions
+        if -(-max_keys // keys) > _ATTN_MAX_SPLITS:  # very long tables: bigger partitions
             keys = -(-max_keys // (_ATTN_MAX_SPLITS * _ATTN_CHUNK)) * _ATTN_CHUNK
         return max(1, -(-max_keys // keys)), keys
 
@@ -296,31 +394,46 @@ class CupyOps(Ops):
         _require("router", 1 <= top_k <= min(E, 32), f"top_k must be in [1, min(E={E}, 32)], got {top_k}")
         smem = 4 * _ROUTER_WARPS * E
         _require("router", smem <= self.smem_limit, f"too many experts for one warp per token: {E}")
-        weights = cupy.empty((T, top_k), dtype=_F32)                  # [T, k]
-        ids = cupy.empty((T, top_k), dtype=_I32)                      # [T, k]
+        weights = cupy.empty((T, top_k), dtype=_F32)  # [T, k]
+        ids = cupy.empty((T, top_k), dtype=_I32)  # [T, k]
         if T:
             kernel = "router_topk_f32" if logits.dtype == _F32 else "router_topk_bf16"
-            _launch("router.cu", kernel, ((T + _ROUTER_WARPS - 1) // _ROUTER_WARPS,),
-                    32 * _ROUTER_WARPS, (logits, weights, ids, np.int32(T), np.int32(E),
-                                         np.int32(top_k), np.int32(bool(renormalize))), smem)
+            _launch(
+                "router.cu",
+                kernel,
+                ((T + _ROUTER_WARPS - 1) // _ROUTER_WARPS,),
+                32 * _ROUTER_WARPS,
+                (logits, weights, ids, np.int32(T), np.int32(E), np.int32(top_k), np.int32(bool(renormalize))),
+                smem,
+            )
         return weights, ids
 
     def silu_and_mul(self, x):
         _check("silu_and_mul", "x", x, _BF16, (None, None))
         T, I2 = x.shape
         _require("silu_and_mul", I2 % 2 == 0, f"x's last dim must be even (gate | up), got {I2}")
-        out = cupy.empty((T, I2 // 2), dtype=_BF16)                   # [T, I]
+        out = cupy.empty((T, I2 // 2), dtype=_BF16)  # [T, I]
         if out.size:
-            _launch("silu_and_mul.cu", "silu_and_mul", (min((out.size + 255) // 256, 65536),), 256,
-                    (x, out, np.int64(out.size), np.int32(I2 // 2)))
+            _launch(
+                "silu_and_mul.cu",
+                "silu_and_mul",
+                (min((out.size + 255) // 256, 65536),),
+                256,
+                (x, out, np.int64(out.size), np.int32(I2 // 2)),
+            )
         return out
 
     def clip(self, x, limit):
         _check("clip", "x", x, _BF16)
         out = cupy.empty_like(x)
         if out.size:
-            _launch("elementwise.cu", "clip_bf16", (min((out.size + 255) // 256, 65536),), 256,
-                    (x, out, np.int64(out.size), np.float32(limit)))
+            _launch(
+                "elementwise.cu",
+                "clip_bf16",
+                (min((out.size + 255) // 256, 65536),),
+                256,
+                (x, out, np.int64(out.size), np.float32(limit)),
+            )
         return out
 
     def sigmoid_gate_add(self, out, s, gate):
@@ -328,10 +441,15 @@ class CupyOps(Ops):
         T, D = out.shape
         _check("sigmoid_gate_add", "s", s, _BF16, (T, D))
         _check("sigmoid_gate_add", "gate", gate, _BF16, (T, 1))
-        out = out.copy()   # the kernel adds in place; the contract returns a new array
+        out = out.copy()  # the kernel adds in place; the contract returns a new array
         if out.size:
-            _launch("elementwise.cu", "sigmoid_gate_add", (min((out.size + 255) // 256, 65536),), 256,
-                    (out, s, gate, np.int64(out.size), np.int32(D)))
+            _launch(
+                "elementwise.cu",
+                "sigmoid_gate_add",
+                (min((out.size + 255) // 256, 65536),),
+                256,
+                (out, s, gate, np.int64(out.size), np.int32(D)),
+            )
         return out
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
@@ -339,8 +457,7 @@ class CupyOps(Ops):
         _check(op, "w_gate_up", w_gate_up, _BF16, (None, None, None), aligned=True)
         El, I2, D = w_gate_up.shape
         I = I2 // 2
-        _require(op, I2 % 2 == 0 and D % 8 == 0 and I % 8 == 0,
-                 f"D and I must be multiples of 8, got D={D}, 2I={I2}")
+        _require(op, I2 % 2 == 0 and D % 8 == 0 and I % 8 == 0, f"D and I must be multiples of 8, got D={D}, 2I={I2}")
         _check(op, "w_down", w_down, _BF16, (El, D, I), aligned=True)
         _check(op, "x", x, _BF16, (None, D), aligned=True)
         T = x.shape[0]
@@ -348,25 +465,35 @@ class CupyOps(Ops):
         k = ids.shape[1]
         _check(op, "weights", weights, _F32, (T, k))
         _require(op, 2 * 4 * El <= self.smem_limit, f"too many local experts for one permutation block: {El}")
-        out = cupy.empty((T, D), dtype=_F32)                          # [T, D]
-        if T == 0 or k == 0 or El == 0:   # El == 0 would launch a grid with gridDim.y = 0
+        out = cupy.empty((T, D), dtype=_F32)  # [T, D]
+        if T == 0 or k == 0 or El == 0:  # El == 0 would launch a grid with gridDim.y = 0
             out.fill(0)
             return out
         n = T * k
         # moe_permute: one block of W warps, each placing a contiguous range of slots (one warp
         # per 256 slots); W is capped by the shared memory of its per-warp counts ((W + 1) * El ints)
         perm_warps = max(1, min(32, -(-n // 256), self.smem_limit // (4 * El) - 1))
-        offsets = cupy.empty(El + 1, dtype=_I32)                      # [El + 1]
-        sorted_slot = cupy.empty(n, dtype=_I32)                       # [<= T*k]
-        slot_pos = cupy.empty(n, dtype=_I32)                          # [T*k]
-        _launch("moe_permute.cu", "moe_permute", (1,), 32 * perm_warps,
-                (ids, np.int32(n), np.int32(expert_start), np.int32(El), offsets, sorted_slot,
-                 slot_pos), 4 * (perm_warps + 1) * El)
+        offsets = cupy.empty(El + 1, dtype=_I32)  # [El + 1]
+        sorted_slot = cupy.empty(n, dtype=_I32)  # [<= T*k]
+        slot_pos = cupy.empty(n, dtype=_I32)  # [T*k]
+        _launch(
+            "moe_permute.cu",
+            "moe_permute",
+            (1,),
+            32 * perm_warps,
+            (ids, np.int32(n), np.int32(expert_start), np.int32(El), offsets, sorted_slot, slot_pos),
+            4 * (perm_warps + 1) * El,
+        )
         gathered = self.moe_impl == "gathered" or (self.moe_impl == "auto" and T >= GATHERED_MIN_TOKENS)
         run = self._experts_gathered if gathered else self._experts_grouped
-        y = run(x, k, offsets, sorted_slot, w_gate_up, w_down)        # [P, D] fp32, sorted rows
-        _launch("moe_combine.cu", "moe_combine", (T,), _threads(D, 256),
-                (y, weights, slot_pos, out, np.int32(D), np.int32(k)))
+        y = run(x, k, offsets, sorted_slot, w_gate_up, w_down)  # [P, D] fp32, sorted rows
+        _launch(
+            "moe_combine.cu",
+            "moe_combine",
+            (T,),
+            _threads(D, 256),
+            (y, weights, slot_pos, out, np.int32(D), np.int32(k)),
+        )
         return out
 
     def _units_per_warp(self, units: int, active_experts: int) -> int:
@@ -378,34 +505,48 @@ class CupyOps(Ops):
         El, I2, D = w_gate_up.shape
         I, n = I2 // 2, x.shape[0] * k
         active = min(El, n)
-        h = cupy.empty((n, I), dtype=_BF16)                           # [P, I] (P <= T*k rows used)
-        y = cupy.empty((n, D), dtype=_F32)                            # [P, D]
+        h = cupy.empty((n, I), dtype=_BF16)  # [P, I] (P <= T*k rows used)
+        y = cupy.empty((n, D), dtype=_F32)  # [P, D]
         upw = self._units_per_warp(I, active)
-        _launch("moe_grouped_gemm.cu", "moe_gate_up_silu", (-(-I // (_GG_WARPS * upw)), El),
-                32 * _GG_WARPS, (x, sorted_slot, offsets, w_gate_up, h, np.int32(D), np.int32(I),
-                                 np.int32(k), np.int32(upw)))
+        _launch(
+            "moe_grouped_gemm.cu",
+            "moe_gate_up_silu",
+            (-(-I // (_GG_WARPS * upw)), El),
+            32 * _GG_WARPS,
+            (x, sorted_slot, offsets, w_gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw)),
+        )
         units = (D + 1) // 2
         upw = self._units_per_warp(units, active)
-        _launch("moe_grouped_gemm.cu", "moe_down", (-(-units // (_GG_WARPS * upw)), El),
-                32 * _GG_WARPS, (h, offsets, w_down, y, np.int32(D), np.int32(I), np.int32(upw)))
+        _launch(
+            "moe_grouped_gemm.cu",
+            "moe_down",
+            (-(-units // (_GG_WARPS * upw)), El),
+            32 * _GG_WARPS,
+            (h, offsets, w_down, y, np.int32(D), np.int32(I), np.int32(upw)),
+        )
         return y
 
     def _experts_gathered(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
         El, I2, D = w_gate_up.shape
         I = I2 // 2
-        offs = cupy.asnumpy(offsets)                                  # host sync: GEMM sizes
+        offs = cupy.asnumpy(offsets)  # host sync: GEMM sizes
         P = int(offs[-1])
-        y = cupy.empty((P, D), dtype=_F32)                            # [P, D]
+        y = cupy.empty((P, D), dtype=_F32)  # [P, D]
         if P == 0:
             return y
-        xs = cupy.empty((P, D), dtype=_BF16)                          # [P, D] rows by expert
-        gate_up = cupy.empty((P, I2), dtype=_BF16)                    # [P, 2I]
-        _launch("moe_permute.cu", "moe_gather_rows", (P,), _threads(D // 8, 256),
-                (x, sorted_slot, xs, np.int32(D), np.int32(k)))
+        xs = cupy.empty((P, D), dtype=_BF16)  # [P, D] rows by expert
+        gate_up = cupy.empty((P, I2), dtype=_BF16)  # [P, 2I]
+        _launch(
+            "moe_permute.cu",
+            "moe_gather_rows",
+            (P,),
+            _threads(D // 8, 256),
+            (x, sorted_slot, xs, np.int32(D), np.int32(k)),
+        )
         busy = [(e, int(offs[e]), int(offs[e + 1] - offs[e])) for e in range(El) if offs[e + 1] > offs[e]]
         for e, o, c in busy:
             _gemm(c, I2, D, xs[o].data.ptr, w_gate_up[e].data.ptr, gate_up[o].data.ptr, _BF16)
-        h = self.silu_and_mul(gate_up)                                # [P, I]
+        h = self.silu_and_mul(gate_up)  # [P, I]
         for e, o, c in busy:
             _gemm(c, D, I, h[o].data.ptr, w_down[e].data.ptr, y[o].data.ptr, _F32)
         return y

@@ -1,6 +1,7 @@
 """Choosing the backend, binding a rank to its GPU (``local_rank % gpu_count``, before MPI
 initialises: docs/gpu.md, "Choosing the backend and the GPU"), and sizing the KV pool on a GPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,9 @@ from eprt.ops.base import Ops
 # each naming the rank's index among the ranks on its node, in the order they are tried.
 LOCAL_RANK_VARS = (
     "OMPI_COMM_WORLD_LOCAL_RANK",  # Open MPI
-    "MPI_LOCALRANKID",             # MPICH / Hydra, Intel MPI
-    "SLURM_LOCALID",               # Slurm srun
-    "MV2_COMM_WORLD_LOCAL_RANK",   # MVAPICH2
+    "MPI_LOCALRANKID",  # MPICH / Hydra, Intel MPI
+    "SLURM_LOCALID",  # Slurm srun
+    "MV2_COMM_WORLD_LOCAL_RANK",  # MVAPICH2
 )
 DEVICES = ("cpu", "cuda", "auto")
 _GIB = float(1 << 30)
@@ -72,8 +73,10 @@ def resolve_device(device: str | None) -> str:
     if choice == "auto":
         return "cuda" if cuda_usable() else "cpu"
     if choice == "cuda" and not cuda_usable():
-        raise RuntimeError("device 'cuda' was asked for, but CuPy cannot use a CUDA device here "
-                           "(install cupy-cuda13x and check the driver, or use --device cpu)")
+        raise RuntimeError(
+            "device 'cuda' was asked for, but CuPy cannot use a CUDA device here "
+            "(install cupy-cuda13x and check the driver, or use --device cpu)"
+        )
     return choice
 
 
@@ -101,7 +104,7 @@ def compute_identity(ops: Ops) -> tuple[str, str]:
     if ops.name == "cpu":
         try:
             blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
-        except TypeError:   # NumPy < 1.26 has no mode=; the fingerprint still tells builds apart
+        except TypeError:  # NumPy < 1.26 has no mode=; the fingerprint still tells builds apart
             blas = {}
         what = f"cpu: NumPy {np.__version__}, BLAS {blas.get('name', '?')} {blas.get('version', '?')}"
         where = f"{host}:cpu:{os.getpid()}"
@@ -111,8 +114,10 @@ def compute_identity(ops: Ops) -> tuple[str, str]:
         dev = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(dev.id)
         name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        what = (f"cuda: {name} (sm_{props['major']}{props['minor']}, {props['multiProcessorCount']} SMs), "
-                f"CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, CuPy {cupy.__version__}")
+        what = (
+            f"cuda: {name} (sm_{props['major']}{props['minor']}, {props['multiProcessorCount']} SMs), "
+            f"CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, CuPy {cupy.__version__}"
+        )
         where = f"{host}:{dev.pci_bus_id}"
     return f"{what}, arithmetic {arithmetic_fingerprint(ops)}", where
 
@@ -125,7 +130,7 @@ def arithmetic_fingerprint(ops: Ops) -> str:
     import numpy as np
 
     rng = np.random.default_rng(20261202)
-    w = ops.weight((rng.standard_normal((384, 512)) / 16).astype(np.float32))   # [N, K]
+    w = ops.weight((rng.standard_normal((384, 512)) / 16).astype(np.float32))  # [N, K]
     digest = hashlib.sha256()
     for rows in (1, 7, 64):
         x = ops.activation(rng.standard_normal((rows, 512)).astype(np.float32))  # [T, K]
@@ -133,8 +138,9 @@ def arithmetic_fingerprint(ops: Ops) -> str:
     return digest.hexdigest()[:12]
 
 
-def pool_blocks(available: int, total: int, bytes_per_block: int, gpu_memory_utilization: float,
-                sharers: int = 1) -> int:
+def pool_blocks(
+    available: int, total: int, bytes_per_block: int, gpu_memory_utilization: float, sharers: int = 1
+) -> int:
     """KV blocks that fit when the processes on this GPU may use ``gpu_memory_utilization`` of
     ``total`` bytes, ``total - available`` are already taken (weights, other processes), and
     ``sharers`` ranks (this one included) split what is left equally."""
@@ -154,7 +160,8 @@ def pool_blocks(available: int, total: int, bytes_per_block: int, gpu_memory_uti
             f"this GPU at {total * gpu_memory_utilization / _GIB:.2f} GiB"
             f"{f' for {sharers} ranks' if sharers > 1 else ''}; one block needs "
             f"{bytes_per_block / (1 << 20):.2f} MiB. Raise the utilization or spread the experts "
-            f"over more ranks.")
+            f"over more ranks."
+        )
     return int(blocks)
 
 

@@ -2,6 +2,7 @@
 (or ``EPRT_KERNEL_DIR``) with ``cupy.RawModule``. ``KERNELS`` lists every entry point each
 file exports; ``tests/test_kernels_compile.py`` checks it against the PTX nvcc produces.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,10 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "rms_norm.cu": ("rms_norm", "add_rms_norm_bf16", "add_rms_norm_f32"),
     "rope.cu": ("rope_cs_bf16", "rope_cs_f32"),
     "kv_write.cu": ("kv_write",),
-    "paged_attention.cu": tuple(f"attention_{kind}_g{g}" for kind in ("decode", "decode_split", "prefill")
-                                for g in (4, 8, 16)) + ("attention_split_combine",),
+    "paged_attention.cu": tuple(
+        f"attention_{kind}_g{g}" for kind in ("decode", "decode_split", "prefill") for g in (4, 8, 16)
+    )
+    + ("attention_split_combine",),
     "router.cu": ("router_topk_bf16", "router_topk_f32"),
     "moe_permute.cu": ("moe_permute", "moe_gather_rows"),
     "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down"),
@@ -38,7 +41,7 @@ def kernel_dir() -> Path:
     configured = env.KERNEL_DIR.get()
     if configured:
         path = Path(configured)
-    else:   # a source checkout or editable install; a wheel installs them to <prefix>/share/eprt
+    else:  # a source checkout or editable install; a wheel installs them to <prefix>/share/eprt
         path = Path(__file__).resolve().parents[2] / "kernels"
         if not path.is_dir():
             path = Path(sys.prefix) / "share" / "eprt" / "kernels"
@@ -92,8 +95,10 @@ def get_module(filename: str):
         try:
             module.compile()
         except cupy.cuda.compiler.CompileException as e:
-            raise RuntimeError(f"compiling {directory / filename} failed (if cuda_bf16.h is not found, "
-                               f"set CUDA_PATH to the CUDA toolkit):\n{e}") from None
+            raise RuntimeError(
+                f"compiling {directory / filename} failed (if cuda_bf16.h is not found, "
+                f"set CUDA_PATH to the CUDA toolkit):\n{e}"
+            ) from None
         _modules[key] = module
     return module
 

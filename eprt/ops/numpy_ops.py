@@ -1,4 +1,5 @@
 """The NumPy reference backend (float32 everywhere). Shape legend in ``base.py``."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -39,50 +40,50 @@ class NumpyOps(Ops):
 
     # ---- compute -------------------------------------------------------------------
     def embedding(self, table, ids):
-        return table[ids]                                            # [T, D]
+        return table[ids]  # [T, D]
 
     def rms_norm(self, x, weight, eps):
-        var = np.mean(x * x, axis=-1, keepdims=True)                 # [T, 1]
+        var = np.mean(x * x, axis=-1, keepdims=True)  # [T, 1]
         return (x / np.sqrt(var + eps)) * weight
 
     def add_rms_norm(self, x, residual, weight, eps):
-        s = x + residual                                             # [T, D]
+        s = x + residual  # [T, D]
         return self.rms_norm(s, weight, eps), s
 
     def linear(self, x, w, bias=None):
-        y = x @ w.T                                                  # [T, N]
+        y = x @ w.T  # [T, N]
         if bias is not None:
             y += bias
         return y
 
     def rope(self, x, positions, cos_sin):
         half = x.shape[-1] // 2
-        cs = cos_sin[positions]                                      # [T, Dh]
-        cos, sin = cs[:, None, :half], cs[:, None, half:]            # [T, 1, Dh/2]
+        cs = cos_sin[positions]  # [T, Dh]
+        cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, Dh/2]
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def kv_write(self, k_cache, v_cache, k, v, slot_mapping):
         nb, bs = k_cache.shape[:2]
-        keep = slot_mapping >= 0                                     # negative: padding, skipped
+        keep = slot_mapping >= 0  # negative: padding, skipped
         k_cache.reshape(nb * bs, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
         v_cache.reshape(nb * bs, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
 
     def _gather_kv(self, cache, block_table, n):
         bs = cache.shape[1]
         nblocks = (n + bs - 1) // bs
-        return cache[block_table[:nblocks]].reshape(nblocks * bs, *cache.shape[2:])[:n]   # [n, Hk, Dh]
+        return cache[block_table[:nblocks]].reshape(nblocks * bs, *cache.shape[2:])[:n]  # [n, Hk, Dh]
 
     def _attend(self, q, k, v, scale, mask=None):
         # q [T, H, Dh]; k, v [S, Hk, Dh]; GQA: query head h reads kv head h // (H // Hk)
         T, H, Dh = q.shape
         Hk = k.shape[1]
-        qg = q.reshape(T, Hk, H // Hk, Dh)                           # [T, Hk, G, Dh]
-        scores = np.einsum("tkgd,skd->kgts", qg, k) * scale          # [Hk, G, T, S]
+        qg = q.reshape(T, Hk, H // Hk, Dh)  # [T, Hk, G, Dh]
+        scores = np.einsum("tkgd,skd->kgts", qg, k) * scale  # [Hk, G, T, S]
         if mask is not None:
             scores = np.where(mask, scores, -np.inf)
         probs = _softmax_last(scores)
-        out = np.einsum("kgts,skd->tkgd", probs, v)                  # [T, Hk, G, Dh]
+        out = np.einsum("kgts,skd->tkgd", probs, v)  # [T, Hk, G, Dh]
         return out.reshape(T, H, Dh)
 
     def attention_prefill(self, q, k_cache, v_cache, block_table, start_pos, scale):
@@ -90,23 +91,23 @@ class NumpyOps(Ops):
         S = start_pos + T
         k = self._gather_kv(k_cache, block_table, S)
         v = self._gather_kv(v_cache, block_table, S)
-        mask = np.arange(S)[None, :] <= (start_pos + np.arange(T))[:, None]   # [T, S]
+        mask = np.arange(S)[None, :] <= (start_pos + np.arange(T))[:, None]  # [T, S]
         return self._attend(q, k, v, scale, mask)
 
     def attention_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
-        out = np.empty_like(q)                                       # [B, H, Dh]
+        out = np.empty_like(q)  # [B, H, Dh]
         for b in range(q.shape[0]):
             n = int(context_lens[b])
             k = self._gather_kv(k_cache, block_tables[b], n)
             v = self._gather_kv(v_cache, block_tables[b], n)
-            out[b] = self._attend(q[b:b + 1], k, v, scale)[0]
+            out[b] = self._attend(q[b : b + 1], k, v, scale)[0]
         return out
 
     def router(self, logits, top_k, renormalize):
         probs = _softmax_last(logits.astype(np.float32, copy=True))  # [T, E]
         # stable sort on -p: ties go to the lower expert id, as torch.topk does on CPU
-        ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k].astype(np.int32)   # [T, k]
-        weights = np.take_along_axis(probs, ids, axis=-1)            # [T, k]
+        ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k].astype(np.int32)  # [T, k]
+        weights = np.take_along_axis(probs, ids, axis=-1)  # [T, k]
         if renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return weights.astype(np.float32), ids
@@ -114,22 +115,22 @@ class NumpyOps(Ops):
     def silu_and_mul(self, x):
         inter = x.shape[-1] // 2
         g, u = x[:, :inter], x[:, inter:]
-        return g / (1.0 + np.exp(-g)) * u                            # [T, I]
+        return g / (1.0 + np.exp(-g)) * u  # [T, I]
 
     def clip(self, x, limit):
         return np.clip(x, -limit, limit)
 
     def sigmoid_gate_add(self, out, s, gate):
-        return out + s / (1.0 + np.exp(-gate))                       # [T, D]
+        return out + s / (1.0 + np.exp(-gate))  # [T, D]
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
-        out = np.zeros((T, D), dtype=np.float32)                     # [T, D]
-        local = ids - expert_start                                   # [T, k]
+        out = np.zeros((T, D), dtype=np.float32)  # [T, D]
+        local = ids - expert_start  # [T, k]
         for e in np.unique(local[(local >= 0) & (local < w_gate_up.shape[0])]):
-            tok, slot = np.nonzero(local == e)                       # tokens routed to local expert e
-            h = self.silu_and_mul(x[tok] @ w_gate_up[e].T)           # [t, I]
-            y = h @ w_down[e].T                                      # [t, D]
+            tok, slot = np.nonzero(local == e)  # tokens routed to local expert e
+            h = self.silu_and_mul(x[tok] @ w_gate_up[e].T)  # [t, I]
+            y = h @ w_down[e].T  # [t, D]
             out[tok] += y * weights[tok, slot][:, None]
         return out
 

@@ -5,6 +5,7 @@ just before it checks deadlines. A request submitted with a timeout of ``t`` get
 deadline ``now() + t`` and times out at the end of the first tick where
 ``now() >= deadline``.
 """
+
 from __future__ import annotations
 
 import time

@@ -1,8 +1,8 @@
 """The scheduler's settings, and the checks a request must pass before it is queued."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from eprt.api import TOKEN_ID_LIMIT, GenerationRequest, RequestError, is_int, is_real
 
@@ -12,9 +12,9 @@ class SchedulerConfig:
     vocab_size: int
     eos_token_ids: tuple = ()
     max_batch: int = 8
-    max_prefill_tokens: int = 0              # > 0: chunked prefill with this per-tick budget
-    block_size: int = 16                     # must match the model's block manager
-    max_model_len: Optional[int] = None      # context limit, prompt included
+    max_prefill_tokens: int = 0  # > 0: chunked prefill with this per-tick budget
+    block_size: int = 16  # must match the model's block manager
+    max_model_len: int | None = None  # context limit, prompt included
 
     def __post_init__(self) -> None:
         if not 1 <= self.vocab_size <= TOKEN_ID_LIMIT:
@@ -40,8 +40,10 @@ def validate_request(cfg: SchedulerConfig, request: GenerationRequest) -> list:
             raise RequestError(f"prompt token {t!r} is outside the vocabulary [0, {cfg.vocab_size})")
     request.params.validate(cfg.vocab_size)
     if cfg.max_model_len is not None and len(prompt) >= cfg.max_model_len:
-        raise RequestError(f"the prompt has {len(prompt)} tokens but max_model_len={cfg.max_model_len} "
-                           f"leaves room for at most {cfg.max_model_len - 1}")
+        raise RequestError(
+            f"the prompt has {len(prompt)} tokens but max_model_len={cfg.max_model_len} "
+            f"leaves room for at most {cfg.max_model_len - 1}"
+        )
     timeout = request.timeout_s
     if timeout is not None and not (is_real(timeout) and timeout > 0):
         raise RequestError(f"timeout must be positive, got {request.timeout_s!r}")

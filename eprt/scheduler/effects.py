@@ -2,10 +2,11 @@
 ``line()`` is its ``fx ...`` trace line (printed only with a tracer) and ``perform(model)``
 makes exactly the model calls docs/scenarios.md lists for it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 DEFAULT_STREAM = 0
 
@@ -22,6 +23,7 @@ class Tracer(Protocol):
 class Decode:
     """One batched decode step; rows in ascending slot order. Advances each row's len and
     returns the next token of every row."""
+
     rows: tuple
 
     def line(self) -> str:
@@ -39,6 +41,7 @@ class Decode:
 @dataclass(frozen=True)
 class MarconiCheckpoint:
     """Snapshot of a hybrid model's SSM state after an accepted token (no-op otherwise)."""
+
     seq: object
 
     def line(self) -> str:
@@ -52,6 +55,7 @@ class MarconiCheckpoint:
 class ReleaseSeq:
     """Give back a sequence's slot and blocks (inserting its full blocks into the prefix
     cache first). ``finish`` is False for a preemption: the sequence goes back to the queue."""
+
     seq: object
     cache: bool = True
     finish: bool = True
@@ -69,6 +73,7 @@ class ReleaseSeq:
 @dataclass(frozen=True)
 class CompactSlot:
     """Move a surviving sequence down to a lower free slot."""
+
     seq: object
     target: int
 
@@ -109,7 +114,7 @@ class Teardown:
 
 
 class EffectRunner:
-    def __init__(self, model, tracer: Optional[Tracer] = None):
+    def __init__(self, model, tracer: Tracer | None = None):
         self.model = model
         self.tracer = tracer
 

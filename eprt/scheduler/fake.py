@@ -2,9 +2,10 @@
 runner would send, in the trace format; it answers from per-request scripts and raises
 FakeModelError for a call a real runner could not serve (docs/scenarios.md, "The fake model").
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from eprt.cache.block_manager import BlockManager
 from eprt.comm.protocol import PREFILL, PREFILL_NEXT, RELEASE, SHUTDOWN
@@ -20,15 +21,23 @@ def seq_name(seq, length: int | None = None) -> str:
 
 
 class RecordingModel(TraceCalls):
-    def __init__(self, emit: Callable[[str], None], scripts: dict, *, num_slots: int = 8,
-                 num_blocks: int = 1000, block_size: int = 16, prefix_cache: bool = True):
+    def __init__(
+        self,
+        emit: Callable[[str], None],
+        scripts: dict,
+        *,
+        num_slots: int = 8,
+        num_blocks: int = 1000,
+        block_size: int = 16,
+        prefix_cache: bool = True,
+    ):
         """``scripts`` maps seq_id to (original prompt length, script tokens)."""
         self.emit = emit
         self.scripts = {k: (int(n), list(s)) for k, (n, s) in scripts.items()}
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache=prefix_cache)
-        self.slots: list = [None] * num_slots     # the seq_id occupying each slot
-        self._next_token = None                   # from the last prefill's final chunk
-        self._batch_out: list = []                # from the last decode_batch
+        self.slots: list = [None] * num_slots  # the seq_id occupying each slot
+        self._next_token = None  # from the last prefill's final chunk
+        self._batch_out: list = []  # from the last decode_batch
 
     # -- script lookup ---------------------------------------------------------------------
     def _answer(self, seq, last_pos: int) -> int:
@@ -110,15 +119,14 @@ class RecordingModel(TraceCalls):
     def prefill(self, seq, start: int, n: int, stream: int) -> None:
         self._check_slot(seq)
         if start != seq.len or n < 1 or start + n > seq.num_prompt:
-            raise FakeModelError(f"bad prefill chunk for {seq_name(seq)}: start={start} n={n} "
-                                 f"prompt={seq.num_prompt}")
+            raise FakeModelError(f"bad prefill chunk for {seq_name(seq)}: start={start} n={n} prompt={seq.num_prompt}")
         end = start + n
         self._next_token = self._answer(seq, end - 1) if end == seq.num_prompt else None
-        if start == seq.cached:   # the slot's first chunk: PREFILL with the whole prompt
+        if start == seq.cached:  # the slot's first chunk: PREFILL with the whole prompt
             self._frame(seq.slot, PREFILL, n, start, seq.num_prompt)
             self.emit(f"ep_broadcast_tokens(n={seq.num_prompt})")
             self.emit(f"ep_sync_vision_embeds(n={seq.num_prompt})")
-        else:                     # a later chunk: PREFILL_NEXT with that chunk's tokens
+        else:  # a later chunk: PREFILL_NEXT with that chunk's tokens
             self._frame(seq.slot, PREFILL_NEXT, n, start)
             self.emit(f"ep_broadcast_tokens(n={n})")
         self.emit(f"prefill(n={n}, {seq_name(seq, end)}, stream={stream})")
@@ -146,7 +154,7 @@ class RecordingModel(TraceCalls):
         self.emit(f"commit_ctx({seq_name(seq)}, n={n}, base={base}, row={row})")
 
     def argmax_batch(self, row: int, n: int, stream: int) -> list[int]:
-        out = self._batch_out[row:row + n]
+        out = self._batch_out[row : row + n]
         self.emit(f"argmax_batch(row={row}, n={n}, stream={stream}) -> [{', '.join(map(str, out))}]")
         return out
 

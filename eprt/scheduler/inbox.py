@@ -1,9 +1,10 @@
 """The thread-safe inbox between clients (any thread) and the scheduler thread."""
+
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from eprt.api import EngineClosed
 
@@ -55,7 +56,7 @@ class Inbox:
         with self._cv:
             return len(self._items)
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
         """Block until an item is waiting or the inbox is closed; False on timeout."""
         with self._cv:
             return self._cv.wait_for(lambda: bool(self._items) or self._closed, timeout)

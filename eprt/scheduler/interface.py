@@ -6,10 +6,11 @@ A ``seq`` argument is the scheduler's ``Sequence``; the model may read ``seq_id`
 ``token_ids``, ``num_prompt``, ``len``, ``params``, ``adapter`` and ``image_embeds``, may set
 ``seq.cached`` in ``alloc_sequence``, and may keep its own state in ``seq.model_state``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from typing import Protocol
-from typing import Sequence as Seq
 
 
 class ModelInterface(Protocol):

@@ -1,11 +1,12 @@
 """``eprt scenario FILE``: run a scheduler scenario against the recording fake model and
 print its trace (file format and trace: docs/scenarios.md)."""
+
 from __future__ import annotations
 
 import sys
-import tomllib
 from dataclasses import dataclass, field
-from typing import Optional
+
+import tomllib
 
 from eprt.api import GenerationRequest, RequestError, SamplingParams, is_int
 from eprt.scheduler.clock import VirtualClock
@@ -30,7 +31,7 @@ class EngineSpec:
     max_batch: int = 8
     max_prefill_tokens: int = 0
     prefix_cache: bool = True
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
 
 
 @dataclass
@@ -41,8 +42,8 @@ class RequestSpec:
     max_tokens: int
     mode: str = "stream"
     arrive_at_tick: int = 1
-    timeout_ticks: Optional[int] = None
-    cancel_at_tick: Optional[int] = None
+    timeout_ticks: int | None = None
+    cancel_at_tick: int | None = None
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
 
@@ -57,12 +58,13 @@ class Scenario:
 @dataclass
 class Outcome:
     """What one client saw."""
+
     spec: RequestSpec
     streamed: list = field(default_factory=list)
-    results: list = field(default_factory=list)     # GenerationResult per on_finish call
-    finished_at_line: Optional[int] = None           # trace length when on_finish ran
-    handle: Optional[RequestHandle] = None
-    rejected: Optional[str] = None                   # the RequestError of a refused submit
+    results: list = field(default_factory=list)  # GenerationResult per on_finish call
+    finished_at_line: int | None = None  # trace length when on_finish ran
+    handle: RequestHandle | None = None
+    rejected: str | None = None  # the RequestError of a refused submit
 
 
 @dataclass
@@ -98,8 +100,9 @@ def parse(doc: dict) -> Scenario:
     fields = EngineSpec.__dataclass_fields__
     if set(eng) - set(fields):
         raise ScenarioError(f"[engine]: unknown keys {sorted(set(eng) - set(fields))}")
-    engine = EngineSpec(**{k: _take(eng, k, bool if k == "prefix_cache" else int, f.default, "[engine]")
-                           for k, f in fields.items()})
+    engine = EngineSpec(
+        **{k: _take(eng, k, bool if k == "prefix_cache" else int, f.default, "[engine]") for k, f in fields.items()}
+    )
     for key in ("num_blocks", "block_size", "vocab_size", "max_batch"):
         if getattr(engine, key) < 1:
             raise ScenarioError(f"[engine]: {key} must be >= 1, got {getattr(engine, key)}")
@@ -119,8 +122,19 @@ def parse(doc: dict) -> Scenario:
 
 
 def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
-    known = {"id", "prompt_len", "prompt", "script", "max_tokens", "mode", "arrive_at_tick",
-             "timeout_ticks", "cancel_at_tick", "stop_token_ids", "ignore_eos"}
+    known = {
+        "id",
+        "prompt_len",
+        "prompt",
+        "script",
+        "max_tokens",
+        "mode",
+        "arrive_at_tick",
+        "timeout_ticks",
+        "cancel_at_tick",
+        "stop_token_ids",
+        "ignore_eos",
+    }
     where = f"request {r.get('id', '?')}"
     if set(r) - known:
         raise ScenarioError(f"{where}: unknown keys {sorted(set(r) - known)}")
@@ -137,17 +151,22 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         n = _take(r, "prompt_len", int, 0, where)
         if n < 1:
             raise ScenarioError(f"{where}: prompt_len must be >= 1")
-        prompt = [rid] + list(range(2, n + 1))     # [i, 2, 3, ...]
+        prompt = [rid] + list(range(2, n + 1))  # [i, 2, 3, ...]
     mode = _take(r, "mode", str, "stream", where)
     if mode not in ("stream", "blocking"):
-        raise ScenarioError(f"{where}: mode must be \"stream\" or \"blocking\", got {mode!r}")
-    spec = RequestSpec(id=rid, script=script, prompt=prompt,
-                       max_tokens=_take(r, "max_tokens", int, len(script), where), mode=mode,
-                       arrive_at_tick=_take(r, "arrive_at_tick", int, 1, where),
-                       timeout_ticks=_take(r, "timeout_ticks", int, None, where),
-                       cancel_at_tick=_take(r, "cancel_at_tick", int, None, where),
-                       stop_token_ids=_take(r, "stop_token_ids", list, [], where),
-                       ignore_eos=_take(r, "ignore_eos", bool, False, where))
+        raise ScenarioError(f'{where}: mode must be "stream" or "blocking", got {mode!r}')
+    spec = RequestSpec(
+        id=rid,
+        script=script,
+        prompt=prompt,
+        max_tokens=_take(r, "max_tokens", int, len(script), where),
+        mode=mode,
+        arrive_at_tick=_take(r, "arrive_at_tick", int, 1, where),
+        timeout_ticks=_take(r, "timeout_ticks", int, None, where),
+        cancel_at_tick=_take(r, "cancel_at_tick", int, None, where),
+        stop_token_ids=_take(r, "stop_token_ids", list, [], where),
+        ignore_eos=_take(r, "ignore_eos", bool, False, where),
+    )
     if spec.arrive_at_tick < 1:
         raise ScenarioError(f"{where}: arrive_at_tick must be >= 1")
     if spec.cancel_at_tick is not None and spec.cancel_at_tick < spec.arrive_at_tick:
@@ -179,12 +198,22 @@ class _Tracer:
 def run(sc: Scenario) -> ScenarioRun:
     lines: list = [f"# scenario {sc.name}"]
     e = sc.engine
-    model = RecordingModel(lines.append, {r.id: (len(r.prompt), r.script) for r in sc.requests},
-                           num_slots=e.max_batch, num_blocks=e.num_blocks, block_size=e.block_size,
-                           prefix_cache=e.prefix_cache)
-    config = SchedulerConfig(vocab_size=e.vocab_size, eos_token_ids=(e.eos,), max_batch=e.max_batch,
-                             max_prefill_tokens=e.max_prefill_tokens, block_size=e.block_size,
-                             max_model_len=e.max_model_len)
+    model = RecordingModel(
+        lines.append,
+        {r.id: (len(r.prompt), r.script) for r in sc.requests},
+        num_slots=e.max_batch,
+        num_blocks=e.num_blocks,
+        block_size=e.block_size,
+        prefix_cache=e.prefix_cache,
+    )
+    config = SchedulerConfig(
+        vocab_size=e.vocab_size,
+        eos_token_ids=(e.eos,),
+        max_batch=e.max_batch,
+        max_prefill_tokens=e.max_prefill_tokens,
+        block_size=e.block_size,
+        max_model_len=e.max_model_len,
+    )
     sched = Scheduler(model, config, clock=VirtualClock(), tracer=_Tracer(lines.append))
     outcomes = {r.id: Outcome(r) for r in sc.requests}
     last_arrival = max(r.arrive_at_tick for r in sc.requests)
@@ -211,10 +240,14 @@ def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None
         out.results.append(result)
         out.finished_at_line = len(lines)
 
-    params = SamplingParams(max_tokens=r.max_tokens, stop_token_ids=tuple(r.stop_token_ids),
-                            ignore_eos=r.ignore_eos)
-    request = GenerationRequest(prompt_ids=list(r.prompt), params=params, timeout_s=r.timeout_ticks,
-                                stream=r.mode == "stream", on_token=out.streamed.append)
+    params = SamplingParams(max_tokens=r.max_tokens, stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos)
+    request = GenerationRequest(
+        prompt_ids=list(r.prompt),
+        params=params,
+        timeout_s=r.timeout_ticks,
+        stream=r.mode == "stream",
+        on_token=out.streamed.append,
+    )
     try:
         out.handle = sched.submit(request, on_finish=finished, seq_id=r.id)
     except RequestError as e:
@@ -227,12 +260,16 @@ def _client_line(out: Outcome) -> str:
     res = out.results[-1]
     guard = out.handle.guard
     if out.spec.mode == "blocking":
-        return (f"Response(tokens=[{', '.join(map(str, res.token_ids))}], {res.finish_reason}, think=0, "
-                f"cached={res.cached_tokens}, acc=0, logprobs=0)")
+        return (
+            f"Response(tokens=[{', '.join(map(str, res.token_ids))}], {res.finish_reason}, think=0, "
+            f"cached={res.cached_tokens}, acc=0, logprobs=0)"
+        )
     shown = "".join(f"T{t} " for t in out.streamed)
     g = "None" if guard is None else f'Some("{guard}")'
-    return (f"{shown}Done({res.finish_reason}, n={len(res.token_ids)}, think=0, "
-            f"cached={res.cached_tokens}, acc=0, guard={g})")
+    return (
+        f"{shown}Done({res.finish_reason}, n={len(res.token_ids)}, think=0, "
+        f"cached={res.cached_tokens}, acc=0, guard={g})"
+    )
 
 
 # -- command line ----------------------------------------------------------------------------

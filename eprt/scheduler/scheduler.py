@@ -3,42 +3,51 @@
 Each tick is plan, prefill lane, decode lane, end of tick; the semantics (admission,
 preemption, chunked prefill, guards, the client API) are in docs/scenarios.md.
 """
+
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
 from collections import deque
-from typing import Optional
 
 from eprt.api import GenerationRequest, RequestError
 from eprt.scheduler import guards
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig, validate_request
-from eprt.scheduler.effects import (DEFAULT_STREAM, CompactSlot, Decode, EffectRunner,
-                                    EpShutdown, MarconiCheckpoint, Quiesce, ReleaseSeq, Teardown, Tracer)
+from eprt.scheduler.effects import (
+    DEFAULT_STREAM,
+    CompactSlot,
+    Decode,
+    EffectRunner,
+    EpShutdown,
+    MarconiCheckpoint,
+    Quiesce,
+    ReleaseSeq,
+    Teardown,
+    Tracer,
+)
 from eprt.scheduler.inbox import Inbox
-from eprt.scheduler.sequence import (ERROR, GUARD_KV_CAPACITY, LENGTH, STOP, RequestHandle, Sequence,
-                                     SeqState)
+from eprt.scheduler.sequence import ERROR, GUARD_KV_CAPACITY, LENGTH, STOP, RequestHandle, SeqState, Sequence
 
 log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, model, config: SchedulerConfig, clock=None, tracer: Optional[Tracer] = None):
+    def __init__(self, model, config: SchedulerConfig, clock=None, tracer: Tracer | None = None):
         self.model = model
         self.config = config
         self.clock = clock if clock is not None else WallClock()
         self.tracer = tracer
         self.tick = 0
-        self.free_blocks: Optional[int] = None   # num_free_blocks() as read at the last plan
+        self.free_blocks: int | None = None  # num_free_blocks() as read at the last plan
         self.preemptions = 0
         self._fx = EffectRunner(model, tracer)
         self._inbox = Inbox()
         self._waiting: deque[Sequence] = deque()  # drained or preempted, no slot; front first
-        self._live: list[Sequence] = []           # slot holders, in admission order
+        self._live: list[Sequence] = []  # slot holders, in admission order
         self._admissions = itertools.count()
-        self._ids_lock = threading.Lock()        # guards _live_ids and _next_id
+        self._ids_lock = threading.Lock()  # guards _live_ids and _next_id
         self._live_ids: set[int] = set()
         self._next_id = 1
         self._abort = False
@@ -47,20 +56,30 @@ class Scheduler:
         self.is_shut_down = False
 
     # -- client side (any thread) ------------------------------------------------------------
-    def submit(self, request: GenerationRequest, *, on_finish=None, seq_id: Optional[int] = None,
-               adapter: int = -1) -> RequestHandle:
+    def submit(
+        self, request: GenerationRequest, *, on_finish=None, seq_id: int | None = None, adapter: int = -1
+    ) -> RequestHandle:
         prompt = validate_request(self.config, request)
         deadline = None if request.timeout_s is None else self.clock.now() + request.timeout_s
         with self._ids_lock:
-            if seq_id is None:                    # above every id given so far: never live
+            if seq_id is None:  # above every id given so far: never live
                 seq_id = self._next_id
             elif not isinstance(seq_id, int) or seq_id < 0 or seq_id in self._live_ids:
                 raise RequestError(f"sequence id {seq_id!r} is invalid or already in use")
             self._next_id = max(self._next_id, seq_id + 1)
             self._live_ids.add(seq_id)
-        seq = Sequence(seq_id, tuple(prompt), request.params, request_id=request.request_id,
-                       adapter=adapter, image_embeds=request.image_embeds, deadline=deadline,
-                       stream=request.stream, on_token=request.on_token, on_finish=on_finish)
+        seq = Sequence(
+            seq_id,
+            tuple(prompt),
+            request.params,
+            request_id=request.request_id,
+            adapter=adapter,
+            image_embeds=request.image_embeds,
+            deadline=deadline,
+            stream=request.stream,
+            on_token=request.on_token,
+            on_finish=on_finish,
+        )
         try:
             self._inbox.put(seq)
         except RequestError:
@@ -85,7 +104,7 @@ class Scheduler:
             if not self.step() and not self.is_shut_down:
                 self.wait_for_work()
 
-    def wait_for_work(self, timeout: Optional[float] = None) -> bool:
+    def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block until a request is in the inbox or it is closed; False on timeout."""
         return self._inbox.wait(timeout)
 
@@ -93,8 +112,12 @@ class Scheduler:
         return bool(len(self._inbox) or self._waiting or self._live)
 
     def stats(self) -> dict:
-        return {"ticks": self.tick, "queued": len(self._inbox) + len(self._waiting),
-                "running": len(self._live), "preemptions": self.preemptions}
+        return {
+            "ticks": self.tick,
+            "queued": len(self._inbox) + len(self._waiting),
+            "running": len(self._live),
+            "preemptions": self.preemptions,
+        }
 
     def step(self) -> bool:
         """One tick. True while more ticks are needed (requests in flight, or the inbox
@@ -127,14 +150,14 @@ class Scheduler:
         drained = self._inbox.drain(room) if room > 0 else []
         if not drained:
             return
-        self.model.adapter_id_for(-1)             # the cohort's active adapter
+        self.model.adapter_id_for(-1)  # the cohort's active adapter
         for seq in drained:
             seq.adapter = self.model.adapter_id_for(seq.adapter)
             self._waiting.append(seq)
 
     # -- prefill lane ------------------------------------------------------------------------
     def _prefill_lane(self) -> None:
-        budget = self.config.max_prefill_tokens or None   # None: unlimited
+        budget = self.config.max_prefill_tokens or None  # None: unlimited
         for seq in [s for s in self._live if s.state is SeqState.PREFILLING]:
             if budget == 0:
                 return
@@ -143,10 +166,13 @@ class Scheduler:
             seq = self._waiting[0]
             if not self.model.can_admit(seq):
                 if self._live:
-                    return                        # wait for blocks to come back
-                self._waiting.popleft()           # nothing will ever free enough
-                self._finish(seq, ERROR, error=f"the prompt ({seq.num_prompt} tokens) needs more "
-                                                "KV blocks than the whole pool holds")
+                    return  # wait for blocks to come back
+                self._waiting.popleft()  # nothing will ever free enough
+                self._finish(
+                    seq,
+                    ERROR,
+                    error=f"the prompt ({seq.num_prompt} tokens) needs more KV blocks than the whole pool holds",
+                )
                 continue
             self._waiting.popleft()
             self._admit(seq)
@@ -163,7 +189,7 @@ class Scheduler:
         self.model.adapter_id_for(seq.adapter)
         self.model.acquire_adapter_slot(seq.adapter)
 
-    def _prefill_chunk(self, seq: Sequence, budget: Optional[int]) -> Optional[int]:
+    def _prefill_chunk(self, seq: Sequence, budget: int | None) -> int | None:
         """Prefill one chunk of the prompt; returns the budget left."""
         full, start = seq.num_prompt, seq.len
         n = full - start if budget is None else min(full - start, budget)
@@ -176,8 +202,7 @@ class Scheduler:
 
     # -- decode lane -------------------------------------------------------------------------
     def _decode_lane(self) -> None:
-        rows = self._make_room(sorted((s for s in self._live if s.state is SeqState.RUNNING),
-                                      key=lambda s: s.slot))
+        rows = self._make_room(sorted((s for s in self._live if s.state is SeqState.RUNNING), key=lambda s: s.slot))
         if not rows:
             return
         tokens = self._fx.run(Decode(tuple(rows)))
@@ -193,9 +218,9 @@ class Scheduler:
                 return rows
             candidates = [s for s in self._live if not s.finished]
             victim = max(candidates, key=lambda s: s.admit_order)
-            if len(self._live) == 1:              # it has the whole pool and still cannot grow
+            if len(self._live) == 1:  # it has the whole pool and still cannot grow
                 self._finish(victim, LENGTH, guard=GUARD_KV_CAPACITY)
-            else:                                 # (if alone among finished ones: retry next tick)
+            else:  # (if alone among finished ones: retry next tick)
                 self._preempt(victim)
             rows = [s for s in rows if s is not victim]
         return rows
@@ -238,7 +263,7 @@ class Scheduler:
         queued = [s for s in self._waiting if verdict(s) is not None]
         self._waiting = deque(s for s in self._waiting if s not in queued)
         queued += self._inbox.remove_if(lambda s: verdict(s) is not None)
-        for seq in queued:                        # never admitted (or preempted): no slot to free
+        for seq in queued:  # never admitted (or preempted): no slot to free
             self._finish(seq, *verdict(seq))
         for seq in sorted((s for s in self._live if s.finished), key=lambda s: s.slot):
             self._fx.run(ReleaseSeq(seq, cache=True, finish=True))
@@ -278,17 +303,16 @@ class Scheduler:
         self.is_shut_down = True
 
     # -- ending requests ---------------------------------------------------------------------
-    def _finish(self, seq: Sequence, reason: str, guard: Optional[str] = None,
-                error: Optional[str] = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, guard: str | None = None, error: str | None = None) -> None:
         seq.state = SeqState.FINISHED
         seq.finish_reason, seq.guard, seq.error = reason, guard, error
-        if seq.slot < 0:                          # holds nothing: tell the client now
+        if seq.slot < 0:  # holds nothing: tell the client now
             self._notify(seq)
 
     def _notify(self, seq: Sequence) -> None:
         with self._ids_lock:
             self._live_ids.discard(seq.seq_id)
-        result = seq.result()   # built once, here, before anyone can see the request done
+        result = seq.result()  # built once, here, before anyone can see the request done
         if seq.on_finish is not None:
             self._call(seq, seq.on_finish, result)
         seq.done_event.set()
@@ -296,6 +320,6 @@ class Scheduler:
     def _call(self, seq: Sequence, fn, arg) -> None:
         try:
             fn(arg)
-        except Exception:                         # a client's bug must not stop the others
+        except Exception:  # a client's bug must not stop the others
             log.exception("client callback of request s%d raised; cancelling it", seq.seq_id)
             seq.cancel_event.set()

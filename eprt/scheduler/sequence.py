@@ -4,20 +4,21 @@ The model (``interface.py``) reads a documented subset of ``Sequence``; the clie
 only ``RequestHandle``. Everything here is mutated by the scheduler thread alone, except
 the cancel and done events, which are how other threads talk to it.
 """
+
 from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from eprt.api import GenerationResult, SamplingParams
 
 # Finish reasons (docs/scenarios.md, "One run").
-STOP = "stop"          # EOS or a stop id, a client cancel, shutdown
-LENGTH = "length"      # token budget, context limit, or a guard other than the deadline
-TIMEOUT = "timeout"    # the request_timeout guard
-ERROR = "error"        # the request can never be served (named in result().error)
+STOP = "stop"  # EOS or a stop id, a client cancel, shutdown
+LENGTH = "length"  # token budget, context limit, or a guard other than the deadline
+TIMEOUT = "timeout"  # the request_timeout guard
+ERROR = "error"  # the request can never be served (named in result().error)
 
 # Guard names (printed as guard=Some("name")).
 GUARD_TIMEOUT = "request_timeout"
@@ -25,41 +26,41 @@ GUARD_KV_CAPACITY = "kv_capacity"  # a lone sequence outgrew the whole KV pool
 
 
 class SeqState(enum.Enum):
-    QUEUED = "queued"          # in the inbox or the waiting queue: no slot, no blocks
+    QUEUED = "queued"  # in the inbox or the waiting queue: no slot, no blocks
     PREFILLING = "prefilling"  # holds a slot; prompt KV partly computed (chunked prefill)
-    RUNNING = "running"        # holds a slot; decoding
-    FINISHED = "finished"      # done; still holds its slot until the end-of-tick release
+    RUNNING = "running"  # holds a slot; decoding
+    FINISHED = "finished"  # done; still holds its slot until the end-of-tick release
 
 
 @dataclass(eq=False)
 class Sequence:
     seq_id: int
-    prompt_ids: tuple                         # the client's prompt, never changes
+    prompt_ids: tuple  # the client's prompt, never changes
     params: SamplingParams
-    request_id: Optional[str] = None
+    request_id: str | None = None
     adapter: int = -1
-    image_embeds: object = None               # numpy [n, D] float32 or None
-    deadline: Optional[float] = None          # on the scheduler's clock
-    stream: bool = False                      # streaming client: on_token per token
-    on_token: Optional[Callable[[int], None]] = None
-    on_finish: Optional[Callable[[GenerationResult], None]] = None
+    image_embeds: object = None  # numpy [n, D] float32 or None
+    deadline: float | None = None  # on the scheduler's clock
+    stream: bool = False  # streaming client: on_token per token
+    on_token: Callable[[int], None] | None = None
+    on_finish: Callable[[GenerationResult], None] | None = None
     # -- state read by the model (interface.py) --------------------------------------
-    token_ids: list = field(init=False)       # prompt, then every generated token
-    num_prompt: int = field(init=False)       # grows on re-admission after a preemption
-    len: int = 0                              # tokens whose KV is stored
+    token_ids: list = field(init=False)  # prompt, then every generated token
+    num_prompt: int = field(init=False)  # grows on re-admission after a preemption
+    len: int = 0  # tokens whose KV is stored
     slot: int = -1
-    cached: int = 0                           # prefix-cache hit of the current admission
-    model_state: object = None                # the model's own (e.g. its sampler); never read here
+    cached: int = 0  # prefix-cache hit of the current admission
+    model_state: object = None  # the model's own (e.g. its sampler); never read here
     # -- scheduler bookkeeping -----------------------------------------------------------
     state: SeqState = SeqState.QUEUED
-    cached_tokens: Optional[int] = None       # reported hit: that of the first admission
-    admit_order: int = -1                     # larger: admitted more recently
-    finish_reason: Optional[str] = None
-    guard: Optional[str] = None
-    error: Optional[str] = None
+    cached_tokens: int | None = None  # reported hit: that of the first admission
+    admit_order: int = -1  # larger: admitted more recently
+    finish_reason: str | None = None
+    guard: str | None = None
+    error: str | None = None
     cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
-    _result: Optional[GenerationResult] = field(default=None, init=False, repr=False)
+    _result: GenerationResult | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = tuple(self.prompt_ids)
@@ -68,7 +69,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list:
-        return self.token_ids[len(self.prompt_ids):]
+        return self.token_ids[len(self.prompt_ids) :]
 
     @property
     def num_generated(self) -> int:
@@ -84,9 +85,14 @@ class Sequence:
         not decoded again for the handle)."""
         if self._result is not None:
             return self._result
-        result = GenerationResult(request_id=self.request_id, prompt_ids=list(self.prompt_ids),
-                                  token_ids=self.output_ids, finish_reason=self.finish_reason or "",
-                                  cached_tokens=self.cached_tokens or 0, error=self.error)
+        result = GenerationResult(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt_ids),
+            token_ids=self.output_ids,
+            finish_reason=self.finish_reason or "",
+            cached_tokens=self.cached_tokens or 0,
+            error=self.error,
+        )
         if self.finished:
             self._result = result
         return result
@@ -103,11 +109,11 @@ class RequestHandle:
         return self._seq.seq_id
 
     @property
-    def request_id(self) -> Optional[str]:
+    def request_id(self) -> str | None:
         return self._seq.request_id
 
     @property
-    def guard(self) -> Optional[str]:
+    def guard(self) -> str | None:
         """The guard that ended the request (None when none did or before it ends)."""
         return self._seq.guard if self.done() else None
 
@@ -123,7 +129,7 @@ class RequestHandle:
     def done(self) -> bool:
         return self._seq.done_event.is_set()
 
-    def result(self, timeout: Optional[float] = None) -> GenerationResult:
+    def result(self, timeout: float | None = None) -> GenerationResult:
         """Block until the request ends (or ``timeout`` seconds pass: TimeoutError)."""
         if not self._seq.done_event.wait(timeout):
             raise TimeoutError(f"request s{self.seq_id} still running after {timeout} s")

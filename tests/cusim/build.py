@@ -11,6 +11,7 @@ Rewrites: ``extern __shared__ T a[];`` -> a pointer to the launch's dynamic shar
 ``__shared__ T a[N];`` and ``__shared__ T a;`` -> the block's own copy (fresh, 0xFF-filled, per
 block and template instance). Comments are blanked first; ``static __shared__`` is refused.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,32 +30,60 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 INCLUDE = HERE / "include"
 CXX = os.environ.get("CXX", "g++")
-CXXFLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-U_FORTIFY_SOURCE", "-Wall",
-            "-Wno-unknown-pragmas", "-Wno-unused-function", "-Wno-unused-variable")
+CXXFLAGS = (
+    "-std=c++17",
+    "-O2",
+    "-fPIC",
+    "-shared",
+    "-fno-strict-aliasing",
+    "-U_FORTIFY_SOURCE",
+    "-Wall",
+    "-Wno-unknown-pragmas",
+    "-Wno-unused-function",
+    "-Wno-unused-variable",
+)
 
 _TYPE = r"((?:(?:unsigned|signed|long|short)\s+)*[\w:]+)"
-_EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:volatile\s+)?(?:__align__\(\d+\)\s+)?" + _TYPE
-                            + r"\s+(\w+)\s*\[\s*\]\s*;")
-_SHARED = re.compile(r"__shared__\s+(?:volatile\s+)?(?:__align__\(\d+\)\s+)?" + _TYPE
-                     + r"\s+(\w+)\s*((?:\[[^\]]+\])*)\s*;")
+_EXTERN_SHARED = re.compile(
+    r"extern\s+__shared__\s+(?:volatile\s+)?(?:__align__\(\d+\)\s+)?" + _TYPE + r"\s+(\w+)\s*\[\s*\]\s*;"
+)
+_SHARED = re.compile(
+    r"__shared__\s+(?:volatile\s+)?(?:__align__\(\d+\)\s+)?" + _TYPE + r"\s+(\w+)\s*((?:\[[^\]]+\])*)\s*;"
+)
 _STATIC_SHARED = re.compile(r"\bstatic\s+__shared__|__shared__\s+static\b")
-_ENTRY = re.compile(r'extern\s+"C"\s+__cusim_global__\s+void\s+(?:__cusim_bounds__\s*\(([^)]*)\)\s*)?'
-                    r"(\w+)\s*\(([^)]*)\)")
+_ENTRY = re.compile(
+    r'extern\s+"C"\s+__cusim_global__\s+void\s+(?:__cusim_bounds__\s*\(([^)]*)\)\s*)?'
+    r"(\w+)\s*\(([^)]*)\)"
+)
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 # C parameter type -> (ctypes type, numpy dtype CuPy must be given for it)
 _I32, _U32, _I64, _U64 = np.int32, np.uint32, np.int64, np.uint64
 SCALARS = {
-    "int": (ctypes.c_int32, _I32), "int32_t": (ctypes.c_int32, _I32), "signed": (ctypes.c_int32, _I32),
-    "unsigned": (ctypes.c_uint32, _U32), "unsigned int": (ctypes.c_uint32, _U32), "uint32_t": (ctypes.c_uint32, _U32),
-    "long long": (ctypes.c_int64, _I64), "long long int": (ctypes.c_int64, _I64), "int64_t": (ctypes.c_int64, _I64),
-    "long": (ctypes.c_int64, _I64), "long int": (ctypes.c_int64, _I64), "ptrdiff_t": (ctypes.c_int64, _I64),
-    "unsigned long long": (ctypes.c_uint64, _U64), "unsigned long": (ctypes.c_uint64, _U64),
-    "uint64_t": (ctypes.c_uint64, _U64), "size_t": (ctypes.c_uint64, _U64),
-    "short": (ctypes.c_int16, np.int16), "unsigned short": (ctypes.c_uint16, np.uint16),
-    "char": (ctypes.c_int8, np.int8), "signed char": (ctypes.c_int8, np.int8),
+    "int": (ctypes.c_int32, _I32),
+    "int32_t": (ctypes.c_int32, _I32),
+    "signed": (ctypes.c_int32, _I32),
+    "unsigned": (ctypes.c_uint32, _U32),
+    "unsigned int": (ctypes.c_uint32, _U32),
+    "uint32_t": (ctypes.c_uint32, _U32),
+    "long long": (ctypes.c_int64, _I64),
+    "long long int": (ctypes.c_int64, _I64),
+    "int64_t": (ctypes.c_int64, _I64),
+    "long": (ctypes.c_int64, _I64),
+    "long int": (ctypes.c_int64, _I64),
+    "ptrdiff_t": (ctypes.c_int64, _I64),
+    "unsigned long long": (ctypes.c_uint64, _U64),
+    "unsigned long": (ctypes.c_uint64, _U64),
+    "uint64_t": (ctypes.c_uint64, _U64),
+    "size_t": (ctypes.c_uint64, _U64),
+    "short": (ctypes.c_int16, np.int16),
+    "unsigned short": (ctypes.c_uint16, np.uint16),
+    "char": (ctypes.c_int8, np.int8),
+    "signed char": (ctypes.c_int8, np.int8),
     "unsigned char": (ctypes.c_uint8, np.uint8),
-    "float": (ctypes.c_float, np.float32), "double": (ctypes.c_double, np.float64), "bool": (ctypes.c_bool, np.bool_),
+    "float": (ctypes.c_float, np.float32),
+    "double": (ctypes.c_double, np.float64),
+    "bool": (ctypes.c_bool, np.bool_),
 }
 # pointee type -> numpy dtypes an array passed for it may have (bf16 lives in uint16 arrays);
 # vector types (uint4, float4, ...) reinterpret any array; other pointees are not checked
@@ -74,7 +103,7 @@ class LaunchError(RuntimeError):
 @dataclass(frozen=True)
 class Param:
     name: str
-    ctype: str          # as written, without const/__restrict__
+    ctype: str  # as written, without const/__restrict__
     pointer: bool
 
 
@@ -111,18 +140,21 @@ def parse_params(text: str) -> list[Param]:
 def _launcher(name: str, params: list[Param]) -> str:
     decl = ", ".join(f"{'void*' if p.pointer else p.ctype} cusim_a{i}" for i, p in enumerate(params))
     fields = "".join(f"{'void*' if p.pointer else p.ctype} cusim_a{i}; " for i, p in enumerate(params))
-    call = ", ".join(f"({p.ctype}*)cusim_s_->cusim_a{i}" if p.pointer else f"cusim_s_->cusim_a{i}"
-                     for i, p in enumerate(params))
+    call = ", ".join(
+        f"({p.ctype}*)cusim_s_->cusim_a{i}" if p.pointer else f"cusim_s_->cusim_a{i}" for i, p in enumerate(params)
+    )
     names = ", ".join(f"cusim_a{i}" for i in range(len(params)))
-    return (f"namespace {{ struct cusim_args_{name} {{ {fields}}};\n"
-            f"void cusim_body_{name}(void* cusim_p_) {{ auto* cusim_s_ = (cusim_args_{name}*)cusim_p_; "
-            f"(void)cusim_s_; {name}({call}); }} }}\n"
-            f'extern "C" const char* cusim_launch_{name}(unsigned cusim_gx, unsigned cusim_gy, unsigned cusim_gz, '
-            f"unsigned cusim_bx, unsigned cusim_by, unsigned cusim_bz, size_t cusim_smem, unsigned long long cusim_seed"
-            f"{', ' + decl if decl else ''}) {{\n"
-            f"  cusim_args_{name} cusim_v_{{{names}}};\n"
-            f"  return cusim_launch(dim3{{cusim_gx, cusim_gy, cusim_gz}}, dim3{{cusim_bx, cusim_by, cusim_bz}}, "
-            f"cusim_smem, cusim_seed, cusim_body_{name}, &cusim_v_);\n}}\n")
+    return (
+        f"namespace {{ struct cusim_args_{name} {{ {fields}}};\n"
+        f"void cusim_body_{name}(void* cusim_p_) {{ auto* cusim_s_ = (cusim_args_{name}*)cusim_p_; "
+        f"(void)cusim_s_; {name}({call}); }} }}\n"
+        f'extern "C" const char* cusim_launch_{name}(unsigned cusim_gx, unsigned cusim_gy, unsigned cusim_gz, '
+        f"unsigned cusim_bx, unsigned cusim_by, unsigned cusim_bz, size_t cusim_smem, unsigned long long cusim_seed"
+        f"{', ' + decl if decl else ''}) {{\n"
+        f"  cusim_args_{name} cusim_v_{{{names}}};\n"
+        f"  return cusim_launch(dim3{{cusim_gx, cusim_gy, cusim_gz}}, dim3{{cusim_bx, cusim_by, cusim_bz}}, "
+        f"cusim_smem, cusim_seed, cusim_body_{name}, &cusim_v_);\n}}\n"
+    )
 
 
 def _bounds(text: str | None) -> int | None:
@@ -132,7 +164,7 @@ def _bounds(text: str | None) -> int | None:
     first = text.split(",")[0]
     if not re.fullmatch(r"[\d\s()+\-*/]+", first):
         return None
-    return int(eval(first.replace("/", "//")))   # digits and arithmetic only
+    return int(eval(first.replace("/", "//")))  # digits and arithmetic only
 
 
 def _cache_dir() -> Path:
@@ -141,7 +173,7 @@ def _cache_dir() -> Path:
     return path
 
 
-def build(code: str, include_dirs: list[Path], defines: list[str] = ()) -> "Module":
+def build(code: str, include_dirs: list[Path], defines: list[str] = ()) -> Module:
     """Compile ``code`` for cusim; headers are looked up in ``include_dirs``."""
     if shutil.which(CXX) is None:
         raise BuildError(f"cusim needs a C++ compiler ({CXX}) on PATH")
@@ -151,9 +183,9 @@ def build(code: str, include_dirs: list[Path], defines: list[str] = ()) -> "Modu
         headers.mkdir()
         site = 1
         digest = hashlib.sha256((INCLUDE / "cusim.h").read_bytes() + (INCLUDE / "cuda_bf16.h").read_bytes())
-        for folder in include_dirs:   # the project's headers, rewritten like the source
+        for folder in include_dirs:  # the project's headers, rewritten like the source
             if (folder / "cuda_bf16.h").exists():
-                continue               # a CUDA toolkit's headers: cusim brings its own
+                continue  # a CUDA toolkit's headers: cusim brings its own
             for h in sorted(folder.glob("*.cuh")):
                 out = rewrite(h.read_text(), site * 10_000)
                 site += 1
@@ -162,10 +194,26 @@ def build(code: str, include_dirs: list[Path], defines: list[str] = ()) -> "Modu
         source = rewrite(code, 0)
         flags = [f"-D{d}" for d in defines]
         include = ["-I", str(INCLUDE), "-I", str(headers)]
-        pre = subprocess.run([CXX, "-E", "-P", "-x", "c++", "-std=c++17", "-D__global__=__cusim_global__",
-                              "-D__launch_bounds__(...)=__cusim_bounds__(__VA_ARGS__)",
-                              *flags, "-include", str(INCLUDE / "cusim.h"), *include, "-"],
-                             input=source, capture_output=True, text=True)
+        pre = subprocess.run(
+            [
+                CXX,
+                "-E",
+                "-P",
+                "-x",
+                "c++",
+                "-std=c++17",
+                "-D__global__=__cusim_global__",
+                "-D__launch_bounds__(...)=__cusim_bounds__(__VA_ARGS__)",
+                *flags,
+                "-include",
+                str(INCLUDE / "cusim.h"),
+                *include,
+                "-",
+            ],
+            input=source,
+            capture_output=True,
+            text=True,
+        )
         if pre.returncode:
             raise BuildError(f"cusim: preprocessing failed:\n{pre.stderr}")
         entries = {m[2]: parse_params(m[3]) for m in _ENTRY.finditer(pre.stdout)}
@@ -177,9 +225,22 @@ def build(code: str, include_dirs: list[Path], defines: list[str] = ()) -> "Modu
         lib = _cache_dir() / f"{digest.hexdigest()[:24]}.so"
         if not lib.exists():
             (work / "module.cpp").write_text(full)
-            tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")   # same filesystem: atomic rename
-            cc = subprocess.run([CXX, *CXXFLAGS, *flags, "-include", str(INCLUDE / "cusim.h"), *include,
-                                 "-o", str(tmp), str(work / "module.cpp")], capture_output=True, text=True)
+            tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")  # same filesystem: atomic rename
+            cc = subprocess.run(
+                [
+                    CXX,
+                    *CXXFLAGS,
+                    *flags,
+                    "-include",
+                    str(INCLUDE / "cusim.h"),
+                    *include,
+                    "-o",
+                    str(tmp),
+                    str(work / "module.cpp"),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if cc.returncode:
                 raise BuildError(f"cusim: g++ failed:\n{cc.stderr[-6000:]}")
             os.replace(tmp, lib)
@@ -193,7 +254,7 @@ class Module:
         self.lib, self.entries, self.bounds = lib, entries, bounds
         self.lib.cusim_set_max_dynamic_shared.argtypes = [ctypes.c_long]
 
-    def kernel(self, name: str) -> "Kernel":
+    def kernel(self, name: str) -> Kernel:
         if name not in self.entries:
             raise AttributeError(f"no kernel named {name!r}; the module exports {sorted(self.entries)}")
         return Kernel(self, name, self.entries[name])
@@ -208,33 +269,42 @@ def _dim3(v, what: str) -> tuple[int, int, int]:
 class Kernel:
     """One entry point. ``launch(grid, block, args, smem, seed, pointer_of)`` checks, then runs."""
 
-    launches = 0   # a global counter: each launch shuffles its threads with a fresh seed
-    _lock = threading.Lock()   # one launch at a time: the simulator's state is global
+    launches = 0  # a global counter: each launch shuffles its threads with a fresh seed
+    _lock = threading.Lock()  # one launch at a time: the simulator's state is global
 
     def __init__(self, module: Module, name: str, params: list[Param]):
         self.name, self.params = name, params
         self.module, self.max_threads = module, module.bounds.get(name)
         unknown = [p for p in params if not p.pointer and p.ctype not in SCALARS]
         if unknown:
-            raise LaunchError(f"{name}: cusim does not know the C type {unknown[0].ctype!r} of "
-                              f"argument {unknown[0].name} (add it to SCALARS in tests/cusim/build.py)")
+            raise LaunchError(
+                f"{name}: cusim does not know the C type {unknown[0].ctype!r} of "
+                f"argument {unknown[0].name} (add it to SCALARS in tests/cusim/build.py)"
+            )
         fn = getattr(module.lib, f"cusim_launch_{name}")
         fn.restype = ctypes.c_char_p
-        fn.argtypes = ([ctypes.c_uint] * 6 + [ctypes.c_size_t, ctypes.c_ulonglong]
-                       + [ctypes.c_void_p if p.pointer else SCALARS[p.ctype][0] for p in params])
+        fn.argtypes = (
+            [ctypes.c_uint] * 6
+            + [ctypes.c_size_t, ctypes.c_ulonglong]
+            + [ctypes.c_void_p if p.pointer else SCALARS[p.ctype][0] for p in params]
+        )
         self._fn = fn
 
     def check_scalar(self, i: int, p: Param, value):
         want = np.dtype(SCALARS[p.ctype][1])
         if isinstance(value, np.generic):
             if value.dtype != want:
-                raise LaunchError(f"{self.name}: argument {i} ({p.name}) is a {p.ctype}; got a numpy "
-                                  f"{value.dtype} scalar ({value.dtype.itemsize} bytes), want {want}")
+                raise LaunchError(
+                    f"{self.name}: argument {i} ({p.name}) is a {p.ctype}; got a numpy "
+                    f"{value.dtype} scalar ({value.dtype.itemsize} bytes), want {want}"
+                )
             return value.item()
         kinds = {int: "int64 (8 bytes)", float: "float64 (8 bytes)"}
         got = kinds.get(type(value), "something else")
-        raise LaunchError(f"{self.name}: argument {i} ({p.name}) is a {p.ctype}, but a Python "
-                          f"{type(value).__name__} would be passed as {got}: pass np.{want}(...)")
+        raise LaunchError(
+            f"{self.name}: argument {i} ({p.name}) is a {p.ctype}, but a Python "
+            f"{type(value).__name__} would be passed as {got}: pass np.{want}(...)"
+        )
 
     def launch(self, grid, block, args, smem: int, pointer_of, max_smem: int, max_dynamic: int = -1):
         """``max_smem``: the device's opt-in limit; ``max_dynamic``: the kernel's
@@ -248,21 +318,21 @@ class Kernel:
         if not (1 <= grid[0] < 2**31 and 1 <= grid[1] <= 65535 and 1 <= grid[2] <= 65535):
             raise LaunchError(f"{self.name}: grid {grid} is out of CUDA's limits")
         if smem > max_smem:
-            raise LaunchError(f"{self.name}: {smem} bytes of dynamic shared memory exceed the device's "
-                              f"{max_smem}")
+            raise LaunchError(f"{self.name}: {smem} bytes of dynamic shared memory exceed the device's {max_smem}")
         if len(args) != len(self.params):
             raise LaunchError(f"{self.name} takes {len(self.params)} arguments, got {len(args)}")
         values = []
         for i, (p, a) in enumerate(zip(self.params, args)):
             if p.pointer:
-                if a is None or (isinstance(a, int) and not isinstance(a, bool)):   # NULL, or a raw address
+                if a is None or (isinstance(a, int) and not isinstance(a, bool)):  # NULL, or a raw address
                     values.append(a)
                     continue
                 ptr, dtype = pointer_of(self.name, i, p, a)
                 ok = POINTEES.get(p.ctype)
                 if ok is not None and dtype not in [np.dtype(d) for d in ok]:
-                    raise LaunchError(f"{self.name}: argument {i} ({p.name}) points to {p.ctype}, "
-                                      f"got an array of {dtype}")
+                    raise LaunchError(
+                        f"{self.name}: argument {i} ({p.name}) points to {p.ctype}, got an array of {dtype}"
+                    )
                 values.append(ptr)
             else:
                 values.append(self.check_scalar(i, p, a))

@@ -15,6 +15,7 @@ passes, and its arrays are "device" arrays that behave as strictly as CuPy's:
 
 Device properties are those of an H100/H200-class GPU (132 SMs, 227 KiB opt-in shared memory).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,13 +29,13 @@ import numpy as np
 from . import build as _build
 
 PAD = 256
-FILL = 0xFF    # fresh memory: NaN floats, -1 ints
-GUARD = 0xFE   # the canaries around each allocation (differ from FILL: -1 / NaN writes show)
+FILL = 0xFF  # fresh memory: NaN floats, -1 ints
+GUARD = 0xFE  # the canaries around each allocation (differ from FILL: -1 / NaN writes show)
 SM_COUNT = 132
 SMEM_OPTIN = 232448
 MEMORY_TOTAL = 4 << 30
 
-_live: dict[int, "weakref.ref[_Allocation]"] = {}
+_live: dict[int, weakref.ref[_Allocation]] = {}
 
 
 class _Allocation:
@@ -45,16 +46,16 @@ class _Allocation:
         self.root = np.full(nbytes + 3 * PAD, GUARD, np.uint8)
         base = self.root.__array_interface__["data"][0]
         self.offset = PAD + (-(base + PAD)) % PAD
-        self.root[self.offset:self.offset + nbytes] = FILL
+        self.root[self.offset : self.offset + nbytes] = FILL
         self.ptr = base + self.offset
         _live[self.ptr] = weakref.ref(self)
         weakref.finalize(self, _live.pop, self.ptr, None)
 
     def buffer(self) -> np.ndarray:
-        return self.root[self.offset:self.offset + self.nbytes]
+        return self.root[self.offset : self.offset + self.nbytes]
 
     def check(self, who: str) -> None:
-        before, after = self.root[:self.offset], self.root[self.offset + self.nbytes:]
+        before, after = self.root[: self.offset], self.root[self.offset + self.nbytes :]
         if (before != GUARD).any() or (after != GUARD).any():
             where = "before the start" if (before != GUARD).any() else "past the end"
             raise _build.LaunchError(f"{who} wrote {where} of a {self.nbytes}-byte allocation")
@@ -68,8 +69,10 @@ def _find(ptr: int, nbytes: int, who: str) -> _Allocation:
         a = ref()
         if a is not None and a.contains(ptr, nbytes):
             return a
-    raise _build.LaunchError(f"{who}: [{ptr:#x}, +{nbytes}) is not inside one device allocation "
-                             f"(a host pointer, or a range running past the end)")
+    raise _build.LaunchError(
+        f"{who}: [{ptr:#x}, +{nbytes}) is not inside one device allocation "
+        f"(a host pointer, or a range running past the end)"
+    )
 
 
 class _Ptr:
@@ -80,7 +83,7 @@ class _Ptr:
 class ndarray:
     """A device array: a NumPy view into an _Allocation, with CuPy's strictness."""
 
-    __array_ufunc__ = None    # numpy_array + device_array raises TypeError, as with CuPy
+    __array_ufunc__ = None  # numpy_array + device_array raises TypeError, as with CuPy
     __array_priority__ = 100
 
     def __init__(self, view: np.ndarray, alloc: _Allocation):
@@ -100,12 +103,19 @@ class ndarray:
 
     @property
     def __cuda_array_interface__(self):
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.data.ptr, False),
-                "version": 3, "strides": None if self.flags.c_contiguous else self.strides}
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.data.ptr, False),
+            "version": 3,
+            "strides": None if self.flags.c_contiguous else self.strides,
+        }
 
     def __array__(self, *args, **kwargs):
-        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
-                        "Please use `.get()` to construct a NumPy array explicitly.")
+        raise TypeError(
+            "Implicit conversion to a NumPy array is not allowed. "
+            "Please use `.get()` to construct a NumPy array explicitly."
+        )
 
     def __repr__(self):
         return f"cusim.ndarray({self._a!r})"
@@ -117,7 +127,7 @@ class ndarray:
         return (self[i] for i in range(len(self)))
 
     # -- views and copies
-    def _view(self, a: np.ndarray) -> "ndarray":
+    def _view(self, a: np.ndarray) -> ndarray:
         return ndarray(a, self._alloc)
 
     def reshape(self, *shape, **kw):
@@ -144,7 +154,7 @@ class ndarray:
         return _device(self._a.astype(dtype))
 
     def get(self) -> np.ndarray:
-        _flush()   # CuPy's get() synchronizes the stream
+        _flush()  # CuPy's get() synchronizes the stream
         return self._a.copy()
 
     def item(self):
@@ -159,7 +169,7 @@ class ndarray:
         r = self._a[_index(idx)]
         if isinstance(r, np.ndarray):
             return self._view(r) if np.may_share_memory(r, self._a) else _device(r)
-        return _device(np.asarray(r))   # CuPy returns 0-d device arrays, not scalars
+        return _device(np.asarray(r))  # CuPy returns 0-d device arrays, not scalars
 
     def __setitem__(self, idx, value):
         self._a[_index(idx)] = _operand(value)
@@ -196,12 +206,14 @@ class ndarray:
 def _binary(op):
     def method(self, other):
         return _result(op(self._a, _operand(other)))
+
     return method
 
 
 def _rbinary(op):
     def method(self, other):
         return _result(op(_operand(other), self._a))
+
     return method
 
 
@@ -209,18 +221,35 @@ def _inplace(op):
     def method(self, other):
         op(self._a, _operand(other), out=self._a)
         return self
+
     return method
 
 
-for _name, _op in [("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("truediv", np.true_divide),
-                   ("floordiv", np.floor_divide), ("mod", np.mod), ("pow", np.power), ("and", np.bitwise_and),
-                   ("or", np.bitwise_or), ("xor", np.bitwise_xor), ("lshift", np.left_shift),
-                   ("rshift", np.right_shift)]:
+for _name, _op in [
+    ("add", np.add),
+    ("sub", np.subtract),
+    ("mul", np.multiply),
+    ("truediv", np.true_divide),
+    ("floordiv", np.floor_divide),
+    ("mod", np.mod),
+    ("pow", np.power),
+    ("and", np.bitwise_and),
+    ("or", np.bitwise_or),
+    ("xor", np.bitwise_xor),
+    ("lshift", np.left_shift),
+    ("rshift", np.right_shift),
+]:
     setattr(ndarray, f"__{_name}__", _binary(_op))
     setattr(ndarray, f"__r{_name}__", _rbinary(_op))
     setattr(ndarray, f"__i{_name}__", _inplace(_op))
-for _name, _op in [("eq", np.equal), ("ne", np.not_equal), ("lt", np.less), ("le", np.less_equal),
-                   ("gt", np.greater), ("ge", np.greater_equal)]:
+for _name, _op in [
+    ("eq", np.equal),
+    ("ne", np.not_equal),
+    ("lt", np.less),
+    ("le", np.less_equal),
+    ("gt", np.greater),
+    ("ge", np.greater_equal),
+]:
     setattr(ndarray, f"__{_name}__", _binary(_op))
 ndarray.__neg__ = lambda self: _result(-self._a)
 ndarray.__abs__ = lambda self: _result(np.abs(self._a))
@@ -229,12 +258,13 @@ ndarray.__hash__ = None
 
 def _operand(v):
     """A device array's data, or a scalar; host arrays are refused as CuPy refuses them."""
-    _flush()   # array operations run after earlier copies on the stream
+    _flush()  # array operations run after earlier copies on the stream
     if isinstance(v, ndarray):
         return v._a
     if isinstance(v, np.ndarray) and v.ndim > 0:
-        raise TypeError(f"Unsupported type {type(v)}: a host numpy array cannot be mixed with "
-                        f"device arrays (cupy.asarray it first)")
+        raise TypeError(
+            f"Unsupported type {type(v)}: a host numpy array cannot be mixed with device arrays (cupy.asarray it first)"
+        )
     if isinstance(v, (list, tuple)):
         raise TypeError(f"Unsupported type {type(v)} in a device array operation")
     return v
@@ -246,7 +276,7 @@ def _index(idx):
     if isinstance(idx, ndarray):
         return idx._a
     if isinstance(idx, np.ndarray) and idx.ndim > 0:
-        return idx   # CuPy accepts host index arrays (it copies them to the device)
+        return idx  # CuPy accepts host index arrays (it copies them to the device)
     return idx
 
 
@@ -371,7 +401,7 @@ class _Random:
 random = _Random()
 
 
-def __getattr__(name):   # dtypes and other NumPy names used as cupy.<name>
+def __getattr__(name):  # dtypes and other NumPy names used as cupy.<name>
     value = getattr(np, name)
     if isinstance(value, type) and issubclass(value, np.generic):
         return value
@@ -400,8 +430,14 @@ class _Runtime:
         return {16: SM_COUNT, 97: SMEM_OPTIN}[attr]
 
     def getDeviceProperties(self, device):
-        return {"name": b"cusim (CUDA simulated on the CPU)", "major": 9, "minor": 0, "multiProcessorCount": SM_COUNT,
-                "sharedMemPerBlockOptin": SMEM_OPTIN, "totalGlobalMem": MEMORY_TOTAL}
+        return {
+            "name": b"cusim (CUDA simulated on the CPU)",
+            "major": 9,
+            "minor": 0,
+            "multiProcessorCount": SM_COUNT,
+            "sharedMemPerBlockOptin": SMEM_OPTIN,
+            "totalGlobalMem": MEMORY_TOTAL,
+        }
 
     def runtimeGetVersion(self):
         return 13000
@@ -427,7 +463,7 @@ class _Runtime:
         _pending.append(lambda: ctypes.memmove(dst, src, nbytes))
 
 
-_pending: list = []   # queued async copies, in stream order
+_pending: list = []  # queued async copies, in stream order
 
 
 def _flush() -> None:
@@ -467,25 +503,29 @@ class CompileException(Exception):
 class RawKernel:
     def __init__(self, kernel: _build.Kernel):
         self._kernel = kernel
-        self.max_dynamic_shared_size_bytes = None   # unset: CUDA's default (48 KiB - static)
+        self.max_dynamic_shared_size_bytes = None  # unset: CUDA's default (48 KiB - static)
 
     def __call__(self, grid, block, args, *, shared_mem=0):
         if self.max_dynamic_shared_size_bytes is not None and not 0 <= self.max_dynamic_shared_size_bytes <= SMEM_OPTIN:
-            raise _build.LaunchError(f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} "
-                                     f"exceeds the device's {SMEM_OPTIN}")
+            raise _build.LaunchError(
+                f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} exceeds the device's {SMEM_OPTIN}"
+            )
         touched = []
 
         def pointer_of(name, i, p, a):
             if not isinstance(a, ndarray):
-                raise _build.LaunchError(f"{name}: argument {i} ({p.name}) must be a device array, "
-                                         f"got {type(a).__module__}.{type(a).__name__}")
+                raise _build.LaunchError(
+                    f"{name}: argument {i} ({p.name}) must be a device array, "
+                    f"got {type(a).__module__}.{type(a).__name__}"
+                )
             touched.append(a._alloc)
             return a.data.ptr, a.dtype
 
-        _flush()   # earlier copies on the stream complete before the kernel runs
+        _flush()  # earlier copies on the stream complete before the kernel runs
         limit = self.max_dynamic_shared_size_bytes
-        self._kernel.launch(grid, block, tuple(args), int(shared_mem), pointer_of, SMEM_OPTIN,
-                            -1 if limit is None else limit)
+        self._kernel.launch(
+            grid, block, tuple(args), int(shared_mem), pointer_of, SMEM_OPTIN, -1 if limit is None else limit
+        )
         for alloc in touched:
             alloc.check(self._kernel.name)
 
@@ -530,7 +570,7 @@ def get_default_memory_pool():
 
 
 # ---- cuBLAS gemmEx, evaluated on the host from what cupy_ops passes ---------------------------
-_CUBLAS_TYPES = {0: np.float32, 14: "bf16"}   # CUDA_R_32F, CUDA_R_16BF
+_CUBLAS_TYPES = {0: np.float32, 14: "bf16"}  # CUDA_R_32F, CUDA_R_16BF
 
 
 def _read(ptr: int, count: int, kind) -> np.ndarray:
@@ -550,13 +590,16 @@ def _col_major(ptr, rows, cols, ld, kind, who) -> np.ndarray:
     return flat[np.arange(rows)[:, None] + ld * np.arange(cols)[None, :]]
 
 
-def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
-           computeType, algo):
+def gemmEx(
+    handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, computeType, algo
+):
     who = "cublas.gemmEx"
     _flush()
     if (Atype, Btype, Ctype) not in ((14, 14, 14), (14, 14, 0), (0, 0, 0)):
-        raise _build.LaunchError(f"{who}: cuBLAS does not support A/B/C types {(Atype, Btype, Ctype)} "
-                                 f"with CUBLAS_COMPUTE_32F here (CUBLAS_STATUS_NOT_SUPPORTED)")
+        raise _build.LaunchError(
+            f"{who}: cuBLAS does not support A/B/C types {(Atype, Btype, Ctype)} "
+            f"with CUBLAS_COMPUTE_32F here (CUBLAS_STATUS_NOT_SUPPORTED)"
+        )
     if computeType != 68:
         raise _build.LaunchError(f"{who}: cusim implements CUBLAS_COMPUTE_32F only, got {computeType}")
     kinds = [_CUBLAS_TYPES.get(t) for t in (Atype, Btype, Ctype)]
@@ -602,9 +645,27 @@ def install() -> None:
     cuda.compiler = types.SimpleNamespace(CompileException=CompileException)
     cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
     cupy = types.ModuleType("cupy")
-    for name in ("ndarray", "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "arange",
-                 "asarray", "array", "ascontiguousarray", "asnumpy", "broadcast_to", "take", "concatenate", "stack",
-                 "get_default_memory_pool", "RawModule", "random"):
+    for name in (
+        "ndarray",
+        "empty",
+        "zeros",
+        "ones",
+        "full",
+        "empty_like",
+        "zeros_like",
+        "arange",
+        "asarray",
+        "array",
+        "ascontiguousarray",
+        "asnumpy",
+        "broadcast_to",
+        "take",
+        "concatenate",
+        "stack",
+        "get_default_memory_pool",
+        "RawModule",
+        "random",
+    ):
         setattr(cupy, name, getattr(me, name))
     cupy.RawKernel = RawKernel
     cupy.cuda = cuda
@@ -621,6 +682,13 @@ def install() -> None:
     backends.cuda = backends_cuda
     for mod in [m for m in sys.modules if m == "cupy" or m.startswith(("cupy.", "cupy_backends"))]:
         del sys.modules[mod]
-    sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": backends,
-                        "cupy_backends.cuda": backends_cuda, "cupy_backends.cuda.libs": libs,
-                        "cupy_backends.cuda.libs.cublas": cublas})
+    sys.modules.update(
+        {
+            "cupy": cupy,
+            "cupy.cuda": cuda,
+            "cupy_backends": backends,
+            "cupy_backends.cuda": backends_cuda,
+            "cupy_backends.cuda.libs": libs,
+            "cupy_backends.cuda.libs.cublas": cublas,
+        }
+    )

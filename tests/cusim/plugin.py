@@ -6,6 +6,7 @@ Installs the CuPy stand-in (``fake_cupy``) before any test module imports ``cupy
 ``eprt.ops.device.cuda_usable()`` is true and the ``gpu``-marked tests run the real
 ``kernels/*.cu`` sources through the simulator and ``CupyOps`` unchanged.
 """
+
 from . import fake_cupy
 
 

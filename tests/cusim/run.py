@@ -6,6 +6,7 @@
 Checks that a script meant for a GPU machine runs at all (device time is scarce); its
 timings mean nothing here.
 """
+
 import runpy
 import sys
 

@@ -8,6 +8,7 @@ checkpoint directory that does not exist (a model missing on one node). ``mixedc
 rank 1 reports another NumPy/BLAS build; ``identityfail``: computing it fails on rank 1.
 ``kvfail``: rank 1 has no room for its KV pool.
 """
+
 import os
 import signal
 import sys
@@ -38,21 +39,23 @@ def main() -> int:
         inject(mode)
     if mode == "loadfail" and os.environ.get("PMI_RANK") == "1":
         path += "-missing-on-this-node"
-    if mode == "mixedcompute" and os.environ.get("PMI_RANK") == "1":   # another NumPy/BLAS build
+    if mode == "mixedcompute" and os.environ.get("PMI_RANK") == "1":  # another NumPy/BLAS build
         from eprt.engine import startup
 
         startup.compute_identity = lambda ops: ("cpu: NumPy 0.0, BLAS other", "node2:cpu")
-    if mode == "identityfail" and os.environ.get("PMI_RANK") == "1":   # the identity itself fails
+    if mode == "identityfail" and os.environ.get("PMI_RANK") == "1":  # the identity itself fails
         from eprt.engine import startup
 
         def broken(ops):
             raise RuntimeError("cannot read the device properties (injected)")
+
         startup.compute_identity = broken
-    if mode == "kvfail" and os.environ.get("PMI_RANK") == "1":         # no room after the weights
+    if mode == "kvfail" and os.environ.get("PMI_RANK") == "1":  # no room after the weights
         from eprt.engine import startup
 
         def no_room(*args):
             raise RuntimeError("no room for a KV pool (injected)")
+
         startup._kv_blocks = no_room
     cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=64)
     with launch_engine(cfg) as engine:

@@ -12,6 +12,7 @@ same combines. MODE picks the fault, injected at decode step FAIL_STEP:
     root-raise  rank 0 raises between steps while the workers wait for a command
     idle        rank 0 idles longer than the collective timeout between steps (no fault)
 """
+
 import os
 import signal
 import sys
@@ -21,8 +22,8 @@ import numpy as np
 
 from eprt.comm.logging import setup_logging
 from eprt.comm.protocol import DecodeBatch, Prefill
-from eprt.comm.world import open_transport
 from eprt.comm.worker import run_worker
+from eprt.comm.world import open_transport
 
 D, LAYERS, MAX_SLOTS, STEPS, FAIL_STEP = 8, 2, 4, 6, 3
 MODES = ("clean", "raise", "kill", "stall", "root-raise", "idle")

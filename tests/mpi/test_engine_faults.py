@@ -1,6 +1,7 @@
 """The real engine under mpiexec: a failing worker ends the job non-zero with its error
 printed by rank 0; a killed worker ends it non-zero within 60 s. Launched once from a
 plain pytest (skipped inside a larger MPI world)."""
+
 import os
 import shutil
 import subprocess
@@ -9,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from checkpoints import build_checkpoint
+
 from eprt.comm.world import launcher_world_size
 
 DRIVER = Path(__file__).with_name("engine_fault_driver.py")
@@ -30,8 +31,13 @@ def launch(ckpt, mode):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
     env["EPRT_COLLECTIVE_TIMEOUT"] = "20"
     start = time.monotonic()
-    p = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(DRIVER), ckpt, mode], env=env,
-                       capture_output=True, text=True, timeout=90)
+    p = subprocess.run(
+        ["mpiexec", "-n", "2", sys.executable, str(DRIVER), ckpt, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     return p.returncode, p.stdout + p.stderr, time.monotonic() - start
 
 

@@ -5,15 +5,16 @@
 Every world size must give exactly the tokens of a single-rank run.  The checkpoints
 have 7 experts, so 2 and 3 ranks split them unevenly (4+3, 3+2+2).
 """
+
 import os
 import tempfile
 
 import numpy as np
 import pytest
-
 from checkpoints import build_checkpoint
-from eprt.comm.transport import LocalTransport
+
 from eprt.api import GenerationRequest, SamplingParams
+from eprt.comm.transport import LocalTransport
 from eprt.engine.engine import EngineConfig, launch_engine
 from eprt.model.loader import expert_shard, load_model
 from eprt.ops.numpy_ops import NumpyOps
@@ -21,8 +22,14 @@ from eprt.ops.numpy_ops import NumpyOps
 MPI = pytest.importorskip("mpi4py.MPI")
 COMM = MPI.COMM_WORLD
 IMAGE = 250
-PROMPTS = [[5, 77, 3], [140, 9, 9, 31, 200, 17, 64, 12, 250, 11], [8], list(range(90, 130)),
-           [7, 7, 7, 7, 7], [200, 100, 50, 25, 12, 6, 3]]
+PROMPTS = [
+    [5, 77, 3],
+    [140, 9, 9, 31, 200, 17, 64, 12, 250, 11],
+    [8],
+    list(range(90, 130)),
+    [7, 7, 7, 7, 7],
+    [200, 100, 50, 25, 12, 6, 3],
+]
 
 
 def shared_checkpoint(arch, **overrides):
@@ -36,8 +43,9 @@ def shared_checkpoint(arch, **overrides):
 
 
 def engine_config(path, **kw):
-    return EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=96,
-                        image_token_id=IMAGE, **kw)
+    return EngineConfig(
+        model=path, device="cpu", max_batch=4, block_size=4, max_model_len=96, image_token_id=IMAGE, **kw
+    )
 
 
 def run_everywhere(cfg, reqs_fn):
@@ -45,7 +53,7 @@ def run_everywhere(cfg, reqs_fn):
     try:
         with launch_engine(cfg) as engine:
             return engine.generate(reqs_fn())
-    except SystemExit as e:          # worker ranks leave the engine at SHUTDOWN
+    except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
         assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
         return None
 
@@ -85,8 +93,13 @@ def test_chunked_prefill_and_prefix_cache_equal_single_rank():
 def test_vision_rows_equal_single_rank():
     cfg = engine_config(shared_checkpoint("mixtral"))
     rows = np.random.default_rng(1).normal(0, 0.3, size=(2, 64)).astype(np.float32)
-    reqs = lambda: [GenerationRequest([4, IMAGE, 9, IMAGE, 13], SamplingParams(max_tokens=8), image_embeds=rows),  # noqa
-                    GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=8))]
+
+    def reqs():
+        return [
+            GenerationRequest([4, IMAGE, 9, IMAGE, 13], SamplingParams(max_tokens=8), image_embeds=rows),
+            GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=8)),
+        ]
+
     multi = run_everywhere(cfg, reqs)
     single = run_single(cfg, reqs)
     if COMM.rank == 0:
@@ -100,7 +113,7 @@ def test_each_rank_reads_only_its_experts():
     start, end = expert_shard(7, COMM.rank, COMM.size)
     cfg = loaded.config
     layers = cfg.num_layers
-    replicated = 3 + layers * (2 + 4 + 2 + 1)    # embed, norm, lm_head; norms, q/k/v/o, q/k norm, router
+    replicated = 3 + layers * (2 + 4 + 2 + 1)  # embed, norm, lm_head; norms, q/k/v/o, q/k norm, router
     assert (loaded.model.w.expert_start, loaded.model.w.expert_end) == (start, end)
     assert loaded.tensors_read == replicated + layers * 3 * (end - start)
     expert_bytes = layers * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
@@ -109,7 +122,7 @@ def test_each_rank_reads_only_its_experts():
         total_experts = sum(c[0] - replicated for c in counts) // (3 * layers)
         assert total_experts == 7
         replicated_bytes = counts[0][1] - expert_bytes * (expert_shard(7, 0, COMM.size)[1])
-        for r, (n, b) in enumerate(counts):
+        for r, (_, b) in enumerate(counts):
             s, e = expert_shard(7, r, COMM.size)
             assert b == replicated_bytes + expert_bytes * (e - s)
 

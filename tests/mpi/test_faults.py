@@ -4,6 +4,7 @@ non-zero exit and a message naming it, quickly; an idle server is not a fault.
 These launch their own jobs, so they run once, from a plain ``pytest`` (skipped when the
 test process is itself one rank of a larger MPI world).
 """
+
 import os
 import shutil
 import subprocess
@@ -29,8 +30,13 @@ def launch(mode: str, limit: float = 60.0):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
     env["EPRT_COLLECTIVE_TIMEOUT"] = str(TIMEOUT)
     start = time.monotonic()
-    out = subprocess.run(["mpiexec", "-n", "3", sys.executable, str(DRIVER), mode],
-                         env=env, capture_output=True, text=True, timeout=limit)
+    out = subprocess.run(
+        ["mpiexec", "-n", "3", sys.executable, str(DRIVER), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=limit,
+    )
     return out.returncode, out.stdout + out.stderr, time.monotonic() - start
 
 
@@ -71,6 +77,8 @@ def test_rank0_failure_releases_idle_workers():
     rc, output, elapsed = launch("root-raise")
     assert rc != 0, output
     for rank in (1, 2):
-        assert (f"[rank {rank}] ERROR eprt.comm.worker: rank {rank}: rank 0 is going down: "
-                "RuntimeError: injected failure on rank 0") in output, output
+        assert (
+            f"[rank {rank}] ERROR eprt.comm.worker: rank {rank}: rank 0 is going down: "
+            "RuntimeError: injected failure on rank 0"
+        ) in output, output
     assert elapsed < TIMEOUT + 15

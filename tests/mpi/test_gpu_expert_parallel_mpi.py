@@ -6,14 +6,15 @@ it on cusim, the CPU CUDA simulator: tests/cusim/README.md):
 Each rank runs its experts' kernels on its GPU and the partial MoE outputs are summed through
 pinned host buffers (eprt/comm/cuda_staging.py). The tokens must equal a single-rank CuPy run.
 """
+
 import os
 import tempfile
 
 import pytest
-
 from checkpoints import build_checkpoint
-from eprt.comm.transport import LocalTransport
+
 from eprt.api import GenerationRequest, SamplingParams
+from eprt.comm.transport import LocalTransport
 from eprt.engine.engine import EngineConfig, launch_engine
 from eprt.ops.device import cuda_usable
 
@@ -35,13 +36,12 @@ def shared_checkpoint(arch):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 def test_cuda_tokens_equal_single_rank(arch):
-    cfg = EngineConfig(model=shared_checkpoint(arch), device="cuda", max_batch=4, block_size=16,
-                       max_model_len=96)
+    cfg = EngineConfig(model=shared_checkpoint(arch), device="cuda", max_batch=4, block_size=16, max_model_len=96)
     requests = lambda: [GenerationRequest(p, SamplingParams(max_tokens=10)) for p in PROMPTS]  # noqa: E731
     try:
         with launch_engine(cfg) as engine:
             multi = engine.generate(requests())
-    except SystemExit as e:          # worker ranks leave the engine at SHUTDOWN
+    except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
         assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
         multi = None
     if COMM.rank == 0:

@@ -4,6 +4,7 @@
 Every rank runs every test; assertions come after the communication, so a failing check
 on one rank never leaves the others waiting in a collective.
 """
+
 import io
 import os
 import subprocess
@@ -53,8 +54,12 @@ def recv_commands(t, n):
 @pytest.mark.mpi
 def test_frames_arrive_in_order_coalesced(t):
     long_prompt = tuple(range(40))  # 40 tokens overflow the 16-word frame: 2 Bcasts
-    flushes = [[Prefill(0, 0, 3, (1, 2, 3))], [DecodeBatch((0,), (7,))],
-               [Prefill(1, 0, 40, long_prompt), Release(0)], [Compact(1, 0), Decode1(0, 9)]]
+    flushes = [
+        [Prefill(0, 0, 3, (1, 2, 3))],
+        [DecodeBatch((0,), (7,))],
+        [Prefill(1, 0, 40, long_prompt), Release(0)],
+        [Compact(1, 0), Decode1(0, 9)],
+    ]
     cmds = [c for group in flushes for c in group]
     if t.rank == 0:
         bcasts = []
@@ -142,7 +147,7 @@ def test_large_allsum_is_the_rank_ordered_sum_bitwise(t):
     # reduce-scatter and an all-gather, and must still be bitwise the rank-ordered sum everywhere
     from eprt.comm.mpi_transport import REDUCE_SCATTER_MIN_BYTES
 
-    mine = partials(t.size, shape=(701, 512))   # 1.4 MB, an element count no world size divides
+    mine = partials(t.size, shape=(701, 512))  # 1.4 MB, an element count no world size divides
     assert mine[0].nbytes >= REDUCE_SCATTER_MIN_BYTES
     before = t.stats.copy()
     out = t.allsum(mine[t.rank])
@@ -163,7 +168,7 @@ def test_allsum_never_flushes_commands(t):
     if t.rank == 0:
         t.send(Prefill(0, 0, 2, (3, 4)))
         with pytest.raises(RuntimeError, match="2 command words|not flushed"):
-            t.allsum(zeros)   # refused before any collective: the workers would not join it
+            t.allsum(zeros)  # refused before any collective: the workers would not join it
         t.flush()
     else:
         recv_commands(t, 1)
@@ -172,14 +177,15 @@ def test_allsum_never_flushes_commands(t):
 
 class CombiningExecutor:
     """A toy model: every prefill and decode runs one MoE combine, like a forward pass."""
+
     hidden_size = D
 
     def __init__(self, t):
-        self.t, self.slots, self.final = t, {}, None   # slot -> (prompt length, stored tokens)
+        self.t, self.slots, self.final = t, {}, None  # slot -> (prompt length, stored tokens)
 
     def prefill(self, slot, tokens, chunk_start, chunk_len, vision_rows):
         prompt, stored = self.slots.get(slot, (len(tokens), []))
-        self.slots[slot] = (prompt, stored + tokens[chunk_start:chunk_start + chunk_len].tolist())
+        self.slots[slot] = (prompt, stored + tokens[chunk_start : chunk_start + chunk_len].tolist())
         self.t.allsum(np.full((chunk_len, D), self.t.rank, np.float32))
 
     def decode(self, slots, tokens):
@@ -199,8 +205,15 @@ class CombiningExecutor:
 
 @pytest.mark.mpi
 def test_worker_loop_matches_rank0_over_mpi(t):
-    steps = [Prefill(0, 0, 3, (1, 2, 3)), Prefill(1, 0, 2, (4, 5)), DecodeBatch((0, 1), (6, 7)),
-             Release(0), Compact(1, 0), DecodeBatch((0,), (8,)), Decode1(0, 9)]
+    steps = [
+        Prefill(0, 0, 3, (1, 2, 3)),
+        Prefill(1, 0, 2, (4, 5)),
+        DecodeBatch((0, 1), (6, 7)),
+        Release(0),
+        Compact(1, 0),
+        DecodeBatch((0,), (8,)),
+        Decode1(0, 9),
+    ]
     expected = {0: (2, (4, 5, 7, 8, 9))}
     if t.rank == 0:
         for cmd in steps:
@@ -249,9 +262,11 @@ def test_idle_workers_leave_when_rank0_goes_down(t):
 
 
 def test_world_of_one_never_imports_mpi4py():
-    code = ("import sys; from eprt.comm.world import open_transport, LocalTransport; "
-            "from eprt.comm.protocol import Release; t = open_transport(); t.send(Release(0)); t.flush(); "
-            "assert isinstance(t, LocalTransport) and 'mpi4py' not in sys.modules; print('ok')")
+    code = (
+        "import sys; from eprt.comm.world import open_transport, LocalTransport; "
+        "from eprt.comm.protocol import Release; t = open_transport(); t.send(Release(0)); t.flush(); "
+        "assert isinstance(t, LocalTransport) and 'mpi4py' not in sys.modules; print('ok')"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "HYDRA_"))}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
