@@ -9,7 +9,8 @@ predictable so that tests can assert exact outputs:
 - tokenizer: bytes. Id b < 256 is the byte b, 256 is EOS (vocabulary of 260), so a
   multi-byte character spans several tokens (exercises incremental decoding).
 - model: echoes the prompt back, one token per step, then EOS. A prompt containing
-  ``FAIL`` ends in an engine error after two tokens.
+  ``FAIL`` ends in an engine error after two tokens; one containing ``CRASH`` makes the
+  engine loop itself raise after two tokens (a failed rank: every request in flight fails).
 - scheduling: continuous batching on the thread that runs ``serve_forever``: each step
   admits waiting requests into free slots (``max_batch``), gives every running
   sequence one token, then sleeps ``token_delay`` seconds.
@@ -92,6 +93,7 @@ class FakeEngine:
         self._waiting: deque = deque()
         self._running: list = []
         self._prompts: list = []      # earlier prompts, for the prefix cache
+        self.ticks = 0                # steps run (the engine's scheduler ticks)
         self._counts = dict(prompt_tokens=0, cached_tokens=0, generation_tokens=0, requests_finished=0)
 
     # ---- the contract ---------------------------------------------------------------------
@@ -131,10 +133,16 @@ class FakeEngine:
             self.step()
             time.sleep(self.token_delay)
 
+    def fail(self, message: str) -> None:
+        """End every request in flight with an error (the real engine's ``fail``)."""
+        with self._lock:
+            for seq in list(self._waiting) + list(self._running):
+                self._finish(seq, "error", message)
+
     def stats(self) -> dict:
         with self._lock:
             held = sum((len(s.request.prompt_ids) + len(s.generated)) // BLOCK + 1 for s in self._running)
-            return dict(running=len(self._running), waiting=len(self._waiting),
+            return dict(running=len(self._running), waiting=len(self._waiting), ticks=self.ticks,
                         free_blocks=self.total_blocks - held, cached_blocks=0,
                         total_blocks=self.total_blocks, **self._counts)
 
@@ -143,6 +151,7 @@ class FakeEngine:
     def step(self) -> None:
         """Admit waiting requests into free slots, then give every running one a token."""
         with self._lock:
+            self.ticks += 1
             while self._waiting and len(self._running) < self.max_batch:
                 self._admit(self._waiting.popleft())
             for seq in list(self._running):
@@ -161,6 +170,8 @@ class FakeEngine:
         req, prompt = seq.request, seq.request.prompt_ids
         if req.timeout_s is not None and time.monotonic() - seq.submitted > req.timeout_s:
             return self._finish(seq, "timeout")
+        if b"CRASH" in bytes(t for t in prompt if t < 256) and len(seq.generated) == 2:
+            raise RuntimeError("fake engine crash (the prompt says CRASH)")
         if b"FAIL" in bytes(t for t in prompt if t < 256) and len(seq.generated) == 2:
             return self._finish(seq, "error", "fake engine failure (the prompt says FAIL)")
         n = len(seq.generated)

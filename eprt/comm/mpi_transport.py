@@ -12,11 +12,13 @@ import numpy as np
 
 from eprt import env
 from eprt.comm.slots import StreamChecker
-from eprt.comm.transport import (DEFAULT_FRAME_WORDS, STARTUP_ERROR_BYTES, RootDown, StartupFailed, Transport,
-                                  WorkerFailed)
+from eprt.comm.transport import (DEFAULT_FRAME_WORDS, STARTUP_ERROR_BYTES, CollectiveTimeout, RootDown,
+                                  StartupFailed, Transport, WorkerFailed, _ranks)
 
 TAG_WORKER_ERROR = 1  # worker -> rank 0: utf-8 error text (the sender is the failing rank)
 TAG_ROOT_DOWN = 2     # rank 0 -> worker: utf-8 reason; rank 0 is going down without SHUTDOWN
+TAG_PING = 3          # rank 0 -> worker: are you there? (answered from the worker's waits)
+TAG_PONG = 4          # worker -> rank 0: the answer
 BUSY_SLEEP_MAX = 1e-4  # s, longest sleep between polls inside a compute-time collective
 IDLE_SLEEP_MAX = 5e-3  # s, longest sleep while a worker waits for its next command
 ABORT_GRACE = 0.5      # s between printing why and aborting, so the message reaches the terminal
@@ -183,6 +185,7 @@ class MpiTransport(Transport):
             reason = self._root_notice()
             if reason is not None:
                 raise RootDown(f"rank 0 is going down: {reason}")
+            self._answer_ping()
             return
         if self._failed is not None:
             raise self._failed
@@ -193,6 +196,34 @@ class MpiTransport(Transport):
             print(f"eprt: rank {src} failed: {text}", file=sys.stderr, flush=True)
             self._failed = WorkerFailed(src, text)
             raise self._failed
+
+    def _answer_ping(self) -> None:
+        status = self._MPI.Status()
+        if self._err.Iprobe(source=0, tag=TAG_PING, status=status):
+            self._recv_text(0, TAG_PING, status)
+            self._err.Isend(np.zeros(1, np.uint8), dest=0, tag=TAG_PONG)   # eager: completes on its own
+
+    def unresponsive_ranks(self, wait_s: float = 1.0) -> list:
+        """Ping every worker on the error channel; the ranks that do not answer within
+        ``wait_s`` (a worker answers from any wait of its own, busy or idle)."""
+        if self.rank != 0 or self.size == 1:
+            return []
+        ping = np.zeros(1, np.uint8)
+        for k in range(1, self.size):
+            self._err.Isend(ping, dest=k, tag=TAG_PING)
+        waiting, status = set(range(1, self.size)), self._MPI.Status()
+        deadline = time.monotonic() + wait_s
+        while waiting and time.monotonic() < deadline:
+            if self._err.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_PONG, status=status):
+                src = status.Get_source()
+                self._recv_text(src, TAG_PONG, status)
+                waiting.discard(src)
+            else:
+                time.sleep(1e-3)
+        return sorted(waiting)
+
+    def abort(self, message: str) -> None:
+        self._abort(message)
 
     def _root_notice(self) -> str | None:
         status = self._MPI.Status()
@@ -216,13 +247,19 @@ class MpiTransport(Transport):
             time.sleep(BUSY_SLEEP_MAX)
 
     def _watchdog(self, what: str) -> None:
+        late = ""
         if self.rank == 0:
             try:
                 self._check_channel()  # a worker's report explains the stall better than we can
             except WorkerFailed:
-                pass
+                if self.watchdog_raises:
+                    raise
+            ranks = self.unresponsive_ranks()
+            if self.watchdog_raises:
+                raise CollectiveTimeout(ranks, what, self.timeout)
+            late = f" (not answering: {_ranks(ranks)})" if ranks else ""
         self._abort(f"eprt: rank {self.rank}: {what} did not complete within {self.timeout:g} s "
-                    "(EPRT_COLLECTIVE_TIMEOUT); a rank died or fell out of step; aborting the job")
+                    f"(EPRT_COLLECTIVE_TIMEOUT){late}; a rank died or fell out of step; aborting the job")
 
     def _abort(self, message: str) -> None:
         print(message, file=sys.stderr, flush=True)

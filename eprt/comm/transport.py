@@ -30,6 +30,7 @@ down with a non-zero exit at once; the watchdog covers launchers that do not.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -46,6 +47,17 @@ class WorkerFailed(RuntimeError):
     def __init__(self, rank: int, error: str):
         super().__init__(f"rank {rank} failed: {error}")
         self.rank, self.error = rank, error
+
+
+class CollectiveTimeout(WorkerFailed):
+    """Raised on rank 0 (when ``watchdog_raises``) for a collective overdue past the timeout;
+    ``rank`` is the first rank that did not answer a ping (-1: none could be named)."""
+
+    def __init__(self, late: list, what: str, timeout: float):
+        who = _ranks(late) if late else "no rank could be named"
+        super().__init__(late[0] if late else -1, f"{what} did not complete within {timeout:g} s "
+                                                  f"(EPRT_COLLECTIVE_TIMEOUT); not answering a ping: {who}")
+        self.late = late
 
 
 class RootDown(RuntimeError):
@@ -113,6 +125,9 @@ class Transport:
         self._n = 1
         self._shutdown_sent = False
         self.closed = False
+        # rank 0: an overdue collective raises CollectiveTimeout (the caller answers its clients,
+        # then calls abort) instead of aborting the job at once
+        self.watchdog_raises = False
 
     @property
     def mirror(self) -> SlotMirror | None:
@@ -208,6 +223,16 @@ class Transport:
     def close(self, reason: str | None = None) -> None:
         """Rank 0 leaving without a SHUTDOWN (an error) tells every worker to leave too."""
         self.closed = True
+
+    def unresponsive_ranks(self, wait_s: float = 1.0) -> list:
+        """Rank 0: the worker ranks that do not answer a ping within ``wait_s`` (dead, stopped,
+        or stuck outside the transport)."""
+        return []
+
+    def abort(self, message: str) -> None:
+        """End the whole job now, non-zero, after printing ``message``."""
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)
 
     def __enter__(self) -> Transport:
         return self

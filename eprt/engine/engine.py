@@ -153,6 +153,11 @@ class Engine:
             self._next_log = now + STATS_LOG_INTERVAL_S
             log.info("%s", self.stats_line())
 
+    def fail(self, message: str) -> None:
+        """End every request in flight with ``message`` (the loop failed outside a step, e.g. a
+        signal while idle); the main thread only, once the loop has stopped."""
+        self.scheduler.fail_all(message)
+
     def stats_line(self) -> str:
         s = self.stats()
         return (f"running {s['running']}, waiting {s['waiting']}; KV blocks: {s['free_blocks']} free "

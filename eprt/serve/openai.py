@@ -1,18 +1,24 @@
 """The OpenAI API shapes: request bodies -> ``ApiRequest``, results -> response dicts.
 
-No I/O here (``eprt.serve.http`` does the HTTP). Every bad request raises ``FieldError``
-naming the field, which the server answers with 400 and an OpenAI-style error body.
-Unknown fields are ignored, as OpenAI clients send many optional ones; fields asking
-for something eprt cannot do (n > 1, logprobs, tools, ...) are refused, not ignored.
+No I/O here (``eprt.serve.http`` does the HTTP). A body is size-checked against the context
+first (before any tokenizing), then type-checked by the pydantic models below, then
+value-checked by ``eprt.serve.params``; every problem is a ``FieldError`` naming the field
+(answered 400). Unknown fields are ignored; unsupported ones (n > 1, tools, ...) are refused.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any, List, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from eprt.engine.api import GenerationRequest, GenerationResult, SamplingParams
 from eprt.serve.params import FieldError, check_text, encode_prompt, parse_options, parse_token_ids
+
+MAX_CHARS_PER_TOKEN = 32   # text longer than max_model_len * this cannot fit the context: refused untokenized
 
 # field -> (value that asks for something unsupported?, what to tell the client)
 UNSUPPORTED = {
@@ -27,6 +33,80 @@ UNSUPPORTED = {
                         'only response_format {"type": "text"} is supported'),
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: StrictBool = False
+
+
+class _Body(BaseModel):
+    """The typed fields both generation routes share; the values are checked by params.py."""
+    model_config = ConfigDict(extra="allow")        # OpenAI clients send many optional fields
+    model: Optional[StrictStr] = None
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[StrictFloat] = None
+    top_p: Optional[StrictFloat] = None
+    top_k: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = None
+    stop: Optional[Union[StrictStr, List[Union[StrictStr, StrictInt]]]] = None
+    timeout: Optional[StrictFloat] = None
+
+
+class CompletionBody(_Body):
+    prompt: Union[StrictStr, List[Any]]
+
+
+class ChatCompletionBody(_Body):
+    messages: List[Any]
+    max_completion_tokens: Optional[StrictInt] = None
+
+
+def _check_types(body: dict, chat: bool) -> None:
+    """FieldError for the first field of the wrong type (pydantic's message, with the value)."""
+    try:
+        (ChatCompletionBody if chat else CompletionBody).model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = str(err["loc"][0]) if err["loc"] else "body"
+        where = ".".join(str(part) for part in err["loc"]) or "body"
+        got = "" if err["type"] == "missing" else f", got {err.get('input')!r:.60}"
+        raise FieldError(param, f"{where}: {err['msg']}{got}") from None
+
+
+def _check_size(body: dict, chat: bool, max_model_len: int) -> None:
+    """Refuse prompts that cannot fit the context before tokenizing or checking every id."""
+    max_chars = max_model_len * MAX_CHARS_PER_TOKEN
+    if chat:
+        messages = body.get("messages")
+        contents = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+        parts = [p.get("text") for c in contents if isinstance(c, list) for p in c if isinstance(p, dict)]
+        chars = sum(len(t) for t in contents + parts if isinstance(t, str))
+        if chars > max_chars:
+            raise FieldError("messages", f"the messages have {chars} characters; at most {max_chars} "
+                                         f"({MAX_CHARS_PER_TOKEN} per token of max_model_len={max_model_len}) "
+                                         f"are accepted")
+        return
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and len(prompt) > max_chars:
+        raise FieldError("prompt", f"the prompt has {len(prompt)} characters; at most {max_chars} "
+                                   f"({MAX_CHARS_PER_TOKEN} per token of max_model_len={max_model_len}) are accepted")
+    if isinstance(prompt, list) and len(prompt) >= max_model_len:
+        raise FieldError("prompt", f"the prompt has {len(prompt)} tokens but max_model_len={max_model_len} "
+                                   f"leaves room for at most {max_model_len - 1}")
+
+
+def _room(prompt_ids: list, max_model_len: int, param: str) -> int:
+    """Tokens the context leaves for the completion; FieldError when it leaves none."""
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise FieldError(param, f"the prompt has {len(prompt_ids)} tokens but max_model_len={max_model_len} "
+                                f"leaves room for at most {max_model_len - 1}")
+    return room
 
 
 @dataclass
@@ -110,13 +190,17 @@ def _template_errors() -> tuple:
     return (ValueError, TemplateError)
 
 
-def parse_request(body, engine, chat: bool) -> ApiRequest:
-    """Validate one request body of /v1/chat/completions (chat) or /v1/completions."""
+def parse_request(body, engine, chat: bool, model_name: Optional[str] = None) -> ApiRequest:
+    """Validate one request body of /v1/chat/completions (chat) or /v1/completions;
+    ``model_name``: the name clients use (``--served-model-name``), else the engine's."""
     if not isinstance(body, dict):
         raise FieldError("body", f"the request body must be a JSON object, got {type(body).__name__}")
-    model = body.get("model", engine.model_name)
-    if model != engine.model_name:
-        raise FieldError("model", f"model {model!r} is not served here; this server serves {engine.model_name!r}")
+    model_name = model_name or engine.model_name
+    model = body.get("model", model_name)
+    if model != model_name:
+        raise FieldError("model", f"model {model!r:.80} is not served here; this server serves {model_name!r}")
+    _check_size(body, chat, engine.max_model_len)
+    _check_types(body, chat)
     for name, (unsupported, message) in UNSUPPORTED.items():
         if unsupported(body.get(name)):
             raise FieldError(name, message)
@@ -127,17 +211,22 @@ def parse_request(body, engine, chat: bool) -> ApiRequest:
     include_usage = _flag(options, "include_usage")
     if chat:
         prompt_ids = _chat_prompt(body.get("messages"), engine)
+        room = _room(prompt_ids, engine.max_model_len, "messages")
         # Chat answers run to the end of the context unless told otherwise, as in OpenAI's API.
-        default_max = max(1, engine.max_model_len - len(prompt_ids))
+        default_max = room
         max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     else:
         if "prompt" not in body:
             raise FieldError("prompt", "prompt is required")
         prompt_ids = _completion_prompt(body["prompt"], engine)
+        room = _room(prompt_ids, engine.max_model_len, "prompt")
         default_max, max_field = SamplingParams().max_tokens, "max_tokens"
     opts = parse_options(body, engine.vocab_size, default_max, max_tokens_field=max_field)
-    api = ApiRequest(chat, GenerationRequest(prompt_ids, opts.params, timeout_s=opts.timeout_s),
-                     opts.stop_strings, stream, include_usage, engine.model_name)
+    # max_tokens past the context (10**12, say) is cut to what the context leaves, as the
+    # engine would stop there anyway; the answer's finish_reason is then "length".
+    params = dataclasses.replace(opts.params, max_tokens=min(opts.params.max_tokens, room))
+    api = ApiRequest(chat, GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s),
+                     opts.stop_strings, stream, include_usage, model_name)
     api.request.request_id = api.id
     return api
 
@@ -192,6 +281,6 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def models_body(engine, created: int) -> dict:
-    return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": created,
+def models_body(engine, created: int, model_name: Optional[str] = None) -> dict:
+    return {"object": "list", "data": [{"id": model_name or engine.model_name, "object": "model", "created": created,
                                         "owned_by": "eprt", "max_model_len": engine.max_model_len}]}

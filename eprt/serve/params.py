@@ -13,7 +13,8 @@ from typing import Optional
 
 from eprt.engine.api import RequestError, SamplingParams
 
-MAX_STOPS = 64      # stop strings and ids of one request
+MAX_STOPS = 16           # stop strings and ids of one request (each string is searched for after every token)
+MAX_STOP_CHARS = 1024    # characters of all the stop strings of one request together
 
 
 class FieldError(RequestError):
@@ -116,7 +117,11 @@ def parse_stop(value, vocab_size: int) -> tuple:
                 raise FieldError("stop", f"stop token id {item} is outside the vocabulary [0, {vocab_size})")
             ids.append(item)
         else:
-            raise FieldError("stop", f"stop entries must be strings or token ids, got {item!r}")
+            raise FieldError("stop", f"stop entries must be strings or token ids, got {item!r:.60}")
+    total = sum(len(s) for s in strings)
+    if total > MAX_STOP_CHARS:      # the held-back tail and the search grow with the longest one
+        raise FieldError("stop", f"stop strings have {total} characters in all; at most {MAX_STOP_CHARS} "
+                                 f"are allowed")
     return tuple(strings), tuple(ids)
 
 

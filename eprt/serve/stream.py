@@ -8,7 +8,8 @@ appears the text is cut just before it and ``stopped`` is set.
 ``LiveRequest`` submits a request whose ``on_token`` and ``on_finish`` callbacks only
 queue the id, then an end marker (the engine thread does no decoding); the client
 thread (an HTTP handler, the batch writer) pumps the queue, wakes up as soon as the
-request ends, and cancels the sequence once a stop string matched.
+request ends, and cancels the sequence once a stop string matched. ``notify`` (optional)
+is called on the engine thread after each queued item, so an asyncio client can wake.
 """
 from __future__ import annotations
 
@@ -94,14 +95,15 @@ class TextStream:
 class LiveRequest:
     """A submitted request whose tokens are consumed, as they come, on the caller's thread."""
 
-    def __init__(self, engine, request: GenerationRequest, stop_strings=()):
+    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None):
         tok = engine.tokenizer
         if stop_strings and tok is None:
             raise FieldError("stop", "stop strings need a tokenizer and this model has none; "
                                      "give stop token ids instead")
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
+        self._notify = notify
         request.stream = True
-        request.on_token = self._tokens.put
+        request.on_token = self._put
         hidden = set(request.params.stop_token_ids) | set(tok.eos_token_ids if tok else ())
         self.text = TextStream(tok, stop_strings, hidden)
         self.token_ids: list = []          # every id consumed so far, hidden ones included
@@ -111,7 +113,12 @@ class LiveRequest:
         self._cancelled = False
         # Raises RequestError for a bad request. on_finish runs on the engine thread after
         # the last on_token, for every end (finished, stopped, cancelled, timed out, failed).
-        self.handle = engine.submit(request, on_finish=lambda result: self._tokens.put(_END))
+        self.handle = engine.submit(request, on_finish=lambda result: self._put(_END))
+
+    def _put(self, item) -> None:
+        self._tokens.put(item)
+        if self._notify is not None:
+            self._notify()
 
     def pump(self, timeout: float = 0.0) -> str:
         """Consume the queued ids (waiting up to ``timeout`` for the first); return new text."""
