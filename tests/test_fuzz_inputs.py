@@ -26,7 +26,6 @@ from eprt.engine.api import GenerationRequest, RequestError, SamplingParams
 from eprt.engine.config import EngineConfig
 from eprt.engine.engine import launch_engine
 from eprt.scheduler.config import SchedulerConfig, validate_request
-from eprt.serve import http
 from eprt.serve.batch import run_batch
 from fake_engine import FakeEngine
 from test_server import running_server
@@ -183,16 +182,17 @@ def test_chunked_bodies_and_framing_errors():
         chunked = b"%x\r\n%s\r\n" % (5, BODY[:5]) + b"%x;ext=1\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n" % (
             len(BODY) - 5, BODY[5:])
         ok = exchange(url, request(chunked, b"Transfer-Encoding: chunked\r\n" + CLOSE, length=False))
-        assert statuses(ok) == [200] and b'"text": "hi"' in ok
+        assert statuses(ok) == [200] and b'"text":"hi"' in ok
         bad_size = exchange(url, request(b"zz\r\n", b"Transfer-Encoding: chunked\r\n", length=False))
-        assert statuses(bad_size) == [400] and b"chunk size" in bad_size
+        assert statuses(bad_size) == [400] and b"illegal chunk header" in bad_size
         gzip = exchange(url, request(BODY, b"Transfer-Encoding: gzip\r\n", length=False))
         assert statuses(gzip) == [501]
         two = exchange(url, request(BODY, b"Content-Length: 3\r\n"))
         assert statuses(two) == [400] and b"conflicting Content-Length" in two
         short = exchange(url, request(BODY).replace(b"Content-Length: %d" % len(BODY), b"Content-Length: 9999"),
                          half_close=True)                                  # EOF before the body is whole
-        assert statuses(short) == [400]
+        assert statuses(short) in ([], [400])                              # a client gone: no answer owed
+        assert statuses(exchange(url, request(BODY, CLOSE))) == [200]
 
 
 def test_pipelined_keep_alive_http10_and_get_with_a_body():
@@ -207,9 +207,8 @@ def test_pipelined_keep_alive_http10_and_get_with_a_body():
         assert statuses(get) == [200]                                      # answered, then closed
 
 
-def test_a_stalled_client_gets_408_and_frees_its_thread(monkeypatch):
-    monkeypatch.setattr(http.Handler, "timeout", 0.5)
-    with running_server(FakeEngine()) as url:
+def test_a_stalled_client_gets_408_and_frees_its_thread():
+    with running_server(FakeEngine(), http_timeout_s=0.5) as url:
         t0 = time.monotonic()
         reply = exchange(url, request(BODY).replace(b"Content-Length: %d" % len(BODY), b"Content-Length: 9999"))
         assert statuses(reply) == [408] and time.monotonic() - t0 < 5
@@ -271,7 +270,7 @@ def test_batch_jsonl_fuzz_records_every_line(tmp_path):
     assert texts == {f"g{i}": f"ok {i}" for i in range(3)}
     errors = [r["error"] for r in records if "error" in r]
     assert len(errors) == len(bad) and all(errors)
-    for words in ("UTF-8", "nested too deeply", "lone surrogate", "seed", "at most 64"):
+    for words in ("UTF-8", "nested too deeply", "lone surrogate", "seed", "at most 16"):
         assert any(words in e for e in errors), (words, errors)
 
 

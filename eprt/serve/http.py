@@ -38,6 +38,7 @@ from eprt.serve.stream import LiveRequest
 
 log = logging.getLogger("eprt.serve")
 
+MAX_HEADER_BYTES = 64 << 10    # request line and headers; more is answered 431
 _CLIENT_CHECK_S = 0.25        # how often a waiting non-stream request checks that its client is still there
 GENERATION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}   # path -> is chat
 ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES)
@@ -87,9 +88,18 @@ class GuardedH11Protocol(H11Protocol):
     header_timeout_s = 30.0                  # set by HttpServer on a subclass
 
     def connection_made(self, transport) -> None:
-        self._header_timer = None
+        self._header_timer, self._protocol_error = None, None
         super().connection_made(transport)
         self._arm_header_timer()
+        next_event = self.conn.next_event
+
+        def noted_next_event():             # keep h11's own words for send_400_response
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self._protocol_error = e
+                raise
+        self.conn.next_event = noted_next_event
 
     def data_received(self, data: bytes) -> None:
         if self._header_timer is None and self.conn.their_state is h11.IDLE:
@@ -103,8 +113,11 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        self.transport.write(_raw_error(400, "Bad Request", "malformed HTTP request (request line, headers "
-                                                            "or Content-Length): " + msg))
+        e = self._protocol_error
+        status = getattr(e, "error_status_hint", 400) if e is not None else 400
+        status = status if status in (400, 431, 501) else 400
+        reason = {400: "Bad Request", 431: "Request Header Fields Too Large", 501: "Not Implemented"}[status]
+        self.transport.write(_raw_error(status, reason, f"malformed HTTP request: {e or msg}"))
         self.transport.close()
 
     def _arm_header_timer(self) -> None:
@@ -414,7 +427,9 @@ class HttpServer:
         protocol = type("EprtH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": s.http_timeout_s})
         config = uvicorn.Config(build_app(state), http=protocol, lifespan="off", log_config=None,
                                 access_log=False, backlog=s.backlog, timeout_keep_alive=s.keep_alive_s,
-                                timeout_graceful_shutdown=5, server_header=False)
+                                timeout_graceful_shutdown=5, server_header=False,
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+        logging.getLogger("uvicorn.error").setLevel(logging.ERROR)   # not a line per malformed request
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="eprt-http", daemon=True)
