@@ -371,9 +371,9 @@ def test_port_in_use_is_a_clear_error(capsys):
 class ServerProcess:
     """``eprt serve`` in a subprocess; stderr is drained on a thread (so the pipe never fills)."""
 
-    def __init__(self, cmd: list):
+    def __init__(self, cmd: list, env: dict | None = None):
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
         self.log: list = []
         self._url = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()

@@ -8,6 +8,7 @@ Expected tokens come from ``eprt generate`` on the same weights, run once as one
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -204,7 +205,7 @@ BAD_REQUESTS = [
     ("malformed JSON", b'{"prompt": [5, 6', "body", "not valid JSON"),
     ("max_tokens as a word", {"prompt": [5, 6], "max_tokens": "ten"}, "max_tokens", "max_tokens"),
     ("temperature as a word", {"prompt": [5, 6], "temperature": "hot"}, "temperature", "temperature"),
-    ("prompt longer than the context", {"prompt": [5] * 600}, None, "600 tokens"),
+    ("prompt longer than the context", {"prompt": [5] * 600}, "prompt", "600 tokens"),
     ("negative max_tokens", {"prompt": [5, 6], "max_tokens": -3}, "max_tokens", "max_tokens"),
 ]
 
@@ -267,6 +268,52 @@ def test_dropped_stream_frees_its_blocks(server, client):
     assert now["eprt_requests_finished_total"] == before["eprt_requests_finished_total"] + 1
     generated = now["eprt_generation_tokens_total"] - before["eprt_generation_tokens_total"]
     assert 2 <= generated < max_tokens, "the sequence ran to the end instead of being cancelled"
+
+
+BURST = 200                                  # concurrent requests, half streamed
+BURST_PROMPTS = [[(11 * i + 5 * k) % 240 + 3 for k in range(3 + i)] for i in range(20)]
+BURST_MAX_TOKENS = 6
+
+
+async def _burst_one(c: httpx.AsyncClient, prompt: list, stream: bool) -> tuple:
+    body = {"prompt": prompt, "max_tokens": BURST_MAX_TOKENS, "temperature": 0}
+    if not stream:
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        return answer["choices"][0]["text"], answer["choices"][0]["finish_reason"], \
+            answer["usage"]["completion_tokens"]
+    payloads = []
+    async with c.stream("POST", "/v1/completions",
+                        json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                payloads.append(line[6:])
+    return summary(decoded(payloads))
+
+
+async def _burst(url: str) -> list:
+    limits = httpx.Limits(max_connections=BURST + 10, max_keepalive_connections=BURST + 10)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as c:
+        jobs = [_burst_one(c, BURST_PROMPTS[i % len(BURST_PROMPTS)], i % 2 == 1) for i in range(BURST)]
+        return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 400)
+
+
+def test_200_concurrent_mixed_requests_equal_the_sequential_greedy_run(server, client):
+    sequential = []
+    for prompt in BURST_PROMPTS:                 # one at a time: nothing else in the batch
+        answer = complete(client, prompt=prompt, max_tokens=BURST_MAX_TOKENS, temperature=0)
+        choice = answer["choices"][0]
+        sequential.append((choice["text"], choice["finish_reason"], answer["usage"]["completion_tokens"]))
+    t0 = time.monotonic()
+    answers = asyncio.run(_burst(server.url))
+    took = time.monotonic() - t0
+    failures = [(i, a) for i, a in enumerate(answers) if isinstance(a, BaseException)]
+    assert not failures, failures[:3]
+    for i, answer in enumerate(answers):
+        assert answer == sequential[i % len(BURST_PROMPTS)], (i, answer, sequential[i % len(BURST_PROMPTS)])
+    print(f"{BURST} concurrent requests answered in {took:.1f}s")
 
 
 def test_sigterm_finishes_the_stream_in_flight_and_exits_0(server, reference):

@@ -41,6 +41,7 @@ log = logging.getLogger("eprt.serve")
 MAX_HEADER_BYTES = 64 << 10    # request line and headers; more is answered 431
 _CLIENT_CHECK_S = 0.25        # how often a waiting non-stream request checks that its client is still there
 GENERATION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}   # path -> is chat
+ENGINE_FAILED = "engine failed"   # how the engine's message begins when it failed every request
 ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES)
 
 
@@ -222,8 +223,9 @@ class Generation:
 
     def error(self, result) -> ApiError:
         """The answer to a request the engine ended with an error: 503 when the engine is down."""
-        status = 503 if self.state.loop.failure is not None else 500
-        return ApiError(status, result.error or "generation failed", "server_error")
+        message = result.error or "generation failed"
+        down = self.state.loop.failure is not None or message.startswith(ENGINE_FAILED)
+        return ApiError(503 if down else 500, message, "server_error")
 
 
 class _Stream(StreamingResponse):

@@ -22,7 +22,13 @@ _WATCH_S = 0.25            # how often the progress watcher samples the engine's
 
 
 class RankLost(RuntimeError):
-    """The MPI launcher reported (SIGUSR1) that a rank of the job died."""
+    """The MPI launcher reported (SIGUSR1) that a rank of the job died; ``ranks``: the worker
+    ranks that then did not answer a ping (empty if none could be named)."""
+
+    def __init__(self, ranks: list):
+        who = "rank " + ", ".join(map(str, ranks)) if ranks else "a rank"
+        super().__init__(f"{who} died (the MPI launcher reported it with SIGUSR1; it no longer answers)")
+        self.ranks = ranks
 
 
 @dataclass(frozen=True)
@@ -91,4 +97,5 @@ class EngineLoop:
                     signal.Signals(signum).name)
 
     def _on_rank_lost(self, signum, frame) -> None:
-        raise RankLost("the MPI launcher reported that a rank of the job died (SIGUSR1)")
+        transport = getattr(self.engine, "transport", None)
+        raise RankLost(transport.unresponsive_ranks() if transport is not None else [])

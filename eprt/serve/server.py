@@ -113,24 +113,19 @@ def serve(engine, host: str, port: int, settings: HttpSettings | None = None, st
     return 0
 
 
-def _failed_rank(engine, failure: BaseException) -> str:
+def _failed_rank(failure: BaseException) -> str:
     """Which rank failed and why, as one line."""
-    rank = getattr(failure, "rank", None)
-    if rank is not None:
-        return str(failure)                 # WorkerFailed: "rank K failed: ..."
-    if isinstance(failure, RankLost):
-        lost = getattr(getattr(engine, "transport", None), "unresponsive_ranks", lambda: [])()
-        ranks = ", ".join(map(str, lost)) or "unknown"
-        return f"rank {ranks} died ({failure}; it no longer answers)"
+    if getattr(failure, "rank", None) is not None or isinstance(failure, RankLost):
+        return str(failure)                 # "rank K failed: ..." (WorkerFailed), "rank K died (...)"
     return f"rank 0 failed: {type(failure).__name__}: {failure}"
 
 
 def _engine_failed(engine, failure: BaseException) -> int:
     """Every client has had its error; name the failed rank and end the whole job."""
-    message = f"eprt serve: {_failed_rank(engine, failure)}; every request in flight was answered with " \
+    message = f"eprt serve: {_failed_rank(failure)}; every request in flight was answered with " \
               f"an error; exiting"
-    print(message, file=sys.stderr, flush=True)
     transport = getattr(engine, "transport", None)
     if transport is not None and transport.size > 1:
-        transport.abort(message)            # a dead or stopped rank cannot finalize MPI: end the job here
+        transport.abort(message)            # prints it; a dead or stopped rank cannot finalize MPI: end the job
+    print(message, file=sys.stderr, flush=True)
     return EXIT_ENGINE_FAILED
