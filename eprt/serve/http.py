@@ -90,6 +90,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         self._header_timer, self._protocol_error = None, None
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # asyncio sets this only when the socket's proto is IPPROTO_TCP, and a socket from
+            # socket.create_server has proto 0: without it a response written as two segments
+            # waits ~40 ms for the client's delayed ACK (Nagle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().connection_made(transport)
         self._arm_header_timer()
         next_event = self.conn.next_event
