@@ -9,13 +9,15 @@ predictable so that tests can assert exact outputs:
 - tokenizer: bytes. Id b < 256 is the byte b, 256 is EOS (vocabulary of 260), so a
   multi-byte character spans several tokens (exercises incremental decoding).
 - model: echoes the prompt back, one token per step, then EOS. A prompt containing
-  ``FAIL`` ends in an engine error after two tokens.
+  ``FAIL`` ends in an engine error after two tokens; one containing ``CRASH`` makes the
+  engine loop itself raise after two tokens (a failed rank: every request in flight fails).
 - scheduling: continuous batching on the thread that runs ``serve_forever``: each step
   admits waiting requests into free slots (``max_batch``), gives every running
   sequence one token, then sleeps ``token_delay`` seconds.
 - prefix cache: ``cached_tokens`` is the longest prefix, in whole 4-token blocks,
   shared with an earlier prompt.
 """
+
 from __future__ import annotations
 
 import threading
@@ -52,7 +54,7 @@ class ByteTokenizer:
 class _Seq:
     request: GenerationRequest
     submitted: float
-    on_finish: object = None      # called with the result once the request ends
+    on_finish: object = None  # called with the result once the request ends
     generated: list = field(default_factory=list)
     cached: int = 0
     result: GenerationResult | None = None
@@ -60,7 +62,7 @@ class _Seq:
 
 
 class FakeHandle:
-    def __init__(self, engine: "FakeEngine", seq: _Seq):
+    def __init__(self, engine: FakeEngine, seq: _Seq):
         self._engine, self._seq = engine, seq
 
     def done(self) -> bool:
@@ -75,9 +77,19 @@ class FakeHandle:
         self._engine._cancel(self._seq)
 
 
+BYTES = ByteTokenizer()  # the default tokenizer; None means a model without one
+
+
 class FakeEngine:
-    def __init__(self, *, max_model_len: int = 512, max_batch: int = 8, token_delay: float = 0.0,
-                 tokenizer=ByteTokenizer(), total_blocks: int = 1024):
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 512,
+        max_batch: int = 8,
+        token_delay: float = 0.0,
+        tokenizer=BYTES,
+        total_blocks: int = 1024,
+    ):
         self.tokenizer = tokenizer
         self.model_name = "fake-moe"
         self.vocab_size = VOCAB
@@ -85,13 +97,14 @@ class FakeEngine:
         self.max_batch = max_batch
         self.token_delay = token_delay
         self.total_blocks = total_blocks
-        self.submitted: list = []     # every accepted GenerationRequest, in order
-        self.cancelled: list = []     # request ids whose handle was cancelled before they finished
+        self.submitted: list = []  # every accepted GenerationRequest, in order
+        self.cancelled: list = []  # request ids whose handle was cancelled before they finished
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._waiting: deque = deque()
         self._running: list = []
-        self._prompts: list = []      # earlier prompts, for the prefix cache
+        self._prompts: list = []  # earlier prompts, for the prefix cache
+        self.ticks = 0  # steps run (the engine's scheduler ticks)
         self._counts = dict(prompt_tokens=0, cached_tokens=0, generation_tokens=0, requests_finished=0)
 
     # ---- the contract ---------------------------------------------------------------------
@@ -103,8 +116,9 @@ class FakeEngine:
         if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         if len(req.prompt_ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(req.prompt_ids)} tokens but the context holds "
-                               f"{self.max_model_len}")
+            raise RequestError(
+                f"the prompt has {len(req.prompt_ids)} tokens but the context holds {self.max_model_len}"
+            )
         seq = _Seq(req, time.monotonic(), on_finish)
         with self._lock:
             self._waiting.append(seq)
@@ -131,18 +145,31 @@ class FakeEngine:
             self.step()
             time.sleep(self.token_delay)
 
+    def fail(self, message: str) -> None:
+        """End every request in flight with an error (the real engine's ``fail``)."""
+        with self._lock:
+            for seq in list(self._waiting) + list(self._running):
+                self._finish(seq, "error", message)
+
     def stats(self) -> dict:
         with self._lock:
             held = sum((len(s.request.prompt_ids) + len(s.generated)) // BLOCK + 1 for s in self._running)
-            return dict(running=len(self._running), waiting=len(self._waiting),
-                        free_blocks=self.total_blocks - held, cached_blocks=0,
-                        total_blocks=self.total_blocks, **self._counts)
+            return dict(
+                running=len(self._running),
+                waiting=len(self._waiting),
+                ticks=self.ticks,
+                free_blocks=self.total_blocks - held,
+                cached_blocks=0,
+                total_blocks=self.total_blocks,
+                **self._counts,
+            )
 
     # ---- the fake model -------------------------------------------------------------------
 
     def step(self) -> None:
         """Admit waiting requests into free slots, then give every running one a token."""
         with self._lock:
+            self.ticks += 1
             while self._waiting and len(self._running) < self.max_batch:
                 self._admit(self._waiting.popleft())
             for seq in list(self._running):
@@ -161,6 +188,8 @@ class FakeEngine:
         req, prompt = seq.request, seq.request.prompt_ids
         if req.timeout_s is not None and time.monotonic() - seq.submitted > req.timeout_s:
             return self._finish(seq, "timeout")
+        if b"CRASH" in bytes(t for t in prompt if t < 256) and len(seq.generated) == 2:
+            raise RuntimeError("fake engine crash (the prompt says CRASH)")
         if b"FAIL" in bytes(t for t in prompt if t < 256) and len(seq.generated) == 2:
             return self._finish(seq, "error", "fake engine failure (the prompt says FAIL)")
         n = len(seq.generated)
@@ -168,7 +197,7 @@ class FakeEngine:
         seq.generated.append(tok)
         self._counts["generation_tokens"] += 1
         if not req.params.ignore_eos and (tok == EOS or tok in req.params.stop_token_ids):
-            return self._finish(seq, "stop")   # like the real engine: a stop id is kept, not streamed
+            return self._finish(seq, "stop")  # like the real engine: a stop id is kept, not streamed
         if req.on_token is not None:
             req.on_token(tok)
         if len(seq.generated) >= req.params.max_tokens or len(prompt) + len(seq.generated) >= self.max_model_len:
@@ -181,8 +210,9 @@ class FakeEngine:
             self._waiting.remove(seq)
         self._counts["requests_finished"] += 1
         text = self.tokenizer.decode(seq.generated) if self.tokenizer else ""
-        seq.result = GenerationResult(seq.request.request_id, list(seq.request.prompt_ids),
-                                      list(seq.generated), reason, seq.cached, text, error)
+        seq.result = GenerationResult(
+            seq.request.request_id, list(seq.request.prompt_ids), list(seq.generated), reason, seq.cached, text, error
+        )
         seq.done.set()
         if seq.on_finish is not None:
             seq.on_finish(seq.result)

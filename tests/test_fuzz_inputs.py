@@ -7,6 +7,7 @@ process (the tiny qwen3_moe checkpoint plus a word-level tokenizer whose token i
 ``t<i>``, and a chat template that refuses non-alternating roles); the socket-level tests
 use tests/fake_engine.py, whose timing is predictable.
 """
+
 from __future__ import annotations
 
 import io
@@ -20,23 +21,25 @@ import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from fake_engine import FakeEngine
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_server import running_server
+from test_server_mpi_real import _with_id_tokenizer, scrape
 
 from eprt.api import GenerationRequest, RequestError, SamplingParams
 from eprt.engine.config import EngineConfig
 from eprt.engine.engine import launch_engine
 from eprt.scheduler.config import SchedulerConfig, validate_request
-from eprt.serve import http
 from eprt.serve.batch import run_batch
-from fake_engine import FakeEngine
-from test_server import running_server
-from test_server_mpi_real import _with_id_tokenizer, scrape
 
-MAX_MODEL_LEN = 48     # bounds every generation, so a fuzzed max_tokens of 10**30 stays fast
+MAX_MODEL_LEN = 48  # bounds every generation, so a fuzzed max_tokens of 10**30 stays fast
 # Roles must alternate user/assistant, as in Mixtral's template; a refusal must be a 400.
-TEMPLATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-            "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
-            "{{ m['content'] }} {% endfor %}")
+TEMPLATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "{{ m['content'] }} {% endfor %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,7 @@ def real_url(checkpoint, tmp_path_factory):
 
 
 def post(url: str, body, path="/v1/completions", timeout=30) -> httpx.Response:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()   # ASCII: a lone surrogate goes as \ud800
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()  # ASCII: a lone surrogate goes as \ud800
     return httpx.post(url + path, content=raw, headers={"Content-Type": "application/json"}, timeout=timeout)
 
 
@@ -93,13 +96,28 @@ EDGE_CASES = [
     ("JSON nested 100k deep", "/v1/completions", b"[" * 100_000, 400, "body"),
     ("prompt nested 100k deep", "/v1/completions", b'{"prompt": ' + b"[" * 100_000, 400, "body"),
     ("5000-digit integer", "/v1/completions", b'{"prompt": [5], "seed": ' + b"9" * 5000 + b"}", 400, "body"),
-    ("surrogate in message", "/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
-     400, "messages"),
-    ("template refuses roles", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": "t5"}]},
-     400, "messages"),
+    (
+        "surrogate in message",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "\ud800"}]},
+        400,
+        "messages",
+    ),
+    (
+        "template refuses roles",
+        "/v1/chat/completions",
+        {"messages": [{"role": "assistant", "content": "t5"}]},
+        400,
+        "messages",
+    ),
     ("message without role", "/v1/chat/completions", {"messages": [{"content": "t5"}]}, 400, "messages"),
-    ("chat that the template takes", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "t5 t6"}], "max_completion_tokens": 3}, 200, None),
+    (
+        "chat that the template takes",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "t5 t6"}], "max_completion_tokens": 3},
+        200,
+        None,
+    ),
 ]
 
 
@@ -111,30 +129,46 @@ def test_edge_values_on_the_real_engine(real_url, what, path, body, status, para
         assert r.json()["error"]["param"] == param, r.text
 
 
-_TEXT = st.lists(st.sampled_from(["t5", " ", "\u0000", "\ud800", "é", "\U0001F600", "\n"]), max_size=6).map("".join)
+_TEXT = st.lists(st.sampled_from(["t5", " ", "\u0000", "\ud800", "é", "\U0001f600", "\n"]), max_size=6).map("".join)
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | _TEXT,
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | _TEXT,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-    max_leaves=8)
+    max_leaves=8,
+)
 # A body of plausible fields (edge values included), then up to two fields set to any JSON value.
 _PROMPTS = {
     "prompt": st.lists(st.integers(-3, 300), max_size=5) | _TEXT,
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "x"]),
-                                                "content": _TEXT}), max_size=3),
+    "messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "x"]), "content": _TEXT}), max_size=3
+    ),
 }
 _FIELDS = {
-    "max_tokens": st.sampled_from([1, 3, 10**30, 0, -1]), "temperature": st.sampled_from([0, 0.7, 1e308]),
-    "top_p": st.sampled_from([0.5, 1, 0]), "top_k": st.sampled_from([0, 5, 10**12]),
-    "seed": st.sampled_from([0, 2**70, -5]), "stop": _TEXT | st.lists(_TEXT | st.integers(-1, 300), max_size=3),
-    "stream": st.booleans(), "stream_options": st.just({"include_usage": True}), "n": st.just(1),
-    "timeout": st.sampled_from([5, 1e-320, 1e308]), "model": st.just("model"),
+    "max_tokens": st.sampled_from([1, 3, 10**30, 0, -1]),
+    "temperature": st.sampled_from([0, 0.7, 1e308]),
+    "top_p": st.sampled_from([0.5, 1, 0]),
+    "top_k": st.sampled_from([0, 5, 10**12]),
+    "seed": st.sampled_from([0, 2**70, -5]),
+    "stop": _TEXT | st.lists(_TEXT | st.integers(-1, 300), max_size=3),
+    "stream": st.booleans(),
+    "stream_options": st.just({"include_usage": True}),
+    "n": st.just(1),
+    "timeout": st.sampled_from([5, 1e-320, 1e308]),
+    "model": st.just("model"),
 }
-_BODY = st.builds(lambda body, wrong: {**body, **wrong}, st.fixed_dictionaries(_PROMPTS, optional=_FIELDS),
-                  st.dictionaries(st.sampled_from([*_PROMPTS, *_FIELDS]), _JSON, max_size=2))
+_BODY = st.builds(
+    lambda body, wrong: {**body, **wrong},
+    st.fixed_dictionaries(_PROMPTS, optional=_FIELDS),
+    st.dictionaries(st.sampled_from([*_PROMPTS, *_FIELDS]), _JSON, max_size=2),
+)
 
 
-@settings(max_examples=120, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=120,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(body=_BODY | _JSON, chat=st.booleans())
 def test_fuzzed_bodies_are_answered_200_or_4xx(real_url, body, chat):
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -150,6 +184,7 @@ def test_the_real_engine_ends_with_every_block_free(real_url):
 
 
 # ---- the socket level (fake engine) -----------------------------------------------------
+
 
 def exchange(url: str, data: bytes, timeout: float = 10.0, half_close: bool = False) -> bytes:
     """Send raw bytes (then EOF, with ``half_close``), read until the server closes the connection."""
@@ -181,18 +216,22 @@ CLOSE = b"Connection: close\r\n"
 def test_chunked_bodies_and_framing_errors():
     with running_server(FakeEngine()) as url:
         chunked = b"%x\r\n%s\r\n" % (5, BODY[:5]) + b"%x;ext=1\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n" % (
-            len(BODY) - 5, BODY[5:])
+            len(BODY) - 5,
+            BODY[5:],
+        )
         ok = exchange(url, request(chunked, b"Transfer-Encoding: chunked\r\n" + CLOSE, length=False))
-        assert statuses(ok) == [200] and b'"text": "hi"' in ok
+        assert statuses(ok) == [200] and b'"text":"hi"' in ok
         bad_size = exchange(url, request(b"zz\r\n", b"Transfer-Encoding: chunked\r\n", length=False))
-        assert statuses(bad_size) == [400] and b"chunk size" in bad_size
+        assert statuses(bad_size) == [400] and b"illegal chunk header" in bad_size
         gzip = exchange(url, request(BODY, b"Transfer-Encoding: gzip\r\n", length=False))
         assert statuses(gzip) == [501]
         two = exchange(url, request(BODY, b"Content-Length: 3\r\n"))
         assert statuses(two) == [400] and b"conflicting Content-Length" in two
-        short = exchange(url, request(BODY).replace(b"Content-Length: %d" % len(BODY), b"Content-Length: 9999"),
-                         half_close=True)                                  # EOF before the body is whole
-        assert statuses(short) == [400]
+        short = exchange(
+            url, request(BODY).replace(b"Content-Length: %d" % len(BODY), b"Content-Length: 9999"), half_close=True
+        )  # EOF before the body is whole
+        assert statuses(short) in ([], [400])  # a client gone: no answer owed
+        assert statuses(exchange(url, request(BODY, CLOSE))) == [200]
 
 
 def test_pipelined_keep_alive_http10_and_get_with_a_body():
@@ -200,16 +239,15 @@ def test_pipelined_keep_alive_http10_and_get_with_a_body():
         three = exchange(url, request(BODY) + request(BODY) + request(BODY, CLOSE))
         assert statuses(three) == [200, 200, 200]
         stream = json.dumps({"prompt": "abc", "stream": True}).encode()
-        old = exchange(url, request(stream, version=b"HTTP/1.0"))         # the server must close it
+        old = exchange(url, request(stream, version=b"HTTP/1.0"))  # the server must close it
         head, _, rest = old.partition(b"\r\n\r\n")
         assert b"Transfer-Encoding" not in head and rest.startswith(b"data: ") and rest.endswith(b"[DONE]\n\n")
         get = exchange(url, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nGET /")
-        assert statuses(get) == [200]                                      # answered, then closed
+        assert statuses(get) == [200]  # answered, then closed
 
 
-def test_a_stalled_client_gets_408_and_frees_its_thread(monkeypatch):
-    monkeypatch.setattr(http.Handler, "timeout", 0.5)
-    with running_server(FakeEngine()) as url:
+def test_a_stalled_client_gets_408_and_frees_its_thread():
+    with running_server(FakeEngine(), http_timeout_s=0.5) as url:
         t0 = time.monotonic()
         reply = exchange(url, request(BODY).replace(b"Content-Length: %d" % len(BODY), b"Content-Length: 9999"))
         assert statuses(reply) == [408] and time.monotonic() - t0 < 5
@@ -222,15 +260,13 @@ def test_random_disconnects_and_a_reader_that_never_reads_do_not_disturb_others(
     with running_server(engine) as url:
         host, port = url.removeprefix("http://").split(":")
         never_reads = socket.create_connection((host, int(port)))
-        never_reads.sendall(request(json.dumps({"prompt": "s" * 2000, "max_tokens": 4000,
-                                                "stream": True}).encode()))
+        never_reads.sendall(request(json.dumps({"prompt": "s" * 2000, "max_tokens": 4000, "stream": True}).encode()))
 
         def drop(i):
             with socket.create_connection((host, int(port))) as s:
-                s.sendall(request(json.dumps({"prompt": "d" * 300, "max_tokens": 300,
-                                              "stream": i % 3 > 0}).encode()))
+                s.sendall(request(json.dumps({"prompt": "d" * 300, "max_tokens": 300, "stream": i % 3 > 0}).encode()))
                 time.sleep(rnd.random() * 0.3)
-                if i % 2:      # an abortive close (RST) instead of FIN
+                if i % 2:  # an abortive close (RST) instead of FIN
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
 
         droppers = [threading.Thread(target=drop, args=(i,)) for i in range(10)]
@@ -248,18 +284,26 @@ def test_random_disconnects_and_a_reader_that_never_reads_do_not_disturb_others(
         while (s := engine.stats())["running"] or s["waiting"] or s["free_blocks"] != s["total_blocks"]:
             assert time.monotonic() < deadline, s
             time.sleep(0.02)
-        assert len(engine.cancelled) >= 8      # the dropped ones were cancelled, not run to the end
+        assert len(engine.cancelled) >= 8  # the dropped ones were cancelled, not run to the end
 
 
 # ---- eprt run, the engine's checks and eprt generate's flags ------------------------------
 
+
 def test_batch_jsonl_fuzz_records_every_line(tmp_path):
     rnd = random.Random(1)
     good = [json.dumps({"id": f"g{i}", "prompt": f"ok {i}", "max_tokens": 4}).encode() for i in range(3)]
-    bad = [b'{"id": "u", "prompt": "\xff"}', b"[" * 100_000, b'{"id": "\\ud800", "prompt": "x"}',
-           b'{"id": "s", "prompt": "\\udc80"}', b'{"id": "r", "prompt": "a"}\r{"id": "r2", "prompt": "b"}',
-           b'{"id": "n", "prompt_ids": [1], "seed": -1}', b'{"id": "k", "prompt": "x", "stop": ' +
-           json.dumps(["y"] * 10_000).encode() + b"}", b'{"id": "f", "prompt_ids": [1.0]}', b"\x00\x01"]
+    bad = [
+        b'{"id": "u", "prompt": "\xff"}',
+        b"[" * 100_000,
+        b'{"id": "\\ud800", "prompt": "x"}',
+        b'{"id": "s", "prompt": "\\udc80"}',
+        b'{"id": "r", "prompt": "a"}\r{"id": "r2", "prompt": "b"}',
+        b'{"id": "n", "prompt_ids": [1], "seed": -1}',
+        b'{"id": "k", "prompt": "x", "stop": ' + json.dumps(["y"] * 10_000).encode() + b"}",
+        b'{"id": "f", "prompt_ids": [1.0]}',
+        b"\x00\x01",
+    ]
     rows = good + bad
     rnd.shuffle(rows)
     (tmp_path / "in.jsonl").write_bytes(b"\n".join(rows) + b"\n")
@@ -271,15 +315,24 @@ def test_batch_jsonl_fuzz_records_every_line(tmp_path):
     assert texts == {f"g{i}": f"ok {i}" for i in range(3)}
     errors = [r["error"] for r in records if "error" in r]
     assert len(errors) == len(bad) and all(errors)
-    for words in ("UTF-8", "nested too deeply", "lone surrogate", "seed", "at most 64"):
+    for words in ("UTF-8", "nested too deeply", "lone surrogate", "seed", "at most 16"):
         assert any(words in e for e in errors), (words, errors)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(seed=-1), SamplingParams(seed=1.5), SamplingParams(max_tokens=True),
-    SamplingParams(temperature="0.5"), SamplingParams(temperature=float("nan")), SamplingParams(top_p=None),
-    SamplingParams(top_k=2.0), SamplingParams(stop_token_ids=5), SamplingParams(stop_token_ids=(True,)),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(seed=-1),
+        SamplingParams(seed=1.5),
+        SamplingParams(max_tokens=True),
+        SamplingParams(temperature="0.5"),
+        SamplingParams(temperature=float("nan")),
+        SamplingParams(top_p=None),
+        SamplingParams(top_k=2.0),
+        SamplingParams(stop_token_ids=5),
+        SamplingParams(stop_token_ids=(True,)),
+    ],
+)
 def test_sampling_params_of_wrong_type_are_request_errors(params):
     with pytest.raises(RequestError):
         params.validate(vocab_size=100)
@@ -291,12 +344,14 @@ def test_validate_request_names_bad_prompts_and_timeouts(prompt, timeout):
         validate_request(SchedulerConfig(vocab_size=100), GenerationRequest(prompt, timeout_s=timeout))
 
 
-@pytest.mark.parametrize("flags", [["--seed", "-1"], ["--temperature", "nan"], ["--top-p", "inf"],
-                                   ["--top-k", "-2"], ["--max-tokens", "0"]])
+@pytest.mark.parametrize(
+    "flags", [["--seed", "-1"], ["--temperature", "nan"], ["--top-p", "inf"], ["--top-k", "-2"], ["--max-tokens", "0"]]
+)
 def test_generate_flags_are_checked_before_the_engine_runs(flags):
     import argparse
 
     from eprt.entry.generate import _requests, add_arguments
+
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(RequestError, match=flags[0].removeprefix("--").replace("-", "_")):

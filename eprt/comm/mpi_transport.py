@@ -2,6 +2,7 @@
 waiting policy and the failure handling it implements). Imported only when the launcher
 started more than one rank.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -11,18 +12,26 @@ import time
 import numpy as np
 
 from eprt import env
-from eprt.comm.transport import (DEFAULT_FRAME_WORDS, STARTUP_ERROR_BYTES, RootDown, StartupFailed, Transport,
-                                  WorkerFailed, ranks_text)
+from eprt.comm.transport import (
+    DEFAULT_FRAME_WORDS,
+    STARTUP_ERROR_BYTES,
+    CollectiveTimeout,
+    RootDown,
+    StartupFailed,
+    Transport,
+    WorkerFailed,
+    ranks_text,
+)
 
 TAG_WORKER_ERROR = 1  # worker -> rank 0: utf-8 error text (the sender is the failing rank)
-TAG_ROOT_DOWN = 2     # rank 0 -> worker: utf-8 reason; rank 0 is going down without SHUTDOWN
-TAG_STATUS_ASK = 3    # rank 0 -> worker, on a watchdog expiry: "what are you waiting on?" (empty)
-TAG_STATUS = 4        # worker -> rank 0: utf-8 answer ("waiting on X, collective #N")
-STATUS_GRACE = 2.0    # s rank 0 waits for the answers before naming the ranks that gave none
+TAG_ROOT_DOWN = 2  # rank 0 -> worker: utf-8 reason; rank 0 is going down without SHUTDOWN
+TAG_STATUS_ASK = 3  # rank 0 -> worker, on a watchdog expiry: "what are you waiting on?" (empty)
+TAG_STATUS = 4  # worker -> rank 0: utf-8 answer ("waiting on X, collective #N")
+STATUS_GRACE = 2.0  # s rank 0 waits for the answers before naming the ranks that gave none
 BUSY_SLEEP_MAX = 1e-4  # s, longest sleep between polls inside a compute-time collective
 IDLE_SLEEP_MAX = 5e-3  # s, longest sleep while a worker waits for its next command
-ABORT_GRACE = 0.5      # s between printing why and aborting, so the message reaches the terminal
-REDUCE_SCATTER_MIN_BYTES = 1 << 20   # MoE partials from this size on 3+ ranks: reduce-scatter
+ABORT_GRACE = 0.5  # s between printing why and aborting, so the message reaches the terminal
+REDUCE_SCATTER_MIN_BYTES = 1 << 20  # MoE partials from this size on 3+ ranks: reduce-scatter
 
 
 class MpiTransport(Transport):
@@ -31,6 +40,7 @@ class MpiTransport(Transport):
 
     def __init__(self, comm=None, frame_words: int = DEFAULT_FRAME_WORDS, timeout: float | None = None):
         from mpi4py import MPI
+
         self._MPI = MPI
         self._world = MPI.COMM_WORLD if comm is None else comm
         super().__init__(self._world.Get_rank(), self._world.Get_size(), frame_words)
@@ -38,7 +48,7 @@ class MpiTransport(Transport):
         if not self.timeout > 0:
             raise ValueError(f"EPRT_COLLECTIVE_TIMEOUT must be > 0 seconds, got {self.timeout:g}")
         self._ctl, self._moe, self._err = self._world.Dup(), self._world.Dup(), self._world.Dup()
-        self._inflight = False      # a wait was left by an exception: the comms are unusable
+        self._inflight = False  # a wait was left by an exception: the comms are unusable
         self._waiting_on = "nothing"  # what the current (or last) wait is for, for the hang report
         self._failed: WorkerFailed | None = None
         if self.rank == 0:
@@ -49,7 +59,7 @@ class MpiTransport(Transport):
         fw = self.frame_words
         self._bcast(out[:fw], "a command frame")
         if n + 1 > fw:
-            self._bcast(out[fw:n + 1], "a command frame's overflow")
+            self._bcast(out[fw : n + 1], "a command frame's overflow")
 
     def _send_rows(self, rows: np.ndarray) -> None:
         self._bcast(rows, "the vision rows")
@@ -68,17 +78,21 @@ class MpiTransport(Transport):
         bounds = [r * flat.size // P for r in range(P + 1)]
         counts = [bounds[r + 1] - bounds[r] for r in range(P)]
         mine = counts[self.rank]
-        parts = np.empty((P, mine), np.float32)                      # [P, slice]: every rank's slice
-        self.stats.mpi_calls += 1                                    # (allsum counted the first)
-        self._wait(self._moe.Ialltoallv([flat, (counts, bounds[:-1]), MPI.FLOAT],
-                                        [parts, ([mine] * P, [r * mine for r in range(P)]), MPI.FLOAT]),
-                   "the MoE combine (reduce-scatter)")
+        parts = np.empty((P, mine), np.float32)  # [P, slice]: every rank's slice
+        self.stats.mpi_calls += 1  # (allsum counted the first)
+        self._wait(
+            self._moe.Ialltoallv(
+                [flat, (counts, bounds[:-1]), MPI.FLOAT], [parts, ([mine] * P, [r * mine for r in range(P)]), MPI.FLOAT]
+            ),
+            "the MoE combine (reduce-scatter)",
+        )
         reduced = parts[0].copy()
         for r in range(1, P):
             reduced += parts[r]
         out = np.empty(flat.size, np.float32)
-        self._wait(self._moe.Iallgatherv(reduced, [out, (counts, bounds[:-1]), MPI.FLOAT]),
-                   "the MoE combine (all-gather)")
+        self._wait(
+            self._moe.Iallgatherv(reduced, [out, (counts, bounds[:-1]), MPI.FLOAT]), "the MoE combine (all-gather)"
+        )
         return out.reshape(partial.shape)
 
     def _gather(self, partial: np.ndarray) -> np.ndarray:
@@ -102,7 +116,7 @@ class MpiTransport(Transport):
             return [text]
         mine = np.zeros(STARTUP_ERROR_BYTES, np.uint8)
         raw = text.encode("utf-8", "replace")[:STARTUP_ERROR_BYTES]
-        mine[:len(raw)] = np.frombuffer(raw, np.uint8)
+        mine[: len(raw)] = np.frombuffer(raw, np.uint8)
         every = np.empty((self.size, STARTUP_ERROR_BYTES), np.uint8)
         self.stats.mpi_calls += 1
         self._wait(self._ctl.Iallgather(mine, every), "the start-up exchange", idle=True)
@@ -116,7 +130,7 @@ class MpiTransport(Transport):
         self._bcast(frame, "the next command", idle=True)
         n = int(frame[0])
         if n < fw:
-            return frame[1:n + 1]
+            return frame[1 : n + 1]
         rest = np.empty(n + 1 - fw, np.uint32)
         self._bcast(rest, "a command frame's overflow")
         return np.concatenate([frame[1:], rest])
@@ -140,8 +154,10 @@ class MpiTransport(Transport):
                 req.Test()
                 return
             time.sleep(BUSY_SLEEP_MAX)
-        self._abort(f"eprt: rank {self.rank} failed: {text}\neprt: rank {self.rank}: rank 0 did not "
-                    f"answer the error report within {self.timeout:g} s; aborting the job")
+        self._abort(
+            f"eprt: rank {self.rank} failed: {text}\neprt: rank {self.rank}: rank 0 did not "
+            f"answer the error report within {self.timeout:g} s; aborting the job"
+        )
 
     def close(self, reason: str | None = None) -> None:
         """Release the communicators. Rank 0 closing without a SHUTDOWN sent (or after a
@@ -175,7 +191,6 @@ class MpiTransport(Transport):
         start = time.monotonic()
         # A worker's watchdog waits a little longer than rank 0's, so rank 0 reports the hang.
         deadline = None if idle else start + self.timeout + (0 if self.rank == 0 else STATUS_GRACE + 1.0)
-        self.waiting_since = None if idle else start
         delay, cap = 0.0, IDLE_SLEEP_MAX if idle else BUSY_SLEEP_MAX
         while not req.Test():
             self._check_channel()
@@ -183,7 +198,6 @@ class MpiTransport(Transport):
                 self._watchdog(what)
             time.sleep(delay)
             delay = min(cap, 2 * delay if delay else 1e-5)
-        self.waiting_since = None
         self._inflight = False
 
     def _check_channel(self) -> None:
@@ -210,13 +224,13 @@ class MpiTransport(Transport):
             answer = f"waiting on {self._waiting_on} (collective #{self.collectives})".encode()
             self._err.Send(np.frombuffer(answer, np.uint8), dest=0, tag=TAG_STATUS)
 
-    def hang_report(self) -> dict[int, str | None]:
+    def hang_report(self, wait_s: float = STATUS_GRACE) -> dict[int, str | None]:
         """Rank 0, when a collective is overdue: ask every worker what it waits on; a rank that
-        does not answer within STATUS_GRACE (stopped, dead, or busy outside eprt) maps to None."""
+        does not answer within ``wait_s`` (stopped, dead, or busy outside eprt) maps to None."""
         empty = np.zeros(0, np.uint8)
         asks = [self._err.Isend(empty, dest=k, tag=TAG_STATUS_ASK) for k in range(1, self.size)]
         answers: dict[int, str | None] = dict.fromkeys(range(1, self.size))
-        deadline = time.monotonic() + STATUS_GRACE
+        deadline = time.monotonic() + wait_s
         status = self._MPI.Status()
         while time.monotonic() < deadline and None in answers.values():
             if self._err.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_STATUS, status=status):
@@ -227,6 +241,12 @@ class MpiTransport(Transport):
         for req in asks:
             req.Test()
         return answers
+
+    def unresponsive_ranks(self, wait_s: float = STATUS_GRACE) -> list[int]:
+        return [rank for rank, text in self.hang_report(wait_s).items() if text is None]
+
+    def abort(self, message: str) -> None:
+        self._abort(message)
 
     def _root_notice(self) -> str | None:
         status = self._MPI.Status()
@@ -255,15 +275,22 @@ class MpiTransport(Transport):
             try:
                 self._check_channel()  # a worker's report explains the stall better than we can
             except WorkerFailed:
-                pass
+                if self.watchdog_raises:
+                    raise
             answers = self.hang_report()
             silent = [rank for rank, text in answers.items() if text is None]
             report = "".join(f"\neprt: rank {rank}: {text}" for rank, text in answers.items() if text)
             if silent:
-                report = (f"\neprt: {ranks_text(silent)} did not answer within {STATUS_GRACE:g} s (stopped, "
-                          f"dead, or busy outside eprt){report}")
-        self._abort(f"eprt: rank {self.rank}: {what} did not complete within {self.timeout:g} s "
-                    f"(EPRT_COLLECTIVE_TIMEOUT); a rank died or fell out of step; aborting the job{report}")
+                report = (
+                    f"\neprt: {ranks_text(silent)} did not answer within {STATUS_GRACE:g} s (stopped, "
+                    f"dead, or busy outside eprt){report}"
+                )
+            if self.watchdog_raises:
+                raise CollectiveTimeout(silent, what, self.timeout, report)
+        self._abort(
+            f"eprt: rank {self.rank}: {what} did not complete within {self.timeout:g} s "
+            f"(EPRT_COLLECTIVE_TIMEOUT); a rank died or fell out of step; aborting the job{report}"
+        )
 
     def _abort(self, message: str) -> None:
         print(message, file=sys.stderr, flush=True)

@@ -2,9 +2,11 @@
 the error channel, over mpi4py with NumPy buffers (no pickle anywhere). Framing, waiting and
 failure rules: docs/protocol.md ("Framing", "Errors") and docs/design.md ("Failure handling").
 """
+
 from __future__ import annotations
 
-import time
+import os
+import sys
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -22,6 +24,20 @@ class WorkerFailed(RuntimeError):
         self.rank, self.error = rank, error
 
 
+class CollectiveTimeout(WorkerFailed):
+    """Raised on rank 0 (when ``watchdog_raises``) for a collective overdue past the timeout;
+    ``rank`` is the first rank that did not answer (-1: none could be named), ``report`` the
+    hang report's lines."""
+
+    def __init__(self, late: list, what: str, timeout: float, report: str = ""):
+        who = ranks_text(late) if late else "no rank could be named"
+        super().__init__(
+            late[0] if late else -1,
+            f"{what} did not complete within {timeout:g} s (EPRT_COLLECTIVE_TIMEOUT); not answering: {who}{report}",
+        )
+        self.late = late
+
+
 class RootDown(RuntimeError):
     """Raised on a worker when rank 0 reports it is going down without a SHUTDOWN command."""
 
@@ -30,15 +46,15 @@ class StartupFailed(RuntimeError):
     """Raised on every rank by ``startup_barrier`` when any rank could not start."""
 
     def __init__(self, failures: list):
-        self.failures = failures              # [(rank, error text)]
+        self.failures = failures  # [(rank, error text)]
         by_text: dict = {}
-        for rank, text in failures:           # the same error on many ranks is said once
+        for rank, text in failures:  # the same error on many ranks is said once
             by_text.setdefault(text, []).append(rank)
         super().__init__("; ".join(f"{ranks_text(ranks)} could not start: {text}" for text, ranks in by_text.items()))
 
 
 def ranks_text(ranks: list) -> str:
-    """"rank 3", "ranks 0, 2" or "ranks 0-8"."""
+    """ "rank 3", "ranks 0, 2" or "ranks 0-8"."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     if ranks == list(range(ranks[0], ranks[-1] + 1)):
@@ -52,13 +68,14 @@ STARTUP_ERROR_BYTES = 480  # error text each rank contributes to the start-up ex
 @dataclass
 class CommStats:
     """Counters of communication started by this rank (polls are not counted)."""
-    mpi_calls: int = 0    # Ibcast, Iallgather and error-channel sends
+
+    mpi_calls: int = 0  # Ibcast, Iallgather and error-channel sends
     bcasts: int = 0
     bcast_bytes: int = 0  # bytes of the broadcast buffers (frames and rows)
-    allsums: int = 0       # MoE combines (in a world of one too, where they cost nothing)
+    allsums: int = 0  # MoE combines (in a world of one too, where they cost nothing)
     allsum_bytes: int = 0  # bytes this rank contributed to combines
-    frames: int = 0        # flushes that carried words (rank 0)
-    words: int = 0         # logical words sent (rank 0)
+    frames: int = 0  # flushes that carried words (rank 0)
+    words: int = 0  # logical words sent (rank 0)
 
     def copy(self) -> CommStats:
         return CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -78,19 +95,16 @@ class Transport:
         self.rank, self.size = rank, size
         self.stats = CommStats()
         self.frame_words = frame_words
-        self.collectives = 0                   # collectives this rank has started
-        self.waiting_since: float | None = None  # monotonic start of the compute-time wait in progress
+        self.collectives = 0  # collectives this rank has started
         self._out = np.zeros(frame_words, np.uint32)  # word 0: count, then the pending words
         self._n = 1
         self._shutdown_sent = False
         self.closed = False
+        # rank 0: an overdue collective raises CollectiveTimeout (the caller answers its clients,
+        # then calls abort) instead of aborting the job at once
+        self.watchdog_raises = False
 
     # -- rank 0 ------------------------------------------------------------------------------
-    def stalled_s(self) -> float:
-        """Seconds the compute-time collective in progress has been waiting (0.0 when none)."""
-        since = self.waiting_since
-        return 0.0 if since is None else time.monotonic() - since
-
     @property
     def pending_words(self) -> int:
         """Words queued by ``send`` and not yet flushed."""
@@ -102,11 +116,13 @@ class Transport:
         words = encode(cmd)
         n = len(vision_rows) if vision_rows is not None else 0
         if n != (cmd.vision_rows if isinstance(cmd, Prefill) else 0):
-            raise ValueError(f"{type(cmd).__name__} announces {getattr(cmd, 'vision_rows', 0)} vision rows "
-                             f"but {n} were given")
+            raise ValueError(
+                f"{type(cmd).__name__} announces {getattr(cmd, 'vision_rows', 0)} vision rows but {n} were given"
+            )
         if n and (vision_rows.ndim != 2 or vision_rows.dtype.kind != "f"):
-            raise ValueError(f"vision rows must be a 2-D float array [rows, hidden], got {vision_rows.shape} "
-                             f"{vision_rows.dtype}")
+            raise ValueError(
+                f"vision rows must be a 2-D float array [rows, hidden], got {vision_rows.shape} {vision_rows.dtype}"
+            )
         self._append(words)
         if n:
             self.flush()
@@ -142,8 +158,10 @@ class Transport:
         if not isinstance(partial, np.ndarray) or partial.dtype != np.float32:
             raise TypeError(f"allsum takes a float32 ndarray, got {getattr(partial, 'dtype', type(partial))}")
         if self.rank == 0 and self.pending_words:
-            raise RuntimeError(f"allsum with {self.pending_words} command words not flushed: the workers "
-                               "have not been told to run this forward pass")
+            raise RuntimeError(
+                f"allsum with {self.pending_words} command words not flushed: the workers "
+                "have not been told to run this forward pass"
+            )
         self.stats.allsums += 1
         if self.size == 1:
             return partial
@@ -179,6 +197,16 @@ class Transport:
         """Rank 0 leaving without a SHUTDOWN (an error) tells every worker to leave too."""
         self.closed = True
 
+    def unresponsive_ranks(self, wait_s: float = 2.0) -> list[int]:
+        """Rank 0: the worker ranks that do not answer within ``wait_s`` (dead, stopped, or stuck
+        outside the transport)."""
+        return []
+
+    def abort(self, message: str) -> None:
+        """End the whole job now, non-zero, after printing ``message``."""
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)
+
     def __enter__(self) -> Transport:
         return self
 
@@ -200,9 +228,9 @@ class Transport:
         end = self._n + len(words)
         if end > len(self._out):
             grown = np.zeros(max(end, 2 * len(self._out)), np.uint32)
-            grown[:self._n] = self._out[:self._n]
+            grown[: self._n] = self._out[: self._n]
             self._out = grown
-        self._out[self._n:end] = words
+        self._out[self._n : end] = words
         self._n = end
 
     def _require_root(self, what: str) -> None:

@@ -3,6 +3,7 @@
 MPI stays on the main thread: ``generate`` and ``serve_forever`` tick the scheduler on the
 calling thread; other threads only ``submit`` and wait on their handles.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -11,15 +12,14 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
 
 import numpy as np
 
+from eprt.api import ENGINE_FAILED, STOPPED, GenerationRequest, GenerationResult, RequestError
 from eprt.comm.logging import setup_logging
 from eprt.comm.transport import StartupFailed
-from eprt.comm.world import open_transport
 from eprt.comm.worker import run_worker
-from eprt.api import ENGINE_FAILED, STOPPED, GenerationRequest, GenerationResult, RequestError
+from eprt.comm.world import open_transport
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
@@ -29,14 +29,13 @@ from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("eprt.engine")
-STATS_LOG_INTERVAL_S = 10.0     # how often a busy engine logs its counters and KV accounting
-HEALTH_STALL_S = 5.0            # a collective waiting this long makes health() fail, before the watchdog
+STATS_LOG_INTERVAL_S = 10.0  # how often a busy engine logs its counters and KV accounting
 
 
 class Handle:
     """A submitted request: ``result()`` blocks, ``cancel()`` ends it and frees its blocks."""
 
-    def __init__(self, inner, engine: "Engine"):
+    def __init__(self, inner, engine: Engine):
         self._inner, self._engine = inner, engine
 
     @property
@@ -53,7 +52,7 @@ class Handle:
     def cancel(self) -> None:
         self._inner.cancel()
 
-    def result(self, timeout: Optional[float] = None) -> GenerationResult:
+    def result(self, timeout: float | None = None) -> GenerationResult:
         return self._engine._with_text(self._inner.result(timeout))
 
 
@@ -66,10 +65,8 @@ class Engine:
         self.vocab_size = loaded.config.vocab_size
         self.max_model_len = loaded.model.max_len
         self._lock = threading.Lock()
-        self._counters = {"requests_finished": 0, "generation_tokens": 0, "cached_tokens": 0,
-                          "prompt_tokens": 0}
+        self._counters = {"requests_finished": 0, "generation_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0}
         self._closed = False
-        self.failed: Optional[str] = None   # why the engine stopped serving, once it has
         self._stop_requested = False
         self._next_log = time.monotonic() + STATS_LOG_INTERVAL_S
 
@@ -96,6 +93,7 @@ class Engine:
                 c["prompt_tokens"] += len(result.prompt_ids)
             if user_cb is not None:
                 user_cb(result)
+
         return done
 
     def _check_vision(self, req: GenerationRequest) -> None:
@@ -104,7 +102,7 @@ class Engine:
             return
         try:
             rows = np.asarray(rows)
-        except (ValueError, TypeError) as e:     # ragged nested lists, objects NumPy cannot take
+        except (ValueError, TypeError) as e:  # ragged nested lists, objects NumPy cannot take
             raise RequestError(f"image_embeds is not an array of numbers: {e}") from None
         d = self.model_config.hidden_size
         if rows.ndim != 2 or rows.shape[1] != d:
@@ -145,8 +143,13 @@ class Engine:
         for i, h in handles:
             results[i] = h.result()
             if i in dropped:
-                results[i] = GenerationResult(reqs[i].request_id, list(reqs[i].prompt_ids), [], "error",
-                                              error=f"{STOPPED}: the run was stopped before this request started")
+                results[i] = GenerationResult(
+                    reqs[i].request_id,
+                    list(reqs[i].prompt_ids),
+                    [],
+                    "error",
+                    error=f"{STOPPED}: the run was stopped before this request started",
+                )
         return results
 
     def serve_forever(self, stop: threading.Event, poll_s: float = 0.05) -> None:
@@ -163,42 +166,43 @@ class Engine:
     def _step(self) -> None:
         try:
             self.scheduler.step()
-        except BaseException as e:   # a failed rank or model error: no request waits forever
-            self.failed = f"{ENGINE_FAILED}: {type(e).__name__}: {e}"
-            self.scheduler.fail_all(self.failed)
+        except BaseException as e:  # a failed rank or model error: no request waits forever
+            self.scheduler.fail_all(f"{ENGINE_FAILED}: {type(e).__name__}: {e}")
             raise
         now = time.monotonic()
         if now >= self._next_log:
             self._next_log = now + STATS_LOG_INTERVAL_S
             log.info("%s", self.stats_line())
 
-    def health(self) -> Optional[str]:
-        """None while the engine can serve; otherwise why not (any thread): it failed, or a
-        collective has waited over HEALTH_STALL_S (a rank stopped or died; the watchdog ends
-        the job at EPRT_COLLECTIVE_TIMEOUT)."""
-        if self.failed is not None:
-            return self.failed
-        stalled = self.transport.stalled_s()
-        if stalled > HEALTH_STALL_S:
-            return f"a collective has waited {stalled:.0f} s: a rank may be stopped or dead"
-        return None
+    def fail(self, message: str) -> None:
+        """End every request in flight with ``message`` (the loop failed outside a step, e.g. a
+        signal while idle); the main thread only, once the loop has stopped."""
+        self.scheduler.fail_all(message)
 
     def stats_line(self) -> str:
         s = self.stats()
-        return (f"running {s['running']}, waiting {s['waiting']}; KV blocks: {s['free_blocks']} free "
-                f"of {s['total_blocks']} ({s['cached_blocks']} cached); prompt tokens computed "
-                f"{s['prompt_tokens_computed']}, from cache {s['cached_tokens']}; generated "
-                f"{s['generation_tokens']}; preemptions {s['preemptions']}")
+        return (
+            f"running {s['running']}, waiting {s['waiting']}; KV blocks: {s['free_blocks']} free "
+            f"of {s['total_blocks']} ({s['cached_blocks']} cached); prompt tokens computed "
+            f"{s['prompt_tokens_computed']}, from cache {s['cached_tokens']}; generated "
+            f"{s['generation_tokens']}; preemptions {s['preemptions']}"
+        )
 
     def stats(self) -> dict:
         blocks = self.runner.executor.blocks
         with self._lock:
             out = dict(self._counters)
         sched = self.scheduler.stats()
-        out.update(sched, waiting=sched["queued"], free_blocks=blocks.num_free_blocks(),
-                   cached_blocks=blocks.num_cached_blocks(), total_blocks=blocks.num_blocks,
-                   prompt_tokens_computed=self.runner.prompt_tokens_computed,
-                   decode_steps=self.runner.decode_steps, decode_rows=self.runner.decode_rows)
+        out.update(
+            sched,
+            waiting=sched["queued"],
+            free_blocks=blocks.num_free_blocks(),
+            cached_blocks=blocks.num_cached_blocks(),
+            total_blocks=blocks.num_blocks,
+            prompt_tokens_computed=self.runner.prompt_tokens_computed,
+            decode_steps=self.runner.decode_steps,
+            decode_rows=self.runner.decode_rows,
+        )
         return out
 
     def shutdown(self) -> None:
@@ -222,7 +226,7 @@ def launch_engine(args_or_config, transport=None):
     cfg.validate()
     device = resolve_device(cfg.device)
     if device == "cuda":
-        bind_local_gpu()            # before MPI initialises: a CUDA-aware MPI must see the right GPU
+        bind_local_gpu()  # before MPI initialises: a CUDA-aware MPI must see the right GPU
     transport = open_transport() if transport is None else transport
     rank, world = transport.rank, transport.size
     setup_logging(rank, cfg.log_all_ranks or None)
@@ -230,13 +234,23 @@ def launch_engine(args_or_config, transport=None):
         started = start_rank(cfg, device, transport)
     except StartupFailed:
         if rank != 0:
-            sys.exit(1)             # rank 0 reports every failing rank
+            sys.exit(1)  # rank 0 reports every failing rank
         raise
     ops, loaded, executor = started.ops, started.loaded, started.executor
     model_cfg = loaded.config
-    log.info("rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, read %d tensors (%.1f MB)",
-             rank, world, loaded.name, ops.name, loaded.model.w.expert_start, loaded.model.w.expert_end,
-             executor.blocks.num_blocks, cfg.block_size, loaded.tensors_read, loaded.bytes_read / 1e6)
+    log.info(
+        "rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, read %d tensors (%.1f MB)",
+        rank,
+        world,
+        loaded.name,
+        ops.name,
+        loaded.model.w.expert_start,
+        loaded.model.w.expert_end,
+        executor.blocks.num_blocks,
+        cfg.block_size,
+        loaded.tensors_read,
+        loaded.bytes_read / 1e6,
+    )
     if rank != 0:
         # mpiexec and srun forward SIGINT/SIGTERM to every rank; only rank 0 decides when the
         # job ends (it finishes what is in flight, then sends SHUTDOWN), so workers ignore them.
@@ -247,10 +261,16 @@ def launch_engine(args_or_config, transport=None):
         transport.close()
         sys.exit(code)
     runner = ModelRunner(executor, transport, seed=cfg.seed)
-    sched_cfg = SchedulerConfig(vocab_size=model_cfg.vocab_size, eos_token_ids=tuple(
-        loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids),
-        max_batch=cfg.max_batch, max_prefill_tokens=cfg.max_prefill_tokens, block_size=cfg.block_size,
-        max_model_len=loaded.model.max_len)
+    sched_cfg = SchedulerConfig(
+        vocab_size=model_cfg.vocab_size,
+        eos_token_ids=tuple(
+            loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
+        ),
+        max_batch=cfg.max_batch,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+        block_size=cfg.block_size,
+        max_model_len=loaded.model.max_len,
+    )
     engine = Engine(runner, Scheduler(runner, sched_cfg, clock=WallClock()), loaded, cfg, transport)
     ok = False
     try:

@@ -19,6 +19,7 @@ has ``"duplicate_of"``). Lines cut short because the engine failed or the job wa
 are not recorded, so they run again; the exit status is then 1. One ``eprt run`` at a time
 may write an output file (it is locked): a second one fails at once. See docs/serving.md.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -30,9 +31,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
-from eprt.api import EngineClosed, GenerationRequest, RequestError, SamplingParams, is_engine_failure
+from eprt.api import (
+    ENGINE_FAILED,
+    EngineClosed,
+    GenerationRequest,
+    RequestError,
+    SamplingParams,
+    is_engine_failure,
+    is_int,
+)
 from eprt.serve.loop import EngineLoop
 from eprt.serve.params import FieldError, check_text, encode_prompt, parse_options, parse_token_ids
 from eprt.serve.progress import Progress
@@ -40,37 +48,46 @@ from eprt.serve.stream import LiveRequest
 
 log = logging.getLogger("eprt.serve")
 
-LINE_FIELDS = frozenset({"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p",
-                         "top_k", "seed", "stop", "timeout"})
-_POLL_S = 0.01      # how long the writer sleeps when no request made progress
+LINE_FIELDS = frozenset(
+    {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
+)
+_POLL_S = 0.01  # how long the writer sleeps when no request made progress
 
 
 def add_arguments(parser) -> None:
     from eprt.engine.engine import add_engine_arguments
 
-    parser.add_argument("--input", required=True, metavar="JSONL",
-                        help="prompts, one JSON object per line: {\"id\", \"prompt\" or \"prompt_ids\", ...}")
-    parser.add_argument("--output", required=True, metavar="JSONL",
-                        help="results, appended as they finish; ids already there are skipped (resume)")
+    parser.add_argument(
+        "--input",
+        required=True,
+        metavar="JSONL",
+        help='prompts, one JSON object per line: {"id", "prompt" or "prompt_ids", ...}',
+    )
+    parser.add_argument(
+        "--output",
+        required=True,
+        metavar="JSONL",
+        help="results, appended as they finish; ids already there are skipped (resume)",
+    )
     add_engine_arguments(parser)
 
 
 def main(args) -> int:
     from eprt.engine.engine import launch_engine
 
-    with launch_engine(args) as engine:     # worker ranks never get past this line
+    with launch_engine(args) as engine:  # worker ranks never get past this line
         return run_batch(engine, args.input, args.output, in_flight=max(64, 4 * args.max_batch))
 
 
 @dataclass
 class Line:
-    number: int                   # 1-based line number in the input (reported, never a key)
-    id: object                    # the line's "id" (str or int), None when it has none
-    digest: str                   # SHA-256 of the line's canonical JSON (of its bytes if not JSON)
-    obj: Optional[dict] = None    # the parsed line, None when it is not a JSON object
-    error: Optional[str] = None   # why the line cannot be served, found before submission
-    duplicate_of: Optional[int] = None  # number of the earlier line with the same id
-    copy: int = 1                 # which identical copy of its key this line is (1, 2, ...)
+    number: int  # 1-based line number in the input (reported, never a key)
+    id: object  # the line's "id" (str or int), None when it has none
+    digest: str  # SHA-256 of the line's canonical JSON (of its bytes if not JSON)
+    obj: dict | None = None  # the parsed line, None when it is not a JSON object
+    error: str | None = None  # why the line cannot be served, found before submission
+    duplicate_of: int | None = None  # number of the earlier line with the same id
+    copy: int = 1  # which identical copy of its key this line is (1, 2, ...)
 
     @property
     def key(self) -> tuple:
@@ -85,15 +102,16 @@ class Line:
 
 def _digest(raw: bytes, obj=None) -> str:
     if obj is not None:
-        raw = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8",
-                                                                                           "surrogatepass")
+        raw = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode(
+            "utf-8", "surrogatepass"
+        )
     return hashlib.sha256(raw.strip()).hexdigest()
 
 
 def read_lines(path: str) -> list:
     """Every non-blank input line, parsed as far as finding its id."""
     lines = []
-    with open(path, "rb") as f:         # split on b"\n" only: a stray \r or bad byte spoils one line
+    with open(path, "rb") as f:  # split on b"\n" only: a stray \r or bad byte spoils one line
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
@@ -114,7 +132,7 @@ def _read_line(number: int, raw: bytes) -> Line:
         return Line(number, None, _digest(raw), error=f"expected a JSON object, got {type(obj).__name__}")
     digest = _digest(raw, obj)
     line_id = obj.get("id")
-    if line_id is not None and (not isinstance(line_id, (str, int)) or isinstance(line_id, bool)):
+    if line_id is not None and not (isinstance(line_id, str) or is_int(line_id)):
         return Line(number, None, digest, error=f"id must be a string or an integer, got {line_id!r}")
     if isinstance(line_id, str):
         try:
@@ -129,7 +147,7 @@ def record_key(rec: dict):
     a line cut short by an engine failure (older versions wrote those) or one without a hash."""
     if not isinstance(rec, dict) or "line" not in rec:
         raise KeyError("line")
-    if rec.get("finish_reason", "error") == "error" and str(rec.get("error", "")).startswith("engine failed:"):
+    if rec.get("finish_reason", "error") == "error" and str(rec.get("error", "")).startswith(ENGINE_FAILED + ":"):
         return None
     digest, copy = rec.get("input_hash"), rec.get("copy", 1)
     if rec.get("duplicate_of") is not None:
@@ -171,8 +189,10 @@ def lock_output(path: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise OutputLocked(f"{path} is being written by another eprt run (it holds the file's lock): "
-                           f"wait for it to finish, or give another --output") from None
+        raise OutputLocked(
+            f"{path} is being written by another eprt run (it holds the file's lock): "
+            f"wait for it to finish, or give another --output"
+        ) from None
     return fd
 
 
@@ -190,8 +210,9 @@ def build_request(line: Line, engine) -> tuple:
         prompt_ids = parse_token_ids(obj["prompt_ids"], "prompt_ids", engine.vocab_size)
     opts = parse_options(obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens)
     request_id = f"line-{line.number}" if line.id is None else str(line.id)
-    return GenerationRequest(prompt_ids, opts.params, request_id=request_id,
-                             timeout_s=opts.timeout_s), opts.stop_strings
+    return GenerationRequest(
+        prompt_ids, opts.params, request_id=request_id, timeout_s=opts.timeout_s
+    ), opts.stop_strings
 
 
 class BatchWriter:
@@ -204,23 +225,23 @@ class BatchWriter:
     def __init__(self, engine, lines: list, out, progress: Progress, in_flight: int):
         self.engine, self.lines, self.out, self.progress = engine, lines, out, progress
         self.in_flight = in_flight
-        self.unfinished = len(lines)    # lines with nothing written yet
-        self.engine_failures = 0        # lines cut short by an engine failure (not written)
-        self.engine_failure: Optional[str] = None
-        self.error: Optional[BaseException] = None
+        self.unfinished = len(lines)  # lines with nothing written yet
+        self.engine_failures = 0  # lines cut short by an engine failure (not written)
+        self.engine_failure: str | None = None
+        self.error: BaseException | None = None
 
     def run(self, loop: EngineLoop) -> None:
         try:
             self._run(loop)
-        except BaseException as e:       # reported by the main thread
+        except BaseException as e:  # reported by the main thread
             self.error = e
         finally:
             loop.stop.set()
 
     def _run(self, loop: EngineLoop) -> None:
         todo = iter(self.lines)
-        live: dict = {}                  # LiveRequest -> Line
-        dropped: set = set()             # requests cancelled by a stop before their first token
+        live: dict = {}  # LiveRequest -> Line
+        dropped: set = set()  # requests cancelled by a stop before their first token
         exhausted = False
         while True:
             engine_gone = loop.stopped.is_set()
@@ -245,18 +266,18 @@ class BatchWriter:
             for req in done:
                 self._finish(live.pop(req), req, req in dropped)
             if engine_gone or (not live and (exhausted or loop.stop.is_set())):
-                return                   # what is still live when the engine is gone never finishes
+                return  # what is still live when the engine is gone never finishes
             if not done:
                 time.sleep(_POLL_S)
 
     def _finish(self, line: Line, req: LiveRequest, dropped: bool) -> None:
         if dropped:
-            return                       # cancelled by the stop before its first token: runs again next time
+            return  # cancelled by the stop before its first token: runs again next time
         result, _ = req.result()
         if is_engine_failure(result):
             self.engine_failures += 1
             self.engine_failure = result.error
-            return                       # not the line's fault: runs again next time
+            return  # not the line's fault: runs again next time
         self._write(line, result.to_json(), failed=result.finish_reason == "error", tokens=len(result.token_ids))
 
     def _submit(self, line: Line, live: dict) -> bool:
@@ -267,15 +288,19 @@ class BatchWriter:
                 live[LiveRequest(self.engine, request, stops)] = line
                 return True
             except EngineClosed:
-                return False             # not the line's fault: it stays unfinished
+                return False  # not the line's fault: it stays unfinished
             except RequestError as e:
                 line.error = str(e)
         self._write(line, {"error": line.error}, failed=True)
         return True
 
     def _write(self, line: Line, record: dict, failed: bool, tokens: int = 0) -> None:
-        record = {"id": line.id, "line": line.number, "input_hash": line.digest,
-                  **{k: v for k, v in record.items() if k != "id"}}
+        record = {
+            "id": line.id,
+            "line": line.number,
+            "input_hash": line.digest,
+            **{k: v for k, v in record.items() if k != "id"},
+        }
         if line.copy > 1:
             record["copy"] = line.copy
         if line.duplicate_of is not None:
@@ -288,7 +313,7 @@ class BatchWriter:
 
 def plan(lines: list, done: set) -> list:
     """The lines still to answer; marks repeated ids as errors and numbers identical copies."""
-    todo, first_line, copies = [], {}, {}   # first_line: id -> number of the first line using it
+    todo, first_line, copies = [], {}, {}  # first_line: id -> number of the first line using it
     for line in lines:
         if line.id is not None:
             first = first_line.setdefault(json.dumps(line.id), line.number)
@@ -303,8 +328,7 @@ def plan(lines: list, done: set) -> list:
     return todo
 
 
-def run_batch(engine, input_path: str, output_path: str, in_flight: int = 64,
-              progress_stream=None) -> int:
+def run_batch(engine, input_path: str, output_path: str, in_flight: int = 64, progress_stream=None) -> int:
     """Run every not-yet-finished line of ``input_path``; 0 unless the job itself failed or was cut short."""
     progress_stream = progress_stream or sys.stderr
     try:
@@ -328,14 +352,14 @@ def _run_locked(engine, input_path: str, output_path: str, in_flight: int, progr
     start = time.monotonic()
     progress = Progress(len(todo), progress_stream)
     loop = EngineLoop(engine)
-    engine_error: Optional[BaseException] = None
+    engine_error: BaseException | None = None
     with open(output_path, "a", encoding="utf-8") as out:
         writer = BatchWriter(engine, todo, out, progress, in_flight)
         thread = threading.Thread(target=writer.run, args=(loop,), name="eprt-run-writer", daemon=True)
         thread.start()
         try:
             loop.run()
-        except BaseException as e:       # the engine failed: report what was done, then re-raise
+        except BaseException as e:  # the engine failed: report what was done, then re-raise
             engine_error = e
         finally:
             loop.stop.set()
@@ -344,14 +368,22 @@ def _run_locked(engine, input_path: str, output_path: str, in_flight: int, progr
     if writer.error is not None:
         raise writer.error
     skipped = len(lines) - len(todo)
-    print(f"eprt run: wrote {progress.done} results to {output_path} ({progress.failed} failed, "
-          f"{skipped} skipped as already done) in {time.monotonic() - start:.1f}s", file=progress_stream)
+    print(
+        f"eprt run: wrote {progress.done} results to {output_path} ({progress.failed} failed, "
+        f"{skipped} skipped as already done) in {time.monotonic() - start:.1f}s",
+        file=progress_stream,
+    )
     if writer.engine_failures:
-        print(f"eprt run: {writer.engine_failures} lines were cut short by an engine failure "
-              f"({writer.engine_failure}); they are not recorded and run again on resume", file=progress_stream)
+        print(
+            f"eprt run: {writer.engine_failures} lines were cut short by an engine failure "
+            f"({writer.engine_failure}); they are not recorded and run again on resume",
+            file=progress_stream,
+        )
     if writer.unfinished:
-        print(f"eprt run: interrupted with {writer.unfinished} lines unfinished; run the same command "
-              f"again to resume", file=progress_stream)
+        print(
+            f"eprt run: interrupted with {writer.unfinished} lines unfinished; run the same command again to resume",
+            file=progress_stream,
+        )
     if engine_error is not None:
         raise engine_error
     return 1 if writer.unfinished else 0

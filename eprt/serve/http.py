@@ -1,279 +1,491 @@
-"""The HTTP side of ``eprt serve``: stdlib ``ThreadingHTTPServer``, one thread per connection.
+"""The HTTP side of ``eprt serve``: a FastAPI app on uvicorn, in a thread beside the engine loop.
 
 Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions``. With an API key, the ``/v1/`` routes need
-``Authorization: Bearer <key>`` (health and metrics stay open for probes and scrapers).
-
-A generation handler submits to the engine (``engine.submit`` is thread-safe) and then
-waits on the request's token queue, writing SSE chunks as text arrives. While it waits
-it checks whether the client went away (a failed write, or EOF on the socket) and, if
-so, cancels the sequence so its KV blocks are freed. A bad request is answered 400 from
-the handler's own thread and never touches other requests. Request bodies are read by
-``body.py``; a client that stalls (sends or reads nothing for
-``_SOCKET_TIMEOUT_S``) is dropped, so it holds no thread and no sequence for ever.
+``POST /v1/chat/completions``. Every 4xx/5xx has an OpenAI error body; with an API key,
+every route but ``/health`` needs ``Authorization: Bearer <key>`` (checked before routing).
+``GuardedH11Protocol`` closes connections whose request headers do not arrive in time
+(uvicorn alone never does); bodies are read under a size limit and a deadline (body.py).
+A generation request submits to the engine, then waits for tokens woken by the engine
+thread; a client that leaves has its sequence cancelled. See docs/serving.md.
 """
+
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
-import select
 import socket
 import threading
 import time
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+
+import h11
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from eprt import __version__
-from eprt.api import RequestError
+from eprt.api import ENGINE_FAILED, RequestError
 from eprt.serve import openai
-from eprt.serve.body import ApiError, read_json
-from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
+from eprt.serve.body import DEFAULT_MAX_BODY_BYTES, ApiError, parse_json, read_body
+from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from eprt.serve.metrics import ServerMetrics
 from eprt.serve.stream import LiveRequest
 
 log = logging.getLogger("eprt.serve")
 
-_WAIT_S = 0.05                # longest wait for tokens before looking at the client and the engine
-_CLIENT_CHECK_S = 0.25        # how often a waiting handler checks that its client is still there
-_SOCKET_TIMEOUT_S = 120.0     # a client that sends nothing (or reads nothing) this long is dropped
-
-GET_ROUTES = ("/health", "/metrics", "/v1/models")
-POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}   # path -> is chat
+MAX_HEADER_BYTES = 64 << 10  # request line and headers; more is answered 431
+_CLIENT_CHECK_S = 0.25  # how often a waiting non-stream request checks that its client is still there
+GENERATION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> is chat
+ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES)
 
 
-class ClientGone(Exception):
-    """The client closed its connection before the answer was complete."""
+@dataclass(frozen=True)
+class HttpSettings:
+    api_key: str | None = None  # None: no authentication (check_api_key refuses "")
+    served_model_name: str | None = None  # the model name clients see (default: the engine's)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    http_timeout_s: float = 30.0  # a request's headers, and then its body, must arrive within this
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    backlog: int = 2048  # pending TCP connections the kernel queues for us
 
 
-class OpenAIServer(ThreadingHTTPServer):
-    daemon_threads = True          # an idle keep-alive connection must not hold up shutdown
-    allow_reuse_address = True
+def check_api_key(key: str | None) -> str | None:
+    """``key`` itself, None for no key; ValueError for an empty or whitespace key (an unset
+    variable in ``--api-key "$KEY"`` must not turn authentication off)."""
+    if key is not None and not key.strip():
+        raise ValueError(
+            f"--api-key / EPRT_API_KEY is {key!r}: an empty key would turn authentication off; "
+            f"give a real key, or leave both unset to serve without one"
+        )
+    return key
 
-    def __init__(self, address: tuple, engine, loop, api_key: str | None = None):
-        super().__init__(address, Handler)
-        self.engine, self.loop, self.api_key = engine, loop, api_key
-        self.metrics = ServerMetrics()
+
+def error_response(e: ApiError, headers: dict | None = None) -> JSONResponse:
+    body = openai.error_body(str(e), e.kind, e.param, e.code)
+    # The body may be unread (401, 404, 413): the connection cannot carry another request.
+    headers = {"Connection": "close", **(headers or {})}
+    if e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(body, status_code=e.status, headers=headers)
+
+
+def _raw_error(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP/1.1 error answer, for the protocol level (before there is a request)."""
+    body = json.dumps(openai.error_body(message, "invalid_request_error")).encode()
+    return b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
+        status,
+        reason.encode(),
+        len(body),
+        body,
+    )
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, plus a deadline for a request's headers: counted from the
+    connection (or from the first byte after a keep-alive answer), so a slow-loris client
+    sending a byte at a time is closed after ``header_timeout_s`` however often it sends.
+    Malformed requests get a JSON error body instead of uvicorn's plain text."""
+
+    header_timeout_s = 30.0  # set by HttpServer on a subclass
+
+    def connection_made(self, transport) -> None:
+        self._header_timer, self._protocol_error = None, None
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # asyncio sets this only when the socket's proto is IPPROTO_TCP, and a socket from
+            # socket.create_server has proto 0: without it a response written as two segments
+            # waits ~40 ms for the client's delayed ACK (Nagle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().connection_made(transport)
+        self._arm_header_timer()
+        next_event = self.conn.next_event
+
+        def noted_next_event():  # keep h11's own words for send_400_response
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self._protocol_error = e
+                raise
+
+        self.conn.next_event = noted_next_event
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and self.conn.their_state is h11.IDLE:
+            self._arm_header_timer()  # the next request of a keep-alive connection begins
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm_header_timer()  # its headers are in
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        e = self._protocol_error
+        status = getattr(e, "error_status_hint", 400) if e is not None else 400
+        status = status if status in (400, 431, 501) else 400
+        reason = {400: "Bad Request", 431: "Request Header Fields Too Large", 501: "Not Implemented"}[status]
+        self.transport.write(_raw_error(status, reason, f"malformed HTTP request: {e or msg}"))
+        self.transport.close()
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _disarm_header_timer(self) -> None:
+        if getattr(self, "_header_timer", None) is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            if self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
+                self.transport.write(
+                    _raw_error(
+                        408, "Request Timeout", f"the request headers did not arrive within {self.header_timeout_s:g}s"
+                    )
+                )
+            self.transport.close()
+
+
+class Waker:
+    """Wakes one asyncio waiter from the engine thread; at most one wake-up in flight."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop, self._event, self._pending = loop, asyncio.Event(), False
+
+    def __call__(self) -> None:  # on the engine thread
+        if not self._pending:
+            self._pending = True
+            try:
+                self._loop.call_soon_threadsafe(self._event.set)
+            except RuntimeError:  # the HTTP loop is gone (shutdown)
+                pass
+
+    async def wait(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout)
+        except TimeoutError:
+            pass
+        self._event.clear()
+        self._pending = False  # cleared before the caller drains the queue
+
+
+class ServerState:
+    """What the routes share: the engine, its loop, the settings, the metrics."""
+
+    def __init__(self, engine, loop, settings: HttpSettings):
+        self.engine, self.loop, self.settings = engine, loop, settings
+        self.model_name = settings.served_model_name or engine.model_name
+        self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
-        self._busy = 0                      # generation requests being answered
+        self._busy = 0  # generation requests being answered
         self._idle = threading.Condition()
 
-    @contextmanager
-    def generation(self):
+    def begin(self) -> None:
         with self._idle:
             self._busy += 1
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._busy -= 1
-                self._idle.notify_all()
+
+    def end(self) -> None:
+        with self._idle:
+            self._busy -= 1
+            self._idle.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation request is being answered; False on timeout."""
         with self._idle:
             return self._idle.wait_for(lambda: self._busy == 0, timeout)
 
+    def check_accepting(self) -> None:
+        if self.loop.failure is not None:
+            raise ApiError(503, f"the engine failed: {self.loop.failure}", "server_error")
+        if self.loop.stop.is_set() or self.loop.stopped.is_set():
+            raise ApiError(503, "the server is shutting down", "server_error")
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = f"eprt/{__version__}"
-    timeout = _SOCKET_TIMEOUT_S     # socket timeout: a stalled read or write raises TimeoutError
-    server: OpenAIServer
 
-    def do_GET(self):
-        self._dispatch("GET")
+class Generation:
+    """One submitted generation request: its tokens, its waker, and its end (``close``,
+    idempotent: cancels the sequence if still running, counts the request as answered)."""
 
-    def do_POST(self):
-        self._dispatch("POST")
+    def __init__(self, state: ServerState, api: openai.ApiRequest, info: dict):
+        self.state, self.api, self.info = state, api, info
+        self.waker = Waker(asyncio.get_running_loop())
+        state.begin()
+        try:
+            self.live = LiveRequest(state.engine, api.request, api.stop_strings, notify=self.waker)
+        except BaseException:
+            state.end()
+            raise
+        self._closed = False
 
-    def log_message(self, format, *args):
-        log.debug("%s %s", self.address_string(), format % args)
+    def close(self, complete: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        live = self.live
+        if not live.handle.done():
+            live.cancel()  # the client left or the handler failed: free the sequence
+        if live.first_token_at is not None:
+            self.info["ttft"] = live.first_token_at - live.submitted_at
+        self.info["gone"] = not complete
+        self.state.end()
 
-    def send_response(self, code, message=None):
-        self._status = code
-        super().send_response(code, message)
+    def error(self, result) -> ApiError:
+        """The answer to a request the engine ended with an error: 503 when the engine is down."""
+        message = result.error or "generation failed"
+        down = self.state.loop.failure is not None or message.startswith(ENGINE_FAILED)
+        return ApiError(503 if down else 500, message, "server_error")
 
-    # ---- dispatch -----------------------------------------------------------------------
 
-    def _dispatch(self, method: str) -> None:
-        path = urlsplit(self.path).path
-        route = path if path in GET_ROUTES or path in POST_ROUTES else "other"
-        self._status, self._streaming, self._chunked, self._ttft = None, False, True, None
+class _Stream(StreamingResponse):
+    """An SSE response that closes its generation however it ends (even never started)."""
+
+    def __init__(self, gen: Generation):
+        super().__init__(_events(gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close(complete=False)  # a no-op after the stream's own close
+
+
+class Guard:
+    """ASGI middleware: metrics for every request, and the API key checked before routing."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+        self._key = state.settings.api_key.encode() if state.settings.api_key is not None else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        info = scope["eprt"] = {"status": None, "ttft": None, "gone": False}
         start = time.monotonic()
-        metrics = self.server.metrics
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                info["status"] = message["status"]
+            await send(message)
+
+        metrics = self.state.metrics
         metrics.request_started()
         try:
-            self._route(method, path)
-        except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError):  # timeout: a stuck reader
-            log.info("%s: client went away; its request was cancelled", path)
-            self.close_connection = True
-            self._status = 499              # "client closed request", even after a 200 header
-        except RequestError as e:           # FieldError carries the field's name
-            self._fail(ApiError(400, str(e), param=getattr(e, "param", None)))
-        except ApiError as e:
-            self._fail(e)
-        except Exception:
-            log.exception("%s failed", path)
-            self._fail(ApiError(500, "internal server error (see the server log)", "server_error"))
+            if self._key is not None and path != "/health" and not self._authorized(scope):
+                e = ApiError(
+                    401,
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+                await error_response(e)(scope, receive, send_and_note)
+            else:
+                await self.app(scope, receive, send_and_note)
         finally:
-            ok = self._status == 200 and route in POST_ROUTES
-            metrics.request_finished(route, self._status or 499,
-                                     time.monotonic() - start if ok else None, self._ttft if ok else None)
+            status = 499 if info["gone"] or info["status"] is None else info["status"]
+            generated = status == 200 and path in GENERATION_ROUTES
+            metrics.request_finished(
+                path if path in ROUTES else "other",
+                status,
+                time.monotonic() - start if generated else None,
+                info["ttft"] if generated else None,
+            )
 
-    def _route(self, method: str, path: str) -> None:
-        known = path in GET_ROUTES or path in POST_ROUTES
-        if not known:
-            raise ApiError(404, f"no route {path!r}; try /v1/completions, /v1/chat/completions, /v1/models",
-                           code="not_found")
-        if (method == "GET") != (path in GET_ROUTES):
-            raise ApiError(405, f"{path} does not accept {method}", code="method_not_allowed")
-        if method == "GET" and ("Content-Length" in self.headers or "Transfer-Encoding" in self.headers):
-            self.close_connection = True    # an unread body must not be taken for the next request
-        if path.startswith("/v1/"):
-            self._check_api_key()
-        if path == "/health":
-            stopping = self.server.loop.stop.is_set()
-            self._send_json(503 if stopping else 200, {"status": "shutting down" if stopping else "ok"})
-        elif path == "/metrics":
-            text = self.server.metrics.render(self.server.engine.stats())
-            self._send(200, text.encode(), METRICS_CONTENT_TYPE)
-        elif path == "/v1/models":
-            self._send_json(200, openai.models_body(self.server.engine, self.server.created))
+    def _authorized(self, scope) -> bool:
+        values = [v for k, v in scope["headers"] if k == b"authorization"]
+        scheme, _, token = (values[0] if len(values) == 1 else b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+
+def build_app(state: ServerState):
+    """The ASGI application: the FastAPI routes inside the ``Guard`` middleware."""
+    app = FastAPI(title="eprt", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        if exc.status_code == 404:
+            e = ApiError(
+                404,
+                f"no route {request.url.path!r}; try /v1/completions, /v1/chat/completions, /v1/models",
+                code="not_found",
+            )
+        elif exc.status_code == 405:
+            e = ApiError(405, f"{request.url.path} does not accept {request.method}", code="method_not_allowed")
         else:
-            self._generate(POST_ROUTES[path])
+            e = ApiError(exc.status_code, str(exc.detail))
+        return error_response(e, dict(exc.headers or {}))
 
-    def _check_api_key(self) -> None:
-        key = self.server.api_key
-        if key is None:
-            return
-        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc: RequestValidationError):
+        err = (exc.errors() or [{}])[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        return error_response(
+            ApiError(
+                400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}", param=loc[0] if loc else "body"
+            )
+        )
 
-    def _read_json(self):
-        return read_json(self.headers, self.rfile, self.timeout)
+    @app.get("/health")
+    async def health():
+        h = state.loop.health()
+        if h.ok:
+            return JSONResponse({"status": "ok"})
+        body = openai.error_body(
+            f"the server is {h.status}" + (f": {h.detail}" if h.detail else ""),
+            "server_error",
+            code=h.status.replace(" ", "_"),
+        )
+        return JSONResponse({"status": h.status, **body}, status_code=503)
 
-    # ---- generation ---------------------------------------------------------------------
+    @app.get("/metrics")
+    async def metrics():
+        data = await run_in_threadpool(state.metrics.render)
+        return Response(data, media_type=METRICS_CONTENT_TYPE)
 
-    def _generate(self, chat: bool) -> None:
-        srv = self.server
-        api = openai.parse_request(self._read_json(), srv.engine, chat)
-        if srv.loop.stop.is_set():
-            raise ApiError(503, "the server is shutting down", "server_error")
-        with srv.generation():
-            live = LiveRequest(srv.engine, api.request, api.stop_strings)
-            try:
-                if api.stream:
-                    self._stream(api, live)
-                else:
-                    self._complete(api, live)
-            finally:
-                if not live.handle.done():
-                    live.cancel()          # the client left or the handler failed: free the sequence
-                if live.first_token_at is not None:
-                    self._ttft = live.first_token_at - live.submitted_at
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse(openai.models_body(state.engine, state.created, state.model_name))
 
-    def _deltas(self, live: LiveRequest):
-        """Yield new text until the request is finished; raise ClientGone if the client left."""
-        last_check = time.monotonic()
-        while not live.finished():
-            delta = live.pump(_WAIT_S)
-            if delta:
-                yield delta
-            if time.monotonic() - last_check > _CLIENT_CHECK_S:
-                last_check = time.monotonic()
-                if self._client_gone():
-                    raise ClientGone()
-            if self.server.loop.stopped.is_set() and not live.handle.done():
-                raise ApiError(503, "the engine stopped before this request finished", "server_error")
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _answer(state, request, chat=False)
 
-    def _complete(self, api, live: LiveRequest) -> None:
-        for _ in self._deltas(live):
-            pass
-        result, _ = live.result()
-        if result.finish_reason == "error":
-            raise ApiError(500, result.error or "generation failed", "server_error")
-        self._send_json(200, openai.response_body(api, result))
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _answer(state, request, chat=True)
 
-    def _stream(self, api, live: LiveRequest) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        # An HTTP/1.0 client knows no chunked encoding: the stream ends when the connection closes.
-        self._chunked = self.request_version != "HTTP/1.0"
-        if self._chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        self._streaming = True
+    return Guard(app, state)
+
+
+async def _answer(state: ServerState, request: Request, chat: bool):
+    """One generation request, every failure turned into its error answer."""
+    try:
+        return await _generate(state, request, chat)
+    except ClientDisconnect:
+        request.scope["eprt"]["gone"] = True
+        return Response(status_code=499)  # never seen: the client is gone
+    except ApiError as e:
+        return error_response(e)
+    except RequestError as e:  # FieldError carries the field's name
+        return error_response(ApiError(400, str(e), param=getattr(e, "param", None)))
+    except Exception:
+        log.exception("%s failed", request.url.path)
+        return error_response(ApiError(500, "internal server error (see the server log)", "server_error"))
+
+
+def _parse(raw: bytes, state: ServerState, chat: bool) -> openai.ApiRequest:
+    return openai.parse_request(parse_json(raw), state.engine, chat, state.model_name)
+
+
+async def _generate(state: ServerState, request: Request, chat: bool):
+    settings = state.settings
+    raw = await read_body(request, settings.max_body_bytes, settings.http_timeout_s)
+    state.check_accepting()
+    api = await run_in_threadpool(_parse, raw, state, chat)  # tokenizing must not stall other streams
+    state.check_accepting()
+    gen = Generation(state, api, request.scope["eprt"])
+    if api.stream:
+        return _Stream(gen)
+    complete = False
+    try:
+        response = await _complete(request, gen)
+        complete = response.status_code != 499
+        return response
+    finally:
+        gen.close(complete)
+
+
+async def _complete(request: Request, gen: Generation):
+    live, next_check = gen.live, time.monotonic() + _CLIENT_CHECK_S
+    while not live.finished():
+        await gen.waker.wait(_CLIENT_CHECK_S)
+        live.pump()
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + _CLIENT_CHECK_S
+            if await request.is_disconnected():
+                return Response(status_code=499)  # never seen: the client is gone
+    result, _ = live.result()
+    if result.finish_reason == "error":
+        return error_response(gen.error(result))
+    return JSONResponse(openai.response_body(gen.api, result))
+
+
+def _event(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _events(gen: Generation):
+    """The SSE stream of one request; an engine failure ends it with an error event and [DONE]."""
+    api, live, complete = gen.api, gen.live, False
+    try:
         if api.chat:
-            self._event(openai.chunk(api, first=True))
-        for delta in self._deltas(live):
-            self._event(openai.chunk(api, delta))
+            yield _event(openai.chunk(api, first=True))
+        while not live.finished():
+            await gen.waker.wait(1.0)
+            delta = live.pump()
+            if delta:
+                yield _event(openai.chunk(api, delta))
         result, tail = live.result()
         if tail:
-            self._event(openai.chunk(api, tail))
+            yield _event(openai.chunk(api, tail))
         if result.finish_reason == "error":
-            self._event(openai.error_body(result.error or "generation failed", "server_error"))
+            e = gen.error(result)
+            yield _event(openai.error_body(str(e), e.kind, code=str(e.status)))
         else:
-            self._event(openai.chunk(api, finish_reason=result.finish_reason))
+            yield _event(openai.chunk(api, finish_reason=result.finish_reason))
             if api.include_usage:
-                self._event(openai.usage_chunk(api, result))
-        self._end_stream()
+                yield _event(openai.usage_chunk(api, result))
+        yield b"data: [DONE]\n\n"
+        complete = True
+    finally:
+        gen.close(complete)
 
-    # ---- writing ------------------------------------------------------------------------
 
-    def _client_gone(self) -> bool:
-        """EOF (or an error) on the connection while we still owe an answer."""
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
+class HttpServer:
+    """uvicorn serving ``build_app(state)`` on its own thread and event loop."""
 
-    def _chunk(self, data: bytes) -> None:
-        if self._chunked:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        elif data:
-            self.wfile.write(data)
+    def __init__(self, state: ServerState, host: str, port: int):
+        s = state.settings
+        self.state = state
+        self.sock = socket.create_server((host, port), backlog=s.backlog, reuse_port=False)  # OSError: caller's
+        self.port = self.sock.getsockname()[1]
+        protocol = type("EprtH11Protocol", (GuardedH11Protocol,), {"header_timeout_s": s.http_timeout_s})
+        config = uvicorn.Config(
+            build_app(state),
+            http=protocol,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            backlog=s.backlog,
+            timeout_keep_alive=s.keep_alive_s,
+            timeout_graceful_shutdown=5,
+            server_header=False,
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        )
+        logging.getLogger("uvicorn.error").setLevel(logging.ERROR)  # not a line per malformed request
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="eprt-http", daemon=True
+        )
 
-    def _event(self, obj: dict) -> None:
-        self._chunk(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+    def start(self, timeout: float = 30.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start (see the log above)")
+            time.sleep(0.01)
 
-    def _end_stream(self) -> None:
-        self._chunk(b"data: [DONE]\n\n")
-        self._chunk(b"")
-
-    def _send(self, status: int, data: bytes, content_type: str, headers: tuple = ()) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers:
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _send_json(self, status: int, obj: dict, headers: tuple = ()) -> None:
-        self._send(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json", headers)
-
-    def _fail(self, e: ApiError) -> None:
-        body = openai.error_body(str(e), e.kind, e.param, e.code)
-        if e.status >= 500:
-            log.warning("answering %d: %s", e.status, e)
-        try:
-            if self._streaming:             # the status line is gone: report in the stream
-                self._event(body)
-                self._end_stream()
-                return
-            # The body may be unread (a 401 or 404 before reading it): do not reuse the connection.
-            self.close_connection = True
-            headers = [("Connection", "close")]
-            if e.status == 401:
-                headers.append(("WWW-Authenticate", "Bearer"))
-            self._send_json(e.status, body, tuple(headers))
-        except OSError:
-            self.close_connection = True
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()

@@ -1,108 +1,106 @@
-"""Prometheus text exposition (format 0.0.4) for ``eprt serve``'s ``/metrics``.
+"""``/metrics`` of ``eprt serve`` through prometheus_client, in its own registry per server.
 
-Two sources: the server's own counters (HTTP requests by route and status, end-to-end
-latency and time to first token of generation requests, requests in flight), kept
-here behind a lock, and ``engine.stats()`` read fresh on every scrape.
+Two sources: the server's own metrics (HTTP requests by route and status, end-to-end
+latency and time to first token of generation requests, requests in flight), and
+``engine.stats()``, read fresh on every scrape by a collector.
 """
+
 from __future__ import annotations
 
-import bisect
-import threading
-from collections import Counter
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4 as CONTENT_TYPE  # noqa: F401 (for /metrics)
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+disable_created_metrics()  # no *_created samples: they only repeat the start time
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-# engine.stats() key -> (metric name, type, help)
+# engine.stats() key -> (metric name, type, help); counters are named without _total here
 ENGINE_METRICS = {
     "running": ("eprt_requests_running", "gauge", "Sequences being generated now"),
     "waiting": ("eprt_requests_waiting", "gauge", "Requests queued for a free slot or KV blocks"),
     "free_blocks": ("eprt_kv_blocks_free", "gauge", "KV cache blocks not held by any sequence"),
     "cached_blocks": ("eprt_kv_blocks_cached", "gauge", "KV cache blocks held by the prefix cache"),
     "total_blocks": ("eprt_kv_blocks_capacity", "gauge", "KV cache blocks in all"),
-    "prompt_tokens": ("eprt_prompt_tokens_total", "counter", "Prompt tokens received"),
-    "cached_tokens": ("eprt_prompt_cached_tokens_total", "counter", "Prompt tokens served from the prefix cache"),
-    "generation_tokens": ("eprt_generation_tokens_total", "counter", "Tokens generated"),
-    "requests_finished": ("eprt_requests_finished_total", "counter", "Requests the engine finished"),
-    "ticks": ("eprt_scheduler_ticks_total", "counter", "Scheduler steps run"),
-    "decode_steps": ("eprt_decode_steps_total", "counter", "Batched decode steps run"),
-    "decode_rows": ("eprt_decode_rows_total", "counter", "Sequence rows over all decode steps "
-                    "(rows / steps is the mean decode batch)"),
-    "preemptions": ("eprt_preemptions_total", "counter", "Sequences preempted when KV blocks ran out"),
-    "prompt_tokens_computed": ("eprt_prompt_tokens_computed_total", "counter",
-                               "Prompt tokens prefilled (not served from the prefix cache)"),
+    "prompt_tokens": ("eprt_prompt_tokens", "counter", "Prompt tokens received"),
+    "cached_tokens": ("eprt_prompt_cached_tokens", "counter", "Prompt tokens served from the prefix cache"),
+    "generation_tokens": ("eprt_generation_tokens", "counter", "Tokens generated"),
+    "requests_finished": ("eprt_requests_finished", "counter", "Requests the engine finished"),
+    "ticks": ("eprt_scheduler_ticks", "counter", "Scheduler steps run"),
+    "decode_steps": ("eprt_decode_steps", "counter", "Batched decode steps run"),
+    "decode_rows": (
+        "eprt_decode_rows",
+        "counter",
+        "Sequence rows over all decode steps (rows / steps is the mean decode batch)",
+    ),
+    "preemptions": ("eprt_preemptions", "counter", "Sequences preempted when KV blocks ran out"),
+    "prompt_tokens_computed": (
+        "eprt_prompt_tokens_computed",
+        "counter",
+        "Prompt tokens prefilled (not served from the prefix cache)",
+    ),
 }
 
 
-class Histogram:
-    def __init__(self, buckets: tuple):
-        self.bounds = buckets
-        self.counts = [0] * (len(buckets) + 1)   # last slot: above every bound (+Inf)
-        self.sum = 0.0
+class EngineCollector:
+    """Reads ``engine.stats()`` at every scrape."""
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def __init__(self, engine):
+        self.engine = engine
 
-    def lines(self, name: str) -> list:
-        out, total = [], 0
-        for bound, count in zip(self.bounds + (float("inf"),), self.counts):
-            total += count
-            le = "+Inf" if bound == float("inf") else f"{bound:g}"
-            out.append(f'{name}_bucket{{le="{le}"}} {total}')
-        out += [f"{name}_sum {self.sum:.6f}", f"{name}_count {total}"]
-        return out
-
-
-def _header(name: str, kind: str, help_text: str) -> list:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    def collect(self):
+        stats = self.engine.stats()
+        for key, (name, kind, help_text) in ENGINE_METRICS.items():
+            if key in stats:
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(name, help_text, value=stats[key])
+        if stats.get("total_blocks"):
+            used = 1.0 - stats.get("free_blocks", 0) / stats["total_blocks"]
+            yield GaugeMetricFamily("eprt_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", value=used)
 
 
 class ServerMetrics:
-    """Request counters of the HTTP server; thread-safe."""
+    """The server's metrics and the engine's, in one registry; thread-safe."""
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._requests: Counter = Counter()      # (route, status code) -> count
-        self._latency = Histogram(LATENCY_BUCKETS)
-        self._ttft = Histogram(TTFT_BUCKETS)
-        self._in_flight = 0
+    def __init__(self, engine):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._requests = Counter(
+            "eprt_http_requests",
+            "HTTP requests answered, by route and status",
+            ("route", "status"),
+            registry=self.registry,
+        )
+        self._in_flight = Gauge(
+            "eprt_http_requests_in_flight", "HTTP requests being handled now", registry=self.registry
+        )
+        self._latency = Histogram(
+            "eprt_request_latency_seconds",
+            "End-to-end time of generation requests",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._ttft = Histogram(
+            "eprt_time_to_first_token_seconds",
+            "Time from submission to the first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(EngineCollector(engine))
 
     def request_started(self) -> None:
-        with self._lock:
-            self._in_flight += 1
+        self._in_flight.inc()
 
-    def request_finished(self, route: str, status: int, latency_s: float | None = None,
-                         ttft_s: float | None = None) -> None:
+    def request_finished(
+        self, route: str, status: int, latency_s: float | None = None, ttft_s: float | None = None
+    ) -> None:
         """Count one answered request; latency and TTFT only for generation requests."""
-        with self._lock:
-            self._in_flight -= 1
-            self._requests[(route, status)] += 1
-            if latency_s is not None:
-                self._latency.observe(latency_s)
-            if ttft_s is not None:
-                self._ttft.observe(ttft_s)
+        self._in_flight.dec()
+        self._requests.labels(route, str(status)).inc()
+        if latency_s is not None:
+            self._latency.observe(latency_s)
+        if ttft_s is not None:
+            self._ttft.observe(ttft_s)
 
-    def render(self, stats: dict) -> str:
-        with self._lock:
-            lines = _header("eprt_http_requests_total", "counter", "HTTP requests answered, by route and status")
-            for (route, status), n in sorted(self._requests.items()):
-                lines.append(f'eprt_http_requests_total{{route="{route}",status="{status}"}} {n}')
-            lines += _header("eprt_http_requests_in_flight", "gauge", "HTTP requests being handled now")
-            lines.append(f"eprt_http_requests_in_flight {self._in_flight}")
-            lines += _header("eprt_request_latency_seconds", "histogram",
-                             "End-to-end time of generation requests")
-            lines += self._latency.lines("eprt_request_latency_seconds")
-            lines += _header("eprt_time_to_first_token_seconds", "histogram",
-                             "Time from submission to the first generated token")
-            lines += self._ttft.lines("eprt_time_to_first_token_seconds")
-        for key, (name, kind, help_text) in ENGINE_METRICS.items():
-            if key in stats:
-                lines += _header(name, kind, help_text) + [f"{name} {stats[key]}"]
-        if stats.get("total_blocks"):
-            used = 1.0 - stats.get("free_blocks", 0) / stats["total_blocks"]
-            lines += _header("eprt_kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use")
-            lines.append(f"eprt_kv_cache_usage_ratio {used:.6f}")
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

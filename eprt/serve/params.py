@@ -5,15 +5,16 @@ top_k, seed, stop, timeout) with the same checks and the same error messages. Ev
 error is a ``FieldError`` that names the offending field, so the HTTP server can answer
 400 with ``param`` set and the batch runner can record the message on the line.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
-from eprt.api import RequestError, SamplingParams
+from eprt.api import RequestError, SamplingParams, is_int, is_real
 
-MAX_STOPS = 64      # stop strings and ids of one request
+MAX_STOPS = 16  # stop strings and ids of one request (each string is searched for after every token)
+MAX_STOP_CHARS = 1024  # characters of all the stop strings of one request together
 
 
 class FieldError(RequestError):
@@ -27,30 +28,25 @@ class FieldError(RequestError):
 @dataclass(frozen=True)
 class RequestOptions:
     params: SamplingParams
-    stop_strings: tuple            # text stop sequences, matched on the decoded output
-    timeout_s: Optional[float]     # per-request deadline in seconds, None for no deadline
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    stop_strings: tuple  # text stop sequences, matched on the decoded output
+    timeout_s: float | None  # per-request deadline in seconds, None for no deadline
 
 
 def _is_number(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    return is_real(v) and math.isfinite(v)
 
 
-def _get_int(body: dict, name: str, default, minimum: int) -> Optional[int]:
+def _get_int(body: dict, name: str, default, minimum: int) -> int | None:
     v = body.get(name)
     if v is None:
         return default
-    if not _is_int(v) or v < minimum:
+    if not is_int(v) or v < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise FieldError(name, f"{name} must be {what}, got {v!r}")
     return v
 
 
-def _get_number(body: dict, name: str, default: float, low: float, high: float,
-                low_open: bool = False) -> float:
+def _get_number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
     v = body.get(name)
     if v is None:
         return default
@@ -67,8 +63,9 @@ def check_text(text: str, param: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise FieldError(param, f"{param} has a lone surrogate {text[e.start]!r} at index {e.start}: "
-                                f"send valid Unicode") from None
+        raise FieldError(
+            param, f"{param} has a lone surrogate {text[e.start]!r} at index {e.start}: send valid Unicode"
+        ) from None
     return text
 
 
@@ -86,7 +83,7 @@ def encode_prompt(tokenizer, text, param: str) -> list:
 
 def parse_token_ids(value, param: str, vocab_size: int) -> list:
     """A non-empty list of token ids inside the vocabulary."""
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
         raise FieldError(param, f"{param} must be a list of integer token ids")
     if not value:
         raise FieldError(param, f"{param} is empty")
@@ -103,7 +100,7 @@ def parse_stop(value, vocab_size: int) -> tuple:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
         raise FieldError("stop", f"stop must be a string or a list of strings / token ids, got {value!r}")
-    if len(items) > MAX_STOPS:      # each one is searched for after every token
+    if len(items) > MAX_STOPS:  # each one is searched for after every token
         raise FieldError("stop", f"stop has {len(items)} entries; at most {MAX_STOPS} are allowed")
     strings, ids = [], []
     for item in items:
@@ -111,17 +108,21 @@ def parse_stop(value, vocab_size: int) -> tuple:
             if not item:
                 raise FieldError("stop", "stop strings must not be empty")
             strings.append(check_text(item, "stop"))
-        elif _is_int(item):
+        elif is_int(item):
             if not 0 <= item < vocab_size:
                 raise FieldError("stop", f"stop token id {item} is outside the vocabulary [0, {vocab_size})")
             ids.append(item)
         else:
-            raise FieldError("stop", f"stop entries must be strings or token ids, got {item!r}")
+            raise FieldError("stop", f"stop entries must be strings or token ids, got {item!r:.60}")
+    total = sum(len(s) for s in strings)
+    if total > MAX_STOP_CHARS:  # the held-back tail and the search grow with the longest one
+        raise FieldError("stop", f"stop strings have {total} characters in all; at most {MAX_STOP_CHARS} are allowed")
     return tuple(strings), tuple(ids)
 
 
-def parse_options(body: dict, vocab_size: int, default_max_tokens: int,
-                  max_tokens_field: str = "max_tokens") -> RequestOptions:
+def parse_options(
+    body: dict, vocab_size: int, default_max_tokens: int, max_tokens_field: str = "max_tokens"
+) -> RequestOptions:
     """Sampling, stop and timeout fields of one request (an HTTP body or a batch line)."""
     max_tokens = _get_int(body, max_tokens_field, default_max_tokens, minimum=1)
     stop_strings, stop_ids = parse_stop(body.get("stop"), vocab_size)

@@ -3,6 +3,7 @@
 On a terminal the line is redrawn in place twice a second; into a log file a full line
 is written every ten seconds, so logs stay readable.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,7 +20,7 @@ class Progress:
         self._last = -float("inf")
         self.done = 0
         self.failed = 0
-        self.tokens = 0            # generated tokens of the results written so far
+        self.tokens = 0  # generated tokens of the results written so far
 
     def add(self, failed: bool, tokens: int = 0) -> None:
         self.done += 1
@@ -29,8 +30,10 @@ class Progress:
 
     def _line(self) -> str:
         elapsed = max(time.monotonic() - self._start, 1e-9)
-        return (f"eprt run: {self.done}/{self.total} requests done, {self.failed} failed, "
-                f"{self.tokens / elapsed:.1f} tokens/s, {elapsed:.0f}s")
+        return (
+            f"eprt run: {self.done}/{self.total} requests done, {self.failed} failed, "
+            f"{self.tokens / elapsed:.1f} tokens/s, {elapsed:.0f}s"
+        )
 
     def _maybe_print(self, force: bool = False) -> None:
         now = time.monotonic()

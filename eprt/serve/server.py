@@ -2,44 +2,103 @@
 
     mpiexec -n 4 eprt serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]  (or EPRT_API_KEY)
 
-Every rank loads its shard; the worker ranks then follow rank 0's broadcasts, and only
-rank 0 gets past ``launch_engine``. There the HTTP server runs on its own threads
-(``eprt.serve.http``) while the main thread runs the engine's scheduler loop (MPI stays
-on the main thread). SIGINT/SIGTERM stop taking requests, finish the ones in flight,
-then shut the worker ranks down; see docs/serving.md.
+Every rank loads its shard; only rank 0 gets past ``launch_engine``. There uvicorn runs on
+its own thread (``eprt.serve.http``) while the main thread runs the engine loop (MPI stays on
+the main thread). SIGINT/SIGTERM drain and exit 0; an engine failure ends every request with
+an error, names the failed rank and exits non-zero. See docs/serving.md.
 """
+
 from __future__ import annotations
 
 import ipaddress
 import logging
 import sys
-import threading
 
 from eprt import env
-from eprt.serve.http import OpenAIServer
-from eprt.serve.loop import EngineLoop
+from eprt.serve.body import DEFAULT_MAX_BODY_BYTES
+from eprt.serve.http import HttpServer, HttpSettings, ServerState, check_api_key
+from eprt.serve.loop import EngineLoop, RankLost
 
 log = logging.getLogger("eprt.serve")
 
-SHUTDOWN_GRACE_S = 10.0    # how long finished requests get to write their answers at shutdown
+SHUTDOWN_GRACE_S = 10.0  # how long finished requests get to write their answers at shutdown
+EXIT_ENGINE_FAILED = 3  # rank 0's exit status when the engine failed
+HEALTH_STALL_S = 10.0  # /health turns 503 when pending work makes no step for this long
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be > 0, got {text}")
+    return value
 
 
 def add_arguments(parser) -> None:
     from eprt.engine.engine import add_engine_arguments
 
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default: loopback only; 0.0.0.0 for every interface)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for every interface)"
+    )
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    parser.add_argument("--api-key", metavar="KEY", default=None,
-                        help="require 'Authorization: Bearer KEY' on the /v1/ routes")
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: EPRT_API_KEY; an empty key is an error)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model name clients send and see (default: the checkpoint's)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get 413 before being read (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--http-timeout",
+        type=_positive,
+        default=30.0,
+        metavar="S",
+        help="a request's headers, then its body, must arrive within S seconds, else the "
+        "connection is closed (slow clients); default 30",
+    )
+    parser.add_argument(
+        "--health-stall-timeout",
+        type=_positive,
+        default=None,
+        metavar="S",
+        help="/health answers 503 when work is pending and no scheduler step completed for "
+        f"S seconds (default {HEALTH_STALL_S:g}, at most EPRT_COLLECTIVE_TIMEOUT): a rank may "
+        "be stopped or dead; the watchdog ends the job at EPRT_COLLECTIVE_TIMEOUT",
+    )
     add_engine_arguments(parser)
 
 
 def main(args) -> int:
     from eprt.engine.engine import launch_engine
 
-    with launch_engine(args) as engine:     # worker ranks never get past this line
-        return serve(engine, args.host, args.port, args.api_key or env.API_KEY.get() or None)
+    try:  # every rank checks: all leave together, before loading
+        api_key = check_api_key(args.api_key if args.api_key is not None else (env.API_KEY.get() or None))
+    except ValueError as e:
+        print(f"eprt serve: {e}", file=sys.stderr)
+        return 2
+    if args.max_body_bytes < 1024:
+        print(f"eprt serve: --max-body-bytes must be >= 1024, got {args.max_body_bytes}", file=sys.stderr)
+        return 2
+    settings = HttpSettings(
+        api_key=api_key,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        http_timeout_s=args.http_timeout,
+    )
+    stall_s = args.health_stall_timeout or min(HEALTH_STALL_S, env.COLLECTIVE_TIMEOUT.get())
+    with launch_engine(args) as engine:  # worker ranks never get past this line
+        return serve(engine, args.host, args.port, settings, stall_s)
 
 
 def _is_loopback(host: str) -> bool:
@@ -49,28 +108,56 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def serve(engine, host: str, port: int, api_key: str | None = None) -> int:
-    """Serve ``engine`` over HTTP until SIGINT/SIGTERM; the calling thread runs the engine loop."""
-    loop = EngineLoop(engine)
+def serve(engine, host: str, port: int, settings: HttpSettings | None = None, stall_s: float = 30.0) -> int:
+    """Serve ``engine`` over HTTP until SIGINT/SIGTERM (0) or an engine failure (non-zero);
+    the calling thread runs the engine loop."""
+    settings = settings or HttpSettings()
+    loop = EngineLoop(engine, stall_s)
+    state = ServerState(engine, loop, settings)
     try:
-        httpd = OpenAIServer((host, port), engine, loop, api_key)
+        http = HttpServer(state, host, port)
     except OSError as e:
         print(f"eprt serve: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 2
-    if api_key is None and not _is_loopback(host):
+    if settings.api_key is None and not _is_loopback(host):
         log.warning("listening on %s without --api-key: anyone who can reach this port can use it", host)
-    http_thread = threading.Thread(target=httpd.serve_forever, name="eprt-http", daemon=True)
-    http_thread.start()
-    print(f"eprt serve: {engine.model_name} on http://{host}:{httpd.server_port}/v1 "
-          f"(SIGINT/SIGTERM to stop)", file=sys.stderr, flush=True)
+    http.start()
+    transport = getattr(engine, "transport", None)
+    if transport is not None:
+        transport.watchdog_raises = True  # a hung rank fails the requests (answered) instead of aborting
+    print(
+        f"eprt serve: {state.model_name} on http://{host}:{http.port}/v1 (SIGINT/SIGTERM to stop)",
+        file=sys.stderr,
+        flush=True,
+    )
+    failure = None
     try:
         loop.run()
+    except Exception as e:  # the engine failed: loop.run has failed every request
+        failure = e
     finally:
         loop.stop.set()
-        if not httpd.wait_idle(SHUTDOWN_GRACE_S):
+        if not state.wait_idle(SHUTDOWN_GRACE_S):
             log.warning("some answers were still being written after %.0fs; closing anyway", SHUTDOWN_GRACE_S)
-        httpd.shutdown()
-        httpd.server_close()
-        http_thread.join()
+        http.stop()
+    if failure is not None:
+        return _engine_failed(engine, failure)
     print("eprt serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _failed_rank(failure: BaseException) -> str:
+    """Which rank failed and why, as one line."""
+    if getattr(failure, "rank", None) is not None or isinstance(failure, RankLost):
+        return str(failure)  # "rank K failed: ..." (WorkerFailed), "rank K died (...)"
+    return f"rank 0 failed: {type(failure).__name__}: {failure}"
+
+
+def _engine_failed(engine, failure: BaseException) -> int:
+    """Every client has had its error; name the failed rank and end the whole job."""
+    message = f"eprt serve: {_failed_rank(failure)}; every request in flight was answered with an error; exiting"
+    transport = getattr(engine, "transport", None)
+    if transport is not None and transport.size > 1:
+        transport.abort(message)  # prints it; a dead or stopped rank cannot finalize MPI: end the job
+    print(message, file=sys.stderr, flush=True)
+    return EXIT_ENGINE_FAILED

@@ -8,19 +8,20 @@ appears the text is cut just before it and ``stopped`` is set.
 ``LiveRequest`` submits a request whose ``on_token`` and ``on_finish`` callbacks only
 queue the id, then an end marker (the engine thread does no decoding); the client
 thread (an HTTP handler, the batch writer) pumps the queue, wakes up as soon as the
-request ends, and cancels the sequence once a stop string matched.
+request ends, and cancels the sequence once a stop string matched. ``notify`` (optional)
+is called on the engine thread after each queued item, so an asyncio client can wake.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import queue
 import time
-from typing import Optional
 
 from eprt.api import GenerationRequest
 from eprt.serve.params import FieldError
 
-_END = object()     # queued by on_finish, after every token
+_END = object()  # queued by on_finish, after every token
 
 
 class TextStream:
@@ -30,11 +31,11 @@ class TextStream:
         self._tok = tokenizer
         self._stops = tuple(stop_strings)
         self._longest = max((len(s) for s in self._stops), default=0)
-        self._hidden = frozenset(hidden_ids)   # EOS / stop ids: generated but never shown
-        self._ids: list = []                   # [N] visible ids
-        self._prefix = 0                       # ids[_prefix:_read] were decoded last time
+        self._hidden = frozenset(hidden_ids)  # EOS / stop ids: generated but never shown
+        self._ids: list = []  # [N] visible ids
+        self._prefix = 0  # ids[_prefix:_read] were decoded last time
         self._read = 0
-        self._sent = 0                         # len(text) already handed out
+        self._sent = 0  # len(text) already handed out
         self.text = ""
         self.stopped = False
 
@@ -50,7 +51,7 @@ class TextStream:
         if self.stopped or self._tok is None:
             return ""
         self._append(self._decode(final=True))
-        out = self.text[self._sent:]
+        out = self.text[self._sent :]
         self._sent = len(self.text)
         return out
 
@@ -59,11 +60,11 @@ class TextStream:
         # context (a leading-space token decodes differently alone), the rest is new.
         if self._read == len(self._ids):
             return ""
-        old = self._tok.decode(self._ids[self._prefix:self._read])
-        new = self._tok.decode(self._ids[self._prefix:])
+        old = self._tok.decode(self._ids[self._prefix : self._read])
+        new = self._tok.decode(self._ids[self._prefix :])
         if len(new) > len(old) and (final or not new.endswith("\ufffd")):
             self._prefix, self._read = self._read, len(self._ids)
-            return new[len(old):]
+            return new[len(old) :]
         return ""
 
     def _append(self, delta: str) -> str:
@@ -73,12 +74,12 @@ class TextStream:
         self.text += delta
         hits = [i for i in (self.text.find(s, search_from) for s in self._stops) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
             self.stopped = True
             safe = len(self.text)
         else:
             safe = len(self.text) - self._held_back()
-        out = self.text[self._sent:safe]
+        out = self.text[self._sent : safe]
         self._sent = max(self._sent, safe)
         return out
 
@@ -94,24 +95,31 @@ class TextStream:
 class LiveRequest:
     """A submitted request whose tokens are consumed, as they come, on the caller's thread."""
 
-    def __init__(self, engine, request: GenerationRequest, stop_strings=()):
+    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None):
         tok = engine.tokenizer
         if stop_strings and tok is None:
-            raise FieldError("stop", "stop strings need a tokenizer and this model has none; "
-                                     "give stop token ids instead")
+            raise FieldError(
+                "stop", "stop strings need a tokenizer and this model has none; give stop token ids instead"
+            )
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
+        self._notify = notify
         request.stream = True
-        request.on_token = self._tokens.put
+        request.on_token = self._put
         hidden = set(request.params.stop_token_ids) | set(tok.eos_token_ids if tok else ())
         self.text = TextStream(tok, stop_strings, hidden)
-        self.token_ids: list = []          # every id consumed so far, hidden ones included
+        self.token_ids: list = []  # every id consumed so far, hidden ones included
         self.submitted_at = time.monotonic()
-        self.first_token_at: Optional[float] = None
+        self.first_token_at: float | None = None
         self._ended = False
         self._cancelled = False
         # Raises RequestError for a bad request. on_finish runs on the engine thread after
         # the last on_token, for every end (finished, stopped, cancelled, timed out, failed).
-        self.handle = engine.submit(request, on_finish=lambda result: self._tokens.put(_END))
+        self.handle = engine.submit(request, on_finish=lambda result: self._put(_END))
+
+    def _put(self, item) -> None:
+        self._tokens.put(item)
+        if self._notify is not None:
+            self._notify()
 
     def pump(self, timeout: float = 0.0) -> str:
         """Consume the queued ids (waiting up to ``timeout`` for the first); return new text."""
@@ -151,6 +159,5 @@ class LiveRequest:
         tail = self.text.finish()
         if self.text.stopped:
             # The sequence was cancelled by us at a stop string: report it as a normal stop.
-            res = dataclasses.replace(res, token_ids=list(self.token_ids), finish_reason="stop",
-                                      error=None)
+            res = dataclasses.replace(res, token_ids=list(self.token_ids), finish_reason="stop", error=None)
         return dataclasses.replace(res, text=self.text.text), tail
