@@ -217,7 +217,7 @@ def test_seeded_sampling_survives_preemption(checkpoint):
     prompts = [[3 + i, 40, 41, 42, 43, 44] for i in range(4)]
     outs = []
     for blocks in (400, 14):
-        cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=64, num_blocks=blocks)
+        cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=48, num_blocks=blocks)
         with launch_engine(cfg) as engine:
             outs.append([r.token_ids for r in engine.generate([GenerationRequest(p, params) for p in prompts])])
             if blocks == 14:

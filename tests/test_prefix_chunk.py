@@ -113,12 +113,15 @@ def test_eviction_under_memory_pressure_never_changes_outputs(checkpoint, data):
     num_blocks = data.draw(st.integers(12, 24))
     chunk = data.draw(st.sampled_from([0, 5]))
     cut = data.draw(st.integers(1, n_prompts))
-    ref, _ = waves(path, [prompts[:cut], prompts[cut:]], n=5, block_size=4, prefix_cache=False, num_blocks=400)
+    ref, _ = waves(
+        path, [prompts[:cut], prompts[cut:]], n=5, block_size=4, max_model_len=44, prefix_cache=False, num_blocks=400
+    )
     got, stats = waves(
         path,
         [prompts[:cut], prompts[cut:]],
         n=5,
         block_size=4,
+        max_model_len=44,  # the longest prompt (36) and its 5 tokens; the smallest pool holds 47
         max_batch=3,
         num_blocks=num_blocks,
         max_prefill_tokens=chunk,

@@ -61,7 +61,7 @@ def test_worker_replay_matches_rank_0_bitwise(checkpoint):
         device="cpu",
         max_batch=3,
         block_size=4,
-        max_model_len=64,
+        max_model_len=48,
         num_blocks=14,
         max_prefill_tokens=6,
         image_token_id=IMAGE,

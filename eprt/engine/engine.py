@@ -63,7 +63,7 @@ class Engine:
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.vocab_size = loaded.config.vocab_size
-        self.max_model_len = loaded.model.max_len
+        self.max_model_len = scheduler.config.max_model_len
         self._lock = threading.Lock()
         self._counters = {"requests_finished": 0, "generation_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0}
         self._closed = False
@@ -267,9 +267,15 @@ def launch_engine(args_or_config, transport=None):
             loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
         ),
         max_batch=cfg.max_batch,
-        max_prefill_tokens=cfg.max_prefill_tokens,
+        max_prefill_tokens=cfg.prefill_tokens(device),
         block_size=cfg.block_size,
-        max_model_len=loaded.model.max_len,
+        max_model_len=started.max_model_len,
+    )
+    log.info(
+        "max_model_len %d, prefill chunks of %s, up to %d sequences",
+        started.max_model_len,
+        f"{sched_cfg.max_prefill_tokens} tokens" if sched_cfg.max_prefill_tokens else "whole prompts",
+        cfg.max_batch,
     )
     engine = Engine(runner, Scheduler(runner, sched_cfg, clock=WallClock()), loaded, cfg, transport)
     ok = False

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import EngineConfig
 from eprt.engine.executor import ShardExecutor
+from eprt.model.kv_cache import KVCache
 from eprt.model.loader import LoadedModel, load_model
 from eprt.ops.base import Ops
 from eprt.ops.device import compute_identity, get_ops
@@ -21,11 +23,15 @@ from eprt.ops.device import compute_identity, get_ops
 log = logging.getLogger("eprt.engine")
 
 
+CPU_KV_MEMORY_FRACTION = 0.5  # of the memory available after loading, for the default CPU KV pool
+
+
 @dataclass
 class Started:
     ops: Ops
     loaded: LoadedModel
     executor: ShardExecutor
+    max_model_len: int  # prompt + generated tokens per sequence: the model's, bounded by the KV pool
 
 
 def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
@@ -51,10 +57,11 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
 
     ops, loaded = step(load)
     sharers = _check_identities(transport, step(lambda: compute_identity(ops)))
-    blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, sharers))
+    blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, loaded.model.max_len, sharers))
     agreed = min(int(b) for b in transport.allgather_text(str(blocks)))
     if agreed < blocks:
         log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)", rank, agreed, blocks)
+    max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed))
     executor = step(
         lambda: ShardExecutor(
             loaded.model,
@@ -65,7 +72,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
             image_token_id=cfg.image_token_id,
         )
     )
-    return Started(ops, loaded, executor)
+    return Started(ops, loaded, executor, max_model_len)
 
 
 def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:
@@ -102,14 +109,41 @@ def _combine(transport: Transport, ops: Ops):
     return lambda partial: staging.to_device(transport.allsum(staging.send_buffer(partial)))
 
 
-def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, sharers: int = 1) -> int:
-    """KV blocks this rank has room for (before the ranks agree on the smallest)."""
+def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, model_len: int, sharers: int = 1) -> int:
+    """KV blocks this rank has room for (before the ranks agree on the smallest): ``--num-blocks``,
+    else enough for every slot to reach the context length, within this rank's share of memory."""
     if cfg.num_blocks:
         return cfg.num_blocks
+    wanted = cfg.max_batch * (model_len // cfg.block_size + 1)
+    per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
     if ops.name != "cpu":
-        from eprt.model.kv_cache import KVCache
         from eprt.ops.device import kv_pool_blocks
 
-        per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
-        return min(kv_pool_blocks(per_block, cfg.gpu_memory_utilization, sharers), cfg.blocks_for(cfg.block_size))
-    return cfg.blocks_for(cfg.block_size)
+        return min(kv_pool_blocks(per_block, cfg.gpu_memory_utilization, sharers), wanted)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, min(wanted, int(available * CPU_KV_MEMORY_FRACTION / sharers) // per_block))
+
+
+def _max_model_len(cfg: EngineConfig, model_len: int, blocks: int) -> int:
+    """The context length: ``--max-model-len`` (refused when the pool cannot hold one such
+    sequence), else the model's, bounded by what one sequence can hold of the pool."""
+    pool_len = blocks * cfg.block_size - 1  # a sequence of L tokens holds L // block_size + 1 blocks
+    if cfg.max_model_len is not None:
+        if cfg.max_model_len > pool_len:
+            raise ValueError(
+                f"--max-model-len {cfg.max_model_len} does not fit the KV pool of {blocks} blocks of "
+                f"{cfg.block_size} tokens (one sequence can hold at most {pool_len} tokens): lower "
+                f"--max-model-len or give the pool more room (--num-blocks, --gpu-memory-utilization)"
+            )
+        return min(cfg.max_model_len, model_len)
+    if pool_len < 2:
+        raise ValueError(f"a KV pool of {blocks} blocks of {cfg.block_size} tokens holds no sequence")
+    if pool_len < model_len:
+        log.info(
+            "max_model_len %d: the model's %d, bounded by the KV pool (%d blocks of %d tokens)",
+            pool_len,
+            model_len,
+            blocks,
+            cfg.block_size,
+        )
+    return min(model_len, pool_len)

@@ -34,7 +34,7 @@ def expert_shard(num_experts: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def load_model(
-    model_dir: str | None, ops, max_len: int, rank: int = 0, world: int = 1, combine: Callable = lambda p: p
+    model_dir: str | None, ops, max_len: int | None, rank: int = 0, world: int = 1, combine: Callable = lambda p: p
 ) -> LoadedModel:
     """Load config, tokenizer and this rank's weights. ``model_dir=None`` is the default model."""
     if model_dir is None:
@@ -48,7 +48,7 @@ def load_model(
         name = model_dir.rstrip("/").split("/")[-1]
     start, end = expert_shard(cfg.num_experts, rank, world)
     weights = load_weights(source, cfg, ops, start, end)
-    max_len = min(max_len, cfg.max_position_embeddings)
+    max_len = cfg.max_position_embeddings if max_len is None else min(max_len, cfg.max_position_embeddings)
     model = MoEModel(cfg, weights, ops, max_len=max_len, combine=combine)
     loaded = LoadedModel(
         name, cfg, model, tokenizer, getattr(source, "tensors_read", 0), getattr(source, "bytes_read", 0)

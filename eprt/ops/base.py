@@ -39,6 +39,7 @@ class Ops:
 
     name = "abstract"
     xp: Any = None  # the array module (numpy or cupy)
+    kv_itemsize = 4  # bytes per KV cache element (float32; the GPU backend stores bf16)
 
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray) -> Array:

@@ -136,14 +136,14 @@ def test_ranks_agree_on_the_kv_pool_size(monkeypatch):
     # blocks that rank 0 evicted.
     from eprt.engine import startup as engine_mod
 
-    monkeypatch.setattr(engine_mod, "_kv_blocks", lambda cfg, ops, model_cfg, sharers: 26 + 9 * COMM.rank)
+    monkeypatch.setattr(engine_mod, "_kv_blocks", lambda cfg, ops, model_cfg, model_len, sharers: 26 + 9 * COMM.rank)
     cfg = engine_config(shared_checkpoint("qwen3_moe"))
     # five distinct 24-token prompts, then the first two again: rank 0's 26 blocks have
     # evicted them by then (cached 0), a worker's pool of 35+ would still hold them (cached 20)
     prompts = [[(7 * i + j) % 250 + 1 for j in range(24)] for i in range(5)]
     reqs = lambda: [GenerationRequest(p, SamplingParams(max_tokens=6)) for p in prompts + prompts[:2]]  # noqa
     multi = run_everywhere(cfg, reqs)
-    monkeypatch.setattr(engine_mod, "_kv_blocks", lambda cfg, ops, model_cfg, sharers: 26)
+    monkeypatch.setattr(engine_mod, "_kv_blocks", lambda cfg, ops, model_cfg, model_len, sharers: 26)
     single = run_single(cfg, reqs)
     if COMM.rank == 0:
         assert [r.token_ids for r in multi] == [r.token_ids for r in single]
