@@ -12,6 +12,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+def launcher_int(names: tuple, what: str, minimum: int, environ=None) -> tuple[str, int] | None:
+    """(name, value) of the first of the MPI launcher's variables ``names`` that is set (these
+    are the launchers' own, not eprt settings), None when none is; ValueError naming it when its
+    value is not an integer >= ``minimum``."""
+    environ = os.environ if environ is None else environ
+    for name in names:
+        value = environ.get(name, "").strip()
+        if value:
+            try:
+                number = int(value)
+            except ValueError:
+                number = minimum - 1
+            if number < minimum:
+                raise ValueError(f"launcher variable {name}={value!r} is not {what} (an integer >= {minimum})")
+            return name, number
+    return None
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str

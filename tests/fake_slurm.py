@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 
+from proc_tree import cmdline, descendants
+
 
 def say(text: str) -> None:
     print(f"fake-slurm: {text}", file=sys.stderr, flush=True)
@@ -36,32 +38,6 @@ def _signal_spec(spec: str) -> tuple:
     batch = spec.startswith("B:")
     name, _, at = spec.removeprefix("B:").partition("@")
     return batch, signal.Signals["SIG" + name.removeprefix("SIG")], int(at or 60)
-
-
-def _descendants(pid: int) -> list:
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 class Step:
@@ -80,8 +56,8 @@ class Step:
         while time.monotonic() < deadline:
             found = [
                 p
-                for p in _descendants(self.proc.pid)
-                if "hydra_pmi_proxy" not in _cmdline(p) and "mpiexec" not in _cmdline(p)
+                for p in descendants(self.proc.pid)
+                if "hydra_pmi_proxy" not in cmdline(p) and "mpiexec" not in cmdline(p)
             ]
             if len(found) >= self.ntasks:
                 return found[: self.ntasks]

@@ -433,9 +433,9 @@ def test_generate_drains_on_sigterm(tmp_path):
 def _eprt_ranks(mpiexec_pid: int) -> list:
     """The pids of the eprt processes mpiexec started (rank order not needed)."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from fake_slurm import _cmdline, _descendants
+    from proc_tree import cmdline, descendants
 
-    return [p for p in _descendants(mpiexec_pid) if "-m eprt" in _cmdline(p)]
+    return [p for p in descendants(mpiexec_pid) if "-m eprt" in cmdline(p)]
 
 
 def _rank0_generating(mpiexec_pid: int) -> bool:

@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+from proc_tree import descendants
 from test_server import ServerProcess, events
 from test_server_mpi_real import ENGINE_FLAGS, _with_id_tokenizer
 
@@ -26,26 +27,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("mpiexec") is No
 WATCHDOG_S = 4
 
 
-def _descendants(pid: int) -> list:
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _rank_pid(launcher_pid: int, rank: int) -> int:
-    for pid in _descendants(launcher_pid):
+    for pid in descendants(launcher_pid):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from eprt import env
 from eprt.comm.transport import DEFAULT_FRAME_WORDS, LocalTransport, StartupFailed, Transport
 
 LAUNCHER_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
@@ -25,17 +24,7 @@ def launcher_task_count() -> tuple[str, int] | None:
     ``srun`` the step's task count (with ``--mpi=pmix`` it is the only one set). The first set
     one wins: an mpiexec inside a SLURM step sets PMI_SIZE, while SLURM_STEP_NUM_TASKS there
     counts the step's tasks (mpiexec's proxies), not the MPI ranks."""
-    for name in LAUNCHER_SIZE_VARIABLES:
-        value = os.environ.get(name)
-        if value:
-            try:
-                count = int(value)
-            except ValueError:
-                raise ValueError(f"launcher variable {name}={value!r} is not a task count") from None
-            if count < 1:
-                raise ValueError(f"launcher variable {name}={value!r} is not a task count (must be >= 1)")
-            return name, count
-    return None
+    return env.launcher_int(LAUNCHER_SIZE_VARIABLES, "a task count", 1)
 
 
 def launcher_world_size() -> int:

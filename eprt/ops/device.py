@@ -24,18 +24,8 @@ _GIB = float(1 << 30)
 
 def local_rank(environ=None) -> int | None:
     """This process's rank among the ranks on its node, or None when no launcher set one."""
-    environ = os.environ if environ is None else environ
-    for name in LOCAL_RANK_VARS:
-        value = environ.get(name, "").strip()
-        if value:
-            try:
-                rank = int(value)
-            except ValueError:
-                raise ValueError(f"{name}={value!r} is not a local rank (a non-negative integer)") from None
-            if rank < 0:
-                raise ValueError(f"{name}={value!r} is not a local rank (a non-negative integer)")
-            return rank
-    return None
+    found = env.launcher_int(LOCAL_RANK_VARS, "a local rank", 0, environ)
+    return None if found is None else found[1]
 
 
 def cuda_usable() -> bool:
