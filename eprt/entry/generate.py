@@ -1,12 +1,6 @@
-"""``eprt generate``: generate for one or more prompts, run as one continuous batch.
-
-    eprt generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3)... [--max-tokens N]
-                  [--temperature T] [--top-p P] [--top-k K] [--seed S] [--json]
-
-With ``--json`` one object per prompt, in order, one per line:
-``{"prompt_ids": [...], "token_ids": [...], "text": "...", "finish_reason": "stop|length", "cached_tokens": C}``.
-SIGTERM/SIGINT (SLURM's ``--signal``): the running prompts finish and are printed, the queued
-ones are not run (an error line each), and the exit status is 1; a second signal aborts.
+"""``eprt generate``: generate for one or more prompts as one continuous batch; ``--json``
+prints one ``GenerationResult.to_json()`` object per prompt, in order. On SIGTERM/SIGINT the
+running prompts finish, queued ones are reported not run, and the exit status is 1.
 """
 
 from __future__ import annotations

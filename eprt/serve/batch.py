@@ -1,23 +1,6 @@
-"""``eprt run``: offline batch generation from a JSONL file, with continuous batching.
-
-Input, one JSON object per line (blank lines are ignored)::
-
-    {"id": "a", "prompt": "text", "max_tokens": 32, "temperature": 0.7, "stop": ["\\n"]}
-    {"id": "b", "prompt_ids": [1, 2, 3]}
-
-``id`` (string or integer) is optional; the fields after the prompt are those of
-``eprt.serve.params`` (max_tokens defaults to 16, as in OpenAI's completions API).
-
-Output, one line per input line in the order requests FINISH (each written and flushed at
-once): ``GenerationResult.to_json()`` plus ``"line"`` (its input line number, for reading)
-and ``"input_hash"`` (SHA-256 of the line's JSON), or ``{"id", "line", "input_hash", "error"}``
-for a line that cannot be served. A bad line never stops the job. Resume: running the same
-command again answers every line not yet in the output. A line is known by its ``id``, or,
-without one, by its content hash (and which identical copy it is), never by its position, so
-lines may be inserted or edited between runs. A repeated id is a per-line error (its record
-has ``"duplicate_of"``). Lines cut short because the engine failed or the job was stopped
-are not recorded, so they run again; the exit status is then 1. One ``eprt run`` at a time
-may write an output file (it is locked): a second one fails at once. See docs/serving.md.
+"""``eprt run``: offline batch generation from a JSONL file, with continuous batching; results
+are written as they finish, keyed by ``id`` or content hash so a rerun resumes, and the
+output file is locked (input and output formats: docs/serving.md, "eprt run").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The engine's scheduler loop on the main thread, stopped by an event or by SIGINT/SIGTERM.
-
-MPI stays on the main thread, so ``eprt serve`` and ``eprt run`` both do their client
-work (HTTP handlers, the batch writer) on other threads and hand the main thread to
-``EngineLoop.run``. The first SIGINT/SIGTERM sets ``stop``: the engine finishes what is in
-flight and returns. A second signal raises ``KeyboardInterrupt``. SIGUSR1 (MPICH's hydra,
-run with ``-disable-auto-cleanup``, sends it when a rank died) raises ``RankLost``.
-``health()`` reports a failed loop or one that stalls with work pending; see docs/serving.md.
+"""The engine's scheduler loop on the main thread (MPI stays there; clients run on other
+threads): the first SIGINT/SIGTERM finishes what is in flight, a second raises
+KeyboardInterrupt, SIGUSR1 (hydra: a rank died) raises ``RankLost``; ``health()`` reports a
+failed loop or one stalled with work pending (docs/serving.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""``eprt serve``: an OpenAI-compatible HTTP server on rank 0.
-
-    mpiexec -n 4 eprt serve --model DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY]  (or EPRT_API_KEY)
-
-Every rank loads its shard; only rank 0 gets past ``launch_engine``. There uvicorn runs on
-its own thread (``eprt.serve.http``) while the main thread runs the engine loop (MPI stays on
-the main thread). SIGINT/SIGTERM drain and exit 0; an engine failure ends every request with
-an error, names the failed rank and exits non-zero. See docs/serving.md.
+"""``eprt serve``: an OpenAI-compatible HTTP server on rank 0 (uvicorn on its own thread, the
+engine loop on the main thread); SIGINT/SIGTERM drain and exit 0, an engine failure ends
+every request with an error naming the failed rank and exits non-zero (docs/serving.md).
 """
 
 from __future__ import annotations

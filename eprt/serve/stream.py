@@ -1,15 +1,7 @@
-"""Streamed token ids -> text, with stop strings; one in-flight request seen from a client thread.
-
-``TextStream`` turns generated ids into text deltas that are safe to show: it never
-splits a multi-byte character (a decode ending in U+FFFD waits for the next token),
-and it holds back a tail that could still become a stop string. When a stop string
-appears the text is cut just before it and ``stopped`` is set.
-
-``LiveRequest`` submits a request whose ``on_token`` and ``on_finish`` callbacks only
-queue the id, then an end marker (the engine thread does no decoding); the client
-thread (an HTTP handler, the batch writer) pumps the queue, wakes up as soon as the
-request ends, and cancels the sequence once a stop string matched. ``notify`` (optional)
-is called on the engine thread after each queued item, so an asyncio client can wake.
+"""Streamed token ids -> text, with stop strings (``TextStream``: never splits a multi-byte
+character, holds back a tail that could still become a stop string), and one in-flight
+request seen from a client thread (``LiveRequest``: the engine thread only queues ids; the
+client pumps the queue and cancels the sequence once a stop string matched).
 """
 
 from __future__ import annotations
