@@ -234,9 +234,11 @@ def launch_engine(args_or_config, transport=None):
         raise
     ops, loaded, executor = started.ops, started.loaded, started.executor
     model_cfg = loaded.config
-    log.info("rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, read %d tensors (%.1f MB)",
+    log.info("rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, KV %d bytes/token (%s), "
+             "read %d tensors (%.1f MB)",
              rank, world, loaded.name, ops.name, loaded.model.w.expert_start, loaded.model.w.expert_end,
-             executor.blocks.num_blocks, cfg.block_size, loaded.tensors_read, loaded.bytes_read / 1e6)
+             executor.blocks.num_blocks, cfg.block_size, executor.kv.allocated_bytes_per_token,
+             "MLA latent" if model_cfg.mla is not None else "K+V", loaded.tensors_read, loaded.bytes_read / 1e6)
     if rank != 0:
         # mpiexec and srun forward SIGINT/SIGTERM to every rank; only rank 0 decides when the
         # job ends (it finishes what is in flight, then sends SHUTDOWN), so workers ignore them.
