@@ -142,3 +142,78 @@ def load_reference(path: str):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _quantize_block_fp8(w, block: tuple):
+    """float weight [N, K] -> (float8_e4m3fn [N, K], float32 scale_inv [ceil(N/bn), ceil(K/bk)]):
+    per block, scale = amax / 448, fp8 = w / scale (round to nearest by torch)."""
+    import torch
+
+    bn, bk = block
+    N, K = w.shape
+    nbn, nbk = -(-N // bn), -(-K // bk)
+    padded = torch.zeros(nbn * bn, nbk * bk, dtype=torch.float32)
+    padded[:N, :K] = w.float()
+    blocks = padded.reshape(nbn, bn, nbk, bk)
+    amax = blocks.abs().amax(dim=(1, 3))  # [nbn, nbk]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).reshape(nbn * bn, nbk * bk)[:N, :K].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
+
+
+def _fp8_quantized(name: str, t) -> bool:
+    """Which tensors an FP8 checkpoint quantizes: 2-D linear weights, not embeddings, head or router."""
+    skip = ("embed_tokens", "lm_head", ".gate.weight", "norm")
+    return name.endswith(".weight") and t.ndim == 2 and not any(s in name for s in skip)
+
+
+def build_fp8_copy(source: str, path: str, block: tuple = (128, 128)) -> tuple:
+    """An FP8 block-scaled copy of checkpoint ``source`` at ``path`` (F8_E4M3 weights with
+    weight_scale_inv, quantization_config in config.json) and, at ``path + "-dequantized"``, the
+    float32 checkpoint of its dequantized weights (the transformers reference). Returns both paths."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    reference = path + "-dequantized"
+    if os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(reference, "config.json")):
+        return path, reference
+    fp8, dequantized = {}, {}
+    for name, t in load_file(os.path.join(source, "model.safetensors")).items():
+        if _fp8_quantized(name, t):
+            q, scale = _quantize_block_fp8(t, block)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            full = scale.repeat_interleave(block[0], 0)[: t.shape[0]].repeat_interleave(block[1], 1)[:, : t.shape[1]]
+            dequantized[name] = q.float() * full
+        else:
+            fp8[name] = t
+            dequantized[name] = t.float()
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    for out, tensors, cfg in (
+        (reference, dequantized, {**config, "dtype": "float32"}),
+        (
+            path,
+            fp8,
+            {
+                **config,
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "fmt": "e4m3",
+                    "activation_scheme": "dynamic",
+                    "weight_block_size": list(block),
+                },
+            },
+        ),
+    ):
+        os.makedirs(out, exist_ok=True)
+        save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        if os.path.isfile(os.path.join(source, "generation_config.json")):
+            shutil.copy(os.path.join(source, "generation_config.json"), out)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+    return path, reference

@@ -213,3 +213,12 @@ def test_deepseek_config_json_of_the_released_format_parses(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     cfg = load_config(str(tmp_path))
     assert cfg.rope_scaling.factor == 40 and cfg.fp8.block_n == 128 and cfg.mtp_layers == 1
+
+
+def test_a_backend_without_the_mla_ops_is_refused_at_load(checkpoint):
+    from eprt.ops.base import Ops
+
+    partial = type("NoMLADecode", (NumpyOps,), {"mla_attention_decode": Ops.mla_attention_decode})()
+    with pytest.raises(NotImplementedError, match="does not implement mla_attention_decode needed by deepseek_v2"):
+        load_model(checkpoint("deepseek_v2"), partial, 64)
+    load_model(checkpoint("qwen3_moe"), partial, 64)  # GQA models do not need it

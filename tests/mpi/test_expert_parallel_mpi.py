@@ -12,7 +12,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from checkpoints import EXPERT_KEY, build_checkpoint
+from checkpoints import EXPERT_KEY, build_checkpoint, build_fp8_copy
 
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.comm.transport import LocalTransport
@@ -86,6 +86,20 @@ def test_batch_tokens_equal_single_rank(arch):
     if COMM.rank == 0:
         assert [r.token_ids for r in multi] == [r.token_ids for r in single]
         assert all(len(r.token_ids) > 0 for r in multi)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_fp8_checkpoint_tokens_equal_single_rank(arch):
+    """FP8 block-scaled copies (each rank dequantizes only its experts) across uneven expert splits."""
+    path = shared_checkpoint(arch)
+    fp8 = COMM.bcast(build_fp8_copy(path, path + "-fp8", (16, 32))[0] if COMM.rank == 0 else None, root=0)
+    cfg = engine_config(fp8)
+    reqs = lambda: [GenerationRequest(p, SamplingParams(max_tokens=8)) for p in PROMPTS]  # noqa: E731
+    multi = run_everywhere(cfg, reqs)
+    single = run_single(cfg, reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
 
 
 @pytest.mark.mpi(min_size=1)
