@@ -159,6 +159,7 @@ DS3 = {
         ({"num_experts_per_tok": 3}, "num_experts_per_tok=3 exceeds the 2 experts"),
         ({"n_group": 4, "topk_group": 2}, "groups of one expert"),
         ({"qk_rope_head_dim": 3}, "'qk_rope_head_dim' must be even, got 3"),
+        ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported for deepseek_v3 \\(only 'sigmoid'\\)"),
         ({"attention_bias": True}, "attention_bias=true is not supported for deepseek_v3"),
         ({"rope_scaling": {"type": "longrope"}}, "rope type 'longrope' is not supported"),
         ({"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq' is not supported"),
@@ -208,6 +209,7 @@ def test_deepseek_config_json_of_the_released_format_parses(tmp_path):
         },
         "num_nextn_predict_layers": 1,
         "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
     }
     (tmp_path / "config.json").write_text(json.dumps(raw))

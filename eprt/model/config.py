@@ -267,6 +267,9 @@ def _routing(raw: dict, model_type: str, experts: int, top_k: int) -> GroupedRou
     else:
         n_group, topk_group = _int(raw, "n_group", default=1), _int(raw, "topk_group", default=1)
         scoring, group_score, renormalize = "sigmoid", "top2_sum", bool(raw.get("norm_topk_prob"))
+    declared = raw.get("scoring_func", scoring)  # released DeepSeek configs name it; transformers reads it not
+    if declared != scoring:
+        raise ConfigError(f"scoring_func {declared!r} is not supported for {model_type} (only {scoring!r})")
     if experts % n_group:
         raise ConfigError(f"n_routed_experts={experts} is not a multiple of n_group={n_group}")
     if topk_group > n_group:
