@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+DEEPSEEK_LIKE = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+EXPERT_KEY = {"mixtral": "num_local_experts", **{a: "n_routed_experts" for a in DEEPSEEK_LIKE}}
 
 _COMMON = dict(
     vocab_size=256,
@@ -49,6 +51,67 @@ _ARCH = {
     ),
     "mixtral": dict(num_local_experts=6, num_experts_per_tok=2, rope_theta=1e6),
     "olmoe": dict(num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, clip_qkv=None),
+    # DeepSeek family: 3 groups of 2 experts, the best 2 groups compete; layer 0 dense
+    "deepseek_v2": dict(  # top-3 from the best 2 groups by their maximum: the third pick is group-limited
+        n_routed_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        topk_method="group_limited_greedy",
+        n_group=3,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_key_value_heads=4,
+    ),
+    "deepseek_v3": dict(
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=3,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        num_key_value_heads=4,
+        num_nextn_predict_layers=1,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=3,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.8,
+        norm_topk_prob=True,
+        head_dim=16,
+        use_qk_norm=True,
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
 }
 
 
@@ -62,7 +125,12 @@ def build_checkpoint(arch: str, path: str, dtype: str = "float32", seed: int = 0
     kw = {**_COMMON, **_ARCH[arch], **overrides}
     cfg = transformers.AutoConfig.for_model(arch, **kw)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # zero-initialized in transformers: random here, so selection-only bias is tested
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape) * 0.1)
+    model = model.to(getattr(torch, dtype)).eval()
     model.generation_config.pad_token_id = kw["pad_token_id"]
     model.save_pretrained(path)
     return path
@@ -74,3 +142,78 @@ def load_reference(path: str):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _quantize_block_fp8(w, block: tuple):
+    """float weight [N, K] -> (float8_e4m3fn [N, K], float32 scale_inv [ceil(N/bn), ceil(K/bk)]):
+    per block, scale = amax / 448, fp8 = w / scale (round to nearest by torch)."""
+    import torch
+
+    bn, bk = block
+    N, K = w.shape
+    nbn, nbk = -(-N // bn), -(-K // bk)
+    padded = torch.zeros(nbn * bn, nbk * bk, dtype=torch.float32)
+    padded[:N, :K] = w.float()
+    blocks = padded.reshape(nbn, bn, nbk, bk)
+    amax = blocks.abs().amax(dim=(1, 3))  # [nbn, nbk]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).reshape(nbn * bn, nbk * bk)[:N, :K].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
+
+
+def _fp8_quantized(name: str, t) -> bool:
+    """Which tensors an FP8 checkpoint quantizes: 2-D linear weights, not embeddings, head or router."""
+    skip = ("embed_tokens", "lm_head", ".gate.weight", "norm")
+    return name.endswith(".weight") and t.ndim == 2 and not any(s in name for s in skip)
+
+
+def build_fp8_copy(source: str, path: str, block: tuple = (128, 128)) -> tuple:
+    """An FP8 block-scaled copy of checkpoint ``source`` at ``path`` (F8_E4M3 weights with
+    weight_scale_inv, quantization_config in config.json) and, at ``path + "-dequantized"``, the
+    float32 checkpoint of its dequantized weights (the transformers reference). Returns both paths."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    reference = path + "-dequantized"
+    if os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(reference, "config.json")):
+        return path, reference
+    fp8, dequantized = {}, {}
+    for name, t in load_file(os.path.join(source, "model.safetensors")).items():
+        if _fp8_quantized(name, t):
+            q, scale = _quantize_block_fp8(t, block)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            full = scale.repeat_interleave(block[0], 0)[: t.shape[0]].repeat_interleave(block[1], 1)[:, : t.shape[1]]
+            dequantized[name] = q.float() * full
+        else:
+            fp8[name] = t
+            dequantized[name] = t.float()
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    for out, tensors, cfg in (
+        (reference, dequantized, {**config, "dtype": "float32"}),
+        (
+            path,
+            fp8,
+            {
+                **config,
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "fmt": "e4m3",
+                    "activation_scheme": "dynamic",
+                    "weight_block_size": list(block),
+                },
+            },
+        ),
+    ):
+        os.makedirs(out, exist_ok=True)
+        save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        if os.path.isfile(os.path.join(source, "generation_config.json")):
+            shutil.copy(os.path.join(source, "generation_config.json"), out)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+    return path, reference

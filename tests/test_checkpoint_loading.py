@@ -70,7 +70,7 @@ def test_missing_tensor_is_named(checkpoint, tmp_path):
 def test_unsupported_model_type_and_bad_fields_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="unsupported model_type 'llama'"):
         config_from_dict({"model_type": "llama"})
-    with pytest.raises(ConfigError, match="rope type 'yarn'"):
+    with pytest.raises(ConfigError, match="rope type 'dynamic'"):
         config_from_dict(
             {
                 "model_type": "mixtral",
@@ -80,7 +80,7 @@ def test_unsupported_model_type_and_bad_fields_are_clear(tmp_path):
                 "num_local_experts": 2,
                 "num_experts_per_tok": 1,
                 "vocab_size": 10,
-                "rope_scaling": {"rope_type": "yarn"},
+                "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
             }
         )
     with pytest.raises(ConfigError, match="no config.json"):

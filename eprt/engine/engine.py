@@ -239,7 +239,8 @@ def launch_engine(args_or_config, transport=None):
     ops, loaded, executor = started.ops, started.loaded, started.executor
     model_cfg = loaded.config
     log.info(
-        "rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, read %d tensors (%.1f MB)",
+        "rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, KV %d bytes/token (%s), "
+        "read %d tensors (%.1f MB)",
         rank,
         world,
         loaded.name,
@@ -248,6 +249,8 @@ def launch_engine(args_or_config, transport=None):
         loaded.model.w.expert_end,
         executor.blocks.num_blocks,
         cfg.block_size,
+        executor.kv.allocated_bytes_per_token,
+        "MLA latent" if model_cfg.mla is not None else "K+V",
         loaded.tensors_read,
         loaded.bytes_read / 1e6,
     )

@@ -6,6 +6,9 @@ Supported ``model_type`` values share one code path; the differences are data:
     qwen2_moe  q/k/v bias, a shared expert with a sigmoid gate, dense layers as qwen3_moe
     mixtral    top-k always renormalized, every layer sparse, experts named w1/w3/w2
     olmoe      q/k RMSNorm over the whole projection, optional ``clip_qkv``
+    deepseek_v2/v3  MLA (latent KV), grouped softmax/sigmoid routing, shared experts, first_k_dense_replace
+    glm4_moe   partial rotary, optional per-head q/k norm, sigmoid grouped routing, shared experts
+FP8 block-scaled checkpoints (``quantization_config.quant_method = "fp8"``) for every type.
 """
 
 from __future__ import annotations
@@ -15,12 +18,53 @@ import os
 from dataclasses import dataclass
 
 from eprt.api import TOKEN_ID_LIMIT, is_int, is_real
+from eprt.ops.base import GroupedRouting
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 class ConfigError(ValueError):
     """A checkpoint configuration eprt cannot serve; the message names the field."""
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling as Hugging Face computes it (``_compute_yarn_parameters``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # 0: absent
+    mscale_all_dim: float = 0.0  # 0: absent
+    attention_factor: float | None = None  # None: from factor, mscale, mscale_all_dim
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds kv_lora_rank + qk_rope_head_dim
+    values per token per layer."""
+
+    q_lora_rank: int  # 0: q_proj straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rope dims stored as interleaved pairs (permuted to rotate-half at load)
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class Fp8Quantization:
+    """Block-scaled float8_e4m3fn weights: ``w = fp8 * weight_scale_inv[i // block_n, j // block_k]``."""
+
+    block_n: int
+    block_k: int
 
 
 @dataclass(frozen=True)
@@ -50,14 +94,41 @@ class ModelConfig:
     image_token_id: int | None = None
     expert_names: tuple = ("gate_proj", "up_proj", "down_proj")
     moe_prefix: str = "mlp"  # "block_sparse_moe" for mixtral
+    shared_expert_prefix: str = "shared_expert"  # "shared_experts" (DeepSeek, GLM: no sigmoid gate)
+    shared_expert_gated: bool = True  # Qwen2-MoE's shared_expert_gate
+    mla: MLAConfig | None = None  # deepseek_v2/v3; None: grouped-query attention
+    rotary_dim: int = 0  # dims rotated per head (glm4_moe's partial rotary); 0: all of head_dim
+    rope_scaling: YarnScaling | None = None
+    routing: GroupedRouting | None = None  # DeepSeek-style routing; None: softmax top-k (ops.router)
+    router_bias: bool = False  # e_score_correction_bias (selection only)
+    mtp_layers: int = 0  # num_nextn_predict_layers: recognised, not loaded
+    fp8: Fp8Quantization | None = None
 
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_expert_intermediate_size > 0
 
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotated part of a head (the cos/sin table's width)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.rotary_dim or self.head_dim
+
+    def kv_values_per_token(self) -> int:
+        """KV cache values per token over all layers: latent + rope key (MLA) or K and V of every KV head."""
+        per_layer = self.mla.latent_dim if self.mla is not None else 2 * self.num_kv_heads * self.head_dim
+        return self.num_layers * per_layer
+
     def param_count(self) -> int:
         D, I, E = self.hidden_size, self.moe_intermediate_size, self.num_experts
         attn = D * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.mla is not None:
+            m, H = self.mla, self.num_heads
+            q_in = m.q_lora_rank or D
+            attn = (D * m.q_lora_rank if m.q_lora_rank else 0) + q_in * H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+            attn += D * m.latent_dim + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+            attn += H * m.v_head_dim * D
         total = self.vocab_size * D * (1 if self.tie_word_embeddings else 2)
         for sparse in self.sparse_layers:
             total += attn
@@ -103,16 +174,166 @@ def _positive_float(v, name: str) -> float:
     return float(v)
 
 
+def _rope_spec(raw: dict) -> dict:
+    """rope_parameters (transformers 5.x) over rope_scaling (older configs), both checked to be objects."""
+    spec: dict = {}
+    for name in ("rope_scaling", "rope_parameters"):
+        part = raw.get(name) or {}
+        if not isinstance(part, dict):
+            raise ConfigError(f"config.json field {name!r} must be an object, got {part!r}")
+        spec.update(part)
+    return spec
+
+
 def _rope_theta(raw: dict) -> float:
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    for name, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if not isinstance(spec, dict):
-            raise ConfigError(f"config.json field {name!r} must be an object, got {spec!r}")
-        kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind not in (None, "default"):
-            raise ConfigError(f"rope type {kind!r} is not supported (only default RoPE)")
-    return _positive_float(_first(raw, "rope_theta", default=params.get("rope_theta", 10000.0)), "rope_theta")
+    spec = _rope_spec(raw)
+    return _positive_float(_first(raw, "rope_theta", default=spec.get("rope_theta", 10000.0)), "rope_theta")
+
+
+def _rope_scaling(raw: dict) -> YarnScaling | None:
+    """None for default RoPE; YaRN's parameters as transformers reads them; any other type is refused."""
+    spec = _rope_spec(raw)
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise ConfigError(f"rope type {kind!r} is not supported (only default RoPE and yarn)")
+    original = _first(spec, "original_max_position_embeddings")
+    original = _first(raw, "original_max_position_embeddings", default=original)
+    original = _checked_int(
+        original if original is not None else _int(raw, "max_position_embeddings"),
+        "rope original_max_position_embeddings",
+    )
+    factor = spec.get("factor")
+    factor = _int(raw, "max_position_embeddings") / original if factor is None else _positive_float(factor, "factor")
+    optional = lambda n, default: default if spec.get(n) is None else _positive_float(spec[n], n)  # noqa: E731
+    attention_factor = spec.get("attention_factor")
+    return YarnScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=optional("beta_fast", 32.0),
+        beta_slow=optional("beta_slow", 1.0),
+        mscale=float(spec.get("mscale") or 0.0),
+        mscale_all_dim=float(spec.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else _positive_float(attention_factor, "attention_factor"),
+        truncate=bool(spec.get("truncate", True)),
+    )
+
+
+def _partial_rotary(raw: dict, head_dim: int) -> int:
+    """Rotated dims per head: int(head_dim * partial_rotary_factor), even, at least 2."""
+    spec = _rope_spec(raw)
+    factor = _first(spec, "partial_rotary_factor", default=_first(raw, "partial_rotary_factor", default=1.0))
+    if not is_real(factor) or not 0 < factor <= 1:
+        raise ConfigError(f"config.json field 'partial_rotary_factor' must be in (0, 1], got {factor!r}")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise ConfigError(
+            f"head_dim={head_dim} x partial_rotary_factor={factor} = {dim} rotary dims: must be even >= 2"
+        )
+    return dim
+
+
+def _fp8(raw: dict) -> Fp8Quantization | None:
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        method = q.get("quant_method") if isinstance(q, dict) else q
+        raise ConfigError(f"quantization_config quant_method {method!r} is not supported (only 'fp8')")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"quantization_config fmt {q.get('fmt')!r} is not supported (only 'e4m3')")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(is_int(b) and b >= 1 for b in block)):
+        raise ConfigError(
+            f"quantization_config weight_block_size must be two positive integers (e.g. [128, 128]), got {block!r}"
+        )
+    return Fp8Quantization(block_n=block[0], block_k=block[1])
+
+
+def _routing(raw: dict, model_type: str, experts: int, top_k: int) -> GroupedRouting:
+    """deepseek_v2: softmax, group-limited greedy on group maxima (``topk_method``); deepseek_v3 and
+    glm4_moe: sigmoid, groups scored by their two best biased scores, ``norm_topk_prob``."""
+    scale = _positive_float(_first(raw, "routed_scaling_factor", default=1.0), "routed_scaling_factor")
+    if model_type == "deepseek_v2":
+        method = raw.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(f"topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+        grouped = method == "group_limited_greedy"
+        n_group = _int(raw, "n_group") if grouped else 1
+        topk_group = _int(raw, "topk_group") if grouped else 1
+        # transformers' DeepseekV2TopkRouter never renormalizes (norm_topk_prob is read but unused)
+        scoring, group_score, renormalize = "softmax", "max", False
+    else:
+        n_group, topk_group = _int(raw, "n_group", default=1), _int(raw, "topk_group", default=1)
+        scoring, group_score, renormalize = "sigmoid", "top2_sum", bool(raw.get("norm_topk_prob"))
+    declared = raw.get("scoring_func", scoring)  # released DeepSeek configs name it; transformers reads it not
+    if declared != scoring:
+        raise ConfigError(f"scoring_func {declared!r} is not supported for {model_type} (only {scoring!r})")
+    if experts % n_group:
+        raise ConfigError(f"n_routed_experts={experts} is not a multiple of n_group={n_group}")
+    if topk_group > n_group:
+        raise ConfigError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    if top_k > topk_group * (experts // n_group):
+        raise ConfigError(
+            f"num_experts_per_tok={top_k} exceeds the {topk_group * (experts // n_group)} experts of "
+            f"topk_group={topk_group} groups of {experts // n_group}"
+        )
+    if group_score == "top2_sum" and n_group > 1 and experts // n_group < 2:
+        raise ConfigError(f"n_group={n_group} leaves groups of one expert; sigmoid routing scores a group's best two")
+    return GroupedRouting(scoring, n_group, topk_group, group_score, renormalize, scale)
+
+
+def _mla(raw: dict, model_type: str) -> MLAConfig:
+    if raw.get("attention_bias"):
+        raise ConfigError(f"attention_bias=true is not supported for {model_type}")
+    rope = _int(raw, "qk_rope_head_dim")
+    if rope % 2:
+        raise ConfigError(f"config.json field 'qk_rope_head_dim' must be even, got {rope}")
+    return MLAConfig(
+        q_lora_rank=_int(raw, "q_lora_rank", default=0, minimum=0),
+        kv_lora_rank=_int(raw, "kv_lora_rank"),
+        qk_nope_head_dim=_int(raw, "qk_nope_head_dim"),
+        qk_rope_head_dim=rope,
+        v_head_dim=_int(raw, "v_head_dim"),
+        # deepseek_v2 rotates complex pairs (interleaved); deepseek_v3 by rope_interleave (default true)
+        rope_interleave=model_type == "deepseek_v2" or bool(raw.get("rope_interleave", True)),
+    )
+
+
+def _deepseek_like(raw: dict, model_type: str, common: dict) -> ModelConfig:
+    """deepseek_v2, deepseek_v3 and glm4_moe: first_k_dense_replace dense layers, ungated shared experts."""
+    if raw.get("mlp_bias"):
+        raise ConfigError(f"mlp_bias=true is not supported for {model_type}")
+    freq = raw.get("moe_layer_freq", 1)
+    if freq != 1:
+        raise ConfigError(f"moe_layer_freq={freq!r} is not supported (only 1: every layer after the dense ones)")
+    layers, moe_inter = common["num_layers"], _int(raw, "moe_intermediate_size")
+    first_dense = _int(raw, "first_k_dense_replace", default=0, minimum=0)
+    shared = _int(raw, "n_shared_experts", default=0, minimum=0)
+    common.update(
+        sparse_layers=tuple(i >= first_dense for i in range(layers)),
+        moe_intermediate_size=moe_inter,
+        intermediate_size=_int(raw, "intermediate_size", default=0, minimum=0 if first_dense == 0 else 1),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=moe_inter * shared,
+        shared_expert_prefix="shared_experts",
+        shared_expert_gated=False,
+        routing=_routing(raw, model_type, common["num_experts"], common["top_k"]),
+        router_bias=model_type != "deepseek_v2",
+        mtp_layers=_int(raw, "num_nextn_predict_layers", default=0, minimum=0),
+    )
+    if model_type == "glm4_moe":
+        return ModelConfig(
+            model_type=model_type,
+            qkv_bias=bool(raw.get("attention_bias", False)),
+            qk_norm="head" if raw.get("use_qk_norm") else None,
+            rotary_dim=_partial_rotary(raw, common["head_dim"]),
+            **common,
+        )
+    mla = _mla(raw, model_type)
+    common.update(head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, num_kv_heads=common["num_heads"])
+    return ModelConfig(model_type=model_type, mla=mla, **common)
 
 
 def _eos_ids(*values) -> tuple:
@@ -139,14 +360,14 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
         raise ConfigError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")
-    kv_heads = _int(raw, "num_key_value_heads", default=heads)
+    kv_heads = heads if model_type in DEEPSEEK_TYPES else _int(raw, "num_key_value_heads", default=heads)
     if heads % kv_heads:
         raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     if raw.get("head_dim") is None and hidden < heads:
         raise ConfigError(f"hidden_size={hidden} < num_attention_heads={heads} and no head_dim is given")
     head_dim = _int(raw, "head_dim", default=hidden // heads)
     layers = _int(raw, "num_hidden_layers")
-    experts = _int(raw, "num_experts", "num_local_experts")
+    experts = _int(raw, "num_experts", "num_local_experts", "n_routed_experts")
     vocab = _int(raw, "vocab_size")
     if vocab >= TOKEN_ID_LIMIT:
         raise ConfigError(f"vocab_size {vocab} collides with the protocol's reserved command words")
@@ -165,6 +386,8 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
         head_dim=head_dim,
         rms_norm_eps=eps,
         rope_theta=_rope_theta(raw),
+        rope_scaling=_rope_scaling(raw),
+        fp8=_fp8(raw),
         max_position_embeddings=_int(raw, "max_position_embeddings", default=4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         num_experts=experts,
@@ -174,6 +397,8 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
     gen = generation_config or {}
     common["eos_token_ids"] = _eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id"))
 
+    if model_type in (*DEEPSEEK_TYPES, "glm4_moe"):
+        return _deepseek_like(raw, model_type, common)
     if model_type in ("mixtral", "olmoe"):  # every layer sparse; intermediate_size sizes the experts
         intermediate = _int(raw, "intermediate_size")
         common.update(

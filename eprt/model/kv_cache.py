@@ -1,4 +1,5 @@
-"""The paged KV pool of one rank: per layer ``k[NB, BS, Hk, Dh]`` and ``v[NB, BS, Hk, Dh]``.
+"""The paged KV pool of one rank, sized per architecture: per layer ``k[NB, BS, Hk, Dh]`` and
+``v[NB, BS, Hk, Dh]``, or for MLA one ``latent[NB, BS, L]`` (compressed latent + roped key).
 
 Block ids come from ``eprt.cache.block_manager.BlockManager``; this class only holds
 the arrays and turns (block table, positions) into flat slots.
@@ -16,13 +17,30 @@ class KVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [ops.zeros(shape) for _ in range(cfg.num_layers)]
-        self.v = [ops.zeros(shape) for _ in range(cfg.num_layers)]
+        self.k, self.v, self.latent = [], [], []
+        if cfg.mla is not None:
+            shape = (num_blocks, block_size, cfg.mla.latent_dim)
+            self.latent = [ops.zeros(shape) for _ in range(cfg.num_layers)]
+        else:
+            shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            self.k = [ops.zeros(shape) for _ in range(cfg.num_layers)]
+            self.v = [ops.zeros(shape) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+        """KV bytes one token holds over all layers: (kv_lora_rank + qk_rope_head_dim) x layers x
+        itemsize for MLA, 2 x Hk x Dh x layers x itemsize otherwise."""
+        return cfg.kv_values_per_token() * itemsize
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, itemsize: int) -> int:
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return block_size * KVCache.bytes_per_token(cfg, itemsize)
+
+    @property
+    def allocated_bytes_per_token(self) -> int:
+        """What the allocated pool holds per token slot (every layer's arrays)."""
+        total = sum(int(a.nbytes) for a in (*self.k, *self.v, *self.latent))
+        return total // (self.num_blocks * self.block_size)
 
     def slots(self, block_table, positions: np.ndarray) -> np.ndarray:
         """Flat slot of each position: block_table[p // BS] * BS + p % BS.  [T]"""

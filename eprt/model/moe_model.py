@@ -1,7 +1,7 @@
 """The MoE transformer forward pass, written once for every architecture and backend.
 
 T tokens in the call, B sequences, D hidden, H / Hk query / KV heads, Dh head dim,
-E experts, V vocabulary.
+E experts, V vocabulary; MLA: C kv_lora_rank, R rope dims, Dn/Dv nope/value head dims.
 
 Expert parallelism: ``combine`` sums the per-rank partial MoE outputs over ranks
 (identity on one rank). Attention, router and shared expert are replicated, so every
@@ -10,6 +10,7 @@ rank computes identical hidden states and keeps identical KV.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,12 +37,83 @@ class AttnBatch:
         return self.block_table is not None
 
 
+def _inv_freq(cfg: ModelConfig, dim: int) -> np.ndarray:
+    """Inverse frequencies [dim/2] in float32, default or YaRN, as transformers computes them."""
+    pos_freqs = (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)).astype(np.float32)
+    y = cfg.rope_scaling
+    if y is None:
+        return (1.0 / pos_freqs).astype(np.float32)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(cfg.rope_theta)
+        )
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no singularity
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation = (1.0 - ramp).astype(np.float32)
+    inv_extra = (1.0 / pos_freqs).astype(np.float32)
+    inv_inter = (1.0 / (np.float32(y.factor) * pos_freqs)).astype(np.float32)
+    return (inv_inter * (1 - extrapolation) + inv_extra * extrapolation).astype(np.float32)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN's factor on cos/sin (1 without scaling)."""
+    y = cfg.rope_scaling
+    if y is None:
+        return 1.0
+    if y.attention_factor is not None:
+        return y.attention_factor
+    if y.mscale and y.mscale_all_dim:
+        return _yarn_mscale(y.factor, y.mscale) / _yarn_mscale(y.factor, y.mscale_all_dim)
+    return _yarn_mscale(y.factor)
+
+
+def attention_scale(cfg: ModelConfig) -> float:
+    """Softmax scale: 1/sqrt(query-key dim), times DeepSeek's YaRN mscale(mscale_all_dim)^2 for MLA."""
+    if cfg.mla is None:
+        return cfg.head_dim**-0.5
+    scale = (cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) ** -0.5
+    y = cfg.rope_scaling
+    if y is not None and y.mscale_all_dim:
+        scale *= _yarn_mscale(y.factor, y.mscale_all_dim) ** 2
+    return scale
+
+
 def rope_table(cfg: ModelConfig, max_len: int) -> np.ndarray:
-    """cos | sin for positions [0, max_len): [P, Dh] float32, as Hugging Face computes it."""
-    dh = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dh, 2, dtype=np.int64).astype(np.float32) / dh))
-    freqs = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq[None, :]  # [P, Dh/2]
-    return np.concatenate([np.cos(freqs), np.sin(freqs)], axis=-1).astype(np.float32)
+    """cos | sin for positions [0, max_len): [P, rope_dim] float32, as Hugging Face computes it
+    (rope_dim: head_dim, glm4_moe's partial rotary dims, or MLA's qk_rope_head_dim)."""
+    inv_freq = _inv_freq(cfg, cfg.rope_dim)
+    freqs = np.arange(max_len, dtype=np.float32)[:, None] * inv_freq[None, :]  # [P, R/2]
+    factor = np.float32(rope_attention_factor(cfg))
+    return np.concatenate([np.cos(freqs) * factor, np.sin(freqs) * factor], axis=-1).astype(np.float32)
+
+
+MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with the default eps
+_MLA_OPS = ("head_linear", "latent_write", "mla_attention_prefill", "mla_attention_decode")
+_GROUPED_OPS = ("router_grouped", "add")
+
+
+def _check_backend(cfg: ModelConfig, ops) -> None:
+    """A clear start-up error when the backend lacks an operation this architecture needs."""
+    from eprt.ops.base import Ops
+
+    needed = (_MLA_OPS if cfg.mla is not None else ()) + (_GROUPED_OPS if cfg.routing is not None else ())
+    missing = [n for n in needed if getattr(type(ops), n) is getattr(Ops, n)]
+    if missing:
+        raise NotImplementedError(
+            f"the {ops.name} backend does not implement {', '.join(missing)} needed by {cfg.model_type}; "
+            f"run it with --device cpu"
+        )
 
 
 class MoEModel:
@@ -50,8 +122,9 @@ class MoEModel:
     ):
         self.cfg, self.w, self.ops, self.combine = cfg, weights, ops, combine
         self.max_len = max_len
+        _check_backend(cfg, ops)
         self.cos_sin = ops.activation(rope_table(cfg, max_len))
-        self.scale = cfg.head_dim**-0.5
+        self.scale = attention_scale(cfg)
 
     # ---- pieces ------------------------------------------------------------------------
     def embed(self, ids: np.ndarray, image_rows: np.ndarray | None = None, image_mask: np.ndarray | None = None):
@@ -78,7 +151,7 @@ class MoEModel:
             q = ops.rms_norm(q.reshape(-1, cfg.head_dim), lw.q_norm, cfg.rms_norm_eps).reshape(q.shape)
             k = ops.rms_norm(k.reshape(-1, cfg.head_dim), lw.k_norm, cfg.rms_norm_eps).reshape(k.shape)
         pos = ops.index(batch.positions)
-        q, k = ops.rope(q, pos, self.cos_sin), ops.rope(k, pos, self.cos_sin)
+        q, k = self._rope(q, pos), self._rope(k, pos)
         ops.kv_write(kv.k[layer], kv.v[layer], k, v, ops.index(batch.slot_mapping))
         if batch.is_prefill:
             o = ops.attention_prefill(
@@ -90,15 +163,56 @@ class MoEModel:
             )
         return ops.linear(o.reshape(T, -1), lw.o)  # [T, D]
 
+    def _rope(self, x, pos):
+        """Rotate the first rope_dim dims of every head of x[T, H, Dh] (all of them but for partial rotary)."""
+        rd = self.cos_sin.shape[1]
+        if rd == x.shape[-1]:
+            return self.ops.rope(x, pos, self.cos_sin)
+        xp = self.ops.xp
+        rotated = self.ops.rope(xp.ascontiguousarray(x[..., :rd]), pos, self.cos_sin)  # [T, H, rd]
+        return xp.concatenate([rotated, x[..., rd:]], axis=-1)
+
+    def _mla_attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
+        """Multi-head latent attention: the cache keeps [normed latent | roped key] per token; queries
+        are absorbed into the latent space (q_nope @ W_UK), so attention reads C + R values per
+        position, and the latent output goes up through W_UV."""
+        cfg, ops, xp, m = self.cfg, self.ops, self.ops.xp, self.cfg.mla
+        T, H, C, Dn = x.shape[0], cfg.num_heads, m.kv_lora_rank, m.qk_nope_head_dim
+        q_in = x if lw.q_a is None else ops.rms_norm(ops.linear(x, lw.q_a), lw.q_a_norm, MLA_NORM_EPS)
+        q = ops.linear(q_in, lw.q).reshape(T, H, Dn + m.qk_rope_head_dim)  # [T, H, Dn+R]
+        compressed = ops.linear(x, lw.kv_a)  # [T, C+R]
+        latent = ops.rms_norm(xp.ascontiguousarray(compressed[:, :C]), lw.kv_a_norm, MLA_NORM_EPS)  # [T, C]
+        pos = ops.index(batch.positions)
+        k_rope = ops.rope(xp.ascontiguousarray(compressed[:, None, C:]), pos, self.cos_sin)  # [T, 1, R]
+        q_rope = ops.rope(xp.ascontiguousarray(q[:, :, Dn:]), pos, self.cos_sin)  # [T, H, R]
+        q_latent = ops.head_linear(xp.ascontiguousarray(q[:, :, :Dn]), lw.w_uk)  # [T, H, C]
+        cache = kv.latent[layer]
+        ops.latent_write(cache, xp.concatenate([latent, k_rope[:, 0]], axis=-1), ops.index(batch.slot_mapping))
+        q_all = xp.concatenate([q_latent, q_rope], axis=-1)  # [T, H, C+R]
+        if batch.is_prefill:
+            o = ops.mla_attention_prefill(
+                q_all, cache, ops.index(batch.block_table), batch.start_pos, self.scale, value_dim=C
+            )
+        else:
+            tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
+            o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, value_dim=C)  # [T, H, C]
+        return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
+
     def _moe(self, lw, x):
         ops, cfg = self.ops, self.cfg
         logits = ops.linear(x, lw.router)  # [T, E]
-        weights, ids = ops.router(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
+        if cfg.routing is None:
+            weights, ids = ops.router(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
+        else:
+            weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
         partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
         out = self.combine(partial)  # [T, D] summed over ranks
-        if lw.shared_gate_up is not None:  # Qwen2-MoE shared expert
+        if lw.shared_gate_up is not None:
             s = ops.linear(ops.silu_and_mul(ops.linear(x, lw.shared_gate_up)), lw.shared_down)
-            out = ops.sigmoid_gate_add(out, s, ops.linear(x, lw.shared_gate))  # gate [T, 1]
+            if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
+                out = ops.sigmoid_gate_add(out, s, ops.linear(x, lw.shared_gate))  # gate [T, 1]
+            else:  # DeepSeek / GLM shared experts
+                out = ops.add(out, s)
         return out
 
     def _dense_mlp(self, lw, x):
@@ -111,10 +225,11 @@ class MoEModel:
         ops, cfg = self.ops, self.cfg
         residual = h
         x = ops.rms_norm(h, self.w.layers[0].input_norm, cfg.rms_norm_eps)
+        attention = self._attention if cfg.mla is None else self._mla_attention
         for i, lw in enumerate(self.w.layers):
             if i > 0:
                 x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps)
-            h = self._attention(lw, x, batch, kv, i)
+            h = attention(lw, x, batch, kv, i)
             x, residual = ops.add_rms_norm(h, residual, lw.post_norm, cfg.rms_norm_eps)
             h = self._moe(lw, x) if cfg.sparse_layers[i] else self._dense_mlp(lw, x)
         x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps)

@@ -3,8 +3,8 @@
 A checkpoint directory holds ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json``. Files are memory-mapped and only the requested
 tensors are read, so a rank that owns a few experts touches only their bytes.
-bfloat16 tensors come back as ``uint16`` raw bits (NumPy has no bfloat16); use
-``to_float32`` to widen them.
+bfloat16 tensors come back as ``uint16`` raw bits and float8_e4m3fn (``F8_E4M3``) as ``uint8``
+raw bytes (NumPy has neither); use ``to_float32`` to widen them.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ _DTYPES = {
     "F32": np.float32,
     "F16": np.float16,
     "BF16": np.uint16,
+    "F8_E4M3": np.uint8,  # float8_e4m3fn bytes (FP8 checkpoints)
     "F64": np.float64,
     "I64": np.int64,
     "I32": np.int32,
@@ -165,8 +166,29 @@ def _is_index(v) -> bool:
     return is_int(v) and v >= 0
 
 
+def _e4m3fn_table() -> np.ndarray:
+    """float32 value of each of the 256 float8_e4m3fn bytes: 1 sign, 4 exponent (bias 7), 3 mantissa
+    bits; exponent 0 is subnormal (m/8 * 2^-6); 0x7F and 0xFF are NaN; there is no infinity."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    mag = np.where(exp == 0, man / 8.0 * 2.0**-6, (1.0 + man / 8.0) * 2.0 ** (exp - 7.0))
+    mag[(exp == 0xF) & (man == 0x7)] = np.nan
+    return (sign * mag).astype(np.float32)
+
+
+_E4M3FN = _e4m3fn_table()
+
+
+def fp8_e4m3_to_f32(raw: np.ndarray) -> np.ndarray:
+    """Decode float8_e4m3fn bytes (uint8) to float32, exactly."""
+    return _E4M3FN[np.asarray(raw, dtype=np.uint8)]
+
+
 def to_float32(a: np.ndarray, dtype_name: str) -> np.ndarray:
-    """Widen a stored tensor to float32 (bf16 bits are shifted into the high half)."""
+    """Widen a stored tensor to float32 (bf16 bits are shifted into the high half, FP8 bytes decoded)."""
     if dtype_name == "BF16":
         return bf16_bits_to_f32(a)
+    if dtype_name == "F8_E4M3":
+        return fp8_e4m3_to_f32(a)
     return a.astype(np.float32)

@@ -6,6 +6,8 @@ for the local range ``[expert_start, expert_end)``; a rank reads no other expert
 bytes. Checkpoints saved with fused expert tensors (``experts.gate_up_proj``
 ``[E, 2I, D]`` and ``experts.down_proj`` ``[E, D, I]``) are read too. Every tensor's
 shape is checked against the config and its values scanned for NaN/Inf as it is read.
+FP8 block-scaled weights (``X.weight`` F8_E4M3 with ``X.weight_scale_inv``) are dequantized
+block-wise to float32 as read; MLA's kv_b_proj is split into the absorbed W_UK / W_UV.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
-from eprt.model.config import ModelConfig
-from eprt.model.safetensors_io import CheckpointError
+from eprt.model.config import Fp8Quantization, ModelConfig
+from eprt.model.safetensors_io import CheckpointError, fp8_e4m3_to_f32
 from eprt.ops.bf16 import bf16_bits_to_f32
 
 
@@ -46,6 +48,13 @@ class LayerWeights:
     shared_gate: object = None  # [1, D]
     mlp_gate_up: object = None  # dense layer [2I, D]
     mlp_down: object = None  # dense layer [D, I]
+    router_bias: object = None  # [E] e_score_correction_bias (selection only)
+    q_a: object = None  # MLA with q_lora_rank: [Qr, D] (then q is q_b_proj [H*(Dn+R), Qr])
+    q_a_norm: object = None  # [Qr]
+    kv_a: object = None  # MLA kv_a_proj_with_mqa [C+R, D]
+    kv_a_norm: object = None  # [C]
+    w_uk: object = None  # MLA absorbed key up-projection [H, C, Dn]
+    w_uv: object = None  # MLA value up-projection [H, Dv, C]
 
 
 @dataclass
@@ -81,8 +90,26 @@ def _dims(cfg: ModelConfig) -> dict:
             2 * cfg.moe_intermediate_size, "2*" + ("intermediate_size" if mixtral_like else "moe_intermediate_size")
         ),
         "Id": Dim(cfg.intermediate_size, "intermediate_size"),
-        "Is": Dim(cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size"),
+        "Is": Dim(
+            cfg.shared_expert_intermediate_size,
+            "moe_intermediate_size*n_shared_experts" if cfg.routing else "shared_expert_intermediate_size",
+        ),
         "1": Dim(1, "1"),
+        **_mla_dims(cfg),
+    }
+
+
+def _mla_dims(cfg: ModelConfig) -> dict:
+    m, H = cfg.mla, cfg.num_heads
+    if m is None:
+        return {}
+    return {
+        "Qr": Dim(m.q_lora_rank, "q_lora_rank"),
+        "C": Dim(m.kv_lora_rank, "kv_lora_rank"),
+        "C+R": Dim(m.latent_dim, "kv_lora_rank+qk_rope_head_dim"),
+        "HQ": Dim(H * (m.qk_nope_head_dim + m.qk_rope_head_dim), "num_attention_heads*(qk_nope+qk_rope_head_dim)"),
+        "HKV": Dim(H * (m.qk_nope_head_dim + m.v_head_dim), "num_attention_heads*(qk_nope_head_dim+v_head_dim)"),
+        "HV": Dim(H * m.v_head_dim, "num_attention_heads*v_head_dim"),
     }
 
 
@@ -125,6 +152,46 @@ def _check_finite(name: str, a: np.ndarray) -> None:
         )
 
 
+class Fp8Source:
+    """A TensorSource that dequantizes FP8 block-scaled weights as they are read: a tensor with a
+    ``<name>_scale_inv`` sibling holds float8_e4m3fn bytes, scaled per [block_n, block_k] block.
+    Only the requested tensor and its scales are read from the underlying source."""
+
+    def __init__(self, src: TensorSource, quant: Fp8Quantization):
+        self.src, self.quant = src, quant
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.src
+
+    def read(self, name: str) -> np.ndarray:
+        scale_name = f"{name}_scale_inv"
+        if not name.endswith(".weight") or scale_name not in self.src:
+            return self.src.read(name)
+        return dequantize_fp8(name, self.src.read(name), self.src.read(scale_name), self.quant)
+
+
+def dequantize_fp8(name: str, raw: np.ndarray, scale_inv: np.ndarray, quant: Fp8Quantization) -> np.ndarray:
+    """float8_e4m3fn bytes raw[N, K] times scale_inv[ceil(N/bn), ceil(K/bk)] block-wise -> float32 [N, K]."""
+    if raw.dtype != np.uint8 or raw.ndim != 2:
+        raise CheckpointError(
+            f"tensor {name!r} has a weight_scale_inv, so it must be a 2-D F8_E4M3 tensor; "
+            f"got {raw.dtype} of shape {tuple(raw.shape)}"
+        )
+    N, K = raw.shape
+    bn, bk = quant.block_n, quant.block_k
+    want = (-(-N // bn), -(-K // bk))
+    if tuple(scale_inv.shape) != want:
+        raise CheckpointError(
+            f"tensor {name + '_scale_inv'!r} has shape {tuple(scale_inv.shape)} but {name!r} {(N, K)} in "
+            f"weight_block_size [{bn}, {bk}] blocks needs {want}"
+        )
+    scale = scale_inv if scale_inv.dtype != np.uint16 else bf16_bits_to_f32(scale_inv)
+    scale = np.asarray(scale, dtype=np.float32)
+    w = fp8_e4m3_to_f32(raw)  # [N, K]
+    full = np.repeat(np.repeat(scale, bn, axis=0)[:N], bk, axis=1)[:, :K]  # [N, K]
+    return w * full
+
+
 def _read(src: TensorSource, name: str, expected: tuple) -> np.ndarray:
     """The tensor as stored, its shape checked against ``expected`` (a tuple of ``Dim``)."""
     if name not in src:
@@ -137,6 +204,11 @@ def _read(src: TensorSource, name: str, expected: tuple) -> np.ndarray:
 def _host(src: TensorSource, name: str, expected: tuple) -> np.ndarray:
     """A checked (shape, finite) host array; fp16/fp64 widened to float32, bf16 kept as bits."""
     a = _read(src, name, expected)
+    if a.dtype == np.uint8:
+        raise CheckpointError(
+            f"tensor {name!r} holds 8-bit values but has no {name + '_scale_inv'!r} (or config.json no fp8 "
+            f"quantization_config): eprt reads 8-bit weights only as FP8 with block scales"
+        )
     _check_finite(name, a)
     return a.astype(np.float32) if a.dtype in (np.float16, np.float64) else a
 
@@ -180,6 +252,8 @@ def load_weights(
     expert_end = cfg.num_experts if expert_end is None else expert_end
     if not 0 <= expert_start <= expert_end <= cfg.num_experts:
         raise ValueError(f"expert range [{expert_start}, {expert_end}) outside [0, {cfg.num_experts})")
+    if cfg.fp8 is not None:
+        src = Fp8Source(src, cfg.fp8)
     n = _dims(cfg)
     W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))  # noqa: E731
     embed = W("model.embed_tokens.weight", "V", "D")
@@ -192,40 +266,17 @@ def load_weights(
     weights = ModelWeights(
         embed=embed, norm=W("model.norm.weight", "D"), lm_head=lm_head, expert_start=expert_start, expert_end=expert_end
     )
-    norm_dims = ("Dh", "Dh") if cfg.qk_norm == "head" else ("Q", "KV")
-    for i, sparse in enumerate(cfg.sparse_layers):
+    for i, sparse in enumerate(cfg.sparse_layers):  # layers past num_hidden_layers (MTP) are never read
         p = f"model.layers.{i}"
-        a = f"{p}.self_attn"
+        attention = _mla_attention if cfg.mla is not None else _attention
         lw = LayerWeights(
             input_norm=W(f"{p}.input_layernorm.weight", "D"),
             post_norm=W(f"{p}.post_attention_layernorm.weight", "D"),
-            q=W(f"{a}.q_proj.weight", "Q", "D"),
-            k=W(f"{a}.k_proj.weight", "KV", "D"),
-            v=W(f"{a}.v_proj.weight", "KV", "D"),
-            o=W(f"{a}.o_proj.weight", "D", "Q"),
+            **attention(src, cfg, ops, f"{p}.self_attn"),
         )
-        if cfg.qkv_bias:
-            lw.q_bias, lw.k_bias, lw.v_bias = (
-                W(f"{a}.q_proj.bias", "Q"),
-                W(f"{a}.k_proj.bias", "KV"),
-                W(f"{a}.v_proj.bias", "KV"),
-            )
-        if cfg.qk_norm:
-            lw.q_norm, lw.k_norm = W(f"{a}.q_norm.weight", norm_dims[0]), W(f"{a}.k_norm.weight", norm_dims[1])
         m = f"{p}.{cfg.moe_prefix}"
         if sparse:
-            lw.router = W(f"{m}.gate.weight", "E", "D")
-            gate_up, down = _experts(src, cfg, m, expert_start, expert_end)
-            lw.w_gate_up, lw.w_down = ops.weight(gate_up), ops.weight(down)
-            if cfg.has_shared_expert:
-                s = f"{m}.shared_expert"
-                g, u = _same_dtype(
-                    _host(src, f"{s}.gate_proj.weight", (n["Is"], n["D"])),
-                    _host(src, f"{s}.up_proj.weight", (n["Is"], n["D"])),
-                )
-                lw.shared_gate_up = ops.weight(np.concatenate([g, u], axis=0))
-                lw.shared_down = W(f"{s}.down_proj.weight", "D", "Is")
-                lw.shared_gate = W(f"{m}.shared_expert_gate.weight", "1", "D")
+            _load_moe(src, cfg, ops, lw, m, expert_start, expert_end)
         else:
             g, u = _same_dtype(
                 _host(src, f"{m}.gate_proj.weight", (n["Id"], n["D"])),
@@ -235,3 +286,82 @@ def load_weights(
             lw.mlp_down = W(f"{m}.down_proj.weight", "D", "Id")
         weights.layers.append(lw)
     return weights
+
+
+def _attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
+    """Grouped-query attention: q/k/v/o, optional biases and q/k norms."""
+    n = _dims(cfg)
+    W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))  # noqa: E731
+    out = dict(
+        q=W(f"{a}.q_proj.weight", "Q", "D"),
+        k=W(f"{a}.k_proj.weight", "KV", "D"),
+        v=W(f"{a}.v_proj.weight", "KV", "D"),
+        o=W(f"{a}.o_proj.weight", "D", "Q"),
+    )
+    if cfg.qkv_bias:
+        out.update(
+            q_bias=W(f"{a}.q_proj.bias", "Q"), k_bias=W(f"{a}.k_proj.bias", "KV"), v_bias=W(f"{a}.v_proj.bias", "KV")
+        )
+    if cfg.qk_norm:
+        norm_dims = ("Dh", "Dh") if cfg.qk_norm == "head" else ("Q", "KV")
+        out.update(q_norm=W(f"{a}.q_norm.weight", norm_dims[0]), k_norm=W(f"{a}.k_norm.weight", norm_dims[1]))
+    return out
+
+
+def _deinterleave(rows: np.ndarray, start: int, width: int, period: int) -> np.ndarray:
+    """Permute output rows [start, start+width) of every ``period`` rows from interleaved pairs
+    (x0, x1), (x2, x3), ... to halves (x0, x2, ..) | (x1, x3, ..): rotate-half RoPE on the permuted
+    projection equals DeepSeek's pairwise RoPE (the q.k products are unchanged)."""
+    order = np.arange(rows.shape[0]).reshape(-1, period)
+    part = order[:, start : start + width]
+    order[:, start : start + width] = np.concatenate([part[:, 0::2], part[:, 1::2]], axis=1)
+    return np.ascontiguousarray(rows[order.reshape(-1)])
+
+
+def _mla_attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
+    """MLA: q (direct or low-rank with its norm), kv_a with its norm, kv_b split into W_UK/W_UV, o."""
+    n, m, H = _dims(cfg), cfg.mla, cfg.num_heads
+    Dn, R, C = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+    W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))  # noqa: E731
+    out: dict = dict(k=None, v=None, o=W(f"{a}.o_proj.weight", "D", "HV"))
+    if m.q_lora_rank:
+        out.update(q_a=W(f"{a}.q_a_proj.weight", "Qr", "D"), q_a_norm=W(f"{a}.q_a_layernorm.weight", "Qr"))
+        q = _host(src, f"{a}.q_b_proj.weight", (n["HQ"], n["Qr"]))
+    else:
+        q = _host(src, f"{a}.q_proj.weight", (n["HQ"], n["D"]))
+    kv_a = _host(src, f"{a}.kv_a_proj_with_mqa.weight", (n["C+R"], n["D"]))
+    if m.rope_interleave:
+        q, kv_a = _deinterleave(q, Dn, R, Dn + R), _deinterleave(kv_a, C, R, C + R)
+    kv_b = _same_dtype(_host(src, f"{a}.kv_b_proj.weight", (n["HKV"], n["C"])))[0]
+    kv_b = kv_b.reshape(H, Dn + m.v_head_dim, C)  # [H, Dn+Dv, C]
+    out.update(
+        q=ops.weight(q),
+        kv_a=ops.weight(kv_a),
+        kv_a_norm=W(f"{a}.kv_a_layernorm.weight", "C"),
+        w_uk=ops.weight(np.ascontiguousarray(kv_b[:, :Dn, :].transpose(0, 2, 1))),  # [H, C, Dn]
+        w_uv=ops.weight(np.ascontiguousarray(kv_b[:, Dn:, :])),  # [H, Dv, C]
+    )
+    return out
+
+
+def _load_moe(src: TensorSource, cfg: ModelConfig, ops, lw: LayerWeights, m: str, start: int, end: int) -> None:
+    """Router (and its score bias), this rank's experts, the shared expert(s)."""
+    n = _dims(cfg)
+    W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))  # noqa: E731
+    lw.router = W(f"{m}.gate.weight", "E", "D")
+    if cfg.router_bias:
+        bias = _host(src, f"{m}.gate.e_score_correction_bias", (n["E"],))
+        lw.router_bias = ops.activation(bf16_bits_to_f32(bias) if bias.dtype == np.uint16 else bias)
+    gate_up, down = _experts(src, cfg, m, start, end)
+    lw.w_gate_up, lw.w_down = ops.weight(gate_up), ops.weight(down)
+    if not cfg.has_shared_expert:
+        return
+    s = f"{m}.{cfg.shared_expert_prefix}"
+    g, u = _same_dtype(
+        _host(src, f"{s}.gate_proj.weight", (n["Is"], n["D"])),
+        _host(src, f"{s}.up_proj.weight", (n["Is"], n["D"])),
+    )
+    lw.shared_gate_up = ops.weight(np.concatenate([g, u], axis=0))
+    lw.shared_down = W(f"{s}.down_proj.weight", "D", "Is")
+    if cfg.shared_expert_gated:
+        lw.shared_gate = W(f"{m}.shared_expert_gate.weight", "1", "D")

@@ -11,6 +11,7 @@ Shape legend used in every backend:
     Dh head dim                 E experts in the model, El experts on this rank
     I expert intermediate size  k experts per token (top-k)
     NB KV blocks in the pool    BS tokens per block    MB max blocks per sequence
+    L latent width per token (MLA: kv_lora_rank C + rope dims R)
 
 Conventions:
     * Linear weights keep the Hugging Face layout ``[out, in]``: ``y = x @ w.T (+ b)``.
@@ -19,19 +20,48 @@ Conventions:
     * KV cache of one layer: ``k_cache[NB, BS, Hk, Dh]`` and ``v_cache[NB, BS, Hk, Dh]``.
       Token position ``p`` of a sequence with block table ``bt`` lives at
       ``cache[bt[p // BS], p % BS]``; ``slot_mapping`` holds ``bt[p // BS] * BS + p % BS``.
+    * MLA (multi-head latent attention) caches one row per token and layer:
+      ``latent_cache[NB, BS, L]`` = [normed latent (C) | roped key (R)]; a query ``[.., H, L]`` is
+      [latent-space query (C) | roped query (R)], and the values are the latent part ``[:C]``.
     * RoPE is the "rotate half" (GPT-NeoX) form used by every supported architecture;
       ``cos_sin[P, Dh]`` holds ``cos`` in the first ``Dh/2`` columns and ``sin`` in the rest.
+      (Interleaved-pair checkpoints, DeepSeek's, are permuted to this form at load.)
     * Index arrays are int32. Float activations are the backend's ``act_dtype``
       (float32 on the CPU; bfloat16 storage with float32 accumulation on the GPU).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 Array = Any  # numpy.ndarray or cupy.ndarray
+
+ROUTING_SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2_sum")
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-style expert selection (``Ops.router_grouped``). Experts split into ``n_group``
+    contiguous groups; only the ``topk_group`` best groups compete for the top-k."""
+
+    scoring: str  # "softmax" (deepseek_v2) or "sigmoid" (deepseek_v3, glm4_moe)
+    n_group: int
+    topk_group: int
+    group_score: str  # "max" of a group's scores or "top2_sum" of its two best
+    renormalize: bool  # chosen weights divided by their sum (+1e-20)
+    scaling: float  # routed_scaling_factor, applied last
+
+    def __post_init__(self):
+        if self.scoring not in ROUTING_SCORINGS:
+            raise ValueError(f"scoring must be one of {ROUTING_SCORINGS}, got {self.scoring!r}")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
 
 
 class Ops:
@@ -114,6 +144,45 @@ class Ops:
         """logits[T, E] -> (weights[T, k] float32, ids[T, k] int32): softmax in float32
         over all E experts, the k largest (ties to the lower id), optionally renormalized
         to sum to 1."""
+        raise NotImplementedError
+
+    def router_grouped(self, logits: Array, bias: Array | None, top_k: int, routing: GroupedRouting):
+        """logits[T, E], bias[E] (e_score_correction_bias) or None -> (weights[T, k] float32,
+        ids[T, k] int32). scores = softmax or sigmoid of logits in float32; choice = scores + bias;
+        a group's score is the max (or sum of the two largest) of its choice values; experts of
+        all but the ``topk_group`` best groups are excluded; ids = the k largest remaining choice
+        values (ties to the lower id); weights = their scores (not choice), renormalized if asked,
+        times ``routing.scaling``."""
+        raise NotImplementedError
+
+    def add(self, x: Array, y: Array) -> Array:
+        """x[T, D] + y[T, D] (float32 accumulation): an ungated shared expert's output."""
+        raise NotImplementedError
+
+    def head_linear(self, x: Array, w: Array) -> Array:
+        """Per-head matmul: x[T, H, K], w[H, N, K] -> [T, H, N] with y[t, h] = w[h] @ x[t, h]
+        (MLA's absorbed key and value up-projections)."""
+        raise NotImplementedError
+
+    def latent_write(self, latent_cache: Array, x: Array, slot_mapping: Array) -> None:
+        """In place: x[T, L] goes to flat slots slot_mapping[T] of latent_cache[NB, BS, L];
+        a negative slot marks a padding row that is not written."""
+        raise NotImplementedError
+
+    def mla_attention_prefill(
+        self, q: Array, latent_cache: Array, block_table: Array, start_pos: int, scale: float, value_dim: int
+    ) -> Array:
+        """One sequence, causal, in the latent space. q[T, H, L] are positions start_pos ..
+        start_pos+T-1; query t attends to cache positions [0, start_pos + t] (already written),
+        keys the whole rows [L], values their first ``value_dim`` (C) columns. block_table[MB].
+        Returns [T, H, C]."""
+        raise NotImplementedError
+
+    def mla_attention_decode(
+        self, q: Array, latent_cache: Array, block_tables: Array, context_lens: Array, scale: float, value_dim: int
+    ) -> Array:
+        """Batched decode in the latent space, one query per sequence. q[B, H, L],
+        block_tables[B, MB], context_lens[B] >= 1 (new token included). Returns [B, H, C]."""
         raise NotImplementedError
 
     def silu_and_mul(self, x: Array) -> Array:

@@ -19,6 +19,7 @@ class NumpyOps(Ops):
     name = "cpu"
     xp = np
     act_dtype = np.float32
+    kv_itemsize = 4  # bytes per KV cache element (float32)
 
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray) -> np.ndarray:
@@ -136,3 +137,66 @@ class NumpyOps(Ops):
 
     def argmax(self, logits):
         return np.argmax(np.asarray(logits), axis=-1).astype(np.int64)
+
+    # ---- DeepSeek-class models: grouped routing, shared experts, MLA ------------------
+    def router_grouped(self, logits, bias, top_k, routing):
+        logits = logits.astype(np.float32, copy=True)  # [T, E]
+        scores = _softmax_last(logits) if routing.scoring == "softmax" else 1.0 / (1.0 + np.exp(-logits))
+        choice = scores if bias is None else scores + bias  # [T, E]
+        T, E = choice.shape
+        if routing.n_group > 1:
+            groups = choice.reshape(T, routing.n_group, E // routing.n_group)  # [T, G, E/G]
+            if routing.group_score == "max":
+                group_scores = groups.max(axis=-1)  # [T, G]
+            else:
+                group_scores = np.sort(groups, axis=-1)[..., -2:].sum(axis=-1)
+            best = np.argsort(-group_scores, axis=-1, kind="stable")[:, : routing.topk_group]
+            keep = np.zeros(group_scores.shape, dtype=bool)
+            np.put_along_axis(keep, best, True, axis=-1)
+            choice = np.where(np.repeat(keep, E // routing.n_group, axis=1), choice, -np.inf)
+        ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k].astype(np.int32)  # [T, k]
+        weights = np.take_along_axis(scores, ids, axis=-1)  # [T, k]
+        if routing.renormalize:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return (weights * np.float32(routing.scaling)).astype(np.float32), ids
+
+    def add(self, x, y):
+        return x + y  # [T, D]
+
+    def head_linear(self, x, w):
+        return np.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2)  # [T, H, N]
+
+    def latent_write(self, latent_cache, x, slot_mapping):
+        nb, bs, width = latent_cache.shape
+        keep = slot_mapping >= 0  # negative: padding, skipped
+        latent_cache.reshape(nb * bs, width)[slot_mapping[keep]] = x[keep]
+
+    @staticmethod
+    def _latent_rows(latent_cache, block_table, n):
+        bs, width = latent_cache.shape[1:]
+        nblocks = (n + bs - 1) // bs
+        return latent_cache[block_table[:nblocks]].reshape(nblocks * bs, width)[:n]  # [n, L]
+
+    @staticmethod
+    def _attend_latent(q, rows, scale, value_dim, mask=None):
+        # q [T, H, L]; rows [S, L]: every head reads the one latent row per position (MQA-like)
+        T, H, L = q.shape
+        scores = (q.reshape(T * H, L) @ rows.T).reshape(T, H, -1) * scale  # [T, H, S]
+        if mask is not None:
+            scores = np.where(mask[:, None, :], scores, -np.inf)
+        probs = _softmax_last(scores)
+        return (probs.reshape(T * H, -1) @ rows[:, :value_dim]).reshape(T, H, value_dim)  # [T, H, C]
+
+    def mla_attention_prefill(self, q, latent_cache, block_table, start_pos, scale, value_dim):
+        T = q.shape[0]
+        S = start_pos + T
+        rows = self._latent_rows(latent_cache, block_table, S)
+        mask = np.arange(S)[None, :] <= (start_pos + np.arange(T))[:, None]  # [T, S]
+        return self._attend_latent(q, rows, scale, value_dim, mask)
+
+    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim):
+        out = np.empty((q.shape[0], q.shape[1], value_dim), dtype=np.float32)  # [B, H, C]
+        for b in range(q.shape[0]):
+            rows = self._latent_rows(latent_cache, block_tables[b], int(context_lens[b]))
+            out[b] = self._attend_latent(q[b : b + 1], rows, scale, value_dim)[0]
+        return out

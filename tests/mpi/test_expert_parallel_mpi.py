@@ -3,7 +3,8 @@
     mpiexec -n 1|2|3 python -m pytest --with-mpi tests/mpi
 
 Every world size must give exactly the tokens of a single-rank run.  The checkpoints
-have 7 experts, so 2 and 3 ranks split them unevenly (4+3, 3+2+2).
+have 7 experts, so 2 and 3 ranks split them unevenly (4+3, 3+2+2); the DeepSeek-class ones
+(MLA latent cache, grouped routing, shared experts, a dense first layer) included.
 """
 
 import os
@@ -11,7 +12,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from checkpoints import build_checkpoint
+from checkpoints import EXPERT_KEY, build_checkpoint, build_fp8_copy
 
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.comm.transport import LocalTransport
@@ -32,12 +33,21 @@ PROMPTS = [
 ]
 
 
+# 7 experts: deepseek_v2 in 7 groups of one (top-3 from the best 4), the sigmoid routers in one group
+SEVEN_EXPERT_GROUPS = {
+    "deepseek_v2": dict(n_group=7, topk_group=4),
+    "deepseek_v3": dict(n_group=1, topk_group=1),
+    "glm4_moe": dict(n_group=1, topk_group=1),
+}
+
+
 def shared_checkpoint(arch, **overrides):
     """Rank 0 builds the checkpoint once; every rank gets its path."""
     path = None
     if COMM.rank == 0:
         root = os.environ.get("EPRT_TEST_CKPT_DIR") or os.path.join(tempfile.gettempdir(), "eprt-mpi-ckpt")
-        expert_key = "num_local_experts" if arch == "mixtral" else "num_experts"
+        expert_key = EXPERT_KEY.get(arch, "num_experts")
+        overrides = {**SEVEN_EXPERT_GROUPS.get(arch, {}), **overrides}
         path = build_checkpoint(arch, os.path.join(root, f"{arch}-7experts"), **{expert_key: 7}, **overrides)
     return COMM.bcast(path, root=0)
 
@@ -67,7 +77,7 @@ def run_single(cfg, reqs_fn):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe"])
 def test_batch_tokens_equal_single_rank(arch):
     cfg = engine_config(shared_checkpoint(arch))
     reqs = lambda: [GenerationRequest(p, SamplingParams(max_tokens=12)) for p in PROMPTS]  # noqa: E731
@@ -79,8 +89,23 @@ def test_batch_tokens_equal_single_rank(arch):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_chunked_prefill_and_prefix_cache_equal_single_rank():
-    cfg = engine_config(shared_checkpoint("qwen3_moe"), max_prefill_tokens=6)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_fp8_checkpoint_tokens_equal_single_rank(arch):
+    """FP8 block-scaled copies (each rank dequantizes only its experts) across uneven expert splits."""
+    path = shared_checkpoint(arch)
+    fp8 = COMM.bcast(build_fp8_copy(path, path + "-fp8", (16, 32))[0] if COMM.rank == 0 else None, root=0)
+    cfg = engine_config(fp8)
+    reqs = lambda: [GenerationRequest(p, SamplingParams(max_tokens=8)) for p in PROMPTS]  # noqa: E731
+    multi = run_everywhere(cfg, reqs)
+    single = run_single(cfg, reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_chunked_prefill_and_prefix_cache_equal_single_rank(arch):
+    cfg = engine_config(shared_checkpoint(arch), max_prefill_tokens=6)
     system = list(range(20, 52))
     reqs = lambda: [GenerationRequest(system + [i, i + 1], SamplingParams(max_tokens=6)) for i in range(6)]  # noqa
     multi = run_everywhere(cfg, reqs)
