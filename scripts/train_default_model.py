@@ -29,6 +29,7 @@ SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-pa
                 "__pycache__", "ensurepip", "pydoc_data", "tkinter"}
 HELD_OUT_EVERY = 10                 # module i is held out when i % 10 == 0 (sorted module order)
 CHAT_EVERY = 4                      # every 4th function/class docstring also becomes a chat exchange
+SAMPLE_PROMPTS = ("Hello, experts", "Return the", "The socket module")   # greedy: bfloat16 must not change them
 TOLERANCE = 0.02                    # nats per byte: a rerun's held-out loss against the shipped one
 
 ARCHITECTURE = dict(
@@ -190,6 +191,16 @@ def held_out_loss(model, ids: list[int], context: int) -> float:
     return total / (n * context)
 
 
+def greedy(model, prompt: str, max_tokens: int = 48) -> list[int]:
+    import torch
+
+    ids = torch.tensor([list(prompt.encode("utf-8"))])                             # [1, T]
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens)
+    return out[0, ids.shape[1]:].tolist()
+
+
 def round_to_bfloat16(model) -> None:
     """Ship bfloat16: evaluate exactly the weights that are saved."""
     import torch
@@ -268,12 +279,16 @@ def main(argv=None) -> int:
     start = time.time()
     train(model, train_ids, settings)
     seconds = time.time() - start
+    float32_tokens = [greedy(model, p) for p in SAMPLE_PROMPTS]
     round_to_bfloat16(model)
+    same = [greedy(model, p) for p in SAMPLE_PROMPTS] == float32_tokens
+    print(f"greedy tokens of {len(SAMPLE_PROMPTS)} prompts (48 each) with bfloat16 weights: "
+          f"{'identical to' if same else 'DIFFERENT from'} float32")
     loss = held_out_loss(model, held_out, settings.context)
     print(f"trained in {seconds:.0f} s on {settings.threads} threads; held-out loss {bits(loss)}")
-    record = dict(held_out_loss=round(loss, 5), train_seconds=round(seconds), corpus_sha256=digest,
-                  python=sys.version.split()[0], torch=torch.__version__, settings=dataclasses.asdict(settings),
-                  training_bytes=len(train_ids), held_out_bytes=len(held_out))
+    record = dict(held_out_loss=round(loss, 5), bfloat16_greedy_same_as_float32=same, train_seconds=round(seconds),
+                  corpus_sha256=digest, python=sys.version.split()[0], torch=torch.__version__,
+                  settings=dataclasses.asdict(settings), training_bytes=len(train_ids), held_out_bytes=len(held_out))
     save(model, args.out, record)
     if shipped and os.path.realpath(args.out) != os.path.realpath(SHIPPED_DIR):
         diff = loss - shipped["held_out_loss"]
