@@ -1,12 +1,9 @@
-"""Train eprt's built-in default model: a small Qwen3-MoE on the docstrings of Python's standard library.
+"""Train eprt's built-in default model (a small Qwen3-MoE) on the docstrings of Python's standard library.
 
-    python scripts/train_default_model.py --out eprt/model/default_model   # train and ship (minutes, 2 cores)
-    python scripts/train_default_model.py --out /tmp/rerun                  # retrain, compare with the shipped loss
-    python scripts/train_default_model.py --check                           # the shipped weights' held-out loss
-
-Needs torch and transformers (the `test` extra); eprt itself serves the result with NumPy only.
-The corpus is read from this interpreter's standard library (PSF licence) in a fixed order; every
-tenth module is held out. Fixed seed, fixed thread count. Details: README, "Built-in default model".
+    python scripts/train_default_model.py --out eprt/model/default_model   # train and ship (torch, 2 CPU threads)
+    python scripts/train_default_model.py --out /tmp/rerun                  # retrain; compare with the shipped loss
+    python scripts/train_default_model.py --check                           # held-out loss of the shipped weights
+Corpus, split, settings and figures: README, "Built-in default model".
 """
 from __future__ import annotations
 

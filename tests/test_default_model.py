@@ -5,8 +5,6 @@ import re
 import subprocess
 import sys
 
-import torch
-
 from checkpoints import load_reference
 from eprt.engine.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
@@ -58,6 +56,8 @@ def test_shipped_files_are_declared_package_data():
 
 
 def test_greedy_tokens_match_transformers():
+    import torch
+
     prompt, n = readme_command()
     prompts = [ByteTokenizer().encode(p) for p in (prompt, "Return the", "The socket module")]
     reference = load_reference(DEFAULT_MODEL_DIR)
