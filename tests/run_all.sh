@@ -12,6 +12,8 @@ command -v shellcheck >/dev/null || { (apt-get update -q && apt-get install -y -
 
 # The layers (docs/design.md) and the code style, before anything slow.
 lint-imports
+ruff check .
+ruff format --check .
 export EPRT_TEST_CKPT_DIR="${EPRT_TEST_CKPT_DIR:-$(mktemp -d)/ckpt}"
 python3 -m pytest -q -p no:cacheprovider --ignore=tests/mpi tests
 
