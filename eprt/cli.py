@@ -15,6 +15,7 @@ COMMANDS = {
     "scenario": ("eprt.scheduler.scenario", "run a scheduler scenario file and print its trace"),
     "run": ("eprt.serve.batch", "offline batch generation from a JSONL file"),
     "serve": ("eprt.serve.server", "OpenAI-compatible HTTP server on rank 0"),
+    "replay": ("eprt.entry.replay", "rerun one rank's recorded command stream on one CPU and find where it diverges"),
     "env": ("eprt.entry.envcmd", "list the EPRT_ environment variables"),
 }
 

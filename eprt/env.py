@@ -73,6 +73,12 @@ COLLECTIVE_TIMEOUT = _register(
 )
 BLOCK_SIZE = _register("EPRT_BLOCK_SIZE", 16, int, "tokens per KV block")
 NUM_BLOCKS = _register("EPRT_NUM_BLOCKS", 0, int, "KV blocks per rank on the CPU backend (0: sized from max context)")
+DUMP_DIR = _register(
+    "EPRT_DUMP_DIR",
+    "eprt-dumps",
+    str,
+    "where each rank writes its flight recorder on a failure, SIGUSR2 or --dump-frames",
+)
 API_KEY = _register("EPRT_API_KEY", "", str, "API key eprt serve requires (Bearer) when --api-key is not given")
 KERNEL_DIR = _register(
     "EPRT_KERNEL_DIR", "", str, "directory of the .cu kernel sources (default: the checkout's or the wheel's kernels/)"

@@ -6,6 +6,8 @@ started more than one rank.
 from __future__ import annotations
 
 import atexit
+import json
+import socket
 import sys
 import time
 
@@ -20,7 +22,6 @@ from eprt.comm.transport import (
     StartupFailed,
     Transport,
     WorkerFailed,
-    ranks_text,
 )
 
 TAG_WORKER_ERROR = 1  # worker -> rank 0: utf-8 error text (the sender is the failing rank)
@@ -130,21 +131,26 @@ class MpiTransport(Transport):
         self._bcast(frame, "the next command", idle=True)
         n = int(frame[0])
         if n < fw:
-            return frame[1 : n + 1]
-        rest = np.empty(n + 1 - fw, np.uint32)
-        self._bcast(rest, "a command frame's overflow")
-        return np.concatenate([frame[1:], rest])
+            words = frame[1 : n + 1]
+        else:
+            rest = np.empty(n + 1 - fw, np.uint32)
+            self._bcast(rest, "a command frame's overflow")
+            words = np.concatenate([frame[1:], rest])
+        self.recorder.frame(words, self.collectives, sent=False)
+        return words
 
     def recv_rows(self, n: int, width: int) -> np.ndarray:
         self._require_worker("recv_rows")
         rows = np.empty((n, width), np.float32)  # [rows, hidden]
         self._bcast(rows, "the vision rows")
+        self.recorder.rows(rows, self.collectives, sent=False)
         return rows
 
     def report_error(self, text: str) -> None:
         """Tell rank 0 this worker failed, then wait for rank 0's notice that the job is going
         down; if none comes within the collective timeout, abort the job from here."""
         self._require_worker("report_error")
+        self.dump_frames(f"this rank failed: {text}")
         data = np.frombuffer(text.encode("utf-8", "replace"), np.uint8)
         req = self._err.Isend(data, dest=0, tag=TAG_WORKER_ERROR)
         self.stats.mpi_calls += 1
@@ -215,27 +221,42 @@ class MpiTransport(Transport):
             text = self._recv_text(src, TAG_WORKER_ERROR, status)
             print(f"eprt: rank {src} failed: {text}", file=sys.stderr, flush=True)
             self._failed = WorkerFailed(src, text)
+            self.dump_frames(f"rank {src} failed: {text}")
             raise self._failed
 
     def _answer_status_ask(self) -> None:
         status = self._MPI.Status()
         if self._err.Iprobe(source=0, tag=TAG_STATUS_ASK, status=status):
             self._recv_text(0, TAG_STATUS_ASK, status)
-            answer = f"waiting on {self._waiting_on} (collective #{self.collectives})".encode()
+            answer = json.dumps(self.progress()).encode()
             self._err.Send(np.frombuffer(answer, np.uint8), dest=0, tag=TAG_STATUS)
+            self.dump_frames("rank 0 found a collective overdue")
 
-    def hang_report(self, wait_s: float = STATUS_GRACE) -> dict[int, str | None]:
-        """Rank 0, when a collective is overdue: ask every worker what it waits on; a rank that
-        does not answer within ``wait_s`` (stopped, dead, or busy outside eprt) maps to None."""
+    def progress(self) -> dict:
+        """Where this rank stands, for the hang report: host, collectives started, what it waits
+        on, the last command it sent or received, seconds since its last recorded progress."""
+        last = next((e["head"] for e in reversed(self.recorder.ring) if e["kind"] == "frame"), "none")
+        return {
+            "host": socket.gethostname(),
+            "collective": self.collectives,
+            "waiting_on": self._waiting_on,
+            "last_command": last,
+            "idle_s": round(time.monotonic() - self.recorder.last_progress, 1),
+        }
+
+    def hang_report(self, wait_s: float = STATUS_GRACE) -> dict[int, dict | None]:
+        """Rank 0, when a collective is overdue: every rank's ``progress()`` (the workers asked on
+        the error channel); a rank that does not answer within ``wait_s`` (stopped, dead, or
+        busy outside eprt) maps to None."""
         empty = np.zeros(0, np.uint8)
         asks = [self._err.Isend(empty, dest=k, tag=TAG_STATUS_ASK) for k in range(1, self.size)]
-        answers: dict[int, str | None] = dict.fromkeys(range(1, self.size))
+        answers: dict[int, dict | None] = {0: self.progress(), **dict.fromkeys(range(1, self.size))}
         deadline = time.monotonic() + wait_s
         status = self._MPI.Status()
         while time.monotonic() < deadline and None in answers.values():
             if self._err.Iprobe(source=self._MPI.ANY_SOURCE, tag=TAG_STATUS, status=status):
                 src = status.Get_source()
-                answers[src] = self._recv_text(src, TAG_STATUS, status)
+                answers[src] = json.loads(self._recv_text(src, TAG_STATUS, status))
             else:
                 time.sleep(BUSY_SLEEP_MAX)
         for req in asks:
@@ -278,13 +299,9 @@ class MpiTransport(Transport):
                 if self.watchdog_raises:
                     raise
             answers = self.hang_report()
-            silent = [rank for rank, text in answers.items() if text is None]
-            report = "".join(f"\neprt: rank {rank}: {text}" for rank, text in answers.items() if text)
-            if silent:
-                report = (
-                    f"\neprt: {ranks_text(silent)} did not answer within {STATUS_GRACE:g} s (stopped, "
-                    f"dead, or busy outside eprt){report}"
-                )
+            silent = [rank for rank, answer in answers.items() if answer is None]
+            report = "\n" + hang_table(answers)
+            self.dump_frames(f"{what} overdue", report)
             if self.watchdog_raises:
                 raise CollectiveTimeout(silent, what, self.timeout, report)
         self._abort(
@@ -303,3 +320,20 @@ class MpiTransport(Transport):
 
     def _at_exit(self) -> None:
         self.close("rank 0 exited without closing its transport")
+
+
+def hang_table(answers: dict[int, dict | None]) -> str:
+    """The hang report: one line per rank; a rank that did not answer is named as such."""
+    lines = [f"eprt: {'rank':>4}  {'host':<16} {'collective':>10}  {'last command':<22} {'idle s':>6}  state"]
+    for rank, a in sorted(answers.items()):
+        if a is None:
+            lines.append(
+                f"eprt: {rank:>4}  {'?':<16} {'?':>10}  {'?':<22} {'?':>6}  did not answer within "
+                f"{STATUS_GRACE:g} s (stopped, dead, or busy outside eprt)"
+            )
+        else:
+            lines.append(
+                f"eprt: {rank:>4}  {a['host'][:16]:<16} {a['collective']:>10}  {a['last_command'][:22]:<22} "
+                f"{a['idle_s']:>6}  waiting on {a['waiting_on']}"
+            )
+    return "\n".join(lines)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from eprt.comm.protocol import Command, Prefill, Shutdown, encode
+from eprt.comm.recorder import Recorder
 
 DEFAULT_FRAME_WORDS = 512
 
@@ -96,6 +97,8 @@ class Transport:
         self.stats = CommStats()
         self.frame_words = frame_words
         self.collectives = 0  # collectives this rank has started
+        self.recorder = Recorder(rank, size)  # the flight recorder (the engine may swap in one with payloads)
+        self.dump_dir: str | None = None  # where dump_frames writes; None: nowhere
         self._out = np.zeros(frame_words, np.uint32)  # word 0: count, then the pending words
         self._n = 1
         self._shutdown_sent = False
@@ -126,8 +129,10 @@ class Transport:
         self._append(words)
         if n:
             self.flush()
+            rows = np.ascontiguousarray(vision_rows, np.float32)
             if self.size > 1:
-                self._send_rows(np.ascontiguousarray(vision_rows, np.float32))
+                self._send_rows(rows)
+            self.recorder.rows(rows, self.collectives, sent=True)
 
     def flush(self) -> None:
         """Send every pending word (no MPI call when none is pending)."""
@@ -139,6 +144,7 @@ class Transport:
         self._out[0] = n
         if self.size > 1:
             self._send_frame(self._out, n)
+        self.recorder.frame(self._out[1 : n + 1], self.collectives, sent=True)
         self._n = 1
         self.stats.frames += 1
         self.stats.words += n
@@ -164,10 +170,13 @@ class Transport:
             )
         self.stats.allsums += 1
         if self.size == 1:
+            self.recorder.combine(partial, partial, self.collectives)
             return partial
         self.stats.mpi_calls += 1
         self.stats.allsum_bytes += partial.nbytes
-        return self._sum(np.ascontiguousarray(partial))
+        result = self._sum(np.ascontiguousarray(partial))
+        self.recorder.combine(partial, result, self.collectives)
+        return result
 
     def _sum(self, partial: np.ndarray) -> np.ndarray:
         """The rank-ordered sum, gathered everywhere: summing the gathered partials in rank
@@ -193,9 +202,16 @@ class Transport:
         every rank (start-up only: no time limit)."""
         return [text]
 
+    def dump_frames(self, reason: str, report: str = "") -> None:
+        """Write the flight recorder to ``dump_dir`` (when set), saying so on stderr."""
+        if self.dump_dir is not None:
+            path = self.recorder.dump(self.dump_dir, reason, report)
+            print(f"eprt: rank {self.rank}: flight recorder written to {path} ({reason})", file=sys.stderr, flush=True)
+
     def close(self, reason: str | None = None) -> None:
         """Rank 0 leaving without a SHUTDOWN (an error) tells every worker to leave too."""
         self.closed = True
+        self.recorder.close()
 
     def unresponsive_ranks(self, wait_s: float = 2.0) -> list[int]:
         """Rank 0: the worker ranks that do not answer within ``wait_s`` (dead, stopped, or stuck

@@ -26,6 +26,9 @@ class EngineConfig:
     image_token_id: int | None = None
     seed: int = 0
     log_all_ranks: bool = False
+    dump_dir: str = "eprt-dumps"  # the flight recorder's files (docs/observability.md)
+    dump_frames: bool = False  # also write them at shutdown
+    record_payloads: bool = False  # record every frame, row and combine with its data, for eprt replay
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -95,6 +98,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")
     g.add_argument("--log-all-ranks", action="store_true", help="log from every rank, not only rank 0")
+    g.add_argument(
+        "--dump-dir",
+        default=None,
+        help="where each rank writes its flight recorder on a failure, SIGUSR2 or --dump-frames "
+        "($EPRT_DUMP_DIR, eprt-dumps)",
+    )
+    g.add_argument("--dump-frames", action="store_true", help="write the flight recorder at shutdown too")
+    g.add_argument(
+        "--record-payloads",
+        action="store_true",
+        help="record every frame, vision row and combine with its data under DUMP_DIR/payloads, for eprt replay",
+    )
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -111,6 +126,9 @@ def engine_config_from_args(args) -> EngineConfig:
         image_token_id=args.image_token_id,
         seed=args.engine_seed,
         log_all_ranks=args.log_all_ranks or env.LOG_ALL_RANKS.get(),
+        dump_dir=args.dump_dir or env.DUMP_DIR.get(),
+        dump_frames=args.dump_frames,
+        record_payloads=args.record_payloads,
     )
     cfg.validate()
     return cfg

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -17,6 +18,7 @@ import numpy as np
 
 from eprt.api import ENGINE_FAILED, STOPPED, GenerationRequest, GenerationResult, RequestError
 from eprt.comm.logging import setup_logging
+from eprt.comm.recorder import Recorder
 from eprt.comm.transport import StartupFailed
 from eprt.comm.worker import run_worker
 from eprt.comm.world import open_transport
@@ -214,7 +216,7 @@ class Engine:
         while self.scheduler.step():
             pass
         log.info("shutdown: %s", self.stats_line())
-        self.transport.close()
+        _close(self.transport, self.config)
 
 
 @contextlib.contextmanager
@@ -230,6 +232,10 @@ def launch_engine(args_or_config, transport=None):
     transport = open_transport() if transport is None else transport
     rank, world = transport.rank, transport.size
     setup_logging(rank, cfg.log_all_ranks or None)
+    transport.dump_dir = cfg.dump_dir
+    if cfg.record_payloads:
+        transport.recorder = Recorder(rank, world, payload_dir=os.path.join(cfg.dump_dir, "payloads"))
+    signal.signal(signal.SIGUSR2, lambda signum, frame: transport.dump_frames("SIGUSR2"))
     try:
         started = start_rank(cfg, device, transport)
     except StartupFailed:
@@ -238,6 +244,17 @@ def launch_engine(args_or_config, transport=None):
         raise
     ops, loaded, executor = started.ops, started.loaded, started.executor
     model_cfg = loaded.config
+    transport.recorder.meta = {  # what eprt replay needs to rebuild this rank's executor
+        "model": cfg.model,
+        "backend": ops.name,
+        "num_blocks": executor.blocks.num_blocks,
+        "block_size": cfg.block_size,
+        "max_slots": cfg.max_batch,
+        "prefix_cache": cfg.prefix_cache,
+        "image_token_id": executor.image_token_id,
+        "vocab_size": model_cfg.vocab_size,
+        "rope_len": loaded.model.max_len,
+    }
     log.info(
         "rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, KV %d bytes/token (%s), "
         "read %d tensors (%.1f MB)",
@@ -261,7 +278,7 @@ def launch_engine(args_or_config, transport=None):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         executor.compute_logits = False
         code = run_worker(transport, executor, cfg.max_batch, model_cfg.vocab_size)
-        transport.close()
+        _close(transport, cfg)
         sys.exit(code)
     runner = ModelRunner(executor, transport, seed=cfg.seed)
     sched_cfg = SchedulerConfig(
@@ -290,3 +307,11 @@ def launch_engine(args_or_config, transport=None):
             engine.shutdown()
         else:
             transport.close("rank 0 failed")
+
+
+def _close(transport, cfg: EngineConfig) -> None:
+    """Close the transport after writing the flight recorder when asked to (with payloads, always:
+    the header is what eprt replay reads)."""
+    if cfg.dump_frames or cfg.record_payloads:
+        transport.dump_frames("shutdown")
+    transport.close()

@@ -6,7 +6,9 @@ Rank 1's decode is wrapped to fail at its 4th step: ``raise`` raises an exceptio
 ``kill`` SIGKILLs the process (as the OOM killer would). ``loadfail``: rank 1 is given a
 checkpoint directory that does not exist (a model missing on one node). ``mixedcompute``:
 rank 1 reports another NumPy/BLAS build; ``identityfail``: computing it fails on rank 1.
-``kvfail``: rank 1 has no room for its KV pool.
+``kvfail``: rank 1 has no room for its KV pool. ``record``: a clean run recording payloads
+(``--record-payloads``) under $EPRT_DUMP_DIR; ``corrupt``: the same, with rank 1's 5th MoE
+partial silently perturbed (what ``eprt replay`` must find).
 """
 
 import os
@@ -57,7 +59,30 @@ def main() -> int:
             raise RuntimeError("no room for a KV pool (injected)")
 
         startup._kv_blocks = no_room
-    cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=64)
+    if mode == "corrupt" and os.environ.get("PMI_RANK") == "1":
+        from eprt.engine import startup
+
+        real_combine, calls = startup._combine, {"n": 0}
+
+        def corrupting(transport, ops):
+            combine = real_combine(transport, ops)
+
+            def perturbed(partial):
+                calls["n"] += 1
+                return combine(partial + 1e-3 if calls["n"] == 5 else partial)
+
+            return perturbed
+
+        startup._combine = corrupting
+    cfg = EngineConfig(
+        model=path,
+        device="cpu",
+        max_batch=4,
+        block_size=4,
+        max_model_len=64,
+        record_payloads=mode in ("record", "corrupt"),
+        dump_dir=os.environ.get("EPRT_DUMP_DIR", "eprt-dumps"),
+    )
     with launch_engine(cfg) as engine:
         results = engine.generate([GenerationRequest([1, 2, 3, i], SamplingParams(max_tokens=10)) for i in range(3)])
         print("generated", [len(r.token_ids) for r in results], flush=True)

@@ -86,6 +86,7 @@ def main(mode: str) -> int:
         raise SystemExit(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     with open_transport() as transport:
         setup_logging(transport.rank)
+        transport.dump_dir = os.environ.get("EPRT_DUMP_DIR")  # the flight recorder, as the engine sets it
         if transport.rank == 0:
             return run_root(transport, mode)
         return run_worker(transport, ToyExecutor(transport, mode), MAX_SLOTS)

@@ -2,6 +2,7 @@
 printed by rank 0; a killed worker ends it non-zero within 60 s. Launched once from a
 plain pytest (skipped inside a larger MPI world)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -27,9 +28,11 @@ def ckpt(tmp_path_factory):
     return build_checkpoint("olmoe", str(tmp_path_factory.mktemp("fault") / "olmoe"))
 
 
-def launch(ckpt, mode):
+def launch(ckpt, mode, dump_dir=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
     env["EPRT_COLLECTIVE_TIMEOUT"] = "20"
+    if dump_dir is not None:
+        env["EPRT_DUMP_DIR"] = str(dump_dir)
     start = time.monotonic()
     p = subprocess.run(
         ["mpiexec", "-n", "2", sys.executable, str(DRIVER), ckpt, mode],
@@ -87,3 +90,30 @@ def test_a_rank_failing_to_describe_its_compute_ends_the_job_named(ckpt):
     assert code != 0
     assert "rank 1 could not start: RuntimeError: cannot read the device properties (injected)" in out
     assert "generated" not in out and took < 60
+
+
+def replay(dump_dir, ckpt, rank):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    cmd = [sys.executable, "-m", "eprt", "replay", str(dump_dir), "--model", ckpt, "--rank", str(rank)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_replay_matches_a_clean_recording(ckpt, tmp_path):
+    code, out, _ = launch(ckpt, "record", tmp_path)
+    assert code == 0, out
+    for rank in (0, 1):
+        rc, said = replay(tmp_path, ckpt, rank)
+        assert rc == 0 and "outputs and slot state match the recording" in said, said
+
+
+def test_replay_finds_the_first_divergent_combine_of_a_corrupted_worker(ckpt, tmp_path):
+    code, out, _ = launch(ckpt, "corrupt", tmp_path)
+    assert code == 0 and "generated [10, 10, 10]" in out, out  # a silent corruption: the job ends "fine"
+    entries = [json.loads(line) for line in (tmp_path / "payloads" / "rank-1.jsonl").read_text().splitlines()]
+    fifth = [e for e in entries if e["kind"] == "combine"][4]
+    rc, said = replay(tmp_path, ckpt, 1)
+    assert rc == 1, said
+    assert f"diverged at entry {fifth['i']} (collective #{fifth['collective']}): this rank's MoE partial" in said, said
+    rc, said = replay(tmp_path, ckpt, 0)  # rank 0 computed right from what it received
+    assert rc == 0, said

@@ -5,7 +5,9 @@ These launch their own jobs, so they run once, from a plain ``pytest`` (skipped 
 test process is itself one rank of a larger MPI world).
 """
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,10 +27,12 @@ pytestmark = [
 ]
 
 
-def launch(mode: str, limit: float = 60.0):
+def launch(mode: str, limit: float = 60.0, dump_dir=None):
     # Drop the variables of an enclosing launcher (mpiexec -n 1 pytest) so the job is its own.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
     env["EPRT_COLLECTIVE_TIMEOUT"] = str(TIMEOUT)
+    if dump_dir is not None:
+        env["EPRT_DUMP_DIR"] = str(dump_dir)
     start = time.monotonic()
     out = subprocess.run(
         ["mpiexec", "-n", "3", sys.executable, str(DRIVER), mode],
@@ -64,13 +68,21 @@ def test_killed_worker_ends_the_job_within_60s():
     assert elapsed < 60
 
 
-def test_stalled_worker_trips_the_watchdog():
-    rc, output, _ = launch("stall")
+def test_stalled_worker_trips_the_watchdog_with_a_hang_report_and_dumps(tmp_path):
+    rc, output, _ = launch("stall", dump_dir=tmp_path)
     assert rc != 0, output
     assert f"the MoE combine did not complete within {TIMEOUT} s (EPRT_COLLECTIVE_TIMEOUT)" in output, output
-    # the hang report names the rank that is stuck and says what the others wait on
-    assert "eprt: rank 1 did not answer within 2 s (stopped, dead, or busy outside eprt)" in output, output
-    assert "eprt: rank 2: waiting on the MoE combine (collective #" in output, output
+    # the hang report: one line per rank; the stuck one named, the others with what they wait on
+    assert re.search(r"eprt: +1 +\? .* did not answer within 2 s \(stopped, dead, or busy outside eprt\)", output)
+    for rank in (0, 2):
+        line = re.search(
+            rf"eprt: +{rank} +(\S+) +(\d+)  DECODE_BATCH 1 rows +[\d.]+  waiting on the MoE combine", output
+        )
+        assert line, output
+    # every live rank wrote its flight recorder; the stopped one could not
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["frames-rank-0.jsonl", "frames-rank-2.jsonl"]
+    header = json.loads((tmp_path / "frames-rank-0.jsonl").read_text().splitlines()[0])["header"]
+    assert "did not answer" in header["report"] and header["reason"] == "the MoE combine overdue"
 
 
 def test_rank0_failure_releases_idle_workers():
