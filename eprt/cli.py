@@ -16,6 +16,7 @@ COMMANDS = {
     "run": ("eprt.serve.batch", "offline batch generation from a JSONL file"),
     "serve": ("eprt.serve.server", "OpenAI-compatible HTTP server on rank 0"),
     "env": ("eprt.entry.envcmd", "list the EPRT_ environment variables"),
+    "plan": ("eprt.entry.plan", "capacity planner: weight and KV bytes per rank, wire bytes, decode-step bounds"),
 }
 
 
