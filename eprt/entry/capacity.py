@@ -389,7 +389,7 @@ def step_bound(
 def check_settings(cfg: ModelConfig, settings: Settings, hardware: Hardware, attention: str) -> None:
     if attention == "dp":
         raise ValueError(
-            "--attention dp: data-parallel attention is not implemented yet; eprt replicates attention "
+            "--attention dp: data-parallel (DP) attention is not implemented yet; eprt replicates attention "
             "(every rank holds every sequence's KV): use --attention replicated"
         )
     if attention != "replicated":
