@@ -159,10 +159,10 @@ def test_frame_bytes_are_the_words_rank_zero_flushes():
         transport.flush()
         words = transport.stats.words  # the count word goes in front of them
         expected = 4 * (512 if words + 1 <= 512 else words + 1)
-        assert capacity.decode_wire(load_config_stub(), batch, 2).frame_bytes == expected
+        assert capacity.decode_wire(_small_config(), batch, 2).frame_bytes == expected
 
 
-def load_config_stub():
+def _small_config():
     from eprt.model.config import config_from_dict
 
     return config_from_dict(
@@ -180,7 +180,7 @@ def load_config_stub():
 
 
 def test_combine_bytes_follow_the_transports_rule():
-    cfg = load_config_stub()  # 2 MoE layers, hidden 512: [T, 512] float32 is 1 MiB at T = 512
+    cfg = _small_config()  # 2 MoE layers, hidden 512: [T, 512] float32 is 1 MiB at T = 512
     assert capacity.decode_wire(cfg, 32, 1).total == 0
     assert capacity.decode_wire(cfg, 32, 2).combine_bytes == 2 * 32 * 512 * 4
     assert capacity.decode_wire(cfg, 511, 4).combine == "all-gather"

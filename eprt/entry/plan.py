@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_HW.link_gbps,
         help=f"link bandwidth per GPU (NVLink), GB/s, charged for the bytes one rank receives ({_HW.link_gbps:g})",
     )
-    hw.add_argument("--tflops", type=float, default=_HW.tflops, help=f"dense compute peak, TFLOP/s ({_HW.tflops:g})")
+    hw.add_argument(
+        "--tflops", type=float, default=_HW.tflops, help=f"dense compute peak, TFLOP/s ({_HW.tflops:g}: bf16)"
+    )
     g = parser.add_argument_group("engine settings (as the engine flags)")
     g.add_argument("--max-batch", type=int, default=32, help="sequence slots (32)")
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
