@@ -84,6 +84,14 @@ def test_config_only_directory_counts_by_the_config_dtype(checkpoint, tmp_path):
     from_config, from_headers = _plan(str(tmp_path), ranks=3), _plan(path, ranks=3)
     assert from_config.weight_source == "config.json dtype float32"
     assert [w.read_bytes for w in from_config.weights] == [w.read_bytes for w in from_headers.weights]
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "dtype": "float8_e4m3fn"}))
+    with pytest.raises(ValueError, match="config.json field 'dtype' is 'float8_e4m3fn'"):
+        _plan(str(tmp_path), ranks=3)
+    for name in os.listdir(path):  # with the headers, config.json's dtype is not needed
+        if name.endswith(".safetensors"):
+            shutil.copy(os.path.join(path, name), tmp_path)
+    assert _plan(str(tmp_path), ranks=3).weights == from_headers.weights
 
 
 def test_a_header_that_disagrees_with_the_config_is_named(checkpoint, tmp_path):

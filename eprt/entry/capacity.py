@@ -21,7 +21,6 @@ from eprt.ops.device import pool_blocks
 
 DEVICE_ITEMSIZE = {"bf16": 2, "fp32": 4}  # weights and KV as the GPU (bf16) or CPU (fp32) backend holds them
 CHECKPOINT_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}  # config.json's dtype names
-HEADER_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
 DECODE_BATCHES = (1, 32, 256)
 _GIB = 1 << 30
 
@@ -187,8 +186,10 @@ class _Sizes:
             if "no .safetensors files" not in str(e):
                 raise
             self.headers = None
-        self.itemsize, dtype = _config_itemsize(model_dir)
-        self.source = "safetensors headers" if self.headers else f"config.json dtype {dtype}"
+        self.itemsize, self.source = 0, "safetensors headers"
+        if self.headers is None:
+            self.itemsize, dtype = _config_itemsize(model_dir)
+            self.source = f"config.json dtype {dtype}"
 
     def fused(self, cfg: ModelConfig) -> bool:
         first = next((i for i, sparse in enumerate(cfg.sparse_layers) if sparse), None)
