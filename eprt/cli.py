@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": ("eprt.serve.server", "OpenAI-compatible HTTP server on rank 0"),
     "replay": ("eprt.entry.replay", "rerun one rank's recorded command stream on one CPU and find where it diverges"),
     "env": ("eprt.entry.envcmd", "list the EPRT_ environment variables"),
+    "plan": ("eprt.entry.plan", "capacity planner: weight and KV bytes per rank, wire bytes, decode-step bounds"),
 }
 
 

@@ -1,0 +1,187 @@
+"""``eprt plan``: will a model fit on N GPUs, and what will a decode step cost at best? Computed from
+``config.json`` and the safetensors headers (no tensor data is read) by ``eprt.entry.capacity``;
+a table by default, ``--json`` for machines. See docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from eprt.engine.config import DEFAULT_PREFILL_TOKENS
+from eprt.entry.capacity import DECODE_BATCHES, Hardware, Plan, Settings, make_plan
+from eprt.model.config import load_config
+
+_HW = Hardware()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="Hugging Face MoE checkpoint directory")
+    parser.add_argument("--ranks", type=int, required=True, help="ranks (GPUs) the experts are split over")
+    hw = parser.add_argument_group("hardware (defaults: an H200-class GPU)")
+    hw.add_argument("--gpu-mem-gib", type=float, default=_HW.gpu_mem_gib, help=f"GPU memory, GiB ({_HW.gpu_mem_gib:g})")
+    hw.add_argument("--hbm-tbps", type=float, default=_HW.hbm_tbps, help=f"HBM bandwidth, TB/s ({_HW.hbm_tbps:g})")
+    hw.add_argument(
+        "--link-gbps",
+        type=float,
+        default=_HW.link_gbps,
+        help=f"link bandwidth per GPU (NVLink), GB/s, charged for the bytes one rank receives ({_HW.link_gbps:g})",
+    )
+    hw.add_argument(
+        "--tflops", type=float, default=_HW.tflops, help=f"dense compute peak, TFLOP/s ({_HW.tflops:g}: bf16)"
+    )
+    g = parser.add_argument_group("engine settings (as the engine flags)")
+    g.add_argument("--max-batch", type=int, default=32, help="sequence slots (32)")
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16)")
+    g.add_argument("--num-blocks", type=int, default=0, help="KV blocks per rank (0: sized from the GPU memory)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction for weights plus KV (0.9)")
+    g.add_argument(
+        "--reserved-gib",
+        type=float,
+        default=1.0,
+        help="GPU memory taken besides weights and KV: CUDA context, activations (1.0)",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="weights and KV as held: bf16 (the GPU backend) or fp32 (the CPU backend)",
+    )
+    g.add_argument(
+        "--attention",
+        choices=["replicated", "dp"],
+        default="replicated",
+        help="replicated: every rank holds all attention and KV (dp: not implemented yet)",
+    )
+    g.add_argument("--context", type=int, default=0, help="context tokens per sequence read by a decode step (0)")
+    g.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_TOKENS["cuda"],
+        help=f"prompt tokens per prefill chunk ({DEFAULT_PREFILL_TOKENS['cuda']})",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def main(args) -> int:
+    settings = Settings(
+        ranks=args.ranks,
+        max_batch=args.max_batch,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        reserved_gib=args.reserved_gib,
+        dtype=args.dtype,
+        context=args.context,
+        prefill_chunk=args.prefill_chunk,
+    )
+    hardware = Hardware(args.gpu_mem_gib, args.hbm_tbps, args.link_gbps, args.tflops)
+    plan = make_plan(args.model, load_config(args.model), settings, hardware, args.attention)
+    print(json.dumps(to_json(plan), indent=1) if args.json else render(plan))
+    return 0 if not plan.kv.problem else 1
+
+
+def to_json(plan: Plan) -> dict:
+    out = asdict(plan)
+    for w, d in zip(plan.weights, out["weights"]):
+        d["resident_bytes"] = w.resident_bytes
+    for wire, d in zip((*plan.decode_wire, plan.prefill_wire), (*out["decode_wire"], out["prefill_wire"])):
+        d["total"] = wire.total
+    out["decode_wire"] = dict(zip(map(str, DECODE_BATCHES), out["decode_wire"]))
+    out["decode"] = dict(zip(map(str, DECODE_BATCHES), out["decode"]))
+    out["fits"] = not plan.kv.problem
+    return out
+
+
+def size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+def duration(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header, *rows]]
+
+
+def render(plan: Plan) -> str:
+    s, hw, kv = plan.settings, plan.hardware, plan.kv
+    lines = [
+        f"eprt plan: {plan.model} ({plan.model_type}, {count(plan.params)} parameters) on {plan.ranks} "
+        f"rank(s), {plan.attention} attention, weights and KV in {s.dtype}",
+        f"hardware: {hw.gpu_mem_gib:g} GiB per GPU ({s.gpu_memory_utilization:.0%} usable, {s.reserved_gib:g} GiB "
+        f"reserved), HBM {hw.hbm_tbps:g} TB/s, link {hw.link_gbps:g} GB/s, {hw.tflops:g} TFLOP/s",
+        "",
+        f"weights per rank (checkpoint bytes from the {plan.weight_source})",
+    ]
+    rows = [
+        [
+            str(w.rank),
+            f"[{w.expert_start}, {w.expert_end})",
+            size(w.read_bytes),
+            size(w.replicated_bytes),
+            size(w.expert_bytes),
+            size(w.resident_bytes),
+            "-" if kv.blocks_per_rank[w.rank] is None else str(kv.blocks_per_rank[w.rank]),
+        ]
+        for w in plan.weights
+    ]
+    header = ["rank", "experts", "read", "replicated", "experts", f"on device ({s.dtype})", "KV room (blocks)"]
+    lines += _table(header, rows)
+    lines += [
+        "",
+        f"KV cache: {size(kv.bytes_per_token)} per token, {size(kv.bytes_per_block)} per block of {s.block_size}",
+    ]
+    if kv.problem:
+        lines.append(f"  DOES NOT FIT: {kv.problem}")
+    else:
+        lines += [
+            f"  pool: {kv.blocks} blocks = {kv.tokens} tokens per rank (the smallest room over the ranks), "
+            f"max_model_len {kv.max_model_len}",
+            f"  job capacity: {kv.tokens} tokens. Attention is replicated: every rank holds every sequence's KV,",
+            "  so the job holds what one rank's pool holds, whatever the number of ranks.",
+        ]
+    lines += ["", "bytes on the wire, the busiest rank (command frames + MoE combines)"]
+    rows = [[f"decode step, batch {b}", size(w.frame_bytes), size(w.combine_bytes), w.combine]
+            for b, w in zip(DECODE_BATCHES, plan.decode_wire)]  # fmt: skip
+    p = plan.prefill_wire
+    c = s.prefill_chunk
+    rows.append([f"prefill token (chunks of {c})", size(p.frame_bytes / c), size(p.combine_bytes / c), p.combine])
+    lines += _table(["", "frames", "combine", "combine as"], rows)
+    lines += [
+        "",
+        f"decode step lower bounds (roofline; experts touched as under uniform routing; context {s.context} tokens)",
+    ]
+    rows = [
+        [
+            str(d.batch),
+            str(d.rank),
+            size(d.hbm_bytes),
+            duration(d.hbm_s),
+            size(d.wire_bytes),
+            duration(d.link_s),
+            f"{d.flops / 1e9:.2f} G",
+            duration(d.compute_s),
+            duration(d.bound_s),
+            d.binding,
+        ]
+        for d in plan.decode
+    ]
+    header = ["batch", "rank", "HBM read", "HBM", "wire", "link", "FLOPs", "compute", "bound", "binding"]
+    lines += _table(header, rows)
+    return "\n".join(lines)

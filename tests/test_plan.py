@@ -1,0 +1,218 @@
+"""``eprt plan`` against what eprt really does: the loader's bytes and arrays per rank, the KV pool
+the engine allocates (CPU, --num-blocks) and the GPU pool formula, the frame words rank 0 sends."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from eprt.comm.protocol import DecodeBatch
+from eprt.comm.transport import LocalTransport
+from eprt.engine import startup
+from eprt.engine.config import EngineConfig
+from eprt.entry import capacity, plan
+from eprt.entry.capacity import Hardware, Settings, make_plan
+from eprt.model.config import load_config
+from eprt.model.loader import load_model
+from eprt.ops import device
+from eprt.ops.numpy_ops import NumpyOps
+
+
+def _plan(path, **settings):
+    hardware = {k: settings.pop(k) for k in ("gpu_mem_gib",) if k in settings}
+    return make_plan(path, load_config(path), Settings(**settings), Hardware(**hardware))
+
+
+def _resident_bytes(weights) -> int:
+    """Bytes of the distinct arrays a loaded model holds (a tied head is the embedding itself)."""
+    arrays = [weights.embed, weights.norm, weights.lm_head]
+    arrays += [a for lw in weights.layers for a in vars(lw).values() if isinstance(a, np.ndarray)]
+    return sum({id(a): a.nbytes for a in arrays}.values())
+
+
+def _fused_copy(path: str, out: str) -> str:
+    """``path`` re-saved with fused expert tensors (experts.gate_up_proj [E, 2I, D], down_proj [E, D, I])."""
+    from safetensors.numpy import load_file, save_file
+
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    os.makedirs(out, exist_ok=True)
+    cfg = load_config(path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    g, u, d = cfg.expert_names
+    for i in range(cfg.num_layers):
+        m = f"model.layers.{i}.{cfg.moe_prefix}.experts"
+        experts = range(cfg.num_experts)
+        gate_up = [
+            np.concatenate([tensors.pop(f"{m}.{e}.{g}.weight"), tensors.pop(f"{m}.{e}.{u}.weight")]) for e in experts
+        ]
+        tensors[f"{m}.gate_up_proj"] = np.stack(gate_up)
+        tensors[f"{m}.down_proj"] = np.stack([tensors.pop(f"{m}.{e}.{d}.weight") for e in experts])
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    shutil.copy(os.path.join(path, "config.json"), out)
+    return out
+
+
+def _check_weights_match_the_loader(path: str, ranks: int) -> None:
+    fp32 = _plan(path, ranks=ranks, dtype="fp32")
+    for rank in range(ranks):
+        loaded = load_model(path, NumpyOps(), 64, rank=rank, world=ranks)
+        w = fp32.weights[rank]
+        assert (w.expert_start, w.expert_end) == (loaded.model.w.expert_start, loaded.model.w.expert_end)
+        assert w.read_bytes == loaded.bytes_read, f"rank {rank} of {ranks}"
+        assert w.resident_bytes == _resident_bytes(loaded.model.w), f"rank {rank} of {ranks}"
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_weight_bytes_per_rank_equal_the_loaders(checkpoint, arch, ranks):
+    # 6 experts: uneven splits over 4 ranks (2, 2, 1, 1); every architecture's own tensors
+    _check_weights_match_the_loader(checkpoint(arch), ranks)
+
+
+def test_weight_bytes_of_a_bf16_checkpoint_and_of_fused_experts(checkpoint, ckpt_root):
+    _check_weights_match_the_loader(checkpoint("qwen3_moe", dtype="bfloat16"), 4)
+    fused = _fused_copy(checkpoint("olmoe"), os.path.join(ckpt_root, "olmoe-float32-fused"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in capacity.SafetensorsCheckpoint(fused)
+    _check_weights_match_the_loader(fused, 4)  # the loader reads a fused tensor whole
+
+
+def test_config_only_directory_counts_by_the_config_dtype(checkpoint, tmp_path):
+    path = checkpoint("qwen2_moe")  # float32
+    shutil.copy(os.path.join(path, "config.json"), tmp_path)
+    from_config, from_headers = _plan(str(tmp_path), ranks=3), _plan(path, ranks=3)
+    assert from_config.weight_source == "config.json dtype float32"
+    assert [w.read_bytes for w in from_config.weights] == [w.read_bytes for w in from_headers.weights]
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "dtype": "float8_e4m3fn"}))
+    with pytest.raises(ValueError, match="config.json field 'dtype' is 'float8_e4m3fn'"):
+        _plan(str(tmp_path), ranks=3)
+    for name in os.listdir(path):  # with the headers, config.json's dtype is not needed
+        if name.endswith(".safetensors"):
+            shutil.copy(os.path.join(path, name), tmp_path)
+    assert _plan(str(tmp_path), ranks=3).weights == from_headers.weights
+
+
+def test_a_header_that_disagrees_with_the_config_is_named(checkpoint, tmp_path):
+    path = checkpoint("mixtral")
+    for name in os.listdir(path):
+        shutil.copy(os.path.join(path, name), tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "intermediate_size": 97}))
+    with pytest.raises(ValueError, match="experts.0.w1.weight' has shape .* config implies"):
+        _plan(str(tmp_path), ranks=2)
+
+
+def test_kv_pool_equals_the_engines_allocation_on_the_cpu(checkpoint):
+    path = checkpoint("qwen3_moe")
+    for num_blocks, max_len in ((40, 100), (400, None)):
+        cfg = EngineConfig(
+            model=path, device="cpu", max_batch=4, block_size=4, num_blocks=num_blocks, max_model_len=max_len
+        )
+        started = startup.start_rank(cfg, "cpu", LocalTransport())
+        kv = _plan(path, ranks=1, dtype="fp32", max_batch=4, block_size=4, num_blocks=num_blocks, max_model_len=max_len)
+        pool = started.executor.kv
+        assert (kv.kv.blocks, kv.kv.tokens) == (pool.num_blocks, pool.num_blocks * pool.block_size)
+        assert kv.kv.max_model_len == started.max_model_len
+        assert kv.kv.bytes_per_block * kv.kv.blocks == sum(a.nbytes for a in pool.k + pool.v)
+        assert kv.kv.problem == ""
+
+
+def test_a_max_model_len_the_pool_cannot_hold_is_refused_by_both(checkpoint):
+    path = checkpoint("qwen3_moe")
+    cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, num_blocks=10, max_model_len=60)
+    with pytest.raises(ValueError, match="does not fit the KV pool of 10 blocks"):
+        startup.start_rank(cfg, "cpu", LocalTransport())
+    kv = _plan(path, ranks=1, dtype="fp32", max_batch=4, block_size=4, num_blocks=10, max_model_len=60).kv
+    assert "does not fit the KV pool of 10 blocks" in kv.problem and kv.max_model_len == 0
+
+
+class _GpuLike:
+    name, kv_itemsize = "cuda", 2
+
+
+@pytest.mark.parametrize("gpu_mem_mib, max_batch", [(1.2, 32), (2.0, 32), (64.0, 2)])
+def test_kv_pool_equals_the_gpu_pool_formula_for_each_rank(checkpoint, monkeypatch, gpu_mem_mib, max_batch):
+    """startup._kv_blocks on a GPU with the memory the loaded weights (held in bf16) leave free:
+    memory binds at 1.2 and 2 MiB (uneven splits, so the ranks differ), the slots' need at 64 MiB."""
+    path, ranks, reserved = checkpoint("olmoe"), 4, 0.25 / 1024
+    total = int(gpu_mem_mib * (1 << 20))
+    kv = _plan(path, ranks=ranks, max_batch=max_batch, gpu_mem_gib=gpu_mem_mib / 1024, reserved_gib=reserved).kv
+    engine_blocks = []
+    for rank in range(ranks):
+        loaded = load_model(path, NumpyOps(), None, rank=rank, world=ranks)
+        free = total - _resident_bytes(loaded.model.w) // 2 - int(reserved * (1 << 30))  # fp32 here, bf16 there
+        monkeypatch.setattr(
+            device, "kv_pool_blocks", lambda b, u, s, free=free: device.pool_blocks(free, total, b, u, s)
+        )
+        cfg = EngineConfig(model=path, max_batch=max_batch)
+        engine_blocks.append(startup._kv_blocks(cfg, _GpuLike(), loaded.config, loaded.model.max_len))
+    assert list(kv.blocks_per_rank) == engine_blocks
+    assert kv.blocks == min(engine_blocks) and kv.tokens == 16 * min(engine_blocks)
+    if gpu_mem_mib < 2:
+        assert len(set(engine_blocks)) == 2  # the ranks with two experts have less room
+
+
+def test_weights_that_leave_no_room_are_reported_not_raised(checkpoint):
+    kv = _plan(checkpoint("olmoe"), ranks=2, gpu_mem_gib=0.5 / 1024, reserved_gib=0).kv
+    assert kv.blocks == 0 and kv.blocks_per_rank == (None, None)
+    assert kv.problem.startswith("rank 0: its weights")
+
+
+def test_frame_bytes_are_the_words_rank_zero_flushes():
+    for batch in (1, 32, 255, 256, 300):
+        transport = LocalTransport()
+        transport.send(DecodeBatch(tuple(range(batch)), (7,) * batch))
+        transport.flush()
+        words = transport.stats.words  # the count word goes in front of them
+        expected = 4 * (512 if words + 1 <= 512 else words + 1)
+        assert capacity.decode_wire(_small_config(), batch, 2).frame_bytes == expected
+
+
+def _small_config():
+    from eprt.model.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "model_type": "mixtral",
+            "hidden_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 64,
+            "vocab_size": 100,
+        }
+    )
+
+
+def test_combine_bytes_follow_the_transports_rule():
+    cfg = _small_config()  # 2 MoE layers, hidden 512: [T, 512] float32 is 1 MiB at T = 512
+    assert capacity.decode_wire(cfg, 32, 1).total == 0
+    assert capacity.decode_wire(cfg, 32, 2).combine_bytes == 2 * 32 * 512 * 4
+    assert capacity.decode_wire(cfg, 511, 4).combine == "all-gather"
+    assert capacity.decode_wire(cfg, 511, 4).combine_bytes == 2 * 3 * 511 * 512 * 4
+    big = capacity.decode_wire(cfg, 512, 3)  # 262144 floats: slices of 87382, 87381, 87381
+    assert big.combine == "reduce-scatter + all-gather"
+    assert big.combine_bytes == 2 * 4 * (2 * 87382 + 262144 - 87382)
+    assert capacity.decode_wire(cfg, 512, 2).combine == "all-gather"  # two ranks keep the all-gather
+
+
+def test_cli_table_json_and_refusals(checkpoint, capsys):
+    from eprt.cli import main
+
+    path = checkpoint("qwen2_moe")
+    assert main(["plan", "--model", path, "--ranks", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [w["expert_end"] - w["expert_start"] for w in out["weights"]] == [2, 2, 2]
+    assert set(out["decode"]) == {"1", "32", "256"} and out["fits"] is True
+    assert out["decode"]["1"]["binding"] in ("HBM", "link", "compute")
+    assert main(["plan", "--model", path, "--ranks", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "job capacity" in table and "one rank's pool" in table and "binding" in table
+    assert main(["plan", "--model", path, "--ranks", "2", "--attention", "dp"]) == 2
+    assert "data-parallel (DP) attention is not implemented yet" in capsys.readouterr().err
+    assert main(["plan", "--model", path, "--ranks", "7"]) == 2
+    assert "--ranks must be in [1, num_experts=6], got 7" in capsys.readouterr().err
+    assert plan.size(3 << 30) == "3.00 GiB"
