@@ -16,6 +16,7 @@ COMMANDS = {
     "run": ("eprt.serve.batch", "offline batch generation from a JSONL file"),
     "serve": ("eprt.serve.server", "OpenAI-compatible HTTP server on rank 0"),
     "replay": ("eprt.entry.replay", "rerun one rank's recorded command stream on one CPU and find where it diverges"),
+    "stats": ("eprt.entry.stats", "expert-load statistics of eprt run --stats-out, optionally plotted"),
     "env": ("eprt.entry.envcmd", "list the EPRT_ environment variables"),
     "plan": ("eprt.entry.plan", "capacity planner: weight and KV bytes per rank, wire bytes, decode-step bounds"),
 }

@@ -377,6 +377,20 @@ def test_argmax_first_maximum_wins(ops, rng, logit_dtype):
 
 @gpu
 @pytest.mark.gpu
+def test_count_experts_accumulates_exactly(ops, rng):
+    g, c = ops
+    ids = rng.integers(0, 12, size=(3000, 4)).astype(np.int32)  # [T, k], more ids than one block covers
+    ids[5, 1] = 12  # outside [0, E): not counted
+    want = np.full(12, 7, np.int32)  # counts accumulate onto what is there
+    c.count_experts(ids, want)
+    counts = g.index(np.full(12, 7, np.int32))
+    g.count_experts(g.index(ids), counts)
+    np.testing.assert_array_equal(g.to_host(counts), want)
+    assert want.sum() == 12 * 7 + ids.size - 1
+
+
+@gpu
+@pytest.mark.gpu
 def test_embedding_and_round_trip(ops, rng):
     g, c = ops
     table = bf16(rng.standard_normal((50, 32)))

@@ -23,6 +23,7 @@ from eprt.comm.transport import StartupFailed
 from eprt.comm.worker import run_worker
 from eprt.comm.world import open_transport
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
+from eprt.engine.expert_load import imbalance
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
 from eprt.ops.device import bind_local_gpu, resolve_device
@@ -31,6 +32,7 @@ from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("eprt.engine")
+EXPERT_LOAD_INTERVAL_S = 1.0  # the expert-load counts are read from the device at most this often
 STATS_LOG_INTERVAL_S = 10.0  # how often a busy engine logs its counters and KV accounting
 
 
@@ -70,6 +72,8 @@ class Engine:
         self._counters = {"requests_finished": 0, "generation_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0}
         self._closed = False
         self._stop_requested = False
+        self._expert_load = runner.executor.model.expert_load()  # [L, E], refreshed by the loop
+        self._expert_load_at = time.monotonic()
         self._next_log = time.monotonic() + STATS_LOG_INTERVAL_S
 
     # ---- clients (any thread) ------------------------------------------------------------
@@ -172,6 +176,8 @@ class Engine:
             self.scheduler.fail_all(f"{ENGINE_FAILED}: {type(e).__name__}: {e}")
             raise
         now = time.monotonic()
+        if now - self._expert_load_at >= EXPERT_LOAD_INTERVAL_S:
+            self._refresh_expert_load(now)
         if now >= self._next_log:
             self._next_log = now + STATS_LOG_INTERVAL_S
             log.info("%s", self.stats_line())
@@ -181,13 +187,25 @@ class Engine:
         signal while idle); the main thread only, once the loop has stopped."""
         self.scheduler.fail_all(message)
 
+    def expert_load(self, refresh: bool = False) -> np.ndarray:
+        """Tokens routed to each expert so far, [layers, experts] (any thread: the loop reads the
+        device at most once per EXPERT_LOAD_INTERVAL_S; ``refresh`` reads it now, main thread only)."""
+        if refresh:
+            self._refresh_expert_load(time.monotonic())
+        return self._expert_load
+
+    def _refresh_expert_load(self, now: float) -> None:
+        self._expert_load, self._expert_load_at = self.runner.executor.model.expert_load(), now
+
     def stats_line(self) -> str:
         s = self.stats()
+        worst = imbalance(self._expert_load)
         return (
             f"running {s['running']}, waiting {s['waiting']}; KV blocks: {s['free_blocks']} free "
             f"of {s['total_blocks']} ({s['cached_blocks']} cached); prompt tokens computed "
             f"{s['prompt_tokens_computed']}, from cache {s['cached_tokens']}; generated "
-            f"{s['generation_tokens']}; preemptions {s['preemptions']}"
+            f"{s['generation_tokens']}; preemptions {s['preemptions']}; expert load max/mean "
+            f"{worst.max():.2f} (layer {int(worst.argmax())})"
         )
 
     def stats(self) -> dict:
@@ -215,6 +233,7 @@ class Engine:
         self.scheduler.close()
         while self.scheduler.step():
             pass
+        self._refresh_expert_load(time.monotonic())
         log.info("shutdown: %s", self.stats_line())
         _close(self.transport, self.config)
 

@@ -121,6 +121,7 @@ class MoEModel:
         self, cfg: ModelConfig, weights: ModelWeights, ops, max_len: int, combine: Callable = lambda partial: partial
     ):
         self.cfg, self.w, self.ops, self.combine = cfg, weights, ops, combine
+        self.expert_counts = ops.zeros((cfg.num_layers, cfg.num_experts), "i32")  # [L, E] tokens routed
         self.max_len = max_len
         _check_backend(cfg, ops)
         self.cos_sin = ops.activation(rope_table(cfg, max_len))
@@ -198,13 +199,14 @@ class MoEModel:
             o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, value_dim=C)  # [T, H, C]
         return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
 
-    def _moe(self, lw, x):
+    def _moe(self, lw, x, layer: int):
         ops, cfg = self.ops, self.cfg
         logits = ops.linear(x, lw.router)  # [T, E]
         if cfg.routing is None:
             weights, ids = ops.router(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
         else:
             weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
+        ops.count_experts(ids, self.expert_counts[layer])
         partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
         out = self.combine(partial)  # [T, D] summed over ranks
         if lw.shared_gate_up is not None:
@@ -231,9 +233,13 @@ class MoEModel:
                 x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps)
             h = attention(lw, x, batch, kv, i)
             x, residual = ops.add_rms_norm(h, residual, lw.post_norm, cfg.rms_norm_eps)
-            h = self._moe(lw, x) if cfg.sparse_layers[i] else self._dense_mlp(lw, x)
+            h = self._moe(lw, x, i) if cfg.sparse_layers[i] else self._dense_mlp(lw, x)
         x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps)
         return x
+
+    def expert_load(self) -> np.ndarray:
+        """Tokens routed to each expert so far: [L, E] int32 on the host (a device read)."""
+        return np.asarray(self.ops.to_host(self.expert_counts), dtype=np.int64)
 
     def logits(self, x):
         return self.ops.linear(x, self.w.lm_head)  # [T, V]

@@ -197,6 +197,11 @@ class Ops:
         """out[T, D] (float32) + sigmoid(gate[T, 1]) * s[T, D]: Qwen2-MoE's gated shared expert."""
         raise NotImplementedError
 
+    def count_experts(self, ids: Array, counts: Array) -> None:
+        """Expert-load statistics, in place: counts[E] int32 += how often each expert id occurs
+        in ids[T, k]; ids outside [0, E) are not counted."""
+        raise NotImplementedError
+
     def moe_experts(
         self, x: Array, weights: Array, ids: Array, w_gate_up: Array, w_down: Array, expert_start: int
     ) -> Array:

@@ -452,6 +452,20 @@ class CupyOps(Ops):
             )
         return out
 
+    def count_experts(self, ids, counts):
+        _check("count_experts", "ids", ids, (_I32,), (None, None))
+        _check("count_experts", "counts", counts, (_I32,), (None,))
+        n = ids.shape[0] * ids.shape[1]
+        if n:
+            blocks = min(1024, -(-n // 256))
+            _launch(
+                "expert_count.cu",
+                "count_experts",
+                (blocks,),
+                256,
+                (ids, np.int32(n), np.int32(counts.shape[0]), counts),
+            )
+
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         op = "moe_experts"
         _check(op, "w_gate_up", w_gate_up, _BF16, (None, None, None), aligned=True)

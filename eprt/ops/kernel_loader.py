@@ -28,6 +28,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "silu_and_mul.cu": ("silu_and_mul",),
     "elementwise.cu": ("clip_bf16", "sigmoid_gate_add"),
     "argmax.cu": ("argmax_bf16", "argmax_f32"),
+    "expert_count.cu": ("count_experts",),
 }
 
 COMPILE_OPTIONS = ("--std=c++17",)

@@ -124,6 +124,10 @@ class NumpyOps(Ops):
     def sigmoid_gate_add(self, out, s, gate):
         return out + s / (1.0 + np.exp(-gate))  # [T, D]
 
+    def count_experts(self, ids, counts):
+        flat = ids.reshape(-1)  # [T*k]
+        np.add.at(counts, flat[(flat >= 0) & (flat < len(counts))], 1)
+
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
         out = np.zeros((T, D), dtype=np.float32)  # [T, D]

@@ -52,14 +52,23 @@ def add_arguments(parser) -> None:
         metavar="JSONL",
         help="results, appended as they finish; ids already there are skipped (resume)",
     )
+    parser.add_argument(
+        "--stats-out",
+        metavar="JSON",
+        help="write the expert-load statistics (tokens per layer and expert) here at the end; see eprt stats",
+    )
     add_engine_arguments(parser)
 
 
 def main(args) -> int:
     from eprt.engine.engine import launch_engine
+    from eprt.engine.expert_load import write_stats
 
     with launch_engine(args) as engine:  # worker ranks never get past this line
-        return run_batch(engine, args.input, args.output, in_flight=max(64, 4 * args.max_batch))
+        code = run_batch(engine, args.input, args.output, in_flight=max(64, 4 * args.max_batch))
+        if args.stats_out:
+            write_stats(args.stats_out, engine.expert_load(refresh=True), engine.model_name, engine.transport.size)
+        return code
 
 
 @dataclass

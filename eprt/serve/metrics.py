@@ -7,9 +7,12 @@ latency and time to first token of generation requests, requests in flight), and
 
 from __future__ import annotations
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4 as CONTENT_TYPE  # noqa: F401 (for /metrics)
+
+from eprt.engine.expert_load import imbalance
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 disable_created_metrics()  # no *_created samples: they only repeat the start time
@@ -58,6 +61,21 @@ class EngineCollector:
         if stats.get("total_blocks"):
             used = 1.0 - stats.get("free_blocks", 0) / stats["total_blocks"]
             yield GaugeMetricFamily("eprt_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", value=used)
+        if hasattr(self.engine, "expert_load"):
+            yield from expert_families(self.engine.expert_load())
+
+
+def expert_families(counts: np.ndarray):
+    """Tokens routed per (layer, expert) and each MoE layer's max/mean imbalance."""
+    tokens = CounterMetricFamily("eprt_expert_tokens", "Tokens routed to an expert", labels=["layer", "expert"])
+    ratio = GaugeMetricFamily("eprt_expert_imbalance_ratio", "Max over mean tokens per expert", labels=["layer"])
+    for layer, (row, r) in enumerate(zip(counts, imbalance(counts))):
+        if row.any():
+            for expert, n in enumerate(row):
+                tokens.add_metric([str(layer), str(expert)], float(n))
+            ratio.add_metric([str(layer)], float(r))
+    yield tokens
+    yield ratio
 
 
 class ServerMetrics:
