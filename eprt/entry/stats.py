@@ -33,6 +33,9 @@ def plot(counts: np.ndarray, model: str, world: int, path: str) -> None:
     fig, (heat, bars) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
     image = heat.imshow(counts, aspect="auto", cmap="viridis", interpolation="nearest")
     heat.set(xlabel="expert", ylabel="layer", title=f"{model}: tokens per expert")
+    heat.set_yticks(range(counts.shape[0]))
+    if counts.shape[1] <= 64:
+        heat.set_xticks(range(counts.shape[1]))
     fig.colorbar(image, ax=heat, label="tokens")
     load = rank_load(counts, world)
     bars.bar(range(world), load, color="tab:orange")
@@ -47,10 +50,19 @@ def plot(counts: np.ndarray, model: str, world: int, path: str) -> None:
 def add_arguments(parser) -> None:
     parser.add_argument("file", help="a statistics file written by eprt run --stats-out")
     parser.add_argument("--plot", metavar="PNG", help="draw the heat map and the per-rank load into this PNG")
+    parser.add_argument(
+        "--ranks", type=int, default=None, help="per-rank load for this many ranks (default: the run's)"
+    )
 
 
 def main(args) -> int:
     counts, model, world = read_stats(args.file)
+    if args.ranks is not None:
+        if not 1 <= args.ranks <= counts.shape[1]:
+            raise ValueError(
+                f"--ranks must be in [1, {counts.shape[1]}] (one expert per rank at least), got {args.ranks}"
+            )
+        world = args.ranks
     print(summary(counts, model, world))
     if args.plot:
         plot(counts, model, world, args.plot)
