@@ -351,7 +351,8 @@ def _load_moe(src: TensorSource, cfg: ModelConfig, ops, lw: LayerWeights, m: str
     lw.router = W(f"{m}.gate.weight", "E", "D")
     if cfg.router_bias:
         bias = _host(src, f"{m}.gate.e_score_correction_bias", (n["E"],))
-        lw.router_bias = ops.activation(bf16_bits_to_f32(bias) if bias.dtype == np.uint16 else bias)
+        bias = bf16_bits_to_f32(bias) if bias.dtype == np.uint16 else bias
+        lw.router_bias = ops.xp.asarray(np.ascontiguousarray(bias, dtype=np.float32))  # float32 on every backend
     gate_up, down = _experts(src, cfg, m, start, end)
     lw.w_gate_up, lw.w_down = ops.weight(gate_up), ops.weight(down)
     if not cfg.has_shared_expert:

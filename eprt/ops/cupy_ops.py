@@ -11,7 +11,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from eprt.ops.base import Ops
+from eprt.ops.base import GroupedRouting, Ops
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from eprt.ops.kernel_loader import KERNELS, get_kernel, get_module
 
@@ -33,6 +33,8 @@ _ATTN_MAX_SPLITS = 256  # paged_attention.cu: ATTN_MAX_SPLITS
 DECODE_SPLITS = ("auto", "on", "off")
 _ROUTER_WARPS = 4  # router.cu: ROUTER_WARPS
 _GG_WARPS = 4  # moe_grouped_gemm.cu: GG_WARPS
+_MLA_THREADS, _MLA_CHUNK = 128, 32  # mla_attention.cu: MLA_THREADS, MLA_CHUNK
+_MLA_MAX_HEADS = 16  # query heads per block of mla_attention (fewer when shared memory is short)
 MOE_IMPLS = ("auto", "grouped", "gathered")
 GATHERED_MIN_TOKENS = 256  # "auto": tokens per call from which cuBLAS per expert wins
 
@@ -69,6 +71,41 @@ def _launch(file: str, name: str, grid: tuple, block: int, args: tuple, smem: in
     if smem > _SMEM_DEFAULT:  # opt in to the larger carve-out (sm_80+); callers check the limit
         kernel.max_dynamic_shared_size_bytes = smem
     kernel(grid, (block,), args, shared_mem=smem)
+
+
+def _gemm_per_head(x, w, out) -> None:
+    """out[T, H, N] = x[T, H, K] @ w[H, N, K].T per head h: one strided-batched cuBLAS call (bf16
+    in, fp32 compute, bf16 out). Column-major per head: out_h.T (ld H*N) = op_T(w_h) @ x_h.T (ld H*K)."""
+    from cupy_backends.cuda.libs import cublas
+
+    T, H, K = x.shape
+    N = w.shape[1]
+    alpha, beta = np.array(1.0, np.float32), np.array(0.0, np.float32)  # host scalars
+    cublas.gemmStridedBatchedEx(
+        cupy.cuda.device.get_cublas_handle(),
+        _OP_T,
+        _OP_N,
+        N,
+        T,
+        K,
+        alpha.ctypes.data,
+        w.data.ptr,
+        _R_16BF,
+        K,
+        N * K,
+        x.data.ptr,
+        _R_16BF,
+        H * K,
+        K,
+        beta.ctypes.data,
+        out.data.ptr,
+        _R_16BF,
+        H * N,
+        N,
+        H,
+        _COMPUTE_32F,
+        _GEMM_DEFAULT,
+    )
 
 
 def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, beta: float = 0.0):
@@ -451,6 +488,155 @@ class CupyOps(Ops):
                 (out, s, gate, np.int64(out.size), np.int32(D)),
             )
         return out
+
+    def add(self, x, y):
+        _check("add", "x", x, (_BF16, _F32), (None, None))
+        _check("add", "y", y, (_BF16, _F32), x.shape)
+        out = cupy.empty_like(x)  # [T, D] of x's dtype
+        if out.size:
+            name = {_F32: "f32", _BF16: "bf16"}
+            _launch(
+                "elementwise.cu",
+                f"add_{name[x.dtype]}_{name[y.dtype]}",
+                (min((out.size + 255) // 256, 65536),),
+                256,
+                (x, y, out, np.int64(out.size)),
+            )
+        return out
+
+    def router_grouped(self, logits, bias, top_k, routing: GroupedRouting):
+        op = "router_grouped"
+        _check(op, "logits", logits, (_BF16, _F32), (None, None))
+        T, E = logits.shape
+        _require(op, 1 <= top_k <= min(E, 32), f"top_k must be in [1, min(E={E}, 32)], got {top_k}")
+        G = routing.n_group
+        _require(op, 1 <= G <= 32 and E % G == 0, f"n_group must divide E={E} and be in [1, 32], got {G}")
+        if bias is None:
+            bias = cupy.zeros(E, dtype=_F32)
+        _check(op, "bias", bias, _F32, (E,))
+        smem = 4 * _ROUTER_WARPS * 2 * E
+        _require(op, smem <= self.smem_limit, f"too many experts for one warp per token: {E}")
+        weights = cupy.empty((T, top_k), dtype=_F32)  # [T, k]
+        ids = cupy.empty((T, top_k), dtype=_I32)  # [T, k]
+        if T:
+            _launch(
+                "router.cu",
+                "router_grouped_f32" if logits.dtype == _F32 else "router_grouped_bf16",
+                ((T + _ROUTER_WARPS - 1) // _ROUTER_WARPS,),
+                32 * _ROUTER_WARPS,
+                (
+                    logits,
+                    bias,
+                    weights,
+                    ids,
+                    np.int32(T),
+                    np.int32(E),
+                    np.int32(top_k),
+                    np.int32(routing.scoring == "sigmoid"),
+                    np.int32(G),
+                    np.int32(routing.topk_group),
+                    np.int32(routing.group_score == "top2_sum"),
+                    np.int32(bool(routing.renormalize)),
+                    np.float32(routing.scaling),
+                ),
+                smem,
+            )
+        return weights, ids
+
+    # ---- MLA: per-head projections and attention over the paged latent cache -------------
+    def head_linear(self, x, w):
+        _check("head_linear", "w", w, _BF16, (None, None, None))
+        H, N, K = w.shape
+        _check("head_linear", "x", x, _BF16, (None, H, K))
+        out = cupy.empty((x.shape[0], H, N), dtype=_BF16)  # [T, H, N]
+        if out.size and K:
+            _gemm_per_head(x, w, out)
+        elif out.size:
+            out.fill(0)
+        return out
+
+    def latent_write(self, latent_cache, x, slot_mapping):
+        _check("latent_write", "latent_cache", latent_cache, _BF16, (None, None, None), aligned=True)
+        L = latent_cache.shape[2]
+        _require("latent_write", L % 8 == 0, f"latent width must be a multiple of 8, got {L}")
+        _check("latent_write", "x", x, _BF16, (None, L), aligned=True)
+        T = x.shape[0]
+        _check("latent_write", "slot_mapping", slot_mapping, _I32, (T,))
+        if T:
+            _launch(
+                "mla_attention.cu",
+                "mla_latent_write",
+                (T,),
+                _threads(L // 8, 256),
+                (latent_cache, x, slot_mapping, np.int32(L)),
+            )
+
+    def _mla_args(self, op, q, latent_cache, value_dim):
+        """Shared checks; returns (H, L, C, BS, heads per block, shared-memory bytes)."""
+        _check(op, "latent_cache", latent_cache, _BF16, (None, None, None), aligned=True)
+        BS, L = latent_cache.shape[1:]
+        _require(op, L % 8 == 0, f"latent width must be a multiple of 8, got {L}")
+        _check(op, "q", q, _BF16, (None, None, L))
+        H, C = q.shape[1], value_dim
+        _require(op, 1 <= C <= L, f"value_dim must be in [1, latent width {L}], got {C}")
+        heads = min(H, _MLA_MAX_HEADS)
+        smem = lambda g: 2 * _MLA_CHUNK * L + 4 * (g * L + g * _MLA_CHUNK + 3 * g + g * C)  # noqa: E731
+        while heads > 1 and smem(heads) > self.smem_limit:
+            heads //= 2
+        _require(op, smem(heads) <= self.smem_limit, f"needs {smem(heads)} bytes of shared memory (L={L}, C={C})")
+        return H, L, C, BS, max(heads, 1), smem(max(heads, 1))
+
+    def _mla_attend(self, op, q, latent_cache, tables, table_stride, lens, max_keys, scale, value_dim):
+        """Rows of q attend to keys [0, lens[b]) of their table; one pass or split (flash-decoding)."""
+        H, L, C, BS, heads, smem = self._mla_args(op, q, latent_cache, value_dim)
+        B = q.shape[0]
+        out = cupy.empty((B, H, C), dtype=_BF16)  # [B, H, C]
+        if not B or not H:
+            return out
+        head_blocks = -(-H // heads)
+        splits, split_keys = self._decode_partitions(B * head_blocks, max_keys)
+        common = (np.int32(H), np.int32(L), np.int32(C), np.int32(BS), np.int32(table_stride), np.int32(heads))
+        if splits == 1:
+            args = (q, latent_cache, tables, lens, out, *common, np.float32(scale))
+            _launch("mla_attention.cu", "mla_attention", (B, head_blocks), _MLA_THREADS, args, smem)
+            return out
+        part_acc = cupy.empty((B, splits, H, C), dtype=_F32)  # [B, P, H, C]
+        part_ml = cupy.empty((B, splits, H, 2), dtype=_F32)  # [B, P, H, (max, sum)]
+        args = (q, latent_cache, tables, lens, part_acc, part_ml, *common, np.int32(split_keys), np.float32(scale))
+        _launch("mla_attention.cu", "mla_attention_split", (B, head_blocks, splits), _MLA_THREADS, args, smem)
+        _launch(
+            "paged_attention.cu",
+            "attention_split_combine",
+            (B, H),
+            _ATTN_THREADS,
+            (part_acc, part_ml, out, np.int32(H), np.int32(C), np.int32(splits)),
+        )
+        return out
+
+    def mla_attention_prefill(self, q, latent_cache, block_table, start_pos, scale, value_dim):
+        op = "mla_attention_prefill"
+        _check(op, "q", q, _BF16, (None, None, None))
+        _check(op, "block_table", block_table, _I32, (None,))
+        _check(op, "latent_cache", latent_cache, _BF16, (None, None, None))
+        T, BS, MB = q.shape[0], latent_cache.shape[1], block_table.shape[0]
+        _require(
+            op,
+            start_pos >= 0 and MB * BS >= start_pos + T,
+            f"block table of {MB} blocks of {BS} cannot hold positions [0, {start_pos + T}) (start_pos={start_pos})",
+        )
+        # row t is a query over keys [0, start_pos + t]: every row shares the table (stride 0)
+        lens = cupy.arange(start_pos + 1, start_pos + T + 1, dtype=_I32)  # [T]
+        return self._mla_attend(op, q, latent_cache, block_table, 0, lens, MB * BS, scale, value_dim)
+
+    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim):
+        op = "mla_attention_decode"
+        _check(op, "q", q, _BF16, (None, None, None))
+        B = q.shape[0]
+        _check(op, "block_tables", block_tables, _I32, (B, None))
+        _check(op, "context_lens", context_lens, _I32, (B,))
+        _check(op, "latent_cache", latent_cache, _BF16, (None, None, None))
+        MB, BS = block_tables.shape[1], latent_cache.shape[1]
+        return self._mla_attend(op, q, latent_cache, block_tables, MB, context_lens, MB * BS, scale, value_dim)
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         op = "moe_experts"
