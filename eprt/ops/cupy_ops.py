@@ -8,6 +8,8 @@ not index contents (docs/gpu.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cupy
 import numpy as np
 
@@ -24,7 +26,8 @@ _GEMM_DEFAULT = -1
 _BF16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
-_DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32"}
+_U8 = np.dtype(np.uint8)
+_DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32", _U8: "float8_e4m3fn (uint8 bytes)"}
 
 _SMEM_DEFAULT = 48 * 1024  # dynamic shared memory usable without opting in
 _ATTN_THREADS = _ATTN_CHUNK = 128  # paged_attention.cu: ATTN_THREADS, ATTN_CHUNK
@@ -37,6 +40,30 @@ _MLA_THREADS, _MLA_CHUNK = 128, 32  # mla_attention.cu: MLA_THREADS, MLA_CHUNK
 _MLA_MAX_HEADS = 16  # query heads per block of mla_attention (fewer when shared memory is short)
 MOE_IMPLS = ("auto", "grouped", "gathered")
 GATHERED_MIN_TOKENS = 256  # "auto": tokens per call from which cuBLAS per expert wins
+FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
+FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
+_FL_WARPS = 4  # fp8_linear.cu: FL_WARPS
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An FP8 block-scaled weight resident on the GPU (``CupyOps.weight_fp8``): float8_e4m3fn bytes
+    ``data[.., N, K]`` (uint8) and float32 ``scale[.., (N / part_rows) * ceil(part_rows / block_n),
+    ceil(K / block_k)]``; rows [i * part_rows, (i + 1) * part_rows) are blocked on their own."""
+
+    data: object
+    scale: object
+    block_n: int
+    block_k: int
+    part_rows: int
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes) + int(self.scale.nbytes)
 
 
 def _check(op: str, name: str, a, dtypes, shape: tuple | None = None, aligned: bool = False):
@@ -108,9 +135,9 @@ def _gemm_per_head(x, w, out) -> None:
     )
 
 
-def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, beta: float = 0.0):
+def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, beta: float = 0.0, ldc: int = 0):
     """Row-major c[m, n] = a[m, k] @ b[n, k].T (+ beta * c): bf16 inputs, fp32 accumulation,
-    c bf16 or fp32. cuBLAS is column-major, so it computes c.T = op_T(b) @ a.T."""
+    c bf16 or fp32 with row stride ldc (0: n). cuBLAS is column-major: it computes c.T = op_T(b) @ a.T."""
     from cupy_backends.cuda.libs import cublas
 
     alpha, beta_ = np.array(1.0, np.float32), np.array(beta, np.float32)  # host scalars
@@ -131,7 +158,7 @@ def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, b
         beta_.ctypes.data,
         c_ptr,
         _R_32F if c_dtype == _F32 else _R_16BF,
-        n,
+        ldc or n,
         _COMPUTE_32F,
         _GEMM_DEFAULT,
     )
@@ -141,6 +168,7 @@ class CupyOps(Ops):
     name = "cuda"
     act_dtype = np.uint16  # bfloat16 bits
     kv_itemsize = 2  # bytes per KV cache element (bf16)
+    fp8_resident = True  # FP8 checkpoints stay FP8 on the device, dequantized inside the GEMMs
 
     def __init__(self, moe_impl: str = "auto", decode_split: str = "auto", split_keys: int = 512):
         """``moe_impl``: expert GEMMs (see ``moe_experts``). ``decode_split``: split each decode
@@ -165,6 +193,52 @@ class CupyOps(Ops):
         if host.dtype.kind != "f":
             raise TypeError(f"weight: expected float32 or uint16 bfloat16 bits, got {host.dtype}")
         return cupy.asarray(f32_to_bf16_bits(host))
+
+    def weight_fp8(self, raw, scale_inv, block_n, block_k, part_rows):
+        op = "weight_fp8"
+        raw, scale_inv = np.asarray(raw), np.asarray(scale_inv)
+        _require(
+            op, raw.dtype == _U8 and raw.ndim in (2, 3), f"raw must be 2-D or 3-D uint8, got {raw.dtype} {raw.ndim}-D"
+        )
+        N, K = raw.shape[-2:]
+        _require(op, block_n >= 1 and block_k >= 1, f"block size must be positive, got [{block_n}, {block_k}]")
+        _require(op, part_rows >= 1 and N % part_rows == 0, f"part_rows must divide N={N}, got {part_rows}")
+        want = (*raw.shape[:-2], N // part_rows * -(-part_rows // block_n), -(-K // block_k))
+        _require(op, scale_inv.shape == want, f"scale_inv has shape {scale_inv.shape}, expected {want}")
+        w = Fp8Weight(
+            cupy.asarray(np.ascontiguousarray(raw)),
+            cupy.asarray(np.ascontiguousarray(scale_inv, dtype=np.float32)),
+            block_n,
+            block_k,
+            part_rows,
+        )
+        if K % 8 or block_k % 8:  # the GEMM kernels read 8 weights under one scale: keep bf16 instead
+            return self._dequantize(w, 0, w.data.size // K).reshape(w.shape)
+        return w
+
+    def _dequantize(self, w: Fp8Weight, row0: int, rows: int, out=None):
+        """bf16 rows [row0, row0 + rows) of an FP8 weight (its leading dims flattened into rows)."""
+        K = w.shape[-1]
+        out = cupy.empty((rows, K), dtype=_BF16) if out is None else out  # [rows, K]
+        if rows and K:
+            _launch(
+                "fp8_linear.cu",
+                "fp8_dequant",
+                (min((rows * K + 255) // 256, 65536),),
+                256,
+                (
+                    w.data,
+                    w.scale,
+                    out,
+                    np.int32(row0),
+                    np.int32(rows),
+                    np.int32(K),
+                    np.int32(w.block_n),
+                    np.int32(w.block_k),
+                    np.int32(w.part_rows),
+                ),
+            )
+        return out
 
     def activation(self, host: np.ndarray):
         host = np.asarray(host)
@@ -239,6 +313,8 @@ class CupyOps(Ops):
         return out, s
 
     def linear(self, x, w, bias=None):
+        if isinstance(w, Fp8Weight):
+            return self._linear_fp8(x, w, bias)
         _check("linear", "w", w, _BF16, (None, None))
         N, K = w.shape
         _check("linear", "x", x, _BF16, (None, K))
@@ -248,6 +324,36 @@ class CupyOps(Ops):
             out[...] = bias  # accumulated with beta = 1
         if x.shape[0] and N:
             _gemm(x.shape[0], N, K, x.data.ptr, w.data.ptr, out.data.ptr, _BF16, beta=0.0 if bias is None else 1.0)
+        return out
+
+    def _linear_fp8(self, x, w: Fp8Weight, bias):
+        op = "linear"
+        _check(op, "w", w.data, _U8, (None, None), aligned=True)
+        N, K = w.shape
+        _check(op, "x", x, _BF16, (None, K), aligned=True)
+        T = x.shape[0]
+        out = cupy.empty((T, N), dtype=_BF16)  # [T, N]
+        if bias is not None:
+            _check(op, "bias", bias, _BF16, (N,))
+        if not T or not N:
+            return out
+        blocks = (np.int32(w.block_n), np.int32(w.block_k), np.int32(w.part_rows))
+        if T < FP8_CUBLAS_MIN_ROWS:  # weight-bandwidth bound: CUDA cores, FP8 read once per 8 rows
+            units = (N + 1) // 2
+            upw = self._units_per_warp(units, 1)
+            args = (x, w.data, w.scale, out if bias is None else bias, out, np.int32(T), np.int32(N), np.int32(K))
+            args += (*blocks, np.int32(bias is not None), np.int32(upw))
+            _launch("fp8_linear.cu", "fp8_linear", (-(-units // (_FL_WARPS * upw)),), 32 * _FL_WARPS, args)
+            return out
+        if bias is not None:
+            out[...] = bias  # accumulated with beta = 1
+        tile = max(1, min(N, FP8_TILE_ELEMENTS // max(K, 1)))
+        scratch = cupy.empty((tile, K), dtype=_BF16)  # [tile, K] dequantized rows
+        for n0 in range(0, N, tile):
+            rows = min(tile, N - n0)
+            self._dequantize(w, n0, rows, scratch)
+            beta = 0.0 if bias is None else 1.0
+            _gemm(T, rows, K, x.data.ptr, scratch.data.ptr, out.data.ptr + 2 * n0, _BF16, beta=beta, ldc=N)
         return out
 
     def rope(self, x, positions, cos_sin):
@@ -640,11 +746,17 @@ class CupyOps(Ops):
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         op = "moe_experts"
-        _check(op, "w_gate_up", w_gate_up, _BF16, (None, None, None), aligned=True)
-        El, I2, D = w_gate_up.shape
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        _require(op, fp8 == isinstance(w_down, Fp8Weight), "w_gate_up and w_down must both be FP8 or both bf16")
+        gu, dn = (w_gate_up.data, w_down.data) if fp8 else (w_gate_up, w_down)
+        _check(op, "w_gate_up", gu, _U8 if fp8 else _BF16, (None, None, None), aligned=True)
+        El, I2, D = gu.shape
         I = I2 // 2
         _require(op, I2 % 2 == 0 and D % 8 == 0 and I % 8 == 0, f"D and I must be multiples of 8, got D={D}, 2I={I2}")
-        _check(op, "w_down", w_down, _BF16, (El, D, I), aligned=True)
+        _check(op, "w_down", dn, _U8 if fp8 else _BF16, (El, D, I), aligned=True)
+        if fp8:
+            _require(op, w_gate_up.part_rows == I, f"FP8 w_gate_up must block gate and up apart (part_rows {I})")
+            _require(op, w_down.part_rows == D, f"FP8 w_down must have part_rows {D}, got {w_down.part_rows}")
         _check(op, "x", x, _BF16, (None, D), aligned=True)
         T = x.shape[0]
         _check(op, "ids", ids, _I32, (T, None))
@@ -693,22 +805,28 @@ class CupyOps(Ops):
         active = min(El, n)
         h = cupy.empty((n, I), dtype=_BF16)  # [P, I] (P <= T*k rows used)
         y = cupy.empty((n, D), dtype=_F32)  # [P, D]
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        suffix = "_fp8" if fp8 else ""
+        gate_up = (w_gate_up.data, w_gate_up.scale) if fp8 else (w_gate_up,)
+        down = (w_down.data, w_down.scale) if fp8 else (w_down,)
+        blocks = (np.int32(w_gate_up.block_n), np.int32(w_gate_up.block_k)) if fp8 else ()
         upw = self._units_per_warp(I, active)
         _launch(
             "moe_grouped_gemm.cu",
-            "moe_gate_up_silu",
+            "moe_gate_up_silu" + suffix,
             (-(-I // (_GG_WARPS * upw)), El),
             32 * _GG_WARPS,
-            (x, sorted_slot, offsets, w_gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw)),
+            (x, sorted_slot, offsets, *gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw), *blocks),
         )
         units = (D + 1) // 2
         upw = self._units_per_warp(units, active)
+        blocks = (np.int32(w_down.block_n), np.int32(w_down.block_k)) if fp8 else ()
         _launch(
             "moe_grouped_gemm.cu",
-            "moe_down",
+            "moe_down" + suffix,
             (-(-units // (_GG_WARPS * upw)), El),
             32 * _GG_WARPS,
-            (h, offsets, w_down, y, np.int32(D), np.int32(I), np.int32(upw)),
+            (h, offsets, *down, y, np.int32(D), np.int32(I), np.int32(upw), *blocks),
         )
         return y
 
@@ -730,11 +848,16 @@ class CupyOps(Ops):
             (x, sorted_slot, xs, np.int32(D), np.int32(k)),
         )
         busy = [(e, int(offs[e]), int(offs[e + 1] - offs[e])) for e in range(El) if offs[e + 1] > offs[e]]
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        if fp8:  # each busy expert's weights dequantized into one bf16 scratch, then cuBLAS
+            scratch_gu, scratch_d = cupy.empty((I2, D), dtype=_BF16), cupy.empty((D, I), dtype=_BF16)
         for e, o, c in busy:
-            _gemm(c, I2, D, xs[o].data.ptr, w_gate_up[e].data.ptr, gate_up[o].data.ptr, _BF16)
+            w = self._dequantize(w_gate_up, e * I2, I2, scratch_gu) if fp8 else w_gate_up[e]
+            _gemm(c, I2, D, xs[o].data.ptr, w.data.ptr, gate_up[o].data.ptr, _BF16)
         h = self.silu_and_mul(gate_up)  # [P, I]
         for e, o, c in busy:
-            _gemm(c, D, I, h[o].data.ptr, w_down[e].data.ptr, y[o].data.ptr, _F32)
+            w = self._dequantize(w_down, e * D, D, scratch_d) if fp8 else w_down[e]
+            _gemm(c, D, I, h[o].data.ptr, w.data.ptr, y[o].data.ptr, _F32)
         return y
 
     def argmax(self, logits) -> np.ndarray:

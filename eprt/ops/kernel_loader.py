@@ -23,7 +23,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     + ("attention_split_combine",),
     "router.cu": ("router_topk_bf16", "router_topk_f32", "router_grouped_bf16", "router_grouped_f32"),
     "moe_permute.cu": ("moe_permute", "moe_gather_rows"),
-    "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down"),
+    "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down", "moe_gate_up_silu_fp8", "moe_down_fp8"),
+    "fp8_linear.cu": ("fp8_linear", "fp8_dequant"),
     "moe_combine.cu": ("moe_combine",),
     "silu_and_mul.cu": ("silu_and_mul",),
     "elementwise.cu": (
