@@ -7,57 +7,22 @@
 // is a pair of weight rows dotted with up to GG_MT input rows at a time: lanes split the
 // reduction dim K into 16-byte chunks (coalesced weight reads), then a warp reduction.
 // fp32 accumulation; K (D or I) must be a multiple of 8 and the arrays 16-byte aligned.
-#include "common.cuh"
+// Weights are bf16, or FP8 with block scales (the *_fp8 entry points), read through weight_rows.cuh.
+#include "weight_rows.cuh"
 
 #define GG_THREADS 128
 #define GG_WARPS (GG_THREADS / WARP_SIZE)
-#define GG_MT 8
-
-// a0[m] = w0 . x_m and a1[m] = w1 . x_m for m < mt (rows of length K); every lane gets the sums.
-__device__ __forceinline__ void dot_two_rows(const bf16* __restrict__ w0, const bf16* __restrict__ w1,
-                                             const bf16* const xr[GG_MT], int mt, int K,
-                                             float a0[GG_MT], float a1[GG_MT]) {
-    const int lane = threadIdx.x % WARP_SIZE;
-#pragma unroll
-    for (int m = 0; m < GG_MT; ++m) a0[m] = a1[m] = 0.0f;
-#pragma unroll 2
-    for (int d = lane * 8; d < K; d += WARP_SIZE * 8) {
-        float wa[8], wb[8];
-        load8(w0 + d, wa);
-        load8(w1 + d, wb);
-#pragma unroll
-        for (int m = 0; m < GG_MT; ++m) {
-            if (m < mt) {
-                float xv[8];
-                load8(xr[m] + d, xv);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    a0[m] += wa[i] * xv[i];
-                    a1[m] += wb[i] * xv[i];
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < GG_MT; ++m) {
-        if (m < mt) {
-            a0[m] = warp_sum(a0[m]);
-            a1[m] = warp_sum(a1[m]);
-        }
-    }
-}
 
 // h[p, u] = silu(x[tok_p] . w_gate_up[e, u]) * (x[tok_p] . w_gate_up[e, I + u]) for the rows p
 // of expert e, tok_p = sorted_slot[p] / k. x [T, D]; w_gate_up [El, 2I, D]; h [P, I]. Units: I.
-extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_gate_up_silu(
-    const bf16* __restrict__ x, const int* __restrict__ sorted_slot, const int* __restrict__ offsets,
-    const bf16* __restrict__ w_gate_up, bf16* __restrict__ h, int D, int I, int k,
-    int units_per_warp) {
+template <typename W>
+__device__ void gate_up_silu(const bf16* __restrict__ x, const int* __restrict__ sorted_slot,
+                             const int* __restrict__ offsets, const W& w, bf16* __restrict__ h, int D, int I, int k,
+                             int units_per_warp) {
     const int e = blockIdx.y;
     const int start = offsets[e], count = offsets[e + 1] - start;
     if (count == 0) return;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const bf16* w = w_gate_up + (long long)e * 2 * I * D;
     const int first = (blockIdx.x * GG_WARPS + warp) * units_per_warp;
     const int last = min(first + units_per_warp, I);
     for (int u = first; u < last; ++u) {
@@ -68,7 +33,7 @@ extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_gate_up_silu(
             for (int m = 0; m < GG_MT; ++m)
                 xr[m] = x + (long long)(sorted_slot[start + m0 + min(m, mt - 1)] / k) * D;
             float g[GG_MT], up[GG_MT];
-            dot_two_rows(w + (long long)u * D, w + (long long)(I + u) * D, xr, mt, D, g, up);
+            dot_two_rows(w, u, I + u, xr, mt, D, g, up);
 #pragma unroll
             for (int m = 0; m < GG_MT; ++m)
                 if (m < mt && lane == m)
@@ -79,14 +44,13 @@ extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_gate_up_silu(
 
 // y[p, n] = h[p] . w_down[e, n] for the rows p of expert e. h [P, I]; w_down [El, D, I];
 // y [P, D] fp32. Units: output column pairs (2u, 2u + 1), ceil(D / 2) of them.
-extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_down(
-    const bf16* __restrict__ h, const int* __restrict__ offsets, const bf16* __restrict__ w_down,
-    float* __restrict__ y, int D, int I, int units_per_warp) {
+template <typename W>
+__device__ void down(const bf16* __restrict__ h, const int* __restrict__ offsets, const W& w, float* __restrict__ y,
+                     int D, int I, int units_per_warp) {
     const int e = blockIdx.y;
     const int start = offsets[e], count = offsets[e + 1] - start;
     if (count == 0) return;
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const bf16* w = w_down + (long long)e * D * I;
     const int first = (blockIdx.x * GG_WARPS + warp) * units_per_warp;
     const int last = min(first + units_per_warp, (D + 1) / 2);
     for (int u = first; u < last; ++u) {
@@ -97,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_down(
 #pragma unroll
             for (int m = 0; m < GG_MT; ++m) xr[m] = h + (long long)(start + m0 + min(m, mt - 1)) * I;
             float a0[GG_MT], a1[GG_MT];
-            dot_two_rows(w + (long long)n0 * I, w + (long long)n1 * I, xr, mt, I, a0, a1);
+            dot_two_rows(w, n0, n1, xr, mt, I, a0, a1);
 #pragma unroll
             for (int m = 0; m < GG_MT; ++m) {
                 if (m < mt && lane == m) {
@@ -108,4 +72,38 @@ extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_down(
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_gate_up_silu(
+    const bf16* __restrict__ x, const int* __restrict__ sorted_slot, const int* __restrict__ offsets,
+    const bf16* __restrict__ w_gate_up, bf16* __restrict__ h, int D, int I, int k, int units_per_warp) {
+    const Bf16Rows w{w_gate_up + (long long)blockIdx.y * 2 * I * D, D};
+    gate_up_silu(x, sorted_slot, offsets, w, h, D, I, k, units_per_warp);
+}
+
+extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_down(
+    const bf16* __restrict__ h, const int* __restrict__ offsets, const bf16* __restrict__ w_down,
+    float* __restrict__ y, int D, int I, int units_per_warp) {
+    const Bf16Rows w{w_down + (long long)blockIdx.y * D * I, I};
+    down(h, offsets, w, y, D, I, units_per_warp);
+}
+
+// FP8 experts: w_gate_up [El, 2I, D] bytes with scale [El, 2 * ceil(I / bn), ceil(D / bk)] (gate and up
+// blocked separately); w_down [El, D, I] bytes with scale [El, ceil(D / bn), ceil(I / bk)].
+extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_gate_up_silu_fp8(
+    const bf16* __restrict__ x, const int* __restrict__ sorted_slot, const int* __restrict__ offsets,
+    const unsigned char* __restrict__ w_gate_up, const float* __restrict__ scale, bf16* __restrict__ h, int D, int I,
+    int k, int units_per_warp, int block_n, int block_k) {
+    const long long scales = 2LL * ((I + block_n - 1) / block_n) * ((D + block_k - 1) / block_k);
+    const Fp8Rows w{w_gate_up + (long long)blockIdx.y * 2 * I * D, scale + blockIdx.y * scales, D, block_n, block_k, I};
+    gate_up_silu(x, sorted_slot, offsets, w, h, D, I, k, units_per_warp);
+}
+
+extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_down_fp8(
+    const bf16* __restrict__ h, const int* __restrict__ offsets, const unsigned char* __restrict__ w_down,
+    const float* __restrict__ scale, float* __restrict__ y, int D, int I, int units_per_warp, int block_n,
+    int block_k) {
+    const long long scales = (long long)((D + block_n - 1) / block_n) * ((I + block_k - 1) / block_k);
+    const Fp8Rows w{w_down + (long long)blockIdx.y * D * I, scale + blockIdx.y * scales, I, block_n, block_k, D};
+    down(h, offsets, w, y, D, I, units_per_warp);
 }

@@ -71,3 +71,132 @@ extern "C" __global__ void router_topk_f32(const float* logits, float* weights, 
                                            int E, int k, int renormalize) {
     router_token<float>(logits, weights, ids, T, E, k, renormalize);
 }
+
+// DeepSeek-style grouped routing (Ops.router_grouped). scores = softmax or sigmoid of the logits
+// (fp32); choice = scores + bias (bias [E] fp32, e_score_correction_bias, or zeros); the E experts
+// form n_group contiguous groups (n_group <= 32: lane g scores group g by its max, or the sum of
+// its two largest choice values); all but the topk_group best groups (ties to the lower group)
+// are set to -inf; ids = the k largest choice values (ties to the lower id); weights = their
+// scores, divided by their sum + 1e-20 if renormalize, times scaling.
+// One warp per token, dynamic shared memory ROUTER_WARPS * 2 * E floats (scores | choice).
+// A chosen expert's choice is set to NaN, which the selection skips.
+__device__ __forceinline__ bool choice_beats(float v, int i, float best_v, int best_i) {
+    return v == v && (v > best_v || (v == best_v && i < best_i));
+}
+
+template <typename TL>
+__device__ void router_grouped_token(const TL* __restrict__ logits, const float* __restrict__ bias,
+                                     float* __restrict__ weights, int* __restrict__ ids, int T, int E, int k,
+                                     int sigmoid, int n_group, int topk_group, int top2_sum, int renormalize,
+                                     float scaling) {
+    extern __shared__ float smem[];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int t = blockIdx.x * ROUTER_WARPS + warp;
+    if (t >= T) return;  // whole warp leaves together; no block-wide barrier follows
+    float* sc = smem + warp * 2 * E;
+    float* ch = sc + E;
+    const TL* row = logits + (long long)t * E;
+
+    if (sigmoid) {
+        for (int e = lane; e < E; e += WARP_SIZE) sc[e] = 1.0f / (1.0f + __expf(-to_f32(row[e])));
+    } else {
+        float mx = neg_inf();
+        for (int e = lane; e < E; e += WARP_SIZE) mx = fmaxf(mx, to_f32(row[e]));
+        mx = warp_max(mx);
+        float sum = 0.0f;
+        for (int e = lane; e < E; e += WARP_SIZE) {
+            const float v = __expf(to_f32(row[e]) - mx);
+            sc[e] = v;
+            sum += v;
+        }
+        const float inv = 1.0f / warp_sum(sum);
+        for (int e = lane; e < E; e += WARP_SIZE) sc[e] *= inv;
+    }
+    for (int e = lane; e < E; e += WARP_SIZE) ch[e] = sc[e] + bias[e];
+    __syncwarp();
+
+    if (n_group > 1) {
+        const int gsize = E / n_group;
+        float gv = neg_inf();
+        int gi = WARP_SIZE;  // lanes without a group never win
+        if (lane < n_group) {
+            float best1 = neg_inf(), best2 = neg_inf();
+            for (int e = lane * gsize; e < (lane + 1) * gsize; ++e) {
+                const float v = ch[e];
+                if (v > best1) {
+                    best2 = best1;
+                    best1 = v;
+                } else if (v > best2) {
+                    best2 = v;
+                }
+            }
+            gv = top2_sum && gsize > 1 ? best1 + best2 : best1;
+            gi = lane;
+        }
+        bool keep = false;
+        for (int r = 0; r < topk_group; ++r) {
+            float bv = gv;
+            int bi = gi;
+            warp_argmax(bv, bi);
+            if (lane == bi) {
+                keep = true;
+                gv = neg_inf();
+                gi = WARP_SIZE + 1;  // out of the running
+            }
+        }
+        const unsigned kept = __ballot_sync(FULL_MASK, keep);
+        __syncwarp();
+        for (int e = lane; e < E; e += WARP_SIZE)
+            if (!((kept >> (e / gsize)) & 1u)) ch[e] = neg_inf();
+        __syncwarp();
+    }
+
+    float my_w = 0.0f, picked = 0.0f;
+    int my_id = 0;
+    for (int j = 0; j < k; ++j) {
+        float best_v = neg_inf();
+        int best_i = E;
+        for (int e = lane; e < E; e += WARP_SIZE) {
+            if (choice_beats(ch[e], e, best_v, best_i)) {
+                best_v = ch[e];
+                best_i = e;
+            }
+        }
+#pragma unroll
+        for (int o = WARP_SIZE / 2; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, best_v, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, best_i, o);
+            if (oi < E && (best_i >= E || choice_beats(ov, oi, best_v, best_i))) {
+                best_v = ov;
+                best_i = oi;
+            }
+        }
+        const float w = best_i < E ? sc[best_i] : 0.0f;  // every choice NaN: weight 0 on expert 0
+        if (lane == j) {
+            my_w = w;
+            my_id = best_i < E ? best_i : 0;
+        }
+        picked += w;
+        __syncwarp();
+        if (lane == 0 && best_i < E) ch[best_i] = __int_as_float(0x7fc00000);  // NaN: taken
+        __syncwarp();
+    }
+    if (lane < k) {
+        weights[(long long)t * k + lane] = (renormalize ? my_w / (picked + 1e-20f) : my_w) * scaling;
+        ids[(long long)t * k + lane] = my_id;
+    }
+}
+
+extern "C" __global__ void router_grouped_bf16(const bf16* logits, const float* bias, float* weights, int* ids,
+                                               int T, int E, int k, int sigmoid, int n_group, int topk_group,
+                                               int top2_sum, int renormalize, float scaling) {
+    router_grouped_token<bf16>(logits, bias, weights, ids, T, E, k, sigmoid, n_group, topk_group, top2_sum,
+                               renormalize, scaling);
+}
+
+extern "C" __global__ void router_grouped_f32(const float* logits, const float* bias, float* weights, int* ids,
+                                              int T, int E, int k, int sigmoid, int n_group, int topk_group,
+                                              int top2_sum, int renormalize, float scaling) {
+    router_grouped_token<float>(logits, bias, weights, ids, T, E, k, sigmoid, n_group, topk_group, top2_sum,
+                                renormalize, scaling);
+}

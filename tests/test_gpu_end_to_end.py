@@ -13,6 +13,8 @@ context; at the first MoE layer where their expert choices differ, every flipped
 must be a near-tie of the reference router (probability gap between its k-th and (k+1)-th
 expert below ROUTE_TIE). If no routing differs, the tokens themselves must be near-ties:
 each backend's token among the other's top 2 and within LOGIT_TIE of its best logit.
+DeepSeek-style grouped routing (deepseek_v2/v3, glm4_moe) counts a near-tie in its selection
+values (scores + bias) or in its group scores.
 """
 
 import numpy as np
@@ -49,13 +51,56 @@ def teacher_forced(path, device, tokens):
 
     def recording_router(logits, top_k, renormalize):
         weights, ids = router(logits, top_k, renormalize)
-        routes.append((ops.to_host(logits).astype(np.float64), np.sort(ops.to_host(ids), axis=1)))
+        routes.append((ops.to_host(logits).astype(np.float64), np.sort(ops.to_host(ids), axis=1), False))
         return weights, ids
 
-    ops.router = recording_router
+    def recording_router_grouped(logits, bias, top_k, routing):
+        weights, ids = router_grouped(logits, bias, top_k, routing)
+        choice = grouped_choice(ops.to_host(logits), None if bias is None else ops.to_host(bias), routing)
+        routes.append((choice, np.sort(ops.to_host(ids), axis=1), True))
+        return weights, ids
+
+    router_grouped = ops.router_grouped
+    ops.router, ops.router_grouped = recording_router, recording_router_grouped
     ex = ShardExecutor(load_model(path, ops, max_len=128).model, 8, 16, 1, prefix_cache=False)
     ex.allocate(0, tokens)
     return ops.to_host(ex.prefill(0, tokens, 0, len(tokens)))[0], routes
+
+
+def grouped_choice(logits: np.ndarray, bias, routing) -> np.ndarray:
+    """DeepSeek routing's selection values [T, E] (float64): scores + bias, -inf outside the kept
+    groups, and the group scores' tie as an extra column: the gap between the last kept and the
+    first dropped group (inf with one group)."""
+    logits = logits.astype(np.float64)
+    if routing.scoring == "softmax":
+        scores = np.exp(logits - logits.max(axis=1, keepdims=True))
+        scores /= scores.sum(axis=1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+    choice = scores + (0 if bias is None else bias)
+    T, E = choice.shape
+    gap = np.full((T, 1), np.inf)
+    if routing.n_group > 1:
+        groups = np.sort(choice.reshape(T, routing.n_group, -1), axis=-1)
+        gs = groups[..., -1] if routing.group_score == "max" else groups[..., -2:].sum(axis=-1)
+        order = np.sort(gs, axis=1)[:, ::-1]
+        if routing.topk_group < routing.n_group:
+            gap[:, 0] = order[:, routing.topk_group - 1] - order[:, routing.topk_group]
+        kept = gs >= order[:, routing.topk_group - 1 : routing.topk_group]
+        choice = np.where(np.repeat(kept, E // routing.n_group, axis=1), choice, -np.inf)
+    return np.concatenate([choice, gap], axis=1)
+
+
+def route_gap(values: np.ndarray, k: int, grouped: bool) -> float:
+    """How close one token's top-k decision was. Softmax router (values = logits): the k-th minus
+    the (k+1)-th probability. Grouped routing (values = a grouped_choice row): the smaller of that
+    gap in the selection values and the gap between the kept and dropped groups."""
+    if not grouped:
+        p = np.exp(values - values.max())
+        p = np.sort(p / p.sum())[::-1]
+        return p[k - 1] - p[k]
+    choice = np.sort(values[:-1])[::-1]
+    return min(choice[k - 1] - choice[k] if k < choice.size else np.inf, values[-1])
 
 
 def near_tie(logits: np.ndarray, token: int) -> bool:
@@ -66,18 +111,16 @@ def explain_divergence(path, context, want, got) -> str | None:
     """None when the first difference is explained by a near-tie, else why not."""
     ref, ref_routes = teacher_forced(path, "cpu", context)
     dev, dev_routes = teacher_forced(path, "cuda", context)
-    for layer, ((logits, ids), (_, dev_ids)) in enumerate(zip(ref_routes, dev_routes)):
+    for layer, ((values, ids, grouped), (_, dev_ids, _)) in enumerate(zip(ref_routes, dev_routes)):
         flipped = np.nonzero((ids != dev_ids).any(axis=1))[0]
         if flipped.size == 0:
             continue
-        k = ids.shape[1]
         for pos in flipped:
-            p = np.exp(logits[pos] - logits[pos].max())
-            p = np.sort(p / p.sum())[::-1]
-            if p[k - 1] - p[k] >= ROUTE_TIE:
+            gap = route_gap(values[pos], ids.shape[1], grouped)
+            if gap >= ROUTE_TIE:
                 return (
                     f"MoE layer {layer} position {pos}: experts {ids[pos].tolist()} (cpu) vs "
-                    f"{dev_ids[pos].tolist()} (cuda) with a probability gap of {p[k - 1] - p[k]:.4f}"
+                    f"{dev_ids[pos].tolist()} (cuda) with a router gap of {gap:.4f}"
                 )
         return None  # the first routing difference is a near-tie; everything after follows from it
     if near_tie(ref, got) and near_tie(dev, want):
@@ -88,7 +131,9 @@ def explain_divergence(path, context, want, got) -> str | None:
     )
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe"]
+)
 def test_cuda_greedy_tokens_follow_numpy(checkpoint, arch):
     path = checkpoint(arch, dtype="bfloat16")  # bf16 on disk: both backends start from the same weights
     cpu, cuda = greedy(path, "cpu"), greedy(path, "cuda")

@@ -6,8 +6,8 @@ for the local range ``[expert_start, expert_end)``; a rank reads no other expert
 bytes. Checkpoints saved with fused expert tensors (``experts.gate_up_proj``
 ``[E, 2I, D]`` and ``experts.down_proj`` ``[E, D, I]``) are read too. Every tensor's
 shape is checked against the config and its values scanned for NaN/Inf as it is read.
-FP8 block-scaled weights (``X.weight`` F8_E4M3 with ``X.weight_scale_inv``) are dequantized
-block-wise to float32 as read; MLA's kv_b_proj is split into the absorbed W_UK / W_UV.
+FP8 block-scaled weights (``X.weight`` F8_E4M3 with ``X.weight_scale_inv``) stay FP8 on a backend with
+``fp8_resident`` (the GPU), else are dequantized block-wise as read; MLA kv_b_proj is split into W_UK / W_UV.
 """
 
 from __future__ import annotations
@@ -169,9 +169,27 @@ class Fp8Source:
             return self.src.read(name)
         return dequantize_fp8(name, self.src.read(name), self.src.read(scale_name), self.quant)
 
+    def read_fp8(self, name: str) -> tuple | None:
+        """(float8_e4m3fn bytes [N, K], float32 scale_inv) of an FP8 tensor, checked; None for any other."""
+        scale_name = f"{name}_scale_inv"
+        if not name.endswith(".weight") or scale_name not in self.src:
+            return None
+        raw = self.src.read(name)
+        return raw, fp8_scales(name, raw, self.src.read(scale_name), self.quant)
+
 
 def dequantize_fp8(name: str, raw: np.ndarray, scale_inv: np.ndarray, quant: Fp8Quantization) -> np.ndarray:
     """float8_e4m3fn bytes raw[N, K] times scale_inv[ceil(N/bn), ceil(K/bk)] block-wise -> float32 [N, K]."""
+    bn, bk = quant.block_n, quant.block_k
+    scale = fp8_scales(name, raw, scale_inv, quant)
+    N, K = raw.shape
+    w = fp8_e4m3_to_f32(raw)  # [N, K]
+    full = np.repeat(np.repeat(scale, bn, axis=0)[:N], bk, axis=1)[:, :K]  # [N, K]
+    return w * full
+
+
+def fp8_scales(name: str, raw: np.ndarray, scale_inv: np.ndarray, quant: Fp8Quantization) -> np.ndarray:
+    """The checked float32 block scales of FP8 tensor ``name`` (raw [N, K] uint8)."""
     if raw.dtype != np.uint8 or raw.ndim != 2:
         raise CheckpointError(
             f"tensor {name!r} has a weight_scale_inv, so it must be a 2-D F8_E4M3 tensor; "
@@ -186,10 +204,36 @@ def dequantize_fp8(name: str, raw: np.ndarray, scale_inv: np.ndarray, quant: Fp8
             f"weight_block_size [{bn}, {bk}] blocks needs {want}"
         )
     scale = scale_inv if scale_inv.dtype != np.uint16 else bf16_bits_to_f32(scale_inv)
-    scale = np.asarray(scale, dtype=np.float32)
-    w = fp8_e4m3_to_f32(raw)  # [N, K]
-    full = np.repeat(np.repeat(scale, bn, axis=0)[:N], bk, axis=1)[:, :K]  # [N, K]
-    return w * full
+    return np.asarray(scale, dtype=np.float32)
+
+
+def _resident_fp8(src: TensorSource, ops, names: list, expected: tuple):
+    """The FP8 tensors ``names`` (each of shape ``expected``, stacked by rows) uploaded as FP8 on a
+    backend that keeps them (``ops.fp8_resident``); None when any is not FP8 (then read dequantized)."""
+    if not (ops.fp8_resident and isinstance(src, Fp8Source)) or any(name not in src for name in names):
+        return None
+    parts = [src.read_fp8(name) for name in names]
+    if any(p is None for p in parts):
+        return None
+    for name, (raw, scale) in zip(names, parts):
+        _check_shape(name, raw, expected)
+        _check_fp8_finite(name, raw, scale)
+    raw, scale = (np.concatenate([p[i] for p in parts]) for i in (0, 1))
+    q = src.quant
+    return ops.weight_fp8(raw, scale, q.block_n, q.block_k, expected[0].size)
+
+
+def _check_fp8_finite(name: str, raw: np.ndarray, scale: np.ndarray) -> None:
+    nan = int(np.count_nonzero((raw & 0x7F) == 0x7F))  # float8_e4m3fn has NaN but no infinity
+    if nan:
+        raise CheckpointError(f"tensor {name!r} holds {nan} NaN value(s) of {raw.size}: the checkpoint is corrupt")
+    _check_finite(name + "_scale_inv", scale)
+
+
+def _weight(src: TensorSource, ops, name: str, expected: tuple):
+    """One weight: FP8-resident where the backend keeps FP8, else a checked host array uploaded."""
+    fp8 = _resident_fp8(src, ops, [name], expected)
+    return fp8 if fp8 is not None else ops.weight(_host(src, name, expected))
 
 
 def _read(src: TensorSource, name: str, expected: tuple) -> np.ndarray:
@@ -255,8 +299,8 @@ def load_weights(
     if cfg.fp8 is not None:
         src = Fp8Source(src, cfg.fp8)
     n = _dims(cfg)
-    W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))  # noqa: E731
-    embed = W("model.embed_tokens.weight", "V", "D")
+    W = lambda name, *shape: _weight(src, ops, name, tuple(n[d] for d in shape))  # noqa: E731
+    embed = ops.weight(_host(src, "model.embed_tokens.weight", (n["V"], n["D"])))  # a table: never FP8-resident
     if cfg.tie_word_embeddings or "lm_head.weight" not in src:
         if not cfg.tie_word_embeddings:
             raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
@@ -278,11 +322,7 @@ def load_weights(
         if sparse:
             _load_moe(src, cfg, ops, lw, m, expert_start, expert_end)
         else:
-            g, u = _same_dtype(
-                _host(src, f"{m}.gate_proj.weight", (n["Id"], n["D"])),
-                _host(src, f"{m}.up_proj.weight", (n["Id"], n["D"])),
-            )
-            lw.mlp_gate_up = ops.weight(np.concatenate([g, u], axis=0))
+            lw.mlp_gate_up = _gate_up(src, ops, m, (n["Id"], n["D"]))
             lw.mlp_down = W(f"{m}.down_proj.weight", "D", "Id")
         weights.layers.append(lw)
     return weights
@@ -291,7 +331,7 @@ def load_weights(
 def _attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
     """Grouped-query attention: q/k/v/o, optional biases and q/k norms."""
     n = _dims(cfg)
-    W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))  # noqa: E731
+    W = lambda name, *shape: _weight(src, ops, name, tuple(n[d] for d in shape))  # noqa: E731
     out = dict(
         q=W(f"{a}.q_proj.weight", "Q", "D"),
         k=W(f"{a}.k_proj.weight", "KV", "D"),
@@ -322,7 +362,7 @@ def _mla_attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
     """MLA: q (direct or low-rank with its norm), kv_a with its norm, kv_b split into W_UK/W_UV, o."""
     n, m, H = _dims(cfg), cfg.mla, cfg.num_heads
     Dn, R, C = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
-    W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))  # noqa: E731
+    W = lambda name, *shape: _weight(src, ops, name, tuple(n[d] for d in shape))  # noqa: E731
     out: dict = dict(k=None, v=None, o=W(f"{a}.o_proj.weight", "D", "HV"))
     if m.q_lora_rank:
         out.update(q_a=W(f"{a}.q_a_proj.weight", "Qr", "D"), q_a_norm=W(f"{a}.q_a_layernorm.weight", "Qr"))
@@ -347,21 +387,61 @@ def _mla_attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
 def _load_moe(src: TensorSource, cfg: ModelConfig, ops, lw: LayerWeights, m: str, start: int, end: int) -> None:
     """Router (and its score bias), this rank's experts, the shared expert(s)."""
     n = _dims(cfg)
-    W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))  # noqa: E731
+    W = lambda name, *shape: _weight(src, ops, name, tuple(n[d] for d in shape))  # noqa: E731
     lw.router = W(f"{m}.gate.weight", "E", "D")
     if cfg.router_bias:
         bias = _host(src, f"{m}.gate.e_score_correction_bias", (n["E"],))
-        lw.router_bias = ops.activation(bf16_bits_to_f32(bias) if bias.dtype == np.uint16 else bias)
-    gate_up, down = _experts(src, cfg, m, start, end)
-    lw.w_gate_up, lw.w_down = ops.weight(gate_up), ops.weight(down)
+        bias = bf16_bits_to_f32(bias) if bias.dtype == np.uint16 else bias
+        lw.router_bias = ops.xp.asarray(np.ascontiguousarray(bias, dtype=np.float32))  # float32 on every backend
+    fp8 = _resident_fp8_experts(src, cfg, ops, m, start, end)
+    if fp8 is not None:
+        lw.w_gate_up, lw.w_down = fp8
+    else:
+        gate_up, down = _experts(src, cfg, m, start, end)
+        lw.w_gate_up, lw.w_down = ops.weight(gate_up), ops.weight(down)
     if not cfg.has_shared_expert:
         return
     s = f"{m}.{cfg.shared_expert_prefix}"
-    g, u = _same_dtype(
-        _host(src, f"{s}.gate_proj.weight", (n["Is"], n["D"])),
-        _host(src, f"{s}.up_proj.weight", (n["Is"], n["D"])),
-    )
-    lw.shared_gate_up = ops.weight(np.concatenate([g, u], axis=0))
+    lw.shared_gate_up = _gate_up(src, ops, s, (n["Is"], n["D"]))
     lw.shared_down = W(f"{s}.down_proj.weight", "D", "Is")
     if cfg.shared_expert_gated:
         lw.shared_gate = W(f"{m}.shared_expert_gate.weight", "1", "D")
+
+
+def _gate_up(src: TensorSource, ops, prefix: str, expected: tuple):
+    """A dense MLP's (or shared expert's) gate and up projections stacked: [2I, D]."""
+    names = [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
+    fp8 = _resident_fp8(src, ops, names, expected)
+    if fp8 is not None:
+        return fp8
+    g, u = _same_dtype(*(_host(src, name, expected) for name in names))
+    return ops.weight(np.concatenate([g, u], axis=0))
+
+
+def _resident_fp8_experts(src: TensorSource, cfg: ModelConfig, ops, prefix: str, start: int, end: int):
+    """Experts [start, end) as FP8 on a backend that keeps FP8: (gate_up [El, 2I, D] blocked per half,
+    down [El, D, I]) with their scales; None when not FP8 (or fused / no local experts)."""
+    if not (ops.fp8_resident and isinstance(src, Fp8Source)) or start == end or f"{prefix}.experts.gate_up_proj" in src:
+        return None
+    n, (g_name, u_name, d_name) = _dims(cfg), cfg.expert_names
+    gate_up, down = [], []
+    for e in range(start, end):
+        base = f"{prefix}.experts.{e}"
+        names = [f"{base}.{g_name}.weight", f"{base}.{u_name}.weight", f"{base}.{d_name}.weight"]
+        shapes = [(n["I"], n["D"]), (n["I"], n["D"]), (n["D"], n["I"])]
+        if any(name not in src for name in names):
+            return None  # the dequantizing path names the missing tensor
+        parts = [src.read_fp8(name) for name in names]
+        if any(p is None for p in parts):
+            return None
+        for name, shape, (raw, scale) in zip(names, shapes, parts):
+            _check_shape(name, raw, shape)
+            _check_fp8_finite(name, raw, scale)
+        gate_up.append([np.concatenate([parts[0][i], parts[1][i]]) for i in (0, 1)])
+        down.append(parts[2])
+    q = src.quant
+    stacked = [np.stack([p[i] for p in gate_up]) for i in (0, 1)] + [np.stack([p[i] for p in down]) for i in (0, 1)]
+    return (
+        ops.weight_fp8(stacked[0], stacked[1], q.block_n, q.block_k, cfg.moe_intermediate_size),
+        ops.weight_fp8(stacked[2], stacked[3], q.block_n, q.block_k, cfg.hidden_size),
+    )

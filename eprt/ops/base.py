@@ -70,10 +70,18 @@ class Ops:
     name = "abstract"
     xp: Any = None  # the array module (numpy or cupy)
     kv_itemsize = 4  # bytes per KV cache element (float32; the GPU backend stores bf16)
+    fp8_resident = False  # True: FP8 checkpoint weights stay FP8 in memory (weight_fp8); else dequantized at load
 
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray) -> Array:
         """Upload a weight. ``host`` is float32, or uint16 holding raw bfloat16 bits."""
+        raise NotImplementedError
+
+    def weight_fp8(self, raw: np.ndarray, scale_inv: np.ndarray, block_n: int, block_k: int, part_rows: int):
+        """Upload an FP8 block-scaled weight that stays FP8 (backends with ``fp8_resident``):
+        raw[.., N, K] float8_e4m3fn bytes (uint8), scale_inv[.., (N / part_rows) * ceil(part_rows /
+        block_n), ceil(K / block_k)] float32. Rows [i * part_rows, (i + 1) * part_rows) are blocked
+        on their own (gate | up stacked). ``linear`` and ``moe_experts`` accept the result."""
         raise NotImplementedError
 
     def activation(self, host: np.ndarray) -> Array:

@@ -8,10 +8,12 @@ not index contents (docs/gpu.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cupy
 import numpy as np
 
-from eprt.ops.base import Ops
+from eprt.ops.base import GroupedRouting, Ops
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from eprt.ops.kernel_loader import KERNELS, get_kernel, get_module
 
@@ -24,7 +26,8 @@ _GEMM_DEFAULT = -1
 _BF16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
-_DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32"}
+_U8 = np.dtype(np.uint8)
+_DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32", _U8: "float8_e4m3fn (uint8 bytes)"}
 
 _SMEM_DEFAULT = 48 * 1024  # dynamic shared memory usable without opting in
 _ATTN_THREADS = _ATTN_CHUNK = 128  # paged_attention.cu: ATTN_THREADS, ATTN_CHUNK
@@ -33,8 +36,34 @@ _ATTN_MAX_SPLITS = 256  # paged_attention.cu: ATTN_MAX_SPLITS
 DECODE_SPLITS = ("auto", "on", "off")
 _ROUTER_WARPS = 4  # router.cu: ROUTER_WARPS
 _GG_WARPS = 4  # moe_grouped_gemm.cu: GG_WARPS
+_MLA_THREADS, _MLA_CHUNK = 128, 32  # mla_attention.cu: MLA_THREADS, MLA_CHUNK
+_MLA_MAX_HEADS = 16  # query heads per block of mla_attention (fewer when shared memory is short)
 MOE_IMPLS = ("auto", "grouped", "gathered")
 GATHERED_MIN_TOKENS = 256  # "auto": tokens per call from which cuBLAS per expert wins
+FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
+FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
+_FL_WARPS = 4  # fp8_linear.cu: FL_WARPS
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An FP8 block-scaled weight resident on the GPU (``CupyOps.weight_fp8``): float8_e4m3fn bytes
+    ``data[.., N, K]`` (uint8) and float32 ``scale[.., (N / part_rows) * ceil(part_rows / block_n),
+    ceil(K / block_k)]``; rows [i * part_rows, (i + 1) * part_rows) are blocked on their own."""
+
+    data: object
+    scale: object
+    block_n: int
+    block_k: int
+    part_rows: int
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes) + int(self.scale.nbytes)
 
 
 def _check(op: str, name: str, a, dtypes, shape: tuple | None = None, aligned: bool = False):
@@ -71,9 +100,44 @@ def _launch(file: str, name: str, grid: tuple, block: int, args: tuple, smem: in
     kernel(grid, (block,), args, shared_mem=smem)
 
 
-def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, beta: float = 0.0):
+def _gemm_per_head(x, w, out) -> None:
+    """out[T, H, N] = x[T, H, K] @ w[H, N, K].T per head h: one strided-batched cuBLAS call (bf16
+    in, fp32 compute, bf16 out). Column-major per head: out_h.T (ld H*N) = op_T(w_h) @ x_h.T (ld H*K)."""
+    from cupy_backends.cuda.libs import cublas
+
+    T, H, K = x.shape
+    N = w.shape[1]
+    alpha, beta = np.array(1.0, np.float32), np.array(0.0, np.float32)  # host scalars
+    cublas.gemmStridedBatchedEx(
+        cupy.cuda.device.get_cublas_handle(),
+        _OP_T,
+        _OP_N,
+        N,
+        T,
+        K,
+        alpha.ctypes.data,
+        w.data.ptr,
+        _R_16BF,
+        K,
+        N * K,
+        x.data.ptr,
+        _R_16BF,
+        H * K,
+        K,
+        beta.ctypes.data,
+        out.data.ptr,
+        _R_16BF,
+        H * N,
+        N,
+        H,
+        _COMPUTE_32F,
+        _GEMM_DEFAULT,
+    )
+
+
+def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, beta: float = 0.0, ldc: int = 0):
     """Row-major c[m, n] = a[m, k] @ b[n, k].T (+ beta * c): bf16 inputs, fp32 accumulation,
-    c bf16 or fp32. cuBLAS is column-major, so it computes c.T = op_T(b) @ a.T."""
+    c bf16 or fp32 with row stride ldc (0: n). cuBLAS is column-major: it computes c.T = op_T(b) @ a.T."""
     from cupy_backends.cuda.libs import cublas
 
     alpha, beta_ = np.array(1.0, np.float32), np.array(beta, np.float32)  # host scalars
@@ -94,7 +158,7 @@ def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, b
         beta_.ctypes.data,
         c_ptr,
         _R_32F if c_dtype == _F32 else _R_16BF,
-        n,
+        ldc or n,
         _COMPUTE_32F,
         _GEMM_DEFAULT,
     )
@@ -104,6 +168,7 @@ class CupyOps(Ops):
     name = "cuda"
     act_dtype = np.uint16  # bfloat16 bits
     kv_itemsize = 2  # bytes per KV cache element (bf16)
+    fp8_resident = True  # FP8 checkpoints stay FP8 on the device, dequantized inside the GEMMs
 
     def __init__(self, moe_impl: str = "auto", decode_split: str = "auto", split_keys: int = 512):
         """``moe_impl``: expert GEMMs (see ``moe_experts``). ``decode_split``: split each decode
@@ -128,6 +193,52 @@ class CupyOps(Ops):
         if host.dtype.kind != "f":
             raise TypeError(f"weight: expected float32 or uint16 bfloat16 bits, got {host.dtype}")
         return cupy.asarray(f32_to_bf16_bits(host))
+
+    def weight_fp8(self, raw, scale_inv, block_n, block_k, part_rows):
+        op = "weight_fp8"
+        raw, scale_inv = np.asarray(raw), np.asarray(scale_inv)
+        _require(
+            op, raw.dtype == _U8 and raw.ndim in (2, 3), f"raw must be 2-D or 3-D uint8, got {raw.dtype} {raw.ndim}-D"
+        )
+        N, K = raw.shape[-2:]
+        _require(op, block_n >= 1 and block_k >= 1, f"block size must be positive, got [{block_n}, {block_k}]")
+        _require(op, part_rows >= 1 and N % part_rows == 0, f"part_rows must divide N={N}, got {part_rows}")
+        want = (*raw.shape[:-2], N // part_rows * -(-part_rows // block_n), -(-K // block_k))
+        _require(op, scale_inv.shape == want, f"scale_inv has shape {scale_inv.shape}, expected {want}")
+        w = Fp8Weight(
+            cupy.asarray(np.ascontiguousarray(raw)),
+            cupy.asarray(np.ascontiguousarray(scale_inv, dtype=np.float32)),
+            block_n,
+            block_k,
+            part_rows,
+        )
+        if K % 8 or block_k % 8:  # the GEMM kernels read 8 weights under one scale: keep bf16 instead
+            return self._dequantize(w, 0, w.data.size // K).reshape(w.shape)
+        return w
+
+    def _dequantize(self, w: Fp8Weight, row0: int, rows: int, out=None):
+        """bf16 rows [row0, row0 + rows) of an FP8 weight (its leading dims flattened into rows)."""
+        K = w.shape[-1]
+        out = cupy.empty((rows, K), dtype=_BF16) if out is None else out  # [rows, K]
+        if rows and K:
+            _launch(
+                "fp8_linear.cu",
+                "fp8_dequant",
+                (min((rows * K + 255) // 256, 65536),),
+                256,
+                (
+                    w.data,
+                    w.scale,
+                    out,
+                    np.int32(row0),
+                    np.int32(rows),
+                    np.int32(K),
+                    np.int32(w.block_n),
+                    np.int32(w.block_k),
+                    np.int32(w.part_rows),
+                ),
+            )
+        return out
 
     def activation(self, host: np.ndarray):
         host = np.asarray(host)
@@ -202,6 +313,8 @@ class CupyOps(Ops):
         return out, s
 
     def linear(self, x, w, bias=None):
+        if isinstance(w, Fp8Weight):
+            return self._linear_fp8(x, w, bias)
         _check("linear", "w", w, _BF16, (None, None))
         N, K = w.shape
         _check("linear", "x", x, _BF16, (None, K))
@@ -211,6 +324,36 @@ class CupyOps(Ops):
             out[...] = bias  # accumulated with beta = 1
         if x.shape[0] and N:
             _gemm(x.shape[0], N, K, x.data.ptr, w.data.ptr, out.data.ptr, _BF16, beta=0.0 if bias is None else 1.0)
+        return out
+
+    def _linear_fp8(self, x, w: Fp8Weight, bias):
+        op = "linear"
+        _check(op, "w", w.data, _U8, (None, None), aligned=True)
+        N, K = w.shape
+        _check(op, "x", x, _BF16, (None, K), aligned=True)
+        T = x.shape[0]
+        out = cupy.empty((T, N), dtype=_BF16)  # [T, N]
+        if bias is not None:
+            _check(op, "bias", bias, _BF16, (N,))
+        if not T or not N:
+            return out
+        blocks = (np.int32(w.block_n), np.int32(w.block_k), np.int32(w.part_rows))
+        if T < FP8_CUBLAS_MIN_ROWS:  # weight-bandwidth bound: CUDA cores, FP8 read once per 8 rows
+            units = (N + 1) // 2
+            upw = self._units_per_warp(units, 1)
+            args = (x, w.data, w.scale, out if bias is None else bias, out, np.int32(T), np.int32(N), np.int32(K))
+            args += (*blocks, np.int32(bias is not None), np.int32(upw))
+            _launch("fp8_linear.cu", "fp8_linear", (-(-units // (_FL_WARPS * upw)),), 32 * _FL_WARPS, args)
+            return out
+        if bias is not None:
+            out[...] = bias  # accumulated with beta = 1
+        tile = max(1, min(N, FP8_TILE_ELEMENTS // max(K, 1)))
+        scratch = cupy.empty((tile, K), dtype=_BF16)  # [tile, K] dequantized rows
+        for n0 in range(0, N, tile):
+            rows = min(tile, N - n0)
+            self._dequantize(w, n0, rows, scratch)
+            beta = 0.0 if bias is None else 1.0
+            _gemm(T, rows, K, x.data.ptr, scratch.data.ptr, out.data.ptr + 2 * n0, _BF16, beta=beta, ldc=N)
         return out
 
     def rope(self, x, positions, cos_sin):
@@ -466,13 +609,168 @@ class CupyOps(Ops):
                 (ids, np.int32(n), np.int32(counts.shape[0]), counts),
             )
 
+    def add(self, x, y):
+        _check("add", "x", x, (_BF16, _F32), (None, None))
+        _check("add", "y", y, (_BF16, _F32), x.shape)
+        out = cupy.empty_like(x)  # [T, D] of x's dtype
+        if out.size:
+            name = {_F32: "f32", _BF16: "bf16"}
+            _launch(
+                "elementwise.cu",
+                f"add_{name[x.dtype]}_{name[y.dtype]}",
+                (min((out.size + 255) // 256, 65536),),
+                256,
+                (x, y, out, np.int64(out.size)),
+            )
+        return out
+
+    def router_grouped(self, logits, bias, top_k, routing: GroupedRouting):
+        op = "router_grouped"
+        _check(op, "logits", logits, (_BF16, _F32), (None, None))
+        T, E = logits.shape
+        _require(op, 1 <= top_k <= min(E, 32), f"top_k must be in [1, min(E={E}, 32)], got {top_k}")
+        G = routing.n_group
+        _require(op, 1 <= G <= 32 and E % G == 0, f"n_group must divide E={E} and be in [1, 32], got {G}")
+        if bias is None:
+            bias = cupy.zeros(E, dtype=_F32)
+        _check(op, "bias", bias, _F32, (E,))
+        smem = 4 * _ROUTER_WARPS * 2 * E
+        _require(op, smem <= self.smem_limit, f"too many experts for one warp per token: {E}")
+        weights = cupy.empty((T, top_k), dtype=_F32)  # [T, k]
+        ids = cupy.empty((T, top_k), dtype=_I32)  # [T, k]
+        if T:
+            _launch(
+                "router.cu",
+                "router_grouped_f32" if logits.dtype == _F32 else "router_grouped_bf16",
+                ((T + _ROUTER_WARPS - 1) // _ROUTER_WARPS,),
+                32 * _ROUTER_WARPS,
+                (
+                    logits,
+                    bias,
+                    weights,
+                    ids,
+                    np.int32(T),
+                    np.int32(E),
+                    np.int32(top_k),
+                    np.int32(routing.scoring == "sigmoid"),
+                    np.int32(G),
+                    np.int32(routing.topk_group),
+                    np.int32(routing.group_score == "top2_sum"),
+                    np.int32(bool(routing.renormalize)),
+                    np.float32(routing.scaling),
+                ),
+                smem,
+            )
+        return weights, ids
+
+    # ---- MLA: per-head projections and attention over the paged latent cache -------------
+    def head_linear(self, x, w):
+        _check("head_linear", "w", w, _BF16, (None, None, None))
+        H, N, K = w.shape
+        _check("head_linear", "x", x, _BF16, (None, H, K))
+        out = cupy.empty((x.shape[0], H, N), dtype=_BF16)  # [T, H, N]
+        if out.size and K:
+            _gemm_per_head(x, w, out)
+        elif out.size:
+            out.fill(0)
+        return out
+
+    def latent_write(self, latent_cache, x, slot_mapping):
+        _check("latent_write", "latent_cache", latent_cache, _BF16, (None, None, None), aligned=True)
+        L = latent_cache.shape[2]
+        _require("latent_write", L % 8 == 0, f"latent width must be a multiple of 8, got {L}")
+        _check("latent_write", "x", x, _BF16, (None, L), aligned=True)
+        T = x.shape[0]
+        _check("latent_write", "slot_mapping", slot_mapping, _I32, (T,))
+        if T:
+            _launch(
+                "mla_attention.cu",
+                "mla_latent_write",
+                (T,),
+                _threads(L // 8, 256),
+                (latent_cache, x, slot_mapping, np.int32(L)),
+            )
+
+    def _mla_args(self, op, q, latent_cache, value_dim):
+        """Shared checks; returns (H, L, C, BS, heads per block, shared-memory bytes)."""
+        _check(op, "latent_cache", latent_cache, _BF16, (None, None, None), aligned=True)
+        BS, L = latent_cache.shape[1:]
+        _require(op, L % 8 == 0, f"latent width must be a multiple of 8, got {L}")
+        _check(op, "q", q, _BF16, (None, None, L))
+        H, C = q.shape[1], value_dim
+        _require(op, 1 <= C <= L, f"value_dim must be in [1, latent width {L}], got {C}")
+        heads = min(H, _MLA_MAX_HEADS)
+        smem = lambda g: 2 * _MLA_CHUNK * L + 4 * (g * L + g * _MLA_CHUNK + 3 * g + g * C)  # noqa: E731
+        while heads > 1 and smem(heads) > self.smem_limit:
+            heads //= 2
+        _require(op, smem(heads) <= self.smem_limit, f"needs {smem(heads)} bytes of shared memory (L={L}, C={C})")
+        return H, L, C, BS, max(heads, 1), smem(max(heads, 1))
+
+    def _mla_attend(self, op, q, latent_cache, tables, table_stride, lens, max_keys, scale, value_dim):
+        """Rows of q attend to keys [0, lens[b]) of their table; one pass or split (flash-decoding)."""
+        H, L, C, BS, heads, smem = self._mla_args(op, q, latent_cache, value_dim)
+        B = q.shape[0]
+        out = cupy.empty((B, H, C), dtype=_BF16)  # [B, H, C]
+        if not B or not H:
+            return out
+        head_blocks = -(-H // heads)
+        splits, split_keys = self._decode_partitions(B * head_blocks, max_keys)
+        common = (np.int32(H), np.int32(L), np.int32(C), np.int32(BS), np.int32(table_stride), np.int32(heads))
+        if splits == 1:
+            args = (q, latent_cache, tables, lens, out, *common, np.float32(scale))
+            _launch("mla_attention.cu", "mla_attention", (B, head_blocks), _MLA_THREADS, args, smem)
+            return out
+        part_acc = cupy.empty((B, splits, H, C), dtype=_F32)  # [B, P, H, C]
+        part_ml = cupy.empty((B, splits, H, 2), dtype=_F32)  # [B, P, H, (max, sum)]
+        args = (q, latent_cache, tables, lens, part_acc, part_ml, *common, np.int32(split_keys), np.float32(scale))
+        _launch("mla_attention.cu", "mla_attention_split", (B, head_blocks, splits), _MLA_THREADS, args, smem)
+        _launch(
+            "paged_attention.cu",
+            "attention_split_combine",
+            (B, H),
+            _ATTN_THREADS,
+            (part_acc, part_ml, out, np.int32(H), np.int32(C), np.int32(splits)),
+        )
+        return out
+
+    def mla_attention_prefill(self, q, latent_cache, block_table, start_pos, scale, value_dim):
+        op = "mla_attention_prefill"
+        _check(op, "q", q, _BF16, (None, None, None))
+        _check(op, "block_table", block_table, _I32, (None,))
+        _check(op, "latent_cache", latent_cache, _BF16, (None, None, None))
+        T, BS, MB = q.shape[0], latent_cache.shape[1], block_table.shape[0]
+        _require(
+            op,
+            start_pos >= 0 and MB * BS >= start_pos + T,
+            f"block table of {MB} blocks of {BS} cannot hold positions [0, {start_pos + T}) (start_pos={start_pos})",
+        )
+        # row t is a query over keys [0, start_pos + t]: every row shares the table (stride 0)
+        lens = cupy.arange(start_pos + 1, start_pos + T + 1, dtype=_I32)  # [T]
+        return self._mla_attend(op, q, latent_cache, block_table, 0, lens, MB * BS, scale, value_dim)
+
+    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim):
+        op = "mla_attention_decode"
+        _check(op, "q", q, _BF16, (None, None, None))
+        B = q.shape[0]
+        _check(op, "block_tables", block_tables, _I32, (B, None))
+        _check(op, "context_lens", context_lens, _I32, (B,))
+        _check(op, "latent_cache", latent_cache, _BF16, (None, None, None))
+        MB, BS = block_tables.shape[1], latent_cache.shape[1]
+        return self._mla_attend(op, q, latent_cache, block_tables, MB, context_lens, MB * BS, scale, value_dim)
+
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         op = "moe_experts"
-        _check(op, "w_gate_up", w_gate_up, _BF16, (None, None, None), aligned=True)
-        El, I2, D = w_gate_up.shape
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        _require(op, fp8 == isinstance(w_down, Fp8Weight), "w_gate_up and w_down must both be FP8 or both bf16")
+        gu, dn = (w_gate_up.data, w_down.data) if fp8 else (w_gate_up, w_down)
+        _check(op, "w_gate_up", gu, _U8 if fp8 else _BF16, (None, None, None), aligned=True)
+        El, I2, D = gu.shape
         I = I2 // 2
         _require(op, I2 % 2 == 0 and D % 8 == 0 and I % 8 == 0, f"D and I must be multiples of 8, got D={D}, 2I={I2}")
-        _check(op, "w_down", w_down, _BF16, (El, D, I), aligned=True)
+        _check(op, "w_down", dn, _U8 if fp8 else _BF16, (El, D, I), aligned=True)
+        if fp8:
+            _require(op, w_gate_up.part_rows == I, f"FP8 w_gate_up must block gate and up apart (part_rows {I})")
+            _require(op, w_down.part_rows == D, f"FP8 w_down must have part_rows {D}, got {w_down.part_rows}")
         _check(op, "x", x, _BF16, (None, D), aligned=True)
         T = x.shape[0]
         _check(op, "ids", ids, _I32, (T, None))
@@ -521,22 +819,28 @@ class CupyOps(Ops):
         active = min(El, n)
         h = cupy.empty((n, I), dtype=_BF16)  # [P, I] (P <= T*k rows used)
         y = cupy.empty((n, D), dtype=_F32)  # [P, D]
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        suffix = "_fp8" if fp8 else ""
+        gate_up = (w_gate_up.data, w_gate_up.scale) if fp8 else (w_gate_up,)
+        down = (w_down.data, w_down.scale) if fp8 else (w_down,)
+        blocks = (np.int32(w_gate_up.block_n), np.int32(w_gate_up.block_k)) if fp8 else ()
         upw = self._units_per_warp(I, active)
         _launch(
             "moe_grouped_gemm.cu",
-            "moe_gate_up_silu",
+            "moe_gate_up_silu" + suffix,
             (-(-I // (_GG_WARPS * upw)), El),
             32 * _GG_WARPS,
-            (x, sorted_slot, offsets, w_gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw)),
+            (x, sorted_slot, offsets, *gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw), *blocks),
         )
         units = (D + 1) // 2
         upw = self._units_per_warp(units, active)
+        blocks = (np.int32(w_down.block_n), np.int32(w_down.block_k)) if fp8 else ()
         _launch(
             "moe_grouped_gemm.cu",
-            "moe_down",
+            "moe_down" + suffix,
             (-(-units // (_GG_WARPS * upw)), El),
             32 * _GG_WARPS,
-            (h, offsets, w_down, y, np.int32(D), np.int32(I), np.int32(upw)),
+            (h, offsets, *down, y, np.int32(D), np.int32(I), np.int32(upw), *blocks),
         )
         return y
 
@@ -558,11 +862,16 @@ class CupyOps(Ops):
             (x, sorted_slot, xs, np.int32(D), np.int32(k)),
         )
         busy = [(e, int(offs[e]), int(offs[e + 1] - offs[e])) for e in range(El) if offs[e + 1] > offs[e]]
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        if fp8:  # each busy expert's weights dequantized into one bf16 scratch, then cuBLAS
+            scratch_gu, scratch_d = cupy.empty((I2, D), dtype=_BF16), cupy.empty((D, I), dtype=_BF16)
         for e, o, c in busy:
-            _gemm(c, I2, D, xs[o].data.ptr, w_gate_up[e].data.ptr, gate_up[o].data.ptr, _BF16)
+            w = self._dequantize(w_gate_up, e * I2, I2, scratch_gu) if fp8 else w_gate_up[e]
+            _gemm(c, I2, D, xs[o].data.ptr, w.data.ptr, gate_up[o].data.ptr, _BF16)
         h = self.silu_and_mul(gate_up)  # [P, I]
         for e, o, c in busy:
-            _gemm(c, D, I, h[o].data.ptr, w_down[e].data.ptr, y[o].data.ptr, _F32)
+            w = self._dequantize(w_down, e * D, D, scratch_d) if fp8 else w_down[e]
+            _gemm(c, D, I, h[o].data.ptr, w.data.ptr, y[o].data.ptr, _F32)
         return y
 
     def argmax(self, logits) -> np.ndarray:

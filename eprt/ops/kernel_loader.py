@@ -21,12 +21,21 @@ KERNELS: dict[str, tuple[str, ...]] = {
         f"attention_{kind}_g{g}" for kind in ("decode", "decode_split", "prefill") for g in (4, 8, 16)
     )
     + ("attention_split_combine",),
-    "router.cu": ("router_topk_bf16", "router_topk_f32"),
+    "router.cu": ("router_topk_bf16", "router_topk_f32", "router_grouped_bf16", "router_grouped_f32"),
     "moe_permute.cu": ("moe_permute", "moe_gather_rows"),
-    "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down"),
+    "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down", "moe_gate_up_silu_fp8", "moe_down_fp8"),
+    "fp8_linear.cu": ("fp8_linear", "fp8_dequant"),
     "moe_combine.cu": ("moe_combine",),
     "silu_and_mul.cu": ("silu_and_mul",),
-    "elementwise.cu": ("clip_bf16", "sigmoid_gate_add"),
+    "elementwise.cu": (
+        "clip_bf16",
+        "sigmoid_gate_add",
+        "add_f32_f32",
+        "add_f32_bf16",
+        "add_bf16_f32",
+        "add_bf16_bf16",
+    ),
+    "mla_attention.cu": ("mla_latent_write", "mla_attention", "mla_attention_split"),
     "argmax.cu": ("argmax_bf16", "argmax_f32"),
     "expert_count.cu": ("count_experts",),
 }

@@ -625,6 +625,44 @@ def gemmEx(
     alloc.check(who)
 
 
+def gemmStridedBatchedEx(
+    handle,
+    transa,
+    transb,
+    m,
+    n,
+    k,
+    alpha,
+    A,
+    Atype,
+    lda,
+    strideA,
+    B,
+    Btype,
+    ldb,
+    strideB,
+    beta,
+    C,
+    Ctype,
+    ldc,
+    strideC,
+    batchCount,
+    computeType,
+    algo,
+):
+    """``batchCount`` gemmEx calls, matrix i at element offset i * stride of A, B and C."""
+    if batchCount < 0 or min(strideA, strideB, strideC) < 0:
+        raise _build.LaunchError(f"cublas.gemmStridedBatchedEx: bad batch {batchCount} or strides")
+    size = {0: 4, 14: 2}
+    for i in range(batchCount):
+        gemmEx(
+            handle, transa, transb, m, n, k, alpha,
+            A + i * strideA * size.get(Atype, 0), Atype, lda,
+            B + i * strideB * size.get(Btype, 0), Btype, ldb,
+            beta, C + i * strideC * size.get(Ctype, 0), Ctype, ldc, computeType, algo,
+        )  # fmt: skip
+
+
 def _f32_to_bf16(a: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
     out = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
@@ -674,6 +712,7 @@ def install() -> None:
     cupy.__version__ = "cusim"
     cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
     cublas.gemmEx = gemmEx
+    cublas.gemmStridedBatchedEx = gemmStridedBatchedEx
     libs = types.ModuleType("cupy_backends.cuda.libs")
     libs.cublas = cublas
     backends_cuda = types.ModuleType("cupy_backends.cuda")

@@ -11,7 +11,7 @@ import os
 import tempfile
 
 import pytest
-from checkpoints import build_checkpoint
+from checkpoints import EXPERT_KEY, build_checkpoint
 
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.comm.transport import LocalTransport
@@ -28,13 +28,14 @@ def shared_checkpoint(arch):
     path = None
     if COMM.rank == 0:
         root = os.environ.get("EPRT_TEST_CKPT_DIR") or os.path.join(tempfile.gettempdir(), "eprt-mpi-ckpt")
-        key = "num_local_experts" if arch == "mixtral" else "num_experts"
-        path = build_checkpoint(arch, os.path.join(root, f"{arch}-7experts-bf16"), dtype="bfloat16", **{key: 7})
+        n = 9 if arch == "deepseek_v3" else 7  # uneven over 2 ranks; deepseek_v3's 3 expert groups divide it
+        key = EXPERT_KEY.get(arch, "num_experts")
+        path = build_checkpoint(arch, os.path.join(root, f"{arch}-{n}experts-bf16"), dtype="bfloat16", **{key: n})
     return COMM.bcast(path, root=0)
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "deepseek_v3"])
 def test_cuda_tokens_equal_single_rank(arch):
     cfg = EngineConfig(model=shared_checkpoint(arch), device="cuda", max_batch=4, block_size=16, max_model_len=96)
     requests = lambda: [GenerationRequest(p, SamplingParams(max_tokens=10)) for p in PROMPTS]  # noqa: E731

@@ -1,0 +1,149 @@
+// Multi-head latent attention (MLA) over the paged latent cache, in the latent space.
+//
+// latent_cache [NB, BS, L]: one row per token, [normed latent (C) | roped key (R)], L = C + R;
+// position p of a sequence with block table bt is latent_cache[bt[p / BS], p % BS]. Every
+// query head reads the same rows (MQA-like): keys are whole rows [L], values their first C
+// columns. Queries q [B, H, L] are [absorbed latent query (C) | roped query (R)].
+//
+// mla_latent_write: x [T, L] to flat slots slot_mapping[T] (negative: padding, skipped); one
+// block per token, 16-byte copies (L a multiple of 8, host-checked).
+//
+// mla_attention{,_split}: grid (B, ceil(H / heads_per_block), P), MLA_THREADS threads. A block
+// serves heads_per_block query heads of one query row, so each latent row is read once for the
+// whole head group. Keys come in chunks of MLA_CHUNK rows copied to shared memory, with an
+// online softmax (running max and sum per head) and fp32 accumulation:
+//   1. scores: thread i scores (head i / CHUNK, key i % CHUNK) against the pre-scaled query;
+//   2. softmax update: one warp per head (CHUNK = 32: one key per lane);
+//   3. P.V: thread i owns output element (head, column) of the accumulator in shared memory.
+// Query row b attends to keys [0, context_lens[b]) of table block_tables + b * table_stride
+// (table_stride 0: every row shares one table, the causal prefill of one sequence). Split
+// (flash-decoding): partition z covers keys [z * split_keys, (z + 1) * split_keys) and writes its
+// unnormalized output to part_acc [B, P, H, C] and (max, sum) to part_ml [B, P, H, 2], combined
+// by attention_split_combine of paged_attention.cu (an empty partition writes 0, -inf, 0).
+#include "common.cuh"
+
+#define MLA_THREADS 128
+#define MLA_WARPS (MLA_THREADS / WARP_SIZE)
+#define MLA_CHUNK WARP_SIZE
+
+extern "C" __global__ void mla_latent_write(bf16* __restrict__ latent_cache, const bf16* __restrict__ x,
+                                            const int* __restrict__ slot_mapping, int L) {
+    const int slot = slot_mapping[blockIdx.x];
+    if (slot < 0) return;
+    const uint4* src = reinterpret_cast<const uint4*>(x + (long long)blockIdx.x * L);
+    uint4* dst = reinterpret_cast<uint4*>(latent_cache + (long long)slot * L);
+    for (int i = threadIdx.x; i < L / 8; i += blockDim.x) dst[i] = src[i];
+}
+
+// Dynamic shared memory (the host computes the same total, in bytes):
+//   k_s bf16 [CHUNK, L] | q_s [G, L] | s_s [G, CHUNK] | m_s [G] | l_s [G] | a_s [G] | acc [G, C]  (fp32)
+__device__ void mla_attend(const bf16* __restrict__ q, const bf16* __restrict__ latent_cache,
+                           const int* __restrict__ block_tables, const int* __restrict__ context_lens,
+                           bf16* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
+                           int H, int L, int C, int BS, int table_stride, int heads_per_block, int split_keys,
+                           float scale) {
+    extern __shared__ float smem[];
+    bf16* k_s = reinterpret_cast<bf16*>(smem);
+    float* q_s = smem + MLA_CHUNK * L / 2;
+    float* s_s = q_s + heads_per_block * L;
+    float* m_s = s_s + heads_per_block * MLA_CHUNK;
+    float* l_s = m_s + heads_per_block;
+    float* a_s = l_s + heads_per_block;
+    float* acc = a_s + heads_per_block;
+    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const int b = blockIdx.x, h0 = blockIdx.y * heads_per_block;
+    const int G = min(heads_per_block, H - h0);
+    const int n = context_lens[b];
+    const int k_begin = blockIdx.z * split_keys, k_end = min(n, k_begin + split_keys);
+    const int* table = block_tables + (long long)b * table_stride;
+
+    const bf16* qb = q + ((long long)b * H + h0) * L;
+    for (int i = tid; i < G * L; i += MLA_THREADS) q_s[i] = to_f32(qb[i]) * scale;
+    for (int h = tid; h < G; h += MLA_THREADS) {
+        m_s[h] = neg_inf();
+        l_s[h] = 0.0f;
+    }
+    for (int i = tid; i < G * C; i += MLA_THREADS) acc[i] = 0.0f;
+    __syncthreads();
+
+    const int nvec = L / 8;
+    for (int c0 = k_begin; c0 < k_end; c0 += MLA_CHUNK) {
+        const int nk = min(MLA_CHUNK, k_end - c0);
+        for (int i = tid; i < nk * nvec; i += MLA_THREADS) {  // 1. this chunk's latent rows
+            const int j = i / nvec, v = i % nvec, pos = c0 + j;
+            const long long slot = (long long)table[pos / BS] * BS + pos % BS;
+            reinterpret_cast<uint4*>(k_s + j * L)[v] = reinterpret_cast<const uint4*>(latent_cache + slot * L)[v];
+        }
+        __syncthreads();
+        for (int i = tid; i < G * MLA_CHUNK; i += MLA_THREADS) {  // 2. scores
+            const int h = i / MLA_CHUNK, j = i % MLA_CHUNK;
+            float s = neg_inf();
+            if (j < nk) {
+                const float* qh = q_s + h * L;
+                const bf16* kj = k_s + j * L;
+                s = 0.0f;
+                for (int d = 0; d < L; d += 8) {
+                    float kv[8];
+                    load8(kj + d, kv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) s += qh[d + e] * kv[e];
+                }
+            }
+            s_s[i] = s;
+        }
+        __syncthreads();
+        for (int h = warp; h < G; h += MLA_WARPS) {  // 3. online softmax, one warp per head
+            const float s = s_s[h * MLA_CHUNK + lane];
+            const float m_old = m_s[h], m_new = fmaxf(m_old, warp_max(s));  // finite: nk >= 1
+            const float p = lane < nk ? __expf(s - m_new) : 0.0f;
+            s_s[h * MLA_CHUNK + lane] = p;
+            const float sum = warp_sum(p);
+            if (lane == 0) {
+                const float alpha = __expf(m_old - m_new);  // 0 on the first chunk (m_old = -inf)
+                m_s[h] = m_new;
+                l_s[h] = l_s[h] * alpha + sum;
+                a_s[h] = alpha;
+            }
+        }
+        __syncthreads();
+        for (int i = tid; i < G * C; i += MLA_THREADS) {  // 4. P.V over the latent columns
+            const int h = i / C, c = i % C;
+            const float* p = s_s + h * MLA_CHUNK;
+            float a = acc[i] * a_s[h];
+            for (int j = 0; j < nk; ++j) a += p[j] * to_f32(k_s[j * L + c]);
+            acc[i] = a;
+        }
+        __syncthreads();
+    }
+
+    if (part_acc) {
+        const long long row = ((long long)b * gridDim.z + blockIdx.z) * H + h0;  // [B, P, H] index
+        for (int i = tid; i < G * C; i += MLA_THREADS) part_acc[row * C + i] = acc[i];
+        for (int h = tid; h < G; h += MLA_THREADS) {
+            part_ml[(row + h) * 2] = m_s[h];
+            part_ml[(row + h) * 2 + 1] = l_s[h];
+        }
+    } else {
+        bf16* ob = out + ((long long)b * H + h0) * C;
+        for (int i = tid; i < G * C; i += MLA_THREADS) {
+            const float l = l_s[i / C];
+            ob[i] = __float2bfloat16(l > 0.0f ? acc[i] / l : 0.0f);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attention(
+    const bf16* __restrict__ q, const bf16* __restrict__ latent_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ context_lens, bf16* __restrict__ out, int H, int L, int C, int BS, int table_stride,
+    int heads_per_block, float scale) {
+    mla_attend(q, latent_cache, block_tables, context_lens, out, nullptr, nullptr, H, L, C, BS, table_stride,
+               heads_per_block, 1 << 30, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attention_split(
+    const bf16* __restrict__ q, const bf16* __restrict__ latent_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ context_lens, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int L,
+    int C, int BS, int table_stride, int heads_per_block, int split_keys, float scale) {
+    mla_attend(q, latent_cache, block_tables, context_lens, nullptr, part_acc, part_ml, H, L, C, BS, table_stride,
+               heads_per_block, split_keys, scale);
+}
