@@ -8,6 +8,8 @@ each tolerance below measures only the kernel's own error: bf16 storage of the o
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -71,8 +73,10 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv("EPRT_DEVICE", "tpu")
     with pytest.raises(ValueError, match="EPRT_DEVICE"):
         device.get_ops(None)
-    if not device.cuda_usable():
-        with pytest.raises(RuntimeError, match="cuda"):
+    usable, why = device.cuda_status()
+    assert device.device_choice("auto") == ("cuda" if usable else "cpu", f"auto: {why}")
+    if not usable:
+        with pytest.raises(ValueError, match=f"--device cuda was asked for, but {re.escape(why)}"):
             device.get_ops("cuda")
 
 

@@ -26,7 +26,7 @@ from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config
 from eprt.engine.expert_load import imbalance
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
-from eprt.ops.device import bind_local_gpu, resolve_device
+from eprt.ops.device import bind_local_gpu, device_choice
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.scheduler import Scheduler
@@ -245,12 +245,13 @@ def launch_engine(args_or_config, transport=None):
     ``transport`` defaults to the launcher's world (``open_transport()``)."""
     cfg = args_or_config if isinstance(args_or_config, EngineConfig) else engine_config_from_args(args_or_config)
     cfg.validate()
-    device = resolve_device(cfg.device)
+    device, why = device_choice(cfg.device)
     if device == "cuda":
         bind_local_gpu()  # before MPI initialises: a CUDA-aware MPI must see the right GPU
     transport = open_transport() if transport is None else transport
     rank, world = transport.rank, transport.size
     setup_logging(rank, cfg.log_all_ranks or None)
+    log.info("device %s (%s)", device, why)
     transport.dump_dir = cfg.dump_dir
     if cfg.record_payloads:
         transport.recorder = Recorder(rank, world, payload_dir=os.path.join(cfg.dump_dir, "payloads"))

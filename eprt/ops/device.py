@@ -28,14 +28,28 @@ def local_rank(environ=None) -> int | None:
     return None if found is None else found[1]
 
 
-def cuda_usable() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+def cuda_status() -> tuple[bool, str]:
+    """(usable, why): whether CuPy imports and sees a CUDA device, and the reason in words."""
     try:
         import cupy
+    except ImportError:
+        return False, "CuPy is not installed (pip install 'eprt[cuda12]' or 'eprt[cuda13]': see README)"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        version = cupy.cuda.runtime.runtimeGetVersion()
+    except Exception as e:  # no driver, a driver older than the CuPy build's CUDA, no device
+        return False, f"CuPy {cupy.__version__} cannot use CUDA here: {type(e).__name__}: {e}"
+    if count == 0:
+        return False, f"CuPy {cupy.__version__} sees no CUDA device"
+    return (
+        True,
+        f"{count} CUDA device(s), CuPy {cupy.__version__}, CUDA runtime {version // 1000}.{version % 1000 // 10}",
+    )
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver, no device: all mean "use the CPU"
-        return False
+
+def cuda_usable() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    return cuda_status()[0]
 
 
 def bind_local_gpu() -> int:
@@ -54,20 +68,26 @@ def bind_local_gpu() -> int:
     return device
 
 
-def resolve_device(device: str | None) -> str:
-    """'cpu' or 'cuda': an explicit choice wins, then EPRT_DEVICE, then cuda when usable."""
+def device_choice(device: str | None) -> tuple[str, str]:
+    """('cpu' or 'cuda', why): an explicit choice wins, then EPRT_DEVICE, then cuda when usable.
+    ``--device cuda`` without a usable GPU is an error saying why."""
     choice = (device or env.DEVICE.get() or "auto").strip().lower()
     if choice not in DEVICES:
         source = "device" if device else "EPRT_DEVICE"
         raise ValueError(f"{source} must be one of {', '.join(DEVICES)}, got {choice!r}")
-    if choice == "auto":
-        return "cuda" if cuda_usable() else "cpu"
-    if choice == "cuda" and not cuda_usable():
-        raise RuntimeError(
-            "device 'cuda' was asked for, but CuPy cannot use a CUDA device here "
-            "(install cupy-cuda13x and check the driver, or use --device cpu)"
-        )
-    return choice
+    if choice == "cpu":
+        return "cpu", "asked for"
+    usable, why = cuda_status()
+    if choice == "cuda" and not usable:
+        raise ValueError(f"--device cuda was asked for, but {why} (or use --device cpu)")
+    if choice == "cuda":
+        return "cuda", f"asked for; {why}"
+    return ("cuda", f"auto: {why}") if usable else ("cpu", f"auto: {why}")
+
+
+def resolve_device(device: str | None) -> str:
+    """'cpu' or 'cuda' (see ``device_choice``)."""
+    return device_choice(device)[0]
 
 
 def get_ops(device: str | None = None) -> Ops:
