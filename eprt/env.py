@@ -73,6 +73,12 @@ COLLECTIVE_TIMEOUT = _register(
 )
 BLOCK_SIZE = _register("EPRT_BLOCK_SIZE", 16, int, "tokens per KV block")
 NUM_BLOCKS = _register("EPRT_NUM_BLOCKS", 0, int, "KV blocks per rank on the CPU backend (0: sized from max context)")
+COMBINE = _register(
+    "EPRT_COMBINE",
+    "auto",
+    str,
+    "the GPU MoE combine: nccl (on the device), host (pinned host memory), auto (nccl if usable)",
+)
 DUMP_DIR = _register(
     "EPRT_DUMP_DIR",
     "eprt-dumps",

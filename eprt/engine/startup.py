@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from eprt import env
+from eprt.comm.device_combine import DeviceCombine, nccl_communicator
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import EngineConfig
 from eprt.engine.executor import ShardExecutor
@@ -96,17 +98,37 @@ def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:
 
 
 def _combine(transport: Transport, ops: Ops):
-    """The MoE combine for this backend. GPU partials go through reused pinned host buffers
-    (the stream is synchronized before MPI reads them), which is correct with or without a
-    CUDA-aware MPI; the frames and vision rows are host data already."""
+    """The MoE combine for this backend, chosen once and logged: on GPUs an NCCL all-gather with
+    the rank-ordered sum on the device (``EPRT_COMBINE`` auto or nccl), else the partials go
+    through reused pinned host buffers and the transport's host sum (correct with any MPI)."""
     if transport.size == 1:
         return lambda partial: partial
     if ops.name == "cpu":
         return transport.allsum
+    choice = env.COMBINE.get()
+    if choice not in ("auto", "nccl", "host"):
+        raise ValueError(f"EPRT_COMBINE must be auto, nccl or host, got {choice!r}")
+    if choice != "host":
+        usable = _nccl_importable()
+        if all(json.loads(t) for t in transport.allgather_text(json.dumps(usable))):  # every rank, or none
+            log.info("MoE combine: NCCL all-gather and a rank-ordered sum on the device")
+            return DeviceCombine(transport, ops, nccl_communicator(transport))
+        if choice == "nccl":
+            raise ValueError("EPRT_COMBINE=nccl but NCCL is not usable on every rank (cupy.cuda.nccl)")
+    log.info("MoE combine: through pinned host memory (EPRT_COMBINE=%s)", choice)
     from eprt.comm.cuda_staging import Staging
 
     staging = Staging()
     return lambda partial: staging.to_device(transport.allsum(staging.send_buffer(partial)))
+
+
+def _nccl_importable() -> bool:
+    try:
+        from cupy.cuda import nccl
+
+        return bool(nccl.available) if hasattr(nccl, "available") else True
+    except Exception:  # no NCCL in this CuPy build, or no libnccl
+        return False
 
 
 def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, model_len: int, sharers: int = 1) -> int:

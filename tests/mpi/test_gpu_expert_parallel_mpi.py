@@ -4,12 +4,16 @@ it on cusim, the CPU CUDA simulator: tests/cusim/README.md):
     mpiexec -n 1|2|3 python -m pytest --with-mpi -m gpu tests/mpi/test_gpu_expert_parallel_mpi.py
 
 Each rank runs its experts' kernels on its GPU and the partial MoE outputs are summed through
-pinned host buffers (eprt/comm/cuda_staging.py). The tokens must equal a single-rank CuPy run.
+pinned host buffers (eprt/comm/cuda_staging.py), or on the device after an NCCL all-gather
+(eprt/comm/device_combine.py; here with an MPI stand-in for NCCL). The tokens must equal a
+single-rank CuPy run.
 """
 
+import ctypes
 import os
 import tempfile
 
+import numpy as np
 import pytest
 from checkpoints import EXPERT_KEY, build_checkpoint
 
@@ -50,3 +54,52 @@ def test_cuda_tokens_equal_single_rank(arch):
             single = engine.generate(requests())
         assert [r.token_ids for r in multi] == [r.token_ids for r in single]
     COMM.Barrier()
+
+
+class MpiNccl:
+    """A stand-in for NCCL's communicator on the simulator: its allGather done over MPI on the
+    device memory (host memory under cusim), in rank order as NCCL lays it out."""
+
+    def allGather(self, send_ptr, recv_ptr, count, datatype, stream_ptr):  # noqa: N802 - NCCL's name
+        from eprt.comm.device_combine import NCCL_FLOAT32
+
+        assert datatype == NCCL_FLOAT32
+        mine = np.ctypeslib.as_array((ctypes.c_float * count).from_address(send_ptr)).copy()
+        every = np.empty(count * COMM.size, np.float32)
+        COMM.Allgather(mine, every)
+        np.ctypeslib.as_array((ctypes.c_float * (count * COMM.size)).from_address(recv_ptr))[:] = every
+
+
+@pytest.mark.mpi(min_size=2)
+def test_device_combine_is_the_host_sum_bitwise_on_every_rank():
+    import cupy
+
+    from eprt.comm.device_combine import DeviceCombine
+    from eprt.comm.mpi_transport import MpiTransport
+    from eprt.ops.cupy_ops import CupyOps
+
+    g = np.random.default_rng(100 + COMM.rank)
+    partial = (g.standard_normal((7, 33)) * 10.0 ** g.uniform(-4, 4, (7, 33))).astype(np.float32)  # [T, D]
+    t = MpiTransport(timeout=60)
+    host = t.allsum(partial)
+    ops = CupyOps()
+    device = ops.to_host(DeviceCombine(t, ops, MpiNccl())(cupy.asarray(partial)))
+    every = np.empty((COMM.size,) + device.shape, np.float32)
+    COMM.Allgather(device, every)
+    if t.rank == 0:
+        t.shutdown()
+    else:
+        t.recv_frame()
+    t.close()
+    assert np.array_equal(device.view(np.uint32), host.view(np.uint32))
+    assert all(np.array_equal(every[r].view(np.uint32), device.view(np.uint32)) for r in range(COMM.size))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cuda_tokens_with_the_device_combine_equal_single_rank(monkeypatch):
+    from eprt.engine import startup
+
+    monkeypatch.setenv("EPRT_COMBINE", "nccl")
+    monkeypatch.setattr(startup, "_nccl_importable", lambda: True)
+    monkeypatch.setattr(startup, "nccl_communicator", lambda transport: MpiNccl())
+    test_cuda_tokens_equal_single_rank("qwen2_moe")
