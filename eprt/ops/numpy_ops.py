@@ -15,6 +15,9 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
     return x
 
 
+DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
+
+
 class NumpyOps(Ops):
     name = "cpu"
     xp = np
@@ -78,13 +81,14 @@ class NumpyOps(Ops):
         # q [T, H, Dh]; k, v [S, Hk, Dh]; GQA: query head h reads kv head h // (H // Hk)
         T, H, Dh = q.shape
         Hk = k.shape[1]
-        qg = q.reshape(T, Hk, H // Hk, Dh)  # [T, Hk, G, Dh]
-        scores = np.einsum("tkgd,skd->kgts", qg, k) * scale  # [Hk, G, T, S]
+        G = H // Hk
+        qg = q.reshape(T, Hk, G, Dh).transpose(1, 2, 0, 3).reshape(Hk, G * T, Dh) * np.float32(scale)
+        scores = np.matmul(qg, k.transpose(1, 2, 0)).reshape(Hk, G, T, -1)  # [Hk, G, T, S]
         if mask is not None:
             scores = np.where(mask, scores, -np.inf)
-        probs = _softmax_last(scores)
-        out = np.einsum("kgts,skd->tkgd", probs, v)  # [T, Hk, G, Dh]
-        return out.reshape(T, H, Dh)
+        probs = _softmax_last(scores).reshape(Hk, G * T, -1)
+        out = np.matmul(probs, v.transpose(1, 0, 2)).reshape(Hk, G, T, Dh)  # [Hk, G, T, Dh]
+        return out.transpose(2, 0, 1, 3).reshape(T, H, Dh)
 
     def attention_prefill(self, q, k_cache, v_cache, block_table, start_pos, scale):
         T = q.shape[0]
@@ -95,13 +99,33 @@ class NumpyOps(Ops):
         return self._attend(q, k, v, scale, mask)
 
     def attention_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        B, H, Dh = q.shape
         out = np.empty_like(q)  # [B, H, Dh]
-        for b in range(q.shape[0]):
-            n = int(context_lens[b])
-            k = self._gather_kv(k_cache, block_tables[b], n)
-            v = self._gather_kv(v_cache, block_tables[b], n)
-            out[b] = self._attend(q[b : b + 1], k, v, scale)[0]
+        lens = np.asarray(context_lens)
+        bs = k_cache.shape[1]
+        row_bytes = 2 * k_cache[0].nbytes * max(1, -(-int(lens.max()) // bs)) if B else 1
+        step = max(1, DECODE_GATHER_BYTES // row_bytes)  # rows per gather: bounds the padded copy
+        for b0 in range(0, B, step):
+            rows = slice(b0, min(B, b0 + step))
+            out[rows] = self._attend_padded(q[rows], k_cache, v_cache, block_tables[rows], lens[rows], scale)
         return out
+
+    def _attend_padded(self, q, k_cache, v_cache, block_tables, lens, scale):
+        """Decode attention of rows q[B, H, Dh] over their paged KV, gathered padded to the
+        longest context and masked past each row's length."""
+        B, H, Dh = q.shape
+        bs, Hk = k_cache.shape[1], k_cache.shape[2]
+        nblocks = -(-int(lens.max()) // bs)
+        S = nblocks * bs
+        tables = block_tables[:, :nblocks]  # [B, nb]
+        k = k_cache[tables].reshape(B, S, Hk, Dh).transpose(0, 2, 3, 1)  # [B, Hk, Dh, S]
+        v = v_cache[tables].reshape(B, S, Hk, Dh).transpose(0, 2, 1, 3)  # [B, Hk, S, Dh]
+        qg = q.reshape(B, Hk, H // Hk, Dh) * np.float32(scale)  # [B, Hk, G, Dh]
+        scores = np.matmul(qg, k)  # [B, Hk, G, S]
+        past = np.arange(S)[None, :] >= lens[:, None]  # [B, S] padding
+        scores[np.broadcast_to(past[:, None, None, :], scores.shape)] = -np.inf
+        probs = _softmax_last(scores)
+        return np.matmul(probs, v).reshape(B, H, Dh)  # [B, Hk, G, Dh] -> [B, H, Dh]
 
     def router(self, logits, top_k, renormalize):
         probs = _softmax_last(logits.astype(np.float32, copy=True))  # [T, E]
@@ -125,14 +149,23 @@ class NumpyOps(Ops):
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
-        out = np.zeros((T, D), dtype=np.float32)  # [T, D]
-        local = ids - expert_start  # [T, k]
-        for e in np.unique(local[(local >= 0) & (local < w_gate_up.shape[0])]):
-            tok, slot = np.nonzero(local == e)  # tokens routed to local expert e
-            h = self.silu_and_mul(x[tok] @ w_gate_up[e].T)  # [t, I]
-            y = h @ w_down[e].T  # [t, D]
-            out[tok] += y * weights[tok, slot][:, None]
-        return out
+        k = ids.shape[1]
+        local = (ids - expert_start).reshape(-1)  # [T*k] local expert of each (token, choice)
+        order = np.argsort(local, kind="stable")  # grouped by expert, tokens in order
+        experts = local[order]
+        bounds = np.searchsorted(experts, np.arange(w_gate_up.shape[0] + 1))  # [El+1] group edges
+        start, stop = int(bounds[0]), int(bounds[-1])
+        picks = order[start:stop]  # (token, choice) pairs routed to this rank, by expert
+        xs = np.ascontiguousarray(x[picks // k].T)  # [D, n] gathered once, tokens as columns
+        ys = np.zeros((T * k, D), dtype=np.float32)  # [T*k, D] one row per (token, choice)
+        inter = w_down.shape[2]
+        for e in np.flatnonzero(np.diff(bounds)):  # weight-major GEMMs: OpenBLAS is faster on few tokens
+            lo, hi = int(bounds[e]) - start, int(bounds[e + 1]) - start
+            g = w_gate_up[e] @ xs[:, lo:hi]  # [2I, t]
+            h = g[:inter] / (1.0 + np.exp(-g[:inter])) * g[inter:]  # [I, t] silu(gate) * up
+            ys[picks[lo:hi]] = (w_down[e] @ h).T  # [t, D]
+        ys *= weights.reshape(-1, 1)
+        return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 
     def argmax(self, logits):
         return np.argmax(np.asarray(logits), axis=-1).astype(np.int64)
