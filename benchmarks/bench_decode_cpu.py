@@ -10,9 +10,9 @@ Both run greedy with EOS ignored, on the CPU, with the same thread count.
 
 Roofline of a decode step: bytes it must read / single-row GEMV bandwidth at batch 1, and
 max(that, FLOPs / GEMM FLOP/s at M = B) at larger batches, both measured here (median
-pass, before and after eprt's run) on weights larger than the last-level cache. Bytes:
-the weights the step touches (attention, router, the experts its B tokens choose,
-lm_head) and its KV; FLOPs: 2 per active weight per token, plus attention.
+pass, before and after eprt's run, of the faster weight layout) on weights larger than the
+last-level cache. Bytes: the weights the step touches (attention, router, the experts its
+B tokens choose, lm_head) and its KV; FLOPs: 2 per active weight per token, plus attention.
 """
 
 from __future__ import annotations
@@ -60,26 +60,35 @@ BENCH_MODEL = dict(
 ROOFLINE_MATRICES = 12  # [4096, 1024] float32 weights, 16 MiB each: 192 MiB, past any L3
 
 
-def _pass_seconds(fn, reps: int = 5) -> list[float]:
+def _pass_seconds(fn, reps: int = 4) -> list[float]:
     fn()
     return [timed(fn) for _ in range(reps)]
 
 
-def measure_machine(batch: int) -> tuple[list[float], list[float]]:
+def measure_machine(batch: int) -> dict:
     """Seconds per pass over 192 MiB of weights (read from memory, not cache) of single-row
-    GEMVs and of GEMMs at M = batch, a few passes each, with this process's NumPy."""
+    GEMVs and of GEMMs at M = batch, a few passes each, with the weights stored output-major
+    ([N, K]) and input-major ([K, N]): OpenBLAS is faster on one or the other by shape."""
     rng = np.random.default_rng(0)
-    ws = [rng.standard_normal((4096, 1024), dtype=np.float32) for _ in range(ROOFLINE_MATRICES)]
-    x1 = rng.standard_normal((1024, 1), dtype=np.float32)
-    xb = rng.standard_normal((1024, batch), dtype=np.float32)
-    return _pass_seconds(lambda: [w @ x1 for w in ws]), _pass_seconds(lambda: [w @ xb for w in ws])
+    ws = [rng.standard_normal((4096, 1024), dtype=np.float32) for _ in range(ROOFLINE_MATRICES)]  # [N, K]
+    wts = [np.ascontiguousarray(w.T) for w in ws]  # [K, N]
+    x1 = rng.standard_normal((1, 1024), dtype=np.float32)
+    xb = rng.standard_normal((batch, 1024), dtype=np.float32)
+    return {
+        "gemv [N, K]": _pass_seconds(lambda: [w @ x1.T for w in ws]),
+        "gemv [K, N]": _pass_seconds(lambda: [x1 @ w for w in wts]),
+        "gemm [N, K]": _pass_seconds(lambda: [w @ xb.T for w in ws]),
+        "gemm [K, N]": _pass_seconds(lambda: [xb @ w for w in wts]),
+    }
 
 
 def machine_rates(batch: int, passes: tuple) -> tuple[float, float]:
-    """(bytes/s, FLOP/s) from the median pass: the machine is shared, so the passes before and
-    after eprt's run are pooled and their median stands for what the run could get."""
-    gemv = float(np.median([t for p in passes for t in p[0]]))
-    gemm = float(np.median([t for p in passes for t in p[1]]))
+    """(bytes/s, FLOP/s) of the faster layout's median pass: the machine is shared, so the
+    passes before and after eprt's run are pooled and their median stands for what the run
+    could get."""
+    median = {key: float(np.median([t for p in passes for t in p[key]])) for key in passes[0]}
+    gemv = min(median["gemv [N, K]"], median["gemv [K, N]"])
+    gemm = min(median["gemm [N, K]"], median["gemm [K, N]"])
     size = ROOFLINE_MATRICES * 4096 * 1024
     return 4.0 * size / gemv, 2.0 * batch * size / gemm
 

@@ -73,16 +73,18 @@ def test_attention_prefill_is_causal_from_start_pos():
         np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("uploaded", [False, True])  # True: the weights in NumpyOps.weight's layout
 @pytest.mark.parametrize("expert_start, local", [(0, 6), (2, 3), (5, 4), (9, 2)])
-def test_moe_experts_matches_pairs(expert_start, local):
+def test_moe_experts_matches_pairs(expert_start, local, uploaded):
     rng = np.random.default_rng(expert_start)
-    T, k, E, D, inter = 11, 3, 9, 8, 5
+    T, k, E, D, inter = 15, 3, 9, 8, 5  # experts get 1 to 9 tokens: GEMV rows and GEMMs
     x = rng.standard_normal((T, D), dtype=np.float32)
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
     w = rng.random((T, k), dtype=np.float32)
     wgu = rng.standard_normal((local, 2 * inter, D), dtype=np.float32)
     wd = rng.standard_normal((local, D, inter), dtype=np.float32)
-    got = NumpyOps().moe_experts(x, w, ids, wgu, wd, expert_start)
+    ops = NumpyOps()
+    got = ops.moe_experts(x, w, ids, *((ops.weight(wgu), ops.weight(wd)) if uploaded else (wgu, wd)), expert_start)
     want = np.zeros((T, D), dtype=np.float64)
     for t in range(T):
         for j in range(k):
@@ -124,3 +126,10 @@ def test_decode_block_tables_follow_compaction_and_slot_reuse(checkpoint):
         fresh.decode([1], [20 + t])
     want = fresh.decode([0, 1], [30, 31])
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_weight_keeps_shape_and_values():
+    host = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    for a in (host, host[0], host[0, 0]):
+        w = NumpyOps().weight(a)
+        assert w.shape == a.shape and np.array_equal(w, a) and w.dtype == np.float32

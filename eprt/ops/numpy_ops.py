@@ -16,6 +16,7 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
 
 
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
+EXPERT_ROWS_AS_GEMV = 4  # an expert with at most this many tokens runs one GEMV per token
 
 
 class NumpyOps(Ops):
@@ -25,9 +26,13 @@ class NumpyOps(Ops):
 
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray) -> np.ndarray:
-        if host.dtype == np.uint16:  # raw bfloat16 bits
-            return bf16_bits_to_f32(host)
-        return np.ascontiguousarray(host, dtype=np.float32)
+        """Same shape and values; a matrix (or stack of them) is stored input-major ([.., K, N]
+        in memory, a transposed view): OpenBLAS streams ``x @ w.T`` for one row about twice as
+        fast from that layout as from [N, K] on this project's machines."""
+        w = bf16_bits_to_f32(host) if host.dtype == np.uint16 else np.asarray(host, dtype=np.float32)
+        if w.ndim < 2:
+            return np.ascontiguousarray(w)
+        return np.ascontiguousarray(np.swapaxes(w, -1, -2)).swapaxes(-1, -2)
 
     def activation(self, host: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(host, dtype=np.float32)
@@ -157,14 +162,16 @@ class NumpyOps(Ops):
         bounds = np.searchsorted(experts, np.arange(w_gate_up.shape[0] + 1))  # [El+1] group edges
         start, stop = int(bounds[0]), int(bounds[-1])
         picks = order[start:stop]  # (token, choice) pairs routed to this rank, by expert
-        xs = np.ascontiguousarray(x[picks // k].T)  # [D, n] gathered once, tokens as columns
+        xs = x[picks // k]  # [n, D] gathered once
         ys = np.zeros((T * k, D), dtype=np.float32)  # [T*k, D] one row per (token, choice)
-        inter = w_down.shape[2]
-        for e in np.flatnonzero(np.diff(bounds)):  # weight-major GEMMs: OpenBLAS is faster on few tokens
+        for e in np.flatnonzero(np.diff(bounds)):
             lo, hi = int(bounds[e]) - start, int(bounds[e + 1]) - start
-            g = w_gate_up[e] @ xs[:, lo:hi]  # [2I, t]
-            h = g[:inter] / (1.0 + np.exp(-g[:inter])) * g[inter:]  # [I, t] silu(gate) * up
-            ys[picks[lo:hi]] = (w_down[e] @ h).T  # [t, D]
+            gate_up, down = w_gate_up[e].T, w_down[e].T  # [D, 2I], [I, D]
+            if hi - lo <= EXPERT_ROWS_AS_GEMV:  # a few tokens: GEMVs beat OpenBLAS's small GEMMs
+                for r in range(lo, hi):
+                    ys[picks[r]] = self.silu_and_mul(xs[r : r + 1] @ gate_up) @ down  # [1, D]
+            else:
+                ys[picks[lo:hi]] = self.silu_and_mul(xs[lo:hi] @ gate_up) @ down  # [t, D]
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 
