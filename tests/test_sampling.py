@@ -67,7 +67,7 @@ def test_nucleus_equals_the_full_sort():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from eprt.engine.sampling import _nucleus_mask
+    from eprt.engine.sampling import _nucleus
 
     @settings(max_examples=60, deadline=None, derandomize=True)
     @given(
@@ -83,7 +83,9 @@ def test_nucleus_equals_the_full_sort():
         p = np.exp((x - x.max()) / temp).astype(np.float32)
         want = np.zeros(V, dtype=bool)
         want[reference_nucleus(p.astype(np.float64) / p.sum(dtype=np.float64), top_p)] = True
-        got = _nucleus_mask(p, top_p)
+        nuc = _nucleus(p, top_p)
+        got = nuc.high > nuc.edge
+        got[nuc.edge_kept] = True
         assert (got != want).sum() == 0, (got.sum(), want.sum())
 
     check()
@@ -108,7 +110,9 @@ def test_sampled_rows_of_a_batch_match_one_by_one(checkpoint):
 def reference_kept(logits, params):
     """The definition: softmax at the temperature (float64), keep values >= the k-th largest,
     renormalize, keep the smallest descending prefix reaching top_p. Returns the kept indices
-    in the order the inverse CDF walks them (index order) and their unnormalized probabilities."""
+    in the order the inverse CDF walks them and their unnormalized probabilities: index order
+    with no cut, else by the sampler's value bucket (high 16 bits of its float32 p), highest
+    first, then index."""
     p = np.exp((logits.astype(np.float64) - logits.max()) / params.temperature)
     V = p.shape[0]
     if not (0 < params.top_k < V) and params.top_p >= 1.0:
@@ -119,7 +123,9 @@ def reference_kept(logits, params):
     if params.top_p < 1.0:
         q = p[order] / p[order].sum()
         order = order[: int(np.searchsorted(np.cumsum(q), params.top_p)) + 1]
+    p32 = np.exp((logits - logits.max()) * np.float32(1.0 / params.temperature))  # as the sampler computes it
     order = np.sort(order)
+    order = order[np.argsort(-(p32[order].view(np.int32) >> 16), kind="stable")]
     return order, p[order]
 
 

@@ -8,14 +8,13 @@ not depend on batch-mates, steps or preemption (docs/design.md, "Sampling").
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from eprt.api import SamplingParams
 
 F32_MAX = float(np.finfo(np.float32).max)
-
-
 PHILOX_KEY_BITS = 128
 
 
@@ -48,8 +47,8 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
 
 def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], uniforms: np.ndarray) -> list[int]:
     """Tokens of logits[n, V]: row r greedy when params[r].temperature is 0, else drawn with
-    uniforms[r] (in [0, 1)) by inverse CDF over the row's kept tokens in index order. The
-    vocabulary-wide passes (max, scale, exp, sum, value buckets) run over all sampled rows at once."""
+    uniforms[r] (in [0, 1)) by inverse CDF over the row's kept tokens (order: ``_pick``). Max,
+    temperature, exp and sum run over all sampled rows at once; the cuts run per row."""
     temps = np.array([p.temperature for p in params], dtype=np.float64)  # [n]
     out = np.zeros(logits.shape[0], dtype=np.int64)  # [n]
     greedy = np.flatnonzero(temps == 0.0)
@@ -70,16 +69,17 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], uniforms: 
 
 
 def _pick(p: np.ndarray, mass: float, params: SamplingParams, u: float) -> int:
-    """One token from p[V] (unnormalized, max 1, sum ``mass``): top-k keeps the values >= the k-th largest,
-    top-p then the smallest descending prefix (ties by index) whose mass reaches top_p; the
-    draw walks the kept tokens in index order."""
+    """One token from p[V] (unnormalized, max 1, sum ``mass``): top-k keeps the values >= the
+    k-th largest, top-p then the smallest descending prefix (ties by index) whose mass reaches
+    top_p. The draw walks the kept tokens by value bucket (high 16 bits of p), highest first,
+    then by index; with no cut, by index."""
     V = p.shape[0]
     top_k = params.top_k if 0 < params.top_k < V else 0
     if not top_k and params.top_p >= 1.0:
         return _inverse_cdf(p, u)
     kept = _head(p, mass, top_k, params.top_p)  # ascending indices holding every kept token, or None
     if kept is None and not top_k:  # a wide nucleus: find its edge by value buckets
-        return _inverse_cdf(np.where(_nucleus_mask(p, params.top_p), p, np.float32(0)), u)
+        return _draw_wide(p, params.top_p, u)
     if kept is None:
         kept = _top_k(p, top_k)
     elif top_k:  # values >= the k-th largest (ties at the cut stay)
@@ -90,8 +90,9 @@ def _pick(p: np.ndarray, mass: float, params: SamplingParams, u: float) -> int:
         c = np.cumsum(p[order], dtype=np.float64)
         goal = params.top_p * (c[-1] if top_k else mass)
         kept = np.sort(order[: min(int(np.searchsorted(c, goal)), order.shape[0] - 1) + 1])
+    kept = _by_bucket(p, kept)
     c = np.cumsum(p[kept], dtype=np.float64)
-    return int(kept[_walk(c, u, p[kept])])
+    return int(kept[_walk_to(c, u * c[-1], p[kept])])
 
 
 HEAD_THRESHOLDS = (1e-3, 1e-6)  # p / max(p) of the candidate heads tried first (language is peaked)
@@ -136,42 +137,71 @@ def _top_k(p: np.ndarray, k: int) -> np.ndarray:
     return idx[~on_edge | (low >= edge_low)]
 
 
-def _nucleus_mask(p: np.ndarray, top_p: float) -> np.ndarray:
-    """[V] bool: the smallest prefix of p sorted descending (ties by index) whose mass reaches
-    top_p of the total (everything if rounding keeps it short). Masses per high 16 bits find
-    the bucket where the prefix ends, masses per low 16 bits the value inside it, and its
-    ties are taken in index order (a weighted radix select: no sort)."""
+class Nucleus(NamedTuple):
+    """A wide nucleus by value buckets: every bucket (high 16 bits of p) above ``edge`` whole,
+    and ``edge_kept`` (ascending indices) of the edge bucket."""
+
+    high: np.ndarray  # [V] bucket of each p
+    above: np.ndarray  # [NB] mass of the buckets >= each, highest bucket first
+    edge: int
+    edge_kept: np.ndarray
+
+
+def _nucleus(p: np.ndarray, top_p: float) -> Nucleus:
+    """The smallest prefix of p sorted descending (ties by index) whose mass reaches top_p of
+    the total (everything if rounding keeps it short). Masses per high 16 bits find the bucket
+    where the prefix ends; inside it a sort, or for a crowded bucket masses per low 16 bits
+    and its ties in index order (a weighted radix select: no sort of the vocabulary)."""
     bits = p.view(np.int32)
     high = bits >> LOW_BITS
     above = np.cumsum(np.bincount(high, weights=p, minlength=NUM_BUCKETS)[::-1])  # [NB] mass in buckets >= each
     goal = top_p * above[-1]
-    j = int(np.searchsorted(above, goal))
-    if j >= NUM_BUCKETS:
-        return np.ones(p.shape[0], dtype=bool)
-    edge = NUM_BUCKETS - 1 - j
-    keep = high > edge
+    j = min(int(np.searchsorted(above, goal)), NUM_BUCKETS - 1)
+    edge, before = NUM_BUCKETS - 1 - j, (above[j - 1] if j else 0.0)
     cand = np.flatnonzero(high == edge)  # ascending index
     if cand.shape[0] <= SORT_MAX:  # a small edge bucket: sort it (descending, ties by index)
         order = cand[np.argsort(-p[cand], kind="stable")]
-        running = (above[j - 1] if j else 0.0) + np.cumsum(p[order], dtype=np.float64)
-        keep[order[: min(int(np.searchsorted(running, goal)), order.shape[0] - 1) + 1]] = True
-        return keep
+        running = before + np.cumsum(p[order], dtype=np.float64)
+        return Nucleus(
+            high, above, edge, np.sort(order[: min(int(np.searchsorted(running, goal)), len(order) - 1) + 1])
+        )
     low = bits[cand] & LOW_MASK
-    inside = (above[j - 1] if j else 0.0) + np.cumsum(np.bincount(low, weights=p[cand], minlength=LOW_MASK + 1)[::-1])
+    inside = before + np.cumsum(np.bincount(low, weights=p[cand], minlength=LOW_MASK + 1)[::-1])
     j2 = min(int(np.searchsorted(inside, goal)), LOW_MASK)
     edge_low = LOW_MASK - j2
-    keep[cand[low > edge_low]] = True
-    ties = cand[low == edge_low]  # one value, ascending index
+    keep = low > edge_low
+    ties = np.flatnonzero(low == edge_low)  # one value, ascending index
     if ties.size:
-        before = inside[j2 - 1] if j2 else (above[j - 1] if j else 0.0)
-        running = before + np.cumsum(np.full(ties.shape[0], p[ties[0]], dtype=np.float64))
+        running = (inside[j2 - 1] if j2 else before) + np.cumsum(np.full(ties.shape[0], p[cand[ties[0]]], np.float64))
         keep[ties[: min(int(np.searchsorted(running, goal)), ties.shape[0] - 1) + 1]] = True
-    return keep
+    return Nucleus(high, above, edge, cand[keep])
 
 
-def _walk(c: np.ndarray, u: float, p: np.ndarray) -> int:
-    """Position i with c[i-1] <= u * c[-1] < c[i] (c: running sums of p), never a zero p."""
-    i = min(int(np.searchsorted(c, u * c[-1], side="right")), c.shape[0] - 1)
+def _draw_wide(p: np.ndarray, top_p: float, u: float) -> int:
+    """A token of a wide nucleus, walking its buckets highest first, each in index order:
+    the bucket masses locate the draw, so only one bucket's members are gathered."""
+    nuc = _nucleus(p, top_p)
+    j = NUM_BUCKETS - 1 - nuc.edge  # buckets before the edge one, highest first
+    whole = nuc.above[j - 1] if j else 0.0
+    target = u * (whole + float(p[nuc.edge_kept].sum(dtype=np.float64)))
+    if target >= whole:
+        members, before = nuc.edge_kept, whole
+    else:
+        b = int(np.searchsorted(nuc.above[:j], target, side="right"))
+        members, before = np.flatnonzero(nuc.high == NUM_BUCKETS - 1 - b), (nuc.above[b - 1] if b else 0.0)
+    c = before + np.cumsum(p[members], dtype=np.float64)
+    return int(members[_walk_to(c, target, p[members])])
+
+
+def _by_bucket(p: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Kept indices (ascending) in walk order: value bucket (high 16 bits of p) highest first,
+    then index."""
+    return kept[np.argsort(-(p[kept].view(np.int32) >> LOW_BITS), kind="stable")]
+
+
+def _walk_to(c: np.ndarray, target: float, p: np.ndarray) -> int:
+    """Position i with c[i-1] <= target < c[i] (c: running sums of p), never a zero p."""
+    i = min(int(np.searchsorted(c, target, side="right")), c.shape[0] - 1)
     while p[i] == 0.0 and i > 0:  # rounding at the end: step back to a possible token
         i -= 1
     return i
