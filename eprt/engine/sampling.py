@@ -104,9 +104,10 @@ def _head(p: np.ndarray, mass: float, top_k: int, top_p: float) -> np.ndarray | 
     holds every kept token when it has k of them (top-k) or top_p of the mass (top-p alone).
     None when no such head of at most HEAD_MAX does."""
     for threshold in HEAD_THRESHOLDS:
-        head = np.flatnonzero(p >= threshold)
-        if head.shape[0] > HEAD_MAX:
+        above = p >= threshold
+        if np.count_nonzero(above) > HEAD_MAX:
             return None
+        head = np.flatnonzero(above)
         if head.shape[0] >= top_k and (top_k or p[head].sum(dtype=np.float64) >= top_p * mass * (1 + 1e-6)):
             return head
     return None
