@@ -128,8 +128,7 @@ class NumpyOps(Ops):
         v = v_cache[tables].reshape(B, S, Hk, Dh).transpose(0, 2, 1, 3)  # [B, Hk, S, Dh]
         qg = q.reshape(B, Hk, H // Hk, Dh) * np.float32(scale)  # [B, Hk, G, Dh]
         scores = np.matmul(qg, k)  # [B, Hk, G, S]
-        past = np.arange(S)[None, :] >= lens[:, None]  # [B, S] padding
-        scores[np.broadcast_to(past[:, None, None, :], scores.shape)] = -np.inf
+        scores += np.where(np.arange(S)[None, :] < lens[:, None], np.float32(0), np.float32(-np.inf))[:, None, None, :]
         probs = _softmax_last(scores)
         return np.matmul(probs, v).reshape(B, H, Dh)  # [B, Hk, G, Dh] -> [B, H, Dh]
 
