@@ -111,6 +111,12 @@ class SlotTable:
             raise SlotError(f"{what}: {len(slots)} slots but {len(tokens)} tokens")
         if len(set(slots)) != len(slots):
             raise SlotError(f"{what}: slot listed twice in {list(slots)}")
+        try:  # the common case in one pass; any doubt takes the checks below, which name the row
+            states = [self._slots[slot] if slot >= 0 else None for slot in slots]
+            if all(s is not None and len(s.tokens) >= len(s.prompt) for s in states):
+                return states
+        except (IndexError, TypeError):
+            pass
         states = [self.held(slot, what) for slot in slots]
         for slot, s in zip(slots, states):
             if not s.prefilled:

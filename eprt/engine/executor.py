@@ -47,6 +47,9 @@ class ShardExecutor:
         self.slots = SlotTable(max_slots)
         self.image_token_id = image_token_id if image_token_id is not None else model.cfg.image_token_id
         self.compute_logits = True  # workers turn this off: only rank 0 samples
+        self._tables = np.zeros((max_slots, 8), dtype=np.int32)  # [slots, MB] block table of each decoding slot
+        self._table_key = np.full(max_slots, -1, dtype=np.int64)  # block-manager key each row was built for
+        self._table_len = np.zeros(max_slots, dtype=np.int64)  # blocks in each row
 
     @property
     def hidden_size(self) -> int:
@@ -118,17 +121,11 @@ class ShardExecutor:
     def decode(self, slots: list, tokens: list):
         """Append tokens[r] to slots[r] and run one step. Returns logits [B, V] (or None)."""
         states = self.slots.check_decode(slots, tokens, "decode")
-        positions = np.asarray([st.length for st in states], dtype=np.int32)  # [B]
-        for st in states:
-            self.blocks.grow(st.key, st.length + 1)
-        tables = [self.blocks.block_table(st.key) for st in states]
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(states), width), dtype=np.int32)  # [B, MB]
-        for b, t in enumerate(tables):
-            block_tables[b, : len(t)] = t
-        slot_mapping = np.asarray(
-            [self.kv.slots(t, positions[b : b + 1])[0] for b, t in enumerate(tables)], dtype=np.int32
-        )
+        B, bs = len(states), self.block_size
+        lengths = np.fromiter((st.length for st in states), dtype=np.int64, count=B)  # [B] new tokens' positions
+        block_tables = self._decode_tables(slots, states, lengths)  # [B, MB]
+        slot_mapping = block_tables[np.arange(B), lengths // bs] * bs + (lengths % bs).astype(np.int32)  # [B]
+        positions = lengths.astype(np.int32)
         batch = AttnBatch(
             positions=positions, slot_mapping=slot_mapping, block_tables=block_tables, context_lens=positions + 1
         )
@@ -137,6 +134,30 @@ class ShardExecutor:
         for st, tok in zip(states, tokens):  # the token's KV is stored now
             st.tokens.append(int(tok))
         return self.model.logits(h) if self.compute_logits else None
+
+    def _decode_tables(self, slots: list, states: list, lengths: np.ndarray) -> np.ndarray:
+        """Block tables [B, MB] (zero-padded) of a decode step's rows, with room for one more
+        token each. Rows come from a per-slot array; only a row whose slot changed hands or
+        whose sequence needs a new block goes back to the block manager."""
+        rows = np.asarray(slots, dtype=np.int64)  # [B]
+        keys = np.fromiter((st.key for st in states), dtype=np.int64, count=len(states))
+        need = (lengths + 1) // self.block_size + 1  # blocks for length + 1 tokens (BlockManager.blocks_for)
+        for r in np.flatnonzero((self._table_key[rows] != keys) | (self._table_len[rows] < need)):
+            st = states[r]
+            self.blocks.grow(st.key, st.length + 1)
+            self._store_table(int(rows[r]), st.key)
+        return self._tables[rows, : int(self._table_len[rows].max())]
+
+    def _store_table(self, slot: int, key: int) -> None:
+        table = self.blocks.block_table(key)
+        width = self._tables.shape[1]
+        if len(table) > width:
+            grown = np.zeros((self._tables.shape[0], max(len(table), 2 * width)), dtype=np.int32)
+            grown[:, :width] = self._tables
+            self._tables = grown
+        self._tables[slot, : len(table)] = table
+        self._tables[slot, len(table) :] = 0
+        self._table_key[slot], self._table_len[slot] = key, len(table)
 
     def _vision_chunk(self, tokens, start: int, end: int, vision_rows):
         """Rows [n, D] and mask [T] of the image placeholders inside this chunk."""

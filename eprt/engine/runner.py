@@ -13,7 +13,7 @@ import numpy as np
 
 from eprt.comm import protocol as P
 from eprt.engine.executor import ShardExecutor, vision_salt
-from eprt.engine.sampling import make_rng, sample
+from eprt.engine.sampling import request_seed, sample_rows, token_uniform
 from eprt.scheduler.interface import TraceCalls
 
 
@@ -21,7 +21,7 @@ from eprt.scheduler.interface import TraceCalls
 class SeqModelState:
     """What the runner keeps on a sequence (``seq.model_state``)."""
 
-    rng: np.random.Generator  # its sampler: a preempted sequence keeps its stream
+    seed: int  # its sampling key: token p's draw is token_uniform(seed, p), whatever the batch
     salt: bytes  # prefix-cache salt of its vision rows, hashed once
 
 
@@ -43,7 +43,9 @@ class ModelRunner(TraceCalls):
     def _state(self, seq) -> SeqModelState:
         """This runner's per-sequence state, made once (a preempted sequence keeps it)."""
         if seq.model_state is None:
-            seq.model_state = SeqModelState(rng=make_rng(seq.params, self._rng), salt=vision_salt(seq.image_embeds))
+            seq.model_state = SeqModelState(
+                seed=request_seed(seq.params, self._rng), salt=vision_salt(seq.image_embeds)
+            )
         return seq.model_state
 
     def can_admit(self, seq) -> bool:
@@ -98,19 +100,24 @@ class ModelRunner(TraceCalls):
 
     def argmax_batch(self, row: int = 0, n: int = 1, stream: int = 0) -> list[int]:
         """Greedy rows take one device argmax together; sampled rows come to the host in one
-        copy (on a GPU, one transfer of [rows, V] rather than one per row)."""
+        copy (on a GPU, one transfer of [rows, V] rather than one per row) and are sampled
+        together, each with the uniform of its request's seed at the token's position."""
         seqs = self._rows[row : row + n]
         logits = self._logits[row : row + n]  # [n, V]
-        greedy = None
-        if any(s.params.temperature == 0.0 for s in seqs):
+        sampled = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0]
+        tokens = [0] * len(seqs)
+        if len(sampled) < len(seqs):
             greedy = self.executor.ops.argmax(logits)
-        rows = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0]
-        host = self.executor.ops.to_host(logits[rows] if len(rows) < n else logits) if rows else ()  # [len(rows), V]
-        sampled = iter(host)
-        return [
-            int(greedy[i]) if s.params.temperature == 0.0 else sample(next(sampled), s.params, s.model_state.rng)
-            for i, s in enumerate(seqs)
-        ]
+            tokens = [int(t) for t in greedy]
+        if sampled:
+            host = self.executor.ops.to_host(logits[sampled] if len(sampled) < len(seqs) else logits)  # [m, V]
+            picked = [seqs[i] for i in sampled]
+            uniforms = np.array(
+                [token_uniform(s.model_state.seed, self.executor.slots.get(s.slot).length) for s in picked]
+            )
+            for i, t in zip(sampled, sample_rows(host, [s.params for s in picked], uniforms)):
+                tokens[i] = t
+        return tokens
 
     # ---- shutdown ----------------------------------------------------------------------
     def ep_shutdown(self) -> None:

@@ -1,0 +1,135 @@
+"""The NumPy backend's batched attention and grouped expert GEMMs against their definitions
+in eprt/ops/base.py, written here one row, one head and one (token, expert) at a time."""
+
+import numpy as np
+import pytest
+
+from eprt.ops import numpy_ops
+from eprt.ops.numpy_ops import NumpyOps
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def paged(rng, lens, bs, hk, dh, pad):
+    """A shuffled KV pool and block tables [B, MB] padded with ``pad`` past each row's blocks."""
+    need = [-(-n // bs) for n in lens]
+    nb = sum(need) + 3
+    kc = rng.standard_normal((nb, bs, hk, dh), dtype=np.float32)
+    vc = rng.standard_normal((nb, bs, hk, dh), dtype=np.float32)
+    free = list(rng.permutation(nb))
+    tables = np.full((len(lens), max(need) + 2), pad, dtype=np.int32)
+    for b, n in enumerate(need):
+        tables[b, :n] = [free.pop() for _ in range(n)]
+    return kc, vc, tables
+
+
+def attend_one(q, kc, vc, table, n, scale):
+    """q[H, Dh] over positions [0, n) of one sequence, head by head."""
+    H, Dh = q.shape
+    hk, bs = kc.shape[2], kc.shape[1]
+    out = np.empty_like(q)
+    for h in range(H):
+        g = h // (H // hk)
+        k = np.stack([kc[table[p // bs], p % bs, g] for p in range(n)])  # [n, Dh]
+        v = np.stack([vc[table[p // bs], p % bs, g] for p in range(n)])
+        out[h] = softmax(k @ q[h] * scale) @ v
+    return out
+
+
+@pytest.mark.parametrize("pad", [0, -1])
+@pytest.mark.parametrize("hk, group", [(1, 4), (2, 2), (3, 1)])
+def test_attention_decode_matches_rows(pad, hk, group):
+    rng = np.random.default_rng(hk * 10 + group)
+    lens, bs, dh = [1, 16, 17, 50, 3], 16, 8
+    kc, vc, tables = paged(rng, lens, bs, hk, dh, pad)
+    q = rng.standard_normal((len(lens), hk * group, dh), dtype=np.float32)
+    got = NumpyOps().attention_decode(q, kc, vc, tables, np.asarray(lens, dtype=np.int32), 0.3)
+    for b, n in enumerate(lens):
+        np.testing.assert_allclose(got[b], attend_one(q[b], kc, vc, tables[b], n, 0.3), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_decode_in_gathers_of_a_few_rows(monkeypatch):
+    rng = np.random.default_rng(5)
+    lens = [40, 1, 33, 7, 64, 2, 19]
+    kc, vc, tables = paged(rng, lens, 8, 2, 4, 0)
+    q = rng.standard_normal((len(lens), 4, 4), dtype=np.float32)
+    args = (q, kc, vc, tables, np.asarray(lens, dtype=np.int32), 0.5)
+    whole = NumpyOps().attention_decode(*args)
+    monkeypatch.setattr(numpy_ops, "DECODE_GATHER_BYTES", 1)  # one row per gather
+    np.testing.assert_allclose(NumpyOps().attention_decode(*args), whole, rtol=1e-6, atol=1e-7)
+
+
+def test_attention_prefill_is_causal_from_start_pos():
+    rng = np.random.default_rng(7)
+    start, T, bs, hk, dh = 21, 6, 8, 2, 4
+    kc, vc, tables = paged(rng, [start + T], bs, hk, dh, 0)
+    q = rng.standard_normal((T, 2 * hk, dh), dtype=np.float32)
+    got = NumpyOps().attention_prefill(q, kc, vc, tables[0], start, 0.4)
+    for t in range(T):
+        want = attend_one(q[t], kc, vc, tables[0], start + t + 1, 0.4)
+        np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("uploaded", [False, True])  # True: the weights in NumpyOps.weight's layout
+@pytest.mark.parametrize("expert_start, local", [(0, 6), (2, 3), (5, 4), (9, 2)])
+def test_moe_experts_matches_pairs(expert_start, local, uploaded):
+    rng = np.random.default_rng(expert_start)
+    T, k, E, D, inter = 15, 3, 9, 8, 5  # experts get 1 to 9 tokens: GEMV rows and GEMMs
+    x = rng.standard_normal((T, D), dtype=np.float32)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, k), dtype=np.float32)
+    wgu = rng.standard_normal((local, 2 * inter, D), dtype=np.float32)
+    wd = rng.standard_normal((local, D, inter), dtype=np.float32)
+    ops = NumpyOps()
+    got = ops.moe_experts(x, w, ids, *((ops.weight(wgu), ops.weight(wd)) if uploaded else (wgu, wd)), expert_start)
+    want = np.zeros((T, D), dtype=np.float64)
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j] - expert_start
+            if 0 <= e < local:
+                g, u = np.split(wgu[e] @ x[t], 2)
+                want[t] += w[t, j] * (wd[e] @ (g / (1 + np.exp(-g)) * u))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[
+        [t for t in range(T) if not ((ids[t] >= expert_start) & (ids[t] < expert_start + local)).any()]
+    ].any()
+
+
+def test_decode_block_tables_follow_compaction_and_slot_reuse(checkpoint):
+    """The executor keeps decode block tables per slot: a slot that changes hands (RELEASE and a
+    new PREFILL, or COMPACT) must decode as a fresh executor does."""
+    from test_model_parity import executor_for
+
+    path = checkpoint("qwen3_moe")
+    a, b = [5, 77, 3, 140, 9, 9, 31], [8, 21, 4, 99, 100, 3, 7, 7, 12]
+    ex = executor_for(path, block_size=4, num_blocks=32, max_slots=3)
+    ex.allocate(0, a)
+    ex.prefill(0, a, 0, len(a))
+    ex.allocate(1, b)
+    ex.prefill(1, b, 0, len(b))
+    for t in range(5):  # crosses block edges; caches both rows
+        ex.decode([0, 1], [10 + t, 20 + t])
+    ex.free(0)
+    ex.allocate(0, b)  # slot 0 changes hands
+    ex.prefill(0, b, 0, len(b))
+    ex.compact(1, 2)  # and slot 1's sequence moves to slot 2
+    got = ex.decode([0, 2], [30, 31])
+    fresh = executor_for(path, block_size=4, num_blocks=32, max_slots=3)
+    fresh.allocate(0, b)
+    fresh.prefill(0, b, 0, len(b))
+    fresh.allocate(1, b)
+    fresh.prefill(1, b, 0, len(b))
+    for t in range(5):
+        fresh.decode([1], [20 + t])
+    want = fresh.decode([0, 1], [30, 31])
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_weight_keeps_shape_and_values():
+    host = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    for a in (host, host[0], host[0, 0]):
+        w = NumpyOps().weight(a)
+        assert w.shape == a.shape and np.array_equal(w, a) and w.dtype == np.float32
