@@ -472,3 +472,20 @@ def test_real_engine_batch_under_mpiexec(checkpoint, tmp_path):
     assert 1 <= len(records["b"]["token_ids"]) <= 4
     assert "error" in records["c"]
     assert "1 failed" in proc.stderr
+
+
+def test_max_tokens_past_the_context_is_cut_and_a_full_prompt_is_a_line_error(checkpoint, tmp_path):
+    from eprt.engine.engine import EngineConfig, launch_engine
+    from eprt.serve.batch import run_batch
+
+    lines = [
+        {"id": "huge", "prompt_ids": [5, 6, 7], "max_tokens": 10**12},
+        {"id": "full", "prompt_ids": [5] * 32},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = EngineConfig(model=checkpoint("mixtral"), device="cpu", max_batch=2, block_size=4, max_model_len=32)
+    with launch_engine(cfg) as engine:
+        run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), progress_stream=io.StringIO())
+    out = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert out["huge"]["finish_reason"] == "length" and len(out["huge"]["token_ids"]) <= 32 - 3
+    assert "leaves room for at most 31" in out["full"]["error"]

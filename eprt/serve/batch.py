@@ -25,7 +25,15 @@ from eprt.api import (
     is_int,
 )
 from eprt.serve.loop import EngineLoop
-from eprt.serve.params import FieldError, check_text, encode_prompt, parse_options, parse_token_ids
+from eprt.serve.params import (
+    FieldError,
+    check_text,
+    context_room,
+    encode_prompt,
+    fit_to_context,
+    parse_options,
+    parse_token_ids,
+)
 from eprt.serve.progress import Progress
 from eprt.serve.stream import LiveRequest
 
@@ -200,11 +208,11 @@ def build_request(line: Line, engine) -> tuple:
         prompt_ids = encode_prompt(engine.tokenizer, obj["prompt"], "prompt")
     else:
         prompt_ids = parse_token_ids(obj["prompt_ids"], "prompt_ids", engine.vocab_size)
+    room = context_room(prompt_ids, engine.max_model_len, "prompt_ids" if "prompt_ids" in obj else "prompt")
     opts = parse_options(obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens)
     request_id = f"line-{line.number}" if line.id is None else str(line.id)
-    return GenerationRequest(
-        prompt_ids, opts.params, request_id=request_id, timeout_s=opts.timeout_s
-    ), opts.stop_strings
+    params = fit_to_context(opts.params, room)
+    return GenerationRequest(prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s), opts.stop_strings
 
 
 class BatchWriter:

@@ -8,7 +8,6 @@ value-checked by ``eprt.serve.params``; every problem is a ``FieldError`` naming
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,7 +16,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from eprt.api import GenerationRequest, GenerationResult, SamplingParams
-from eprt.serve.params import FieldError, check_text, encode_prompt, parse_options, parse_token_ids
+from eprt.serve.params import (
+    FieldError,
+    check_text,
+    context_room,
+    encode_prompt,
+    fit_to_context,
+    parse_options,
+    parse_token_ids,
+)
 
 MAX_CHARS_PER_TOKEN = 32  # text longer than max_model_len * this cannot fit the context: refused untokenized
 
@@ -111,18 +118,6 @@ def _check_size(body: dict, chat: bool, max_model_len: int) -> None:
             f"the prompt has {len(prompt)} tokens but max_model_len={max_model_len} "
             f"leaves room for at most {max_model_len - 1}",
         )
-
-
-def _room(prompt_ids: list, max_model_len: int, param: str) -> int:
-    """Tokens the context leaves for the completion; FieldError when it leaves none."""
-    room = max_model_len - len(prompt_ids)
-    if room < 1:
-        raise FieldError(
-            param,
-            f"the prompt has {len(prompt_ids)} tokens but max_model_len={max_model_len} "
-            f"leaves room for at most {max_model_len - 1}",
-        )
-    return room
 
 
 @dataclass
@@ -228,7 +223,7 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
     include_usage = _flag(options, "include_usage")
     if chat:
         prompt_ids = _chat_prompt(body.get("messages"), engine)
-        room = _room(prompt_ids, engine.max_model_len, "messages")
+        room = context_room(prompt_ids, engine.max_model_len, "messages")
         # Chat answers run to the end of the context unless told otherwise, as in OpenAI's API.
         default_max = room
         max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -236,12 +231,10 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         if "prompt" not in body:
             raise FieldError("prompt", "prompt is required")
         prompt_ids = _completion_prompt(body["prompt"], engine)
-        room = _room(prompt_ids, engine.max_model_len, "prompt")
+        room = context_room(prompt_ids, engine.max_model_len, "prompt")
         default_max, max_field = SamplingParams().max_tokens, "max_tokens"
     opts = parse_options(body, engine.vocab_size, default_max, max_tokens_field=max_field)
-    # max_tokens past the context (10**12, say) is cut to what the context leaves, as the
-    # engine would stop there anyway; the answer's finish_reason is then "length".
-    params = dataclasses.replace(opts.params, max_tokens=min(opts.params.max_tokens, room))
+    params = fit_to_context(opts.params, room)
     api = ApiRequest(
         chat,
         GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s),

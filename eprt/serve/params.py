@@ -8,6 +8,7 @@ error is a ``FieldError`` that names the offending field, so the HTTP server can
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -138,3 +139,21 @@ def parse_options(
         stop_token_ids=stop_ids,
     )
     return RequestOptions(params, stop_strings, None if timeout is None else float(timeout))
+
+
+def context_room(prompt_ids: list, max_model_len: int, param: str) -> int:
+    """Tokens the context leaves for the completion; FieldError when it leaves none."""
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise FieldError(
+            param,
+            f"the prompt has {len(prompt_ids)} tokens but max_model_len={max_model_len} "
+            f"leaves room for at most {max_model_len - 1}",
+        )
+    return room
+
+
+def fit_to_context(params: SamplingParams, room: int) -> SamplingParams:
+    """max_tokens past the context (10**12, say) cut to what the context leaves, as the engine
+    would stop there anyway; the finish_reason is then "length"."""
+    return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
