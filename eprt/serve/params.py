@@ -147,7 +147,7 @@ def context_room(prompt_ids: list, max_model_len: int, param: str) -> int:
     if room < 1:
         raise FieldError(
             param,
-            f"the prompt has {len(prompt_ids)} tokens but max_model_len={max_model_len} "
+            f"the prompt has {len(prompt_ids)} tokens but the context (max_model_len={max_model_len}) "
             f"leaves room for at most {max_model_len - 1}",
         )
     return room
