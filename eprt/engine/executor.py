@@ -8,6 +8,7 @@ B sequences in a decode batch, T tokens in a prefill chunk, D hidden, V vocabula
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import numpy as np
 
@@ -15,6 +16,9 @@ from eprt.cache.block_manager import BlockManager
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.model.kv_cache import KVCache
 from eprt.model.moe_model import AttnBatch, MoEModel
+from eprt.model.recurrent_state import RecurrentState
+
+log = logging.getLogger("eprt.engine")
 
 
 class ExecutorError(RuntimeError):
@@ -42,6 +46,15 @@ class ShardExecutor:
     ):
         self.model, self.ops, self.cfg = model, model.ops, model.cfg
         self.kv = KVCache(model.ops, model.cfg, num_blocks, block_size)
+        # a hybrid model's recurrent state: one row per slot, beside the paged KV (docs/hybrid.md)
+        self.state = RecurrentState(model.ops, model.cfg, max_slots) if model.cfg.is_hybrid else None
+        if prefix_cache and self.state is not None:
+            log.info(
+                "prefix cache off for %s: a cached KV prefix would need the recurrent state saved at "
+                "that boundary, which this build does not keep",
+                model.cfg.model_type,
+            )
+            prefix_cache = False
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache=prefix_cache)
         self.block_size = block_size
         self.slots = SlotTable(max_slots)
@@ -64,6 +77,8 @@ class ShardExecutor:
         salt = vision_salt(vision_rows) if salt is None else salt
         cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt)
         self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
+        if self.state is not None:
+            self.state.reset(slot)
         return cached
 
     def cache(self, slot: int) -> None:
@@ -79,6 +94,8 @@ class ShardExecutor:
 
     def compact(self, slot: int, new_slot: int) -> None:
         self.slots.move(slot, new_slot)
+        if self.state is not None:
+            self.state.move(slot, new_slot)
 
     def shutdown(self) -> None:
         for slot in self.slots.occupied():
@@ -104,9 +121,13 @@ class ShardExecutor:
         table = np.asarray(self.blocks.block_table(st.key), dtype=np.int32)
         rows, mask = self._vision_chunk(tokens, chunk_start, end, vision_rows)
         batch = AttnBatch(
-            positions=positions, slot_mapping=self.kv.slots(table, positions), block_table=table, start_pos=chunk_start
+            positions=positions,
+            slot_mapping=self.kv.slots(table, positions),
+            block_table=table,
+            start_pos=chunk_start,
+            state_slots=np.asarray([slot], dtype=np.int32),
         )
-        h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv)  # [T, D]
+        h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv, self.state)  # [T, D]
         st.tokens.extend(tokens[chunk_start:end])
         return self.model.logits(h[-1:]) if self.compute_logits else None
 
@@ -130,10 +151,14 @@ class ShardExecutor:
             [self.kv.slots(t, positions[b : b + 1])[0] for b, t in enumerate(tables)], dtype=np.int32
         )
         batch = AttnBatch(
-            positions=positions, slot_mapping=slot_mapping, block_tables=block_tables, context_lens=positions + 1
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            context_lens=positions + 1,
+            state_slots=np.asarray(slots, dtype=np.int32),
         )
         ids = np.asarray(tokens, dtype=np.int32)
-        h = self.model.hidden_states(self.model.embed(ids), batch, self.kv)  # [B, D]
+        h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [B, D]
         for st, tok in zip(states, tokens):  # the token's KV is stored now
             st.tokens.append(int(tok))
         return self.model.logits(h) if self.compute_logits else None
