@@ -113,18 +113,103 @@ def generate(path, prompts, n=6, **kw):
         return [r.token_ids for r in results], [r.cached_tokens for r in results], engine.stats()
 
 
-def test_prefix_cache_is_off_chunked_prefill_compaction_and_preemption_keep_outputs(checkpoint, capfd):
+def test_chunked_prefill_compaction_and_preemption_keep_outputs(checkpoint):
     path = checkpoint("qwen3_next")
     system = list(range(20, 44))
     prompts = [system + [i, i + 1] for i in range(6)]  # uneven lengths finish apart: slots are compacted
     ref = [reference_greedy(path, p, 6 + i % 3)[0] for i, p in enumerate(prompts)]
-    got, hits, _ = generate(path, prompts, prefix_cache=True, max_prefill_tokens=7, num_blocks=400)
-    assert got == ref and hits == [0] * len(prompts)  # a KV-only prefix hit would lose the recurrent state
-    assert "prefix cache off for qwen3_next" in capfd.readouterr().err
-    small, _, stats = generate(path, prompts, n=20, prefix_cache=True, num_blocks=30)
+    got, _, _ = generate(path, prompts, prefix_cache=True, max_prefill_tokens=7, num_blocks=400)
+    assert got == ref
+    small, _, stats = generate(path, prompts, n=20, prefix_cache=True, num_blocks=60)
     assert stats["preemptions"] > 0
     full, _, _ = generate(path, prompts, n=20, prefix_cache=False, num_blocks=400)
     assert small == full
+
+
+def conversation(path, prefix_cache, chunk=0):
+    """One engine, requests one after another: three sharing a system prompt, then two turns of a
+    conversation. Returns (tokens, cached_tokens) per request and the engine's executor."""
+    cfg = EngineConfig(
+        model=path,
+        device="cpu",
+        max_batch=4,
+        block_size=4,
+        max_model_len=128,
+        num_blocks=400,
+        prefix_cache=prefix_cache,
+        max_prefill_tokens=chunk,
+    )
+    system = list(range(20, 50))  # 30 tokens: 7 full blocks
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    out = []
+    with launch_engine(cfg) as engine:
+        for question in ([1, 2], [3, 4, 5], [6]):
+            out.append(engine.generate([GenerationRequest(system + question, params)])[0])
+        turn1 = [7, 100, 101, 102, 103, 104, 105]
+        out.append(engine.generate([GenerationRequest(turn1, params)])[0])
+        turn2 = turn1 + out[-1].token_ids + [106, 107, 108]
+        out.append(engine.generate([GenerationRequest(turn2, params)])[0])
+        return [r.token_ids for r in out], [r.cached_tokens for r in out], engine.runner.executor
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_snapshots_serve_shared_prefixes_and_the_next_turn_with_identical_outputs(checkpoint, chunk, capfd):
+    path = checkpoint("qwen3_next")
+    off, off_hits, _ = conversation(path, prefix_cache=False, chunk=chunk)
+    on, hits, ex = conversation(path, prefix_cache=True, chunk=chunk)
+    assert on == off and off_hits == [0] * 5
+    # the second request finds the system prompt's KV cached but no state there: it snapshots the
+    # branch point, which the third reuses; the second turn resumes from the first turn's end
+    assert hits[:3] == [0, 0, 28] and hits[3] == 0
+    assert hits[4] == 12  # turn 1 stored 7 prompt + 8 fed tokens: its last boundary, 12, is the turn end
+    assert ex.snapshots.restored == 2 and len(ex.snapshots) >= 3
+    assert "recurrent-state snapshots" in capfd.readouterr().err
+    ref = reference_greedy(path, list(range(20, 50)) + [6], 9)[0]
+    assert on[2] == ref
+
+
+def test_snapshots_are_paid_for_in_kv_blocks(checkpoint):
+    path = checkpoint("qwen3_next")
+    model = load_model(path, NumpyOps(), max_len=512).model
+    cfg = model.cfg
+    ex = ShardExecutor(model, 100, 4, 3, prefix_cache=True)
+    per_block, per_row = KVCache.bytes_per_block(cfg, 4, 4), RecurrentState.bytes_per_slot(cfg)
+    reserved = 100 - ex.blocks.num_blocks
+    assert ex.snapshots.rows == 3 and ex.state.conv_snapshots[0].shape[0] == 3
+    assert (reserved - 1) * per_block < 3 * per_row <= reserved * per_block
+    assert ex.kv.k[1].shape[0] == ex.blocks.num_blocks and ex.pool_blocks == 100
+    tiny = ShardExecutor(model, 8, 4, 3, prefix_cache=True)  # a quarter of 8 blocks holds no snapshot
+    assert tiny.snapshots is None and not tiny.blocks.enabled and tiny.blocks.num_blocks == 8
+
+
+def test_decode_ckpt_is_checked_against_the_slot(checkpoint):
+    from eprt.comm.slots import SlotError
+    from eprt.engine.executor import ExecutorError
+
+    path = checkpoint("qwen3_next")
+    ex = ShardExecutor(load_model(path, NumpyOps(), max_len=512).model, 100, 4, 3, prefix_cache=True)
+    prompt = list(range(30, 39))
+    ex.allocate(0, prompt)
+    ex.prefill(0, prompt, 0, 8)
+    tokens, end_block, session, adapter = ex.checkpoint_words(0)
+    assert (tokens, end_block, adapter) == (8, 2, 2**64 - 1)
+    with pytest.raises(SlotError, match="snapshot of 4 tokens, but the slot holds 8"):
+        ex.checkpoint(0, 4, 1, session, adapter)
+    with pytest.raises(SlotError, match="end block 3 / adapter"):
+        ex.checkpoint(0, 8, 3, session, adapter)
+    with pytest.raises(ExecutorError, match="snapshot diverged on slot 0"):
+        ex.checkpoint(0, 8, 2, session ^ 1, adapter)
+    assert len(ex.snapshots) == 0
+    ex.checkpoint(0, 8, 2, session, adapter)
+    assert len(ex.snapshots) == 1
+    ex.prefill(0, prompt, 8, 1)
+    ex.release(0)
+    assert ex.allocate(1, prompt[:8] + [5, 6]) == 8  # the hit ends at the snapshot
+    np.testing.assert_array_equal(ex.state.delta[0][1], ex.state.delta_snapshots[0][0])
+    plain = executor(checkpoint("qwen3_moe"))
+    plain.allocate(0, prompt)
+    with pytest.raises(ExecutorError, match="keeps no recurrent-state snapshots \\(qwen3_moe has no recurrent"):
+        plain.checkpoint(0, 8, 2, 0, adapter)
 
 
 def test_config_layer_types_and_state_sizes(checkpoint):
@@ -202,6 +287,22 @@ def test_a_backend_without_the_linear_attention_ops_is_refused_at_load(checkpoin
     partial = type("NoDeltaStep", (NumpyOps,), {"gated_delta_rule_step": Ops.gated_delta_rule_step})()
     with pytest.raises(NotImplementedError, match="does not implement gated_delta_rule_step needed by qwen3_next"):
         load_model(checkpoint("qwen3_next"), partial, 64)
+
+
+def test_snapshot_index_keeps_branches_and_the_last_turn():
+    from eprt.cache.snapshots import SnapshotIndex, prefill_points
+
+    assert prefill_points(cached=0, prompt_len=30, cached_prefix=28, block_size=4) == (28,)
+    assert prefill_points(cached=0, prompt_len=31, cached_prefix=8, block_size=4) == (8, 28)
+    assert prefill_points(cached=28, prompt_len=31, cached_prefix=28, block_size=4) == ()
+    index = SnapshotIndex(3)
+    assert index.save(b"branch") == 0 and index.save(b"turn-a", owner=1) == 1
+    assert index.save(b"turn-b", owner=1) == 1  # replaces the sequence's previous turn end
+    assert b"turn-a" not in index and index.usable_blocks([b"x", b"branch", b"y"]) == 2
+    assert index.lookup(b"turn-b") == 1
+    index.save(b"turn-c", owner=1)  # turn-b was used by a hit: it stays, shared
+    assert b"turn-b" in index and index.save(b"other") in (0, 1, 2) and index.evicted == 1
+    assert b"branch" not in index  # the least recently used went
 
 
 # ---- the ops: chunked against recurrent forms ---------------------------------------------------------

@@ -1,7 +1,8 @@
 """Per-sequence recurrent state of a hybrid model's linear-attention layers, in fixed slots beside
 the paged KV: per linear layer ``conv[S, K-1, C]`` and ``delta[S, Hv, dk, dv]`` (float32), one row
-per sequence slot. The executor zeroes a slot's rows when a sequence takes it, moves them with
-the sequence on COMPACT, and a re-prefill after preemption rebuilds them (docs/hybrid.md).
+per sequence slot, and as many snapshot rows of the same shapes (states saved at block boundaries
+for the prefix cache). The executor zeroes a slot's rows when a sequence takes it (or restores a
+snapshot), moves them on COMPACT; a re-prefill after preemption rebuilds them (docs/hybrid.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ STATE_ITEMSIZE = 4  # float32 on every backend: the recurrence accumulates over 
 
 
 class RecurrentState:
-    def __init__(self, ops, cfg: ModelConfig, max_slots: int):
+    def __init__(self, ops, cfg: ModelConfig, max_slots: int, snapshot_rows: int = 0):
         if cfg.linear_attention is None:
             raise ValueError(f"model_type {cfg.model_type!r} has no linear-attention layers to keep state for")
         if max_slots < 1:
@@ -23,6 +24,10 @@ class RecurrentState:
         delta_shape = (max_slots, la.num_value_heads, la.key_head_dim, la.value_head_dim)
         self.conv = [ops.zeros(conv_shape, "f32") if is_linear else None for is_linear in linear]
         self.delta = [ops.zeros(delta_shape, "f32") if is_linear else None for is_linear in linear]
+        self.snapshot_rows = snapshot_rows
+        snap = lambda shape: ops.zeros((snapshot_rows, *shape[1:]), "f32")  # noqa: E731
+        self.conv_snapshots = [snap(conv_shape) if is_linear else None for is_linear in linear]
+        self.delta_snapshots = [snap(delta_shape) if is_linear else None for is_linear in linear]
 
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig) -> int:
@@ -36,6 +41,21 @@ class RecurrentState:
         """Zero the slot's rows: a sequence starts from no history."""
         for a in self._arrays():
             a[slot] = 0
+
+    def _pairs(self):
+        """(live array, snapshot array) of every linear layer."""
+        live, snaps = (*self.conv, *self.delta), (*self.conv_snapshots, *self.delta_snapshots)
+        return [(a, s) for a, s in zip(live, snaps) if a is not None]
+
+    def save(self, slot: int, row: int) -> None:
+        """Copy the slot's state into snapshot ``row``."""
+        for live, snapshot in self._pairs():
+            snapshot[row] = live[slot]
+
+    def restore(self, row: int, slot: int) -> None:
+        """Start the slot from snapshot ``row`` (a prefix-cache hit)."""
+        for live, snapshot in self._pairs():
+            live[slot] = snapshot[row]
 
     def move(self, slot: int, new_slot: int) -> None:
         """Copy the slot's rows to ``new_slot`` (COMPACT); the old rows are left as they are."""

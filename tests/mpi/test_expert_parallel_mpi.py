@@ -105,6 +105,35 @@ def test_hybrid_bf16_tokens_equal_single_rank(chunk):
         assert [r.token_ids for r in multi] == [r.token_ids for r in single]
 
 
+def conversation(engine):
+    """Requests one after another: two sharing a system prompt (the second snapshots the branch
+    point), a third that reuses it, then a second turn that resumes from the first turn's end."""
+    system, params = list(range(20, 50)), SamplingParams(max_tokens=9, ignore_eos=True)
+    out = [engine.generate([GenerationRequest(system + q, params)])[0] for q in ([1, 2], [3, 4, 5], [6])]
+    turn = [7, 100, 101, 102, 103, 104, 105]
+    out.append(engine.generate([GenerationRequest(turn, params)])[0])
+    out.append(engine.generate([GenerationRequest(turn + out[-1].token_ids + [106, 107], params)])[0])
+    return [r.token_ids for r in out], [r.cached_tokens for r in out]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_hybrid_state_snapshots_equal_single_rank_without_cache():
+    """DECODE_CKPT on every rank: prefix hits restore the same snapshot everywhere, and the tokens
+    equal a single-rank run with the prefix cache off."""
+    cfg = engine_config(shared_checkpoint("qwen3_next"), max_prefill_tokens=5, num_blocks=300)
+    try:
+        with launch_engine(cfg) as engine:
+            multi = conversation(engine)
+    except SystemExit as e:
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        multi = None
+    if COMM.rank == 0:
+        with launch_engine(engine_config(cfg.model, prefix_cache=False), transport=LocalTransport()) as engine:
+            single = conversation(engine)
+        assert multi[0] == single[0]
+        assert multi[1][2] > 0 and multi[1][4] > 0 and single[1] == [0] * 5
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
 def test_fp8_checkpoint_tokens_equal_single_rank(arch):
