@@ -252,8 +252,7 @@ class MoEModel:
             if i > 0:
                 x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps)
             if lw.linear is not None:
-                slots = ops.index(batch.state_slots)
-                h = gated_delta_net(ops, cfg, lw.linear, x, state, i, slots, batch.is_prefill)
+                h = gated_delta_net(ops, cfg, lw.linear, x, state, i, batch.state_slots, batch.is_prefill)
             else:
                 h = attention(lw, x, batch, kv, i)
             x, residual = ops.add_rms_norm(h, residual, lw.post_norm, cfg.rms_norm_eps)

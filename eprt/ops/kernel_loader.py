@@ -29,6 +29,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "elementwise.cu": ("clip_bf16", "sigmoid_gate_add"),
     "argmax.cu": ("argmax_bf16", "argmax_f32"),
     "expert_count.cu": ("count_experts",),
+    "gated_delta.cu": tuple(f"causal_conv1d_k{k}" for k in (2, 3, 4))
+    + tuple(f"gated_delta_rule_dk{d}" for d in (32, 64, 128))
+    + ("delta_rule_gates", "gated_rms_norm", "sigmoid_mul_bf16"),
 }
 
 COMPILE_OPTIONS = ("--std=c++17",)
