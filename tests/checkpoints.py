@@ -11,6 +11,7 @@ import os
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 DEEPSEEK_LIKE = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+HYBRID_ARCHS = ("qwen3_next",)  # linear-attention layers with recurrent state: not in ARCHS (no vision, GPU, plan)
 EXPERT_KEY = {"mixtral": "num_local_experts", **{a: "n_routed_experts" for a in DEEPSEEK_LIKE}}
 
 _COMMON = dict(
@@ -112,6 +113,24 @@ _ARCH = {
         attention_bias=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     ),
+    # Gated DeltaNet layers 0 and 2, gated full attention 1 and 3; 2 value heads per key head; layer 1 dense
+    "qwen3_next": dict(
+        num_hidden_layers=4,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        head_dim=16,
+        full_attention_interval=2,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=12,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    ),
 }
 
 
@@ -130,6 +149,10 @@ def build_checkpoint(arch: str, path: str, dtype: str = "float32", seed: int = 0
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape) * 0.1)
+        if arch in HYBRID_ARCHS:  # (1 + w) norms start at w = 0 and dt_bias at 1: random, so both are tested
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", "dt_bias")):
+                    p.add_(torch.randn(p.shape) * 0.2)
     model = model.to(getattr(torch, dtype)).eval()
     model.generation_config.pad_token_id = kw["pad_token_id"]
     model.save_pretrained(path)

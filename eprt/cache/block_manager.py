@@ -3,13 +3,15 @@ decisions from the same calls (docs/design.md, "Prefix cache").
 
 A sequence of ``L`` tokens holds ``L // block_size + 1`` blocks: always room for the next
 token. Blocks are identified by their index into the KV pool (``block_table``).
+``hit_filter`` (hybrid models) shortens a prefix hit to the longest one it accepts: a hit on a
+recurrent-state model is usable only where a state snapshot was saved (docs/hybrid.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 
 class OutOfBlocks(RuntimeError):
@@ -32,6 +34,8 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}  # content hash -> block
         self._tables: dict[Hashable, list[int]] = {}
         self._seeds: dict[Hashable, tuple] = {}  # key -> (adapter, salt) of its hash chain
+        # chain hashes of the matched blocks -> how many of them a hit may use (None: all)
+        self.hit_filter: Callable[[list[bytes]], int] | None = None
 
     # -- queries (no state changes) ----------------------------------------------------
     def blocks_for(self, length: int) -> int:
@@ -138,16 +142,27 @@ class BlockManager:
         live_hits = sum(1 for b in matched if self._refs[b] > 0)
         return self.blocks_for(len(token_ids)) - live_hits
 
-    def _match(self, token_ids: Sequence[int], adapter: int, salt: bytes) -> list[int]:
+    def chain_hashes(self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"") -> list[bytes]:
+        """The content hash of every full block of ``token_ids``, each chained on those before it."""
+        return list(self._hashes(token_ids, adapter, salt))
+
+    def cached_prefix_blocks(self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"") -> int:
+        """Full blocks of the prompt whose KV is cached, whether ``hit_filter`` would let a hit use them."""
+        return len(self._match(token_ids, adapter, salt, filtered=False))
+
+    def _match(self, token_ids: Sequence[int], adapter: int, salt: bytes, filtered: bool = True) -> list[int]:
         if not self.enabled or len(token_ids) < 2:
             return []
         limit = (len(token_ids) - 1) // self.block_size
-        blocks = []
+        blocks, hashes = [], []
         for h in self._hashes(token_ids[: limit * self.block_size], adapter, salt):
             b = self._block_of.get(h)
             if b is None:
                 break
             blocks.append(b)
+            hashes.append(h)
+        if filtered and self.hit_filter is not None and blocks:
+            blocks = blocks[: self.hit_filter(hashes)]
         return blocks
 
     def _hashes(self, token_ids: Sequence[int], adapter: int, salt: bytes) -> Iterator[bytes]:

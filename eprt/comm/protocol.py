@@ -119,7 +119,7 @@ class Verify:
 
 @dataclass(frozen=True)
 class DecodeCkpt:
-    """Save rank 0's hybrid-SSM snapshot (reserved: workers reject it)."""
+    """Save the slot's recurrent state (hybrid models) as the snapshot of its stored prefix."""
 
     slot: int
     snapshot_tokens: int

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class UnsupportedCommand(ProtocolError):
-    """A reserved command (speculative verify, hybrid-SSM checkpoint) this build cannot run."""
+    """A reserved command (speculative verify) this build cannot run."""
 
 
 class Executor(Protocol):
@@ -58,6 +58,10 @@ class Executor(Protocol):
 
     def compact(self, slot: int, new_slot: int) -> None:
         """Move the sequence in ``slot`` to the empty ``new_slot``."""
+
+    def checkpoint(self, slot: int, snapshot_tokens: int, end_block: int, session_hash: int, adapter_id: int) -> None:
+        """DECODE_CKPT: save the slot's recurrent state as the snapshot of its first ``snapshot_tokens``
+        tokens (a hybrid model with the prefix cache on; refused otherwise)."""
 
     def release(self, slot: int) -> None:
         """Free the sequence in ``slot``."""
@@ -135,8 +139,6 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
             "speculative decoding, which this build does not support"
         )
     elif isinstance(cmd, DecodeCkpt):
-        raise UnsupportedCommand(
-            f"DECODE_CKPT (slot {cmd.slot}) is reserved for hybrid-SSM models, which this build does not support"
-        )
+        executor.checkpoint(cmd.slot, cmd.snapshot_tokens, cmd.end_block, cmd.session_hash, cmd.adapter_id)
     else:
         raise ProtocolError(f"no worker action for {cmd!r}")

@@ -8,17 +8,40 @@ B sequences in a decode batch, T tokens in a prefill chunk, D hidden, V vocabula
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import numpy as np
 
 from eprt.cache.block_manager import BlockManager
+from eprt.cache.snapshots import SnapshotIndex, prefill_points
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.model.kv_cache import KVCache
 from eprt.model.moe_model import AttnBatch, MoEModel
+from eprt.model.recurrent_state import RecurrentState
+
+log = logging.getLogger("eprt.engine")
 
 
 class ExecutorError(RuntimeError):
     """A command this rank cannot execute (its state disagrees with the command)."""
+
+
+WORD64 = (1 << 64) - 1
+SNAPSHOT_POOL_SHARE = 4  # recurrent-state snapshots may take at most 1/4 of the KV pool's memory
+
+
+def prefix_hash64(prefix: bytes) -> int:
+    """DECODE_CKPT's session hash: the first 8 bytes of the prefix's chain hash, little-endian."""
+    return int.from_bytes(prefix[:8], "little")
+
+
+def snapshot_budget(cfg, num_blocks: int, block_size: int, itemsize: int, wanted: int) -> tuple[int, int]:
+    """(snapshot rows, KV blocks they replace): ``wanted`` rows of the recurrent state, within
+    1/SNAPSHOT_POOL_SHARE of the pool's memory, paid for in KV blocks."""
+    per_block = KVCache.bytes_per_block(cfg, block_size, itemsize)
+    per_row = RecurrentState.bytes_per_slot(cfg)
+    rows = min(wanted, num_blocks // SNAPSHOT_POOL_SHARE * per_block // per_row)
+    return rows, -(-rows * per_row // per_block)
 
 
 def vision_salt(rows: np.ndarray | None) -> bytes:
@@ -39,10 +62,38 @@ class ShardExecutor:
         max_slots: int,
         prefix_cache: bool = True,
         image_token_id: int | None = None,
+        snapshot_rows: int | None = None,
     ):
         self.model, self.ops, self.cfg = model, model.ops, model.cfg
-        self.kv = KVCache(model.ops, model.cfg, num_blocks, block_size)
-        self.blocks = BlockManager(num_blocks, block_size, prefix_cache=prefix_cache)
+        self.pool_blocks = num_blocks  # as given: KV blocks plus what snapshots take of them
+        # a hybrid model's recurrent state: one row per slot beside the paged KV, and snapshots of it
+        # at block boundaries for the prefix cache, paid for in KV blocks (docs/hybrid.md)
+        rows, reserved = 0, 0
+        if model.cfg.is_hybrid and prefix_cache:
+            wanted = max_slots if snapshot_rows is None else snapshot_rows
+            rows, reserved = snapshot_budget(model.cfg, num_blocks, block_size, model.ops.kv_itemsize, wanted)
+            if rows:
+                log.info(
+                    "%s: %d recurrent-state snapshots of %d bytes for the prefix cache, in place of %d KV blocks",
+                    model.cfg.model_type,
+                    rows,
+                    RecurrentState.bytes_per_slot(model.cfg),
+                    reserved,
+                )
+            else:
+                log.info(
+                    "prefix cache off for %s: no room for a recurrent-state snapshot, without which a cached "
+                    "KV prefix cannot be resumed",
+                    model.cfg.model_type,
+                )
+                prefix_cache = False
+        self.kv = KVCache(model.ops, model.cfg, num_blocks - reserved, block_size)
+        self.state = RecurrentState(model.ops, model.cfg, max_slots, rows) if model.cfg.is_hybrid else None
+        self.blocks = BlockManager(num_blocks - reserved, block_size, prefix_cache=prefix_cache)
+        self.snapshots = SnapshotIndex(rows) if rows else None
+        if self.snapshots is not None:
+            self.blocks.hit_filter = self.snapshots.usable_blocks
+        self._salts: dict[int, bytes] = {}  # slot key -> prefix-cache salt (snapshot hashes)
         self.block_size = block_size
         self.slots = SlotTable(max_slots)
         self.image_token_id = image_token_id if image_token_id is not None else model.cfg.image_token_id
@@ -67,6 +118,12 @@ class ShardExecutor:
         salt = vision_salt(vision_rows) if salt is None else salt
         cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt)
         self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
+        self._salts[key] = salt
+        if self.state is not None and cached:  # the hit ends at a snapshot (hit_filter)
+            prefix = self.blocks.chain_hashes([int(t) for t in tokens[:cached]], adapter, salt)[-1]
+            self.state.restore(self.snapshots.lookup(prefix), slot)
+        elif self.state is not None:
+            self.state.reset(slot)
         return cached
 
     def cache(self, slot: int) -> None:
@@ -74,7 +131,11 @@ class ShardExecutor:
         self.blocks.cache(st.key, st.tokens)
 
     def free(self, slot: int) -> int:
-        return self.blocks.free(self.slots.vacate(slot).key)
+        key = self.slots.vacate(slot).key
+        self._salts.pop(key, None)
+        if self.snapshots is not None:
+            self.snapshots.forget(key)
+        return self.blocks.free(key)
 
     def release(self, slot: int) -> None:
         self.cache(slot)
@@ -82,6 +143,60 @@ class ShardExecutor:
 
     def compact(self, slot: int, new_slot: int) -> None:
         self.slots.move(slot, new_slot)
+        if self.state is not None:
+            self.state.move(slot, new_slot)
+
+    # ---- recurrent-state snapshots (DECODE_CKPT) ----------------------------------------------
+    def prefill_checkpoints(self, slot: int) -> tuple[int, ...]:
+        """Rank 0's choice of where the slot's prompt prefill snapshots its state (token counts;
+        empty without snapshots): ``eprt.cache.snapshots.prefill_points``."""
+        if self.snapshots is None:
+            return ()
+        st = self.slots.held(slot, "prefill_checkpoints")
+        branch = self.blocks.cached_prefix_blocks(st.prompt, st.adapter, self._salts[st.key]) * self.block_size
+        return prefill_points(st.length, len(st.prompt), branch, self.block_size)
+
+    def checkpoint_due(self, slot: int) -> bool:
+        """Whether the slot sits at a block boundary worth a snapshot now (after a decode step)."""
+        st = self.slots.get(slot)
+        return self.snapshots is not None and st is not None and st.length > 0 and st.length % self.block_size == 0
+
+    def checkpoint_words(self, slot: int) -> tuple[int, int, int, int]:
+        """DECODE_CKPT's fields for the slot's state now: (snapshot tokens, end block, session hash,
+        adapter id) as docs/protocol.md defines them."""
+        st = self.slots.held(slot, "DECODE_CKPT")
+        prefix = self.blocks.chain_hashes(st.tokens, st.adapter, self._salts[st.key])[-1]
+        return st.length, st.length // self.block_size, prefix_hash64(prefix), st.adapter & WORD64
+
+    def checkpoint(self, slot: int, snapshot_tokens: int, end_block: int, session_hash: int, adapter_id: int) -> None:
+        """DECODE_CKPT: save the slot's recurrent state, which ends the block-aligned prefix of its
+        first ``snapshot_tokens`` stored tokens, as that prefix's snapshot."""
+        if self.snapshots is None:
+            raise ExecutorError(
+                f"DECODE_CKPT slot {slot}: this executor keeps no recurrent-state snapshots "
+                f"({self.cfg.model_type}{'' if self.cfg.is_hybrid else ' has no recurrent state'}, "
+                f"prefix cache {'on' if self.blocks.enabled else 'off'})"
+            )
+        st = self.slots.held(slot, "DECODE_CKPT")
+        bs = self.block_size
+        if snapshot_tokens != st.length or snapshot_tokens % bs or snapshot_tokens == 0:
+            raise SlotError(
+                f"DECODE_CKPT slot {slot}: snapshot of {snapshot_tokens} tokens, but the slot holds {st.length}; "
+                f"a snapshot is taken at a block boundary (a positive multiple of {bs}) the slot has just reached"
+            )
+        if end_block != snapshot_tokens // bs or adapter_id != st.adapter & WORD64:
+            raise SlotError(
+                f"DECODE_CKPT slot {slot}: end block {end_block} / adapter {adapter_id} do not match "
+                f"{snapshot_tokens // bs} / {st.adapter & WORD64} of the slot"
+            )
+        prefix = self.blocks.chain_hashes(st.tokens, st.adapter, self._salts[st.key])[-1]
+        if prefix_hash64(prefix) != session_hash:
+            raise ExecutorError(
+                f"snapshot diverged on slot {slot}: rank 0 names prefix {session_hash:#018x}, "
+                f"this rank holds {prefix_hash64(prefix):#018x}"
+            )
+        turn = snapshot_tokens >= len(st.prompt) // bs * bs  # the prompt's end or decoded tokens
+        self.state.save(slot, self.snapshots.save(prefix, owner=st.key if turn else None))
 
     def shutdown(self) -> None:
         for slot in self.slots.occupied():
@@ -107,9 +222,13 @@ class ShardExecutor:
         table = np.asarray(self.blocks.block_table(st.key), dtype=np.int32)
         rows, mask = self._vision_chunk(tokens, chunk_start, end, vision_rows)
         batch = AttnBatch(
-            positions=positions, slot_mapping=self.kv.slots(table, positions), block_table=table, start_pos=chunk_start
+            positions=positions,
+            slot_mapping=self.kv.slots(table, positions),
+            block_table=table,
+            start_pos=chunk_start,
+            state_slots=np.asarray([slot], dtype=np.int32),
         )
-        h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv)  # [T, D]
+        h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv, self.state)  # [T, D]
         st.tokens.extend(tokens[chunk_start:end])
         return self.model.logits(h[-1:]) if self.compute_logits else None
 
@@ -127,10 +246,14 @@ class ShardExecutor:
         slot_mapping = block_tables[np.arange(B), lengths // bs] * bs + (lengths % bs).astype(np.int32)  # [B]
         positions = lengths.astype(np.int32)
         batch = AttnBatch(
-            positions=positions, slot_mapping=slot_mapping, block_tables=block_tables, context_lens=positions + 1
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            context_lens=positions + 1,
+            state_slots=np.asarray(slots, dtype=np.int32),
         )
         ids = np.asarray(tokens, dtype=np.int32)
-        h = self.model.hidden_states(self.model.embed(ids), batch, self.kv)  # [B, D]
+        h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [B, D]
         for st, tok in zip(states, tokens):  # the token's KV is stored now
             st.tokens.append(int(tok))
         return self.model.logits(h) if self.compute_logits else None

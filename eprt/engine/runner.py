@@ -23,6 +23,7 @@ class SeqModelState:
 
     seed: int  # its sampling key: token p's draw is token_uniform(seed, p), whatever the batch
     salt: bytes  # prefix-cache salt of its vision rows, hashed once
+    checkpoints: tuple = ()  # hybrid models: token counts at which this admission's prefill snapshots
 
 
 class ModelRunner(TraceCalls):
@@ -60,6 +61,7 @@ class ModelRunner(TraceCalls):
         seq.cached = self.executor.allocate(
             slot, seq.token_ids[: seq.num_prompt], seq.adapter, seq.image_embeds, self._state(seq).salt
         )
+        self._state(seq).checkpoints = self.executor.prefill_checkpoints(slot)
         return slot
 
     def cache_sequence(self, seq) -> None:
@@ -76,6 +78,19 @@ class ModelRunner(TraceCalls):
 
     # ---- compute -------------------------------------------------------------------------
     def prefill(self, seq, start: int, n: int, stream: int = 0) -> None:
+        """The chunk [start, start + n), split where a hybrid model snapshots its state (DECODE_CKPT
+        between the pieces): the scheduler sees one chunk, the workers the same pieces as rank 0."""
+        end, piece = start + n, start
+        for stop in sorted({p for p in self._state(seq).checkpoints if start < p <= end} | {end}):
+            if stop > piece:
+                self._prefill_piece(seq, piece, stop - piece)
+            if stop in self._state(seq).checkpoints:
+                self._checkpoint(seq.slot)
+            piece = stop
+        self._rows = [seq]
+        self.prompt_tokens_computed += n
+
+    def _prefill_piece(self, seq, start: int, n: int) -> None:
         prompt, rows = tuple(seq.token_ids[: seq.num_prompt]), seq.image_embeds
         if start == seq.cached:  # the slot's first chunk: the whole prompt and its vision rows, once
             self.transport.send(P.Prefill(seq.slot, start, n, prompt, 0 if rows is None else len(rows)), rows)
@@ -83,8 +98,18 @@ class ModelRunner(TraceCalls):
             self.transport.send(P.PrefillNext(seq.slot, start, prompt[start : start + n]))
         self.transport.flush()
         self._logits = self.executor.prefill(seq.slot, prompt, start, n, rows)
-        self._rows = [seq]
-        self.prompt_tokens_computed += n
+
+    def _checkpoint(self, slot: int) -> None:
+        """Snapshot the slot's recurrent state here and on every worker (sent with the next frame)."""
+        tokens, end_block, session, adapter = self.executor.checkpoint_words(slot)
+        self.transport.send(P.DecodeCkpt(slot, tokens, end_block, session, adapter))
+        self.executor.checkpoint(slot, tokens, end_block, session, adapter)
+
+    def decode_marconi_checkpoint(self, seq) -> None:
+        """After an accepted token: a hybrid model snapshots at each block boundary decoding reaches,
+        the latest replacing the sequence's previous one (its turn end survives)."""
+        if self.executor.checkpoint_due(seq.slot):
+            self._checkpoint(seq.slot)
 
     def argmax_on_device(self, row: int = 0, stream: int = 0) -> int:
         return self.argmax_batch(row, 1)[0]

@@ -8,6 +8,8 @@ Supported ``model_type`` values share one code path; the differences are data:
     olmoe      q/k RMSNorm over the whole projection, optional ``clip_qkv``
     deepseek_v2/v3  MLA (latent KV), grouped softmax/sigmoid routing, shared experts, first_k_dense_replace
     glm4_moe   partial rotary, optional per-head q/k norm, sigmoid grouped routing, shared experts
+    qwen3_next hybrid: Gated DeltaNet layers between gated full-attention layers (``layer_types``),
+               (1 + w) RMSNorms, partial rotary, a gated shared expert (docs/hybrid.md)
 FP8 block-scaled checkpoints (``quantization_config.quant_method = "fp8"``) for every type.
 """
 
@@ -20,7 +22,17 @@ from dataclasses import dataclass
 from eprt.api import TOKEN_ID_LIMIT, is_int, is_real
 from eprt.ops.base import GroupedRouting
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+SUPPORTED_MODEL_TYPES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "qwen3_next",
+)
+LAYER_TYPES = ("full_attention", "linear_attention")
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -57,6 +69,35 @@ class MLAConfig:
     @property
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet (Qwen3-Next's linear attention): per sequence and layer a conv state
+    [conv_dim, conv_kernel - 1] and a delta-rule state [num_value_heads, key_head_dim, value_head_dim]."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: value head h reads key head h // (Hv // Hk)
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k (key_dim each) and v (value_dim)."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_values(self) -> int:
+        """Recurrent-state values of one sequence in one layer: conv window plus delta-rule state."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.num_value_heads * self.key_head_dim * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -103,10 +144,33 @@ class ModelConfig:
     router_bias: bool = False  # e_score_correction_bias (selection only)
     mtp_layers: int = 0  # num_nextn_predict_layers: recognised, not loaded
     fp8: Fp8Quantization | None = None
+    linear_attention: LinearAttentionConfig | None = None  # qwen3_next's Gated DeltaNet layers
+    layer_types: tuple = ()  # "full_attention" | "linear_attention" per layer; (): every layer full attention
+    attention_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate) (qwen3_next)
+    norm_unit_offset: bool = False  # RMSNorm weights stored as w - 1: the norm multiplies by (1 + w)
 
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_expert_intermediate_size > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a fixed-size recurrent state per sequence instead of KV."""
+        return "linear_attention" in self.layer_types
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers that keep KV in the paged pool."""
+        return sum(not self.is_linear_layer(i) for i in range(self.num_layers))
+
+    def recurrent_state_values(self) -> int:
+        """Recurrent-state values one sequence holds over all linear-attention layers (0: none)."""
+        if self.linear_attention is None:
+            return 0
+        return (self.num_layers - self.num_attention_layers) * self.linear_attention.state_values()
 
     @property
     def rope_dim(self) -> int:
@@ -118,7 +182,7 @@ class ModelConfig:
     def kv_values_per_token(self) -> int:
         """KV cache values per token over all layers: latent + rope key (MLA) or K and V of every KV head."""
         per_layer = self.mla.latent_dim if self.mla is not None else 2 * self.num_kv_heads * self.head_dim
-        return self.num_layers * per_layer
+        return self.num_attention_layers * per_layer
 
     def param_count(self) -> int:
         D, I, E = self.hidden_size, self.moe_intermediate_size, self.num_experts
@@ -129,9 +193,16 @@ class ModelConfig:
             attn = (D * m.q_lora_rank if m.q_lora_rank else 0) + q_in * H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
             attn += D * m.latent_dim + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
             attn += H * m.v_head_dim * D
+        if self.attention_output_gate:
+            attn += D * self.num_heads * self.head_dim
         total = self.vocab_size * D * (1 if self.tie_word_embeddings else 2)
-        for sparse in self.sparse_layers:
-            total += attn
+        for i, sparse in enumerate(self.sparse_layers):
+            if self.is_linear_layer(i):
+                la = self.linear_attention
+                total += D * (2 * la.conv_dim - 2 * la.key_dim + 2 * la.num_value_heads)  # in_proj_qkvz, in_proj_ba
+                total += la.conv_dim * la.conv_kernel + la.value_dim * D + 2 * la.num_value_heads + la.value_head_dim
+            else:
+                total += attn
             if sparse:
                 total += E * 3 * D * I + E * D + 3 * D * self.shared_expert_intermediate_size
             else:
@@ -220,10 +291,10 @@ def _rope_scaling(raw: dict) -> YarnScaling | None:
     )
 
 
-def _partial_rotary(raw: dict, head_dim: int) -> int:
+def _partial_rotary(raw: dict, head_dim: int, default: float = 1.0) -> int:
     """Rotated dims per head: int(head_dim * partial_rotary_factor), even, at least 2."""
     spec = _rope_spec(raw)
-    factor = _first(spec, "partial_rotary_factor", default=_first(raw, "partial_rotary_factor", default=1.0))
+    factor = _first(spec, "partial_rotary_factor", default=_first(raw, "partial_rotary_factor", default=default))
     if not is_real(factor) or not 0 < factor <= 1:
         raise ConfigError(f"config.json field 'partial_rotary_factor' must be in (0, 1], got {factor!r}")
     dim = int(head_dim * factor)
@@ -433,6 +504,8 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
         moe_intermediate_size=_int(raw, "moe_intermediate_size"),
         intermediate_size=_int(raw, "intermediate_size", default=0, minimum=0 if all(sparse) else 1),
     )
+    if model_type == "qwen3_next":
+        return _qwen3_next(raw, common)
     if model_type == "qwen2_moe":
         return ModelConfig(
             model_type=model_type,
@@ -446,6 +519,49 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         qkv_bias=bool(raw.get("attention_bias", False)),
         qk_norm="head",
+        **common,
+    )
+
+
+def _layer_types(raw: dict, layers: int) -> tuple:
+    """``layer_types`` as saved by transformers, else every ``full_attention_interval``-th layer
+    (default 4) full attention and the others linear attention."""
+    given = raw.get("layer_types")
+    if given is None:
+        interval = _int(raw, "full_attention_interval", default=4)
+        return tuple("linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers))
+    if not isinstance(given, list) or len(given) != layers or any(t not in LAYER_TYPES for t in given):
+        raise ConfigError(
+            f"config.json field 'layer_types' must list num_hidden_layers={layers} entries of "
+            f"{' or '.join(LAYER_TYPES)}, got {given!r}"
+        )
+    return tuple(given)
+
+
+def _qwen3_next(raw: dict, common: dict) -> ModelConfig:
+    """Qwen3-Next: Gated DeltaNet + gated full attention, (1 + w) RMSNorms, a gated shared expert."""
+    if raw.get("attention_bias"):
+        raise ConfigError("attention_bias=true is not supported for qwen3_next")
+    key_heads, value_heads = _int(raw, "linear_num_key_heads"), _int(raw, "linear_num_value_heads")
+    if value_heads % key_heads:
+        raise ConfigError(f"linear_num_value_heads={value_heads} is not a multiple of linear_num_key_heads={key_heads}")
+    linear = LinearAttentionConfig(
+        num_key_heads=key_heads,
+        num_value_heads=value_heads,
+        key_head_dim=_int(raw, "linear_key_head_dim"),
+        value_head_dim=_int(raw, "linear_value_head_dim"),
+        conv_kernel=_int(raw, "linear_conv_kernel_dim", default=4, minimum=2),
+    )
+    return ModelConfig(
+        model_type="qwen3_next",
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        qk_norm="head",
+        shared_expert_intermediate_size=_int(raw, "shared_expert_intermediate_size", default=0, minimum=0),
+        rotary_dim=_partial_rotary(raw, common["head_dim"], default=0.25),
+        linear_attention=linear,
+        layer_types=_layer_types(raw, common["num_layers"]),
+        attention_output_gate=True,
+        norm_unit_offset=True,
         **common,
     )
 

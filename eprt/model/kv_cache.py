@@ -1,5 +1,6 @@
 """The paged KV pool of one rank, sized per architecture: per layer ``k[NB, BS, Hk, Dh]`` and
-``v[NB, BS, Hk, Dh]``, or for MLA one ``latent[NB, BS, L]`` (compressed latent + roped key).
+``v[NB, BS, Hk, Dh]``, or for MLA one ``latent[NB, BS, L]`` (compressed latent + roped key);
+a hybrid model's linear-attention layers hold no KV (None; their state: ``recurrent_state.py``).
 
 Block ids come from ``eprt.cache.block_manager.BlockManager``; this class only holds
 the arrays and turns (block table, positions) into flat slots.
@@ -18,13 +19,14 @@ class KVCache:
             raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k, self.v, self.latent = [], [], []
+        kept = [not cfg.is_linear_layer(i) for i in range(cfg.num_layers)]  # linear layers: no KV (None)
         if cfg.mla is not None:
             shape = (num_blocks, block_size, cfg.mla.latent_dim)
-            self.latent = [ops.zeros(shape) for _ in range(cfg.num_layers)]
+            self.latent = [ops.zeros(shape) if keep else None for keep in kept]
         else:
             shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-            self.k = [ops.zeros(shape) for _ in range(cfg.num_layers)]
-            self.v = [ops.zeros(shape) for _ in range(cfg.num_layers)]
+            self.k = [ops.zeros(shape) if keep else None for keep in kept]
+            self.v = [ops.zeros(shape) if keep else None for keep in kept]
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
@@ -39,7 +41,7 @@ class KVCache:
     @property
     def allocated_bytes_per_token(self) -> int:
         """What the allocated pool holds per token slot (every layer's arrays)."""
-        total = sum(int(a.nbytes) for a in (*self.k, *self.v, *self.latent))
+        total = sum(int(a.nbytes) for a in (*self.k, *self.v, *self.latent) if a is not None)
         return total // (self.num_blocks * self.block_size)
 
     def slots(self, block_table, positions: np.ndarray) -> np.ndarray:

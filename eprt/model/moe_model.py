@@ -5,7 +5,8 @@ E experts, V vocabulary; MLA: C kv_lora_rank, R rope dims, Dn/Dv nope/value head
 
 Expert parallelism: ``combine`` sums the per-rank partial MoE outputs over ranks
 (identity on one rank). Attention, router and shared expert are replicated, so every
-rank computes identical hidden states and keeps identical KV.
+rank computes identical hidden states and keeps identical KV (and, for hybrid models, identical
+recurrent state: ``linear_attention.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import numpy as np
 
 from eprt.model.config import ModelConfig
 from eprt.model.kv_cache import KVCache
+from eprt.model.linear_attention import gated_delta_net
+from eprt.model.recurrent_state import RecurrentState
 from eprt.model.weights import ModelWeights
 
 
@@ -31,6 +34,7 @@ class AttnBatch:
     start_pos: int = 0  # prefill: position of the first token
     block_tables: np.ndarray | None = None  # decode: [B, MB]
     context_lens: np.ndarray | None = None  # decode: [B] (new token included)
+    state_slots: np.ndarray | None = None  # hybrid models: recurrent-state slot of the sequence [1] or rows [B]
 
     @property
     def is_prefill(self) -> bool:
@@ -101,6 +105,15 @@ def rope_table(cfg: ModelConfig, max_len: int) -> np.ndarray:
 MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with the default eps
 _MLA_OPS = ("head_linear", "latent_write", "mla_attention_prefill", "mla_attention_decode")
 _GROUPED_OPS = ("router_grouped", "add")
+_HYBRID_OPS = (
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "delta_rule_gates",
+    "gated_delta_rule_chunked",
+    "gated_delta_rule_step",
+    "gated_rms_norm",
+    "sigmoid_mul",
+)
 
 
 def _check_backend(cfg: ModelConfig, ops) -> None:
@@ -108,6 +121,7 @@ def _check_backend(cfg: ModelConfig, ops) -> None:
     from eprt.ops.base import Ops
 
     needed = (_MLA_OPS if cfg.mla is not None else ()) + (_GROUPED_OPS if cfg.routing is not None else ())
+    needed += _HYBRID_OPS if cfg.is_hybrid else ()
     missing = [n for n in needed if getattr(type(ops), n) is getattr(Ops, n)]
     if missing:
         raise NotImplementedError(
@@ -162,7 +176,10 @@ class MoEModel:
             o = ops.attention_decode(
                 q, kv.k[layer], kv.v[layer], ops.index(batch.block_tables), ops.index(batch.context_lens), self.scale
             )
-        return ops.linear(o.reshape(T, -1), lw.o)  # [T, D]
+        o = o.reshape(T, -1)  # [T, H*Dh]
+        if lw.q_gate is not None:  # Qwen3-Next's gated attention
+            o = ops.sigmoid_mul(o, ops.linear(x, lw.q_gate))
+        return ops.linear(o, lw.o)  # [T, D]
 
     def _rope(self, x, pos):
         """Rotate the first rope_dim dims of every head of x[T, H, Dh] (all of them but for partial rotary)."""
@@ -222,16 +239,22 @@ class MoEModel:
         return ops.linear(ops.silu_and_mul(ops.linear(x, lw.mlp_gate_up)), lw.mlp_down)
 
     # ---- forward -----------------------------------------------------------------------
-    def hidden_states(self, h, batch: AttnBatch, kv: KVCache):
-        """Run every layer over h[T, D]; returns the final-normed hidden states [T, D]."""
+    def hidden_states(self, h, batch: AttnBatch, kv: KVCache, state: RecurrentState | None = None):
+        """Run every layer over h[T, D]; returns the final-normed hidden states [T, D]. ``state``:
+        the recurrent state of a hybrid model's linear layers (rows ``batch.state_slots``)."""
         ops, cfg = self.ops, self.cfg
+        if cfg.is_hybrid and (state is None or batch.state_slots is None):
+            raise ValueError(f"{cfg.model_type} has linear-attention layers: the forward pass needs their state slots")
         residual = h
         x = ops.rms_norm(h, self.w.layers[0].input_norm, cfg.rms_norm_eps)
         attention = self._attention if cfg.mla is None else self._mla_attention
         for i, lw in enumerate(self.w.layers):
             if i > 0:
                 x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps)
-            h = attention(lw, x, batch, kv, i)
+            if lw.linear is not None:
+                h = gated_delta_net(ops, cfg, lw.linear, x, state, i, batch.state_slots, batch.is_prefill)
+            else:
+                h = attention(lw, x, batch, kv, i)
             x, residual = ops.add_rms_norm(h, residual, lw.post_norm, cfg.rms_norm_eps)
             h = self._moe(lw, x, i) if cfg.sparse_layers[i] else self._dense_mlp(lw, x)
         x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps)

@@ -8,6 +8,8 @@ bytes. Checkpoints saved with fused expert tensors (``experts.gate_up_proj``
 shape is checked against the config and its values scanned for NaN/Inf as it is read.
 FP8 block-scaled weights (``X.weight`` F8_E4M3 with ``X.weight_scale_inv``) stay FP8 on a backend with
 ``fp8_resident`` (the GPU), else are dequantized block-wise as read; MLA kv_b_proj is split into W_UK / W_UV.
+Qwen3-Next: the Gated DeltaNet projections are regrouped from per-key-head to [q | k | v | z]
+and [b | a]; q_proj's per-head output gate is split off; (1 + w) norm weights get their 1 added.
 """
 
 from __future__ import annotations
@@ -25,6 +27,20 @@ from eprt.ops.bf16 import bf16_bits_to_f32
 class TensorSource(Protocol):
     def __contains__(self, name: str) -> bool: ...
     def read(self, name: str) -> np.ndarray: ...
+
+
+@dataclass
+class GatedDeltaNetWeights:
+    """One Gated DeltaNet layer (qwen3_next's linear attention). Hk/Hv key/value heads, dk/dv their dims,
+    C = 2*Hk*dk + Hv*dv conv channels, K the conv kernel."""
+
+    in_proj: object  # [2*Hk*dk + 2*Hv*dv, D]: rows q | k | v | z (regrouped from in_proj_qkvz)
+    in_proj_ba: object  # [2*Hv, D]: rows b (beta logits) | a (decay inputs)
+    conv: object  # [C, K] depthwise causal conv, no bias
+    a_log: object  # [Hv] float32
+    dt_bias: object  # [Hv] float32
+    norm: object  # [dv] gated RMSNorm weight
+    out: object  # [D, Hv*dv]
 
 
 @dataclass
@@ -55,6 +71,8 @@ class LayerWeights:
     kv_a_norm: object = None  # [C]
     w_uk: object = None  # MLA absorbed key up-projection [H, C, Dn]
     w_uv: object = None  # MLA value up-projection [H, Dv, C]
+    q_gate: object = None  # qwen3_next attention output gate [H*Dh, D] (split from q_proj)
+    linear: GatedDeltaNetWeights | None = None  # qwen3_next linear-attention layer (then q/k/v/o are None)
 
 
 @dataclass
@@ -95,7 +113,24 @@ def _dims(cfg: ModelConfig) -> dict:
             "moe_intermediate_size*n_shared_experts" if cfg.routing else "shared_expert_intermediate_size",
         ),
         "1": Dim(1, "1"),
+        "2Q": Dim(2 * cfg.num_heads * cfg.head_dim, "2*num_attention_heads*head_dim"),
         **_mla_dims(cfg),
+        **_linear_dims(cfg),
+    }
+
+
+def _linear_dims(cfg: ModelConfig) -> dict:
+    la = cfg.linear_attention
+    if la is None:
+        return {}
+    return {
+        "QKVZ": Dim(2 * la.key_dim + 2 * la.value_dim, "2*linear_num_key_heads*linear_key_head_dim+2*value_dim"),
+        "BA": Dim(2 * la.num_value_heads, "2*linear_num_value_heads"),
+        "Hv": Dim(la.num_value_heads, "linear_num_value_heads"),
+        "Cv": Dim(la.conv_dim, "2*linear_num_key_heads*linear_key_head_dim+value_dim"),
+        "Kc": Dim(la.conv_kernel, "linear_conv_kernel_dim"),
+        "dv": Dim(la.value_head_dim, "linear_value_head_dim"),
+        "HVdv": Dim(la.value_dim, "linear_num_value_heads*linear_value_head_dim"),
     }
 
 
@@ -307,16 +342,20 @@ def load_weights(
         lm_head = embed
     else:
         lm_head = W("lm_head.weight", "V", "D")
+    N = lambda name, *shape: _norm_weight(src, cfg, ops, name, tuple(n[d] for d in shape))  # noqa: E731
     weights = ModelWeights(
-        embed=embed, norm=W("model.norm.weight", "D"), lm_head=lm_head, expert_start=expert_start, expert_end=expert_end
+        embed=embed, norm=N("model.norm.weight", "D"), lm_head=lm_head, expert_start=expert_start, expert_end=expert_end
     )
     for i, sparse in enumerate(cfg.sparse_layers):  # layers past num_hidden_layers (MTP) are never read
         p = f"model.layers.{i}"
-        attention = _mla_attention if cfg.mla is not None else _attention
+        if cfg.is_linear_layer(i):
+            mixer = dict(q=None, k=None, v=None, o=None, linear=_gated_delta_net(src, cfg, ops, f"{p}.linear_attn"))
+        else:
+            mixer = (_mla_attention if cfg.mla is not None else _attention)(src, cfg, ops, f"{p}.self_attn")
         lw = LayerWeights(
-            input_norm=W(f"{p}.input_layernorm.weight", "D"),
-            post_norm=W(f"{p}.post_attention_layernorm.weight", "D"),
-            **attention(src, cfg, ops, f"{p}.self_attn"),
+            input_norm=N(f"{p}.input_layernorm.weight", "D"),
+            post_norm=N(f"{p}.post_attention_layernorm.weight", "D"),
+            **mixer,
         )
         m = f"{p}.{cfg.moe_prefix}"
         if sparse:
@@ -332,8 +371,16 @@ def _attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
     """Grouped-query attention: q/k/v/o, optional biases and q/k norms."""
     n = _dims(cfg)
     W = lambda name, *shape: _weight(src, ops, name, tuple(n[d] for d in shape))  # noqa: E731
-    out = dict(
-        q=W(f"{a}.q_proj.weight", "Q", "D"),
+    out: dict = {}
+    if cfg.attention_output_gate:  # rows per head: query (Dh) | gate (Dh)
+        both = _host(src, f"{a}.q_proj.weight", (n["2Q"], n["D"])).reshape(cfg.num_heads, 2, cfg.head_dim, -1)
+        out.update(
+            q=ops.weight(np.ascontiguousarray(both[:, 0].reshape(-1, both.shape[-1]))),
+            q_gate=ops.weight(np.ascontiguousarray(both[:, 1].reshape(-1, both.shape[-1]))),
+        )
+    else:
+        out.update(q=W(f"{a}.q_proj.weight", "Q", "D"))
+    out.update(
         k=W(f"{a}.k_proj.weight", "KV", "D"),
         v=W(f"{a}.v_proj.weight", "KV", "D"),
         o=W(f"{a}.o_proj.weight", "D", "Q"),
@@ -344,8 +391,44 @@ def _attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
         )
     if cfg.qk_norm:
         norm_dims = ("Dh", "Dh") if cfg.qk_norm == "head" else ("Q", "KV")
-        out.update(q_norm=W(f"{a}.q_norm.weight", norm_dims[0]), k_norm=W(f"{a}.k_norm.weight", norm_dims[1]))
+        out.update(
+            q_norm=_norm_weight(src, cfg, ops, f"{a}.q_norm.weight", (n[norm_dims[0]],)),
+            k_norm=_norm_weight(src, cfg, ops, f"{a}.k_norm.weight", (n[norm_dims[1]],)),
+        )
     return out
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return bf16_bits_to_f32(a) if a.dtype == np.uint16 else np.asarray(a, dtype=np.float32)
+
+
+def _norm_weight(src: TensorSource, cfg: ModelConfig, ops, name: str, expected: tuple):
+    """An RMSNorm weight; with ``norm_unit_offset`` (Qwen3-Next's ``x * (1 + w)``) the 1 is added here in float32."""
+    w = _host(src, name, expected)
+    return ops.weight(_f32(w) + np.float32(1.0)) if cfg.norm_unit_offset else ops.weight(w)
+
+
+def _gated_delta_net(src: TensorSource, cfg: ModelConfig, ops, a: str) -> GatedDeltaNetWeights:
+    """A Gated DeltaNet layer. in_proj_qkvz holds per key head [q (dk) | k (dk) | v (r*dv) | z (r*dv)] rows
+    and in_proj_ba [b (r) | a (r)] (r = Hv / Hk); both are regrouped so each part is contiguous."""
+    n, la = _dims(cfg), cfg.linear_attention
+    W = lambda name, *shape: ops.weight(_host(src, name, tuple(n[d] for d in shape)))  # noqa: E731
+    Hk, dk, r, dv = la.num_key_heads, la.key_head_dim, la.num_value_heads // la.num_key_heads, la.value_head_dim
+    qkvz = _host(src, f"{a}.in_proj_qkvz.weight", (n["QKVZ"], n["D"])).reshape(Hk, 2 * dk + 2 * r * dv, -1)
+    cuts = np.cumsum([dk, dk, r * dv])
+    qkvz = np.concatenate([p.reshape(-1, qkvz.shape[-1]) for p in np.split(qkvz, cuts, axis=1)], axis=0)
+    ba = _host(src, f"{a}.in_proj_ba.weight", (n["BA"], n["D"])).reshape(Hk, 2 * r, -1)
+    ba = np.concatenate([ba[:, :r].reshape(-1, ba.shape[-1]), ba[:, r:].reshape(-1, ba.shape[-1])], axis=0)
+    conv = _host(src, f"{a}.conv1d.weight", (n["Cv"], n["1"], n["Kc"]))
+    return GatedDeltaNetWeights(
+        in_proj=ops.weight(np.ascontiguousarray(qkvz)),
+        in_proj_ba=ops.weight(np.ascontiguousarray(ba)),
+        conv=ops.weight(np.ascontiguousarray(conv[:, 0, :])),
+        a_log=ops.weight(_f32(_host(src, f"{a}.A_log", (n["Hv"],)))),
+        dt_bias=ops.weight(_f32(_host(src, f"{a}.dt_bias", (n["Hv"],)))),
+        norm=W(f"{a}.norm.weight", "dv"),
+        out=W(f"{a}.out_proj.weight", "D", "HVdv"),
+    )
 
 
 def _deinterleave(rows: np.ndarray, start: int, width: int, period: int) -> np.ndarray:

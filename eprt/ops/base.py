@@ -12,6 +12,8 @@ Shape legend used in every backend:
     I expert intermediate size  k experts per token (top-k)
     NB KV blocks in the pool    BS tokens per block    MB max blocks per sequence
     L latent width per token (MLA: kv_lora_rank C + rope dims R)
+    S recurrent-state slots     Hv / dk / dv linear-attention value heads, key / value head dims
+    C conv channels (2*Hk*dk + Hv*dv)   K conv kernel width
 
 Conventions:
     * Linear weights keep the Hugging Face layout ``[out, in]``: ``y = x @ w.T (+ b)``.
@@ -26,6 +28,9 @@ Conventions:
     * RoPE is the "rotate half" (GPT-NeoX) form used by every supported architecture;
       ``cos_sin[P, Dh]`` holds ``cos`` in the first ``Dh/2`` columns and ``sin`` in the rest.
       (Interleaved-pair checkpoints, DeepSeek's, are permuted to this form at load.)
+    * Linear attention (Gated DeltaNet) keeps per-sequence state in slots, float32 always:
+      ``conv_state[S, K-1, C]`` (the last K-1 conv inputs, oldest first) and
+      ``delta_state[S, Hv, dk, dv]``; the ops read and update the rows of the slots they are given.
     * Index arrays are int32. Float activations are the backend's ``act_dtype``
       (float32 on the CPU; bfloat16 storage with float32 accumulation on the GPU).
 """
@@ -218,6 +223,51 @@ class Ops:
         (float32 accumulation): sum over (t, j) with ids[t, j] local of
         weights[t, j] * down_e(silu_and_mul(gate_up_e(x[t]))); zero rows where no local
         expert was chosen. Summing this over all ranks gives the MoE output."""
+        raise NotImplementedError
+
+    # ---- hybrid linear-attention models (Qwen3-Next's Gated DeltaNet) -------------------------
+    def causal_conv1d(self, x: Array, weight: Array, conv_state: Array, slot: int) -> Array:
+        """One sequence's chunk x[T, C] through the depthwise causal conv weight[C, K] that
+        continues from conv_state[slot] ([K-1, C] earlier inputs; zeros at a sequence start):
+        y[t] = silu(sum_j weight[:, j] * xs[t + j]) with xs = conv_state[slot] ++ x. In place:
+        conv_state[slot] = the last K-1 rows of xs. Returns [T, C]."""
+        raise NotImplementedError
+
+    def causal_conv1d_update(self, x: Array, weight: Array, conv_state: Array, slots: Array) -> Array:
+        """One token per sequence: x[B, C], slots[B] (distinct) -> [B, C]; the one-step form of
+        ``causal_conv1d`` for row b on conv_state[slots[b]], updated in place."""
+        raise NotImplementedError
+
+    def delta_rule_gates(self, b: Array, a: Array, a_log: Array, dt_bias: Array):
+        """b, a [T, Hv], a_log, dt_bias [Hv] -> (g[T, Hv] = -exp(a_log) * softplus(a + dt_bias),
+        the log decay, and beta[T, Hv] = sigmoid(b)), both float32."""
+        raise NotImplementedError
+
+    def gated_delta_rule_chunked(
+        self, q: Array, k: Array, v: Array, g: Array, beta: Array, delta_state: Array, slot: int
+    ) -> Array:
+        """One sequence's chunk, continuing from delta_state[slot] ([Hv, dk, dv]). q, k [T, Hk, dk]
+        (value head h reads key head h // (Hv // Hk)), v [T, Hv, dv], g, beta [T, Hv]. q and k are
+        L2-normalized (eps 1e-6) and q scaled by dk**-0.5; then per token t: S = exp(g_t) * S;
+        S += k_t (beta_t * (v_t - k_t S))^T; o_t = q_t S. Computed in chunks (the WY/UT form);
+        equal to ``gated_delta_rule_step`` applied token by token. In place: delta_state[slot] = S.
+        Returns o[T, Hv, dv] float32."""
+        raise NotImplementedError
+
+    def gated_delta_rule_step(
+        self, q: Array, k: Array, v: Array, g: Array, beta: Array, delta_state: Array, slots: Array
+    ) -> Array:
+        """One token per sequence: q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv], slots[B]
+        (distinct) -> o[B, Hv, dv]; the recurrence of ``gated_delta_rule_chunked`` for one step on
+        delta_state[slots[b]], updated in place."""
+        raise NotImplementedError
+
+    def gated_rms_norm(self, x: Array, weight: Array, gate: Array, eps: float) -> Array:
+        """x[N, dv], weight[dv], gate[N, dv] -> rms_norm(x) * weight * silu(gate)  [N, dv]."""
+        raise NotImplementedError
+
+    def sigmoid_mul(self, x: Array, gate: Array) -> Array:
+        """x[T, N] * sigmoid(gate[T, N]): Qwen3-Next's attention output gate."""
         raise NotImplementedError
 
     def argmax(self, logits: Array) -> np.ndarray:

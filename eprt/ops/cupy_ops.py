@@ -39,6 +39,7 @@ _GG_WARPS = 4  # moe_grouped_gemm.cu: GG_WARPS
 _MLA_THREADS, _MLA_CHUNK = 128, 32  # mla_attention.cu: MLA_THREADS, MLA_CHUNK
 _MLA_MAX_HEADS = 16  # query heads per block of mla_attention (fewer when shared memory is short)
 MOE_IMPLS = ("auto", "grouped", "gathered")
+_CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
 GATHERED_MIN_TOKENS = 256  # "auto": tokens per call from which cuBLAS per expert wins
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
 FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
@@ -883,3 +884,90 @@ class CupyOps(Ops):
             kernel = "argmax_f32" if logits.dtype == _F32 else "argmax_bf16"
             _launch("argmax.cu", kernel, (B,), 1024, (logits, out, np.int32(V)))
         return cupy.asnumpy(out).astype(np.int64)
+
+    # ---- hybrid linear-attention models (kernels/gated_delta.cu) ---------------------------
+    def _conv(self, op, x, weight, conv_state, slots, B: int, T: int):
+        C = x.shape[-1]
+        _check(op, "weight", weight, _BF16, (C, None))
+        K = weight.shape[1]
+        _require(op, K in _CONV_WIDTHS, f"conv width {K} is not one of the kernel's {_CONV_WIDTHS}")
+        _check(op, "conv_state", conv_state, _F32, (None, K - 1, C))
+        _check(op, "slots", slots, _I32, (B,))
+        out = cupy.empty_like(x)  # [B*T, C]
+        if x.size:
+            args = (x, weight, conv_state, slots, out, np.int32(T), np.int32(C))
+            _launch("gated_delta.cu", f"causal_conv1d_k{K}", (-(-C // 128), B), 128, args)
+        return out
+
+    def causal_conv1d(self, x, weight, conv_state, slot):
+        _check("causal_conv1d", "x", x, _BF16, (None, None))
+        _require("causal_conv1d", 0 <= slot < conv_state.shape[0], f"slot {slot} outside the state's rows")
+        return self._conv("causal_conv1d", x, weight, conv_state, self.index([slot]), 1, x.shape[0])
+
+    def causal_conv1d_update(self, x, weight, conv_state, slots):
+        _check("causal_conv1d_update", "x", x, _BF16, (None, None))
+        return self._conv("causal_conv1d_update", x, weight, conv_state, slots, x.shape[0], 1)
+
+    def delta_rule_gates(self, b, a, a_log, dt_bias):
+        op = "delta_rule_gates"
+        _check(op, "b", b, _BF16, (None, None))
+        N, Hv = b.shape
+        _check(op, "a", a, _BF16, (N, Hv))
+        _check(op, "a_log", a_log, _BF16, (Hv,))
+        _check(op, "dt_bias", dt_bias, _BF16, (Hv,))
+        g, beta = cupy.empty((N, Hv), _F32), cupy.empty((N, Hv), _F32)
+        if N:
+            args = (b, a, a_log, dt_bias, g, beta, np.int64(N * Hv), np.int32(Hv))
+            _launch("gated_delta.cu", "delta_rule_gates", (min(-(-N * Hv // 256), 65536),), 256, args)
+        return g, beta
+
+    def _delta(self, op, q, k, v, g, beta, delta_state, slots, B: int, T: int):
+        _check(op, "q", q, _BF16, (B * T, None, None))
+        _, Hk, dk = q.shape
+        _check(op, "k", k, _BF16, (B * T, Hk, dk))
+        _check(op, "v", v, _BF16, (B * T, None, None))
+        Hv, dv = v.shape[1:]
+        _require(op, Hv % Hk == 0, f"value heads {Hv} are not a multiple of key heads {Hk}")
+        _require(
+            op,
+            dk <= _DELTA_DK_CAPS[-1] and dv <= 1024,
+            f"head dims dk={dk} (max {_DELTA_DK_CAPS[-1]}), dv={dv} (max 1024)",
+        )
+        _check(op, "g", g, _F32, (B * T, Hv))
+        _check(op, "beta", beta, _F32, (B * T, Hv))
+        _check(op, "delta_state", delta_state, _F32, (None, Hv, dk, dv))
+        _check(op, "slots", slots, _I32, (B,))
+        out = cupy.empty((B * T, Hv, dv), _BF16)
+        if out.size:
+            args = (q, k, v, g, beta, delta_state, slots, out, *map(np.int32, (T, Hk, Hv, dk, dv)))
+            cap = next(c for c in _DELTA_DK_CAPS if dk <= c)
+            _launch("gated_delta.cu", f"gated_delta_rule_dk{cap}", (Hv, B), _threads(dv), args, smem=2 * dk * 4)
+        return out
+
+    def gated_delta_rule_chunked(self, q, k, v, g, beta, delta_state, slot):
+        op = "gated_delta_rule_chunked"
+        _require(op, 0 <= slot < delta_state.shape[0], f"slot {slot} outside the state's rows")
+        return self._delta(op, q, k, v, g, beta, delta_state, self.index([slot]), 1, q.shape[0])
+
+    def gated_delta_rule_step(self, q, k, v, g, beta, delta_state, slots):
+        return self._delta("gated_delta_rule_step", q, k, v, g, beta, delta_state, slots, q.shape[0], 1)
+
+    def gated_rms_norm(self, x, weight, gate, eps):
+        _check("gated_rms_norm", "x", x, _BF16, (None, None))
+        R, D = x.shape
+        _check("gated_rms_norm", "weight", weight, _BF16, (D,))
+        _check("gated_rms_norm", "gate", gate, _BF16, (R, D))
+        out = cupy.empty_like(x)
+        if x.size:
+            args = (x, weight, gate, out, np.int32(D), np.float32(eps))
+            _launch("gated_delta.cu", "gated_rms_norm", (R,), _threads(D, 256), args)
+        return out
+
+    def sigmoid_mul(self, x, gate):
+        _check("sigmoid_mul", "x", x, _BF16)
+        _check("sigmoid_mul", "gate", gate, _BF16, x.shape)
+        out = cupy.empty_like(x)
+        if x.size:
+            args = (x, gate, out, np.int64(x.size))
+            _launch("gated_delta.cu", "sigmoid_mul_bf16", (min(-(-x.size // 256), 65536),), 256, args)
+        return out

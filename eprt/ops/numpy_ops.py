@@ -19,6 +19,29 @@ DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 4  # an expert with at most this many tokens runs one GEMV per token
 
 
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    return x / np.sqrt((x * x).sum(axis=-1, keepdims=True) + np.float32(eps))
+
+
+def _delta_inputs(q: np.ndarray, k: np.ndarray, heads: int):
+    """q, k [.., Hk, dk] -> per value head [.., Hv, dk]: L2-normalized, q scaled by dk**-0.5."""
+    r = heads // q.shape[-2]
+    q, k = np.repeat(q, r, axis=-2), np.repeat(k, r, axis=-2)
+    return _l2norm(q) * np.float32(q.shape[-1] ** -0.5), _l2norm(k)
+
+
+def _solve_unit_lower(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """X with (I + strictly_lower(a)) X = b: forward substitution over the rows. a[.., c, c], b[.., c, d]."""
+    x = b.copy()
+    for i in range(1, a.shape[-1]):
+        x[..., i, :] -= np.einsum("...j,...jd->...d", a[..., i, :i], x[..., :i, :])
+    return x
+
+
 class NumpyOps(Ops):
     name = "cpu"
     xp = np
@@ -178,6 +201,73 @@ class NumpyOps(Ops):
                 ys[picks[lo:hi]] = self.silu_and_mul(xs[lo:hi] @ gate_up) @ down  # [t, D]
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
+
+    # ---- hybrid linear-attention models (Gated DeltaNet) --------------------------------
+    DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (transformers' and FLA's default)
+
+    def causal_conv1d(self, x, weight, conv_state, slot):
+        K = weight.shape[1]
+        xs = np.concatenate([conv_state[slot], x], axis=0)  # [K-1+T, C]
+        T = x.shape[0]
+        y = sum(xs[j : j + T] * weight[:, j] for j in range(K))  # [T, C]
+        conv_state[slot] = xs[T:]
+        return _silu(y)
+
+    def causal_conv1d_update(self, x, weight, conv_state, slots):
+        xs = np.concatenate([conv_state[slots], x[:, None, :]], axis=1)  # [B, K, C]
+        conv_state[slots] = xs[:, 1:]
+        return _silu(np.einsum("bkc,ck->bc", xs, weight))  # [B, C]
+
+    def delta_rule_gates(self, b, a, a_log, dt_bias):
+        z = a.astype(np.float32) + dt_bias  # [T, Hv]
+        softplus = np.where(z > 20.0, z, np.log1p(np.exp(np.minimum(z, 20.0))))  # torch's threshold 20
+        g = -np.exp(a_log.astype(np.float32)) * softplus
+        return g.astype(np.float32), (1.0 / (1.0 + np.exp(-b))).astype(np.float32)
+
+    def gated_delta_rule_chunked(self, q, k, v, g, beta, delta_state, slot):
+        T, Hv, dv = v.shape
+        q, k = _delta_inputs(q, k, Hv)  # [T, Hv, dk]
+        c = min(self.DELTA_CHUNK, T)
+        n = -(-T // c)
+        pad = n * c - T
+        per_head = lambda a: np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).swapaxes(0, 1)  # noqa: E731
+        q, k, v, g, beta = (per_head(a.astype(np.float32)) for a in (q, k, v, g, beta))  # [Hv, n*c, ..]
+        q, k = q.reshape(Hv, n, c, -1), k.reshape(Hv, n, c, -1)  # [Hv, n, c, dk]
+        v_beta = (v * beta[..., None]).reshape(Hv, n, c, dv)
+        k_beta = k * beta.reshape(Hv, n, c, 1)
+        cum = g.reshape(Hv, n, c).cumsum(axis=-1)  # [Hv, n, c] log decay since the chunk start
+        causal = np.tril(np.ones((c, c), dtype=bool))
+        pair = np.exp(np.where(causal, cum[..., :, None] - cum[..., None, :], -np.inf))  # [Hv, n, c, c]
+        ut = (k_beta @ k.swapaxes(-1, -2)) * pair
+        intra = (q @ k.swapaxes(-1, -2)) * pair
+        new_values = _solve_unit_lower(ut, v_beta)  # [Hv, n, c, dv]
+        k_cumdecay = _solve_unit_lower(ut, k_beta * np.exp(cum)[..., None])  # [Hv, n, c, dk]
+        q = q * np.exp(cum)[..., None]
+        k = k * np.exp(cum[..., -1:] - cum)[..., None]
+        chunk_decay = np.exp(cum[..., -1])  # [Hv, n]
+        S = delta_state[slot].astype(np.float32)  # [Hv, dk, dv]
+        out = np.empty((Hv, n, c, dv), dtype=np.float32)
+        for i in range(n):
+            v_new = new_values[:, i] - k_cumdecay[:, i] @ S  # [Hv, c, dv]
+            out[:, i] = q[:, i] @ S + intra[:, i] @ v_new
+            S = S * chunk_decay[:, i, None, None] + k[:, i].swapaxes(-1, -2) @ v_new
+        delta_state[slot] = S
+        return np.ascontiguousarray(out.reshape(Hv, n * c, dv)[:, :T].swapaxes(0, 1))  # [T, Hv, dv]
+
+    def gated_delta_rule_step(self, q, k, v, g, beta, delta_state, slots):
+        q, k = _delta_inputs(q, k, v.shape[1])  # [B, Hv, dk]
+        S = delta_state[slots] * np.exp(g)[..., None, None]  # [B, Hv, dk, dv]
+        kv_mem = np.einsum("bhkv,bhk->bhv", S, k)
+        delta = (v - kv_mem) * beta[..., None]  # [B, Hv, dv]
+        S += k[..., :, None] * delta[..., None, :]
+        delta_state[slots] = S
+        return np.einsum("bhkv,bhk->bhv", S, q).astype(np.float32)  # [B, Hv, dv]
+
+    def gated_rms_norm(self, x, weight, gate, eps):
+        return self.rms_norm(x, weight, eps) * _silu(gate)  # [N, dv]
+
+    def sigmoid_mul(self, x, gate):
+        return x / (1.0 + np.exp(-gate))  # [T, N]
 
     def argmax(self, logits):
         return np.argmax(np.asarray(logits), axis=-1).astype(np.int64)

@@ -4,7 +4,8 @@
 
 Every world size must give exactly the tokens of a single-rank run.  The checkpoints
 have 7 experts, so 2 and 3 ranks split them unevenly (4+3, 3+2+2); the DeepSeek-class ones
-(MLA latent cache, grouped routing, shared experts, a dense first layer) included.
+(MLA latent cache, grouped routing, shared experts, a dense first layer) and the hybrid qwen3_next
+(recurrent state replicated like attention) included.
 """
 
 import os
@@ -41,14 +42,15 @@ SEVEN_EXPERT_GROUPS = {
 }
 
 
-def shared_checkpoint(arch, **overrides):
+def shared_checkpoint(arch, dtype="float32", **overrides):
     """Rank 0 builds the checkpoint once; every rank gets its path."""
     path = None
     if COMM.rank == 0:
         root = os.environ.get("EPRT_TEST_CKPT_DIR") or os.path.join(tempfile.gettempdir(), "eprt-mpi-ckpt")
         expert_key = EXPERT_KEY.get(arch, "num_experts")
         overrides = {**SEVEN_EXPERT_GROUPS.get(arch, {}), **overrides}
-        path = build_checkpoint(arch, os.path.join(root, f"{arch}-7experts"), **{expert_key: 7}, **overrides)
+        name = f"{arch}-7experts" + ("" if dtype == "float32" else f"-{dtype}")
+        path = build_checkpoint(arch, os.path.join(root, name), dtype=dtype, **{expert_key: 7}, **overrides)
     return COMM.bcast(path, root=0)
 
 
@@ -77,7 +79,9 @@ def run_single(cfg, reqs_fn):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize(
+    "arch", ["qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next"]
+)
 def test_batch_tokens_equal_single_rank(arch):
     cfg = engine_config(shared_checkpoint(arch))
     reqs = lambda: [GenerationRequest(p, SamplingParams(max_tokens=12)) for p in PROMPTS]  # noqa: E731
@@ -86,6 +90,48 @@ def test_batch_tokens_equal_single_rank(arch):
     if COMM.rank == 0:
         assert [r.token_ids for r in multi] == [r.token_ids for r in single]
         assert all(len(r.token_ids) > 0 for r in multi)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_hybrid_bf16_tokens_equal_single_rank(chunk):
+    """qwen3_next stored in bf16, whole prompts and 5-token prefill chunks: the recurrent state of
+    every linear layer is computed identically on every rank."""
+    cfg = engine_config(shared_checkpoint("qwen3_next", dtype="bfloat16"), max_prefill_tokens=chunk)
+    reqs = lambda: [GenerationRequest(p, SamplingParams(max_tokens=10)) for p in PROMPTS]  # noqa: E731
+    multi = run_everywhere(cfg, reqs)
+    single = run_single(cfg, reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+
+
+def conversation(engine):
+    """Requests one after another: two sharing a system prompt (the second snapshots the branch
+    point), a third that reuses it, then a second turn that resumes from the first turn's end."""
+    system, params = list(range(20, 50)), SamplingParams(max_tokens=9, ignore_eos=True)
+    out = [engine.generate([GenerationRequest(system + q, params)])[0] for q in ([1, 2], [3, 4, 5], [6])]
+    turn = [7, 100, 101, 102, 103, 104, 105]
+    out.append(engine.generate([GenerationRequest(turn, params)])[0])
+    out.append(engine.generate([GenerationRequest(turn + out[-1].token_ids + [106, 107], params)])[0])
+    return [r.token_ids for r in out], [r.cached_tokens for r in out]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_hybrid_state_snapshots_equal_single_rank_without_cache():
+    """DECODE_CKPT on every rank: prefix hits restore the same snapshot everywhere, and the tokens
+    equal a single-rank run with the prefix cache off."""
+    cfg = engine_config(shared_checkpoint("qwen3_next"), max_prefill_tokens=5, num_blocks=300)
+    try:
+        with launch_engine(cfg) as engine:
+            multi = conversation(engine)
+    except SystemExit as e:
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        multi = None
+    if COMM.rank == 0:
+        with launch_engine(engine_config(cfg.model, prefix_cache=False), transport=LocalTransport()) as engine:
+            single = conversation(engine)
+        assert multi[0] == single[0]
+        assert multi[1][2] > 0 and multi[1][4] > 0 and single[1] == [0] * 5
 
 
 @pytest.mark.mpi(min_size=1)
@@ -103,7 +149,7 @@ def test_fp8_checkpoint_tokens_equal_single_rank(arch):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
 def test_chunked_prefill_and_prefix_cache_equal_single_rank(arch):
     cfg = engine_config(shared_checkpoint(arch), max_prefill_tokens=6)
     system = list(range(20, 52))
