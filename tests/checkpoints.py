@@ -240,3 +240,17 @@ def build_fp8_copy(source: str, path: str, block: tuple = (128, 128)) -> tuple:
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
     return path, reference
+
+
+def reference_greedy(path, prompt, steps):
+    """transformers in float32, full forward per step: (tokens, logits of each step [steps, V])."""
+    import numpy as np
+    import torch
+
+    model, ids, rows = load_reference(path), list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1].numpy()
+            rows.append(logits)
+            ids.append(int(np.argmax(logits)))
+    return ids[len(prompt) :], np.stack(rows)

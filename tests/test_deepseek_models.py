@@ -8,8 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
-from checkpoints import DEEPSEEK_LIKE, load_reference
+from checkpoints import DEEPSEEK_LIKE, reference_greedy
 
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
@@ -21,17 +20,6 @@ from eprt.ops.numpy_ops import NumpyOps
 
 PROMPTS = [[5, 77, 3, 140, 9, 9, 31, 200, 17, 64, 2, 250, 11], [8, 19], [200, 100, 50, 25, 12, 6, 3]]
 STEPS = 8
-
-
-def reference_greedy(path, prompt, steps):
-    """transformers in float32, full forward per step: (tokens, logits of each step [steps, V])."""
-    model, ids, rows = load_reference(path), list(prompt), []
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1].numpy()
-            rows.append(logits)
-            ids.append(int(np.argmax(logits)))
-    return ids[len(prompt) :], np.stack(rows)
 
 
 def eprt_greedy(path, prompts, steps, block_size=4):
