@@ -12,6 +12,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
+WORD64 = (1 << 64) - 1
+
+
+def prefix_hash64(prefix: bytes) -> int:
+    """DECODE_CKPT's session hash: the first 8 bytes of the prefix's chain hash, little-endian."""
+    return int.from_bytes(prefix[:8], "little")
+
 
 def prefill_points(cached: int, prompt_len: int, cached_prefix: int, block_size: int) -> tuple[int, ...]:
     """Token counts at which a prompt's prefill snapshots its state: the branch point

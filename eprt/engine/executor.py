@@ -13,7 +13,7 @@ import logging
 import numpy as np
 
 from eprt.cache.block_manager import BlockManager
-from eprt.cache.snapshots import SnapshotIndex, prefill_points
+from eprt.cache.snapshots import WORD64, SnapshotIndex, prefill_points, prefix_hash64
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.model.kv_cache import KVCache
 from eprt.model.moe_model import AttnBatch, MoEModel
@@ -26,13 +26,7 @@ class ExecutorError(RuntimeError):
     """A command this rank cannot execute (its state disagrees with the command)."""
 
 
-WORD64 = (1 << 64) - 1
 SNAPSHOT_POOL_SHARE = 4  # recurrent-state snapshots may take at most 1/4 of the KV pool's memory
-
-
-def prefix_hash64(prefix: bytes) -> int:
-    """DECODE_CKPT's session hash: the first 8 bytes of the prefix's chain hash, little-endian."""
-    return int.from_bytes(prefix[:8], "little")
 
 
 def snapshot_budget(cfg, num_blocks: int, block_size: int, itemsize: int, wanted: int) -> tuple[int, int]:

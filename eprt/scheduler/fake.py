@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from eprt.cache.block_manager import BlockManager
-from eprt.comm.protocol import PREFILL, PREFILL_NEXT, RELEASE, SHUTDOWN
+from eprt.cache.snapshots import WORD64, SnapshotIndex, prefill_points, prefix_hash64
+from eprt.comm.protocol import DECODE_CKPT, PREFILL, PREFILL_NEXT, RELEASE, SHUTDOWN, WORD_MAX
 from eprt.scheduler.interface import TraceCalls
 
 
@@ -30,11 +31,18 @@ class RecordingModel(TraceCalls):
         num_blocks: int = 1000,
         block_size: int = 16,
         prefix_cache: bool = True,
+        snapshots: int = 0,
     ):
-        """``scripts`` maps seq_id to (original prompt length, script tokens)."""
+        """``scripts`` maps seq_id to (original prompt length, script tokens). ``snapshots`` > 0
+        (with the prefix cache): a hybrid model keeping that many recurrent-state snapshots, saved
+        by DECODE_CKPT where the real runner saves them (docs/scenarios.md, "The fake model")."""
         self.emit = emit
         self.scripts = {k: (int(n), list(s)) for k, (n, s) in scripts.items()}
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache=prefix_cache)
+        self.snapshots = SnapshotIndex(snapshots) if snapshots and prefix_cache else None
+        if self.snapshots is not None:
+            self.blocks.hit_filter = self.snapshots.usable_blocks
+        self._points: dict = {}  # seq_id -> token counts where its prompt's prefill snapshots
         self.slots: list = [None] * num_slots  # the seq_id occupying each slot
         self._next_token = None  # from the last prefill's final chunk
         self._batch_out: list = []  # from the last decode_batch
@@ -84,7 +92,13 @@ class RecordingModel(TraceCalls):
         if None not in self.slots:
             raise FakeModelError(f"alloc_sequence for s{seq.seq_id} with every slot occupied")
         slot = self.slots.index(None)
-        seq.cached = self.blocks.allocate(seq.seq_id, seq.token_ids[: seq.num_prompt], seq.adapter)
+        prompt = seq.token_ids[: seq.num_prompt]
+        seq.cached = self.blocks.allocate(seq.seq_id, prompt, seq.adapter)
+        if self.snapshots is not None:
+            if seq.cached:  # the hit ends at a snapshot, which it restores
+                self.snapshots.lookup(self.blocks.chain_hashes(prompt[: seq.cached], seq.adapter)[-1])
+            branch = self.blocks.cached_prefix_blocks(prompt, seq.adapter) * self.blocks.block_size
+            self._points[seq.seq_id] = prefill_points(seq.cached, len(prompt), branch, self.blocks.block_size)
         self.slots[slot] = seq.seq_id
         self.emit(f"alloc_sequence() -> slot {slot}")
         return slot
@@ -97,6 +111,8 @@ class RecordingModel(TraceCalls):
     def free_sequence(self, seq) -> int:
         self._check_slot(seq)
         n = self.blocks.free(seq.seq_id)
+        if self.snapshots is not None:
+            self.snapshots.forget(seq.seq_id)
         self.slots[seq.slot] = None
         self.emit(f"free_sequence({seq_name(seq)}, blocks={n})")
         self._frame(seq.slot, RELEASE)
@@ -122,6 +138,17 @@ class RecordingModel(TraceCalls):
             raise FakeModelError(f"bad prefill chunk for {seq_name(seq)}: start={start} n={n} prompt={seq.num_prompt}")
         end = start + n
         self._next_token = self._answer(seq, end - 1) if end == seq.num_prompt else None
+        points = self._points.get(seq.seq_id, ())
+        piece = start
+        for stop in sorted({p for p in points if start < p <= end} | {end}):  # split where a snapshot is due
+            if stop > piece:
+                self._prefill_frame(seq, piece, stop - piece)
+            if stop in points:
+                self._checkpoint(seq, stop)
+            piece = stop
+        self.emit(f"prefill(n={n}, {seq_name(seq, end)}, stream={stream})")
+
+    def _prefill_frame(self, seq, start: int, n: int) -> None:
         if start == seq.cached:  # the slot's first chunk: PREFILL with the whole prompt
             self._frame(seq.slot, PREFILL, n, start, seq.num_prompt)
             self.emit(f"ep_broadcast_tokens(n={seq.num_prompt})")
@@ -129,7 +156,24 @@ class RecordingModel(TraceCalls):
         else:  # a later chunk: PREFILL_NEXT with that chunk's tokens
             self._frame(seq.slot, PREFILL_NEXT, n, start)
             self.emit(f"ep_broadcast_tokens(n={n})")
-        self.emit(f"prefill(n={n}, {seq_name(seq, end)}, stream={stream})")
+
+    def _checkpoint(self, seq, length: int) -> None:
+        """The DECODE_CKPT frame of a snapshot of seq's first ``length`` tokens, and its saving."""
+        bs = self.blocks.block_size
+        prefix = self.blocks.chain_hashes(seq.token_ids[:length], seq.adapter)[-1]
+        turn = length >= seq.num_prompt // bs * bs  # the prompt's end or decoded tokens
+        self.snapshots.save(prefix, owner=seq.seq_id if turn else None)
+        session, adapter = prefix_hash64(prefix), seq.adapter & WORD64
+        self._frame(
+            seq.slot,
+            DECODE_CKPT,
+            length,
+            length // bs,
+            session & WORD_MAX,
+            session >> 32,
+            adapter & WORD_MAX,
+            adapter >> 32,
+        )
 
     def argmax_on_device(self, row: int, stream: int) -> int:
         if self._next_token is None:
@@ -160,6 +204,8 @@ class RecordingModel(TraceCalls):
 
     def decode_marconi_checkpoint(self, seq) -> None:
         self.emit(f"decode_marconi_checkpoint({seq_name(seq)})")
+        if self.snapshots is not None and seq.len % self.blocks.block_size == 0:
+            self._checkpoint(seq, seq.len)
 
     # -- shutdown ----------------------------------------------------------------------------
     def ep_shutdown(self) -> None:

@@ -32,6 +32,7 @@ class EngineSpec:
     max_prefill_tokens: int = 0
     prefix_cache: bool = True
     max_model_len: int | None = None
+    snapshots: int = 0  # > 0: a hybrid model keeping this many recurrent-state snapshots
 
 
 @dataclass
@@ -108,6 +109,8 @@ def parse(doc: dict) -> Scenario:
             raise ScenarioError(f"[engine]: {key} must be >= 1, got {getattr(engine, key)}")
     if not 0 <= engine.eos < engine.vocab_size:
         raise ScenarioError(f"[engine]: eos {engine.eos} is outside the vocabulary [0, {engine.vocab_size})")
+    if engine.snapshots < 0:
+        raise ScenarioError(f"[engine]: snapshots must be >= 0, got {engine.snapshots}")
     if engine.max_prefill_tokens < 0:
         raise ScenarioError(f"[engine]: max_prefill_tokens must be >= 0, got {engine.max_prefill_tokens}")
     if engine.max_model_len is not None and engine.max_model_len < 2:
@@ -205,6 +208,7 @@ def run(sc: Scenario) -> ScenarioRun:
         num_blocks=e.num_blocks,
         block_size=e.block_size,
         prefix_cache=e.prefix_cache,
+        snapshots=e.snapshots,
     )
     config = SchedulerConfig(
         vocab_size=e.vocab_size,
