@@ -502,3 +502,24 @@ def test_eprt_generate_on_the_cuda_backend_runs_on_cusim():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on cuda" in proc.stderr and "generated 8" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+def test_combine_benchmark_runs_on_cusim_at_two_ranks():
+    # gpu_session.sh times the MoE combine at 2 ranks on the lent GPU: its path runs here first
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    env["PYTHONPATH"] = f"{ROOT / 'tests'}{os.pathsep}{ROOT}"
+    cmd = [
+        "mpiexec",
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "cusim.run",
+        str(ROOT / "benchmarks" / "bench_combine.py"),
+        "--tiny",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [r[0].strip() for r in rows] == ["1", "8"] and all(float(r[1]) > 0 for r in rows), proc.stdout
