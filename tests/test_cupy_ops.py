@@ -120,8 +120,8 @@ def rng():
     return np.random.default_rng(1234)
 
 
-def paged_kv(rng, lens, bs, hk, dh, spare_blocks=3):
-    """Caches [NB, BS, Hk, Dh] holding sequences of the given lengths in shuffled blocks."""
+def shuffled_tables(rng, lens, bs, spare_blocks):
+    """(pool blocks NB, block tables [B, MB]) for sequences of the given lengths in shuffled blocks."""
     need = [-(-n // bs) for n in lens]
     nb = sum(need) + spare_blocks
     order = rng.permutation(nb)
@@ -130,6 +130,12 @@ def paged_kv(rng, lens, bs, hk, dh, spare_blocks=3):
     for b, n in enumerate(need):
         tables[b, :n] = order[start : start + n]
         start += n
+    return nb, tables
+
+
+def paged_kv(rng, lens, bs, hk, dh, spare_blocks=3):
+    """Caches [NB, BS, Hk, Dh] holding sequences of the given lengths in shuffled blocks."""
+    nb, tables = shuffled_tables(rng, lens, bs, spare_blocks)
     k = bf16(rng.standard_normal((nb, bs, hk, dh)))
     v = bf16(rng.standard_normal((nb, bs, hk, dh)))
     return k, v, tables

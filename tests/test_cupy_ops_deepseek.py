@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cupy_ops import bf16, close
+from test_cupy_ops import bf16, close, shuffled_tables
 
 from eprt.ops import device
 from eprt.ops.base import GroupedRouting
@@ -99,14 +99,7 @@ def test_latent_write_is_an_exact_copy_and_skips_padding(ops):
 
 def paged_latent(rng, lens, bs, L, spare_blocks=2):
     """A latent cache [NB, BS, L] holding sequences of the given lengths in shuffled blocks."""
-    need = [-(-n // bs) for n in lens]
-    nb = sum(need) + spare_blocks
-    order = rng.permutation(nb)
-    tables = np.zeros((len(lens), max(need)), np.int32)
-    start = 0
-    for b, n in enumerate(need):
-        tables[b, :n] = order[start : start + n]
-        start += n
+    nb, tables = shuffled_tables(rng, lens, bs, spare_blocks)
     return bf16(rng.standard_normal((nb, bs, L))), tables
 
 

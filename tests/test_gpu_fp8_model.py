@@ -7,7 +7,7 @@ import gc
 import numpy as np
 import pytest
 from checkpoints import build_fp8_copy
-from test_gpu_end_to_end import NEW_TOKENS, PROMPTS, explain_divergence, greedy
+from test_gpu_end_to_end import assert_cuda_follows_numpy
 
 from eprt.model.loader import load_model
 from eprt.ops.device import cuda_usable
@@ -55,10 +55,4 @@ def test_fp8_weights_take_about_half_the_bf16_bytes_per_rank(checkpoint, ckpt_ro
 def test_fp8_greedy_tokens_follow_numpy(checkpoint, ckpt_root, arch, block):
     source = checkpoint(arch, dtype="bfloat16")
     path, _ = build_fp8_copy(source, f"{source}-fp8-{block[0]}x{block[1]}", block)
-    cpu, cuda = greedy(path, "cpu"), greedy(path, "cuda")
-    for prompt, want, got in zip(PROMPTS, cpu, cuda):
-        assert len(got) == len(want) == NEW_TOKENS
-        n = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-        if n is not None:
-            why = explain_divergence(path, prompt + want[:n], want[n], got[n])
-            assert why is None, f"prompt {prompt}: generated token {n} differs ({got[n]} vs {want[n]}): {why}"
+    assert_cuda_follows_numpy(path)
