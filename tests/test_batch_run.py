@@ -160,25 +160,30 @@ sys.path.insert(0, {tests!r})
 from fake_engine import FakeEngine
 from eprt.api import ENGINE_FAILED, EngineClosed
 from eprt.serve.batch import run_batch
-sys.exit(run_batch(FakeEngine(token_delay=0.01, max_batch=2), {inp!r}, {out!r}, in_flight=2))
+sys.exit(run_batch(FakeEngine(token_delay=0.01, max_batch=2), {inp!r}, {out!r}, in_flight={in_flight}))
 """
+
+
+def start_batch_job(inp, out, in_flight: int = 2, results: int = 1):
+    """``run_batch`` on a slow fake engine in a child process, once ``results`` records are written."""
+    script = INTERRUPTIBLE.format(tests=str(TESTS), inp=str(inp), out=str(out), in_flight=in_flight)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (out.exists() and len(out.read_text().splitlines()) >= results):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            proc.wait()
+            raise AssertionError("no results from the batch job")
+        time.sleep(0.01)
+    return proc
 
 
 def test_interrupted_run_resumes_where_it_stopped(tmp_path):
     ids = [f"r{i}" for i in range(12)]
     inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": f"{i}: " + "z" * 30, "max_tokens": 40} for i in ids])
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", INTERRUPTIBLE.format(tests=str(TESTS), inp=str(inp), out=str(out))],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_batch_job(inp, out, results=2)
     try:
-        deadline = time.monotonic() + 30
-        while not (out.exists() and len(out.read_text().splitlines()) >= 2):
-            assert time.monotonic() < deadline and proc.poll() is None, "no results from the batch job"
-            time.sleep(0.01)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 1
         assert "run the same command again to resume" in proc.stderr.read()
@@ -284,17 +289,8 @@ def test_a_second_run_on_the_same_output_fails_at_once(tmp_path):
     ids = [f"r{i}" for i in range(8)]
     inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": "z" * 20, "max_tokens": 20} for i in ids])
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", INTERRUPTIBLE.format(tests=str(TESTS), inp=str(inp), out=str(out))],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_batch_job(inp, out)
     try:
-        deadline = time.monotonic() + 30
-        while not (out.exists() and out.read_text()):
-            assert time.monotonic() < deadline and proc.poll() is None, "no results from the first run"
-            time.sleep(0.01)
         engine = FakeEngine()
         started = time.monotonic()
         with _stderr() as err:
@@ -410,18 +406,8 @@ def test_sigterm_drains_running_lines_and_leaves_queued_ones_for_resume(tmp_path
     ids = [f"r{i}" for i in range(12)]
     inp = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": f"{i}: " + "z" * 30, "max_tokens": 40} for i in ids])
     out = tmp_path / "out.jsonl"
-    script = INTERRUPTIBLE.replace("in_flight=2", "in_flight=12")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script.format(tests=str(TESTS), inp=str(inp), out=str(out))],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_batch_job(inp, out, in_flight=12)
     try:
-        deadline = time.monotonic() + 30
-        while not (out.exists() and out.read_text()):
-            assert time.monotonic() < deadline and proc.poll() is None, "no results from the batch job"
-            time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 1
         assert "run the same command again to resume" in proc.stderr.read()
