@@ -1,0 +1,152 @@
+"""Speculative decoding on rank 0: drafters, acceptance, and the runner's VERIFY / ACCEPT calls
+(docs/protocol.md, "VERIFY and ACCEPT"; the verify lane: docs/scenarios.md).
+
+N positions of a verify step (sum over rows of 1 + drafts), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from eprt.comm import protocol as P
+from eprt.engine.sampling import sample_rows, token_uniform
+
+METHODS = ("ngram",)  # --speculative-method
+
+
+class Drafter(Protocol):
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens likely to follow ``token_ids`` (prompt and output so far); may be fewer."""
+
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    """Prompt lookup: the longest suffix of ``min_n..max_n`` tokens that occurred before, most
+    recent occurrence first; the drafts are the tokens that followed it."""
+
+    min_n: int = 1
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(
+                f"--prompt-lookup-min/--prompt-lookup-max must satisfy 1 <= min <= max, got {self.min_n}, {self.max_n}"
+            )
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        ids = np.asarray(token_ids, dtype=np.int64)  # [L]
+        L = len(ids)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            suffix = ids[L - n :]
+            windows = np.lib.stride_tricks.sliding_window_view(ids[: L - 1], n)  # [L - n, n]: ends before the last
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return [int(t) for t in ids[start : start + k]]
+        return []
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_tokens: int = 3  # K: drafts per sequence and step, 1..protocol.MAX_DRAFTS
+    lookup_min: int = 1
+    lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative-method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_tokens <= P.MAX_DRAFTS:
+            raise ValueError(f"--num-speculative-tokens must be in [1, {P.MAX_DRAFTS}], got {self.num_tokens}")
+
+    def drafter(self) -> Drafter:
+        return NgramDrafter(self.lookup_min, self.lookup_max)
+
+
+def accepted_run(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """The tokens a verified row emits: drafts while each equals the target sampled at its
+    position, then the target at the first mismatch (or the bonus after the last draft).
+    ``targets`` has one more entry than ``drafts``."""
+    out = []
+    for d, t in zip(drafts, targets):
+        out.append(int(t))
+        if d != t:
+            return out
+    out.append(int(targets[len(drafts)]))
+    return out
+
+
+def rejection_sample(p: np.ndarray, q: np.ndarray, draft: int, u_accept: float, u_resample: float) -> tuple[bool, int]:
+    """Standard speculative rejection sampling of one draft drawn from q[V]: accept with
+    probability min(1, p/q) at the draft, else draw from the residual max(0, p - q) renormalized,
+    so the token's distribution is exactly p[V]. Returns (accepted, token)."""
+    if u_accept * q[draft] < p[draft]:
+        return True, int(draft)
+    residual = np.maximum(p.astype(np.float64) - q, 0.0)  # [V]
+    c = np.cumsum(residual)
+    return False, int(min(np.searchsorted(c, u_resample * c[-1], side="right"), len(p) - 1))
+
+
+class SpeculativeRunner:
+    """The runner's speculative calls (mixed into ``ModelRunner``): propose, one VERIFY forward
+    over every row's token and drafts, the readback of each row's emitted tokens, and the ACCEPT.
+
+    A deterministic drafter proposes a point mass q = 1 at the draft, for which rejection
+    sampling reduces to: draw the target token at the draft's position with that position's
+    uniform (as plain decoding would) and accept iff it equals the draft. So a sampled request
+    emits exactly the tokens it would without speculation, with the same seed."""
+
+    drafter: Drafter | None = None
+    proposed_tokens = 0
+    accepted_tokens = 0
+    verify_steps = 0
+
+    def propose_drafts(self, seq, k: int) -> list[int]:
+        if self.drafter is None or k < 1:
+            return []
+        return self.drafter.propose(seq.token_ids, k)[:k]
+
+    def verify_batch(self, tokens, seqs, drafts, stream: int = 0) -> None:
+        slots = [s.slot for s in seqs]
+        drafts = [tuple(int(t) for t in d) for d in drafts]
+        self.transport.send(P.Verify(tuple(slots), tuple(int(t) for t in tokens), tuple(drafts)))
+        self.transport.flush()
+        self._logits = self.executor.verify(slots, list(tokens), drafts)  # [N, V]
+        self._rows = list(seqs)
+        self._drafts = drafts
+        self.verify_steps += 1
+        self.decode_steps += 1
+        self.decode_rows += len(slots)
+        self.proposed_tokens += sum(len(d) for d in drafts)
+
+    def verify_readback(self, stream: int = 0) -> list[list[int]]:
+        """Per row of the last verify_batch, the tokens it emits (accepted drafts, then one more)."""
+        seqs, drafts = self._rows, self._drafts
+        params, uniforms = [], []
+        for seq, d in zip(seqs, drafts):
+            first = seq.len + 1  # sequence index of the token sampled at the row's first position
+            for i in range(len(d) + 1):
+                params.append(seq.params)
+                sampled = seq.params.temperature != 0.0
+                uniforms.append(token_uniform(seq.model_state.seed, first + i) if sampled else 0.0)
+        if all(p.temperature == 0.0 for p in params):
+            targets = [int(t) for t in self.executor.ops.argmax(self._logits)]
+        else:
+            targets = sample_rows(self.executor.ops.to_host(self._logits), params, np.asarray(uniforms))
+        out, at = [], 0
+        for d in drafts:
+            out.append(accepted_run(d, targets[at : at + len(d) + 1]))
+            at += len(d) + 1
+        return out
+
+    def accept_drafts(self, seqs, accepted: Sequence[int]) -> None:
+        """ACCEPT: row r keeps accepted[r] drafts; here and, with the next frame, on every worker."""
+        slots = tuple(s.slot for s in seqs)
+        accepted = tuple(int(a) for a in accepted)
+        self.executor.accept(list(slots), list(accepted))
+        self.transport.send(P.Accept(slots, accepted))
+        self.accepted_tokens += sum(accepted)
