@@ -104,6 +104,11 @@ class SpeculativeRunner:
     proposed_tokens = 0
     accepted_tokens = 0
     verify_steps = 0
+    verify_rows = 0
+
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verified row (accepted drafts + 1), over every verify step's rows."""
+        return (self.verify_rows + self.accepted_tokens) / self.verify_rows if self.verify_rows else 0.0
 
     def propose_drafts(self, seq, k: int) -> list[int]:
         if self.drafter is None or k < 1:
@@ -119,6 +124,7 @@ class SpeculativeRunner:
         self._rows = list(seqs)
         self._drafts = drafts
         self.verify_steps += 1
+        self.verify_rows += len(slots)
         self.decode_steps += 1
         self.decode_rows += len(slots)
         self.proposed_tokens += sum(len(d) for d in drafts)
