@@ -274,12 +274,16 @@ class ShardExecutor:
         positions = lengths[rows] + np.arange(len(rows)) - starts[rows]  # [N]
         block_tables = self._tables[np.asarray(slots, dtype=np.int64)[rows], : int(self._table_len[slots].max())]
         slot_mapping = block_tables[np.arange(len(rows)), positions // bs] * bs + (positions % bs).astype(np.int32)
-        batch = AttnBatch(
-            positions=positions.astype(np.int32),
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
-            context_lens=(positions + 1).astype(np.int32),
-        )
+        if len(slots) == 1:  # one sequence: a causal chunk at its end, its KV gathered once (a prefill's pass)
+            table = block_tables[0, : self._table_len[slots[0]]]
+            batch = AttnBatch(positions.astype(np.int32), slot_mapping, block_table=table, start_pos=int(lengths[0]))
+        else:
+            batch = AttnBatch(
+                positions=positions.astype(np.int32),
+                slot_mapping=slot_mapping,
+                block_tables=block_tables,
+                context_lens=(positions + 1).astype(np.int32),
+            )
         ids = np.asarray([t for tok, d in zip(tokens, drafts) for t in (tok, *d)], dtype=np.int32)  # [N]
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [N, D]
         for st, tok, d in zip(states, tokens, drafts):

@@ -6,6 +6,7 @@ N positions of a verify step (sum over rows of 1 + drafts), V vocabulary.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -16,6 +17,7 @@ from eprt.comm import protocol as P
 from eprt.engine.sampling import sample_rows, token_uniform
 
 METHODS = ("ngram",)  # --speculative-method
+MAX_BACKOFF = 16  # steps a sequence whose drafts keep failing goes without proposing
 
 
 class Drafter(Protocol):
@@ -40,14 +42,19 @@ class NgramDrafter:
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         ids = np.asarray(token_ids, dtype=np.int64)  # [L]
         L = len(ids)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            suffix = ids[L - n :]
-            windows = np.lib.stride_tricks.sliding_window_view(ids[: L - 1], n)  # [L - n, n]: ends before the last
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return [int(t) for t in ids[start : start + k]]
-        return []
+        # match[e]: the n tokens ending at e (e < L - 1) equal the last n, for n = 1, 2, ... in turn
+        match = ids[: L - 1] == ids[L - 1]  # [L - 1]
+        best = None
+        for n in range(1, min(self.max_n, L - 1) + 1):
+            if n > 1:
+                match[n - 1 :] &= ids[: L - n] == ids[L - n]
+                match[: n - 1] = False
+            hits = np.flatnonzero(match)
+            if not hits.size:
+                break
+            if n >= self.min_n:
+                best = int(hits[-1]) + 1  # where the continuation of the most recent, longest match starts
+        return [] if best is None else [int(t) for t in ids[best : best + k]]
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class SpeculativeRunner:
     emits exactly the tokens it would without speculation, with the same seed."""
 
     drafter: Drafter | None = None
+    _backoff: weakref.WeakKeyDictionary | None = None  # seq -> (steps to skip, failures in a row)
     proposed_tokens = 0
     accepted_tokens = 0
     verify_steps = 0
@@ -111,9 +119,28 @@ class SpeculativeRunner:
         return (self.verify_rows + self.accepted_tokens) / self.verify_rows if self.verify_rows else 0.0
 
     def propose_drafts(self, seq, k: int) -> list[int]:
+        """Up to ``k`` drafts; none while the sequence backs off (below)."""
         if self.drafter is None or k < 1:
             return []
+        if self._backoff is None:
+            self._backoff = weakref.WeakKeyDictionary()
+        skip, failures = self._backoff.get(seq, (0, 0))
+        if skip:
+            self._backoff[seq] = (skip - 1, failures)
+            return []
         return self.drafter.propose(seq.token_ids, k)[:k]
+
+    def _after_verify(self, seq, proposed: int, accepted: int) -> None:
+        """Backoff where lookup does not pay: after a step whose drafts were all rejected, the
+        sequence proposes none for 2**failures - 1 steps (failures in a row, at most MAX_BACKOFF
+        steps); any accepted draft ends it. Which steps speculate never changes the tokens."""
+        if not proposed or self._backoff is None:
+            return
+        if accepted:
+            self._backoff.pop(seq, None)
+            return
+        failures = self._backoff.get(seq, (0, 0))[1] + 1
+        self._backoff[seq] = (min(2**failures - 1, MAX_BACKOFF), failures)
 
     def verify_batch(self, tokens, seqs, drafts, stream: int = 0) -> None:
         slots = [s.slot for s in seqs]
@@ -132,21 +159,29 @@ class SpeculativeRunner:
     def verify_readback(self, stream: int = 0) -> list[list[int]]:
         """Per row of the last verify_batch, the tokens it emits (accepted drafts, then one more)."""
         seqs, drafts = self._rows, self._drafts
-        params, uniforms = [], []
-        for seq, d in zip(seqs, drafts):
-            first = seq.len + 1  # sequence index of the token sampled at the row's first position
-            for i in range(len(d) + 1):
-                params.append(seq.params)
-                sampled = seq.params.temperature != 0.0
-                uniforms.append(token_uniform(seq.model_state.seed, first + i) if sampled else 0.0)
-        if all(p.temperature == 0.0 for p in params):
-            targets = [int(t) for t in self.executor.ops.argmax(self._logits)]
-        else:
-            targets = sample_rows(self.executor.ops.to_host(self._logits), params, np.asarray(uniforms))
-        out, at = [], 0
-        for d in drafts:
-            out.append(accepted_run(d, targets[at : at + len(d) + 1]))
-            at += len(d) + 1
+        starts = np.cumsum([0] + [len(d) + 1 for d in drafts])  # [B + 1] first position of each row
+        sampled = [r for r, s in enumerate(seqs) if s.params.temperature != 0.0]
+        out = [[] for _ in seqs]
+        if len(sampled) < len(seqs):
+            greedy = [int(t) for t in self.executor.ops.argmax(self._logits)]
+            for r, d in enumerate(drafts):
+                out[r] = accepted_run(d, greedy[starts[r] : starts[r + 1]])
+        if sampled:
+            host = self.executor.ops.to_host(self._logits)  # [N, V]
+            for r in sampled:
+                out[r] = self._sample_run(host[starts[r] : starts[r + 1]], seqs[r], drafts[r])
+        return out
+
+    @staticmethod
+    def _sample_run(logits: np.ndarray, seq, drafts: tuple) -> list[int]:
+        """A sampled row's emitted tokens: position i's token drawn with the uniform of its sequence
+        index (``seq.len + 1 + i``), one position at a time until one differs from its draft."""
+        out = []
+        for i in range(len(drafts) + 1):
+            u = token_uniform(seq.model_state.seed, seq.len + 1 + i)
+            out.append(sample_rows(logits[i : i + 1], [seq.params], np.array([u]))[0])
+            if i == len(drafts) or out[-1] != drafts[i]:
+                return out
         return out
 
     def accept_drafts(self, seqs, accepted: Sequence[int]) -> None:
@@ -156,3 +191,5 @@ class SpeculativeRunner:
         self.executor.accept(list(slots), list(accepted))
         self.transport.send(P.Accept(slots, accepted))
         self.accepted_tokens += sum(accepted)
+        for seq, d, a in zip(seqs, self._drafts, accepted):
+            self._after_verify(seq, len(d), a)

@@ -68,3 +68,15 @@ def test_sampled_speculation_emits_the_tokens_of_plain_sampling():
     single = run_single(engine_config(path), reqs)
     if COMM.rank == 0:
         assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_one_sequence_verify_equals_plain_decoding(arch):
+    """A verify of one sequence runs as a causal chunk at its end (the prefill's attention)."""
+    path = shared_checkpoint(arch)
+    reqs = lambda: [GenerationRequest(REPEATING[0], SamplingParams(max_tokens=30, ignore_eos=True))]  # noqa: E731
+    multi = run_everywhere(speculative(path, k=4), reqs)
+    single = run_single(engine_config(path), reqs)
+    if COMM.rank == 0:
+        assert multi[0].token_ids == single[0].token_ids and multi[0].accepted_tokens > 0
