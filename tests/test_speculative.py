@@ -2,6 +2,8 @@
 verify/accept rollback of the executor, and the sampled-token distribution with speculation
 against the one without (chi-square)."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -118,3 +120,28 @@ def test_sampled_tokens_with_speculation_follow_the_plain_distribution_chi_squar
     df = table.shape[1] - 1
     assert 3 <= df <= 15, table  # enough distinct tokens for a real test
     assert chi2 < CHI2_999[df], (chi2, table)
+
+
+def test_generate_json_reports_accepted_tokens(capsys):
+    from eprt import cli
+
+    argv = ["generate", "--prompt-ids", "5,6,7,5,6,7,5,6", "--max-tokens", "12", "--json", "--device", "cpu"]
+    assert cli.main([*argv, "--ignore-eos", "--speculative-method", "ngram", "--num-speculative-tokens", "2"]) == 0
+    assert cli.main([*argv, "--ignore-eos"]) == 0
+    on, off = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert on["token_ids"] == off["token_ids"] and "accepted_tokens" not in off
+    assert isinstance(on["accepted_tokens"], int) and 0 <= on["accepted_tokens"] < 12
+
+
+def test_metrics_show_proposed_and_accepted_drafts():
+    from eprt.serve.metrics import EngineCollector
+
+    cfg = EngineConfig(device="cpu", max_batch=4, speculative_method="ngram", num_speculative_tokens=4)
+    with launch_engine(cfg) as engine:
+        prompt = engine.tokenizer.encode("the string the string the string the")
+        engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=40, ignore_eos=True))])
+        metrics = {m.name: m.samples[0].value for m in EngineCollector(engine).collect() if m.samples}
+    proposed, accepted = metrics["eprt_spec_draft_tokens"], metrics["eprt_spec_accepted_tokens"]
+    steps = metrics["eprt_spec_verify_steps"]
+    assert 0 < accepted <= proposed and steps > 0
+    assert metrics["eprt_spec_mean_accepted_length"] == pytest.approx((steps + accepted) / steps)  # one row a step
