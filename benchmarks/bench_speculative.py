@@ -13,7 +13,7 @@ prompt without a tokenizer is the text's bytes. Two workloads:
   lookup does not pay, the verify step must not cost more than it saves).
 Decode tokens/s: the tokens after each request's first, over the time from the batch's first
 first token to its last token (streamed timestamps), best of --repeats. Mean accepted length:
-tokens emitted per verified row (accepted drafts + 1), from the engine's counters.
+tokens emitted per row with drafts (accepted drafts + 1), from the engine's counters.
 """
 
 from __future__ import annotations

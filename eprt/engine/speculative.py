@@ -115,7 +115,7 @@ class SpeculativeRunner:
     verify_rows = 0
 
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per verified row (accepted drafts + 1), over every verify step's rows."""
+        """Tokens emitted per row that had drafts (accepted drafts + 1), over every verify step."""
         return (self.verify_rows + self.accepted_tokens) / self.verify_rows if self.verify_rows else 0.0
 
     def propose_drafts(self, seq, k: int) -> list[int]:
@@ -151,7 +151,7 @@ class SpeculativeRunner:
         self._rows = list(seqs)
         self._drafts = drafts
         self.verify_steps += 1
-        self.verify_rows += len(slots)
+        self.verify_rows += sum(1 for d in drafts if d)
         self.decode_steps += 1
         self.decode_rows += len(slots)
         self.proposed_tokens += sum(len(d) for d in drafts)

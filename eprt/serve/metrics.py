@@ -44,7 +44,7 @@ ENGINE_METRICS = {
     "spec_mean_accepted_length": (
         "eprt_spec_mean_accepted_length",
         "gauge",
-        "Tokens emitted per verified sequence row (accepted drafts + 1)",
+        "Tokens emitted per sequence row with drafts in a verify step (accepted drafts + 1)",
     ),
     "prompt_tokens_computed": (
         "eprt_prompt_tokens_computed",
