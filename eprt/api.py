@@ -81,6 +81,7 @@ class GenerationResult:
     cached_tokens: int = 0
     text: str = ""
     error: str | None = None
+    accepted_tokens: int | None = None  # speculative drafts accepted; None when speculation is off
 
     def to_json(self) -> dict:
         d = {
@@ -94,6 +95,8 @@ class GenerationResult:
             d["id"] = self.request_id
         if self.error is not None:
             d["error"] = self.error
+        if self.accepted_tokens is not None:
+            d["accepted_tokens"] = self.accepted_tokens
         return d
 
 

@@ -198,3 +198,19 @@ def test_eviction_never_takes_a_live_block(num_blocks, ops):
     for k in list(live):
         bm.free(k)
     assert bm.num_free_blocks() == num_blocks
+
+
+def test_shrink_gives_back_private_tail_blocks_only():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate("a", list(range(6)))  # 2 blocks
+    bm.grow("a", 13)  # 13 tokens: 4 blocks
+    assert len(bm.block_table("a")) == 4 and bm.num_free_blocks() == 4
+    tail = bm.block_table("a")[2:]
+    assert bm.shrink("a", 7) == 2  # back to 2 blocks (7 // 4 + 1)
+    assert bm.num_free_blocks() == 6 and bm.shrink("a", 7) == 0
+    bm.grow("a", 13)
+    assert bm.block_table("a")[2:] == tail  # the next grow takes the same blocks again
+    bm.cache("a", list(range(13)))  # blocks 0..2 now hold prefix-cache entries
+    with pytest.raises(ValueError, match="is cached"):
+        bm.shrink("a", 3)
+    assert len(bm.block_table("a")) == 4  # a refused shrink changes nothing

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from eprt.comm import protocol as p
 from eprt.comm.protocol import (
+    Accept,
     Compact,
     Decode1,
     DecodeBatch,
@@ -31,8 +32,9 @@ COMMANDS = [
     Prefill(slot=2, chunk_start=4, chunk_len=2, tokens=(9, 8, 7, 6, 5, 4, 3), vision_rows=3),
     PrefillNext(slot=2, chunk_start=6, tokens=(3, 4)),
     Release(slot=7),
-    Verify(slot=1, drafts=(4, 5), accepted=1),
-    Verify(slot=1, drafts=(4, 5, 6, 7), accepted=4),
+    Verify(slots=(1,), tokens=(3,), drafts=((4, 5),)),
+    Verify(slots=(2, 0, 5), tokens=(3, 9, 1), drafts=((4, 5, 6, 7), (), (8,))),
+    Accept(slots=(2, 0, 5), accepted=(4, 0, 1)),
     DecodeCkpt(slot=2, snapshot_tokens=64, end_block=3, session_hash=0x123456789ABCDEF0, adapter_id=2**32 + 7),
     Shutdown(),
 ]
@@ -47,7 +49,11 @@ def test_words_match_the_spec():
     assert encode(Compact(1, 0)).tolist() == [1, 0xFFFFFFE2, 0]
     assert encode(Release(4)).tolist() == [4, 0xFFFFFFF1]
     assert encode(PrefillNext(1, 64, (7, 8, 9))).tolist() == [1, 0xFFFFFFE4, 3, 64, 7, 8, 9]
-    assert encode(Verify(1, (4, 5, 6), 2)).tolist() == [1, 0xFFFFFFF3, 4, 5, 6, 2]
+    # VERIFY_K3 (the longest draft list has 3): n, slots, tokens, counts, then the drafts row by row
+    verify = Verify((1, 0), (30, 40), ((4, 5, 6), (7,)))
+    assert encode(verify).tolist() == [0, 0xFFFFFFF3, 2, 1, 0, 30, 40, 3, 1, 4, 5, 6, 7]
+    assert encode(Verify((0,), (30,), ((),))).tolist()[:2] == [0, 0xFFFFFFF2]  # K is at least 2
+    assert encode(Accept((1, 0), (2, 0))).tolist() == [0, 0xFFFFFFE6, 2, 1, 0, 2, 0]
     assert encode(DecodeCkpt(2, 64, 3, 0x1_0000_0002, 0x3_0000_0004)).tolist() == [2, 0xFFFFFFF8, 64, 3, 2, 1, 4, 3]
     assert encode(Shutdown()).tolist() == [0, 0xFFFFFFFF]
     assert all(encode(c).dtype == np.uint32 for c in COMMANDS)
@@ -141,8 +147,21 @@ def test_encode_refuses_what_cannot_travel():
         encode(Decode1(0, 0xFFFFFFE0))
     with pytest.raises(ProtocolError, match="2 slots but 1 tokens"):
         encode(DecodeBatch((0, 1), (5,)))
-    with pytest.raises(ProtocolError, match="2 to 4 drafts"):
-        encode(Verify(0, (1,), 0))
+    with pytest.raises(ProtocolError, match="at most 4"):
+        encode(Verify((0,), (1,), ((1, 2, 3, 4, 5),)))
+    with pytest.raises(ProtocolError, match="2 slots, 1 tokens"):
+        encode(Verify((0, 1), (1,), ((), ())))
+    with pytest.raises(ProtocolError, match="2 slots but 1 counts"):
+        encode(Accept((0, 1), (1,)))
+
+
+def test_verify_rows_are_bounded_by_the_command_word():
+    with pytest.raises(ProtocolError, match="VERIFY_K2 row with 3 drafts"):
+        decode_all([0, p.VERIFY_K2, 1, 0, 9, 3, 1, 2, 3])
+    with pytest.raises(ProtocolError, match="ACCEPT of 5 drafts"):
+        decode_all([0, p.ACCEPT, 1, 0, 5])
+    with pytest.raises(ProtocolError, match="ACCEPT of 9 rows"):
+        decode_all([0, p.ACCEPT, 9, 0, 5], max_slots=4)
     with pytest.raises(ProtocolError, match="-1 is not an unsigned 32-bit"):
         encode(Compact(-1, 0))
     with pytest.raises(ProtocolError, match=str(2**32)):

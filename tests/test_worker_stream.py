@@ -5,7 +5,18 @@ import numpy as np
 import pytest
 
 from eprt.comm import protocol as p
-from eprt.comm.protocol import Compact, Decode1, DecodeBatch, Prefill, PrefillNext, ProtocolError, Release
+from eprt.comm.protocol import (
+    Accept,
+    Compact,
+    Decode1,
+    DecodeBatch,
+    Prefill,
+    PrefillNext,
+    ProtocolError,
+    Release,
+    Shutdown,
+    Verify,
+)
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.comm.transport import LocalTransport, RootDown
 from eprt.comm.worker import run_worker
@@ -67,6 +78,7 @@ class RecordingExecutor:
 
     def prefill(self, slot, tokens, chunk_start, chunk_len, vision_rows):
         assert tokens.dtype == np.uint32
+        self.slots.settled("PREFILL")
         if self.slots.get(slot) is None:
             self.slots.occupy(slot, tokens, chunk_start, vision_rows=vision_rows)
         state = self.slots.check_chunk(slot, tokens, chunk_start, chunk_len)
@@ -87,6 +99,17 @@ class RecordingExecutor:
         for state, t in zip(states, tokens):
             state.tokens.append(t)
 
+    def verify(self, slots, tokens, drafts):
+        states = self.slots.check_verify(slots, tokens, drafts)
+        self.calls.append(("verify", slots, tokens, drafts))
+        for state, t, d in zip(states, tokens, drafts):
+            state.tokens.extend((t, *d))
+        self.slots.open(slots, drafts)
+
+    def accept(self, slots, accepted):
+        self.slots.accept(slots, accepted)
+        self.calls.append(("accept", slots, accepted))
+
     def compact(self, slot, new_slot):
         self.slots.move(slot, new_slot)
         self.calls.append(("compact", slot, new_slot))
@@ -98,6 +121,7 @@ class RecordingExecutor:
     def shutdown(self):
         self.calls.append(("shutdown",))
         self.final = self.slots.state()
+        self.slots.open_verify = None
         for slot in self.slots.occupied():
             self.slots.vacate(slot)
 
@@ -180,7 +204,9 @@ PROMPT = Prefill(0, 0, 3, (1, 2, 3))
         (frames(Release(3)), "RELEASE for empty slot 3"),
         ([("frame", np.array([0, 0xFFFFFFE1], np.uint32))], "unknown reserved command word 0xFFFFFFE1"),
         ([("frame", np.array([4, 7], np.uint32))], "slot 4 out of range (max_slots=4)"),
-        ([("frame", np.array([0, p.VERIFY_K2, 1, 2, 1], np.uint32))], "UnsupportedCommand: VERIFY_K2"),
+        (frames(PROMPT, Verify((0,), (4,), ((5, 6),)), DecodeBatch((0,), (7,))), "awaits its ACCEPT"),
+        (frames(PROMPT, Verify((0,), (4,), ((5, 6),)), Accept((0,), (3,))), "3 drafts accepted, the VERIFY sent 2"),
+        (frames(PROMPT, Accept((0,), (0,))), "the open VERIFY has none"),
         (
             [("frame", np.array([0, p.PREFILL, 1, 0, 1, 5, 1, 0, p.RELEASE], np.uint32))],
             "2 words arrived between the vision count and its rows",
@@ -245,3 +271,16 @@ def test_world_of_one_needs_no_mpi():
     assert (t.stats.mpi_calls, t.stats.words, t.stats.frames) == (0, len(p.encode(PROMPT)), 1)
     with pytest.raises(TypeError, match="float32"):
         t.allsum(np.ones((2, 3)))
+
+
+def test_verify_then_accept_rolls_back_rejected_drafts_on_the_worker():
+    # VERIFY stores the row's token and drafts; the ACCEPT riding in the next frame keeps the
+    # accepted drafts only, then the next VERIFY / DECODE_BATCH continue from there.
+    stream = frames(PROMPT, Prefill(1, 0, 2, (7, 8)), Verify((0, 1), (4, 9), ((5, 6), (10, 11, 12))))
+    stream += frames(Accept((0, 1), (1, 3)), Verify((0,), (20,), ((21, 22, 23, 24),)))
+    stream += frames(Accept((0,), (0,)), DecodeBatch((0, 1), (30, 13)), Release(1), Shutdown())
+    worker, executor = ReplayTransport(stream), RecordingExecutor()
+    assert run_worker(worker, executor, MAX_SLOTS, vocab_size=64) == 0, worker.errors
+    assert executor.final == {0: (3, (1, 2, 3, 4, 5, 20, 30))}
+    kinds = [c[0] for c in executor.calls if c[0] != "prefill"]
+    assert kinds == ["verify", "accept", "verify", "accept", "decode", "release", "shutdown"]

@@ -94,6 +94,25 @@ class BlockManager:
             raise OutOfBlocks(f"sequence {key!r} needs {extra} more blocks, {self.num_free_blocks()} free")
         table.extend(self._take() for _ in range(extra))
 
+    def shrink(self, key: Hashable, new_len: int) -> int:
+        """Give back the tail blocks beyond what ``new_len`` tokens need (rejected speculative
+        drafts); returns how many. Only blocks this sequence alone holds and that no prefix-cache
+        entry names can go: a cached or shared block is refused, never dropped."""
+        table = self._table(key)
+        keep = self.blocks_for(new_len)
+        tail = table[keep:]
+        for b in tail:
+            if b in self._key_of or self._refs[b] != 1:
+                raise ValueError(
+                    f"sequence {key!r}: cannot shrink to {new_len} tokens, block {b} is "
+                    f"{'cached' if b in self._key_of else 'shared'} (only private tail blocks roll back)"
+                )
+        del table[keep:]
+        for b in reversed(tail):  # front of the free list: the next grow takes them again
+            self._refs[b] = 0
+            self._free.appendleft(b)
+        return len(tail)
+
     def cache(self, key: Hashable, token_ids: Sequence[int]) -> None:
         """Insert the sequence's full blocks among ``token_ids`` (tokens whose KV exists)."""
         if not self.enabled:

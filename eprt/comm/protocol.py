@@ -15,6 +15,7 @@ RESERVED_BASE = TOKEN_ID_LIMIT  # every word >= this is a command, so token ids 
 DECODE_BATCH = 0xFFFFFFE0
 COMPACT = 0xFFFFFFE2
 PREFILL_NEXT = 0xFFFFFFE4
+ACCEPT = 0xFFFFFFE6
 PREFILL = 0xFFFFFFF0
 RELEASE = 0xFFFFFFF1
 VERIFY_K2 = 0xFFFFFFF2
@@ -24,11 +25,13 @@ DECODE_CKPT = 0xFFFFFFF8
 SHUTDOWN = 0xFFFFFFFF
 WORD_MAX = 0xFFFFFFFF
 
-VERIFY_WORDS = {VERIFY_K2: 2, VERIFY_K3: 3, VERIFY_K4: 4}  # command word -> K drafts
+VERIFY_WORDS = {VERIFY_K2: 2, VERIFY_K3: 3, VERIFY_K4: 4}  # command word -> K, the most drafts of a row
+MAX_DRAFTS = 4
 NAMES = {
     DECODE_BATCH: "DECODE_BATCH",
     COMPACT: "COMPACT",
     PREFILL_NEXT: "PREFILL_NEXT",
+    ACCEPT: "ACCEPT",
     PREFILL: "PREFILL",
     RELEASE: "RELEASE",
     VERIFY_K2: "VERIFY_K2",
@@ -110,11 +113,25 @@ class Release:
 
 @dataclass(frozen=True)
 class Verify:
-    """Speculative verify of ``len(drafts)`` (2..4) drafts (reserved: workers reject it)."""
+    """One batched verify step: row r appends ``tokens[r]`` then its drafts ``drafts[r]`` (0..4
+    tokens) to ``slots[r]``; the drafts stay pending until the ACCEPT that follows."""
 
-    slot: int
-    drafts: tuple[int, ...]
-    accepted: int
+    slots: tuple[int, ...]
+    tokens: tuple[int, ...]
+    drafts: tuple[tuple[int, ...], ...]
+
+    @property
+    def k(self) -> int:
+        """The K of the command word VERIFY_K2..K4: the most drafts of a row, at least 2."""
+        return max(2, *(len(d) for d in self.drafts))
+
+
+@dataclass(frozen=True)
+class Accept:
+    """Close the last VERIFY: row r keeps ``accepted[r]`` of the drafts it sent to ``slots[r]``."""
+
+    slots: tuple[int, ...]
+    accepted: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -133,7 +150,7 @@ class Shutdown:
     """Free every slot and leave the worker loop."""
 
 
-Command = Decode1 | DecodeBatch | Compact | Prefill | PrefillNext | Release | Verify | DecodeCkpt | Shutdown
+Command = Decode1 | DecodeBatch | Compact | Prefill | PrefillNext | Release | Verify | Accept | DecodeCkpt | Shutdown
 
 
 def validate_vocab_size(vocab_size: int) -> int:
@@ -166,10 +183,21 @@ def encode(cmd: Command) -> np.ndarray:
     elif isinstance(cmd, Release):
         words = [cmd.slot, RELEASE]
     elif isinstance(cmd, Verify):
-        k = len(cmd.drafts)
-        if k not in VERIFY_WORDS.values():
-            raise ProtocolError(f"VERIFY takes 2 to 4 drafts, got {k}")
-        words = [cmd.slot, VERIFY_K2 + k - 2, *cmd.drafts, cmd.accepted]
+        n = len(cmd.slots)
+        if not n or len(cmd.tokens) != n or len(cmd.drafts) != n:
+            raise ProtocolError(
+                f"VERIFY needs as many tokens and draft lists as slots (>= 1), got {n} slots, "
+                f"{len(cmd.tokens)} tokens, {len(cmd.drafts)} draft lists"
+            )
+        if cmd.k > MAX_DRAFTS:
+            raise ProtocolError(f"VERIFY row with {cmd.k} drafts (at most {MAX_DRAFTS})")
+        counts = [len(d) for d in cmd.drafts]
+        drafts = [t for d in cmd.drafts for t in d]
+        words = [0, VERIFY_K2 + cmd.k - 2, n, *cmd.slots, *cmd.tokens, *counts, *drafts]
+    elif isinstance(cmd, Accept):
+        if len(cmd.slots) != len(cmd.accepted) or not cmd.slots:
+            raise ProtocolError(f"ACCEPT has {len(cmd.slots)} slots but {len(cmd.accepted)} counts")
+        words = [0, ACCEPT, len(cmd.slots), *cmd.slots, *cmd.accepted]
     elif isinstance(cmd, DecodeCkpt):
         words = [
             cmd.slot,
@@ -295,10 +323,21 @@ class Decoder:
         elif cmd == RELEASE:
             out, end = Release(self._slot(seq, "RELEASE")), body
         elif cmd in VERIFY_WORDS:
-            end = body + VERIFY_WORDS[cmd] + 1
+            out, end = self._verify(b, body, VERIFY_WORDS[cmd])
+            if out is None:
+                return None
+        elif cmd == ACCEPT:
+            if len(b) - body < 1:
+                return None
+            n = self._rows(int(b[body]), "ACCEPT")
+            end = body + 1 + 2 * n
             if len(b) < end:
                 return None
-            out = Verify(self._slot(seq, _name(cmd)), self._tokens(b[body : end - 1]), int(b[end - 1]))
+            slots = tuple(self._slot(s, "ACCEPT") for s in b[body + 1 : body + 1 + n].tolist())
+            accepted = tuple(b[body + 1 + n : end].tolist())
+            if max(accepted) > MAX_DRAFTS:
+                raise ProtocolError(f"ACCEPT of {max(accepted)} drafts (a row sends at most {MAX_DRAFTS})")
+            out = Accept(slots, accepted)
         elif cmd == DECODE_CKPT:
             end = body + 6
             if len(b) < end:
@@ -311,6 +350,33 @@ class Decoder:
             raise ProtocolError(f"unknown reserved command word 0x{cmd:08X} (slot word {seq})")
         self._pos = end
         return out
+
+    def _rows(self, n: int, what: str) -> int:
+        if not 1 <= n <= (self.max_slots or n):
+            raise ProtocolError(f"{what} of {n} rows (must be 1..{self.max_slots})")
+        return n
+
+    def _verify(self, b: np.ndarray, body: int, k: int) -> tuple[Verify | None, int]:
+        """VERIFY_Kk: ``n``, ``slots[n]``, ``tokens[n]``, ``counts[n]`` (each 0..k), the drafts."""
+        if len(b) - body < 1:
+            return None, body
+        n = self._rows(int(b[body]), f"VERIFY_K{k}")
+        head = body + 1 + 3 * n
+        if len(b) < head:
+            return None, body
+        counts = b[body + 1 + 2 * n : head].tolist()
+        if max(counts) > k:
+            raise ProtocolError(f"VERIFY_K{k} row with {max(counts)} drafts (at most {k})")
+        end = head + sum(counts)
+        if len(b) < end:
+            return None, body
+        slots = tuple(self._slot(s, f"VERIFY_K{k}") for s in b[body + 1 : body + 1 + n].tolist())
+        tokens = self._tokens(b[body + 1 + n : body + 1 + 2 * n])
+        flat, at, drafts = self._tokens(b[head:end]), 0, []
+        for c in counts:
+            drafts.append(flat[at : at + c])
+            at += c
+        return Verify(slots, tokens, tuple(drafts)), end
 
     def _slot(self, slot: int, what: str) -> int:
         if self.max_slots is not None and not 0 <= slot < self.max_slots:

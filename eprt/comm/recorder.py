@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eprt.comm.protocol import DECODE_BATCH, NAMES, RESERVED_BASE
+from eprt.comm.protocol import ACCEPT, DECODE_BATCH, NAMES, RESERVED_BASE, VERIFY_WORDS
 
 DEFAULT_CAPACITY = 2048  # entries kept in the ring
 
@@ -30,8 +30,8 @@ def frame_head(words: np.ndarray) -> str:
     if len(words) < 2:
         return "partial"
     cmd = int(words[1])
-    if cmd == DECODE_BATCH:
-        return f"DECODE_BATCH {int(words[2]) if len(words) > 2 else '?'} rows"
+    if cmd == DECODE_BATCH or cmd == ACCEPT or cmd in VERIFY_WORDS:  # batched: seq is 0, the rows follow
+        return f"{NAMES[cmd]} {int(words[2]) if len(words) > 2 else '?'} rows"
     return f"{NAMES.get(cmd, 'decode') if cmd >= RESERVED_BASE else 'decode'} slot {int(words[0])}"
 
 

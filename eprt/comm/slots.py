@@ -23,6 +23,7 @@ class SlotState:
     tokens: list[int]  # tokens whose KV is stored: a prefix of the prompt, then decoded tokens
     adapter: int = -1
     vision_rows: object = None  # the PREFILL's vision rows [n, D], kept for its later chunks
+    pending: int = 0  # drafts the open VERIFY stored after the row's token, until its ACCEPT
 
     @property
     def length(self) -> int:
@@ -42,6 +43,7 @@ class SlotTable:
         self.max_slots = max_slots
         self._slots: list[SlotState | None] = [None] * max_slots
         self.next_key = 0  # the key the next occupied slot gets
+        self.open_verify: tuple[int, ...] | None = None  # slots of a VERIFY whose ACCEPT has not come
 
     def state(self) -> dict[int, tuple[int, tuple[int, ...]]]:
         """Occupied slots as ``{slot: (prompt length, stored tokens)}``: comparable across ranks."""
@@ -56,6 +58,14 @@ class SlotTable:
     def occupied(self) -> list[int]:
         return [i for i, s in enumerate(self._slots) if s is not None]
 
+    def settled(self, what: str) -> None:
+        """Refuse any command but ACCEPT while a VERIFY is open (its ACCEPT is the next command)."""
+        if self.open_verify is not None:
+            raise SlotError(
+                f"{what} while the VERIFY of slots {list(self.open_verify)} awaits its ACCEPT "
+                "(an ACCEPT must follow every VERIFY)"
+            )
+
     def held(self, slot: int, what: str) -> SlotState:
         s = self.get(slot)
         if s is None:
@@ -67,6 +77,7 @@ class SlotTable:
         self, slot: int, prompt: Sequence[int], stored: int, adapter: int = -1, vision_rows: object = None
     ) -> SlotState:
         """Put a prompt into the empty ``slot``, its first ``stored`` tokens already in KV."""
+        self.settled("PREFILL")
         if self.get(slot) is not None:
             raise SlotError(f"slot {slot} is already occupied")
         prompt = tuple(int(t) for t in prompt)
@@ -77,6 +88,7 @@ class SlotTable:
 
     def check_chunk(self, slot: int, prompt: Sequence[int], start: int, n: int) -> SlotState:
         """The held slot that the chunk ``prompt[start : start + n]`` continues."""
+        self.settled("PREFILL")
         s = self.held(slot, "PREFILL")
         if s.prefilled:
             raise SlotError(
@@ -107,6 +119,7 @@ class SlotTable:
 
     def check_decode(self, slots: Sequence[int], tokens: Sequence[int], what: str) -> list[SlotState]:
         """The states of a decode step's rows: distinct, held, prefilled slots."""
+        self.settled(what)
         if len(slots) != len(tokens):
             raise SlotError(f"{what}: {len(slots)} slots but {len(tokens)} tokens")
         if len(set(slots)) != len(slots):
@@ -123,13 +136,49 @@ class SlotTable:
                 raise SlotError(f"{what} slot {slot}: prefill incomplete ({s.length} of {len(s.prompt)} prompt tokens)")
         return states
 
+    def check_verify(self, slots: Sequence[int], tokens: Sequence[int], drafts: Sequence[Sequence[int]]) -> list:
+        """The states of a VERIFY's rows: those of a decode step, one draft list per row."""
+        if len(drafts) != len(slots):
+            raise SlotError(f"VERIFY: {len(slots)} slots but {len(drafts)} draft lists")
+        return self.check_decode(slots, tokens, "VERIFY")
+
+    def open(self, slots: Sequence[int], drafts: Sequence[Sequence[int]]) -> None:
+        """Record the VERIFY just run: its drafts are pending until ``accept``."""
+        for slot, d in zip(slots, drafts):
+            self._slots[slot].pending = len(d)
+        self.open_verify = tuple(int(s) for s in slots)
+
+    def accept(self, slots: Sequence[int], accepted: Sequence[int]) -> list[tuple[SlotState, int]]:
+        """Close the open VERIFY: row r keeps ``accepted[r]`` of its pending drafts. Returns
+        (state, drafts dropped) per row; the stored tokens lose the dropped ones."""
+        if self.open_verify is None or tuple(slots) != self.open_verify:
+            raise SlotError(
+                f"ACCEPT of slots {list(slots)}, but the open VERIFY has "
+                f"{'none' if self.open_verify is None else list(self.open_verify)} (same slots, same order)"
+            )
+        if len(accepted) != len(slots):
+            raise SlotError(f"ACCEPT: {len(slots)} slots but {len(accepted)} counts")
+        states = [self._slots[slot] for slot in slots]
+        for slot, s, a in zip(slots, states, accepted):
+            if not 0 <= a <= s.pending:
+                raise SlotError(f"ACCEPT slot {slot}: {a} drafts accepted, the VERIFY sent {s.pending}")
+        out = []
+        for s, a in zip(states, accepted):
+            dropped, s.pending = s.pending - a, 0
+            del s.tokens[len(s.tokens) - dropped :]
+            out.append((s, dropped))
+        self.open_verify = None
+        return out
+
     def move(self, slot: int, new_slot: int) -> None:
+        self.settled("COMPACT")
         s = self.held(slot, "COMPACT")
         if new_slot == slot or self.get(new_slot) is not None:
             raise SlotError(f"COMPACT slot {slot} -> {new_slot}: target slot is occupied")
         self._slots[new_slot], self._slots[slot] = s, None
 
     def vacate(self, slot: int, what: str = "RELEASE") -> SlotState:
+        self.settled(what)
         s = self.held(slot, what)
         self._slots[slot] = None
         return s

@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from eprt.comm.protocol import (
+    Accept,
     Command,
     Compact,
     Decode1,
@@ -28,10 +29,6 @@ from eprt.comm.protocol import (
 from eprt.comm.transport import RootDown
 
 log = logging.getLogger(__name__)
-
-
-class UnsupportedCommand(ProtocolError):
-    """A reserved command (speculative verify) this build cannot run."""
 
 
 class Executor(Protocol):
@@ -55,6 +52,13 @@ class Executor(Protocol):
     def decode(self, slots: list[int], tokens: list[int]) -> None:
         """One decode step; row r appends ``tokens[r]`` to ``slots[r]`` (DECODE_BATCH and
         decode-one-token alike)."""
+
+    def verify(self, slots: list[int], tokens: list[int], drafts: list[tuple[int, ...]]) -> None:
+        """VERIFY: row r appends ``tokens[r]`` and its drafts to ``slots[r]`` in one forward pass;
+        the drafts stay pending until the ACCEPT."""
+
+    def accept(self, slots: list[int], accepted: list[int]) -> None:
+        """ACCEPT: row r keeps ``accepted[r]`` drafts of the last VERIFY; the rest roll back."""
 
     def compact(self, slot: int, new_slot: int) -> None:
         """Move the sequence in ``slot`` to the empty ``new_slot``."""
@@ -134,10 +138,9 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
     elif isinstance(cmd, Release):
         executor.release(cmd.slot)
     elif isinstance(cmd, Verify):
-        raise UnsupportedCommand(
-            f"VERIFY_K{len(cmd.drafts)} (slot {cmd.slot}) is reserved for "
-            "speculative decoding, which this build does not support"
-        )
+        executor.verify(list(cmd.slots), list(cmd.tokens), list(cmd.drafts))
+    elif isinstance(cmd, Accept):
+        executor.accept(list(cmd.slots), list(cmd.accepted))
     elif isinstance(cmd, DecodeCkpt):
         executor.checkpoint(cmd.slot, cmd.snapshot_tokens, cmd.end_block, cmd.session_hash, cmd.adapter_id)
     else:

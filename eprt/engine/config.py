@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from eprt import env
+from eprt.engine.speculative import METHODS, SpeculativeConfig
 
 # Prompt tokens per prefill chunk by default: a long prompt shares the step with the decoding
 # sequences instead of stalling them (README, "Measured figures": 648 ms vs 92 ms worst gap).
@@ -29,6 +30,10 @@ class EngineConfig:
     dump_dir: str = "eprt-dumps"  # the flight recorder's files (docs/observability.md)
     dump_frames: bool = False  # also write them at shutdown
     record_payloads: bool = False  # record every frame, row and combine with its data, for eprt replay
+    speculative_method: str | None = None  # ngram; None: speculative decoding off
+    num_speculative_tokens: int = 3  # drafts per sequence and step (1..4)
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -40,8 +45,18 @@ class EngineConfig:
             raise ValueError("--num-blocks and --max-prefill-tokens must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.speculative_method is not None:
+            self.speculative().drafter()  # raises naming the bad flag
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative-decoding settings, or None when it is off."""
+        if self.speculative_method is None:
+            return None
+        return SpeculativeConfig(
+            self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max
+        )
 
     def prefill_tokens(self, device: str) -> int:
         """The chunked-prefill budget: the one given, else DEFAULT_PREFILL_TOKENS for the device."""
@@ -106,6 +121,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dump-frames", action="store_true", help="write the flight recorder at shutdown too")
     g.add_argument(
+        "--speculative-method",
+        default=None,
+        choices=METHODS,
+        help="speculative decoding: ngram proposes drafts by prompt lookup, verified in one step (default: off)",
+    )
+    g.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per sequence and step, 1..4 (3)")
+    g.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix looked up (1)")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix looked up (4)")
+    g.add_argument(
         "--record-payloads",
         action="store_true",
         help="record every frame, vision row and combine with its data under DUMP_DIR/payloads, for eprt replay",
@@ -129,6 +153,10 @@ def engine_config_from_args(args) -> EngineConfig:
         dump_dir=args.dump_dir or env.DUMP_DIR.get(),
         dump_frames=args.dump_frames,
         record_payloads=args.record_payloads,
+        speculative_method=getattr(args, "speculative_method", None),
+        num_speculative_tokens=getattr(args, "num_speculative_tokens", 3),
+        prompt_lookup_min=getattr(args, "prompt_lookup_min", 1),
+        prompt_lookup_max=getattr(args, "prompt_lookup_max", 4),
     )
     cfg.validate()
     return cfg

@@ -222,6 +222,10 @@ class Engine:
             prompt_tokens_computed=self.runner.prompt_tokens_computed,
             decode_steps=self.runner.decode_steps,
             decode_rows=self.runner.decode_rows,
+            spec_proposed_tokens=self.runner.proposed_tokens,
+            spec_accepted_tokens=self.runner.accepted_tokens,
+            spec_verify_steps=self.runner.verify_steps,
+            spec_mean_accepted_length=self.runner.mean_accepted_length(),
         )
         return out
 
@@ -300,7 +304,13 @@ def launch_engine(args_or_config, transport=None):
         code = run_worker(transport, executor, cfg.max_batch, model_cfg.vocab_size)
         _close(transport, cfg)
         sys.exit(code)
-    runner = ModelRunner(executor, transport, seed=cfg.seed)
+    spec = cfg.speculative()
+    if spec is not None and model_cfg.is_hybrid:
+        raise ValueError(
+            f"--speculative-method {spec.method}: {model_cfg.model_type} keeps recurrent state, "
+            "which cannot roll back rejected drafts"
+        )
+    runner = ModelRunner(executor, transport, seed=cfg.seed, drafter=None if spec is None else spec.drafter())
     sched_cfg = SchedulerConfig(
         vocab_size=model_cfg.vocab_size,
         eos_token_ids=tuple(
@@ -310,6 +320,7 @@ def launch_engine(args_or_config, transport=None):
         max_prefill_tokens=cfg.prefill_tokens(device),
         block_size=cfg.block_size,
         max_model_len=started.max_model_len,
+        num_speculative_tokens=0 if spec is None else spec.num_tokens,
     )
     log.info(
         "max_model_len %d, prefill chunks of %s, up to %d sequences",

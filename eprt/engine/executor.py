@@ -193,6 +193,7 @@ class ShardExecutor:
         self.state.save(slot, self.snapshots.save(prefix, owner=st.key if turn else None))
 
     def shutdown(self) -> None:
+        self.slots.open_verify = None  # a run that ends mid-verify frees its slots all the same
         for slot in self.slots.occupied():
             self.free(slot)
 
@@ -251,6 +252,51 @@ class ShardExecutor:
         for st, tok in zip(states, tokens):  # the token's KV is stored now
             st.tokens.append(int(tok))
         return self.model.logits(h) if self.compute_logits else None
+
+    def verify(self, slots: list, tokens: list, drafts: list):
+        """VERIFY: row r appends tokens[r] and its drafts[r] (0..4) to slots[r] in one forward pass.
+        Each of the sum(1 + k_r) positions attends like a decode row over its own sequence up to
+        itself. The drafts' KV stays pending until ``accept``. Returns logits [sum(1 + k_r), V],
+        row r's positions consecutive (or None)."""
+        states = self.slots.check_verify(slots, tokens, drafts)
+        if self.state is not None:
+            raise ExecutorError(
+                f"VERIFY on {self.cfg.model_type}: a model with recurrent state cannot roll back rejected drafts"
+            )
+        bs = self.block_size
+        counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(slots))  # [B]
+        lengths = np.fromiter((st.length for st in states), dtype=np.int64, count=len(slots))  # [B]
+        for slot, st, k in zip(slots, states, counts):
+            self.blocks.grow(st.key, st.length + int(k) + 1)
+            self._store_table(slot, st.key)
+        rows = np.repeat(np.arange(len(slots)), counts + 1)  # [N] the batch row of each position
+        starts = np.cumsum(counts + 1) - counts - 1  # [B] where each row's positions begin
+        positions = lengths[rows] + np.arange(len(rows)) - starts[rows]  # [N]
+        block_tables = self._tables[np.asarray(slots, dtype=np.int64)[rows], : int(self._table_len[slots].max())]
+        slot_mapping = block_tables[np.arange(len(rows)), positions // bs] * bs + (positions % bs).astype(np.int32)
+        if len(slots) == 1:  # one sequence: a causal chunk at its end, its KV gathered once (a prefill's pass)
+            table = block_tables[0, : self._table_len[slots[0]]]
+            batch = AttnBatch(positions.astype(np.int32), slot_mapping, block_table=table, start_pos=int(lengths[0]))
+        else:
+            batch = AttnBatch(
+                positions=positions.astype(np.int32),
+                slot_mapping=slot_mapping,
+                block_tables=block_tables,
+                context_lens=(positions + 1).astype(np.int32),
+            )
+        ids = np.asarray([t for tok, d in zip(tokens, drafts) for t in (tok, *d)], dtype=np.int32)  # [N]
+        h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [N, D]
+        for st, tok, d in zip(states, tokens, drafts):
+            st.tokens.extend((int(tok), *(int(t) for t in d)))
+        self.slots.open(slots, drafts)
+        return self.model.logits(h) if self.compute_logits else None
+
+    def accept(self, slots: list, accepted: list) -> None:
+        """ACCEPT: close the last VERIFY; row r keeps accepted[r] drafts, the rest of its KV rolls back
+        (tokens and tail blocks beyond what the kept length needs)."""
+        for slot, (st, dropped) in zip(slots, self.slots.accept(slots, accepted)):
+            if dropped and self.blocks.shrink(st.key, st.length):
+                self._store_table(slot, st.key)
 
     def _decode_tables(self, slots: list, states: list, lengths: np.ndarray) -> np.ndarray:
         """Block tables [B, MB] (zero-padded) of a decode step's rows, with room for one more

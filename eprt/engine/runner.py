@@ -14,6 +14,7 @@ import numpy as np
 from eprt.comm import protocol as P
 from eprt.engine.executor import ShardExecutor, vision_salt
 from eprt.engine.sampling import request_seed, sample_rows, token_uniform
+from eprt.engine.speculative import Drafter, SpeculativeRunner
 from eprt.scheduler.interface import TraceCalls
 
 
@@ -26,8 +27,8 @@ class SeqModelState:
     checkpoints: tuple = ()  # hybrid models: token counts at which this admission's prefill snapshots
 
 
-class ModelRunner(TraceCalls):
-    def __init__(self, executor: ShardExecutor, transport, seed: int = 0):
+class ModelRunner(SpeculativeRunner, TraceCalls):
+    def __init__(self, executor: ShardExecutor, transport, seed: int = 0, drafter: Drafter | None = None):
         self.executor = executor
         self.transport = transport  # eprt.comm.transport.Transport (LocalTransport on one rank)
         self._rng = np.random.default_rng(seed)  # seeds requests that bring none
@@ -36,6 +37,7 @@ class ModelRunner(TraceCalls):
         self.prompt_tokens_computed = 0
         self.decode_steps = 0
         self.decode_rows = 0
+        self.drafter = drafter  # speculative decoding (eprt/engine/speculative.py); None: off
 
     # ---- KV memory -------------------------------------------------------------------
     def num_free_blocks(self) -> int:

@@ -15,6 +15,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 0  # > 0: chunked prefill with this per-tick budget
     block_size: int = 16  # must match the model's block manager
     max_model_len: int | None = None  # context limit, prompt included
+    num_speculative_tokens: int = 0  # > 0: the verify lane proposes up to this many drafts per sequence
 
     def __post_init__(self) -> None:
         if not 1 <= self.vocab_size <= TOKEN_ID_LIMIT:
@@ -22,6 +23,8 @@ class SchedulerConfig:
         for name in ("max_batch", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.num_speculative_tokens <= 4:
+            raise ValueError(f"num_speculative_tokens must be in [0, 4], got {self.num_speculative_tokens}")
         if self.max_prefill_tokens < 0:
             raise ValueError(f"max_prefill_tokens must be >= 0, got {self.max_prefill_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -122,3 +122,40 @@ class EffectRunner:
         if self.tracer is not None:
             self.tracer.effect(fx.line())
         return fx.perform(self.model)
+
+
+@dataclass(frozen=True)
+class Verify:
+    """One batched verify step (speculative decoding): row r appends its last token and
+    ``drafts[r]``; returns, per row, the tokens it emits (accepted drafts, then one more)."""
+
+    rows: tuple
+    drafts: tuple
+
+    def line(self) -> str:
+        k = max(len(d) for d in self.drafts)
+        return f"fx launch Verify{{n={len(self.rows)}, k={k}, ctx=Unified, readback=Argmax}}"
+
+    def perform(self, model) -> list[list[int]]:
+        rows = list(self.rows)
+        model.verify_batch([s.token_ids[-1] for s in rows], rows, list(self.drafts), stream=DEFAULT_STREAM)
+        return list(model.verify_readback(stream=DEFAULT_STREAM))
+
+
+@dataclass(frozen=True)
+class AcceptDrafts:
+    """Close a verify step: row r kept ``kept[r]`` of its emitted tokens (cut short by a stop or
+    a limit), so its KV now holds its last token and ``kept[r] - 1`` drafts; the rest roll back."""
+
+    rows: tuple
+    kept: tuple
+
+    def line(self) -> str:
+        return f"fx apply AcceptDrafts{{n={len(self.rows)}}}"
+
+    def perform(self, model) -> None:
+        for r, (seq, n) in enumerate(zip(self.rows, self.kept)):
+            seq.len += n
+            model.commit_ctx(seq, n=n, base=seq.len - n, row=r)
+            seq.accepted_tokens = (seq.accepted_tokens or 0) + n - 1
+        model.accept_drafts(list(self.rows), [n - 1 for n in self.kept])

@@ -32,11 +32,14 @@ class RecordingModel(TraceCalls):
         block_size: int = 16,
         prefix_cache: bool = True,
         snapshots: int = 0,
+        drafts: dict | None = None,
     ):
         """``scripts`` maps seq_id to (original prompt length, script tokens). ``snapshots`` > 0
         (with the prefix cache): a hybrid model keeping that many recurrent-state snapshots, saved
         by DECODE_CKPT where the real runner saves them (docs/scenarios.md, "The fake model")."""
         self.emit = emit
+        self.drafts = {k: list(v) for k, v in (drafts or {}).items()}  # seq_id -> draft script
+        self._verify: list = []  # per row of the last verify_batch: (drafts, targets)
         self.scripts = {k: (int(n), list(s)) for k, (n, s) in scripts.items()}
         self.blocks = BlockManager(num_blocks, block_size, prefix_cache=prefix_cache)
         self.snapshots = SnapshotIndex(snapshots) if snapshots and prefix_cache else None
@@ -193,6 +196,50 @@ class RecordingModel(TraceCalls):
         self._batch_out = [self._answer(seq, seq.len) for seq in seqs]
         names = ", ".join(f'"{seq_name(s)}"' for s in seqs)
         self.emit(f"decode_batch(tokens=[{', '.join(map(str, tokens))}], seqs=[{names}], stream={stream})")
+
+    # -- speculative decoding (the verify lane) -----------------------------------------------
+    def propose_drafts(self, seq, k: int) -> list[int]:
+        """From the request's draft script, aligned like its script: the drafts for the next
+        output tokens."""
+        prompt_len, _ = self.scripts[seq.seq_id]
+        i = len(seq.token_ids) - prompt_len
+        out = self.drafts.get(seq.seq_id, [])[i : i + k]
+        self.emit(f"propose_drafts({seq_name(seq)}, k={k}) -> [{', '.join(map(str, out))}]")
+        return out
+
+    def verify_batch(self, tokens, seqs: list, drafts: list, stream: int) -> None:
+        if len(tokens) != len(seqs) or len(drafts) != len(seqs) or not seqs:
+            raise FakeModelError(f"verify_batch with {len(tokens)} tokens, {len(drafts)} drafts, {len(seqs)} rows")
+        for seq, d in zip(seqs, drafts):
+            self._check_slot(seq)
+            if seq.len != len(seq.token_ids) - 1:
+                raise FakeModelError(f"verify of {seq_name(seq)} whose KV is not up to date")
+            self.blocks.grow(seq.seq_id, seq.len + len(d) + 1)
+        self._verify = [
+            (list(d), [self._answer(seq, seq.len + i) for i in range(len(d) + 1)]) for seq, d in zip(seqs, drafts)
+        ]
+        names = ", ".join(f'"{seq_name(s)}"' for s in seqs)
+        shown = ", ".join(f"[{', '.join(map(str, d))}]" for d in drafts)
+        self.emit(
+            f"verify_batch(tokens=[{', '.join(map(str, tokens))}], drafts=[{shown}], seqs=[{names}], stream={stream})"
+        )
+
+    def verify_readback(self, stream: int) -> list[list[int]]:
+        out = []
+        for drafts, targets in self._verify:
+            n = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
+            out.append(targets[: n + 1])
+        shown = ", ".join("[" + ", ".join(map(str, o)) + "]" for o in out)
+        self.emit(f"verify_readback(stream={stream}) -> [{shown}]")
+        return out
+
+    def accept_drafts(self, seqs: list, accepted: list) -> None:
+        for seq, (drafts, _), a in zip(seqs, self._verify, accepted):
+            if not 0 <= a <= len(drafts):
+                raise FakeModelError(f"{seq_name(seq)}: {a} drafts accepted of {len(drafts)}")
+            self.blocks.shrink(seq.seq_id, seq.len)
+        names = ", ".join(f'"{seq_name(s)}"' for s in seqs)
+        self.emit(f"accept_drafts(seqs=[{names}], accepted=[{', '.join(map(str, accepted))}])")
 
     def commit_ctx(self, seq, n: int, base: int, row: int) -> None:
         self.emit(f"commit_ctx({seq_name(seq)}, n={n}, base={base}, row={row})")

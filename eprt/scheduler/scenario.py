@@ -33,6 +33,7 @@ class EngineSpec:
     prefix_cache: bool = True
     max_model_len: int | None = None
     snapshots: int = 0  # > 0: a hybrid model keeping this many recurrent-state snapshots
+    speculative_tokens: int = 0  # > 0: the verify lane, up to this many drafts per step
 
 
 @dataclass
@@ -47,6 +48,7 @@ class RequestSpec:
     cancel_at_tick: int | None = None
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
+    drafts: list | None = None  # the fake drafter's script (speculative_tokens > 0)
 
 
 @dataclass
@@ -113,6 +115,8 @@ def parse(doc: dict) -> Scenario:
         raise ScenarioError(f"[engine]: snapshots must be >= 0, got {engine.snapshots}")
     if engine.max_prefill_tokens < 0:
         raise ScenarioError(f"[engine]: max_prefill_tokens must be >= 0, got {engine.max_prefill_tokens}")
+    if not 0 <= engine.speculative_tokens <= 4:
+        raise ScenarioError(f"[engine]: speculative_tokens must be in [0, 4], got {engine.speculative_tokens}")
     if engine.max_model_len is not None and engine.max_model_len < 2:
         raise ScenarioError(f"[engine]: max_model_len must be >= 2, got {engine.max_model_len}")
     requests = [_parse_request(r, engine) for r in doc.get("request", [])]
@@ -137,6 +141,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         "cancel_at_tick",
         "stop_token_ids",
         "ignore_eos",
+        "drafts",
     }
     where = f"request {r.get('id', '?')}"
     if set(r) - known:
@@ -169,7 +174,10 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         cancel_at_tick=_take(r, "cancel_at_tick", int, None, where),
         stop_token_ids=_take(r, "stop_token_ids", list, [], where),
         ignore_eos=_take(r, "ignore_eos", bool, False, where),
+        drafts=_take(r, "drafts", list, None, where),
     )
+    if spec.drafts is not None and not all(type(t) is int and 0 <= t < engine.vocab_size for t in spec.drafts):
+        raise ScenarioError(f"{where}: drafts must be a list of token ids < {engine.vocab_size}")
     if spec.arrive_at_tick < 1:
         raise ScenarioError(f"{where}: arrive_at_tick must be >= 1")
     if spec.cancel_at_tick is not None and spec.cancel_at_tick < spec.arrive_at_tick:
@@ -209,6 +217,7 @@ def run(sc: Scenario) -> ScenarioRun:
         block_size=e.block_size,
         prefix_cache=e.prefix_cache,
         snapshots=e.snapshots,
+        drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
     )
     config = SchedulerConfig(
         vocab_size=e.vocab_size,
@@ -217,6 +226,7 @@ def run(sc: Scenario) -> ScenarioRun:
         max_prefill_tokens=e.max_prefill_tokens,
         block_size=e.block_size,
         max_model_len=e.max_model_len,
+        num_speculative_tokens=e.speculative_tokens,
     )
     sched = Scheduler(model, config, clock=VirtualClock(), tracer=_Tracer(lines.append))
     outcomes = {r.id: Outcome(r) for r in sc.requests}
@@ -266,13 +276,13 @@ def _client_line(out: Outcome) -> str:
     if out.spec.mode == "blocking":
         return (
             f"Response(tokens=[{', '.join(map(str, res.token_ids))}], {res.finish_reason}, think=0, "
-            f"cached={res.cached_tokens}, acc=0, logprobs=0)"
+            f"cached={res.cached_tokens}, acc={res.accepted_tokens or 0}, logprobs=0)"
         )
     shown = "".join(f"T{t} " for t in out.streamed)
     g = "None" if guard is None else f'Some("{guard}")'
     return (
         f"{shown}Done({res.finish_reason}, n={len(res.token_ids)}, think=0, "
-        f"cached={res.cached_tokens}, acc=0, guard={g})"
+        f"cached={res.cached_tokens}, acc={res.accepted_tokens or 0}, guard={g})"
     )
 
 

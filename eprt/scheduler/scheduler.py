@@ -12,7 +12,7 @@ import threading
 from collections import deque
 
 from eprt.api import GenerationRequest, RequestError
-from eprt.scheduler import guards
+from eprt.scheduler import guards, speculation
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig, validate_request
 from eprt.scheduler.effects import (
@@ -80,6 +80,7 @@ class Scheduler:
             on_token=request.on_token,
             on_finish=on_finish,
         )
+        seq.accepted_tokens = 0 if self.config.num_speculative_tokens else None
         try:
             self._inbox.put(seq)
         except RequestError:
@@ -204,6 +205,8 @@ class Scheduler:
     def _decode_lane(self) -> None:
         rows = self._make_room(sorted((s for s in self._live if s.state is SeqState.RUNNING), key=lambda s: s.slot))
         if not rows:
+            return
+        if self.config.num_speculative_tokens and speculation.verify_lane(self, rows):
             return
         tokens = self._fx.run(Decode(tuple(rows)))
         for seq, token in zip(rows, tokens):

@@ -55,6 +55,7 @@ class Sequence:
     state: SeqState = SeqState.QUEUED
     cached_tokens: int | None = None  # reported hit: that of the first admission
     admit_order: int = -1  # larger: admitted more recently
+    accepted_tokens: int | None = None  # speculative drafts accepted (None: speculation off)
     finish_reason: str | None = None
     guard: str | None = None
     error: str | None = None
@@ -92,6 +93,7 @@ class Sequence:
             finish_reason=self.finish_reason or "",
             cached_tokens=self.cached_tokens or 0,
             error=self.error,
+            accepted_tokens=self.accepted_tokens,
         )
         if self.finished:
             self._result = result

@@ -38,6 +38,14 @@ ENGINE_METRICS = {
         "Sequence rows over all decode steps (rows / steps is the mean decode batch)",
     ),
     "preemptions": ("eprt_preemptions", "counter", "Sequences preempted when KV blocks ran out"),
+    "spec_proposed_tokens": ("eprt_spec_draft_tokens", "counter", "Speculative draft tokens proposed"),
+    "spec_accepted_tokens": ("eprt_spec_accepted_tokens", "counter", "Speculative draft tokens accepted"),
+    "spec_verify_steps": ("eprt_spec_verify_steps", "counter", "Verify steps run (speculative decoding)"),
+    "spec_mean_accepted_length": (
+        "eprt_spec_mean_accepted_length",
+        "gauge",
+        "Tokens emitted per sequence row with drafts in a verify step (accepted drafts + 1)",
+    ),
     "prompt_tokens_computed": (
         "eprt_prompt_tokens_computed",
         "counter",

@@ -1,0 +1,195 @@
+"""Speculative decoding on rank 0: drafters, acceptance, and the runner's VERIFY / ACCEPT calls
+(docs/protocol.md, "VERIFY and ACCEPT"; the verify lane: docs/scenarios.md).
+
+N positions of a verify step (sum over rows of 1 + drafts), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from eprt.comm import protocol as P
+from eprt.engine.sampling import sample_rows, token_uniform
+
+METHODS = ("ngram",)  # --speculative-method
+MAX_BACKOFF = 16  # steps a sequence whose drafts keep failing goes without proposing
+
+
+class Drafter(Protocol):
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens likely to follow ``token_ids`` (prompt and output so far); may be fewer."""
+
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    """Prompt lookup: the longest suffix of ``min_n..max_n`` tokens that occurred before, most
+    recent occurrence first; the drafts are the tokens that followed it."""
+
+    min_n: int = 1
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(
+                f"--prompt-lookup-min/--prompt-lookup-max must satisfy 1 <= min <= max, got {self.min_n}, {self.max_n}"
+            )
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        ids = np.asarray(token_ids, dtype=np.int64)  # [L]
+        L = len(ids)
+        # match[e]: the n tokens ending at e (e < L - 1) equal the last n, for n = 1, 2, ... in turn
+        match = ids[: L - 1] == ids[L - 1]  # [L - 1]
+        best = None
+        for n in range(1, min(self.max_n, L - 1) + 1):
+            if n > 1:
+                match[n - 1 :] &= ids[: L - n] == ids[L - n]
+                match[: n - 1] = False
+            hits = np.flatnonzero(match)
+            if not hits.size:
+                break
+            if n >= self.min_n:
+                best = int(hits[-1]) + 1  # where the continuation of the most recent, longest match starts
+        return [] if best is None else [int(t) for t in ids[best : best + k]]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_tokens: int = 3  # K: drafts per sequence and step, 1..protocol.MAX_DRAFTS
+    lookup_min: int = 1
+    lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative-method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_tokens <= P.MAX_DRAFTS:
+            raise ValueError(f"--num-speculative-tokens must be in [1, {P.MAX_DRAFTS}], got {self.num_tokens}")
+
+    def drafter(self) -> Drafter:
+        return NgramDrafter(self.lookup_min, self.lookup_max)
+
+
+def accepted_run(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """The tokens a verified row emits: drafts while each equals the target sampled at its
+    position, then the target at the first mismatch (or the bonus after the last draft).
+    ``targets`` has one more entry than ``drafts``."""
+    out = []
+    for d, t in zip(drafts, targets):
+        out.append(int(t))
+        if d != t:
+            return out
+    out.append(int(targets[len(drafts)]))
+    return out
+
+
+def rejection_sample(p: np.ndarray, q: np.ndarray, draft: int, u_accept: float, u_resample: float) -> tuple[bool, int]:
+    """Standard speculative rejection sampling of one draft drawn from q[V]: accept with
+    probability min(1, p/q) at the draft, else draw from the residual max(0, p - q) renormalized,
+    so the token's distribution is exactly p[V]. Returns (accepted, token)."""
+    if u_accept * q[draft] < p[draft]:
+        return True, int(draft)
+    residual = np.maximum(p.astype(np.float64) - q, 0.0)  # [V]
+    c = np.cumsum(residual)
+    return False, int(min(np.searchsorted(c, u_resample * c[-1], side="right"), len(p) - 1))
+
+
+class SpeculativeRunner:
+    """The runner's speculative calls (mixed into ``ModelRunner``): propose, one VERIFY forward
+    over every row's token and drafts, the readback of each row's emitted tokens, and the ACCEPT.
+
+    A deterministic drafter proposes a point mass q = 1 at the draft, for which rejection
+    sampling reduces to: draw the target token at the draft's position with that position's
+    uniform (as plain decoding would) and accept iff it equals the draft. So a sampled request
+    emits exactly the tokens it would without speculation, with the same seed."""
+
+    drafter: Drafter | None = None
+    _backoff: weakref.WeakKeyDictionary | None = None  # seq -> (steps to skip, failures in a row)
+    proposed_tokens = 0
+    accepted_tokens = 0
+    verify_steps = 0
+    verify_rows = 0
+
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per row that had drafts (accepted drafts + 1), over every verify step."""
+        return (self.verify_rows + self.accepted_tokens) / self.verify_rows if self.verify_rows else 0.0
+
+    def propose_drafts(self, seq, k: int) -> list[int]:
+        """Up to ``k`` drafts; none while the sequence backs off (below)."""
+        if self.drafter is None or k < 1:
+            return []
+        if self._backoff is None:
+            self._backoff = weakref.WeakKeyDictionary()
+        skip, failures = self._backoff.get(seq, (0, 0))
+        if skip:
+            self._backoff[seq] = (skip - 1, failures)
+            return []
+        return self.drafter.propose(seq.token_ids, k)[:k]
+
+    def _after_verify(self, seq, proposed: int, accepted: int) -> None:
+        """Backoff where lookup does not pay: after a step whose drafts were all rejected, the
+        sequence proposes none for 2**failures - 1 steps (failures in a row, at most MAX_BACKOFF
+        steps); any accepted draft ends it. Which steps speculate never changes the tokens."""
+        if not proposed or self._backoff is None:
+            return
+        if accepted:
+            self._backoff.pop(seq, None)
+            return
+        failures = self._backoff.get(seq, (0, 0))[1] + 1
+        self._backoff[seq] = (min(2**failures - 1, MAX_BACKOFF), failures)
+
+    def verify_batch(self, tokens, seqs, drafts, stream: int = 0) -> None:
+        slots = [s.slot for s in seqs]
+        drafts = [tuple(int(t) for t in d) for d in drafts]
+        self.transport.send(P.Verify(tuple(slots), tuple(int(t) for t in tokens), tuple(drafts)))
+        self.transport.flush()
+        self._logits = self.executor.verify(slots, list(tokens), drafts)  # [N, V]
+        self._rows = list(seqs)
+        self._drafts = drafts
+        self.verify_steps += 1
+        self.verify_rows += sum(1 for d in drafts if d)
+        self.decode_steps += 1
+        self.decode_rows += len(slots)
+        self.proposed_tokens += sum(len(d) for d in drafts)
+
+    def verify_readback(self, stream: int = 0) -> list[list[int]]:
+        """Per row of the last verify_batch, the tokens it emits (accepted drafts, then one more)."""
+        seqs, drafts = self._rows, self._drafts
+        starts = np.cumsum([0] + [len(d) + 1 for d in drafts])  # [B + 1] first position of each row
+        sampled = [r for r, s in enumerate(seqs) if s.params.temperature != 0.0]
+        out = [[] for _ in seqs]
+        if len(sampled) < len(seqs):
+            greedy = [int(t) for t in self.executor.ops.argmax(self._logits)]
+            for r, d in enumerate(drafts):
+                out[r] = accepted_run(d, greedy[starts[r] : starts[r + 1]])
+        if sampled:
+            host = self.executor.ops.to_host(self._logits)  # [N, V]
+            for r in sampled:
+                out[r] = self._sample_run(host[starts[r] : starts[r + 1]], seqs[r], drafts[r])
+        return out
+
+    @staticmethod
+    def _sample_run(logits: np.ndarray, seq, drafts: tuple) -> list[int]:
+        """A sampled row's emitted tokens: position i's token drawn with the uniform of its sequence
+        index (``seq.len + 1 + i``), one position at a time until one differs from its draft."""
+        out = []
+        for i in range(len(drafts) + 1):
+            u = token_uniform(seq.model_state.seed, seq.len + 1 + i)
+            out.append(sample_rows(logits[i : i + 1], [seq.params], np.array([u]))[0])
+            if i == len(drafts) or out[-1] != drafts[i]:
+                return out
+        return out
+
+    def accept_drafts(self, seqs, accepted: Sequence[int]) -> None:
+        """ACCEPT: row r keeps accepted[r] drafts; here and, with the next frame, on every worker."""
+        slots = tuple(s.slot for s in seqs)
+        accepted = tuple(int(a) for a in accepted)
+        self.executor.accept(list(slots), list(accepted))
+        self.transport.send(P.Accept(slots, accepted))
+        self.accepted_tokens += sum(accepted)
+        for seq, d, a in zip(seqs, self._drafts, accepted):
+            self._after_verify(seq, len(d), a)
