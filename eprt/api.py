@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 TOKEN_ID_LIMIT = 0xFFFFFFE0  # token ids stay below the protocol's command words (docs/protocol.md)
+MAX_CHOICES = 64  # n and best_of: choices of one prompt
 
 
 class RequestError(ValueError):
@@ -33,6 +34,8 @@ class SamplingParams:
     seed: int | None = None  # per-request seed; None draws from the engine's generator
     stop_token_ids: tuple = ()  # extra stop ids besides the model's EOS ids
     ignore_eos: bool = False
+    n: int = 1  # choices returned (docs/design.md, "Choices")
+    best_of: int | None = None  # choices generated, the n with the highest cumulative logprob returned
 
     def validate(self, vocab_size: int) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -50,6 +53,15 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not (is_int(t) and 0 <= t < vocab_size):
                 raise RequestError(f"stop token id {t!r} is outside the vocabulary [0, {vocab_size})")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
+        if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= MAX_CHOICES):
+            raise RequestError(f"best_of must be an integer in [n={self.n}, {MAX_CHOICES}], got {self.best_of!r}")
+
+    @property
+    def choices(self) -> int:
+        """Choices generated: best_of when given, else n."""
+        return self.n if self.best_of is None else self.best_of
 
 
 def is_int(v) -> bool:
@@ -81,6 +93,8 @@ class GenerationResult:
     cached_tokens: int = 0
     text: str = ""
     error: str | None = None
+    index: int = 0  # which choice of its prompt (n, best_of)
+    cumulative_logprob: float | None = None  # sum of its tokens' logprobs, when asked for (best_of)
 
     def to_json(self) -> dict:
         d = {
@@ -94,6 +108,10 @@ class GenerationResult:
             d["id"] = self.request_id
         if self.error is not None:
             d["error"] = self.error
+        if self.index:
+            d["index"] = self.index
+        if self.cumulative_logprob is not None:
+            d["cumulative_logprob"] = self.cumulative_logprob
         return d
 
 

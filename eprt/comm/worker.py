@@ -18,6 +18,7 @@ from eprt.comm.protocol import (
     DecodeBatch,
     DecodeCkpt,
     Decoder,
+    Fork,
     Prefill,
     PrefillNext,
     ProtocolError,
@@ -55,6 +56,9 @@ class Executor(Protocol):
     def decode(self, slots: list[int], tokens: list[int]) -> None:
         """One decode step; row r appends ``tokens[r]`` to ``slots[r]`` (DECODE_BATCH and
         decode-one-token alike)."""
+
+    def fork(self, slot: int, new_slot: int) -> None:
+        """Occupy the empty ``new_slot`` with a copy of the prefilled sequence in ``slot``."""
 
     def compact(self, slot: int, new_slot: int) -> None:
         """Move the sequence in ``slot`` to the empty ``new_slot``."""
@@ -131,6 +135,8 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
         executor.decode(list(cmd.slots), list(cmd.tokens))
     elif isinstance(cmd, Compact):
         executor.compact(cmd.slot, cmd.new_slot)
+    elif isinstance(cmd, Fork):
+        executor.fork(cmd.slot, cmd.new_slot)
     elif isinstance(cmd, Release):
         executor.release(cmd.slot)
     elif isinstance(cmd, Verify):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eprt.comm import protocol as P
+from eprt.engine.choices import choice_seed, token_logprobs
 from eprt.engine.executor import ShardExecutor, vision_salt
 from eprt.engine.sampling import request_seed, sample_rows, token_uniform
 from eprt.scheduler.interface import TraceCalls
@@ -44,9 +45,8 @@ class ModelRunner(TraceCalls):
     def _state(self, seq) -> SeqModelState:
         """This runner's per-sequence state, made once (a preempted sequence keeps it)."""
         if seq.model_state is None:
-            seq.model_state = SeqModelState(
-                seed=request_seed(seq.params, self._rng), salt=vision_salt(seq.image_embeds)
-            )
+            seed = choice_seed(request_seed(seq.params, self._rng), seq.choice)
+            seq.model_state = SeqModelState(seed=seed, salt=vision_salt(seq.image_embeds))
         return seq.model_state
 
     def can_admit(self, seq) -> bool:
@@ -71,6 +71,22 @@ class ModelRunner(TraceCalls):
         blocks = self.executor.free(seq.slot)
         self.transport.send(P.Release(seq.slot))
         return blocks
+
+    def can_fork(self, seq) -> bool:
+        return self.executor.can_fork()
+
+    def fork_sequence(self, seq, child) -> int:
+        """FORK child off the just-prefilled seq; the last prefill's logits gain child's row."""
+        slot = self.executor.slots.lowest_free()
+        if slot is None:
+            raise RuntimeError("fork_sequence with every slot occupied")
+        self.executor.fork(seq.slot, slot)
+        self.transport.send(P.Fork(seq.slot, slot))
+        parent = self._state(seq)  # choice 0: its seed is the request's key
+        child.model_state = SeqModelState(seed=choice_seed(parent.seed, child.choice), salt=parent.salt)
+        self._rows.append(child)
+        self._logits = self._logits[[0] * len(self._rows)]  # [rows, V]: the prompt's row for each
+        return slot
 
     def compact_sequence(self, seq, new_slot: int) -> None:
         self.executor.compact(seq.slot, new_slot)
@@ -142,7 +158,18 @@ class ModelRunner(TraceCalls):
             )
             for i, t in zip(sampled, sample_rows(host, [s.params for s in picked], uniforms)):
                 tokens[i] = t
+        self._rank_tokens(seqs, logits, tokens)
         return tokens
+
+    def _rank_tokens(self, seqs: list, logits, tokens: list) -> None:
+        """best_of: add each sampled token's logprob to its sequence's cumulative logprob."""
+        ranked = [i for i, s in enumerate(seqs) if s.params.best_of is not None]
+        if not ranked:
+            return
+        host = self.executor.ops.to_host(logits[ranked])  # [m, V]
+        temps = np.array([seqs[i].params.temperature for i in ranked], dtype=np.float64)
+        for i, lp in zip(ranked, token_logprobs(host, temps, np.array([tokens[i] for i in ranked]))):
+            seqs[i].cumulative_logprob = (seqs[i].cumulative_logprob or 0.0) + float(lp)
 
     # ---- shutdown ----------------------------------------------------------------------
     def ep_shutdown(self) -> None:
