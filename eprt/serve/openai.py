@@ -3,11 +3,12 @@
 No I/O here (``eprt.serve.http`` does the HTTP). A body is size-checked against the context
 first (before any tokenizing), then type-checked by the pydantic models below, then
 value-checked by ``eprt.serve.params``; every problem is a ``FieldError`` naming the field
-(answered 400). Unknown fields are ignored; unsupported ones (n > 1, tools, ...) are refused.
+(answered 400). Unknown fields are ignored; unsupported ones (tools, ...) are refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from eprt.api import GenerationRequest, GenerationResult, SamplingParams
+from eprt.api import MAX_CHOICES, GenerationRequest, GenerationResult, SamplingParams, is_int
 from eprt.serve.params import (
     FieldError,
     check_text,
@@ -30,8 +31,6 @@ MAX_CHARS_PER_TOKEN = 32  # text longer than max_model_len * this cannot fit the
 
 # field -> (value that asks for something unsupported?, what to tell the client)
 UNSUPPORTED = {
-    "n": (lambda v: v not in (None, 1), "n must be 1: send one request per choice"),
-    "best_of": (lambda v: v not in (None, 1), "best_of is not supported"),
     "logprobs": (lambda v: v not in (None, False, 0), "logprobs are not supported"),
     "top_logprobs": (lambda v: v not in (None, 0), "top_logprobs are not supported"),
     "echo": (lambda v: bool(v), "echo is not supported"),
@@ -64,6 +63,8 @@ class _Body(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr | StrictInt] | None = None
     timeout: StrictFloat | None = None
+    n: StrictInt | None = None
+    best_of: StrictInt | None = None
 
 
 class CompletionBody(_Body):
@@ -202,6 +203,20 @@ def _template_errors() -> tuple:
     return (ValueError, TemplateError)
 
 
+def _choices(body: dict, params: SamplingParams, chat: bool, stream: bool) -> SamplingParams:
+    """``n`` and ``best_of`` (not with a stream of fewer choices: the best are known at the end)."""
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise FieldError("n", f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+    best_of = body.get("best_of")
+    if best_of is not None and (not is_int(best_of) or not n <= best_of <= MAX_CHOICES):
+        raise FieldError("best_of", f"best_of must be an integer in [n={n}, {MAX_CHOICES}], got {best_of!r}")
+    if best_of is not None and best_of > n and stream:
+        raise FieldError("best_of", f"best_of={best_of} > n={n} cannot stream: the best choices are known at the end")
+    return dataclasses.replace(params, n=n, best_of=best_of)
+
+
 def parse_request(body, engine, chat: bool, model_name: str | None = None) -> ApiRequest:
     """Validate one request body of /v1/chat/completions (chat) or /v1/completions;
     ``model_name``: the name clients use (``--served-model-name``), else the engine's."""
@@ -234,7 +249,7 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         room = context_room(prompt_ids, engine.max_model_len, "prompt")
         default_max, max_field = SamplingParams().max_tokens, "max_tokens"
     opts = parse_options(body, engine.vocab_size, default_max, max_tokens_field=max_field)
-    params = fit_to_context(opts.params, room)
+    params = fit_to_context(_choices(body, opts.params, chat, stream), room)
     api = ApiRequest(
         chat,
         GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s),
@@ -250,8 +265,11 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
 # ---- responses ------------------------------------------------------------------------
 
 
-def usage(result: GenerationResult) -> dict:
-    prompt, completion = len(result.prompt_ids), len(result.token_ids)
+def usage(result) -> dict:
+    """Token counts of a result, or of the choices of one prompt (the prompt counted once)."""
+    results = result if isinstance(result, list) else [result]
+    result = results[0]
+    prompt, completion = len(result.prompt_ids), sum(len(r.token_ids) for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -265,37 +283,53 @@ def _envelope(api: ApiRequest, obj: str, choices: list) -> dict:
 
 
 def response_body(api: ApiRequest, result: GenerationResult) -> dict:
-    """The whole answer of a non-streaming request. ``token_ids`` (an eprt extension) lists the
-    generated ids, so a model without a tokenizer still shows what it generated."""
-    if api.chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": None,
-            "finish_reason": result.finish_reason,
-        }
-    else:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
-    choice["token_ids"] = list(result.token_ids)
-    body = _envelope(api, "chat.completion" if api.chat else "text_completion", [choice])
-    body["usage"] = usage(result)
+    """The whole answer of a non-streaming request of one choice."""
+    return choices_body(api, [result])
+
+
+def choices_body(api: ApiRequest, results: list) -> dict:
+    """The whole answer of a non-streaming request, one choice per result (``result.index``).
+    ``token_ids`` (an eprt extension) lists the generated ids, so a model without a tokenizer
+    still shows what it generated."""
+    choices = []
+    for result in results:
+        if api.chat:
+            choice = {
+                "index": result.index,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": None,
+                "finish_reason": result.finish_reason,
+            }
+        else:
+            choice = {
+                "index": result.index,
+                "text": result.text,
+                "logprobs": None,
+                "finish_reason": result.finish_reason,
+            }
+        choice["token_ids"] = list(result.token_ids)
+        choices.append(choice)
+    body = _envelope(api, "chat.completion" if api.chat else "text_completion", choices)
+    body["usage"] = usage(results)
     return body
 
 
-def chunk(api: ApiRequest, text: str = "", finish_reason: str | None = None, first: bool = False) -> dict:
-    """One streamed chunk: new text, or (with finish_reason) the last one of the choice."""
+def chunk(
+    api: ApiRequest, text: str = "", finish_reason: str | None = None, first: bool = False, index: int = 0
+) -> dict:
+    """One streamed chunk of choice ``index``: new text, or (with finish_reason) its last one."""
     if api.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
     body = _envelope(api, "chat.completion.chunk" if api.chat else "text_completion", [choice])
     if api.include_usage:
         body["usage"] = None
     return body
 
 
-def usage_chunk(api: ApiRequest, result: GenerationResult) -> dict:
+def usage_chunk(api: ApiRequest, result) -> dict:
     body = _envelope(api, "chat.completion.chunk" if api.chat else "text_completion", [])
     body["usage"] = usage(result)
     return body

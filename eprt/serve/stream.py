@@ -87,7 +87,7 @@ class TextStream:
 class LiveRequest:
     """A submitted request whose tokens are consumed, as they come, on the caller's thread."""
 
-    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None):
+    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None, submit: bool = True):
         tok = engine.tokenizer
         if stop_strings and tok is None:
             raise FieldError(
@@ -106,7 +106,22 @@ class LiveRequest:
         self._cancelled = False
         # Raises RequestError for a bad request. on_finish runs on the engine thread after
         # the last on_token, for every end (finished, stopped, cancelled, timed out, failed).
-        self.handle = engine.submit(request, on_finish=lambda result: self._put(_END))
+        self.handle = engine.submit(request, on_finish=lambda result: self._put(_END)) if submit else None
+
+    @classmethod
+    def choices(cls, engine, request: GenerationRequest, stop_strings=(), notify=None) -> list:
+        """One LiveRequest per choice of a request (``params.choices``: n, or best_of), submitted
+        together so they share the prompt's prefill (``engine.submit_choices``)."""
+        lives = [cls(engine, request, stop_strings, notify, submit=False) for _ in range(request.params.choices)]
+        request.on_token = None
+        handles = engine.submit_choices(
+            request,
+            on_finish=lambda result: lives[result.index]._put(_END),
+            on_tokens=[live._put for live in lives],
+        )
+        for live, handle in zip(lives, handles):
+            live.handle = handle
+        return lives
 
     def _put(self, item) -> None:
         self._tokens.put(item)
