@@ -1,7 +1,11 @@
 """n and best_of: choices of one prompt share its prefill (FORK, copy of the partial block),
 each samples with its own key; best_of keeps the n most likely; the block manager's fork."""
 
+import io
+import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -127,3 +131,33 @@ def test_best_choices_ranks_errors_last():
     rs.append(GenerationResult(None, [1], [], "error", index=2))
     assert [r.token_ids for r in best_choices(rs, 2)] == [[2], [2]]
     assert [r.cumulative_logprob for r in best_choices(rs, 3)][:2] == [-1.0, -3.0]
+
+
+def test_eprt_generate_prints_one_json_line_per_choice():
+    cmd = [sys.executable, "-m", "eprt.cli", "generate", "--device", "cpu", "--prompt", "Hi", "--max-tokens", "6"]
+    cmd += ["--temperature", "0.8", "--seed", "3", "-n", "3", "--json"]
+    rows = [
+        json.loads(line)
+        for line in subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    ]
+    assert [r.get("index", 0) for r in rows] == [0, 1, 2]
+    assert all(r["prompt_ids"] == [72, 105] for r in rows) and len({tuple(r["token_ids"]) for r in rows}) == 3
+
+
+def test_eprt_run_writes_the_choices_of_a_line(tmp_path):
+    from eprt.serve.batch import run_batch
+
+    lines = [
+        {"id": "four", "prompt": "Once upon", "max_tokens": 6, "temperature": 0.8, "seed": 2, "n": 4},
+        {"id": "best", "prompt": "Once upon", "max_tokens": 6, "temperature": 1.0, "seed": 2, "n": 1, "best_of": 3},
+        {"id": "bad", "prompt": "Once upon", "n": 0},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with launch_engine(EngineConfig(model=None, device="cpu", max_batch=8)) as engine:
+        run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), progress_stream=io.StringIO())
+    out = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    four = out["four"]["choices"]
+    assert [c["index"] for c in four] == [0, 1, 2, 3] and len({tuple(c["token_ids"]) for c in four}) == 4
+    assert out["four"]["token_ids"] == four[0]["token_ids"]
+    assert len(out["best"]["choices"]) == 1 and out["best"]["choices"][0]["cumulative_logprob"] < 0
+    assert "n must be an integer" in out["bad"]["error"]

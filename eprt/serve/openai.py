@@ -8,7 +8,6 @@ value-checked by ``eprt.serve.params``; every problem is a ``FieldError`` naming
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,13 +15,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from eprt.api import MAX_CHOICES, GenerationRequest, GenerationResult, SamplingParams, is_int
+from eprt.api import GenerationRequest, GenerationResult, SamplingParams
 from eprt.serve.params import (
     FieldError,
     check_text,
     context_room,
     encode_prompt,
     fit_to_context,
+    parse_choices,
     parse_options,
     parse_token_ids,
 )
@@ -203,20 +203,6 @@ def _template_errors() -> tuple:
     return (ValueError, TemplateError)
 
 
-def _choices(body: dict, params: SamplingParams, chat: bool, stream: bool) -> SamplingParams:
-    """``n`` and ``best_of`` (not with a stream of fewer choices: the best are known at the end)."""
-    n = body.get("n")
-    n = 1 if n is None else n
-    if not is_int(n) or not 1 <= n <= MAX_CHOICES:
-        raise FieldError("n", f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
-    best_of = body.get("best_of")
-    if best_of is not None and (not is_int(best_of) or not n <= best_of <= MAX_CHOICES):
-        raise FieldError("best_of", f"best_of must be an integer in [n={n}, {MAX_CHOICES}], got {best_of!r}")
-    if best_of is not None and best_of > n and stream:
-        raise FieldError("best_of", f"best_of={best_of} > n={n} cannot stream: the best choices are known at the end")
-    return dataclasses.replace(params, n=n, best_of=best_of)
-
-
 def parse_request(body, engine, chat: bool, model_name: str | None = None) -> ApiRequest:
     """Validate one request body of /v1/chat/completions (chat) or /v1/completions;
     ``model_name``: the name clients use (``--served-model-name``), else the engine's."""
@@ -249,7 +235,7 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         room = context_room(prompt_ids, engine.max_model_len, "prompt")
         default_max, max_field = SamplingParams().max_tokens, "max_tokens"
     opts = parse_options(body, engine.vocab_size, default_max, max_tokens_field=max_field)
-    params = fit_to_context(_choices(body, opts.params, chat, stream), room)
+    params = fit_to_context(parse_choices(body, opts.params, stream), room)
     api = ApiRequest(
         chat,
         GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s),
