@@ -25,6 +25,19 @@ class EngineClosed(RequestError):
     """The engine is shutting down (or broke) and takes no new requests: not the request's fault."""
 
 
+GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Guide:
+    """Structured output: a grammar the generated text must follow (docs/serving.md,
+    "Structured outputs"). ``spec``: a JSON schema (text), a regex, a JSON list of choices,
+    a Lark/GBNF grammar, or "" for json_object."""
+
+    kind: str
+    spec: str = ""
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -36,6 +49,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # choices returned (docs/design.md, "Choices")
     best_of: int | None = None  # choices generated, the n with the highest cumulative logprob returned
+    guide: Guide | None = None  # structured output (a grammar the text must follow)
 
     def validate(self, vocab_size: int) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -57,6 +71,9 @@ class SamplingParams:
             raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
         if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= MAX_CHOICES):
             raise RequestError(f"best_of must be an integer in [n={self.n}, {MAX_CHOICES}], got {self.best_of!r}")
+
+        if self.guide is not None and (not isinstance(self.guide, Guide) or self.guide.kind not in GUIDE_KINDS):
+            raise RequestError(f"guide must be a Guide of kind {', '.join(GUIDE_KINDS)}, got {self.guide!r:.80}")
 
     @property
     def choices(self) -> int:

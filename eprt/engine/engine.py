@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from eprt.api import ENGINE_FAILED, STOPPED, GenerationRequest, GenerationResult, RequestError
+from eprt.api import ENGINE_FAILED, STOPPED, GenerationRequest, GenerationResult, Guide, RequestError
 from eprt.comm.logging import setup_logging
 from eprt.comm.recorder import Recorder
 from eprt.comm.transport import StartupFailed
@@ -27,6 +27,7 @@ from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config
 from eprt.engine.expert_load import imbalance
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
+from eprt.engine.structured import GrammarCompiler, GuidedRows
 from eprt.ops.device import bind_local_gpu, device_choice
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig
@@ -81,6 +82,7 @@ class Engine:
     def submit(self, req: GenerationRequest, on_finish=None):
         """Queue a request; RequestError (naming the problem) if it cannot be served."""
         self._check_vision(req)
+        self.compile_guide(req.params.guide)
         return Handle(self.scheduler.submit(req, on_finish=self._finisher(on_finish)), self)
 
     def submit_choices(self, req: GenerationRequest, on_finish=None, on_tokens: list | None = None) -> list:
@@ -88,8 +90,17 @@ class Engine:
         they share the prompt's prefill (docs/design.md, "Choices"). ``on_tokens[k]`` streams
         choice k; ``on_finish`` runs once per choice (``result.index``)."""
         self._check_vision(req)
+        self.compile_guide(req.params.guide)
         inner = self.scheduler.submit_choices(req, on_finish=self._finisher(on_finish), on_tokens=on_tokens)
         return [Handle(h, self) for h in inner]
+
+    def compile_guide(self, guide) -> None:
+        """RequestError naming the problem when a structured-output guide does not compile for this
+        model (the runner compiles it again per sequence, which then cannot fail)."""
+        if guide is not None:
+            if not isinstance(guide, Guide):
+                raise RequestError(f"guide must be an eprt.api.Guide, got {guide!r:.80}")
+            self.runner.guides.compiler.grammar(guide)
 
     def _with_text(self, result: GenerationResult) -> GenerationResult:
         if self.tokenizer is not None and not result.text:
@@ -329,6 +340,8 @@ def launch_engine(args_or_config, transport=None):
         _close(transport, cfg)
         sys.exit(code)
     runner = ModelRunner(executor, transport, seed=cfg.seed)
+    eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
+    runner.guides = GuidedRows(GrammarCompiler(loaded.tokenizer, model_cfg.vocab_size, eos))
     sched_cfg = SchedulerConfig(
         vocab_size=model_cfg.vocab_size,
         eos_token_ids=tuple(

@@ -15,6 +15,7 @@ from eprt.comm import protocol as P
 from eprt.engine.choices import choice_seed, token_logprobs
 from eprt.engine.executor import ShardExecutor, vision_salt
 from eprt.engine.sampling import request_seed, sample_rows, token_uniform
+from eprt.engine.structured import GuidedRows
 from eprt.scheduler.interface import TraceCalls
 
 
@@ -25,6 +26,7 @@ class SeqModelState:
     seed: int  # its sampling key: token p's draw is token_uniform(seed, p), whatever the batch
     salt: bytes  # prefix-cache salt of its vision rows, hashed once
     checkpoints: tuple = ()  # hybrid models: token counts at which this admission's prefill snapshots
+    matcher: object = None  # structured outputs: its grammar's llguidance matcher (eprt/engine/structured.py)
 
 
 class ModelRunner(TraceCalls):
@@ -37,6 +39,7 @@ class ModelRunner(TraceCalls):
         self.prompt_tokens_computed = 0
         self.decode_steps = 0
         self.decode_rows = 0
+        self.guides: GuidedRows | None = None  # structured outputs (set by launch_engine)
 
     # ---- KV memory -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -47,6 +50,8 @@ class ModelRunner(TraceCalls):
         if seq.model_state is None:
             seed = choice_seed(request_seed(seq.params, self._rng), seq.choice)
             seq.model_state = SeqModelState(seed=seed, salt=vision_salt(seq.image_embeds))
+            if seq.params.guide is not None:  # compiled once at submit: cannot fail here
+                seq.model_state.matcher = self.guides.compiler.matcher(seq.params.guide)
         return seq.model_state
 
     def can_admit(self, seq) -> bool:
@@ -68,6 +73,9 @@ class ModelRunner(TraceCalls):
         self.executor.cache(seq.slot)
 
     def free_sequence(self, seq) -> int:
+        state = seq.model_state
+        if state is not None and state.matcher is not None and seq.finished:  # (preempted: it keeps its matcher)
+            self.guides.forget(state.matcher)
         blocks = self.executor.free(seq.slot)
         self.transport.send(P.Release(seq.slot))
         return blocks
@@ -84,6 +92,8 @@ class ModelRunner(TraceCalls):
         self.transport.send(P.Fork(seq.slot, slot))
         parent = self._state(seq)  # choice 0: its seed is the request's key
         child.model_state = SeqModelState(seed=choice_seed(parent.seed, child.choice), salt=parent.salt)
+        if parent.matcher is not None:  # the fork's grammar state starts where the parent's is: the prompt's end
+            child.model_state.matcher = parent.matcher.deep_copy()
         self._rows.append(child)
         self._logits = self._logits[[0] * len(self._rows)]  # [rows, V]: the prompt's row for each
         return slot
@@ -145,7 +155,9 @@ class ModelRunner(TraceCalls):
         together, each with the uniform of its request's seed at the token's position."""
         seqs = self._rows[row : row + n]
         logits = self._logits[row : row + n]  # [n, V]
-        sampled = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0]
+        guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None]
+        on_host = set(guided)
+        sampled = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0 or i in on_host]
         tokens = [0] * len(seqs)
         if len(sampled) < len(seqs):
             greedy = self.executor.ops.argmax(logits)
@@ -153,12 +165,20 @@ class ModelRunner(TraceCalls):
         if sampled:
             host = self.executor.ops.to_host(logits[sampled] if len(sampled) < len(seqs) else logits)  # [m, V]
             picked = [seqs[i] for i in sampled]
+            if guided:  # structured outputs: the grammar's mask before sampling
+                rows = [k for k, i in enumerate(sampled) if i in on_host]
+                host = np.array(host, dtype=np.float32)  # a copy: the logits stay as the model made them
+                masked = host[rows]
+                self.guides.apply(masked, [seqs[sampled[k]].model_state.matcher for k in rows])
+                host[rows] = masked
             uniforms = np.array(
                 [token_uniform(s.model_state.seed, self.executor.slots.get(s.slot).length) for s in picked]
             )
             for i, t in zip(sampled, sample_rows(host, [s.params for s in picked], uniforms)):
                 tokens[i] = t
         self._rank_tokens(seqs, logits, tokens)
+        if guided:  # the grammar takes the tokens; the next masks are computed during the next forward
+            self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
         return tokens
 
     def _rank_tokens(self, seqs: list, logits, tokens: list) -> None:

@@ -5,6 +5,7 @@ output file is locked (input and output formats: docs/serving.md, "eprt run").
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -24,6 +25,7 @@ from eprt.api import (
     is_engine_failure,
     is_int,
 )
+from eprt.serve.guided import GUIDED_FIELDS, compile_guide, parse_guide
 from eprt.serve.loop import EngineLoop
 from eprt.serve.params import (
     FieldError,
@@ -42,7 +44,8 @@ log = logging.getLogger("eprt.serve")
 
 LINE_FIELDS = frozenset(
     {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
-    | {"n", "best_of"}
+    | {"n", "best_of", "response_format", "structured_outputs"}
+    | set(GUIDED_FIELDS)
 )
 _POLL_S = 0.01  # how long the writer sleeps when no request made progress
 
@@ -213,7 +216,9 @@ def build_request(line: Line, engine) -> tuple:
     room = context_room(prompt_ids, engine.max_model_len, "prompt_ids" if "prompt_ids" in obj else "prompt")
     opts = parse_options(obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens)
     request_id = f"line-{line.number}" if line.id is None else str(line.id)
-    params = fit_to_context(parse_choices(obj, opts.params), room)
+    guide, guide_field = parse_guide(obj)
+    compile_guide(engine, guide, guide_field)
+    params = dataclasses.replace(fit_to_context(parse_choices(obj, opts.params), room), guide=guide)
     return GenerationRequest(prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s), opts.stop_strings
 
 

@@ -8,6 +8,7 @@ value-checked by ``eprt.serve.params``; every problem is a ``FieldError`` naming
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from eprt.api import GenerationRequest, GenerationResult, SamplingParams
+from eprt.serve.guided import compile_guide, parse_guide
 from eprt.serve.params import (
     FieldError,
     check_text,
@@ -36,10 +38,6 @@ UNSUPPORTED = {
     "echo": (lambda v: bool(v), "echo is not supported"),
     "suffix": (lambda v: bool(v), "suffix is not supported"),
     "tools": (lambda v: bool(v), "tools are not supported"),
-    "response_format": (
-        lambda v: v not in (None, {"type": "text"}),
-        'only response_format {"type": "text"} is supported',
-    ),
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -235,7 +233,9 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         room = context_room(prompt_ids, engine.max_model_len, "prompt")
         default_max, max_field = SamplingParams().max_tokens, "max_tokens"
     opts = parse_options(body, engine.vocab_size, default_max, max_tokens_field=max_field)
-    params = fit_to_context(parse_choices(body, opts.params, stream), room)
+    guide, guide_field = parse_guide(body)
+    compile_guide(engine, guide, guide_field)
+    params = dataclasses.replace(fit_to_context(parse_choices(body, opts.params, stream), room), guide=guide)
     api = ApiRequest(
         chat,
         GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s),
