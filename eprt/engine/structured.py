@@ -97,12 +97,15 @@ class GuidedRows:
         self._executor = None
         self._pending: dict[int, tuple[Future, int]] = {}  # id(matcher) -> (mask job, its row)
 
-    def _fill(self, matchers: list) -> np.ndarray:
+    def _fill(self, matchers: list, tokens: list | None = None) -> np.ndarray:
+        """Masks [B, W] of the matchers' next step, after feeding them ``tokens`` (one each) if given."""
         llg = _llguidance()
         from llguidance.numpy import fill_next_token_bitmask_par
 
         if self._executor is None:
             self._executor = llg.LLExecutor()
+        for m, t in zip(matchers, tokens or ()):  # one at a time: cheaper than the executor's threads here
+            m.consume_token(int(t))
         masks = np.full((len(matchers), self.words), -1, dtype=np.int32)  # [B, W]
         fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
         return masks
@@ -131,14 +134,11 @@ class GuidedRows:
         logits[~allowed] = -np.inf  # a row its grammar left no token (an error state) may only end
 
     def advance(self, matchers: list, tokens: list) -> None:
-        """Feed each matcher its sampled token, then start computing their next masks."""
-        for m, t in zip(matchers, tokens):
-            m.consume_token(int(t))
-        live = [m for m in matchers if not m.is_stopped() and not m.is_error()]
-        if live:
-            job = self._pool.submit(self._fill, live)
-            for i, m in enumerate(live):
-                self._pending[id(m)] = (job, i)
+        """Feed each matcher its sampled token and compute its next mask, both on the thread, while
+        the next forward pass runs (``masks`` waits for them)."""
+        job = self._pool.submit(self._fill, list(matchers), list(tokens))
+        for i, m in enumerate(matchers):
+            self._pending[id(m)] = (job, i)
 
     def forget(self, matcher) -> None:
         self._pending.pop(id(matcher), None)
