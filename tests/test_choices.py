@@ -161,3 +161,16 @@ def test_eprt_run_writes_the_choices_of_a_line(tmp_path):
     assert out["four"]["token_ids"] == four[0]["token_ids"]
     assert len(out["best"]["choices"]) == 1 and out["best"]["choices"][0]["cumulative_logprob"] < 0
     assert "n must be an integer" in out["bad"]["error"]
+
+
+def test_a_hybrid_model_gives_each_choice_its_own_prefill(checkpoint):
+    """Recurrent state cannot be shared by a fork: each choice prefills its prompt and decodes alike."""
+    cfg = EngineConfig(model=checkpoint("qwen3_next"), device="cpu", max_batch=4)
+    prompt = list(range(3, 40))
+    with launch_engine(cfg) as engine:
+        before = engine.stats()["prompt_tokens_computed"]
+        (choices,) = engine.generate_choices([GenerationRequest(prompt, SamplingParams(max_tokens=6, n=3))])
+        computed = engine.stats()["prompt_tokens_computed"] - before
+        (single,) = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=6))])
+    assert [r.token_ids for r in choices] == [single.token_ids] * 3
+    assert computed == 3 * len(prompt)  # admitted in the same tick: nothing of the prompt is cached yet
