@@ -7,6 +7,7 @@ import re
 
 import httpx
 import jsonschema
+import numpy as np
 import pytest
 from test_server import running_server
 
@@ -152,3 +153,31 @@ def test_server_response_format_json_schema_and_vllm_fields(base):
 def test_server_bad_constraints_are_400_naming_the_field(base, body, param):
     r = _post(base, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_tokenizer_json_model_gets_masks_of_whole_tokens():
+    """A checkpoint's tokenizer.json (byte-level BPE here): the mask allows exactly the tokens
+    whose text keeps the output inside the grammar, multi-character ones included."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from eprt.engine.structured import GrammarCompiler, GuidedRows
+    from eprt.model.tokenizer import Tokenizer
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], initial_alphabet=alphabet)
+    hf.train_from_iterator(["the cat sat on the mat 123 456 789 12"] * 20, trainer)
+    eos = hf.token_to_id("<eos>")
+    tok = Tokenizer(hf, [eos])
+    compiler = GrammarCompiler(tok, hf.get_vocab_size(), [eos])
+    rows = GuidedRows(compiler)
+    matcher = compiler.matcher(Guide("regex", "[0-9]{3}"))
+    texts = {tok.decode([int(i)]) for i in np.flatnonzero(rows.masks([matcher])[0])}
+    assert texts == {t for t in (tok.decode([i]) for i in range(hf.get_vocab_size())) if re.fullmatch("[0-9]{1,3}", t)}
+    assert any(len(t) > 1 for t in texts)
+    rows.advance([matcher], [hf.token_to_id("12")])
+    after = {tok.decode([int(i)]) for i in np.flatnonzero(rows.masks([matcher])[0])}
+    assert after == {str(d) for d in range(10)}

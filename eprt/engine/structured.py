@@ -54,7 +54,7 @@ class GrammarCompiler:
             if isinstance(self._tokenizer, ByteTokenizer):
                 source = llg.TokenizerWrapper(_ByteVocab())
             else:
-                source = self._tokenizer._tok.to_str()  # the tokenizers package's JSON
+                source = self._tokenizer.to_json()  # tokenizer.json, as the tokenizers package writes it
             self._ll_tokenizer = llg.LLTokenizer(source, n_vocab=self.vocab_size, eos_token=self.eos)
         return self._ll_tokenizer
 
