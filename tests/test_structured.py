@@ -181,3 +181,26 @@ def test_a_tokenizer_json_model_gets_masks_of_whole_tokens():
     rows.advance([matcher], [hf.token_to_id("12")])
     after = {tok.decode([int(i)]) for i in np.flatnonzero(rows.masks([matcher])[0])}
     assert after == {str(d) for d in range(10)}
+
+
+def test_eprt_run_lines_take_the_guided_fields(engine, tmp_path):
+    import io
+
+    from eprt.serve.batch import run_batch
+
+    lines = [
+        {"id": "choice", "prompt": "Pick: ", "guided_choice": ["alpha", "beta"], "temperature": 0.9, "seed": 1},
+        {
+            "id": "json",
+            "prompt": "Data: ",
+            "max_tokens": 160,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[2]}},
+        },
+        {"id": "bad", "prompt": "Data: ", "guided_regex": "(unclosed"},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), progress_stream=io.StringIO())
+    out = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert out["choice"]["text"] in ("alpha", "beta")
+    jsonschema.validate(json.loads(out["json"]["text"]), SCHEMAS[2])
+    assert "guided_regex" in out["bad"]["error"] and "cannot be compiled" in out["bad"]["error"]
