@@ -72,7 +72,10 @@ class SamplingParams:
         if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= MAX_CHOICES):
             raise RequestError(f"best_of must be an integer in [n={self.n}, {MAX_CHOICES}], got {self.best_of!r}")
 
-        if self.guide is not None and (not isinstance(self.guide, Guide) or self.guide.kind not in GUIDE_KINDS):
+        guide = self.guide
+        if guide is not None and not (
+            isinstance(guide, Guide) and guide.kind in GUIDE_KINDS and isinstance(guide.spec, str)
+        ):
             raise RequestError(f"guide must be a Guide of kind {', '.join(GUIDE_KINDS)}, got {self.guide!r:.80}")
 
     @property

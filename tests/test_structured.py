@@ -183,7 +183,7 @@ def test_a_tokenizer_json_model_gets_masks_of_whole_tokens():
     assert after == {str(d) for d in range(10)}
 
 
-def test_eprt_run_lines_take_the_guided_fields(engine, tmp_path):
+def test_eprt_run_lines_take_the_guided_fields(tmp_path):
     import io
 
     from eprt.serve.batch import run_batch
@@ -199,7 +199,8 @@ def test_eprt_run_lines_take_the_guided_fields(engine, tmp_path):
         {"id": "bad", "prompt": "Data: ", "guided_regex": "(unclosed"},
     ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), progress_stream=io.StringIO())
+    with launch_engine(EngineConfig(model=None, device="cpu", max_batch=8)) as engine:  # not the server's
+        run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), progress_stream=io.StringIO())
     out = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert out["choice"]["text"] in ("alpha", "beta")
     jsonschema.validate(json.loads(out["json"]["text"]), SCHEMAS[2])

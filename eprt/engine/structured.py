@@ -7,6 +7,8 @@ sampling; the next step's masks are computed on a thread while the forward pass 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -17,6 +19,7 @@ from eprt.model.tokenizer import ByteTokenizer
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # JSON without free whitespace (a schema's own "x-guidance" overrides it): a small model would
 # otherwise fill its budget with blanks the grammar allows between tokens
+GRAMMAR_CACHE = 256  # compiled guides kept (a guide is compiled at submit and again at admission)
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -45,8 +48,14 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         self._tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, list(eos_token_ids)
         self._ll_tokenizer = None
+        self._lock = threading.Lock()  # HTTP threads compile at submit, the scheduler thread at admission
+        self._grammars: OrderedDict[Guide, str] = OrderedDict()
 
     def _lltok(self):
+        with self._lock:
+            return self._build_lltok()
+
+    def _build_lltok(self):
         if self._ll_tokenizer is None:
             llg = _llguidance()
             if self._tokenizer is None:
@@ -55,11 +64,26 @@ class GrammarCompiler:
                 source = llg.TokenizerWrapper(_ByteVocab())
             else:
                 source = self._tokenizer.to_json()  # tokenizer.json, as the tokenizers package writes it
-            self._ll_tokenizer = llg.LLTokenizer(source, n_vocab=self.vocab_size, eos_token=self.eos)
+            try:
+                self._ll_tokenizer = llg.LLTokenizer(source, n_vocab=self.vocab_size, eos_token=self.eos)
+            except (ValueError, TypeError, RuntimeError) as e:  # a tokenizer llguidance cannot read
+                raise RequestError(f"structured outputs are not available for this model's tokenizer: {e}") from None
         return self._ll_tokenizer
 
     def grammar(self, guide: Guide) -> str:
         """llguidance's grammar of ``guide``; RequestError naming the problem if it does not compile."""
+        with self._lock:
+            if guide in self._grammars:
+                self._grammars.move_to_end(guide)
+                return self._grammars[guide]
+        grammar = self._compile(guide)
+        with self._lock:
+            self._grammars[guide] = grammar
+            if len(self._grammars) > GRAMMAR_CACHE:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    def _compile(self, guide: Guide) -> str:
         llg = _llguidance()
         text = JSON_OBJECT_SCHEMA if guide.kind == "json_object" else guide.spec
         kind = {"json_object": "json_schema"}.get(guide.kind, guide.kind)
@@ -77,7 +101,10 @@ class GrammarCompiler:
 
     def _check(self, grammar: str) -> tuple[bool, str]:
         llg = _llguidance()
-        matcher = llg.LLMatcher(self._lltok(), grammar)
+        try:
+            matcher = llg.LLMatcher(self._lltok(), grammar)
+        except (ValueError, TypeError, RuntimeError) as e:
+            return False, str(e)
         return (not matcher.is_error(), matcher.get_error())
 
     def matcher(self, guide: Guide):

@@ -10,8 +10,12 @@ import json
 from eprt.api import Guide, RequestError
 from eprt.serve.params import FieldError
 
-GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
-GUIDED_FIELDS["guided_grammar"] = "grammar"
+GUIDED_FIELDS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
