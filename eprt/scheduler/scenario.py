@@ -240,7 +240,8 @@ def run(sc: Scenario) -> ScenarioRun:
             if r.arrive_at_tick == tick:
                 _submit(sched, r, out, lines)
             if r.cancel_at_tick == tick and out.handle is not None:
-                out.handle.cancel()
+                for choice in [out] + out.forks:  # every choice
+                    choice.handle.cancel()
         if tick >= last_arrival:
             sched.close()
         sched.step()
@@ -275,7 +276,7 @@ def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None
     try:
         handles = sched.submit_choices(request, on_finish=finished, seq_id=r.id)
     except RequestError as e:
-        out.rejected = str(e)
+        out.rejected, out.forks = str(e), []  # (its further choices were never submitted)
         return
     out.handle = handles[0]
     for fork, handle in zip(out.forks, handles[1:]):

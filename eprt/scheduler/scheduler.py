@@ -317,8 +317,11 @@ class Scheduler:
         queued = [s for s in self._waiting if verdict(s) is not None]
         self._waiting = deque(s for s in self._waiting if s not in queued)
         queued += self._inbox.remove_if(lambda s: verdict(s) is not None)
-        for seq in queued:  # never admitted (or preempted): no slot to free
-            self._finish(seq, *verdict(seq))
+        while queued:
+            for seq in queued:  # never admitted (or preempted): no slot to free
+                self._finish(seq, *verdict(seq))
+            queued = [s for s in self._waiting if verdict(s) is not None]  # forks those ends let go
+            self._waiting = deque(s for s in self._waiting if s not in queued)
         for seq in sorted((s for s in self._live if s.finished), key=lambda s: s.slot):
             self._fx.run(ReleaseSeq(seq, cache=True, finish=True))
             self._live.remove(seq)
