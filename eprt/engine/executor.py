@@ -137,14 +137,11 @@ class ShardExecutor:
 
     def fork(self, slot: int, new_slot: int) -> None:
         """FORK: occupy the empty ``new_slot`` with a copy of the prefilled sequence in ``slot``, sharing
-        its full KV blocks and copying the partial last one (docs/protocol.md, "FORK")."""
+        its full KV blocks and copying the partial last one, and its recurrent state on a hybrid model
+        (docs/protocol.md, "FORK")."""
         st = self.slots.held(slot, "FORK")
         if not st.prefilled:
             raise SlotError(f"FORK slot {slot}: prefill incomplete ({st.length} of {len(st.prompt)} prompt tokens)")
-        if self.state is not None:
-            raise ExecutorError(
-                f"FORK slot {slot}: {self.cfg.model_type} keeps recurrent state, which a fork cannot share"
-            )
         if self.slots.get(new_slot) is not None:
             raise SlotError(f"FORK slot {slot} -> {new_slot}: target slot is occupied")
         key = self.slots.next_key
@@ -154,10 +151,12 @@ class ShardExecutor:
         child = self.slots.occupy(new_slot, st.prompt, 0, st.adapter, st.vision_rows)
         child.tokens.extend(st.tokens)
         self._salts[key] = self._salts[st.key]
+        if self.state is not None:  # a hybrid model: the recurrent state at the prompt's end, copied
+            self.state.move(slot, new_slot)
 
     def can_fork(self) -> bool:
-        """Whether FORK can run now: a free slot and block, and no recurrent state to copy."""
-        return self.state is None and self.slots.lowest_free() is not None and self.blocks.can_fork()
+        """Whether FORK can run now: a free slot and a free block."""
+        return self.slots.lowest_free() is not None and self.blocks.can_fork()
 
     def compact(self, slot: int, new_slot: int) -> None:
         self.slots.move(slot, new_slot)

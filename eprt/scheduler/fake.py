@@ -119,7 +119,7 @@ class RecordingModel(TraceCalls):
         return n
 
     def can_fork(self, seq) -> bool:
-        return self.snapshots is None and None in self.slots and self.blocks.can_fork()
+        return None in self.slots and self.blocks.can_fork()
 
     def fork_sequence(self, seq, child) -> int:
         self._check_slot(seq)

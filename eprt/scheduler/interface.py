@@ -33,7 +33,7 @@ class ModelInterface(Protocol):
 
     def can_fork(self, seq) -> bool:
         """Whether a further choice of the prefilled seq can fork off it now: a free slot and
-        block, and a model whose state a fork can share (untraced)."""
+        a free block (untraced)."""
 
     def fork_sequence(self, seq, child) -> int:
         """Take the lowest free slot for child, a further choice of the prefilled seq: it shares
