@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 TOKEN_ID_LIMIT = 0xFFFFFFE0  # token ids stay below the protocol's command words (docs/protocol.md)
+MAX_CHOICES = 64  # n and best_of: choices of one prompt
 
 
 class RequestError(ValueError):
@@ -22,6 +23,19 @@ class RequestError(ValueError):
 
 class EngineClosed(RequestError):
     """The engine is shutting down (or broke) and takes no new requests: not the request's fault."""
+
+
+GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Guide:
+    """Structured output: a grammar the generated text must follow (docs/serving.md,
+    "Structured outputs"). ``spec``: a JSON schema (text), a regex, a JSON list of choices,
+    a Lark/GBNF grammar, or "" for json_object."""
+
+    kind: str
+    spec: str = ""
 
 
 @dataclass
@@ -33,6 +47,9 @@ class SamplingParams:
     seed: int | None = None  # per-request seed; None draws from the engine's generator
     stop_token_ids: tuple = ()  # extra stop ids besides the model's EOS ids
     ignore_eos: bool = False
+    n: int = 1  # choices returned (docs/design.md, "Choices")
+    best_of: int | None = None  # choices generated, the n with the highest cumulative logprob returned
+    guide: Guide | None = None  # structured output (a grammar the text must follow)
 
     def validate(self, vocab_size: int) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -50,6 +67,21 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not (is_int(t) and 0 <= t < vocab_size):
                 raise RequestError(f"stop token id {t!r} is outside the vocabulary [0, {vocab_size})")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
+        if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= MAX_CHOICES):
+            raise RequestError(f"best_of must be an integer in [n={self.n}, {MAX_CHOICES}], got {self.best_of!r}")
+
+        guide = self.guide
+        if guide is not None and not (
+            isinstance(guide, Guide) and guide.kind in GUIDE_KINDS and isinstance(guide.spec, str)
+        ):
+            raise RequestError(f"guide must be a Guide of kind {', '.join(GUIDE_KINDS)}, got {self.guide!r:.80}")
+
+    @property
+    def choices(self) -> int:
+        """Choices generated: best_of when given, else n."""
+        return self.n if self.best_of is None else self.best_of
 
 
 def is_int(v) -> bool:
@@ -82,6 +114,8 @@ class GenerationResult:
     text: str = ""
     error: str | None = None
     accepted_tokens: int | None = None  # speculative drafts accepted; None when speculation is off
+    index: int = 0  # which choice of its prompt (n, best_of)
+    cumulative_logprob: float | None = None  # sum of its tokens' logprobs, when asked for (best_of)
 
     def to_json(self) -> dict:
         d = {
@@ -97,6 +131,10 @@ class GenerationResult:
             d["error"] = self.error
         if self.accepted_tokens is not None:
             d["accepted_tokens"] = self.accepted_tokens
+        if self.index:
+            d["index"] = self.index
+        if self.cumulative_logprob is not None:
+            d["cumulative_logprob"] = self.cumulative_logprob
         return d
 
 

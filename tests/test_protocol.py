@@ -14,6 +14,7 @@ from eprt.comm.protocol import (
     DecodeBatch,
     DecodeCkpt,
     Decoder,
+    Fork,
     Prefill,
     PrefillNext,
     ProtocolError,
@@ -28,6 +29,7 @@ COMMANDS = [
     Decode1(slot=3, token=42),
     DecodeBatch(slots=(0, 2, 1), tokens=(10, 20, 0xFFFFFFDF)),
     Compact(slot=5, new_slot=0),
+    Fork(slot=0, new_slot=3),
     Prefill(slot=1, chunk_start=0, chunk_len=5, tokens=(1, 2, 3, 4, 5)),
     Prefill(slot=2, chunk_start=4, chunk_len=2, tokens=(9, 8, 7, 6, 5, 4, 3), vision_rows=3),
     PrefillNext(slot=2, chunk_start=6, tokens=(3, 4)),
@@ -48,6 +50,7 @@ def test_words_match_the_spec():
     assert encode(DecodeBatch((0, 1), (10, 20))).tolist() == [0, 0xFFFFFFE0, 2, 0, 1, 10, 20]
     assert encode(Compact(1, 0)).tolist() == [1, 0xFFFFFFE2, 0]
     assert encode(Release(4)).tolist() == [4, 0xFFFFFFF1]
+    assert encode(Fork(0, 2)).tolist() == [0, 0xFFFFFFE8, 2]
     assert encode(PrefillNext(1, 64, (7, 8, 9))).tolist() == [1, 0xFFFFFFE4, 3, 64, 7, 8, 9]
     # VERIFY_K3 (the longest draft list has 3): n, slots, tokens, counts, then the drafts row by row
     verify = Verify((1, 0), (30, 40), ((4, 5, 6), (7,)))
@@ -122,6 +125,7 @@ def test_bad_streams_name_the_problem(words, message):
         (Prefill(0, 0, 5, (1, 2, 3, 4, 5)), "PREFILL"),
         (DecodeBatch((0, 1), (3, 4)), "DECODE_BATCH"),
         (Compact(0, 1), "COMPACT"),
+        (Fork(0, 1), "FORK"),
         (DecodeCkpt(0, 1, 2, 3, 4), "DECODE_CKPT"),
     ],
 )

@@ -2,6 +2,7 @@
 small KV pools that force preemption, chunked prefill, prefix caching), checked on the
 trace the fake model records and on what each client saw."""
 
+import dataclasses
 import math
 import re
 
@@ -14,23 +15,27 @@ EOS = 63
 STOP_ID = 40
 SHARED_PROMPT = list(range(1, 25))  # requests may share prefixes of it (prefix-cache hits)
 SEQ_NAME = re.compile(r"s(\d+)@(\d+):len=\d+")
+CHOICE_IDS = 10  # request i is s{10 i}; its forks take the ids after it
 
 
 @st.composite
 def scenarios(draw, with_guards: bool):
     bs = draw(st.sampled_from([2, 4, 4, 16]))
     requests = []
+    scripts = st.lists(st.sampled_from([10, 11, 12, 13, STOP_ID, EOS]), min_size=1, max_size=8)
     for i in range(1, draw(st.integers(1, 6)) + 1):
         n = draw(st.integers(1, 20))
         prompt = SHARED_PROMPT[:n] if draw(st.booleans()) else [i] + list(range(2, n + 1))
         arrive = draw(st.integers(1, 4))
+        choices = draw(st.lists(scripts, max_size=2))  # further choices (n = 1 + len), forked after the prompt
         spec = RequestSpec(
-            id=i,
+            id=CHOICE_IDS * i,  # room for the forks' ids after it
             prompt=prompt,
             arrive_at_tick=arrive,
-            script=draw(st.lists(st.sampled_from([10, 11, 12, 13, STOP_ID, EOS]), min_size=1, max_size=8)),
+            script=draw(scripts),
             max_tokens=draw(st.integers(1, 12)),
-            mode=draw(st.sampled_from(["stream", "blocking"])),
+            mode="blocking" if choices else draw(st.sampled_from(["stream", "blocking"])),
+            choices=choices,
         )
         if with_guards:
             spec.timeout_ticks = draw(st.none() | st.integers(1, 12))
@@ -77,7 +82,14 @@ def check_slots(lines: list) -> None:
     occupant: dict = {}  # slot -> seq id (None until named)
     allocs = releases = 0
     for line in lines:
-        if m := re.fullmatch(r"alloc_sequence\(\) -> slot (\d+)", line):
+        fork = re.fullmatch(r"fork_sequence\(s(\d+)@(\d+):len=\d+, s(\d+)\) -> slot (\d+)", line)
+        if fork:
+            assert occupant.get(int(fork[2])) == int(fork[1]), f"{line!r}: the parent does not hold its slot"
+            slot = int(fork[4])
+            assert slot not in occupant and slot == min(set(range(len(occupant) + 1)) - set(occupant))
+            occupant[slot] = int(fork[3])
+            allocs += 1
+        elif m := re.fullmatch(r"alloc_sequence\(\) -> slot (\d+)", line):
             slot = int(m[1])
             assert slot not in occupant, f"slot {slot} reused before its RELEASE"
             assert slot == min(set(range(len(occupant) + 1)) - set(occupant)), "not the lowest free slot"
@@ -100,9 +112,10 @@ def check_slots(lines: list) -> None:
     assert not occupant and allocs == releases
 
 
-def check_preempted_go_first(lines: list) -> None:
+def check_preempted_go_first(lines: list, forks: set) -> None:
     """A preempted sequence goes back to the front of the queue: while any is waiting, the
-    next admission is one of them (valid without guards, which could end it while queued)."""
+    next admission is one of them, or a choice that found no slot to fork into (it queues at
+    the front too); valid without guards, which could end it while queued."""
     preempted: set = set()
     admitting = False
     for prev, line in zip(lines, lines[1:]):
@@ -112,7 +125,7 @@ def check_preempted_go_first(lines: list) -> None:
             admitting = True
         elif admitting and line.startswith("prefill("):
             sid = SEQ_NAME.search(line)[1]
-            assert not preempted or sid in preempted, f"s{sid} admitted before preempted {preempted}"
+            assert not preempted or sid in preempted or sid in forks, f"s{sid} admitted before preempted {preempted}"
             preempted.discard(sid)
             admitting = False
 
@@ -122,13 +135,19 @@ def check_run(sc: Scenario, with_guards: bool) -> None:
     lines = result.lines
     check_slots(lines)
     if not with_guards:
-        check_preempted_go_first(lines)
+        forks = {str(f.handle.seq_id) for out in result.outcomes for f in out.forks if f.handle is not None}
+        check_preempted_go_first(lines, forks)
     model = result.model
     assert model.blocks.num_free_blocks() == sc.engine.num_blocks  # cached blocks allowed
     assert all(s is None for s in model.slots)
     limit = sc.engine.max_model_len
-    for out in result.outcomes:
-        r = out.spec
+    every = [
+        (out, fork) for parent in result.outcomes for out, fork in [(parent, False)] + [(f, True) for f in parent.forks]
+    ]
+    for out, is_fork in every:
+        if is_fork and out.handle is None:
+            continue  # a further choice of a request refused at submit
+        r = dataclasses.replace(out.spec, id=out.handle.seq_id) if is_fork else out.spec
         if limit is not None and len(r.prompt) >= limit:  # refused at submit, never scheduled
             assert out.rejected and not out.results and not any(f"s{r.id}@" in line for line in lines)
             continue

@@ -265,7 +265,7 @@ BAD_REQUESTS = [
     ("stop of wrong type", "/v1/completions", {"prompt": "x", "stop": {"a": 1}}, "stop"),
     ("stream not a bool", "/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
     ("negative timeout", "/v1/completions", {"prompt": "x", "timeout": -1}, "timeout"),
-    ("n > 1", "/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("n < 1", "/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-17"}, "model"),
     ("prompt longer than the context", "/v1/completions", {"prompt": "x" * 600}, "prompt"),
     ("messages missing", "/v1/chat/completions", {"model": "fake-moe"}, "messages"),

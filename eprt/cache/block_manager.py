@@ -60,6 +60,10 @@ class BlockManager:
     def can_grow(self, key: Hashable, new_len: int) -> bool:
         return self.blocks_for(new_len) - len(self._table(key)) <= self.num_free_blocks()
 
+    def can_fork(self) -> bool:
+        """Whether a fork (``fork``) can get its one block now."""
+        return self.num_free_blocks() >= 1
+
     def block_table(self, key: Hashable) -> list[int]:
         return list(self._table(key))
 
@@ -112,6 +116,26 @@ class BlockManager:
             self._refs[b] = 0
             self._free.appendleft(b)
         return len(tail)
+
+    def fork(self, key: Hashable, new_key: Hashable, length: int) -> tuple[int, int] | None:
+        """Give ``new_key`` the first ``length`` stored tokens of ``key``: its full blocks are shared
+        (one more reference each, never written again), the block the next token goes to is a new
+        one. Returns (source, copy) when that block already holds tokens the caller must copy
+        (copy-on-write of the last partial block), else None. docs/design.md, "Choices"."""
+        if new_key in self._tables:
+            raise KeyError(f"sequence {new_key!r} already holds blocks")
+        table = self._table(key)
+        full = length // self.block_size
+        if length < 1 or full >= len(table):
+            raise ValueError(f"cannot fork {length} tokens of sequence {key!r}, which holds {len(table)} blocks")
+        if not self.can_fork():
+            raise OutOfBlocks(f"fork of sequence {key!r} needs 1 block, {self.num_free_blocks()} free")
+        for b in table[:full]:
+            self._refs[b] += 1
+        partial = self._take()
+        self._tables[new_key] = table[:full] + [partial]
+        self._seeds[new_key] = self._seeds[key]
+        return (table[full], partial) if length % self.block_size else None
 
     def cache(self, key: Hashable, token_ids: Sequence[int]) -> None:
         """Insert the sequence's full blocks among ``token_ids`` (tokens whose KV exists)."""

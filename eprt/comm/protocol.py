@@ -16,6 +16,7 @@ DECODE_BATCH = 0xFFFFFFE0
 COMPACT = 0xFFFFFFE2
 PREFILL_NEXT = 0xFFFFFFE4
 ACCEPT = 0xFFFFFFE6
+FORK = 0xFFFFFFE8
 PREFILL = 0xFFFFFFF0
 RELEASE = 0xFFFFFFF1
 VERIFY_K2 = 0xFFFFFFF2
@@ -32,6 +33,7 @@ NAMES = {
     COMPACT: "COMPACT",
     PREFILL_NEXT: "PREFILL_NEXT",
     ACCEPT: "ACCEPT",
+    FORK: "FORK",
     PREFILL: "PREFILL",
     RELEASE: "RELEASE",
     VERIFY_K2: "VERIFY_K2",
@@ -65,6 +67,15 @@ class DecodeBatch:
 @dataclass(frozen=True)
 class Compact:
     """Move the sequence in ``slot`` to the empty ``new_slot``."""
+
+    slot: int
+    new_slot: int
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Occupy the empty ``new_slot`` with a copy of the prefilled sequence in ``slot`` (one more
+    choice of its prompt: full KV blocks shared, the partial last one copied)."""
 
     slot: int
     new_slot: int
@@ -150,7 +161,9 @@ class Shutdown:
     """Free every slot and leave the worker loop."""
 
 
-Command = Decode1 | DecodeBatch | Compact | Prefill | PrefillNext | Release | Verify | Accept | DecodeCkpt | Shutdown
+Command = (
+    Decode1 | DecodeBatch | Compact | Fork | Prefill | PrefillNext | Release | Verify | Accept | DecodeCkpt | Shutdown
+)
 
 
 def validate_vocab_size(vocab_size: int) -> int:
@@ -174,6 +187,8 @@ def encode(cmd: Command) -> np.ndarray:
         words = [0, DECODE_BATCH, len(cmd.slots), *cmd.slots, *cmd.tokens]
     elif isinstance(cmd, Compact):
         words = [cmd.slot, COMPACT, cmd.new_slot]
+    elif isinstance(cmd, Fork):
+        words = [cmd.slot, FORK, cmd.new_slot]
     elif isinstance(cmd, Prefill):
         words = [cmd.slot, PREFILL, cmd.chunk_len, cmd.chunk_start, cmd.full_len, *cmd.tokens, cmd.vision_rows]
     elif isinstance(cmd, PrefillNext):
@@ -291,6 +306,11 @@ class Decoder:
             if len(b) < end:
                 return None
             out = Compact(self._slot(seq, "COMPACT"), self._slot(int(b[body]), "COMPACT new_slot"))
+        elif cmd == FORK:
+            end = body + 1
+            if len(b) < end:
+                return None
+            out = Fork(self._slot(seq, "FORK"), self._slot(int(b[body]), "FORK new_slot"))
         elif cmd == PREFILL:
             if len(b) - body < 3:
                 return None

@@ -19,6 +19,7 @@ from eprt.comm.protocol import (
     DecodeBatch,
     DecodeCkpt,
     Decoder,
+    Fork,
     Prefill,
     PrefillNext,
     ProtocolError,
@@ -59,6 +60,9 @@ class Executor(Protocol):
 
     def accept(self, slots: list[int], accepted: list[int]) -> None:
         """ACCEPT: row r keeps ``accepted[r]`` drafts of the last VERIFY; the rest roll back."""
+
+    def fork(self, slot: int, new_slot: int) -> None:
+        """Occupy the empty ``new_slot`` with a copy of the prefilled sequence in ``slot``."""
 
     def compact(self, slot: int, new_slot: int) -> None:
         """Move the sequence in ``slot`` to the empty ``new_slot``."""
@@ -135,6 +139,8 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
         executor.decode(list(cmd.slots), list(cmd.tokens))
     elif isinstance(cmd, Compact):
         executor.compact(cmd.slot, cmd.new_slot)
+    elif isinstance(cmd, Fork):
+        executor.fork(cmd.slot, cmd.new_slot)
     elif isinstance(cmd, Release):
         executor.release(cmd.slot)
     elif isinstance(cmd, Verify):

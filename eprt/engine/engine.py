@@ -16,16 +16,18 @@ import time
 
 import numpy as np
 
-from eprt.api import ENGINE_FAILED, STOPPED, GenerationRequest, GenerationResult, RequestError
+from eprt.api import ENGINE_FAILED, STOPPED, GenerationRequest, GenerationResult, Guide, RequestError
 from eprt.comm.logging import setup_logging
 from eprt.comm.recorder import Recorder
 from eprt.comm.transport import StartupFailed
 from eprt.comm.worker import run_worker
 from eprt.comm.world import open_transport
+from eprt.engine.choices import best_choices
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.expert_load import imbalance
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
+from eprt.engine.structured import GrammarCompiler, GuidedRows
 from eprt.ops.device import bind_local_gpu, device_choice
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig
@@ -80,7 +82,25 @@ class Engine:
     def submit(self, req: GenerationRequest, on_finish=None):
         """Queue a request; RequestError (naming the problem) if it cannot be served."""
         self._check_vision(req)
+        self.compile_guide(req.params.guide)
         return Handle(self.scheduler.submit(req, on_finish=self._finisher(on_finish)), self)
+
+    def submit_choices(self, req: GenerationRequest, on_finish=None, on_tokens: list | None = None) -> list:
+        """Queue a request of ``req.params.choices`` choices (n, or best_of), one Handle each;
+        they share the prompt's prefill (docs/design.md, "Choices"). ``on_tokens[k]`` streams
+        choice k; ``on_finish`` runs once per choice (``result.index``)."""
+        self._check_vision(req)
+        self.compile_guide(req.params.guide)
+        inner = self.scheduler.submit_choices(req, on_finish=self._finisher(on_finish), on_tokens=on_tokens)
+        return [Handle(h, self) for h in inner]
+
+    def compile_guide(self, guide) -> None:
+        """RequestError naming the problem when a structured-output guide does not compile for this
+        model (the runner compiles it again per sequence, which then cannot fail)."""
+        if guide is not None:
+            if not isinstance(guide, Guide):
+                raise RequestError(f"guide must be an eprt.api.Guide, got {guide!r:.80}")
+            self.runner.guides.compiler.grammar(guide)
 
     def _with_text(self, result: GenerationResult) -> GenerationResult:
         if self.tokenizer is not None and not result.text:
@@ -95,8 +115,9 @@ class Engine:
                 c = self._counters
                 c["requests_finished"] += 1
                 c["generation_tokens"] += len(result.token_ids)
-                c["cached_tokens"] += result.cached_tokens
-                c["prompt_tokens"] += len(result.prompt_ids)
+                if result.index == 0:  # the choices of one prompt count it once
+                    c["cached_tokens"] += result.cached_tokens
+                    c["prompt_tokens"] += len(result.prompt_ids)
             if user_cb is not None:
                 user_cb(result)
 
@@ -131,31 +152,49 @@ class Engine:
         self._stop_requested = True
 
     def generate(self, reqs: list) -> list:
-        """Run requests as one continuous batch; invalid ones come back as error results."""
+        """Run requests as one continuous batch; invalid ones come back as error results. A
+        request of several choices (n, best_of) must go through ``generate_choices``."""
+        several = [i for i, req in enumerate(reqs) if getattr(req.params, "choices", 1) != 1]
+        if several:
+            raise RequestError(f"request {several[0]} asks for several choices (n, best_of): use generate_choices")
+        return [choices[0] for choices in self.generate_choices(reqs)]
+
+    def generate_choices(self, reqs: list) -> list:
+        """Like ``generate``, one list of results per request: its ``params.n`` choices (with
+        best_of, the n of highest cumulative logprob; engine.choices.best_choices)."""
+        out = self._run_choices(reqs)
+        return [
+            best_choices(res, req.params.n) if req.params.best_of is not None else res for req, res in zip(reqs, out)
+        ]
+
+    def _run_choices(self, reqs: list) -> list:
         handles, results = [], [None] * len(reqs)
         for i, req in enumerate(reqs):
             try:
-                handles.append((i, self.submit(req)))
+                handles.append((i, self.submit_choices(req)))
             except RequestError as e:
-                results[i] = GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))
+                results[i] = [GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))]
         dropped: set = set()
-        while not all(h.done() for _, h in handles):
+        while not all(h.done() for _, hs in handles for h in hs):
             if self._stop_requested:
-                for i, h in handles:
-                    if i not in dropped and not h.started:
+                for i, hs in handles:
+                    if i not in dropped and not any(h.started for h in hs):
                         dropped.add(i)
-                        h.cancel()
+                        for h in hs:
+                            h.cancel()
             self._step()
-        for i, h in handles:
-            results[i] = h.result()
+        for i, hs in handles:
+            results[i] = [h.result() for h in hs]
             if i in dropped:
-                results[i] = GenerationResult(
-                    reqs[i].request_id,
-                    list(reqs[i].prompt_ids),
-                    [],
-                    "error",
-                    error=f"{STOPPED}: the run was stopped before this request started",
-                )
+                results[i] = [
+                    GenerationResult(
+                        reqs[i].request_id,
+                        list(reqs[i].prompt_ids),
+                        [],
+                        "error",
+                        error=f"{STOPPED}: the run was stopped before this request started",
+                    )
+                ]
         return results
 
     def serve_forever(self, stop: threading.Event, poll_s: float = 0.05) -> None:
@@ -311,6 +350,8 @@ def launch_engine(args_or_config, transport=None):
             "which cannot roll back rejected drafts"
         )
     runner = ModelRunner(executor, transport, seed=cfg.seed, drafter=None if spec is None else spec.drafter())
+    eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
+    runner.guides = GuidedRows(GrammarCompiler(loaded.tokenizer, model_cfg.vocab_size, eos))
     sched_cfg = SchedulerConfig(
         vocab_size=model_cfg.vocab_size,
         eos_token_ids=tuple(

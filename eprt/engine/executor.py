@@ -135,6 +135,29 @@ class ShardExecutor:
         self.cache(slot)
         self.free(slot)
 
+    def fork(self, slot: int, new_slot: int) -> None:
+        """FORK: occupy the empty ``new_slot`` with a copy of the prefilled sequence in ``slot``, sharing
+        its full KV blocks and copying the partial last one, and its recurrent state on a hybrid model
+        (docs/protocol.md, "FORK")."""
+        st = self.slots.held(slot, "FORK")
+        if not st.prefilled:
+            raise SlotError(f"FORK slot {slot}: prefill incomplete ({st.length} of {len(st.prompt)} prompt tokens)")
+        if self.slots.get(new_slot) is not None:
+            raise SlotError(f"FORK slot {slot} -> {new_slot}: target slot is occupied")
+        key = self.slots.next_key
+        copy = self.blocks.fork(st.key, key, st.length)
+        if copy is not None:
+            self.kv.copy_block(*copy)
+        child = self.slots.occupy(new_slot, st.prompt, 0, st.adapter, st.vision_rows)
+        child.tokens.extend(st.tokens)
+        self._salts[key] = self._salts[st.key]
+        if self.state is not None:  # a hybrid model: the recurrent state at the prompt's end, copied
+            self.state.move(slot, new_slot)
+
+    def can_fork(self) -> bool:
+        """Whether FORK can run now: a free slot and a free block."""
+        return self.slots.lowest_free() is not None and self.blocks.can_fork()
+
     def compact(self, slot: int, new_slot: int) -> None:
         self.slots.move(slot, new_slot)
         if self.state is not None:

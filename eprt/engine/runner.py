@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from eprt.comm import protocol as P
+from eprt.engine.choices import choice_seed, token_logprobs
 from eprt.engine.executor import ShardExecutor, vision_salt
 from eprt.engine.sampling import request_seed, sample_rows, token_uniform
 from eprt.engine.speculative import Drafter, SpeculativeRunner
+from eprt.engine.structured import GuidedRows
 from eprt.scheduler.interface import TraceCalls
 
 
@@ -25,6 +27,7 @@ class SeqModelState:
     seed: int  # its sampling key: token p's draw is token_uniform(seed, p), whatever the batch
     salt: bytes  # prefix-cache salt of its vision rows, hashed once
     checkpoints: tuple = ()  # hybrid models: token counts at which this admission's prefill snapshots
+    matcher: object = None  # structured outputs: its grammar's llguidance matcher (eprt/engine/structured.py)
 
 
 class ModelRunner(SpeculativeRunner, TraceCalls):
@@ -38,6 +41,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.decode_steps = 0
         self.decode_rows = 0
         self.drafter = drafter  # speculative decoding (eprt/engine/speculative.py); None: off
+        self.guides: GuidedRows | None = None  # structured outputs (set by launch_engine)
 
     # ---- KV memory -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -46,9 +50,10 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
     def _state(self, seq) -> SeqModelState:
         """This runner's per-sequence state, made once (a preempted sequence keeps it)."""
         if seq.model_state is None:
-            seq.model_state = SeqModelState(
-                seed=request_seed(seq.params, self._rng), salt=vision_salt(seq.image_embeds)
-            )
+            seed = choice_seed(request_seed(seq.params, self._rng), seq.choice)
+            seq.model_state = SeqModelState(seed=seed, salt=vision_salt(seq.image_embeds))
+            if seq.params.guide is not None:  # compiled once at submit: cannot fail here
+                seq.model_state.matcher = self.guides.compiler.matcher(seq.params.guide)
         return seq.model_state
 
     def can_admit(self, seq) -> bool:
@@ -70,9 +75,30 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.executor.cache(seq.slot)
 
     def free_sequence(self, seq) -> int:
+        state = seq.model_state
+        if state is not None and state.matcher is not None and seq.finished:  # (preempted: it keeps its matcher)
+            self.guides.forget(state.matcher)
         blocks = self.executor.free(seq.slot)
         self.transport.send(P.Release(seq.slot))
         return blocks
+
+    def can_fork(self, seq) -> bool:
+        return self.executor.can_fork()
+
+    def fork_sequence(self, seq, child) -> int:
+        """FORK child off the just-prefilled seq; the last prefill's logits gain child's row."""
+        slot = self.executor.slots.lowest_free()
+        if slot is None:
+            raise RuntimeError("fork_sequence with every slot occupied")
+        self.executor.fork(seq.slot, slot)
+        self.transport.send(P.Fork(seq.slot, slot))
+        parent = self._state(seq)  # choice 0: its seed is the request's key
+        child.model_state = SeqModelState(seed=choice_seed(parent.seed, child.choice), salt=parent.salt)
+        if parent.matcher is not None:  # the fork's grammar state starts where the parent's is: the prompt's end
+            child.model_state.matcher = parent.matcher.deep_copy()
+        self._rows.append(child)
+        self._logits = self._logits[[0] * len(self._rows)]  # [rows, V]: the prompt's row for each
+        return slot
 
     def compact_sequence(self, seq, new_slot: int) -> None:
         self.executor.compact(seq.slot, new_slot)
@@ -131,7 +157,9 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         together, each with the uniform of its request's seed at the token's position."""
         seqs = self._rows[row : row + n]
         logits = self._logits[row : row + n]  # [n, V]
-        sampled = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0]
+        guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None]
+        on_host = set(guided)
+        sampled = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0 or i in on_host]
         tokens = [0] * len(seqs)
         if len(sampled) < len(seqs):
             greedy = self.executor.ops.argmax(logits)
@@ -139,12 +167,31 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         if sampled:
             host = self.executor.ops.to_host(logits[sampled] if len(sampled) < len(seqs) else logits)  # [m, V]
             picked = [seqs[i] for i in sampled]
+            if guided:  # structured outputs: the grammar's mask before sampling
+                rows = [k for k, i in enumerate(sampled) if i in on_host]
+                host = np.array(host, dtype=np.float32)  # a copy: the logits stay as the model made them
+                masked = host[rows]
+                self.guides.apply(masked, [seqs[sampled[k]].model_state.matcher for k in rows])
+                host[rows] = masked
             uniforms = np.array(
                 [token_uniform(s.model_state.seed, self.executor.slots.get(s.slot).length) for s in picked]
             )
             for i, t in zip(sampled, sample_rows(host, [s.params for s in picked], uniforms)):
                 tokens[i] = t
+        self._rank_tokens(seqs, logits, tokens)
+        if guided:  # the grammar takes the tokens; the next masks are computed during the next forward
+            self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
         return tokens
+
+    def _rank_tokens(self, seqs: list, logits, tokens: list) -> None:
+        """best_of: add each sampled token's logprob to its sequence's cumulative logprob."""
+        ranked = [i for i, s in enumerate(seqs) if s.params.best_of is not None]
+        if not ranked:
+            return
+        host = self.executor.ops.to_host(logits[ranked])  # [m, V]
+        temps = np.array([seqs[i].params.temperature for i in ranked], dtype=np.float64)
+        for i, lp in zip(ranked, token_logprobs(host, temps, np.array([tokens[i] for i in ranked]))):
+            seqs[i].cumulative_logprob = (seqs[i].cumulative_logprob or 0.0) + float(lp)
 
     # ---- shutdown ----------------------------------------------------------------------
     def ep_shutdown(self) -> None:

@@ -83,7 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="[I:]FILE.npy",
         help="float32 [n, D] rows for the n image placeholders of prompt I (default 0)",
     )
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt (per choice) per line")
+    parser.add_argument("-n", "--n", type=int, default=1, help="choices per prompt, sharing its prefill (default 1)")
+    parser.add_argument(
+        "--best-of", type=int, default=None, help="generate this many choices per prompt, print the n most likely"
+    )
     add_engine_arguments(parser)
 
 
@@ -97,6 +101,8 @@ def _requests(args, tokenizer) -> list:
         top_k=args.top_k,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        n=args.n,
+        best_of=args.best_of,
     )
     params.validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
     reqs = []
@@ -149,10 +155,11 @@ def main(args) -> int:
         drain.install()
         try:
             reqs = _requests(args, engine.tokenizer)
-            results = engine.generate(reqs)
+            per_prompt = engine.generate_choices(reqs)
         except (RequestError, OSError) as e:
             print(f"eprt generate: {e}", file=sys.stderr)
             return 2
+        results = [r for choices in per_prompt for r in choices]  # choice by choice, prompt by prompt
         not_run = sum(r.finish_reason == "error" and (r.error or "").startswith(STOPPED) for r in results)
         if not_run:
             print(

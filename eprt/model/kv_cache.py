@@ -44,6 +44,12 @@ class KVCache:
         total = sum(int(a.nbytes) for a in (*self.k, *self.v, *self.latent) if a is not None)
         return total // (self.num_blocks * self.block_size)
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src`` into block ``dst`` in every layer (a forked sequence's partial block)."""
+        for a in (*self.k, *self.v, *self.latent):
+            if a is not None:
+                a[dst] = a[src]  # [BS, ...]
+
     def slots(self, block_table, positions: np.ndarray) -> np.ndarray:
         """Flat slot of each position: block_table[p // BS] * BS + p % BS.  [T]"""
         bt = np.asarray(block_table, dtype=np.int64)

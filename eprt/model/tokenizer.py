@@ -115,6 +115,10 @@ class Tokenizer:
             del ids[0]  # the text's own BOS: BOS exactly once
         return ids
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` text of the underlying tokenizer (for grammar libraries)."""
+        return self._tok.to_str()
+
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 

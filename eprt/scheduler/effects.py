@@ -71,6 +71,21 @@ class ReleaseSeq:
 
 
 @dataclass(frozen=True)
+class ForkSeq:
+    """A further choice of a prompt whose prefill has just ended: a slot of its own sharing the
+    parent's KV (FORK). Returns the child's slot."""
+
+    parent: object
+    child: object
+
+    def line(self) -> str:
+        return "fx apply ForkSeq"
+
+    def perform(self, model) -> int:
+        return model.fork_sequence(self.parent, self.child)
+
+
+@dataclass(frozen=True)
 class CompactSlot:
     """Move a surviving sequence down to a lower free slot."""
 

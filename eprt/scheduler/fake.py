@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from eprt.cache.block_manager import BlockManager
 from eprt.cache.snapshots import WORD64, SnapshotIndex, prefill_points, prefix_hash64
-from eprt.comm.protocol import DECODE_CKPT, PREFILL, PREFILL_NEXT, RELEASE, SHUTDOWN, WORD_MAX
+from eprt.comm.protocol import DECODE_CKPT, FORK, PREFILL, PREFILL_NEXT, RELEASE, SHUTDOWN, WORD_MAX
 from eprt.scheduler.interface import TraceCalls
 
 
@@ -120,6 +120,23 @@ class RecordingModel(TraceCalls):
         self.emit(f"free_sequence({seq_name(seq)}, blocks={n})")
         self._frame(seq.slot, RELEASE)
         return n
+
+    def can_fork(self, seq) -> bool:
+        return None in self.slots and self.blocks.can_fork()
+
+    def fork_sequence(self, seq, child) -> int:
+        self._check_slot(seq)
+        if seq.len != seq.num_prompt or not self.can_fork(seq):
+            raise FakeModelError(f"fork of {seq_name(seq)}: not just prefilled, or no free slot / block")
+        if self._next_token is not None:  # the first fork: the prompt's row joins the batch
+            self._batch_out, self._next_token = [self._next_token], None
+        slot = self.slots.index(None)
+        self.blocks.fork(seq.seq_id, child.seq_id, seq.len)
+        self.slots[slot] = child.seq_id
+        self._batch_out.append(self._answer(child, seq.len - 1))
+        self.emit(f"fork_sequence({seq_name(seq)}, s{child.seq_id}) -> slot {slot}")
+        self._frame(seq.slot, FORK, slot)
+        return slot
 
     def compact_sequence(self, seq, new_slot: int) -> None:
         self._check_slot(seq)

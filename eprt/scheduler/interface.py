@@ -31,6 +31,15 @@ class ModelInterface(Protocol):
         """Free the slot and the sequence's blocks, and tell the workers (RELEASE); returns
         how many blocks it held."""
 
+    def can_fork(self, seq) -> bool:
+        """Whether a further choice of the prefilled seq can fork off it now: a free slot and
+        a free block (untraced)."""
+
+    def fork_sequence(self, seq, child) -> int:
+        """Take the lowest free slot for child, a further choice of the prefilled seq: it shares
+        seq's full KV blocks and copies the partial last one (FORK); returns the slot. The next
+        argmax_batch has one more row, the prompt's logits again, sampled for child."""
+
     def compact_sequence(self, seq, new_slot: int) -> None:
         """Move the sequence from seq.slot to new_slot (COMPACT; KV stays in its blocks)."""
 

@@ -3,6 +3,7 @@ print its trace (file format and trace: docs/scenarios.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class RequestSpec:
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
     drafts: list | None = None  # the fake drafter's script (speculative_tokens > 0)
+    choices: list = field(default_factory=list)  # scripts of further choices (n > 1), forked after the prompt
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Outcome:
     finished_at_line: int | None = None  # trace length when on_finish ran
     handle: RequestHandle | None = None
     rejected: str | None = None  # the RequestError of a refused submit
+    forks: list = field(default_factory=list)  # Outcome of each further choice
 
 
 @dataclass
@@ -142,6 +145,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         "stop_token_ids",
         "ignore_eos",
         "drafts",
+        "choices",
     }
     where = f"request {r.get('id', '?')}"
     if set(r) - known:
@@ -175,9 +179,15 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         stop_token_ids=_take(r, "stop_token_ids", list, [], where),
         ignore_eos=_take(r, "ignore_eos", bool, False, where),
         drafts=_take(r, "drafts", list, None, where),
+        choices=_take(r, "choices", list, [], where),
     )
     if spec.drafts is not None and not all(type(t) is int and 0 <= t < engine.vocab_size for t in spec.drafts):
         raise ScenarioError(f"{where}: drafts must be a list of token ids < {engine.vocab_size}")
+    for c in spec.choices:
+        if not isinstance(c, list) or not c or not all(type(t) is int and 0 <= t < engine.vocab_size for t in c):
+            raise ScenarioError(f"{where}: choices must be non-empty scripts of token ids < {engine.vocab_size}")
+    if spec.choices and mode != "blocking":
+        raise ScenarioError(f'{where}: a request with choices must be mode = "blocking" (one stream per request)')
     if spec.arrive_at_tick < 1:
         raise ScenarioError(f"{where}: arrive_at_tick must be >= 1")
     if spec.cancel_at_tick is not None and spec.cancel_at_tick < spec.arrive_at_tick:
@@ -240,21 +250,32 @@ def run(sc: Scenario) -> ScenarioRun:
             if r.arrive_at_tick == tick:
                 _submit(sched, r, out, lines)
             if r.cancel_at_tick == tick and out.handle is not None:
-                out.handle.cancel()
+                for choice in [out] + out.forks:  # every choice
+                    choice.handle.cancel()
         if tick >= last_arrival:
             sched.close()
         sched.step()
     for r in sc.requests:
         lines.append(f"out s{r.id}: {_client_line(outcomes[r.id])}")
+        for fork in outcomes[r.id].forks:
+            lines.append(f"out s{fork.handle.seq_id}: {_client_line(fork)}")
     return ScenarioRun(lines, [outcomes[r.id] for r in sc.requests], model)
 
 
 def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None:
-    def finished(result):
-        out.results.append(result)
-        out.finished_at_line = len(lines)
+    out.forks = [Outcome(dataclasses.replace(r, script=script, choices=[])) for script in r.choices]
 
-    params = SamplingParams(max_tokens=r.max_tokens, stop_token_ids=tuple(r.stop_token_ids), ignore_eos=r.ignore_eos)
+    def finished(result):
+        choice = out if result.index == 0 else out.forks[result.index - 1]
+        choice.results.append(result)
+        choice.finished_at_line = len(lines)
+
+    params = SamplingParams(
+        max_tokens=r.max_tokens,
+        stop_token_ids=tuple(r.stop_token_ids),
+        ignore_eos=r.ignore_eos,
+        n=1 + len(r.choices),
+    )
     request = GenerationRequest(
         prompt_ids=list(r.prompt),
         params=params,
@@ -263,9 +284,14 @@ def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None
         on_token=out.streamed.append,
     )
     try:
-        out.handle = sched.submit(request, on_finish=finished, seq_id=r.id)
+        handles = sched.submit_choices(request, on_finish=finished, seq_id=r.id)
     except RequestError as e:
-        out.rejected = str(e)
+        out.rejected, out.forks = str(e), []  # (its further choices were never submitted)
+        return
+    out.handle = handles[0]
+    for fork, handle in zip(out.forks, handles[1:]):
+        fork.handle = handle
+        sched.model.scripts[handle.seq_id] = (len(r.prompt), list(fork.spec.script))
 
 
 def _client_line(out: Outcome) -> str:

@@ -21,6 +21,7 @@ from eprt.scheduler.effects import (
     Decode,
     EffectRunner,
     EpShutdown,
+    ForkSeq,
     MarconiCheckpoint,
     Quiesce,
     ReleaseSeq,
@@ -59,35 +60,63 @@ class Scheduler:
     def submit(
         self, request: GenerationRequest, *, on_finish=None, seq_id: int | None = None, adapter: int = -1
     ) -> RequestHandle:
+        """Queue one request of one choice (``submit_choices`` takes n / best_of)."""
+        if getattr(request.params, "choices", 1) != 1:
+            raise RequestError(f"{request.params.choices} choices asked for: submit them with submit_choices")
+        return self.submit_choices(request, on_finish=on_finish, seq_id=seq_id, adapter=adapter)[0]
+
+    def submit_choices(
+        self,
+        request: GenerationRequest,
+        *,
+        on_finish=None,
+        seq_id: int | None = None,
+        adapter: int = -1,
+        on_tokens: list | None = None,
+    ) -> list[RequestHandle]:
+        """Queue a request and its further choices (``params.choices``: best_of, else n), one
+        handle each; the further ones fork off the first when its prefill ends (docs/scenarios.md,
+        "Choices"). ``on_finish`` is called once per choice; ``on_tokens[k]``, when given, streams
+        choice k's tokens instead of ``request.on_token``."""
         prompt = validate_request(self.config, request)
         deadline = None if request.timeout_s is None else self.clock.now() + request.timeout_s
+        count = getattr(request.params, "choices", 1)
+        if on_tokens is not None and len(on_tokens) != count:
+            raise RequestError(f"{len(on_tokens)} token callbacks for {count} choices")
         with self._ids_lock:
             if seq_id is None:  # above every id given so far: never live
                 seq_id = self._next_id
             elif not isinstance(seq_id, int) or seq_id < 0 or seq_id in self._live_ids:
                 raise RequestError(f"sequence id {seq_id!r} is invalid or already in use")
-            self._next_id = max(self._next_id, seq_id + 1)
-            self._live_ids.add(seq_id)
-        seq = Sequence(
-            seq_id,
-            tuple(prompt),
-            request.params,
-            request_id=request.request_id,
-            adapter=adapter,
-            image_embeds=request.image_embeds,
-            deadline=deadline,
-            stream=request.stream,
-            on_token=request.on_token,
-            on_finish=on_finish,
-        )
-        seq.accepted_tokens = 0 if self.config.num_speculative_tokens else None
+            ids = [seq_id] + list(range(max(self._next_id, seq_id + 1), max(self._next_id, seq_id + 1) + count - 1))
+            self._next_id = max(self._next_id, ids[-1] + 1)
+            self._live_ids.update(ids)
+        seqs = [
+            Sequence(
+                i,
+                tuple(prompt),
+                request.params,
+                request_id=request.request_id,
+                adapter=adapter,
+                image_embeds=request.image_embeds,
+                deadline=deadline,
+                stream=request.stream,
+                on_token=request.on_token if on_tokens is None else on_tokens[k],
+                on_finish=on_finish,
+                choice=k,
+            )
+            for k, i in enumerate(ids)
+        ]
+        seqs[0].forks = seqs[1:]
+        for seq in seqs:
+            seq.accepted_tokens = 0 if self.config.num_speculative_tokens else None
         try:
-            self._inbox.put(seq)
+            self._inbox.put(seqs[0])
         except RequestError:
             with self._ids_lock:
-                self._live_ids.discard(seq_id)
+                self._live_ids.difference_update(ids)
             raise
-        return RequestHandle(seq)
+        return [RequestHandle(seq) for seq in seqs]
 
     def cancel(self, handle: RequestHandle) -> None:
         handle.cancel()
@@ -147,7 +176,8 @@ class Scheduler:
         self._started = True
 
     def _plan(self) -> None:
-        room = self.config.max_batch - len(self._live) - len(self._waiting)
+        held = sum(1 + len(s.forks) for s in itertools.chain(self._live, self._waiting))  # forks to come count
+        room = self.config.max_batch - held
         drained = self._inbox.drain(room) if room > 0 else []
         if not drained:
             return
@@ -163,8 +193,8 @@ class Scheduler:
             if budget == 0:
                 return
             budget = self._prefill_chunk(seq, budget)
-        while self._waiting and budget != 0:
-            seq = self._waiting[0]
+        while self._waiting and budget != 0 and len(self._live) < self.config.max_batch:
+            seq = self._waiting[0]  # (a fork that found no slot may wait for one)
             if not self.model.can_admit(seq):
                 if self._live:
                     return  # wait for blocks to come back
@@ -198,8 +228,33 @@ class Scheduler:
         seq.len = start + n
         if seq.len == full:
             seq.state = SeqState.RUNNING
-            self._accept(seq, self.model.argmax_on_device(row=0, stream=DEFAULT_STREAM), checkpoint=False)
+            rows = [seq] + self._fork(seq)
+            if len(rows) == 1:
+                tokens = [self.model.argmax_on_device(row=0, stream=DEFAULT_STREAM)]
+            else:  # every choice samples its own first token from the prompt's logits
+                tokens = self.model.argmax_batch(row=0, n=len(rows), stream=DEFAULT_STREAM)
+            for s, token in zip(rows, tokens):
+                self._accept(s, token, checkpoint=False)
         return None if budget is None else budget - n
+
+    def _fork(self, parent: Sequence) -> list:
+        """The parent's further choices, each forked into a slot of its own (FORK) while there is
+        a slot and a block; the rest queue at the front to prefill their prompt themselves."""
+        forked, children = [], parent.forks
+        parent.forks = []
+        for i, child in enumerate(children):
+            if len(self._live) >= self.config.max_batch or not self.model.can_fork(parent):
+                self._waiting.extendleft(reversed(children[i:]))
+                break
+            child.slot = self._fx.run(ForkSeq(parent, child))
+            child.len = child.cached = parent.len
+            child.cached_tokens = parent.cached_tokens
+            child.admit_order = next(self._admissions)
+            child.state = SeqState.RUNNING
+            self._live.append(child)
+            self.model.acquire_adapter_slot(child.adapter)
+            forked.append(child)
+        return forked
 
     # -- decode lane -------------------------------------------------------------------------
     def _decode_lane(self) -> None:
@@ -266,8 +321,11 @@ class Scheduler:
         queued = [s for s in self._waiting if verdict(s) is not None]
         self._waiting = deque(s for s in self._waiting if s not in queued)
         queued += self._inbox.remove_if(lambda s: verdict(s) is not None)
-        for seq in queued:  # never admitted (or preempted): no slot to free
-            self._finish(seq, *verdict(seq))
+        while queued:
+            for seq in queued:  # never admitted (or preempted): no slot to free
+                self._finish(seq, *verdict(seq))
+            queued = [s for s in self._waiting if verdict(s) is not None]  # forks those ends let go
+            self._waiting = deque(s for s in self._waiting if s not in queued)
         for seq in sorted((s for s in self._live if s.finished), key=lambda s: s.slot):
             self._fx.run(ReleaseSeq(seq, cache=True, finish=True))
             self._live.remove(seq)
@@ -296,6 +354,7 @@ class Scheduler:
         touching the model again. The scheduler is shut down afterwards."""
         self._inbox.close()
         pending = self._inbox.drain(len(self._inbox)) + list(self._waiting) + list(self._live)
+        pending += [child for seq in pending for child in seq.forks]
         self._waiting.clear()
         self._live.clear()
         for seq in pending:
@@ -307,6 +366,9 @@ class Scheduler:
 
     # -- ending requests ---------------------------------------------------------------------
     def _finish(self, seq: Sequence, reason: str, guard: str | None = None, error: str | None = None) -> None:
+        if seq.forks:  # ended before its prefill: its further choices go on by themselves
+            self._waiting.extend(seq.forks)
+            seq.forks = []
         seq.state = SeqState.FINISHED
         seq.finish_reason, seq.guard, seq.error = reason, guard, error
         if seq.slot < 0:  # holds nothing: tell the client now

@@ -51,9 +51,12 @@ class Sequence:
     slot: int = -1
     cached: int = 0  # prefix-cache hit of the current admission
     model_state: object = None  # the model's own (e.g. its sampler); never read here
+    choice: int = 0  # which choice of its prompt (n, best_of): 0, or a fork's index
+    cumulative_logprob: float | None = None  # the model may sum its tokens' logprobs here (best_of)
     # -- scheduler bookkeeping -----------------------------------------------------------
     state: SeqState = SeqState.QUEUED
     cached_tokens: int | None = None  # reported hit: that of the first admission
+    forks: list = field(default_factory=list, repr=False)  # further choices, forked when the prefill ends
     admit_order: int = -1  # larger: admitted more recently
     accepted_tokens: int | None = None  # speculative drafts accepted (None: speculation off)
     finish_reason: str | None = None
@@ -94,6 +97,8 @@ class Sequence:
             cached_tokens=self.cached_tokens or 0,
             error=self.error,
             accepted_tokens=self.accepted_tokens,
+            index=self.choice,
+            cumulative_logprob=self.cumulative_logprob,
         )
         if self.finished:
             self._result = result

@@ -41,10 +41,18 @@ def plan_drafts(sched, rows: list) -> list[tuple]:
     return drafts
 
 
+def verifiable(params) -> bool:
+    """Whether a row may ride in a VERIFY: rows whose tokens need more than the verify readback
+    computes (a grammar mask, best_of's cumulative logprob) keep the whole step a decode step."""
+    return params.guide is None and params.best_of is None
+
+
 def verify_lane(sched, rows: list) -> bool:
     """Run the step as a verify step when any row has drafts (True), else leave it to the decode
     lane (False). Each row's emitted tokens are taken one by one, exactly as decoded tokens, until
     one finishes the sequence; the rest are dropped and their KV rolled back."""
+    if not all(verifiable(seq.params) for seq in rows):
+        return False
     drafts = plan_drafts(sched, rows)
     if not any(drafts):
         return False

@@ -5,6 +5,7 @@ output file is locked (input and output formats: docs/serving.md, "eprt run").
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -24,6 +25,7 @@ from eprt.api import (
     is_engine_failure,
     is_int,
 )
+from eprt.serve.guided import GUIDED_FIELDS, compile_guide, parse_guide
 from eprt.serve.loop import EngineLoop
 from eprt.serve.params import (
     FieldError,
@@ -31,16 +33,19 @@ from eprt.serve.params import (
     context_room,
     encode_prompt,
     fit_to_context,
+    parse_choices,
     parse_options,
     parse_token_ids,
 )
 from eprt.serve.progress import Progress
-from eprt.serve.stream import LiveRequest
+from eprt.serve.stream import LiveChoices, LiveRequest
 
 log = logging.getLogger("eprt.serve")
 
 LINE_FIELDS = frozenset(
     {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
+    | {"n", "best_of", "response_format", "structured_outputs"}
+    | set(GUIDED_FIELDS)
 )
 _POLL_S = 0.01  # how long the writer sleeps when no request made progress
 
@@ -211,7 +216,9 @@ def build_request(line: Line, engine) -> tuple:
     room = context_room(prompt_ids, engine.max_model_len, "prompt_ids" if "prompt_ids" in obj else "prompt")
     opts = parse_options(obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens)
     request_id = f"line-{line.number}" if line.id is None else str(line.id)
-    params = fit_to_context(opts.params, room)
+    guide, guide_field = parse_guide(obj)
+    compile_guide(engine, guide, guide_field)
+    params = dataclasses.replace(fit_to_context(parse_choices(obj, opts.params), room), guide=guide)
     return GenerationRequest(prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s), opts.stop_strings
 
 
@@ -273,6 +280,9 @@ class BatchWriter:
     def _finish(self, line: Line, req: LiveRequest, dropped: bool) -> None:
         if dropped:
             return  # cancelled by the stop before its first token: runs again next time
+        if isinstance(req, LiveChoices):
+            self._finish_choices(line, req.results())
+            return
         result, _ = req.result()
         if is_engine_failure(result):
             self.engine_failures += 1
@@ -280,12 +290,24 @@ class BatchWriter:
             return  # not the line's fault: runs again next time
         self._write(line, result.to_json(), failed=result.finish_reason == "error", tokens=len(result.token_ids))
 
+    def _finish_choices(self, line: Line, results: list) -> None:
+        """A line of several choices: one record with the first one's fields and ``choices``."""
+        failure = next((r for r in results if is_engine_failure(r)), None)
+        if failure is not None:
+            self.engine_failures += 1
+            self.engine_failure = failure.error
+            return  # not the line's fault: runs again next time
+        record = {**results[0].to_json(), "choices": [r.to_json() | {"index": r.index} for r in results]}
+        failed = any(r.finish_reason == "error" for r in results)
+        self._write(line, record, failed=failed, tokens=sum(len(r.token_ids) for r in results))
+
     def _submit(self, line: Line, live: dict) -> bool:
         """Submit (or record as bad) one line; False when the engine takes no more requests."""
         if line.error is None:
             try:
                 request, stops = build_request(line, self.engine)
-                live[LiveRequest(self.engine, request, stops)] = line
+                several = request.params.choices > 1
+                live[(LiveChoices if several else LiveRequest)(self.engine, request, stops)] = line
                 return True
             except EngineClosed:
                 return False  # not the line's fault: it stays unfinished

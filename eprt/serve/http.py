@@ -32,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from eprt import __version__
 from eprt.api import ENGINE_FAILED, RequestError
+from eprt.engine.choices import best_choices
 from eprt.serve import openai
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES, ApiError, parse_json, read_body
 from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -220,7 +221,11 @@ class Generation:
         self.waker = Waker(asyncio.get_running_loop())
         state.begin()
         try:
-            self.live = LiveRequest(state.engine, api.request, api.stop_strings, notify=self.waker)
+            if api.request.params.choices == 1:
+                self.lives = [LiveRequest(state.engine, api.request, api.stop_strings, notify=self.waker)]
+            else:  # several choices sharing one prefill
+                self.lives = LiveRequest.choices(state.engine, api.request, api.stop_strings, notify=self.waker)
+            self.live = self.lives[0]
         except BaseException:
             state.end()
             raise
@@ -230,9 +235,10 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        for other in self.lives:
+            if not other.handle.done():
+                other.cancel()  # the client left or the handler failed: free the sequence
         live = self.live
-        if not live.handle.done():
-            live.cancel()  # the client left or the handler failed: free the sequence
         if live.first_token_at is not None:
             self.info["ttft"] = live.first_token_at - live.submitted_at
         self.info["gone"] = not complete
@@ -405,18 +411,23 @@ async def _generate(state: ServerState, request: Request, chat: bool):
 
 
 async def _complete(request: Request, gen: Generation):
-    live, next_check = gen.live, time.monotonic() + _CLIENT_CHECK_S
-    while not live.finished():
+    lives, next_check = gen.lives, time.monotonic() + _CLIENT_CHECK_S
+    while not all(live.finished() for live in lives):
         await gen.waker.wait(_CLIENT_CHECK_S)
-        live.pump()
+        for live in lives:
+            live.pump()
         if time.monotonic() >= next_check:
             next_check = time.monotonic() + _CLIENT_CHECK_S
             if await request.is_disconnected():
                 return Response(status_code=499)  # never seen: the client is gone
-    result, _ = live.result()
-    if result.finish_reason == "error":
-        return error_response(gen.error(result))
-    return JSONResponse(openai.response_body(gen.api, result))
+    results = [live.result()[0] for live in lives]
+    failed = next((r for r in results if r.finish_reason == "error"), None)
+    if failed is not None:
+        return error_response(gen.error(failed))
+    params = gen.api.request.params
+    if params.best_of is not None:
+        results = best_choices(results, params.n)
+    return JSONResponse(openai.choices_body(gen.api, results))
 
 
 def _event(obj) -> bytes:
@@ -425,25 +436,34 @@ def _event(obj) -> bytes:
 
 async def _events(gen: Generation):
     """The SSE stream of one request; an engine failure ends it with an error event and [DONE]."""
-    api, live, complete = gen.api, gen.live, False
+    api, lives, complete = gen.api, gen.lives, False
     try:
         if api.chat:
-            yield _event(openai.chunk(api, first=True))
-        while not live.finished():
+            for i in range(len(lives)):
+                yield _event(openai.chunk(api, first=True, index=i))
+        results: list = [None] * len(lives)
+        while True:
+            for i, live in enumerate(lives):
+                if results[i] is not None:
+                    continue
+                delta = live.pump()
+                if delta:
+                    yield _event(openai.chunk(api, delta, index=i))
+                if live.finished():
+                    results[i], tail = live.result()
+                    if tail:
+                        yield _event(openai.chunk(api, tail, index=i))
+                    if results[i].finish_reason != "error":
+                        yield _event(openai.chunk(api, finish_reason=results[i].finish_reason, index=i))
+            if all(r is not None for r in results):
+                break
             await gen.waker.wait(1.0)
-            delta = live.pump()
-            if delta:
-                yield _event(openai.chunk(api, delta))
-        result, tail = live.result()
-        if tail:
-            yield _event(openai.chunk(api, tail))
-        if result.finish_reason == "error":
-            e = gen.error(result)
+        failed = next((r for r in results if r.finish_reason == "error"), None)
+        if failed is not None:
+            e = gen.error(failed)
             yield _event(openai.error_body(str(e), e.kind, code=str(e.status)))
-        else:
-            yield _event(openai.chunk(api, finish_reason=result.finish_reason))
-            if api.include_usage:
-                yield _event(openai.usage_chunk(api, result))
+        elif api.include_usage:
+            yield _event(openai.usage_chunk(api, results))
         yield b"data: [DONE]\n\n"
         complete = True
     finally:

@@ -3,11 +3,12 @@
 No I/O here (``eprt.serve.http`` does the HTTP). A body is size-checked against the context
 first (before any tokenizing), then type-checked by the pydantic models below, then
 value-checked by ``eprt.serve.params``; every problem is a ``FieldError`` naming the field
-(answered 400). Unknown fields are ignored; unsupported ones (n > 1, tools, ...) are refused.
+(answered 400). Unknown fields are ignored; unsupported ones (tools, ...) are refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,12 +17,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from eprt.api import GenerationRequest, GenerationResult, SamplingParams
+from eprt.serve.guided import compile_guide, parse_guide
 from eprt.serve.params import (
     FieldError,
     check_text,
     context_room,
     encode_prompt,
     fit_to_context,
+    parse_choices,
     parse_options,
     parse_token_ids,
 )
@@ -30,17 +33,11 @@ MAX_CHARS_PER_TOKEN = 32  # text longer than max_model_len * this cannot fit the
 
 # field -> (value that asks for something unsupported?, what to tell the client)
 UNSUPPORTED = {
-    "n": (lambda v: v not in (None, 1), "n must be 1: send one request per choice"),
-    "best_of": (lambda v: v not in (None, 1), "best_of is not supported"),
     "logprobs": (lambda v: v not in (None, False, 0), "logprobs are not supported"),
     "top_logprobs": (lambda v: v not in (None, 0), "top_logprobs are not supported"),
     "echo": (lambda v: bool(v), "echo is not supported"),
     "suffix": (lambda v: bool(v), "suffix is not supported"),
     "tools": (lambda v: bool(v), "tools are not supported"),
-    "response_format": (
-        lambda v: v not in (None, {"type": "text"}),
-        'only response_format {"type": "text"} is supported',
-    ),
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -64,6 +61,8 @@ class _Body(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr | StrictInt] | None = None
     timeout: StrictFloat | None = None
+    n: StrictInt | None = None
+    best_of: StrictInt | None = None
 
 
 class CompletionBody(_Body):
@@ -234,7 +233,9 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         room = context_room(prompt_ids, engine.max_model_len, "prompt")
         default_max, max_field = SamplingParams().max_tokens, "max_tokens"
     opts = parse_options(body, engine.vocab_size, default_max, max_tokens_field=max_field)
-    params = fit_to_context(opts.params, room)
+    guide, guide_field = parse_guide(body)
+    compile_guide(engine, guide, guide_field)
+    params = dataclasses.replace(fit_to_context(parse_choices(body, opts.params, stream), room), guide=guide)
     api = ApiRequest(
         chat,
         GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s),
@@ -250,8 +251,11 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
 # ---- responses ------------------------------------------------------------------------
 
 
-def usage(result: GenerationResult) -> dict:
-    prompt, completion = len(result.prompt_ids), len(result.token_ids)
+def usage(result) -> dict:
+    """Token counts of a result, or of the choices of one prompt (the prompt counted once)."""
+    results = result if isinstance(result, list) else [result]
+    result = results[0]
+    prompt, completion = len(result.prompt_ids), sum(len(r.token_ids) for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -265,37 +269,53 @@ def _envelope(api: ApiRequest, obj: str, choices: list) -> dict:
 
 
 def response_body(api: ApiRequest, result: GenerationResult) -> dict:
-    """The whole answer of a non-streaming request. ``token_ids`` (an eprt extension) lists the
-    generated ids, so a model without a tokenizer still shows what it generated."""
-    if api.chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": None,
-            "finish_reason": result.finish_reason,
-        }
-    else:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
-    choice["token_ids"] = list(result.token_ids)
-    body = _envelope(api, "chat.completion" if api.chat else "text_completion", [choice])
-    body["usage"] = usage(result)
+    """The whole answer of a non-streaming request of one choice."""
+    return choices_body(api, [result])
+
+
+def choices_body(api: ApiRequest, results: list) -> dict:
+    """The whole answer of a non-streaming request, one choice per result (``result.index``).
+    ``token_ids`` (an eprt extension) lists the generated ids, so a model without a tokenizer
+    still shows what it generated."""
+    choices = []
+    for result in results:
+        if api.chat:
+            choice = {
+                "index": result.index,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": None,
+                "finish_reason": result.finish_reason,
+            }
+        else:
+            choice = {
+                "index": result.index,
+                "text": result.text,
+                "logprobs": None,
+                "finish_reason": result.finish_reason,
+            }
+        choice["token_ids"] = list(result.token_ids)
+        choices.append(choice)
+    body = _envelope(api, "chat.completion" if api.chat else "text_completion", choices)
+    body["usage"] = usage(results)
     return body
 
 
-def chunk(api: ApiRequest, text: str = "", finish_reason: str | None = None, first: bool = False) -> dict:
-    """One streamed chunk: new text, or (with finish_reason) the last one of the choice."""
+def chunk(
+    api: ApiRequest, text: str = "", finish_reason: str | None = None, first: bool = False, index: int = 0
+) -> dict:
+    """One streamed chunk of choice ``index``: new text, or (with finish_reason) its last one."""
     if api.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
     body = _envelope(api, "chat.completion.chunk" if api.chat else "text_completion", [choice])
     if api.include_usage:
         body["usage"] = None
     return body
 
 
-def usage_chunk(api: ApiRequest, result: GenerationResult) -> dict:
+def usage_chunk(api: ApiRequest, result) -> dict:
     body = _envelope(api, "chat.completion.chunk" if api.chat else "text_completion", [])
     body["usage"] = usage(result)
     return body

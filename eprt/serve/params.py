@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from eprt.api import RequestError, SamplingParams, is_int, is_real
+from eprt.api import MAX_CHOICES, RequestError, SamplingParams, is_int, is_real
 
 MAX_STOPS = 16  # stop strings and ids of one request (each string is searched for after every token)
 MAX_STOP_CHARS = 1024  # characters of all the stop strings of one request together
@@ -157,3 +157,17 @@ def fit_to_context(params: SamplingParams, room: int) -> SamplingParams:
     """max_tokens past the context (10**12, say) cut to what the context leaves, as the engine
     would stop there anyway; the finish_reason is then "length"."""
     return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+
+
+def parse_choices(body: dict, params: SamplingParams, stream: bool = False) -> SamplingParams:
+    """``n`` and ``best_of`` on ``params``; best_of > n cannot stream (the best are known at the end)."""
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise FieldError("n", f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+    best_of = body.get("best_of")
+    if best_of is not None and (not is_int(best_of) or not n <= best_of <= MAX_CHOICES):
+        raise FieldError("best_of", f"best_of must be an integer in [n={n}, {MAX_CHOICES}], got {best_of!r}")
+    if best_of is not None and best_of > n and stream:
+        raise FieldError("best_of", f"best_of={best_of} > n={n} cannot stream: the best choices are known at the end")
+    return dataclasses.replace(params, n=n, best_of=best_of)

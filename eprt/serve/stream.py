@@ -11,6 +11,7 @@ import queue
 import time
 
 from eprt.api import GenerationRequest
+from eprt.engine.choices import best_choices
 from eprt.serve.params import FieldError
 
 _END = object()  # queued by on_finish, after every token
@@ -87,7 +88,7 @@ class TextStream:
 class LiveRequest:
     """A submitted request whose tokens are consumed, as they come, on the caller's thread."""
 
-    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None):
+    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None, submit: bool = True):
         tok = engine.tokenizer
         if stop_strings and tok is None:
             raise FieldError(
@@ -106,7 +107,22 @@ class LiveRequest:
         self._cancelled = False
         # Raises RequestError for a bad request. on_finish runs on the engine thread after
         # the last on_token, for every end (finished, stopped, cancelled, timed out, failed).
-        self.handle = engine.submit(request, on_finish=lambda result: self._put(_END))
+        self.handle = engine.submit(request, on_finish=lambda result: self._put(_END)) if submit else None
+
+    @classmethod
+    def choices(cls, engine, request: GenerationRequest, stop_strings=(), notify=None) -> list:
+        """One LiveRequest per choice of a request (``params.choices``: n, or best_of), submitted
+        together so they share the prompt's prefill (``engine.submit_choices``)."""
+        lives = [cls(engine, request, stop_strings, notify, submit=False) for _ in range(request.params.choices)]
+        request.on_token = None
+        handles = engine.submit_choices(
+            request,
+            on_finish=lambda result: lives[result.index]._put(_END),
+            on_tokens=[live._put for live in lives],
+        )
+        for live, handle in zip(lives, handles):
+            live.handle = handle
+        return lives
 
     def _put(self, item) -> None:
         self._tokens.put(item)
@@ -153,3 +169,32 @@ class LiveRequest:
             # The sequence was cancelled by us at a stop string: report it as a normal stop.
             res = dataclasses.replace(res, token_ids=list(self.token_ids), finish_reason="stop", error=None)
         return dataclasses.replace(res, text=self.text.text), tail
+
+
+class LiveChoices:
+    """The choices of one request (n, best_of) seen as one: pumped, finished and cancelled
+    together; ``results()`` gives the n returned (best_of: the most likely, ranked)."""
+
+    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None):
+        self.params = request.params
+        self.lives = LiveRequest.choices(engine, request, stop_strings, notify)
+
+    @property
+    def token_ids(self) -> list:
+        return [t for live in self.lives for t in live.token_ids]
+
+    def pump(self, timeout: float = 0.0) -> str:
+        for live in self.lives:
+            live.pump(timeout)
+        return ""
+
+    def finished(self) -> bool:
+        return all(live.finished() for live in self.lives)
+
+    def cancel(self) -> None:
+        for live in self.lives:
+            live.cancel()
+
+    def results(self) -> list:
+        results = [live.result()[0] for live in self.lives]
+        return best_choices(results, self.params.n) if self.params.best_of is not None else results
