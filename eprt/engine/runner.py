@@ -144,6 +144,14 @@ class ModelRunner(TraceCalls):
                 tokens[i] = t
         return tokens
 
+    # ---- expert-parallel load balancing ---------------------------------------------------
+    def switch_placement(self, epoch: int, table: np.ndarray) -> int:
+        """EPLB: every rank holds the experts of ``table`` [layers, slots] from the next forward pass
+        (EPLB_PLACEMENT goes out with that pass's frame); returns the experts rank 0 read."""
+        layers, slots = table.shape
+        self.transport.send(P.EplbPlacement(epoch, layers, slots, tuple(int(v) for v in table.ravel())))
+        return self.executor.switch_placement(epoch, table)
+
     # ---- shutdown ----------------------------------------------------------------------
     def ep_shutdown(self) -> None:
         self.transport.shutdown()

@@ -1,0 +1,207 @@
+"""EPLB (docs/eplb.md): placement policies, the token-to-replica choice, the EPLB_PLACEMENT frame, and
+ranks simulated by threads whose forward passes must give the single-rank logits bit for bit."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from eprt.comm import protocol as P
+from eprt.engine.config import EplbConfig
+from eprt.engine.executor import ShardExecutor
+from eprt.engine.expert_load import write_stats
+from eprt.model.loader import load_model
+from eprt.model.placement import (
+    Placement,
+    balanced,
+    balanced_packing,
+    choose_slots,
+    contiguous,
+    imbalance_ratio,
+    replica_table,
+    slot_ranges,
+)
+from eprt.ops.numpy_ops import NumpyOps
+
+SKEWED = np.array([[70, 10, 290, 490, 130, 530, 20, 10], [60, 100, 10, 40, 2290, 50, 60, 10]])
+
+
+def test_balanced_packing_fills_each_pack_to_its_capacity_heaviest_first():
+    pack = balanced_packing(np.array([[5.0, 1, 4, 2, 3]]), [3, 2])
+    assert np.bincount(pack[0], minlength=2).tolist() == [3, 2]
+    assert pack[0].tolist() == [0, 0, 1, 0, 1]  # 5 -> 0, 4 -> 1, 3 -> 1 (lighter), 2 -> 0, 1 -> 0 (1 is full)
+    with pytest.raises(ValueError, match="do not fill"):
+        balanced_packing(np.ones((1, 4)), [2, 1])
+
+
+@pytest.mark.parametrize("world,redundant", [(2, 0), (2, 2), (3, 1), (4, 4)])
+def test_global_policy_holds_every_expert_and_beats_contiguous(world, redundant):
+    slots = 8 + redundant
+    placed = balanced(SKEWED, slots, world)
+    assert placed.table.shape == (2, slots)
+    assert all(set(row) == set(range(8)) for row in placed.table.tolist())
+    ranks = [b - a for a, b in slot_ranges(slots, world)]
+    assert [placed.local_experts(r).shape[1] for r in range(world)] == ranks
+    plain = imbalance_ratio(contiguous(2, 8, 8, world).rank_tokens(SKEWED))
+    ours = imbalance_ratio(placed.rank_tokens(SKEWED))
+    assert (ours <= plain + 1e-9).all() and ours.sum() < plain.sum()
+    if redundant >= world:  # the hot expert of layer 1 (2290 of 2650 tokens) gets replicas
+        assert placed.replica_counts()[1, 4] > 1
+
+
+def test_hierarchical_policy_keeps_each_group_on_one_node():
+    placed = balanced(SKEWED, 12, 4, groups=4, nodes=2)
+    for row in placed.table:
+        for node in (row[:6], row[6:]):  # 2 nodes of 2 ranks, 6 slots each
+            assert {int(e) // 2 for e in node} <= set(range(4)) and len({int(e) // 2 for e in node}) == 2
+    with pytest.raises(ValueError, match="divisible"):
+        balanced(SKEWED, 12, 4, groups=3, nodes=2)
+
+
+def test_placement_refuses_an_expert_on_no_slot():
+    with pytest.raises(ValueError, match="expert 3 of layer 0 on no slot"):
+        Placement(np.array([[0, 1, 2, 0]]), 4, 2)
+
+
+def test_replica_choice_is_deterministic_and_keeps_parts_of_min_rows():
+    placed = Placement(np.array([[0, 1, 0, 2, 0, 3]]), 4, 3)  # expert 0 on slots 0, 2, 4
+    replicas = replica_table(placed)
+    assert replicas[0, 0].tolist() == [0, 2, 4]
+    ids = np.zeros((12, 1), np.int64)  # 12 tokens, all to expert 0
+    slots = choose_slots(placed, replicas, 0, ids, min_rows=5)
+    assert np.bincount(slots[:, 0], minlength=6)[[0, 2, 4]].tolist() == [6, 6, 0]  # 12 // 5 = 2 parts
+    assert np.array_equal(slots, choose_slots(placed, replicas, 0, ids, min_rows=5))
+    assert sorted(np.bincount(choose_slots(placed, replicas, 0, ids, min_rows=1)[:, 0])[[0, 2, 4]]) == [4, 4, 4]
+    few = choose_slots(placed, replicas, 0, np.zeros((4, 1), np.int64), min_rows=5)
+    assert len(set(few[:, 0].tolist())) == 1  # 4 rows: one replica, the per-row bits of a single copy
+
+
+def test_eplb_placement_frame_round_trips_and_refuses_a_wrong_size():
+    cmd = P.EplbPlacement(epoch=3, layers=2, slots=3, table=(0, 1, 2, 2, 1, 0))
+    words = P.encode(cmd)
+    assert words[:5].tolist() == [0, P.EPLB_PLACEMENT, 3, 2, 3]
+    assert P.decode_all(words) == [cmd]
+    with pytest.raises(P.ProtocolError, match="EPLB_PLACEMENT of 2 x 3"):
+        P.encode(P.EplbPlacement(1, 2, 3, (0, 1)))
+    with pytest.raises(P.ProtocolError, match="EPLB_PLACEMENT of 0 x 3"):
+        P.decode_all([0, P.EPLB_PLACEMENT, 1, 0, 3])
+
+
+# ---- ranks as threads -------------------------------------------------------------------------
+class ThreadWorld:
+    """W ranks in threads; combine(rank) sums the ranks' partials in rank order, as the transport does."""
+
+    def __init__(self, world: int):
+        self.world, self.parts = world, [None] * world
+        self.barrier = threading.Barrier(world)
+
+    def combine(self, rank: int):
+        def allsum(partial):
+            self.parts[rank] = partial
+            self.barrier.wait()
+            out = self.parts[0].copy()
+            for p in self.parts[1:]:
+                out += p
+            self.barrier.wait()
+            return out
+
+        return allsum
+
+    def run(self, fn):
+        out, errors = [None] * self.world, []
+
+        def one(rank):
+            try:
+                out[rank] = fn(rank)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.world)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        if errors:
+            raise errors[0]
+        return out
+
+
+PROMPTS = [list(range(90, 130)), [5, 77, 3, 140, 9, 9, 31, 200, 17, 64, 12, 250, 11], [8, 7]]
+
+
+def forward_logits(path, rank, world, combine, placement_for, switch_at=None):
+    """Prefill PROMPTS, then 6 decode steps of all three; EPLB switches to ``switch_at[1]`` after
+    decode step ``switch_at[0]``. Returns every logits row, stacked."""
+    lm = load_model(path, NumpyOps(), 512, rank, world, combine, placement_for=placement_for)
+    ex = ShardExecutor(lm.model, 64, 4, 4, prefix_cache=False)
+    rows = []
+    for s, p in enumerate(PROMPTS):
+        ex.allocate(s, p)
+        rows.append(ex.prefill(s, p, 0, len(p)))
+    for step in range(6):
+        rows.append(ex.decode([0, 1, 2], [3 + step, 40 + step, 200 - step]))
+        if switch_at is not None and step == switch_at[0]:
+            ex.switch_placement(1, switch_at[1])
+    return np.concatenate(rows)
+
+
+def threaded_logits(path, world, start, switch):
+    tw = ThreadWorld(world)
+    return tw.run(lambda r: forward_logits(path, r, world, tw.combine(r), lambda c: start, switch))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_placed_experts_give_the_single_rank_logits_bit_for_bit(checkpoint, arch):
+    """At 2, 3 and 4 ranks, contiguous / balanced with redundant slots / a switch in mid-decode: the
+    logits equal one rank without EPLB exactly (deepseek_v3: grouped routing over 3 groups)."""
+    extra = {"n_group": 3, "topk_group": 2} if arch == "deepseek_v3" else {}
+    path = checkpoint(arch, **extra)
+    lm = load_model(path, NumpyOps(), 512)
+    cfg = lm.model.cfg
+    want = forward_logits(path, 0, 1, lambda p: p, lambda c: None)
+    counts = np.random.default_rng(1).zipf(1.6, (cfg.num_layers, cfg.num_experts)) * 10
+    for world, redundant in [(2, 2), (3, 3), (4, 2)]:
+        slots = cfg.num_experts + redundant
+        placed = balanced(counts, slots, world)
+        plain = contiguous(cfg.num_layers, cfg.num_experts, slots, world)
+        for start, switch in [(plain, None), (placed, None), (plain, (2, placed.table))]:
+            for rank_logits in threaded_logits(path, world, start, switch):
+                assert np.array_equal(rank_logits, want), (world, redundant, switch is not None)
+
+
+def test_switch_reads_only_the_experts_a_rank_newly_holds(checkpoint):
+    path = checkpoint("qwen3_moe")
+    E = 6
+    plain = contiguous(3, E, E + 2, 2)
+    lm = load_model(path, NumpyOps(), 512, 0, 2, lambda p: p, placement_for=lambda c: plain)
+    new = plain.table.copy()
+    new[0, :4] = [5, 4, 3, 2]  # rank 0 held 0 1 2 3 (layer 0): 4 and 5 are new
+    new[0, 4:] = [0, 1, 0, 1]
+    ex = ShardExecutor(lm.model, 16, 4, 2, prefix_cache=False)
+    sparse = sum(lm.model.cfg.sparse_layers[:1])
+    assert ex.switch_placement(1, new) == 2 * sparse
+    full = load_model(path, NumpyOps(), 512)
+    if lm.model.cfg.sparse_layers[0]:
+        assert np.array_equal(lm.model.w.layers[0].w_gate_up, full.model.w.layers[0].w_gate_up[[5, 4, 3, 2]])
+    with pytest.raises(ValueError, match="epoch 3 after epoch 1"):
+        ex.switch_placement(3, new)
+
+
+def test_eplb_config_names_the_bad_field(tmp_path):
+    with pytest.raises(ValueError, match="--num-redundant-experts must be >= 0, got -1"):
+        EplbConfig(num_redundant_experts=-1).validate()
+    with pytest.raises(ValueError, match="--eplb-policy must be one of"):
+        EplbConfig(policy="round_robin").validate()
+    assert EplbConfig(init_expert_placement=str(tmp_path / "x.json")).active and not EplbConfig().active
+
+
+def test_init_placement_file_must_match_the_model(checkpoint, tmp_path):
+    from eprt.engine.eplb import initial_placement
+
+    cfg = load_model(checkpoint("qwen3_moe"), NumpyOps(), 64).config
+    stats = tmp_path / "stats.json"
+    write_stats(str(stats), np.ones((2, 6), np.int64), "qwen3_moe", 2)
+    with pytest.raises(ValueError, match=r"counts of shape \[2, 6\], this model has \[3, 6\]"):
+        initial_placement(EplbConfig(init_expert_placement=str(stats)), cfg, 2, 1)
+    write_stats(str(stats), SKEWED[:, :6].repeat(2, axis=0)[:3], "qwen3_moe", 2)
+    placed = initial_placement(EplbConfig(init_expert_placement=str(stats), num_redundant_experts=2), cfg, 2, 1)
+    assert placed.table.shape == (3, 8)
