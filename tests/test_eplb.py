@@ -205,3 +205,69 @@ def test_init_placement_file_must_match_the_model(checkpoint, tmp_path):
     write_stats(str(stats), SKEWED[:, :6].repeat(2, axis=0)[:3], "qwen3_moe", 2)
     placed = initial_placement(EplbConfig(init_expert_placement=str(stats), num_redundant_experts=2), cfg, 2, 1)
     assert placed.table.shape == (3, 8)
+
+
+# ---- rank 0's rebalancing loop and its figures --------------------------------------------------
+class FakeModelForRebalance:
+    """What the Rebalancer reads: cumulative expert counts and the slots' placement."""
+
+    def __init__(self, placement):
+        self.counts = np.zeros((2, 8), np.int64)
+        self.slots = type("Slots", (), {"placement": placement, "epoch": 0})()
+
+    def expert_load(self):
+        return self.counts.copy()
+
+
+class FakeRunnerForRebalance:
+    def __init__(self, model):
+        self.executor = type("Executor", (), {"model": model})()
+        self.switched = []
+
+    def switch_placement(self, epoch, table):
+        self.switched.append((epoch, table.copy()))
+        model = self.executor.model
+        model.slots.placement, model.slots.epoch = Placement(table, 8, 2), epoch
+        return 3
+
+
+def test_rebalancer_uses_the_window_counts_and_sends_a_new_placement_only_when_it_changes():
+    from eprt.engine.eplb import Rebalancer
+    from eprt.model.config import ModelConfig
+
+    cfg = type("Cfg", (), {"num_layers": 2, "num_experts": 8, "sparse_layers": [True, True], "routing": None})()
+    assert not isinstance(cfg, ModelConfig)  # only the fields the Rebalancer reads
+    model = FakeModelForRebalance(contiguous(2, 8, 10, 2))
+    runner = FakeRunnerForRebalance(model)
+    eplb = Rebalancer(runner, EplbConfig(num_redundant_experts=2, interval=4, window=2), cfg, 2, 1)
+    old = np.zeros((2, 8), np.int64)
+    old[:, 7] = 1000  # before the window: expert 7 hot
+    model.counts += old
+    eplb.after_step()
+    eplb.after_step()  # step 2: the window's first counts are taken here
+    model.counts[:, 3] += 500  # inside the window: expert 3 (one copy, on rank 0) hot
+    eplb.after_step()
+    assert runner.switched == []
+    eplb.after_step()  # step 4: rebalance from the window only
+    assert len(runner.switched) == 1 and runner.switched[0][0] == 1
+    table = runner.switched[0][1]
+    assert (table == 3).sum(axis=1).tolist() == [3, 3]  # both redundant slots to expert 3, not 7
+    before, after = eplb.last
+    assert (after < before).all() and eplb.experts_read == 3
+    for _ in range(4):  # the same load again: nothing better, nothing sent
+        model.counts[:, 3] += 500
+        eplb.after_step()
+    assert len(runner.switched) == 1
+    figures = eplb.figures(model.counts)
+    assert figures["epoch"] == 1 and (figures["eplb"] < figures["contiguous"]).all()
+    assert "EPLB epoch 1: rank imbalance contiguous" in eplb.summary(model.counts)
+
+
+def test_metrics_show_each_layers_rank_imbalance_contiguous_and_placed():
+    from eprt.serve.metrics import eplb_families
+
+    figures = {"epoch": 2, "layers": [1, 3], "contiguous": np.array([0.5, 0.7]), "eplb": np.array([0.1, 0.05])}
+    ratio, epoch = eplb_families(figures)
+    samples = {(s.labels["layer"], s.labels["placement"]): s.value for s in ratio.samples}
+    assert samples == {("1", "contiguous"): 0.5, ("3", "contiguous"): 0.7, ("1", "eplb"): 0.1, ("3", "eplb"): 0.05}
+    assert epoch.samples[0].value == 2

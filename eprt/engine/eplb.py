@@ -108,14 +108,18 @@ class Rebalancer:
             self._marks = {s: c for s, c in self._marks.items() if s > self.steps - self.window}
 
     def rebalance(self, window: np.ndarray, now: np.ndarray | None = None) -> bool:
-        """Switch every rank to the placement ``window`` [L, E] calls for; False when it is the current one."""
+        """Switch every rank to the placement the policy gives for ``window`` [L, E], in the layers where it
+        beats the current one on that load; False when no layer does."""
         if window.sum() == 0:
             return False
-        new = _make(self.eplb, self.model_cfg, window, self.world, self.nodes)
-        before = rank_imbalance(self.placement, window, self.sparse)
+        now_placed = self.placement
+        proposed = _make(self.eplb, self.model_cfg, window, self.world, self.nodes)
+        better = imbalance_ratio(proposed.rank_tokens(window)) < imbalance_ratio(now_placed.rank_tokens(window)) - 1e-9
+        new = Placement(np.where(better[:, None], proposed.table, now_placed.table), now_placed.num_experts, self.world)
+        if np.array_equal(new.table, now_placed.table):
+            return False  # no layer improves on the window's load
+        before = rank_imbalance(now_placed, window, self.sparse)
         after = rank_imbalance(new, window, self.sparse)
-        if np.array_equal(new.table, self.placement.table):
-            return False
         t0 = time.perf_counter()
         read = self.runner.switch_placement(self.model.slots.epoch + 1, new.table)
         self.rebalances += 1
