@@ -64,7 +64,10 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
 
     ops, loaded = step(load)
     if cfg.eplb.active:
-        step(lambda: check_same_placement(transport, loaded.model.slots.placement))
+        placement = loaded.model.slots.placement
+        step(lambda: check_same_placement(transport, placement))
+        start, end = placement.rank_range(rank)
+        log.info("rank %d: EPLB expert slots [%d, %d) of %d, %d node(s)", rank, start, end, placement.num_slots, nodes)
     sharers = _check_identities(transport, step(lambda: compute_identity(ops)))
     blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, loaded.model.max_len, sharers))
     agreed = min(int(b) for b in transport.allgather_text(str(blocks)))
