@@ -1,7 +1,12 @@
 """EPLB (docs/eplb.md): placement policies, the token-to-replica choice, the EPLB_PLACEMENT frame, and
 ranks simulated by threads whose forward passes must give the single-rank logits bit for bit."""
 
+import os
+import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -271,3 +276,24 @@ def test_metrics_show_each_layers_rank_imbalance_contiguous_and_placed():
     samples = {(s.labels["layer"], s.labels["placement"]): s.value for s in ratio.samples}
     assert samples == {("1", "contiguous"): 0.5, ("3", "contiguous"): 0.7, ("1", "eplb"): 0.1, ("3", "eplb"): 0.05}
     assert epoch.samples[0].value == 2
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None or shutil.which("mpiexec") is None, reason="cusim needs g++ and mpiexec"
+)
+def test_cuda_backend_on_cusim_gives_the_same_tokens_across_live_rebalances():
+    """The CuPy path (device gather of the (token, choice) rows, staged combine of [T*k, D]) at 2 ranks
+    on cusim: the default model's greedy tokens equal EPLB off's, with rebalances every 3 steps."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    env["PYTHONPATH"] = f"{root / 'tests'}{os.pathsep}{root}"
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "cusim.run", "-m", "eprt", "generate", "--device", "cuda"]
+    cmd += ["--prompt-ids", "90,91,92,93,94,95,96,97,98,99,100,101", "--prompt-ids", "5,77,3", "--max-tokens", "8"]
+    cmd += ["--ignore-eos", "--json", "--gpu-memory-utilization", "0.5"]
+    runs = [
+        subprocess.run(cmd + extra, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        for extra in ([], ["--num-redundant-experts", "2", "--eplb-interval", "3"])
+    ]
+    assert all(r.returncode == 0 for r in runs), runs[1].stderr[-3000:]
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.count("token_ids") == 2
+    assert "EPLB epoch 1:" in runs[1].stderr and "on cuda" in runs[1].stderr
