@@ -3,8 +3,9 @@ placement from a statistics file, and across live rebalances in the middle of ge
 
     mpiexec -n 2|3|4 python -m pytest --with-mpi tests/mpi/test_eplb_mpi.py
 
-deepseek_v3 routes by groups (3 groups of 2 experts, the best 2 compete); qwen2_moe has 7 experts,
-a shared expert and dense layers, split unevenly over 2, 3 and 4 ranks.
+deepseek_v3 routes by groups (3 groups of 2 experts, the best 2 compete; or 2 groups of 3 placed by
+the hierarchical policy over 2 nodes); qwen2_moe has 7 experts, a shared expert and dense layers,
+split unevenly over 2, 3 and 4 ranks.
 """
 
 import os
@@ -23,11 +24,12 @@ MPI = pytest.importorskip("mpi4py.MPI")
 COMM = MPI.COMM_WORLD
 
 
-def grouped_checkpoint():
+def grouped_checkpoint(groups: int = 3):
     path = None
     if COMM.rank == 0:
         root = os.environ.get("EPRT_TEST_CKPT_DIR") or os.path.join(tempfile.gettempdir(), "eprt-mpi-ckpt")
-        path = build_checkpoint("deepseek_v3", os.path.join(root, "deepseek_v3-grouped3"), n_group=3, topk_group=2)
+        name = f"deepseek_v3-grouped{groups}"
+        path = build_checkpoint("deepseek_v3", os.path.join(root, name), n_group=groups, topk_group=groups - 1)
     return COMM.bcast(path, root=0)
 
 
@@ -50,15 +52,20 @@ def generate(cfg, stats_out=None):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen2_moe", "deepseek_v3-hierarchical"])
 def test_greedy_tokens_identical_eplb_off_static_and_live(arch):
-    path = grouped_checkpoint() if arch == "deepseek_v3" else shared_checkpoint(arch)
+    """deepseek_v3-hierarchical: 2 groups of 3 experts packed onto 2 nodes (--eplb-nodes 2), even worlds."""
+    hierarchical = arch.endswith("hierarchical")
+    if hierarchical and COMM.size % 2:
+        pytest.skip("the hierarchical policy over 2 nodes needs an even number of ranks")
+    path = shared_checkpoint(arch) if arch == "qwen2_moe" else grouped_checkpoint(2 if hierarchical else 3)
+    policy = dict(policy="hierarchical", nodes=2) if hierarchical else {}
     stats = COMM.bcast(os.path.join(tempfile.mkdtemp(), "stats.json") if COMM.rank == 0 else None, root=0)
     off, _ = generate(engine_config(path), stats_out=stats)
     redundant = (-(7 if arch == "qwen2_moe" else 6)) % COMM.size or COMM.size  # slots a multiple of ranks
-    static = EplbConfig(num_redundant_experts=redundant, init_expert_placement=stats)
+    static = EplbConfig(num_redundant_experts=redundant, init_expert_placement=stats, **policy)
     placed, _ = generate(engine_config(path, eplb=static))
-    live = EplbConfig(num_redundant_experts=redundant + 1, interval=3, window=3)
+    live = EplbConfig(num_redundant_experts=redundant + (2 if hierarchical else 1), interval=3, window=3, **policy)
     switched, rebalances = generate(engine_config(path, eplb=live))
     single = run_single(engine_config(path), requests)
     if COMM.rank == 0:
