@@ -297,3 +297,13 @@ def test_cuda_backend_on_cusim_gives_the_same_tokens_across_live_rebalances():
     assert all(r.returncode == 0 for r in runs), runs[1].stderr[-3000:]
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.count("token_ids") == 2
     assert "EPLB epoch 1:" in runs[1].stderr and "on cuda" in runs[1].stderr
+
+
+def test_redundant_slots_let_more_ranks_than_experts_load(checkpoint):
+    path = checkpoint("qwen3_moe")  # 6 experts
+    placement = contiguous(3, 6, 8, 8)  # 8 ranks, one slot each
+    lm = load_model(path, NumpyOps(), 64, 7, 8, placement_for=lambda c: placement)
+    assert (lm.model.w.expert_start, lm.model.w.expert_end) == (7, 8)
+    assert lm.model.slots.placement.local_experts(7)[:, 0].tolist() == [1, 1, 1]  # slot 7 holds expert 7 mod 6
+    with pytest.raises(ValueError, match="8 ranks but the model has only 6 experts"):
+        load_model(path, NumpyOps(), 64, 7, 8)

@@ -72,13 +72,14 @@ def load_model(
         source = SafetensorsCheckpoint(model_dir)
         tokenizer = load_tokenizer(model_dir, cfg)
         name = model_dir.rstrip("/").split("/")[-1]
-    start, end = expert_shard(cfg.num_experts, rank, world)
     placement = placement_for(cfg)
+    start, end = expert_shard(cfg.num_experts, rank, world) if placement is None else (0, 0)
     local = None if placement is None else placement.local_experts(rank)
     weights = load_weights(source, cfg, ops, start, end, local_experts=local)
     max_len = cfg.max_position_embeddings if max_len is None else min(max_len, cfg.max_position_embeddings)
     model = MoEModel(cfg, weights, ops, max_len=max_len, combine=combine)
-    if placement is not None:
+    if placement is not None:  # expert_start/end: this rank's physical slots
+        weights.expert_start, weights.expert_end = placement.rank_range(rank)
         model.slots = ExpertSlots(placement, rank, lambda layer, ids: _read_experts(model_dir, cfg, ops, layer, ids))
     loaded = LoadedModel(
         name, cfg, model, tokenizer, getattr(source, "tensors_read", 0), getattr(source, "bytes_read", 0)
