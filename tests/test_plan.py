@@ -216,3 +216,23 @@ def test_cli_table_json_and_refusals(checkpoint, capsys):
     assert main(["plan", "--model", path, "--ranks", "7"]) == 2
     assert "--ranks must be in [1, num_experts=6], got 7" in capsys.readouterr().err
     assert plan.size(3 << 30) == "3.00 GiB"
+
+
+@pytest.mark.parametrize("ranks,redundant", [(2, 2), (4, 3)])
+def test_redundant_expert_slots_cost_what_the_loader_holds(checkpoint, ranks, redundant):
+    """EPLB's redundant slots: each rank's slots, read and resident bytes as loaded under the contiguous
+    placement (slot s holds expert s mod E); combines of one row per (token, choice)."""
+    from eprt.model.placement import contiguous
+
+    path = checkpoint("qwen2_moe")
+    cfg = load_config(path)
+    planned = _plan(path, ranks=ranks, dtype="fp32", num_redundant_experts=redundant)
+    placement = contiguous(cfg.num_layers, cfg.num_experts, cfg.num_experts + redundant, ranks)
+    for rank in range(ranks):
+        loaded = load_model(path, NumpyOps(), 64, rank, ranks, placement_for=lambda c: placement)
+        w = planned.weights[rank]
+        assert (w.expert_start, w.expert_end) == placement.rank_range(rank)
+        assert w.read_bytes == loaded.bytes_read and w.resident_bytes == _resident_bytes(loaded.model.w)
+    plain = _plan(path, ranks=ranks, dtype="fp32")
+    assert sum(w.expert_bytes for w in planned.weights) > sum(w.expert_bytes for w in plain.weights)
+    assert planned.decode_wire[1].combine_bytes == cfg.top_k * plain.decode_wire[1].combine_bytes

@@ -17,6 +17,7 @@ COMPACT = 0xFFFFFFE2
 PREFILL_NEXT = 0xFFFFFFE4
 ACCEPT = 0xFFFFFFE6
 FORK = 0xFFFFFFE8
+EPLB_PLACEMENT = 0xFFFFFFEA
 PREFILL = 0xFFFFFFF0
 RELEASE = 0xFFFFFFF1
 VERIFY_K2 = 0xFFFFFFF2
@@ -34,6 +35,7 @@ NAMES = {
     PREFILL_NEXT: "PREFILL_NEXT",
     ACCEPT: "ACCEPT",
     FORK: "FORK",
+    EPLB_PLACEMENT: "EPLB_PLACEMENT",
     PREFILL: "PREFILL",
     RELEASE: "RELEASE",
     VERIFY_K2: "VERIFY_K2",
@@ -156,13 +158,38 @@ class DecodeCkpt:
     adapter_id: int  # 64-bit, sent as lo, hi
 
 
+EPLB_TABLE_MAX = 1 << 22  # words of one placement table (layers x physical slots)
+
+
+@dataclass(frozen=True)
+class EplbPlacement:
+    """From the next forward pass, hold the experts of ``table`` (layers x slots logical expert ids,
+    row-major): EPLB's rebalance, numbered by ``epoch``."""
+
+    epoch: int
+    layers: int
+    slots: int
+    table: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class Shutdown:
     """Free every slot and leave the worker loop."""
 
 
 Command = (
-    Decode1 | DecodeBatch | Compact | Fork | Prefill | PrefillNext | Release | Verify | Accept | DecodeCkpt | Shutdown
+    Decode1
+    | DecodeBatch
+    | Compact
+    | Fork
+    | Prefill
+    | PrefillNext
+    | Release
+    | Verify
+    | Accept
+    | DecodeCkpt
+    | EplbPlacement
+    | Shutdown
 )
 
 
@@ -224,6 +251,13 @@ def encode(cmd: Command) -> np.ndarray:
             cmd.adapter_id & WORD_MAX,
             cmd.adapter_id >> 32,
         ]
+    elif isinstance(cmd, EplbPlacement):
+        if cmd.layers * cmd.slots != len(cmd.table) or not 0 < len(cmd.table) <= EPLB_TABLE_MAX:
+            raise ProtocolError(
+                f"EPLB_PLACEMENT of {cmd.layers} x {cmd.slots} needs that many (1..{EPLB_TABLE_MAX}) expert ids, "
+                f"got {len(cmd.table)}"
+            )
+        words = [0, EPLB_PLACEMENT, cmd.epoch, cmd.layers, cmd.slots, *cmd.table]
     elif isinstance(cmd, Shutdown):
         words = [0, SHUTDOWN]
     else:
@@ -364,6 +398,16 @@ class Decoder:
                 return None
             w = b[body:end].tolist()
             out = DecodeCkpt(self._slot(seq, "DECODE_CKPT"), w[0], w[1], w[2] | w[3] << 32, w[4] | w[5] << 32)
+        elif cmd == EPLB_PLACEMENT:
+            if len(b) - body < 3:
+                return None
+            epoch, layers, slots = (int(x) for x in b[body : body + 3])
+            if not 0 < layers * slots <= EPLB_TABLE_MAX:
+                raise ProtocolError(f"EPLB_PLACEMENT of {layers} x {slots} slots (must be 1..{EPLB_TABLE_MAX} words)")
+            end = body + 3 + layers * slots
+            if len(b) < end:
+                return None
+            out = EplbPlacement(epoch, layers, slots, tuple(b[body + 3 : end].tolist()))
         elif cmd == SHUTDOWN:
             out, end = Shutdown(), body
         else:

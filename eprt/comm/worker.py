@@ -19,6 +19,7 @@ from eprt.comm.protocol import (
     DecodeBatch,
     DecodeCkpt,
     Decoder,
+    EplbPlacement,
     Fork,
     Prefill,
     PrefillNext,
@@ -70,6 +71,9 @@ class Executor(Protocol):
     def checkpoint(self, slot: int, snapshot_tokens: int, end_block: int, session_hash: int, adapter_id: int) -> None:
         """DECODE_CKPT: save the slot's recurrent state as the snapshot of its first ``snapshot_tokens``
         tokens (a hybrid model with the prefix cache on; refused otherwise)."""
+
+    def switch_placement(self, epoch: int, table: np.ndarray) -> None:
+        """EPLB_PLACEMENT: hold the experts of ``table`` [layers, slots] from the next forward pass."""
 
     def release(self, slot: int) -> None:
         """Free the sequence in ``slot``."""
@@ -147,6 +151,8 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
         executor.verify(list(cmd.slots), list(cmd.tokens), list(cmd.drafts))
     elif isinstance(cmd, Accept):
         executor.accept(list(cmd.slots), list(cmd.accepted))
+    elif isinstance(cmd, EplbPlacement):
+        executor.switch_placement(cmd.epoch, np.asarray(cmd.table, np.int64).reshape(cmd.layers, cmd.slots))
     elif isinstance(cmd, DecodeCkpt):
         executor.checkpoint(cmd.slot, cmd.snapshot_tokens, cmd.end_block, cmd.session_hash, cmd.adapter_id)
     else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eprt import env
 from eprt.engine.speculative import METHODS, SpeculativeConfig
@@ -11,6 +11,36 @@ from eprt.engine.speculative import METHODS, SpeculativeConfig
 # Prompt tokens per prefill chunk by default: a long prompt shares the step with the decoding
 # sequences instead of stalling them (README, "Measured figures": 648 ms vs 92 ms worst gap).
 DEFAULT_PREFILL_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
+EPLB_POLICIES = ("auto", "contiguous", "global", "hierarchical")
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """Expert-parallel load balancing (docs/eplb.md); on when any field asks for it."""
+
+    enabled: bool = False  # --enable-eplb: experts on physical slots (contiguous until a load estimate)
+    num_redundant_experts: int = 0  # extra physical slots over the ranks
+    init_expert_placement: str | None = None  # a --stats-out file: balanced placement at start-up
+    policy: str = "auto"  # auto | contiguous | global | hierarchical
+    interval: int = 0  # rebalance every this many engine steps (0: never while serving)
+    window: int = 0  # over the counts of the last this many steps (0: the interval)
+    nodes: int = 0  # nodes for the hierarchical policy (0: the distinct host names)
+
+    @property
+    def active(self) -> bool:
+        return self.enabled or self.num_redundant_experts > 0 or bool(self.init_expert_placement) or self.interval > 0
+
+    def validate(self) -> None:
+        for name in ("num_redundant_experts", "interval", "window", "nodes"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"--{('eplb-' if name in ('interval', 'window', 'nodes') else '')}"
+                    f"{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
+                )
+        if self.policy not in EPLB_POLICIES:
+            raise ValueError(f"--eplb-policy must be one of {', '.join(EPLB_POLICIES)}, got {self.policy!r}")
 
 
 @dataclass
@@ -34,6 +64,7 @@ class EngineConfig:
     num_speculative_tokens: int = 3  # drafts per sequence and step (1..4)
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
     prompt_lookup_max: int = 4  # ngram: longest suffix matched
+    eplb: EplbConfig = field(default_factory=lambda: EplbConfig())  # expert-parallel load balancing
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -49,6 +80,7 @@ class EngineConfig:
             self.speculative().drafter()  # raises naming the bad flag
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+        self.eplb.validate()
 
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative-decoding settings, or None when it is off."""
@@ -134,6 +166,35 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="record every frame, vision row and combine with its data under DUMP_DIR/payloads, for eprt replay",
     )
+    add_eplb_arguments(parser)
+
+
+def add_eplb_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("expert-parallel load balancing (docs/eplb.md)")
+    g.add_argument("--enable-eplb", action="store_true", help="experts on physical slots (implied by the flags below)")
+    g.add_argument("--num-redundant-experts", type=int, default=0, metavar="R", help="extra expert slots (0)")
+    g.add_argument(
+        "--init-expert-placement",
+        default=None,
+        metavar="FILE",
+        help="balanced placement at start-up from an expert-load file (eprt run --stats-out)",
+    )
+    g.add_argument("--eplb-policy", default="auto", choices=EPLB_POLICIES, help="placement policy (auto)")
+    g.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS", help="rebalance every STEPS steps (0: off)")
+    g.add_argument("--eplb-window", type=int, default=0, metavar="STEPS", help="load window (0: the interval)")
+    g.add_argument("--eplb-nodes", type=int, default=0, help="nodes for the hierarchical policy (0: distinct hosts)")
+
+
+def eplb_config_from_args(args) -> EplbConfig:
+    return EplbConfig(
+        enabled=getattr(args, "enable_eplb", False),
+        num_redundant_experts=getattr(args, "num_redundant_experts", 0),
+        init_expert_placement=getattr(args, "init_expert_placement", None),
+        policy=getattr(args, "eplb_policy", "auto"),
+        interval=getattr(args, "eplb_interval", 0),
+        window=getattr(args, "eplb_window", 0),
+        nodes=getattr(args, "eplb_nodes", 0),
+    )
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -157,6 +218,7 @@ def engine_config_from_args(args) -> EngineConfig:
         num_speculative_tokens=getattr(args, "num_speculative_tokens", 3),
         prompt_lookup_min=getattr(args, "prompt_lookup_min", 1),
         prompt_lookup_max=getattr(args, "prompt_lookup_max", 4),
+        eplb=eplb_config_from_args(args),
     )
     cfg.validate()
     return cfg

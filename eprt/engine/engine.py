@@ -24,6 +24,7 @@ from eprt.comm.worker import run_worker
 from eprt.comm.world import open_transport
 from eprt.engine.choices import best_choices
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
+from eprt.engine.eplb import Rebalancer
 from eprt.engine.expert_load import imbalance
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
@@ -77,6 +78,7 @@ class Engine:
         self._expert_load = runner.executor.model.expert_load()  # [L, E], refreshed by the loop
         self._expert_load_at = time.monotonic()
         self._next_log = time.monotonic() + STATS_LOG_INTERVAL_S
+        self.eplb = None  # eprt.engine.eplb.Rebalancer under EPLB
 
     # ---- clients (any thread) ------------------------------------------------------------
     def submit(self, req: GenerationRequest, on_finish=None):
@@ -214,6 +216,8 @@ class Engine:
         except BaseException as e:  # a failed rank or model error: no request waits forever
             self.scheduler.fail_all(f"{ENGINE_FAILED}: {type(e).__name__}: {e}")
             raise
+        if self.eplb is not None:
+            self.eplb.after_step()
         now = time.monotonic()
         if now - self._expert_load_at >= EXPERT_LOAD_INTERVAL_S:
             self._refresh_expert_load(now)
@@ -233,6 +237,10 @@ class Engine:
             self._refresh_expert_load(time.monotonic())
         return self._expert_load
 
+    def eplb_figures(self) -> dict | None:
+        """Per MoE layer rank imbalance, contiguous vs the EPLB placement (None without EPLB); any thread."""
+        return None if self.eplb is None else self.eplb.figures(self._expert_load)
+
     def _refresh_expert_load(self, now: float) -> None:
         self._expert_load, self._expert_load_at = self.runner.executor.model.expert_load(), now
 
@@ -245,6 +253,7 @@ class Engine:
             f"{s['prompt_tokens_computed']}, from cache {s['cached_tokens']}; generated "
             f"{s['generation_tokens']}; preemptions {s['preemptions']}; expert load max/mean "
             f"{worst.max():.2f} (layer {int(worst.argmax())})"
+            + ("" if self.eplb is None else f"; {self.eplb.summary(self._expert_load)}")
         )
 
     def stats(self) -> dict:
@@ -370,6 +379,8 @@ def launch_engine(args_or_config, transport=None):
         cfg.max_batch,
     )
     engine = Engine(runner, Scheduler(runner, sched_cfg, clock=WallClock()), loaded, cfg, transport)
+    if cfg.eplb.active:
+        engine.eplb = Rebalancer(runner, cfg.eplb, model_cfg, world, started.nodes)
     ok = False
     try:
         yield engine

@@ -17,6 +17,7 @@ from eprt.cache.snapshots import WORD64, SnapshotIndex, prefill_points, prefix_h
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.model.kv_cache import KVCache
 from eprt.model.moe_model import AttnBatch, MoEModel
+from eprt.model.placement import switch_model_placement
 from eprt.model.recurrent_state import RecurrentState
 
 log = logging.getLogger("eprt.engine")
@@ -157,6 +158,11 @@ class ShardExecutor:
     def can_fork(self) -> bool:
         """Whether FORK can run now: a free slot and a free block."""
         return self.slots.lowest_free() is not None and self.blocks.can_fork()
+
+    def switch_placement(self, epoch: int, table: np.ndarray) -> int:
+        """EPLB_PLACEMENT (docs/eplb.md): hold the experts of ``table`` [layers, slots] from the next
+        forward pass; returns how many experts were read from the checkpoint."""
+        return switch_model_placement(self.model, epoch, table)
 
     def compact(self, slot: int, new_slot: int) -> None:
         self.slots.move(slot, new_slot)

@@ -193,6 +193,14 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         for i, lp in zip(ranked, token_logprobs(host, temps, np.array([tokens[i] for i in ranked]))):
             seqs[i].cumulative_logprob = (seqs[i].cumulative_logprob or 0.0) + float(lp)
 
+    # ---- expert-parallel load balancing ---------------------------------------------------
+    def switch_placement(self, epoch: int, table: np.ndarray) -> int:
+        """EPLB: every rank holds the experts of ``table`` [layers, slots] from the next forward pass
+        (EPLB_PLACEMENT goes out with that pass's frame); returns the experts rank 0 read."""
+        layers, slots = table.shape
+        self.transport.send(P.EplbPlacement(epoch, layers, slots, tuple(int(v) for v in table.ravel())))
+        return self.executor.switch_placement(epoch, table)
+
     # ---- shutdown ----------------------------------------------------------------------
     def ep_shutdown(self) -> None:
         self.transport.shutdown()

@@ -16,6 +16,7 @@ from eprt import env
 from eprt.comm.device_combine import DeviceCombine, nccl_communicator
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import EngineConfig
+from eprt.engine.eplb import check_same_placement, count_nodes, initial_placement
 from eprt.engine.executor import ShardExecutor
 from eprt.model.kv_cache import KVCache
 from eprt.model.loader import LoadedModel, load_model
@@ -34,6 +35,7 @@ class Started:
     loaded: LoadedModel
     executor: ShardExecutor
     max_model_len: int  # prompt + generated tokens per sequence: the model's, bounded by the KV pool
+    nodes: int = 1  # nodes of the job (EPLB's hierarchical policy)
 
 
 def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
@@ -50,14 +52,22 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
         transport.startup_barrier(error)
         return value
 
+    nodes = count_nodes(transport, cfg.eplb) if cfg.eplb.active else 1
+
     def load():
         ops = get_ops(device)
         ops.warm_up()
+        placement_for = lambda model_cfg: initial_placement(cfg.eplb, model_cfg, world, nodes)  # noqa: E731
         return ops, load_model(
-            cfg.model, ops, cfg.max_model_len, rank=rank, world=world, combine=_combine(transport, ops)
+            cfg.model, ops, cfg.max_model_len, rank, world, _combine(transport, ops), placement_for=placement_for
         )
 
     ops, loaded = step(load)
+    if cfg.eplb.active:
+        placement = loaded.model.slots.placement
+        step(lambda: check_same_placement(transport, placement))
+        start, end = placement.rank_range(rank)
+        log.info("rank %d: EPLB expert slots [%d, %d) of %d, %d node(s)", rank, start, end, placement.num_slots, nodes)
     sharers = _check_identities(transport, step(lambda: compute_identity(ops)))
     blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, loaded.model.max_len, sharers))
     agreed = min(int(b) for b in transport.allgather_text(str(blocks)))
@@ -74,7 +84,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
             image_token_id=cfg.image_token_id,
         )
     )
-    return Started(ops, loaded, executor, max_model_len)
+    return Started(ops, loaded, executor, max_model_len, nodes)
 
 
 def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:

@@ -45,6 +45,7 @@ class Settings:
     dtype: str = "bf16"  # how the backend holds weights and KV: bf16 (GPU) or fp32 (CPU)
     context: int = 0  # tokens of context per sequence whose KV a decode step reads
     prefill_chunk: int = 2048  # prompt tokens per prefill chunk (the GPU default)
+    num_redundant_experts: int = 0  # EPLB's extra expert slots (docs/eplb.md); > 0: slots, not experts, per rank
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ def _mla_shapes(cfg: ModelConfig, a: str) -> list[tuple[str, tuple]]:
 
 
 def _expert_shapes(cfg: ModelConfig, start: int, end: int, fused: bool) -> list[tuple[str, tuple, int]]:
-    """(name, shape, resident elements) of the expert tensors the loader reads for experts [start, end).
+    """(name, shape, resident elements) of the expert tensors the loader reads for experts [start, end)
+    (EPLB physical slots past E hold expert slot mod E, as the contiguous placement has them).
     A fused tensor ``experts.gate_up_proj [E, 2I, D]`` is read whole (the loader slices it after)."""
     D, I, E, El = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, end - start
     out = []
@@ -195,7 +197,7 @@ def _expert_shapes(cfg: ModelConfig, start: int, end: int, fused: bool) -> list[
             out += [(f"{m}.gate_up_proj", (E, 2 * I, D), El * 2 * I * D), (f"{m}.down_proj", (E, D, I), El * D * I)]
             continue
         g, u, d = cfg.expert_names
-        for e in range(start, end):
+        for e in (s % E for s in range(start, end)):
             out += [(f"{m}.{e}.{g}.weight", (I, D), I * D), (f"{m}.{e}.{u}.weight", (I, D), I * D)]
             out.append((f"{m}.{e}.{d}.weight", (D, I), D * I))
     return out
@@ -255,10 +257,11 @@ def rank_tensors(cfg: ModelConfig, sizes: _Sizes, start: int, end: int) -> tuple
     return replicated, experts
 
 
-def plan_weights(cfg: ModelConfig, sizes: _Sizes, ranks: int, itemsize: int) -> tuple:
+def plan_weights(cfg: ModelConfig, sizes: _Sizes, ranks: int, itemsize: int, redundant: int = 0) -> tuple:
+    """Each rank's weights; with ``redundant`` EPLB slots its expert range is of physical slots."""
     out = []
     for rank in range(ranks):
-        start, end = expert_shard(cfg.num_experts, rank, ranks)
+        start, end = expert_shard(cfg.num_experts + redundant, rank, ranks)
         replicated, experts = rank_tensors(cfg, sizes, start, end)
         head = sum(t.resident for t in replicated if t.name == "lm_head.weight") * itemsize
         out.append(
@@ -333,6 +336,11 @@ def frame_bytes(words: int, ranks: int, frame_words: int = DEFAULT_FRAME_WORDS) 
     return 4 * max(frame_words, words + 1)
 
 
+def combine_rows(cfg: ModelConfig, tokens: int, settings: Settings) -> int:
+    """Rows of a MoE combine: one per token, or under EPLB one per (token, choice) (docs/eplb.md)."""
+    return tokens * (cfg.top_k if settings.num_redundant_experts else 1)
+
+
 def combine_received(rows: int, hidden: int, ranks: int) -> tuple[int, str]:
     """Bytes the busiest rank receives in one MoE combine of float32 [rows, hidden] partials
     (eprt/comm/mpi_transport.py: an all-gather, or on 3+ ranks for partials of 1 MiB and more a
@@ -350,16 +358,17 @@ def moe_layers(cfg: ModelConfig) -> int:
     return sum(cfg.sparse_layers)
 
 
-def decode_wire(cfg: ModelConfig, batch: int, ranks: int) -> Wire:
+def decode_wire(cfg: ModelConfig, batch: int, ranks: int, rows: int | None = None) -> Wire:
+    """``rows``: of each combine (default ``batch``; EPLB: combine_rows)."""
     words = len(encode(DecodeBatch(tuple(range(batch)), (0,) * batch)))
-    combine, how = combine_received(batch, cfg.hidden_size, ranks)
+    combine, how = combine_received(batch if rows is None else rows, cfg.hidden_size, ranks)
     return Wire(frame_bytes(words, ranks), moe_layers(cfg) * combine, how)
 
 
-def prefill_wire(cfg: ModelConfig, chunk: int, ranks: int) -> Wire:
+def prefill_wire(cfg: ModelConfig, chunk: int, ranks: int, rows: int | None = None) -> Wire:
     """One later chunk (PREFILL_NEXT) of ``chunk`` prompt tokens; divide by ``chunk`` for per token."""
     words = len(encode(PrefillNext(0, chunk, (0,) * chunk)))
-    combine, how = combine_received(chunk, cfg.hidden_size, ranks)
+    combine, how = combine_received(chunk if rows is None else rows, cfg.hidden_size, ranks)
     return Wire(frame_bytes(words, ranks), moe_layers(cfg) * combine, how)
 
 
@@ -377,7 +386,8 @@ def step_bound(
     itemsize = DEVICE_ITEMSIZE[settings.dtype]
     D, V, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     expert_elems = 3 * D * cfg.moe_intermediate_size  # one expert, one layer
-    local = w.expert_end - w.expert_start
+    slots = cfg.num_experts + settings.num_redundant_experts
+    local = (w.expert_end - w.expert_start) * cfg.num_experts / slots  # expected share of the experts' tokens
     embed_elems = V * D
     head_elems = V * D  # only rank 0 computes logits
     body_elems = w.replicated_bytes // itemsize - embed_elems - w.lm_head_bytes // itemsize  # per token, all layers
@@ -421,8 +431,14 @@ def check_settings(cfg: ModelConfig, settings: Settings, hardware: Hardware, att
         )
     if attention != "replicated":
         raise ValueError(f"--attention must be replicated or dp, got {attention!r}")
-    if not 1 <= settings.ranks <= cfg.num_experts:
-        raise ValueError(f"--ranks must be in [1, num_experts={cfg.num_experts}], got {settings.ranks}")
+    if settings.num_redundant_experts < 0:
+        raise ValueError(f"--num-redundant-experts must be >= 0, got {settings.num_redundant_experts}")
+    slots = cfg.num_experts + settings.num_redundant_experts
+    if not 1 <= settings.ranks <= slots:
+        bound = f"num_experts={cfg.num_experts}" + (
+            f" + {settings.num_redundant_experts} redundant" if slots > cfg.num_experts else ""
+        )
+        raise ValueError(f"--ranks must be in [1, {bound}], got {settings.ranks}")
     if settings.dtype not in DEVICE_ITEMSIZE:
         raise ValueError(f"--dtype must be bf16 or fp32, got {settings.dtype!r}")
     for name in ("max_batch", "block_size", "prefill_chunk"):
@@ -447,9 +463,9 @@ def make_plan(
 ) -> Plan:
     check_settings(cfg, settings, hardware, attention)
     sizes = _Sizes(model_dir)
-    weights = plan_weights(cfg, sizes, settings.ranks, DEVICE_ITEMSIZE[settings.dtype])
+    weights = plan_weights(cfg, sizes, settings.ranks, DEVICE_ITEMSIZE[settings.dtype], settings.num_redundant_experts)
     kv = plan_kv(cfg, settings, hardware, weights)
-    wires = tuple(decode_wire(cfg, b, settings.ranks) for b in DECODE_BATCHES)
+    wires = tuple(decode_wire(cfg, b, settings.ranks, combine_rows(cfg, b, settings)) for b in DECODE_BATCHES)
     bounds = tuple(
         max((step_bound(cfg, w, b, settings, hardware, wire) for w in weights), key=lambda s: s.bound_s)
         for b, wire in zip(DECODE_BATCHES, wires)
@@ -466,6 +482,8 @@ def make_plan(
         weights=weights,
         kv=kv,
         decode_wire=wires,
-        prefill_wire=prefill_wire(cfg, settings.prefill_chunk, settings.ranks),
+        prefill_wire=prefill_wire(
+            cfg, settings.prefill_chunk, settings.ranks, combine_rows(cfg, settings.prefill_chunk, settings)
+        ),
         decode=bounds,
     )

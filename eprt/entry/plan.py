@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PREFILL_TOKENS["cuda"],
         help=f"prompt tokens per prefill chunk ({DEFAULT_PREFILL_TOKENS['cuda']})",
     )
+    g.add_argument(
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        help="EPLB's extra expert slots (0): each rank's slots and their memory, per-choice combines (docs/eplb.md)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -77,6 +83,7 @@ def main(args) -> int:
         dtype=args.dtype,
         context=args.context,
         prefill_chunk=args.prefill_chunk,
+        num_redundant_experts=args.num_redundant_experts,
     )
     hardware = Hardware(args.gpu_mem_gib, args.hbm_tbps, args.link_gbps, args.tflops)
     plan = make_plan(args.model, load_config(args.model), settings, hardware, args.attention)
@@ -141,7 +148,8 @@ def render(plan: Plan) -> str:
         ]
         for w in plan.weights
     ]
-    header = ["rank", "experts", "read", "replicated", "experts", f"on device ({s.dtype})", "KV room (blocks)"]
+    slots = "experts" if not s.num_redundant_experts else f"slots (+{s.num_redundant_experts} redundant)"
+    header = ["rank", slots, "read", "replicated", "experts", f"on device ({s.dtype})", "KV room (blocks)"]
     lines += _table(header, rows)
     lines += [
         "",

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from eprt.model.config import ModelConfig, load_config
 from eprt.model.moe_model import MoEModel
+from eprt.model.placement import ExpertSlots, Placement
 from eprt.model.safetensors_io import SafetensorsCheckpoint
 from eprt.model.tokenizer import load_tokenizer
-from eprt.model.weights import load_weights
+from eprt.model.weights import load_expert_stack, load_weights
 
 
 @dataclass
@@ -20,6 +21,16 @@ class LoadedModel:
     tokenizer: object  # eprt.model.tokenizer.Tokenizer or None
     tensors_read: int = 0
     bytes_read: int = 0
+
+
+def _read_experts(model_dir: str | None, cfg: ModelConfig, ops, layer: int, ids) -> tuple:
+    """An EPLB rebalance's read of experts ``ids`` of ``layer`` from this rank's checkpoint files."""
+    source = _open_source(model_dir)
+    try:
+        return load_expert_stack(source, cfg, ops, layer, ids)
+    finally:
+        if hasattr(source, "close") and ops.name != "cpu":
+            source.close()
 
 
 def expert_shard(num_experts: int, rank: int, world: int) -> tuple[int, int]:
@@ -33,10 +44,25 @@ def expert_shard(num_experts: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+def _open_source(model_dir: str | None):
+    if model_dir is None:
+        from eprt.model.default import default_checkpoint
+
+        return default_checkpoint()[1]
+    return SafetensorsCheckpoint(model_dir)
+
+
 def load_model(
-    model_dir: str | None, ops, max_len: int | None, rank: int = 0, world: int = 1, combine: Callable = lambda p: p
+    model_dir: str | None,
+    ops,
+    max_len: int | None,
+    rank: int = 0,
+    world: int = 1,
+    combine: Callable = lambda p: p,
+    placement_for: Callable[[ModelConfig], Placement | None] = lambda cfg: None,
 ) -> LoadedModel:
-    """Load config, tokenizer and this rank's weights. ``model_dir=None`` is the default model."""
+    """Load config, tokenizer and this rank's weights. ``model_dir=None`` is the default model.
+    ``placement_for(config)``: an EPLB placement of the experts on physical slots, or None (contiguous)."""
     if model_dir is None:
         from eprt.model.default import default_checkpoint
 
@@ -46,10 +72,15 @@ def load_model(
         source = SafetensorsCheckpoint(model_dir)
         tokenizer = load_tokenizer(model_dir, cfg)
         name = model_dir.rstrip("/").split("/")[-1]
-    start, end = expert_shard(cfg.num_experts, rank, world)
-    weights = load_weights(source, cfg, ops, start, end)
+    placement = placement_for(cfg)
+    start, end = expert_shard(cfg.num_experts, rank, world) if placement is None else (0, 0)
+    local = None if placement is None else placement.local_experts(rank)
+    weights = load_weights(source, cfg, ops, start, end, local_experts=local)
     max_len = cfg.max_position_embeddings if max_len is None else min(max_len, cfg.max_position_embeddings)
     model = MoEModel(cfg, weights, ops, max_len=max_len, combine=combine)
+    if placement is not None:  # expert_start/end: this rank's physical slots
+        weights.expert_start, weights.expert_end = placement.rank_range(rank)
+        model.slots = ExpertSlots(placement, rank, lambda layer, ids: _read_experts(model_dir, cfg, ops, layer, ids))
     loaded = LoadedModel(
         name, cfg, model, tokenizer, getattr(source, "tensors_read", 0), getattr(source, "bytes_read", 0)
     )

@@ -136,6 +136,7 @@ class MoEModel:
     ):
         self.cfg, self.w, self.ops, self.combine = cfg, weights, ops, combine
         self.expert_counts = ops.zeros((cfg.num_layers, cfg.num_experts), "i32")  # [L, E] tokens routed
+        self.slots = None  # eprt.model.placement.ExpertSlots under EPLB: experts on physical slots
         self.max_len = max_len
         _check_backend(cfg, ops)
         self.cos_sin = ops.activation(rope_table(cfg, max_len))
@@ -224,8 +225,11 @@ class MoEModel:
         else:
             weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
         ops.count_experts(ids, self.expert_counts[layer])
-        partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
-        out = self.combine(partial)  # [T, D] summed over ranks
+        if self.slots is None:
+            partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
+            out = self.combine(partial)  # [T, D] summed over ranks
+        else:
+            out = self.slots.moe(ops, self.combine, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]
         if lw.shared_gate_up is not None:
             s = ops.linear(ops.silu_and_mul(ops.linear(x, lw.shared_gate_up)), lw.shared_down)
             if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert

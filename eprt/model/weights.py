@@ -14,6 +14,7 @@ and [b | a]; q_proj's per-head output gate is split off; (1 + w) norm weights ge
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -299,20 +300,21 @@ def _same_dtype(*arrays: np.ndarray) -> list:
     return [bf16_bits_to_f32(a) if a.dtype == np.uint16 else a for a in arrays]
 
 
-def _experts(src: TensorSource, cfg: ModelConfig, prefix: str, start: int, end: int):
-    """Stacked host arrays (gate_up [El, 2I, D], down [El, D, I]) of experts [start, end)."""
+def _experts(src: TensorSource, cfg: ModelConfig, prefix: str, ids: Sequence[int]):
+    """Stacked host arrays (gate_up [El, 2I, D], down [El, D, I]) of the experts ``ids``, in that order."""
     n = _dims(cfg)
     fused = f"{prefix}.experts.gate_up_proj"
     if fused in src:
         down_name = f"{prefix}.experts.down_proj"
-        gate_up = _read(src, fused, (n["E"], n["2I"], n["D"]))[start:end]
-        down = _read(src, down_name, (n["E"], n["D"], n["I"]))[start:end]
-        _check_finite(f"{fused}[{start}:{end}]", gate_up)
-        _check_finite(f"{down_name}[{start}:{end}]", down)
+        rows = np.asarray(ids, dtype=np.int64)
+        gate_up = _read(src, fused, (n["E"], n["2I"], n["D"]))[rows]
+        down = _read(src, down_name, (n["E"], n["D"], n["I"]))[rows]
+        _check_finite(f"{fused}[{_id_text(ids)}]", gate_up)
+        _check_finite(f"{down_name}[{_id_text(ids)}]", down)
         return np.ascontiguousarray(gate_up), np.ascontiguousarray(down)
     g_name, u_name, d_name = cfg.expert_names
     gate_up, down = [], []
-    for e in range(start, end):
+    for e in ids:
         base = f"{prefix}.experts.{e}"
         g, u, d = _same_dtype(
             _host(src, f"{base}.{g_name}.weight", (n["I"], n["D"])),
@@ -324,10 +326,22 @@ def _experts(src: TensorSource, cfg: ModelConfig, prefix: str, start: int, end: 
     return np.stack(_same_dtype(*gate_up)), np.stack(_same_dtype(*down))
 
 
+def _id_text(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    contiguous = ids and ids == list(range(ids[0], ids[0] + len(ids)))
+    return f"{ids[0]}:{ids[-1] + 1}" if contiguous else ",".join(map(str, ids))
+
+
 def load_weights(
-    src: TensorSource, cfg: ModelConfig, ops, expert_start: int = 0, expert_end: int | None = None
+    src: TensorSource,
+    cfg: ModelConfig,
+    ops,
+    expert_start: int = 0,
+    expert_end: int | None = None,
+    local_experts: np.ndarray | None = None,
 ) -> ModelWeights:
-    """Read every replicated tensor and the experts in [expert_start, expert_end) into ``ops`` arrays."""
+    """Read every replicated tensor and the experts in [expert_start, expert_end) into ``ops`` arrays;
+    with ``local_experts`` ([layers, slots] logical ids, an EPLB placement) layer i holds those experts."""
     expert_end = cfg.num_experts if expert_end is None else expert_end
     if not 0 <= expert_start <= expert_end <= cfg.num_experts:
         raise ValueError(f"expert range [{expert_start}, {expert_end}) outside [0, {cfg.num_experts})")
@@ -359,7 +373,8 @@ def load_weights(
         )
         m = f"{p}.{cfg.moe_prefix}"
         if sparse:
-            _load_moe(src, cfg, ops, lw, m, expert_start, expert_end)
+            ids = range(expert_start, expert_end) if local_experts is None else local_experts[i].tolist()
+            _load_moe(src, cfg, ops, lw, m, ids)
         else:
             lw.mlp_gate_up = _gate_up(src, ops, m, (n["Id"], n["D"]))
             lw.mlp_down = W(f"{m}.down_proj.weight", "D", "Id")
@@ -467,8 +482,21 @@ def _mla_attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
     return out
 
 
-def _load_moe(src: TensorSource, cfg: ModelConfig, ops, lw: LayerWeights, m: str, start: int, end: int) -> None:
-    """Router (and its score bias), this rank's experts, the shared expert(s)."""
+def load_expert_stack(src: TensorSource, cfg: ModelConfig, ops, layer: int, ids: Sequence[int]) -> tuple:
+    """The ``ops`` arrays (gate_up [El, 2I, D], down [El, D, I]) of layer ``layer``'s experts ``ids``:
+    what an EPLB rebalance reads of the experts a rank newly holds."""
+    if cfg.fp8 is not None and not isinstance(src, Fp8Source):
+        src = Fp8Source(src, cfg.fp8)
+    m = f"model.layers.{layer}.{cfg.moe_prefix}"
+    fp8 = _resident_fp8_experts(src, cfg, ops, m, ids)
+    if fp8 is not None:
+        return fp8
+    gate_up, down = _experts(src, cfg, m, ids)
+    return ops.weight(gate_up), ops.weight(down)
+
+
+def _load_moe(src: TensorSource, cfg: ModelConfig, ops, lw: LayerWeights, m: str, ids: Sequence[int]) -> None:
+    """Router (and its score bias), this rank's experts ``ids``, the shared expert(s)."""
     n = _dims(cfg)
     W = lambda name, *shape: _weight(src, ops, name, tuple(n[d] for d in shape))  # noqa: E731
     lw.router = W(f"{m}.gate.weight", "E", "D")
@@ -476,11 +504,11 @@ def _load_moe(src: TensorSource, cfg: ModelConfig, ops, lw: LayerWeights, m: str
         bias = _host(src, f"{m}.gate.e_score_correction_bias", (n["E"],))
         bias = bf16_bits_to_f32(bias) if bias.dtype == np.uint16 else bias
         lw.router_bias = ops.xp.asarray(np.ascontiguousarray(bias, dtype=np.float32))  # float32 on every backend
-    fp8 = _resident_fp8_experts(src, cfg, ops, m, start, end)
+    fp8 = _resident_fp8_experts(src, cfg, ops, m, ids)
     if fp8 is not None:
         lw.w_gate_up, lw.w_down = fp8
     else:
-        gate_up, down = _experts(src, cfg, m, start, end)
+        gate_up, down = _experts(src, cfg, m, ids)
         lw.w_gate_up, lw.w_down = ops.weight(gate_up), ops.weight(down)
     if not cfg.has_shared_expert:
         return
@@ -501,14 +529,14 @@ def _gate_up(src: TensorSource, ops, prefix: str, expected: tuple):
     return ops.weight(np.concatenate([g, u], axis=0))
 
 
-def _resident_fp8_experts(src: TensorSource, cfg: ModelConfig, ops, prefix: str, start: int, end: int):
-    """Experts [start, end) as FP8 on a backend that keeps FP8: (gate_up [El, 2I, D] blocked per half,
+def _resident_fp8_experts(src: TensorSource, cfg: ModelConfig, ops, prefix: str, ids: Sequence[int]):
+    """Experts ``ids`` as FP8 on a backend that keeps FP8: (gate_up [El, 2I, D] blocked per half,
     down [El, D, I]) with their scales; None when not FP8 (or fused / no local experts)."""
-    if not (ops.fp8_resident and isinstance(src, Fp8Source)) or start == end or f"{prefix}.experts.gate_up_proj" in src:
+    if not (ops.fp8_resident and isinstance(src, Fp8Source)) or not ids or f"{prefix}.experts.gate_up_proj" in src:
         return None
     n, (g_name, u_name, d_name) = _dims(cfg), cfg.expert_names
     gate_up, down = [], []
-    for e in range(start, end):
+    for e in ids:
         base = f"{prefix}.experts.{e}"
         names = [f"{base}.{g_name}.weight", f"{base}.{u_name}.weight", f"{base}.{d_name}.weight"]
         shapes = [(n["I"], n["D"]), (n["I"], n["D"]), (n["D"], n["I"])]

@@ -75,6 +75,7 @@ class Ops:
     name = "abstract"
     xp: Any = None  # the array module (numpy or cupy)
     kv_itemsize = 4  # bytes per KV cache element (float32; the GPU backend stores bf16)
+    moe_split_rows = 1  # EPLB splits an expert's rows over replicas only in parts of at least this many
     fp8_resident = False  # True: FP8 checkpoint weights stay FP8 in memory (weight_fp8); else dequantized at load
 
     # ---- data movement -------------------------------------------------------------

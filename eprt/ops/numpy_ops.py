@@ -44,6 +44,7 @@ def _solve_unit_lower(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class NumpyOps(Ops):
     name = "cpu"
+    moe_split_rows = EXPERT_ROWS_AS_GEMV + 1  # a row's bits differ between the GEMV and the GEMM paths
     xp = np
     act_dtype = np.float32
     kv_itemsize = 4  # bytes per KV cache element (float32)

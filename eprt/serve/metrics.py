@@ -71,6 +71,23 @@ class EngineCollector:
             yield GaugeMetricFamily("eprt_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", value=used)
         if hasattr(self.engine, "expert_load"):
             yield from expert_families(self.engine.expert_load())
+        figures = getattr(self.engine, "eplb_figures", lambda: None)()
+        if figures is not None:
+            yield from eplb_families(figures)
+
+
+def eplb_families(figures: dict):
+    """Each MoE layer's rank imbalance without EPLB (contiguous) and with the current placement."""
+    ratio = GaugeMetricFamily(
+        "eprt_eplb_rank_imbalance",
+        "(max - mean) / mean tokens per rank since the current placement took effect",
+        labels=["layer", "placement"],
+    )
+    for placement in ("contiguous", "eplb"):
+        for layer, r in zip(figures["layers"], figures[placement]):
+            ratio.add_metric([str(layer), placement], float(r))
+    yield ratio
+    yield GaugeMetricFamily("eprt_eplb_epoch", "Expert placements switched to while serving", value=figures["epoch"])
 
 
 def expert_families(counts: np.ndarray):
