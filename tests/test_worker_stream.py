@@ -79,6 +79,14 @@ class RecordingExecutor:
         state = self.slots.check_next_chunk(slot, chunk_start, tokens.tolist())
         self.prefill(slot, np.asarray(state.prompt, np.uint32), chunk_start, len(tokens), state.vision_rows)
 
+    def prefill_group(self, commands, vision_rows):
+        self.calls.append(("group", [c.slot for c in commands]))
+        for cmd, rows in zip(commands, vision_rows):
+            if isinstance(cmd, Prefill):
+                self.prefill(cmd.slot, np.asarray(cmd.tokens, np.uint32), cmd.chunk_start, cmd.chunk_len, rows)
+            else:
+                self.prefill_next(cmd.slot, cmd.chunk_start, np.asarray(cmd.tokens, np.uint32))
+
     def decode(self, slots, tokens):
         states = self.slots.check_decode(slots, tokens, "decode")
         if self.fail_on_decode:
@@ -205,6 +213,26 @@ def test_root_going_down_ends_the_loop_with_shutdown():
     executor = RecordingExecutor()
     assert run_worker(worker, executor, MAX_SLOTS) == 1
     assert worker.errors == [] and executor.calls[-1] == ("shutdown",)
+
+
+def test_a_frames_run_of_prefills_is_one_group_ended_by_another_command_or_the_frame():
+    long_prompt = tuple(range(30))  # overflows the 16-word frame: one frame all the same
+    stream = frames(Prefill(0, 0, 3, (1, 2, 3)), Prefill(1, 0, 20, long_prompt), Prefill(2, 0, 2, (7, 8)))
+    stream += frames(PrefillNext(1, 20, long_prompt[20:]), DecodeBatch((0, 2), (4, 9)), Prefill(3, 0, 1, (5,)))
+    stream += frames(Release(0)) + frames(p.Shutdown())
+    worker, executor = ReplayTransport(stream), RecordingExecutor()
+    assert run_worker(worker, executor, MAX_SLOTS, vocab_size=64) == 0
+    assert [c[:2] for c in executor.calls] == [
+        ("group", [0, 1, 2]),
+        ("prefill", 0),
+        ("prefill", 1),
+        ("prefill", 2),
+        ("prefill", 1),  # a run of one: the single-command call
+        ("decode", [0, 2]),
+        ("prefill", 3),
+        ("release", 0),
+        ("shutdown",),
+    ]
 
 
 def test_rank0_sends_only_whole_commands_with_their_rows():

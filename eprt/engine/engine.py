@@ -300,7 +300,7 @@ def launch_engine(args_or_config, transport=None):
         code = run_worker(transport, executor, cfg.max_batch, model_cfg.vocab_size)
         _close(transport, cfg)
         sys.exit(code)
-    runner = ModelRunner(executor, transport, seed=cfg.seed)
+    runner = ModelRunner(executor, transport, seed=cfg.seed, batch_prefill=cfg.batch_prefill)
     sched_cfg = SchedulerConfig(
         vocab_size=model_cfg.vocab_size,
         eos_token_ids=tuple(
