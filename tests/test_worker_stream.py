@@ -91,6 +91,14 @@ class RecordingExecutor:
         state = self.slots.check_next_chunk(slot, chunk_start, tokens.tolist())
         self.prefill(slot, np.asarray(state.prompt, np.uint32), chunk_start, len(tokens), state.vision_rows)
 
+    def prefill_group(self, commands, vision_rows):
+        self.calls.append(("group", [c.slot for c in commands]))
+        for cmd, rows in zip(commands, vision_rows):
+            if isinstance(cmd, Prefill):
+                self.prefill(cmd.slot, np.asarray(cmd.tokens, np.uint32), cmd.chunk_start, cmd.chunk_len, rows)
+            else:
+                self.prefill_next(cmd.slot, cmd.chunk_start, np.asarray(cmd.tokens, np.uint32))
+
     def decode(self, slots, tokens):
         states = self.slots.check_decode(slots, tokens, "decode")
         if self.fail_on_decode:
@@ -233,6 +241,26 @@ def test_root_going_down_ends_the_loop_with_shutdown():
     assert worker.errors == [] and executor.calls[-1] == ("shutdown",)
 
 
+def test_a_frames_run_of_prefills_is_one_group_ended_by_another_command_or_the_frame():
+    long_prompt = tuple(range(30))  # overflows the 16-word frame: one frame all the same
+    stream = frames(Prefill(0, 0, 3, (1, 2, 3)), Prefill(1, 0, 20, long_prompt), Prefill(2, 0, 2, (7, 8)))
+    stream += frames(PrefillNext(1, 20, long_prompt[20:]), DecodeBatch((0, 2), (4, 9)), Prefill(3, 0, 1, (5,)))
+    stream += frames(Release(0)) + frames(p.Shutdown())
+    worker, executor = ReplayTransport(stream), RecordingExecutor()
+    assert run_worker(worker, executor, MAX_SLOTS, vocab_size=64) == 0
+    assert [c[:2] for c in executor.calls] == [
+        ("group", [0, 1, 2]),
+        ("prefill", 0),
+        ("prefill", 1),
+        ("prefill", 2),
+        ("prefill", 1),  # a run of one: the single-command call
+        ("decode", [0, 2]),
+        ("prefill", 3),
+        ("release", 0),
+        ("shutdown",),
+    ]
+
+
 def test_rank0_sends_only_whole_commands_with_their_rows():
     root = LoopbackRoot()
     with pytest.raises(ValueError, match="announces 1 vision rows but 0 were given"):
@@ -282,5 +310,5 @@ def test_verify_then_accept_rolls_back_rejected_drafts_on_the_worker():
     worker, executor = ReplayTransport(stream), RecordingExecutor()
     assert run_worker(worker, executor, MAX_SLOTS, vocab_size=64) == 0, worker.errors
     assert executor.final == {0: (3, (1, 2, 3, 4, 5, 20, 30))}
-    kinds = [c[0] for c in executor.calls if c[0] != "prefill"]
+    kinds = [c[0] for c in executor.calls if c[0] not in ("prefill", "group")]
     assert kinds == ["verify", "accept", "verify", "accept", "decode", "release", "shutdown"]

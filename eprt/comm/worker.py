@@ -51,6 +51,10 @@ class Executor(Protocol):
         """Prefill the next chunk of the prompt (and vision rows) the slot's PREFILL brought;
         ``tokens``: uint32 [chunk_len], the prompt's tokens from ``chunk_start``."""
 
+    def prefill_group(self, commands: list, vision_rows: list) -> object:
+        """Two or more PREFILL / PREFILL_NEXT commands of one frame as one forward pass, each
+        as ``prefill`` / ``prefill_next`` would run it; ``vision_rows[i]``: PREFILL i's rows or None."""
+
     def decode(self, slots: list[int], tokens: list[int]) -> None:
         """One decode step; row r appends ``tokens[r]`` to ``slots[r]`` (DECODE_BATCH and
         decode-one-token alike)."""
@@ -104,9 +108,16 @@ def run_worker(transport: WorkerTransport, executor: Executor, max_slots: int, v
     down without a SHUTDOWN (then ``executor.shutdown()`` runs too).
     """
     decoder = Decoder(max_slots=max_slots, vocab_size=vocab_size)
+    group: list = []  # (command, vision rows) of the frame's current run of prefills
     try:
         while True:
             cmd = decoder.next()
+            if isinstance(cmd, (Prefill, PrefillNext)):
+                group.append((cmd, _vision_rows(cmd, transport, executor, decoder)))
+                continue
+            if group:  # the run ended (another command, or the frame's end): one forward
+                _prefill(group, executor)
+                group = []
             if cmd is None:
                 decoder.feed(transport.recv_frame())
                 continue
@@ -124,20 +135,32 @@ def run_worker(transport: WorkerTransport, executor: Executor, max_slots: int, v
         return 1
 
 
-def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decoder: Decoder) -> None:
+def _vision_rows(cmd, transport: WorkerTransport, executor: Executor, decoder: Decoder) -> np.ndarray | None:
+    """The rows a PREFILL announces, received right after its frame (None when it announces none)."""
+    if not isinstance(cmd, Prefill) or not cmd.vision_rows:
+        return None
+    if decoder.pending:
+        raise ProtocolError(
+            f"PREFILL slot {cmd.slot}: {decoder.pending} words arrived between the vision count and its rows"
+        )
+    return transport.recv_rows(cmd.vision_rows, executor.hidden_size)
+
+
+def _prefill(group: list, executor: Executor) -> None:
+    """A frame's consecutive PREFILL / PREFILL_NEXT commands: one forward pass, as rank 0 ran them
+    (docs/protocol.md, "Batched prefill"); a run of one takes the single-command calls."""
+    if len(group) > 1:
+        executor.prefill_group([c for c, _ in group], [r for _, r in group])
+        return
+    cmd, rows = group[0]
     if isinstance(cmd, Prefill):
-        rows = None
-        if cmd.vision_rows:
-            if decoder.pending:
-                raise ProtocolError(
-                    f"PREFILL slot {cmd.slot}: {decoder.pending} words arrived between the vision count and its rows"
-                )
-            rows = transport.recv_rows(cmd.vision_rows, executor.hidden_size)
-        tokens = np.asarray(cmd.tokens, np.uint32)  # [full_len]
-        executor.prefill(cmd.slot, tokens, cmd.chunk_start, cmd.chunk_len, rows)
-    elif isinstance(cmd, PrefillNext):
+        executor.prefill(cmd.slot, np.asarray(cmd.tokens, np.uint32), cmd.chunk_start, cmd.chunk_len, rows)
+    else:
         executor.prefill_next(cmd.slot, cmd.chunk_start, np.asarray(cmd.tokens, np.uint32))
-    elif isinstance(cmd, Decode1):
+
+
+def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decoder: Decoder) -> None:
+    if isinstance(cmd, Decode1):
         executor.decode([cmd.slot], [cmd.token])
     elif isinstance(cmd, DecodeBatch):
         executor.decode(list(cmd.slots), list(cmd.tokens))

@@ -53,6 +53,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + generated tokens; None: the model's, bounded by the KV pool
     max_prefill_tokens: int | None = None  # prompt tokens per prefill chunk; None: by device; 0: whole prompts
     prefix_cache: bool = True
+    batch_prefill: bool = True  # a tick's prefill chunks as one forward pass (off: one pass per sequence)
     gpu_memory_utilization: float = 0.9
     image_token_id: int | None = None
     seed: int = 0
@@ -132,6 +133,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     g.add_argument(
+        "--batch-prefill",
+        choices=("on", "off"),
+        default="on",
+        help="run the prompts (and prompt chunks) admitted in one tick as one forward pass (default on)",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -207,6 +214,7 @@ def engine_config_from_args(args) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_prefill_tokens=args.max_prefill_tokens,
         prefix_cache=not args.no_prefix_cache,
+        batch_prefill=args.batch_prefill == "on",
         gpu_memory_utilization=args.gpu_memory_utilization,
         image_token_id=args.image_token_id,
         seed=args.engine_seed,

@@ -358,7 +358,13 @@ def launch_engine(args_or_config, transport=None):
             f"--speculative-method {spec.method}: {model_cfg.model_type} keeps recurrent state, "
             "which cannot roll back rejected drafts"
         )
-    runner = ModelRunner(executor, transport, seed=cfg.seed, drafter=None if spec is None else spec.drafter())
+    runner = ModelRunner(
+        executor,
+        transport,
+        seed=cfg.seed,
+        drafter=None if spec is None else spec.drafter(),
+        batch_prefill=cfg.batch_prefill,
+    )
     eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
     runner.guides = GuidedRows(GrammarCompiler(loaded.tokenizer, model_cfg.vocab_size, eos))
     sched_cfg = SchedulerConfig(

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
 from eprt.cache.block_manager import BlockManager
 from eprt.cache.snapshots import WORD64, SnapshotIndex, prefill_points, prefix_hash64
+from eprt.comm.protocol import Prefill
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.model.kv_cache import KVCache
-from eprt.model.moe_model import AttnBatch, MoEModel
+from eprt.model.moe_model import AttnBatch, MoEModel, PrefillPart
 from eprt.model.placement import switch_model_placement
 from eprt.model.recurrent_state import RecurrentState
 
@@ -46,6 +48,17 @@ def vision_salt(rows: np.ndarray | None) -> bytes:
     if rows is None or len(rows) == 0:
         return b""
     return hashlib.blake2b(np.ascontiguousarray(rows, dtype=np.float32).tobytes(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prefill ``tokens[chunk_start : chunk_start + chunk_len]`` of the whole prompt ``tokens`` into ``slot``."""
+
+    slot: int
+    tokens: object  # the whole prompt (sequence of ints)
+    chunk_start: int
+    chunk_len: int
+    vision_rows: np.ndarray | None = None  # float32 [rows, D] of the prompt's image placeholders
 
 
 class ShardExecutor:
@@ -230,36 +243,77 @@ class ShardExecutor:
     def prefill(self, slot: int, tokens, chunk_start: int, chunk_len: int, vision_rows: np.ndarray | None = None):
         """Prefill tokens[chunk_start : chunk_start+chunk_len] of the full prompt ``tokens``.
         Returns the logits [1, V] of the chunk's last token (None when compute_logits is off)."""
-        tokens = [int(t) for t in tokens]
-        if self.slots.get(slot) is None:  # first chunk on a worker: allocate exactly as rank 0 did
-            cached = self.allocate(slot, tokens, vision_rows=vision_rows)
-            if cached != chunk_start:
-                raise ExecutorError(
-                    f"prefix cache diverged on slot {slot}: this rank reuses {cached} tokens, "
-                    f"rank 0 sent chunk_start={chunk_start}"
-                )
-        st = self.slots.check_chunk(slot, tokens, chunk_start, chunk_len)
-        end = chunk_start + chunk_len
-        self.blocks.grow(st.key, end)
-        ids = np.asarray(tokens[chunk_start:end], dtype=np.int32)  # [T]
-        positions = np.arange(chunk_start, end, dtype=np.int32)  # [T]
-        table = np.asarray(self.blocks.block_table(st.key), dtype=np.int32)
-        rows, mask = self._vision_chunk(tokens, chunk_start, end, vision_rows)
-        batch = AttnBatch(
-            positions=positions,
-            slot_mapping=self.kv.slots(table, positions),
-            block_table=table,
-            start_pos=chunk_start,
-            state_slots=np.asarray([slot], dtype=np.int32),
-        )
-        h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv, self.state)  # [T, D]
-        st.tokens.extend(tokens[chunk_start:end])
-        return self.model.logits(h[-1:]) if self.compute_logits else None
+        return self._prefill_chunks([PrefillChunk(slot, tokens, chunk_start, chunk_len, vision_rows)])
 
     def prefill_next(self, slot: int, chunk_start: int, tokens):
         """The next chunk ``tokens`` of the prompt (and vision rows) the slot's PREFILL brought."""
+        return self._prefill_chunks([self._next_chunk(slot, chunk_start, tokens)])
+
+    def prefill_group(self, commands: list, vision_rows: list | None = None):
+        """PREFILL / PREFILL_NEXT commands of one frame as one forward pass over all their tokens
+        (docs/protocol.md, "Batched prefill"); ``vision_rows[i]``: the rows PREFILL i announced.
+        Returns the logits [G, V] of each chunk's last token (None when compute_logits is off)."""
+        rows = vision_rows if vision_rows is not None else [None] * len(commands)
+        chunks = [
+            PrefillChunk(cmd.slot, cmd.tokens, cmd.chunk_start, cmd.chunk_len, r)
+            if isinstance(cmd, Prefill)
+            else self._next_chunk(cmd.slot, cmd.chunk_start, cmd.tokens)
+            for cmd, r in zip(commands, rows)
+        ]
+        return self._prefill_chunks(chunks)
+
+    def _next_chunk(self, slot: int, chunk_start: int, tokens) -> PrefillChunk:
         st = self.slots.check_next_chunk(slot, chunk_start, tokens)
-        return self.prefill(slot, st.prompt, chunk_start, len(tokens), st.vision_rows)
+        return PrefillChunk(slot, st.prompt, chunk_start, len(tokens), st.vision_rows)
+
+    def _prefill_chunks(self, chunks: list):
+        """One forward over the chunks' tokens, each sequence at its own positions attending
+        causally to its own paged KV. Returns logits [G, V] of each chunk's last token, or None."""
+        named = [c.slot for c in chunks]
+        if len(set(named)) != len(named):
+            raise ExecutorError(f"a prefill group names a slot twice: slots {named}")
+        ids, positions, maps, parts, rows, masks = [], [], [], [], [], []
+        offset, states = 0, []
+        for c in chunks:
+            tokens = [int(t) for t in c.tokens]
+            if self.slots.get(c.slot) is None:  # first chunk on a worker: allocate exactly as rank 0 did
+                cached = self.allocate(c.slot, tokens, vision_rows=c.vision_rows)
+                if cached != c.chunk_start:
+                    raise ExecutorError(
+                        f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
+                        f"rank 0 sent chunk_start={c.chunk_start}"
+                    )
+            st = self.slots.check_chunk(c.slot, tokens, c.chunk_start, c.chunk_len)
+            end = c.chunk_start + c.chunk_len
+            self.blocks.grow(st.key, end)
+            pos = np.arange(c.chunk_start, end, dtype=np.int32)  # [T_i]
+            table = np.asarray(self.blocks.block_table(st.key), dtype=np.int32)
+            ids.append(np.asarray(tokens[c.chunk_start : end], dtype=np.int32))
+            positions.append(pos)
+            maps.append(self.kv.slots(table, pos))
+            parts.append(PrefillPart(offset, c.chunk_len, table, c.chunk_start, c.slot))
+            r, m = self._vision_chunk(tokens, c.chunk_start, end, c.vision_rows)
+            rows.append(r)
+            masks.append(np.zeros(c.chunk_len, dtype=bool) if m is None else m)
+            states.append((st, tokens[c.chunk_start : end]))
+            offset += c.chunk_len
+        seen = [r for r in rows if r is not None]
+        batch = AttnBatch(
+            positions=np.concatenate(positions),  # [T]
+            slot_mapping=np.concatenate(maps),
+            state_slots=np.asarray(named, dtype=np.int32),
+            parts=tuple(parts),
+        )
+        embedded = self.model.embed(
+            np.concatenate(ids), np.concatenate(seen) if seen else None, np.concatenate(masks) if seen else None
+        )  # [T, D]
+        h = self.model.hidden_states(embedded, batch, self.kv, self.state)  # [T, D]
+        for st, new in states:
+            st.tokens.extend(new)
+        if not self.compute_logits:
+            return None
+        last = np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32)  # [G]
+        return self.model.logits(h[self.ops.index(last)])
 
     def decode(self, slots: list, tokens: list):
         """Append tokens[r] to slots[r] and run one step. Returns logits [B, V] (or None)."""

@@ -19,6 +19,8 @@ from eprt.engine.speculative import Drafter, SpeculativeRunner
 from eprt.engine.structured import GuidedRows
 from eprt.scheduler.interface import TraceCalls
 
+PREFILL_GROUP_TOKENS = 16384  # at most this many prompt tokens in one batched prefill forward
+
 
 @dataclass
 class SeqModelState:
@@ -28,16 +30,30 @@ class SeqModelState:
     salt: bytes  # prefix-cache salt of its vision rows, hashed once
     checkpoints: tuple = ()  # hybrid models: token counts at which this admission's prefill snapshots
     matcher: object = None  # structured outputs: its grammar's llguidance matcher (eprt/engine/structured.py)
+    held: tuple | None = None  # (slot, cached) allocated by admit_ahead for this tick's alloc_sequence
 
 
 class ModelRunner(SpeculativeRunner, TraceCalls):
-    def __init__(self, executor: ShardExecutor, transport, seed: int = 0, drafter: Drafter | None = None):
+    def __init__(
+        self,
+        executor: ShardExecutor,
+        transport,
+        seed: int = 0,
+        drafter: Drafter | None = None,
+        batch_prefill: bool = True,
+    ):
         self.executor = executor
         self.transport = transport  # eprt.comm.transport.Transport (LocalTransport on one rank)
+        # a tick's prefill chunks as one forward (not for hybrid models: their snapshots are taken
+        # between one sequence's prefill and the next one's allocation)
+        self.batch_prefill = batch_prefill and not executor.cfg.is_hybrid
+        self._groups: list = []  # the lane's planned chunks not yet run, in forward-pass groups
+        self._ran: dict = {}  # id(seq) -> (start, n, logits [G, V], row) of chunks run ahead of their call
         self._rng = np.random.default_rng(seed)  # seeds requests that bring none
         self._logits: np.ndarray | None = None  # [B, V] of the last forward
         self._rows: list = []  # the sequences behind those rows
         self.prompt_tokens_computed = 0
+        self.prefill_passes = 0  # prefill forward passes (one per group of chunks)
         self.decode_steps = 0
         self.decode_rows = 0
         self.drafter = drafter  # speculative decoding (eprt/engine/speculative.py); None: off
@@ -57,9 +73,30 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         return seq.model_state
 
     def can_admit(self, seq) -> bool:
+        if self._state(seq).held is not None:
+            return True
         return self.executor.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
 
+    def admit_ahead(self, seq) -> int | None:
+        """Untraced, for the lane's plan: if ``can_admit``, allocate now what this tick's
+        ``alloc_sequence(seq)`` will return, and give the cached length; None otherwise."""
+        if not self.batch_prefill or seq.adapter != -1 or self.executor.slots.lowest_free() is None:
+            return None
+        if not self.can_admit(seq):
+            return None
+        state = self._state(seq)
+        if state.held is None:
+            state.held = (self._allocate(seq), seq.cached)
+        return state.held[1]
+
     def alloc_sequence(self, seq) -> int:
+        state = self._state(seq)
+        if state.held is not None:
+            (slot, seq.cached), state.held = state.held, None
+            return slot
+        return self._allocate(seq)
+
+    def _allocate(self, seq) -> int:
         if seq.adapter != -1:  # PREFILL carries no adapter: workers could not mirror the allocation
             raise ValueError(f"adapter {seq.adapter} requested but this model serves no adapters")
         slot = self.executor.slots.lowest_free()
@@ -105,27 +142,81 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.transport.send(P.Compact(slot=seq.slot, new_slot=new_slot))
 
     # ---- compute -------------------------------------------------------------------------
+    def plan_prefills(self, chunks: list) -> None:
+        """Untraced: the (seq, start, n) chunks this tick's prefill lane will run, in call order
+        (a waiting sequence among them was allocated by ``admit_ahead``). They run as one forward
+        pass at the first of their ``prefill`` calls; a group ends after a PREFILL announcing
+        vision rows (its frame is flushed with it) and at PREFILL_GROUP_TOKENS tokens."""
+        self._groups, self._ran, group, size = [], {}, [], 0
+        if not self.batch_prefill:
+            return
+        for seq, start, n in chunks:
+            if group and size + n > PREFILL_GROUP_TOKENS:
+                self._groups.append(group)
+                group, size = [], 0
+            group.append((seq, start, n))
+            size += n
+            if start == self._slot_and_cached(seq)[1] and seq.image_embeds is not None and len(seq.image_embeds):
+                self._groups.append(group)
+                group, size = [], 0
+        if group:
+            self._groups.append(group)
+
     def prefill(self, seq, start: int, n: int, stream: int = 0) -> None:
         """The chunk [start, start + n), split where a hybrid model snapshots its state (DECODE_CKPT
-        between the pieces): the scheduler sees one chunk, the workers the same pieces as rank 0."""
-        end, piece = start + n, start
-        for stop in sorted({p for p in self._state(seq).checkpoints if start < p <= end} | {end}):
-            if stop > piece:
-                self._prefill_piece(seq, piece, stop - piece)
-            if stop in self._state(seq).checkpoints:
-                self._checkpoint(seq.slot)
-            piece = stop
+        between the pieces): the scheduler sees one chunk, the workers the same pieces as rank 0.
+        A planned chunk runs with its group (``plan_prefills``), at the group's first call."""
+        if self.batch_prefill:
+            self._prefill_batched(seq, start, n)
+        else:
+            end, piece = start + n, start
+            for stop in sorted({p for p in self._state(seq).checkpoints if start < p <= end} | {end}):
+                if stop > piece:
+                    self._run_group([(seq, piece, stop - piece)])
+                if stop in self._state(seq).checkpoints:
+                    self._checkpoint(seq.slot)
+                piece = stop
+            self._logits = self._ran.pop(id(seq))[2]
         self._rows = [seq]
         self.prompt_tokens_computed += n
 
-    def _prefill_piece(self, seq, start: int, n: int) -> None:
-        prompt, rows = tuple(seq.token_ids[: seq.num_prompt]), seq.image_embeds
-        if start == seq.cached:  # the slot's first chunk: the whole prompt and its vision rows, once
-            self.transport.send(P.Prefill(seq.slot, start, n, prompt, 0 if rows is None else len(rows)), rows)
-        else:
-            self.transport.send(P.PrefillNext(seq.slot, start, prompt[start : start + n]))
+    def _prefill_batched(self, seq, start: int, n: int) -> None:
+        while id(seq) not in self._ran and any(s is seq for g in self._groups for s, _, _ in g):
+            self._run_group(self._groups.pop(0))
+        if id(seq) not in self._ran:  # not planned: alone
+            self._run_group([(seq, start, n)])
+        ran_start, ran_n, logits, row = self._ran.pop(id(seq))
+        if (ran_start, ran_n) != (start, n):
+            raise RuntimeError(
+                f"prefill of s{seq.seq_id} [{start}, {start + n}) differs from the lane's plan "
+                f"[{ran_start}, {ran_start + ran_n}), already run"
+            )
+        self._logits = logits[row : row + 1]
+
+    def _slot_and_cached(self, seq) -> tuple[int, int]:
+        held = self._state(seq).held
+        return held if held is not None else (seq.slot, seq.cached)
+
+    def _run_group(self, chunks: list) -> None:
+        """Send the chunks' PREFILL / PREFILL_NEXT frames, flush once, run them as one forward."""
+        commands, rows = [], []
+        for seq, start, n in chunks:
+            slot, cached = self._slot_and_cached(seq)
+            prompt, vision = tuple(seq.token_ids[: seq.num_prompt]), seq.image_embeds
+            if start == cached:  # the slot's first chunk: the whole prompt and its vision rows, once
+                cmd = P.Prefill(slot, start, n, prompt, 0 if vision is None else len(vision))
+                self.transport.send(cmd, vision)
+                rows.append(vision)
+            else:
+                cmd = P.PrefillNext(slot, start, prompt[start : start + n])
+                self.transport.send(cmd)
+                rows.append(None)
+            commands.append(cmd)
         self.transport.flush()
-        self._logits = self.executor.prefill(seq.slot, prompt, start, n, rows)
+        logits = self.executor.prefill_group(commands, rows)
+        self.prefill_passes += 1
+        for row, (seq, start, n) in enumerate(chunks):
+            self._ran[id(seq)] = (start, n, logits, row)
 
     def _checkpoint(self, slot: int) -> None:
         """Snapshot the slot's recurrent state here and on every worker (sent with the next frame)."""

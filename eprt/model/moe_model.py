@@ -24,6 +24,17 @@ from eprt.model.recurrent_state import RecurrentState
 from eprt.model.weights import ModelWeights
 
 
+@dataclass(frozen=True)
+class PrefillPart:
+    """One sequence's chunk inside a batched prefill: tokens [offset, offset + length) of the call."""
+
+    offset: int
+    length: int
+    block_table: np.ndarray  # [MB] int32
+    start_pos: int  # position of its first token
+    state_slot: int = -1  # hybrid models: its recurrent-state slot
+
+
 @dataclass
 class AttnBatch:
     """Where this call's tokens sit in the paged KV cache."""
@@ -35,10 +46,18 @@ class AttnBatch:
     block_tables: np.ndarray | None = None  # decode: [B, MB]
     context_lens: np.ndarray | None = None  # decode: [B] (new token included)
     state_slots: np.ndarray | None = None  # hybrid models: recurrent-state slot of the sequence [1] or rows [B]
+    parts: tuple = ()  # batched prefill: a PrefillPart per sequence, in token order (block_table unused)
 
     @property
     def is_prefill(self) -> bool:
-        return self.block_table is not None
+        return self.block_table is not None or bool(self.parts)
+
+    def prefill_parts(self) -> tuple:
+        """The sequences of a prefill call: ``parts``, or the one sequence of ``block_table``."""
+        if self.parts:
+            return self.parts
+        slot = -1 if self.state_slots is None else int(self.state_slots[0])
+        return (PrefillPart(0, len(self.positions), self.block_table, self.start_pos, slot),)
 
 
 def _inv_freq(cfg: ModelConfig, dim: int) -> np.ndarray:
@@ -170,8 +189,11 @@ class MoEModel:
         q, k = self._rope(q, pos), self._rope(k, pos)
         ops.kv_write(kv.k[layer], kv.v[layer], k, v, ops.index(batch.slot_mapping))
         if batch.is_prefill:
-            o = ops.attention_prefill(
-                q, kv.k[layer], kv.v[layer], ops.index(batch.block_table), batch.start_pos, self.scale
+            o = self._per_sequence(
+                batch,
+                lambda rows, p: ops.attention_prefill(
+                    q[rows], kv.k[layer], kv.v[layer], ops.index(p.block_table), p.start_pos, self.scale
+                ),
             )
         else:
             o = ops.attention_decode(
@@ -181,6 +203,12 @@ class MoEModel:
         if lw.q_gate is not None:  # Qwen3-Next's gated attention
             o = ops.sigmoid_mul(o, ops.linear(x, lw.q_gate))
         return ops.linear(o, lw.o)  # [T, D]
+
+    def _per_sequence(self, batch: AttnBatch, run: Callable):
+        """A prefill's per-sequence step (causal attention over each one's own paged KV) on each
+        part's rows, concatenated in token order: [T, ..]."""
+        outs = [run(slice(p.offset, p.offset + p.length), p) for p in batch.prefill_parts()]
+        return outs[0] if len(outs) == 1 else self.ops.xp.concatenate(outs, axis=0)
 
     def _rope(self, x, pos):
         """Rotate the first rope_dim dims of every head of x[T, H, Dh] (all of them but for partial rotary)."""
@@ -209,8 +237,11 @@ class MoEModel:
         ops.latent_write(cache, xp.concatenate([latent, k_rope[:, 0]], axis=-1), ops.index(batch.slot_mapping))
         q_all = xp.concatenate([q_latent, q_rope], axis=-1)  # [T, H, C+R]
         if batch.is_prefill:
-            o = ops.mla_attention_prefill(
-                q_all, cache, ops.index(batch.block_table), batch.start_pos, self.scale, value_dim=C
+            o = self._per_sequence(
+                batch,
+                lambda rows, p: ops.mla_attention_prefill(
+                    q_all[rows], cache, ops.index(p.block_table), p.start_pos, self.scale, value_dim=C
+                ),
             )
         else:
             tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
@@ -255,8 +286,15 @@ class MoEModel:
         for i, lw in enumerate(self.w.layers):
             if i > 0:
                 x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps)
-            if lw.linear is not None:
-                h = gated_delta_net(ops, cfg, lw.linear, x, state, i, batch.state_slots, batch.is_prefill)
+            if lw.linear is not None and batch.is_prefill:  # each sequence continues its own state
+                h = self._per_sequence(
+                    batch,
+                    lambda rows, p, i=i, lw=lw, x=x: gated_delta_net(
+                        ops, cfg, lw.linear, x[rows], state, i, np.asarray([p.state_slot], np.int32), True
+                    ),
+                )
+            elif lw.linear is not None:
+                h = gated_delta_net(ops, cfg, lw.linear, x, state, i, batch.state_slots, False)
             else:
                 h = attention(lw, x, batch, kv, i)
             x, residual = ops.add_rms_norm(h, residual, lw.post_norm, cfg.rms_norm_eps)

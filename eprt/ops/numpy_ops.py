@@ -179,11 +179,13 @@ class NumpyOps(Ops):
 
     def count_experts(self, ids, counts):
         flat = ids.reshape(-1)  # [T*k]
-        np.add.at(counts, flat[(flat >= 0) & (flat < len(counts))], 1)
+        counts += np.bincount(flat[(flat >= 0) & (flat < len(counts))], minlength=len(counts)).astype(counts.dtype)
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
         k = ids.shape[1]
+        if T == 1:  # one token (decode at batch 1): its k experts in choice order, no grouping
+            return self._moe_one_token(x, weights[0], ids[0] - expert_start, w_gate_up, w_down)
         local = (ids - expert_start).reshape(-1)  # [T*k] local expert of each (token, choice)
         order = np.argsort(local, kind="stable")  # grouped by expert, tokens in order
         experts = local[order]
@@ -202,6 +204,19 @@ class NumpyOps(Ops):
                 ys[picks[lo:hi]] = self.silu_and_mul(xs[lo:hi] @ gate_up) @ down  # [t, D]
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
+
+    def _moe_one_token(self, x, weights, local, w_gate_up, w_down):
+        """moe_experts for x[1, D]: the same float operations (weighted rows summed in choice order),
+        without the sort and scatter that group many tokens."""
+        out = None
+        for j, e in enumerate(local.tolist()):
+            if 0 <= e < w_gate_up.shape[0]:
+                y = self.silu_and_mul(x @ w_gate_up[e].T) @ w_down[e].T  # [1, D]
+                y *= weights[j]
+            else:  # another rank's expert
+                y = np.zeros_like(x)
+            out = y if out is None else out + y
+        return out  # [1, D]
 
     # ---- hybrid linear-attention models (Gated DeltaNet) --------------------------------
     DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (transformers' and FLA's default)

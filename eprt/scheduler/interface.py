@@ -89,3 +89,13 @@ class TraceCalls:
 
     def decode_marconi_checkpoint(self, seq) -> None:
         pass
+
+    # untraced hints of the prefill lane (docs/scenarios.md, "Prefill lane"): a model that runs a
+    # tick's prefill chunks as one forward learns them ahead; these defaults decline
+    def admit_ahead(self, seq) -> int | None:
+        """If ``can_admit(seq)``: hold what this tick's ``alloc_sequence(seq)`` will take and return
+        the cached length it will set; None otherwise (or when the model does not plan ahead)."""
+        return None
+
+    def plan_prefills(self, chunks: list) -> None:
+        """The (seq, start, n) chunks this tick's prefill lane will run, in order."""

@@ -34,6 +34,11 @@ from eprt.scheduler.sequence import ERROR, GUARD_KV_CAPACITY, LENGTH, STOP, Requ
 log = logging.getLogger(__name__)
 
 
+def _chunk_len(left: int, budget: int | None) -> int:
+    """Prompt tokens of one prefill chunk: what is left of the prompt, within the tick's budget."""
+    return left if budget is None else min(left, budget)
+
+
 class Scheduler:
     def __init__(self, model, config: SchedulerConfig, clock=None, tracer: Tracer | None = None):
         self.model = model
@@ -189,6 +194,7 @@ class Scheduler:
     # -- prefill lane ------------------------------------------------------------------------
     def _prefill_lane(self) -> None:
         budget = self.config.max_prefill_tokens or None  # None: unlimited
+        self.model.plan_prefills(self._lane_plan(budget))
         for seq in [s for s in self._live if s.state is SeqState.PREFILLING]:
             if budget == 0:
                 return
@@ -209,6 +215,26 @@ class Scheduler:
             self._admit(seq)
             budget = self._prefill_chunk(seq, budget)
 
+    def _lane_plan(self, budget: int | None) -> list:
+        """The (seq, start, n) chunks the lane below will run, told to the model ahead (untraced)
+        so it may run them as one forward: the same choices, with ``admit_ahead`` answering
+        ``can_admit`` and holding the blocks. Stops early where the model cannot say (None)."""
+        plan = []
+        for seq in [s for s in self._live if s.state is SeqState.PREFILLING]:
+            if budget == 0:
+                return plan
+            n = _chunk_len(seq.num_prompt - seq.len, budget)
+            plan.append((seq, seq.len, n))
+            budget = None if budget is None else budget - n
+        for seq in self._waiting:
+            cached = None if budget == 0 else self.model.admit_ahead(seq)
+            if cached is None:
+                break
+            n = _chunk_len(seq.num_prompt - cached, budget)
+            plan.append((seq, cached, n))
+            budget = None if budget is None else budget - n
+        return plan
+
     def _admit(self, seq: Sequence) -> None:
         seq.slot = self.model.alloc_sequence(seq)
         seq.len = seq.cached
@@ -223,7 +249,7 @@ class Scheduler:
     def _prefill_chunk(self, seq: Sequence, budget: int | None) -> int | None:
         """Prefill one chunk of the prompt; returns the budget left."""
         full, start = seq.num_prompt, seq.len
-        n = full - start if budget is None else min(full - start, budget)
+        n = _chunk_len(full - start, budget)
         self.model.prefill(seq, start, n, stream=DEFAULT_STREAM)
         seq.len = start + n
         if seq.len == full:

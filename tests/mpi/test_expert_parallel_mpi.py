@@ -161,6 +161,40 @@ def test_chunked_prefill_and_prefix_cache_equal_single_rank(arch):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
+def test_batched_prefill_equals_one_pass_per_sequence_on_one_rank(arch):
+    """Workers group a frame's PREFILL / PREFILL_NEXT commands into one forward as rank 0 does: prompts
+    of different lengths, a prefix hit, a chunked prompt and one with vision rows, in one tick."""
+    cfg = engine_config(shared_checkpoint(arch), max_prefill_tokens=40, num_blocks=120)
+    system, rows = list(range(20, 36)), np.random.default_rng(2).normal(0, 0.3, size=(2, 64)).astype(np.float32)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def reqs():
+        return [GenerationRequest(system + [1], params)] + [
+            GenerationRequest(system + [2, 3], params),
+            GenerationRequest(PROMPTS[1], params),
+            GenerationRequest(list(range(60, 95)), params),
+            GenerationRequest([4, IMAGE, 9, IMAGE, 13], params, image_embeds=rows),
+        ]
+
+    def waves(engine):
+        first, rest = reqs()[:1], reqs()[1:]
+        return [r.token_ids for r in engine.generate(first) + engine.generate(rest)], engine.runner.prefill_passes
+
+    try:
+        with launch_engine(cfg) as engine:
+            multi, passes = waves(engine)
+    except SystemExit as e:
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        multi = None
+    if COMM.rank == 0:
+        single_cfg = engine_config(cfg.model, max_prefill_tokens=40, num_blocks=120, batch_prefill=False)
+        with launch_engine(single_cfg, transport=LocalTransport()) as engine:
+            single, single_passes = waves(engine)
+        assert multi == single and passes < single_passes
+
+
+@pytest.mark.mpi(min_size=1)
 def test_vision_rows_equal_single_rank():
     cfg = engine_config(shared_checkpoint("mixtral"))
     rows = np.random.default_rng(1).normal(0, 0.3, size=(2, 64)).astype(np.float32)
