@@ -29,6 +29,7 @@ class EngineConfig:
     dump_dir: str = "eprt-dumps"  # the flight recorder's files (docs/observability.md)
     dump_frames: bool = False  # also write them at shutdown
     record_payloads: bool = False  # record every frame, row and combine with its data, for eprt replay
+    logprobs_mode: str = "raw"  # raw | processed: which logits logprobs come from (docs/serving.md)
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -40,6 +41,8 @@ class EngineConfig:
             raise ValueError("--num-blocks and --max-prefill-tokens must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"--logprobs-mode must be raw or processed, got {self.logprobs_mode!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
 
@@ -97,6 +100,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="token id of image placeholders (default: the config's image_token_id)",
     )
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")
+    g.add_argument(
+        "--logprobs-mode",
+        choices=("raw", "processed"),
+        default="raw",
+        help="logprobs from the model's logits (raw, vLLM's default) or after penalties, temperature and min-p",
+    )
     g.add_argument("--log-all-ranks", action="store_true", help="log from every rank, not only rank 0")
     g.add_argument(
         "--dump-dir",
@@ -129,6 +138,7 @@ def engine_config_from_args(args) -> EngineConfig:
         dump_dir=args.dump_dir or env.DUMP_DIR.get(),
         dump_frames=args.dump_frames,
         record_payloads=args.record_payloads,
+        logprobs_mode=getattr(args, "logprobs_mode", "raw"),
     )
     cfg.validate()
     return cfg

@@ -56,6 +56,10 @@ class Handle:
     def cancel(self) -> None:
         self._inner.cancel()
 
+    @property
+    def logprobs(self) -> list | None:
+        return self._inner.logprobs
+
     def result(self, timeout: float | None = None) -> GenerationResult:
         return self._engine._with_text(self._inner.result(timeout))
 
@@ -317,6 +321,7 @@ def launch_engine(args_or_config, transport=None):
         f"{sched_cfg.max_prefill_tokens} tokens" if sched_cfg.max_prefill_tokens else "whole prompts",
         cfg.max_batch,
     )
+    runner.eos_token_ids, runner.logprobs_mode = sched_cfg.eos_token_ids, cfg.logprobs_mode
     engine = Engine(runner, Scheduler(runner, sched_cfg, clock=WallClock()), loaded, cfg, transport)
     ok = False
     try:

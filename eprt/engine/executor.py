@@ -92,6 +92,7 @@ class ShardExecutor:
         self.slots = SlotTable(max_slots)
         self.image_token_id = image_token_id if image_token_id is not None else model.cfg.image_token_id
         self.compute_logits = True  # workers turn this off: only rank 0 samples
+        self.prefill_hidden = None  # [T, D] of the last prefill chunk, when asked to keep it
         self._tables = np.zeros((max_slots, 8), dtype=np.int32)  # [slots, MB] block table of each decoding slot
         self._table_key = np.full(max_slots, -1, dtype=np.int64)  # block-manager key each row was built for
         self._table_len = np.zeros(max_slots, dtype=np.int64)  # blocks in each row
@@ -102,15 +103,22 @@ class ShardExecutor:
 
     # ---- slot bookkeeping -------------------------------------------------------------
     def allocate(
-        self, slot: int, tokens, adapter: int = -1, vision_rows: np.ndarray | None = None, salt: bytes | None = None
+        self,
+        slot: int,
+        tokens,
+        adapter: int = -1,
+        vision_rows: np.ndarray | None = None,
+        salt: bytes | None = None,
+        max_hit: int | None = None,
     ) -> int:
         """Occupy the empty ``slot`` with a prompt and its vision rows, reserving its blocks;
-        returns the prefix-cache hit length. ``salt``: ``vision_salt(vision_rows)`` if known."""
+        returns the prefix-cache hit length (at most ``max_hit`` tokens when given: rank 0 computes
+        the whole prompt of a request asking for prompt logprobs). ``salt``: ``vision_salt(vision_rows)``."""
         if self.slots.get(slot) is not None:
             raise SlotError(f"slot {slot} is already occupied")
         key = self.slots.next_key
         salt = vision_salt(vision_rows) if salt is None else salt
-        cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt)
+        cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt, max_hit=max_hit)
         self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
         self._salts[key] = salt
         if self.state is not None and cached:  # the hit ends at a snapshot (hit_filter)
@@ -197,12 +205,22 @@ class ShardExecutor:
             self.free(slot)
 
     # ---- compute ----------------------------------------------------------------------
-    def prefill(self, slot: int, tokens, chunk_start: int, chunk_len: int, vision_rows: np.ndarray | None = None):
+    def prefill(
+        self,
+        slot: int,
+        tokens,
+        chunk_start: int,
+        chunk_len: int,
+        vision_rows: np.ndarray | None = None,
+        keep_hidden: bool = False,
+    ):
         """Prefill tokens[chunk_start : chunk_start+chunk_len] of the full prompt ``tokens``.
-        Returns the logits [1, V] of the chunk's last token (None when compute_logits is off)."""
+        Returns the logits [1, V] of the chunk's last token (None when compute_logits is off);
+        ``keep_hidden`` keeps the chunk's hidden states [T, D] in ``self.prefill_hidden``
+        (prompt logprobs: the LM head runs over them only for the requests that ask)."""
         tokens = [int(t) for t in tokens]
-        if self.slots.get(slot) is None:  # first chunk on a worker: allocate exactly as rank 0 did
-            cached = self.allocate(slot, tokens, vision_rows=vision_rows)
+        if self.slots.get(slot) is None:  # first chunk on a worker: allocate as rank 0 did (hit cut to chunk_start)
+            cached = self.allocate(slot, tokens, vision_rows=vision_rows, max_hit=chunk_start)
             if cached != chunk_start:
                 raise ExecutorError(
                     f"prefix cache diverged on slot {slot}: this rank reuses {cached} tokens, "
@@ -224,6 +242,7 @@ class ShardExecutor:
         )
         h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv, self.state)  # [T, D]
         st.tokens.extend(tokens[chunk_start:end])
+        self.prefill_hidden = h if keep_hidden else None
         return self.model.logits(h[-1:]) if self.compute_logits else None
 
     def prefill_next(self, slot: int, chunk_start: int, tokens):

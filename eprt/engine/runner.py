@@ -7,13 +7,22 @@ B rows in a decode batch, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from eprt.comm import protocol as P
 from eprt.engine.executor import ShardExecutor, vision_salt
-from eprt.engine.sampling import request_seed, sample_rows, token_uniform
+from eprt.engine.sampling import (
+    LOGSOFTMAX_BLOCK,
+    History,
+    request_seed,
+    rows_logprobs,
+    sample_processed,
+    sample_rows,
+    token_uniform,
+)
 from eprt.scheduler.interface import TraceCalls
 
 
@@ -24,6 +33,15 @@ class SeqModelState:
     seed: int  # its sampling key: token p's draw is token_uniform(seed, p), whatever the batch
     salt: bytes  # prefix-cache salt of its vision rows, hashed once
     checkpoints: tuple = ()  # hybrid models: token counts at which this admission's prefill snapshots
+    history: History | None = None  # penalties and bad words: the prompt's ids and the generated counts
+
+
+def wants_prompt_logprobs(seq) -> bool:
+    """Whether the sequence asks for prompt logprobs it does not have yet (then its prompt is
+    computed whole: no prefix-cache hit, and the LM head runs over every prompt position)."""
+    return seq.params.prompt_logprobs is not None and (
+        seq.prompt_logprobs is None or len(seq.prompt_logprobs) < len(seq.prompt_ids)
+    )
 
 
 class ModelRunner(TraceCalls):
@@ -36,6 +54,11 @@ class ModelRunner(TraceCalls):
         self.prompt_tokens_computed = 0
         self.decode_steps = 0
         self.decode_rows = 0
+        self.eos_token_ids: tuple = ()  # min_tokens holds these back (the engine sets the model's)
+        self.logprobs_mode = "raw"  # raw | processed (eprt.engine.sampling.LOGPROB_MODES)
+        # Structured outputs: seq -> allowed-token mask bool [V] (True: allowed) or None; applied
+        # before penalties and sampling (eprt.engine.sampling.process_logits).
+        self.token_mask_for: Callable[[object], np.ndarray | None] | None = None
 
     # ---- KV memory -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -50,7 +73,13 @@ class ModelRunner(TraceCalls):
         return seq.model_state
 
     def can_admit(self, seq) -> bool:
-        return self.executor.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
+        return self.executor.blocks.can_allocate(
+            seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt, max_hit=self._max_hit(seq)
+        )
+
+    @staticmethod
+    def _max_hit(seq) -> int | None:
+        return 0 if wants_prompt_logprobs(seq) else None
 
     def alloc_sequence(self, seq) -> int:
         if seq.adapter != -1:  # PREFILL carries no adapter: workers could not mirror the allocation
@@ -59,7 +88,12 @@ class ModelRunner(TraceCalls):
         if slot is None:
             raise RuntimeError("alloc_sequence with every slot occupied")
         seq.cached = self.executor.allocate(
-            slot, seq.token_ids[: seq.num_prompt], seq.adapter, seq.image_embeds, self._state(seq).salt
+            slot,
+            seq.token_ids[: seq.num_prompt],
+            seq.adapter,
+            seq.image_embeds,
+            self._state(seq).salt,
+            max_hit=self._max_hit(seq),
         )
         self._state(seq).checkpoints = self.executor.prefill_checkpoints(slot)
         return slot
@@ -97,7 +131,24 @@ class ModelRunner(TraceCalls):
         else:
             self.transport.send(P.PrefillNext(seq.slot, start, prompt[start : start + n]))
         self.transport.flush()
-        self._logits = self.executor.prefill(seq.slot, prompt, start, n, rows)
+        keep = wants_prompt_logprobs(seq)
+        self._logits = self.executor.prefill(seq.slot, prompt, start, n, rows, keep_hidden=keep)
+        if keep:
+            self._prompt_logprobs(seq, start, n)
+
+    def _prompt_logprobs(self, seq, start: int, n: int) -> None:
+        """Raw logprobs of prompt tokens start+1 .. start+n (those inside the prompt) from the
+        chunk's hidden states, LOGSOFTMAX_BLOCK positions per LM-head call."""
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]  # the first token has no context
+        hidden, ops = self.executor.prefill_hidden, self.executor.ops
+        last = min(start + n, len(seq.prompt_ids) - 1)  # positions whose next token is a prompt token
+        for a in range(start, last, LOGSOFTMAX_BLOCK):
+            b = min(a + LOGSOFTMAX_BLOCK, last)
+            logits = ops.to_host(self.executor.model.logits(hidden[a - start : b - start]))  # [b - a, V]
+            targets = seq.prompt_ids[a + 1 : b + 1]
+            seq.prompt_logprobs.extend(rows_logprobs(logits, targets, [seq.params.prompt_logprobs] * (b - a)))
+        self.executor.prefill_hidden = None
 
     def _checkpoint(self, slot: int) -> None:
         """Snapshot the slot's recurrent state here and on every worker (sent with the next frame)."""
@@ -124,25 +175,48 @@ class ModelRunner(TraceCalls):
         self.decode_rows += len(slots)
 
     def argmax_batch(self, row: int = 0, n: int = 1, stream: int = 0) -> list[int]:
-        """Greedy rows take one device argmax together; sampled rows come to the host in one
-        copy (on a GPU, one transfer of [rows, V] rather than one per row) and are sampled
-        together, each with the uniform of its request's seed at the token's position."""
+        """Plain greedy rows take one device argmax together; the others (sampled, processed,
+        masked or asking for logprobs) come to the host in one copy (on a GPU, one transfer of
+        [rows, V] rather than one per row) and are sampled together, each with the uniform of
+        its request's seed at the token's position. Logprobs go to ``seq.logprobs``."""
         seqs = self._rows[row : row + n]
         logits = self._logits[row : row + n]  # [n, V]
-        sampled = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0]
+        masks = [None] * len(seqs) if self.token_mask_for is None else [self.token_mask_for(s) for s in seqs]
+        slow = [i for i, s in enumerate(seqs) if _off_fast_path(s.params) or masks[i] is not None]
         tokens = [0] * len(seqs)
-        if len(sampled) < len(seqs):
+        if len(slow) < len(seqs):
             greedy = self.executor.ops.argmax(logits)
             tokens = [int(t) for t in greedy]
-        if sampled:
-            host = self.executor.ops.to_host(logits[sampled] if len(sampled) < len(seqs) else logits)  # [m, V]
-            picked = [seqs[i] for i in sampled]
+        if slow:
+            host = self.executor.ops.to_host(logits[slow] if len(slow) < len(seqs) else logits)  # [m, V]
+            picked = [seqs[i] for i in slow]
             uniforms = np.array(
                 [token_uniform(s.model_state.seed, self.executor.slots.get(s.slot).length) for s in picked]
             )
-            for i, t in zip(sampled, sample_rows(host, [s.params for s in picked], uniforms)):
+            for i, t in zip(slow, self._sample_host(host, picked, [masks[i] for i in slow], uniforms)):
                 tokens[i] = t
         return tokens
+
+    def _sample_host(self, host: np.ndarray, seqs: list, masks: list, uniforms: np.ndarray) -> list[int]:
+        params = [s.params for s in seqs]
+        if all(p.logprobs is None and not p.processes_logits for p in params) and all(m is None for m in masks):
+            return sample_rows(host, params, uniforms)  # temperature / top-k / top-p only: today's path
+        histories = [self._history(s) if s.params.processes_logits else None for s in seqs]
+        tokens, records = sample_processed(
+            host, params, uniforms, histories, self.eos_token_ids, masks, self.logprobs_mode
+        )
+        for s, rec in zip(seqs, records):
+            if rec is not None:
+                if s.logprobs is None:
+                    s.logprobs = []
+                s.logprobs.append(rec)
+        return tokens
+
+    def _history(self, seq) -> History:
+        state = self._state(seq)
+        if state.history is None:
+            state.history = History.of(seq.prompt_ids)
+        return state.history.sync(seq.output_ids)
 
     # ---- shutdown ----------------------------------------------------------------------
     def ep_shutdown(self) -> None:
@@ -153,3 +227,8 @@ class ModelRunner(TraceCalls):
 
     def teardown(self) -> None:
         self.executor.shutdown()
+
+
+def _off_fast_path(params) -> bool:
+    """Whether a row needs the host sampler: sampled, processed logits or logprobs."""
+    return params.temperature != 0.0 or params.logprobs is not None or params.processes_logits

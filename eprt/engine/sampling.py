@@ -1,18 +1,20 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seed.
+"""Token sampling on rank 0: greedy, temperature, top-k, top-p, min-p, per-request seed; the
+logits processing of vLLM before it (penalties, biases, masks) and log-probabilities.
 
 V vocabulary, n rows. Only rank 0 samples; workers never see logits. A sampled token's draw
 is one uniform from Philox keyed by the request's seed at the token's position, so it does
-not depend on batch-mates, steps or preemption (docs/design.md, "Sampling").
+not depend on batch-mates, steps or preemption (docs/design.md, "Sampling"; docs/serving.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
-from eprt.api import SamplingParams
+from eprt.api import SamplingParams, TokenLogprobs
 
 F32_MAX = float(np.finfo(np.float32).max)
 PHILOX_KEY_BITS = 128
@@ -62,6 +64,9 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], uniforms: 
             p = np.subtract(x, x.max(axis=1, keepdims=True))  # [m, V] becomes exp((x - max) / T): max 1
             p *= scale
         np.exp(p, out=p)
+        for i, r in enumerate(rows):  # min-p: probability below min_p * the top one (p's max is 1)
+            if params[r].min_p > 0.0:
+                p[i][p[i] < np.float32(params[r].min_p)] = 0.0
         mass = p.sum(axis=1)  # [m]
         for i, r in enumerate(rows):
             out[r] = _pick(p[i], float(mass[i]), params[r], float(uniforms[r]))
@@ -228,3 +233,183 @@ def _inverse_cdf(p: np.ndarray, u: float) -> int:
     while p[starts[b] + i] == 0.0 and starts[b] + i > 0:  # rounding at a block's end: step back
         i -= 1
     return int(starts[b] + i)
+
+
+# ---- logits processing (vLLM's order and formulas) ------------------------------------------
+LOGPROB_MODES = ("raw", "processed")  # docs/serving.md, "Log-probabilities"
+LOGSOFTMAX_BLOCK = 64  # rows of log-probabilities made at once (a [64, V] float32 buffer)
+
+
+@dataclass
+class History:
+    """A row's token history for penalties and bad words, kept up to date incrementally:
+    ``sync`` takes the generated ids so far and counts only the new ones."""
+
+    prompt: np.ndarray  # unique prompt ids (int64)
+    output: list = field(default_factory=list)  # generated ids
+    counts: dict = field(default_factory=dict)  # generated id -> occurrences
+
+    @classmethod
+    def of(cls, prompt_ids) -> History:
+        return cls(np.unique(np.asarray(prompt_ids, dtype=np.int64)))
+
+    def sync(self, output_ids) -> History:
+        for t in output_ids[len(self.output) :]:
+            self.output.append(int(t))
+            self.counts[int(t)] = self.counts.get(int(t), 0) + 1
+        return self
+
+
+def stop_ids(params: SamplingParams, eos_ids) -> tuple:
+    """The ids min_tokens holds back: EOS (unless ignore_eos) and the request's stop ids."""
+    return tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_ids))
+
+
+def process_logits(
+    x: np.ndarray,
+    params: Sequence[SamplingParams],
+    histories: Sequence[History | None],
+    eos_ids=(),
+    token_masks: Sequence[np.ndarray | None] | None = None,
+) -> np.ndarray:
+    """vLLM's processing of logits x[n, V] (float32, changed in place and returned), in its order:
+    ``token_masks[r]`` (bool [V], True = allowed: a structured-output mask), allowed_token_ids,
+    bad words, min_tokens, logit_bias, then repetition, frequency and presence penalties.
+    Penalties and biases are gathered over all rows at once as (row, token) pairs."""
+    n = x.shape[0]
+    for r in range(n):
+        mask = None if token_masks is None else token_masks[r]
+        if mask is not None:
+            x[r, ~mask] = -np.inf
+        if params[r].allowed_token_ids:
+            keep = np.zeros(x.shape[1], dtype=bool)
+            keep[list(params[r].allowed_token_ids)] = True
+            x[r, ~keep] = -np.inf
+    _mask_pairs(x, [_banned(params[r], histories[r], eos_ids) for r in range(n)])
+    bias = [(r, t, b) for r in range(n) for t, b in params[r].logit_bias]
+    if bias:
+        rs, ts, bs = (np.asarray(c) for c in zip(*bias))
+        x[rs, ts] += bs.astype(np.float32)
+    _penalize(x, params, histories)
+    return x
+
+
+def _banned(params: SamplingParams, history: History | None, eos_ids) -> list:
+    """Token ids this row may not produce now: bad words whose prefix ends the output, and the
+    stop ids while fewer than min_tokens have been generated."""
+    out = [] if history is None else history.output
+    banned = []
+    for word in params.bad_words_ids:
+        head = list(word[:-1])
+        if not head or (len(out) >= len(head) and out[len(out) - len(head) :] == head):
+            banned.append(word[-1])
+    if len(out) < params.min_tokens:
+        banned.extend(stop_ids(params, eos_ids))
+    return banned
+
+
+def _mask_pairs(x: np.ndarray, banned: list) -> None:
+    rows = np.repeat(np.arange(len(banned)), [len(b) for b in banned])
+    if rows.size:
+        x[rows, np.concatenate([np.asarray(b, dtype=np.int64) for b in banned])] = -np.inf
+
+
+def _penalize(x: np.ndarray, params: Sequence[SamplingParams], histories: Sequence[History | None]) -> None:
+    """Repetition (prompt and output ids: positive logits divided, others multiplied), then
+    logit -= frequency * count + presence for every generated id (vLLM's apply_penalties)."""
+    rep_r, rep_t, rep_p, out_r, out_t, out_sub = [], [], [], [], [], []
+    for r, (p, h) in enumerate(zip(params, histories)):
+        if h is None:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = np.union1d(h.prompt, np.fromiter(h.counts, dtype=np.int64, count=len(h.counts)))
+            rep_r.append(np.full(seen.shape[0], r))
+            rep_t.append(seen)
+            rep_p.append(np.full(seen.shape[0], p.repetition_penalty, dtype=np.float32))
+        if (p.frequency_penalty or p.presence_penalty) and h.counts:
+            ids = np.fromiter(h.counts, dtype=np.int64, count=len(h.counts))
+            counts = np.fromiter(h.counts.values(), dtype=np.float32, count=len(h.counts))
+            out_r.append(np.full(ids.shape[0], r))
+            out_t.append(ids)
+            out_sub.append(np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty))
+    if rep_r:
+        rs, ts, ps = np.concatenate(rep_r), np.concatenate(rep_t), np.concatenate(rep_p)
+        vals = x[rs, ts]
+        x[rs, ts] = np.where(vals > 0, vals / ps, vals * ps)
+    if out_r:
+        rs, ts = np.concatenate(out_r), np.concatenate(out_t)
+        x[rs, ts] -= np.concatenate(out_sub)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """log_softmax over the last axis of x[m, V] (float32 out, float64 sums); -inf stays -inf."""
+    top = x.max(axis=-1, keepdims=True)  # [m, 1]
+    shifted = x - top
+    lse = np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    return shifted - lse
+
+
+def token_logprobs(lp: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
+    """The record of ``token`` in one row of log-probabilities lp[V]: its value, rank (1 + how many
+    are strictly more likely) and the top_n most likely (descending, ties by id)."""
+    value = float(lp[token])
+    rank = 1 + int(np.count_nonzero(lp > lp[token]))
+    top = ()
+    if top_n:
+        head = np.argpartition(-lp, top_n - 1)[:top_n] if top_n < lp.shape[0] else np.arange(lp.shape[0])
+        head = head[np.lexsort((head, -lp[head]))]
+        top = tuple((int(t), float(lp[t])) for t in head)
+    return TokenLogprobs(int(token), value, rank, top)
+
+
+def rows_logprobs(x: np.ndarray, tokens, top_ns) -> list:
+    """TokenLogprobs of tokens[i] in row i of logits x[m, V], LOGSOFTMAX_BLOCK rows at a time."""
+    out = []
+    for start in range(0, x.shape[0], LOGSOFTMAX_BLOCK):
+        lp = log_softmax(np.asarray(x[start : start + LOGSOFTMAX_BLOCK], dtype=np.float32))
+        for i in range(lp.shape[0]):
+            out.append(token_logprobs(lp[i], int(tokens[start + i]), top_ns[start + i]))
+    return out
+
+
+def sample_processed(
+    logits: np.ndarray,
+    params: Sequence[SamplingParams],
+    uniforms: np.ndarray,
+    histories: Sequence[History | None],
+    eos_ids=(),
+    token_masks: Sequence[np.ndarray | None] | None = None,
+    logprobs_mode: str = "raw",
+) -> tuple[list[int], list]:
+    """Tokens of host logits[n, V] after ``process_logits`` (greedy rows: argmax of the processed
+    logits; sampled ones: ``sample_rows``, which applies temperature, min-p, top-k and top-p),
+    and the TokenLogprobs of each row whose params ask for logprobs (else None): "raw" from
+    the model's logits, "processed" after the processing, temperature and min-p."""
+    raw = [r for r, p in enumerate(params) if p.logprobs is not None]
+    x = np.array(logits, dtype=np.float32)  # [n, V] a copy: the caller's rows stay raw
+    process = [
+        p.processes_logits or (token_masks is not None and token_masks[r] is not None) for r, p in enumerate(params)
+    ]
+    if any(process):
+        process_logits(x, params, histories, eos_ids, token_masks)
+    tokens = sample_rows(x, params, uniforms)
+    if not raw:
+        return tokens, [None] * len(params)
+    source = logits[raw] if logprobs_mode == "raw" else _processed(x[raw], [params[r] for r in raw])
+    records = rows_logprobs(source, [tokens[r] for r in raw], [params[r].logprobs for r in raw])
+    out = [None] * len(params)
+    for r, rec in zip(raw, records):
+        out[r] = rec
+    return tokens, out
+
+
+def _processed(x: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+    """Processed logits x[m, V] of sampled rows divided by their temperature, min-p cut to -inf."""
+    for i, p in enumerate(params):
+        if p.temperature == 0.0:
+            continue
+        x[i] /= np.float32(max(p.temperature, 1.0 / F32_MAX))
+        if p.min_p > 0.0:
+            probs = np.exp(x[i] - x[i].max())
+            x[i][probs < np.float32(p.min_p)] = -np.inf
+    return x

@@ -51,6 +51,8 @@ class Sequence:
     slot: int = -1
     cached: int = 0  # prefix-cache hit of the current admission
     model_state: object = None  # the model's own (e.g. its sampler); never read here
+    logprobs: list | None = None  # written by the model: TokenLogprobs per generated token, when asked for
+    prompt_logprobs: list | None = None  # written by the model: [None, TokenLogprobs...] of the prompt
     # -- scheduler bookkeeping -----------------------------------------------------------
     state: SeqState = SeqState.QUEUED
     cached_tokens: int | None = None  # reported hit: that of the first admission
@@ -92,6 +94,8 @@ class Sequence:
             finish_reason=self.finish_reason or "",
             cached_tokens=self.cached_tokens or 0,
             error=self.error,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
         if self.finished:
             self._result = result
@@ -116,6 +120,12 @@ class RequestHandle:
     def guard(self) -> str | None:
         """The guard that ended the request (None when none did or before it ends)."""
         return self._seq.guard if self.done() else None
+
+    @property
+    def logprobs(self) -> list | None:
+        """The generated tokens' TokenLogprobs so far (a live list, one entry per token the client
+        has been given and possibly one more), or None when the request did not ask for them."""
+        return self._seq.logprobs
 
     def cancel(self) -> None:
         """Ask the scheduler to stop the request; it ends (``stop``) at the end of the tick."""
