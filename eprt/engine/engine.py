@@ -60,6 +60,10 @@ class Handle:
     def logprobs(self) -> list | None:
         return self._inner.logprobs
 
+    @property
+    def prompt_logprobs(self) -> list | None:
+        return self._inner.prompt_logprobs
+
     def result(self, timeout: float | None = None) -> GenerationResult:
         return self._engine._with_text(self._inner.result(timeout))
 

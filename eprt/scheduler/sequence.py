@@ -127,6 +127,11 @@ class RequestHandle:
         has been given and possibly one more), or None when the request did not ask for them."""
         return self._seq.logprobs
 
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """The prompt's [None, TokenLogprobs...] once computed (complete when the first token is)."""
+        return self._seq.prompt_logprobs
+
     def cancel(self) -> None:
         """Ask the scheduler to stop the request; it ends (``stop``) at the end of the tick."""
         self._seq.cancel_event.set()

@@ -26,6 +26,7 @@ from eprt.api import (
 )
 from eprt.serve.loop import EngineLoop
 from eprt.serve.params import (
+    PROCESSING,
     FieldError,
     check_text,
     context_room,
@@ -41,6 +42,7 @@ log = logging.getLogger("eprt.serve")
 
 LINE_FIELDS = frozenset(
     {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
+    | set(PROCESSING)
 )
 _POLL_S = 0.01  # how long the writer sleeps when no request made progress
 
@@ -209,7 +211,9 @@ def build_request(line: Line, engine) -> tuple:
     else:
         prompt_ids = parse_token_ids(obj["prompt_ids"], "prompt_ids", engine.vocab_size)
     room = context_room(prompt_ids, engine.max_model_len, "prompt_ids" if "prompt_ids" in obj else "prompt")
-    opts = parse_options(obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens)
+    opts = parse_options(
+        obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens, tokenizer=engine.tokenizer
+    )
     request_id = f"line-{line.number}" if line.id is None else str(line.id)
     params = fit_to_context(opts.params, room)
     return GenerationRequest(prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s), opts.stop_strings

@@ -429,14 +429,22 @@ async def _events(gen: Generation):
     try:
         if api.chat:
             yield _event(openai.chunk(api, first=True))
+        echo_due = api.echo  # the prompt's text (and logprobs) once its prefill is done
         while not live.finished():
             await gen.waker.wait(1.0)
             delta = live.pump()
-            if delta:
-                yield _event(openai.chunk(api, delta))
+            if echo_due and (live.token_ids or live.finished()):
+                echo_due = False
+                yield _event(openai.echo_chunk(api, live.request_prompt, live.handle.prompt_logprobs))
+            records = live.take_logprobs()
+            if delta or records:
+                yield _event(openai.chunk(api, delta, records=records))
+        if echo_due:
+            yield _event(openai.echo_chunk(api, live.request_prompt, live.handle.prompt_logprobs))
         result, tail = live.result()
-        if tail:
-            yield _event(openai.chunk(api, tail))
+        records = live.take_logprobs()
+        if tail or records:
+            yield _event(openai.chunk(api, tail, records=records))
         if result.finish_reason == "error":
             e = gen.error(result)
             yield _event(openai.error_body(str(e), e.kind, code=str(e.status)))
