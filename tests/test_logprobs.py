@@ -168,3 +168,34 @@ def test_min_p_keeps_only_likely_tokens(checkpoint):
         firsts = {r.token_ids[0] for r in engine.generate(reqs)}
     probs = np.exp(log_softmax(hf_logits(path, PROMPT)[-1] / 3.0))
     assert firsts <= set(np.flatnonzero(probs >= 0.5 * probs.max()).tolist())
+
+
+# ---- the command-line entry points ----------------------------------------------------------
+
+
+def cli(*args):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "eprt.cli", *args, "--device", "cpu", "--max-model-len", "128"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+
+
+def test_generate_json_and_run_report_logprobs(checkpoint, tmp_path):
+    import json
+
+    path = checkpoint("qwen3_moe")
+    ids = ",".join(map(str, PROMPT))
+    out = cli("generate", "--model", path, "--json", "--prompt-ids", ids, "--max-tokens", "4", "--logprobs", "2")
+    row = json.loads(out.stdout.splitlines()[0])
+    lp = log_softmax(hf_logits(path, PROMPT + row["token_ids"]))
+    assert [r["token_id"] for r in row["logprobs"]] == row["token_ids"]
+    for i, r in enumerate(row["logprobs"]):
+        assert abs(r["logprob"] - lp[len(PROMPT) - 1 + i, r["token_id"]]) < 1e-4 and r["rank"] == 1
+        assert [t for t, _ in r["top"]] == [int(t) for t in np.argsort(-lp[len(PROMPT) - 1 + i])[:2]]
+    lines = tmp_path / "in.jsonl"
+    lines.write_text(json.dumps({"id": "a", "prompt_ids": PROMPT, "max_tokens": 2, "prompt_logprobs": 1}) + "\n")
+    cli("run", "--model", path, "--input", str(lines), "--output", str(tmp_path / "out.jsonl"))
+    rec = json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])
+    assert rec["prompt_logprobs"][0] is None and len(rec["prompt_logprobs"]) == len(PROMPT)
+    assert abs(rec["prompt_logprobs"][3]["logprob"] - lp[2, PROMPT[3]]) < 1e-4
