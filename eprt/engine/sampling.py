@@ -265,6 +265,117 @@ def stop_ids(params: SamplingParams, eos_ids) -> tuple:
     return tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_ids))
 
 
+@dataclass(frozen=True)
+class TokenEdits:
+    """vLLM's per-token processing of a batch as unique (row, token) pairs, each applied as
+    ``v = -inf if banned else ((v + bias) / or * scale) - subtract`` (float32; the repetition
+    ``scale`` divides a positive value, multiplies the others). One composition of the stages:
+    masks, logit_bias, then the repetition, frequency and presence penalties. P pairs."""
+
+    rows: np.ndarray  # [P] int32 row in the batch
+    tokens: np.ndarray  # [P] int32
+    banned: np.ndarray  # [P] uint8: bad word, or a stop id under min_tokens
+    bias: np.ndarray  # [P] float32 logit_bias
+    scale: np.ndarray  # [P] float32 repetition_penalty (1: none)
+    subtract: np.ndarray  # [P] float32 frequency_penalty * count + presence_penalty
+
+    @property
+    def size(self) -> int:
+        return int(self.rows.shape[0])
+
+
+def token_edits(
+    params: Sequence[SamplingParams], histories: Sequence[History | None], vocab_size: int, eos_ids=()
+) -> TokenEdits:
+    """The TokenEdits of rows ``params`` (a row's ``histories`` entry: None when it has no history)."""
+    keys, banned, bias, scale, subtract = [], [], [], [], []
+
+    def add(r: int, ids, column: list, values) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        keys.append(r * vocab_size + ids)
+        for c in (banned, bias, scale, subtract):
+            c.append(None if c is not column else np.broadcast_to(np.asarray(values, np.float32), ids.shape))
+
+    for r, (p, h) in enumerate(zip(params, histories)):
+        out = _banned(p, h, eos_ids)
+        if out:
+            add(r, out, banned, 1.0)
+        if p.logit_bias:
+            add(r, [t for t, _ in p.logit_bias], bias, [b for _, b in p.logit_bias])
+        if h is None:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = np.union1d(h.prompt, np.fromiter(h.counts, dtype=np.int64, count=len(h.counts)))
+            add(r, seen, scale, p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and h.counts:
+            counts = np.fromiter(h.counts.values(), dtype=np.float32, count=len(h.counts))
+            add(r, list(h.counts), subtract, np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty))
+    if not keys:
+        empty = np.zeros(0, np.float32)
+        return TokenEdits(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.uint8), empty, empty, empty)
+    unique, inverse = np.unique(np.concatenate(keys), return_inverse=True)
+    columns = {"banned": (banned, 0.0), "bias": (bias, 0.0), "scale": (scale, 1.0), "subtract": (subtract, 0.0)}
+    out = {}
+    for name, (parts, default) in columns.items():
+        col, at = np.full(unique.shape[0], default, dtype=np.float32), 0
+        for key, part in zip(keys, parts):
+            if part is not None:
+                col[inverse[at : at + key.shape[0]]] = part  # a stage names each pair once
+            at += key.shape[0]
+        out[name] = col
+    return TokenEdits(
+        (unique // vocab_size).astype(np.int32),
+        (unique % vocab_size).astype(np.int32),
+        out["banned"].astype(np.uint8),
+        out["bias"],
+        out["scale"],
+        out["subtract"],
+    )
+
+
+def apply_edits(x: np.ndarray, edits: TokenEdits) -> None:
+    """TokenEdits on logits x[n, V] (float32, in place): the reference of kernels/sampling.cu."""
+    if not edits.size:
+        return
+    v = x[edits.rows, edits.tokens] + edits.bias
+    v = np.where(v > 0, v / edits.scale, v * edits.scale) - edits.subtract
+    x[edits.rows, edits.tokens] = np.where(edits.banned != 0, np.float32(-np.inf), v)
+
+
+def allowed_masks(
+    params: Sequence[SamplingParams], vocab_size: int, token_masks: Sequence[np.ndarray | None] | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows with a dense mask (a structured-output ``token_masks[r]``, bool [V] True = allowed,
+    and/or allowed_token_ids) and their masks as bits [R, ceil(V / 32)] uint32 (bit t % 32 of
+    word t // 32: token t allowed; xgrammar's layout), or None when no row has one."""
+    rows, masks = [], []
+    for r, p in enumerate(params):
+        mask = None if token_masks is None else token_masks[r]
+        if not p.allowed_token_ids and mask is None:
+            continue
+        keep = np.ones(vocab_size, dtype=bool) if mask is None else np.asarray(mask, dtype=bool).copy()
+        if p.allowed_token_ids:
+            listed = np.zeros(vocab_size, dtype=bool)
+            listed[list(p.allowed_token_ids)] = True
+            keep &= listed
+        rows.append(r)
+        masks.append(keep)
+    if not rows:
+        return None
+    words = -(-vocab_size // 32)
+    bits = np.zeros((len(rows), words * 32), dtype=bool)
+    bits[:, :vocab_size] = np.stack(masks)
+    return np.asarray(rows, dtype=np.int32), np.packbits(bits, axis=1, bitorder="little").view("<u4")
+
+
+def apply_masks(x: np.ndarray, rows: np.ndarray, bits: np.ndarray) -> None:
+    """Bit masks [R, W] (``allowed_masks``) on rows of logits x[n, V]: disallowed tokens to -inf."""
+    keep = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : x.shape[1]].astype(bool)
+    sub = x[rows]
+    sub[~keep] = -np.inf
+    x[rows] = sub
+
+
 def process_logits(
     x: np.ndarray,
     params: Sequence[SamplingParams],
@@ -276,21 +387,10 @@ def process_logits(
     ``token_masks[r]`` (bool [V], True = allowed: a structured-output mask), allowed_token_ids,
     bad words, min_tokens, logit_bias, then repetition, frequency and presence penalties.
     Penalties and biases are gathered over all rows at once as (row, token) pairs."""
-    n = x.shape[0]
-    for r in range(n):
-        mask = None if token_masks is None else token_masks[r]
-        if mask is not None:
-            x[r, ~mask] = -np.inf
-        if params[r].allowed_token_ids:
-            keep = np.zeros(x.shape[1], dtype=bool)
-            keep[list(params[r].allowed_token_ids)] = True
-            x[r, ~keep] = -np.inf
-    _mask_pairs(x, [_banned(params[r], histories[r], eos_ids) for r in range(n)])
-    bias = [(r, t, b) for r in range(n) for t, b in params[r].logit_bias]
-    if bias:
-        rs, ts, bs = (np.asarray(c) for c in zip(*bias))
-        x[rs, ts] += bs.astype(np.float32)
-    _penalize(x, params, histories)
+    masks = allowed_masks(params, x.shape[1], token_masks)
+    if masks is not None:
+        apply_masks(x, *masks)
+    apply_edits(x, token_edits(params, histories, x.shape[1], eos_ids))
     return x
 
 
@@ -306,39 +406,6 @@ def _banned(params: SamplingParams, history: History | None, eos_ids) -> list:
     if len(out) < params.min_tokens:
         banned.extend(stop_ids(params, eos_ids))
     return banned
-
-
-def _mask_pairs(x: np.ndarray, banned: list) -> None:
-    rows = np.repeat(np.arange(len(banned)), [len(b) for b in banned])
-    if rows.size:
-        x[rows, np.concatenate([np.asarray(b, dtype=np.int64) for b in banned])] = -np.inf
-
-
-def _penalize(x: np.ndarray, params: Sequence[SamplingParams], histories: Sequence[History | None]) -> None:
-    """Repetition (prompt and output ids: positive logits divided, others multiplied), then
-    logit -= frequency * count + presence for every generated id (vLLM's apply_penalties)."""
-    rep_r, rep_t, rep_p, out_r, out_t, out_sub = [], [], [], [], [], []
-    for r, (p, h) in enumerate(zip(params, histories)):
-        if h is None:
-            continue
-        if p.repetition_penalty != 1.0:
-            seen = np.union1d(h.prompt, np.fromiter(h.counts, dtype=np.int64, count=len(h.counts)))
-            rep_r.append(np.full(seen.shape[0], r))
-            rep_t.append(seen)
-            rep_p.append(np.full(seen.shape[0], p.repetition_penalty, dtype=np.float32))
-        if (p.frequency_penalty or p.presence_penalty) and h.counts:
-            ids = np.fromiter(h.counts, dtype=np.int64, count=len(h.counts))
-            counts = np.fromiter(h.counts.values(), dtype=np.float32, count=len(h.counts))
-            out_r.append(np.full(ids.shape[0], r))
-            out_t.append(ids)
-            out_sub.append(np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty))
-    if rep_r:
-        rs, ts, ps = np.concatenate(rep_r), np.concatenate(rep_t), np.concatenate(rep_p)
-        vals = x[rs, ts]
-        x[rs, ts] = np.where(vals > 0, vals / ps, vals * ps)
-    if out_r:
-        rs, ts = np.concatenate(out_r), np.concatenate(out_t)
-        x[rs, ts] -= np.concatenate(out_sub)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
