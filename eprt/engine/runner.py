@@ -19,6 +19,7 @@ from eprt.engine.sampling import (
     History,
     request_seed,
     rows_logprobs,
+    sample_on_device,
     sample_processed,
     sample_rows,
     token_uniform,
@@ -188,23 +189,30 @@ class ModelRunner(TraceCalls):
             greedy = self.executor.ops.argmax(logits)
             tokens = [int(t) for t in greedy]
         if slow:
-            host = self.executor.ops.to_host(logits[slow] if len(slow) < len(seqs) else logits)  # [m, V]
             picked = [seqs[i] for i in slow]
             uniforms = np.array(
                 [token_uniform(s.model_state.seed, self.executor.slots.get(s.slot).length) for s in picked]
             )
-            for i, t in zip(slow, self._sample_host(host, picked, [masks[i] for i in slow], uniforms)):
+            for i, t in zip(slow, self._sample_slow(logits, slow, picked, [masks[i] for i in slow], uniforms)):
                 tokens[i] = t
         return tokens
 
-    def _sample_host(self, host: np.ndarray, seqs: list, masks: list, uniforms: np.ndarray) -> list[int]:
-        params = [s.params for s in seqs]
+    def _sample_slow(self, logits, rows: list, seqs: list, masks: list, uniforms: np.ndarray) -> list[int]:
+        """Tokens of logits rows ``rows`` (sequences ``seqs``): on the host, or with the logits
+        processing on the device (GPU backends: only sampled and logprobs rows come to the host)."""
+        ops, params = self.executor.ops, [s.params for s in seqs]
+        whole = rows if len(rows) < logits.shape[0] else slice(None)
         if all(p.logprobs is None and not p.processes_logits for p in params) and all(m is None for m in masks):
-            return sample_rows(host, params, uniforms)  # temperature / top-k / top-p only: today's path
+            return sample_rows(ops.to_host(logits[whole]), params, uniforms)  # temperature / top-k / top-p only
         histories = [self._history(s) if s.params.processes_logits else None for s in seqs]
-        tokens, records = sample_processed(
-            host, params, uniforms, histories, self.eos_token_ids, masks, self.logprobs_mode
-        )
+        if ops.name == "cpu":
+            tokens, records = sample_processed(
+                ops.to_host(logits[whole]), params, uniforms, histories, self.eos_token_ids, masks, self.logprobs_mode
+            )
+        else:
+            tokens, records = sample_on_device(
+                ops, logits, rows, params, uniforms, histories, self.eos_token_ids, masks, self.logprobs_mode
+            )
         for s, rec in zip(seqs, records):
             if rec is not None:
                 if s.logprobs is None:

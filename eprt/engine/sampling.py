@@ -480,3 +480,52 @@ def _processed(x: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
             probs = np.exp(x[i] - x[i].max())
             x[i][probs < np.float32(p.min_p)] = -np.inf
     return x
+
+
+def sample_on_device(
+    ops,
+    logits,
+    rows: Sequence[int],
+    params: Sequence[SamplingParams],
+    uniforms: np.ndarray,
+    histories: Sequence[History | None],
+    eos_ids=(),
+    token_masks: Sequence[np.ndarray | None] | None = None,
+    logprobs_mode: str = "raw",
+) -> tuple[list[int], list]:
+    """``sample_processed`` of rows ``rows`` of device logits[B, V] with the processing on the
+    device (``ops.gather_logits`` / ``mask_logits`` / ``edit_logits``: kernels/sampling.cu, the
+    same float32 operations as the host's): greedy rows take the device argmax of the processed
+    rows, so only sampled rows and rows asking for logprobs come to the host. ``params`` etc.
+    are per entry of ``rows``."""
+    V = logits.shape[1]
+    x = ops.gather_logits(logits, np.asarray(rows))  # [m, V] float32
+    masks = allowed_masks(params, V, token_masks)
+    if masks is not None:
+        ops.mask_logits(x, *masks)
+    edits = token_edits(params, histories, V, eos_ids)
+    if edits.size:
+        ops.edit_logits(x, edits.rows, edits.tokens, edits.banned, edits.bias, edits.scale, edits.subtract)
+    tokens = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
+    if greedy:
+        picked = ops.argmax(x if len(greedy) == len(params) else ops.gather_logits(x, np.asarray(greedy)))
+        for i, t in zip(greedy, picked):
+            tokens[i] = int(t)
+    if sampled:
+        host = ops.to_host(ops.gather_logits(x, np.asarray(sampled)))  # [s, V]
+        for i, t in zip(sampled, sample_rows(host, [params[i] for i in sampled], uniforms[sampled])):
+            tokens[i] = t
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    records = [None] * len(params)
+    if asked:
+        if logprobs_mode == "raw":
+            source = ops.to_host(ops.gather_logits(logits, np.asarray([rows[i] for i in asked])))
+        else:
+            source = _processed(ops.to_host(ops.gather_logits(x, np.asarray(asked))), [params[i] for i in asked])
+        for i, rec in zip(
+            asked, rows_logprobs(source, [tokens[i] for i in asked], [params[i].logprobs for i in asked])
+        ):
+            records[i] = rec
+    return tokens, records

@@ -273,3 +273,18 @@ class Ops:
     def argmax(self, logits: Array) -> np.ndarray:
         """logits[B, V] -> host int64[B] (first maximum wins)."""
         raise NotImplementedError
+
+    # ---- logits processing on the device (the GPU backend; the host's is eprt.engine.sampling) ----
+    def gather_logits(self, logits: Array, rows: np.ndarray) -> Array:
+        """logits[B, V], rows[m] (host int) -> a float32 copy [m, V] of those rows."""
+        raise NotImplementedError
+
+    def mask_logits(self, x: Array, rows: np.ndarray, bits: np.ndarray) -> None:
+        """In place on float32 x[m, V]: token t of row rows[i] becomes -inf unless bit t % 32 of
+        bits[i, t // 32] (host uint32 [R, ceil(V / 32)]) is set."""
+        raise NotImplementedError
+
+    def edit_logits(self, x: Array, rows, tokens, banned, bias, scale, subtract) -> None:
+        """In place on float32 x[m, V], per pair p (host arrays [P]): x[rows[p], tokens[p]] = -inf
+        if banned[p], else ((v + bias[p]) / scale[p] when positive, * scale[p] otherwise) - subtract[p]."""
+        raise NotImplementedError

@@ -885,6 +885,44 @@ class CupyOps(Ops):
             _launch("argmax.cu", kernel, (B,), 1024, (logits, out, np.int32(V)))
         return cupy.asnumpy(out).astype(np.int64)
 
+    # ---- logits processing (kernels/sampling.cu) ---------------------------------------------
+    def gather_logits(self, logits, rows: np.ndarray):
+        _check("gather_logits", "logits", logits, (_BF16, _F32), (None, None))
+        B, V = logits.shape
+        rows = np.asarray(rows, dtype=np.int32)
+        _require("gather_logits", bool(((rows >= 0) & (rows < B)).all()), f"rows must be in [0, {B})")
+        out = cupy.empty((rows.shape[0], V), dtype=_F32)  # [m, V]
+        if rows.size and V:
+            kernel = "gather_rows_f32" if logits.dtype == _F32 else "gather_rows_bf16"
+            _launch("sampling.cu", kernel, (rows.shape[0],), 1024, (logits, self.index(rows), out, np.int32(V)))
+        return out
+
+    def mask_logits(self, x, rows: np.ndarray, bits: np.ndarray) -> None:
+        _check("mask_logits", "x", x, _F32, (None, None))
+        m, V = x.shape
+        W = -(-V // 32)
+        bits = np.ascontiguousarray(bits, dtype=np.uint32)
+        rows = np.asarray(rows, dtype=np.int32)
+        _require("mask_logits", bits.shape == (rows.shape[0], W), f"bits must be [{rows.shape[0]}, {W}]")
+        _require("mask_logits", bool(((rows >= 0) & (rows < m)).all()), f"rows must be in [0, {m})")
+        if rows.size and V:
+            args = (x, self.index(rows), cupy.asarray(bits), np.int32(V), np.int32(W))
+            _launch("sampling.cu", "mask_tokens", (rows.shape[0],), 1024, args)
+
+    def edit_logits(self, x, rows, tokens, banned, bias, scale, subtract) -> None:
+        _check("edit_logits", "x", x, _F32, (None, None))
+        m, V = x.shape
+        rows, tokens = np.asarray(rows, dtype=np.int32), np.asarray(tokens, dtype=np.int32)
+        P = rows.shape[0]
+        _require("edit_logits", bool(((rows >= 0) & (rows < m)).all()), f"rows must be in [0, {m})")
+        _require("edit_logits", bool(((tokens >= 0) & (tokens < V)).all()), f"tokens must be in [0, {V})")
+        if not P:
+            return
+        floats = [cupy.asarray(np.ascontiguousarray(a, dtype=np.float32)) for a in (bias, scale, subtract)]
+        flags = cupy.asarray(np.ascontiguousarray(banned, dtype=np.uint8))
+        args = (x, self.index(rows), self.index(tokens), flags, *floats, np.int32(P), np.int32(V))
+        _launch("sampling.cu", "edit_tokens", (-(-P // 256),), 256, args)
+
     # ---- hybrid linear-attention models (kernels/gated_delta.cu) ---------------------------
     def _conv(self, op, x, weight, conv_state, slots, B: int, T: int):
         C = x.shape[-1]

@@ -1,0 +1,103 @@
+"""The device logits processing (kernels/sampling.cu through CupyOps) against the NumPy
+reference of eprt/engine/sampling.py: masks and per-token edits bit for bit, and whole
+batches of penalized, biased, masked, greedy and sampled rows giving the host's tokens and
+logprobs. Runs on a GPU or on cusim (``-p cusim.plugin``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eprt.api import SamplingParams
+from eprt.engine.sampling import (
+    History,
+    allowed_masks,
+    apply_edits,
+    apply_masks,
+    sample_on_device,
+    sample_processed,
+    token_edits,
+    token_uniform,
+)
+from eprt.ops import device
+
+gpu = pytest.mark.skipif(not device.cuda_usable(), reason="CuPy cannot use a CUDA device here")
+pytestmark = [gpu, pytest.mark.gpu]
+V = 3000  # not a multiple of 32: the last mask word is partial
+EOS = (2,)
+
+
+@pytest.fixture
+def g():
+    from eprt.ops.cupy_ops import CupyOps
+
+    return CupyOps()
+
+
+def bf16(a) -> np.ndarray:
+    from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+    return bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(a, np.float32)))
+
+
+def batch(rng, n):
+    """Params and histories of n rows mixing every processing option, greedy and sampled."""
+    params, histories = [], []
+    for r in range(n):
+        h = History.of(rng.integers(0, V, 40)).sync(rng.integers(0, 50, 30).tolist())
+        params.append(
+            SamplingParams(
+                temperature=0.0 if r % 2 == 0 else 0.8,
+                top_k=0 if r % 3 else 40,
+                presence_penalty=[0.0, 0.7, -1.5][r % 3],
+                frequency_penalty=[0.4, 0.0, 1.1][r % 3],
+                repetition_penalty=[1.0, 1.3, 0.7, 2.0][r % 4],
+                logit_bias=tuple((int(t), float(b)) for t, b in zip(rng.integers(0, V, 5), rng.uniform(-9, 9, 5))),
+                min_tokens=40 if r == 3 else 0,
+                bad_words_ids=((int(h.output[-1]), 17), (5,)),
+                allowed_token_ids=tuple(range(0, V, 3)) if r == 5 else (),
+                min_p=0.05 if r % 4 == 1 else 0.0,
+                logprobs=[None, 0, 3][r % 3],
+            )
+        )
+        histories.append(h)
+    return params, histories
+
+
+def test_masks_and_edits_match_the_numpy_reference_bit_for_bit(g, rng=np.random.default_rng(5)):
+    import cupy
+
+    params, histories = batch(rng, 8)
+    logits = bf16(rng.standard_normal((8, V)) * 4)
+    logits[:, :64] = 0.0  # zeros: the repetition sign test at its edge
+    masks = [None] * 8
+    masks[6] = rng.random(V) < 0.5  # a structured-output mask
+    for device_logits in (g.activation(logits), cupy.asarray(logits)):
+        want = logits.copy()
+        rows, bits = allowed_masks(params, V, masks)
+        apply_masks(want, rows, bits)
+        edits = token_edits(params, histories, V, EOS)
+        apply_edits(want, edits)
+        x = g.gather_logits(device_logits, np.arange(8))
+        g.mask_logits(x, rows, bits)
+        g.edit_logits(x, edits.rows, edits.tokens, edits.banned, edits.bias, edits.scale, edits.subtract)
+        np.testing.assert_array_equal(g.to_host(x), want)
+    assert edits.size > 8 * 30 and np.isneginf(want[3, 2]) and np.isneginf(want[:, 5]).all()
+
+
+def test_device_batches_sample_the_host_tokens_and_logprobs(g, rng=np.random.default_rng(9)):
+    params, histories = batch(rng, 8)
+    logits = bf16(rng.standard_normal((10, V)) * 3)
+    rows = [9, 0, 4, 2, 7, 1, 3, 8]  # a subset of the batch's rows, in any order
+    for step in range(6):
+        uniforms = np.array([token_uniform(1000 + r, step) for r in range(8)])
+        want, want_lp = sample_processed(logits[rows], params, uniforms, histories, EOS)
+        got, got_lp = sample_on_device(g, g.activation(logits), rows, params, uniforms, histories, EOS)
+        assert got == want
+        for a, b in zip(got_lp, want_lp):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
+                assert abs(a.logprob - b.logprob) < 1e-6
+        for h, t in zip(histories, got):
+            h.sync(h.output + [t])
