@@ -64,8 +64,10 @@ def batch(rng, n):
     return params, histories
 
 
-def test_masks_and_edits_match_the_numpy_reference_bit_for_bit(g, rng=np.random.default_rng(5)):
+def test_masks_and_edits_match_the_numpy_reference_bit_for_bit(g):
     import cupy
+
+    rng = np.random.default_rng(5)
 
     params, histories = batch(rng, 8)
     logits = bf16(rng.standard_normal((8, V)) * 4)
@@ -85,7 +87,8 @@ def test_masks_and_edits_match_the_numpy_reference_bit_for_bit(g, rng=np.random.
     assert edits.size > 8 * 30 and np.isneginf(want[3, 2]) and np.isneginf(want[:, 5]).all()
 
 
-def test_device_batches_sample_the_host_tokens_and_logprobs(g, rng=np.random.default_rng(9)):
+def test_device_batches_sample_the_host_tokens_and_logprobs(g):
+    rng = np.random.default_rng(9)
     params, histories = batch(rng, 8)
     logits = bf16(rng.standard_normal((10, V)) * 3)
     rows = [9, 0, 4, 2, 7, 1, 3, 8]  # a subset of the batch's rows, in any order
