@@ -419,24 +419,58 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def token_logprobs(lp: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
     """The record of ``token`` in one row of log-probabilities lp[V]: its value, rank (1 + how many
     are strictly more likely) and the top_n most likely (descending, ties by id)."""
-    value = float(lp[token])
-    rank = 1 + int(np.count_nonzero(lp > lp[token]))
+    return _record(lp, 0.0, token, top_n)
+
+
+TOP_CHUNK = 128  # top-N candidates: the chunks of the row whose maximum is among the N largest chunk maxima
+
+
+def _record(x: np.ndarray, lse: float, token: int, top_n: int, floor: float | None = None) -> TokenLogprobs:
+    """``token_logprobs`` of the row log_softmax(x) = x - lse, without making that row; ``floor``:
+    a value the top_n largest are all >= (``_top_floors``), else a partition finds them."""
+    V = x.shape[0]
+    rank = 1 + int(np.count_nonzero(x > x[token]))
     top = ()
     if top_n:
-        head = np.argpartition(-lp, top_n - 1)[:top_n] if top_n < lp.shape[0] else np.arange(lp.shape[0])
-        head = head[np.lexsort((head, -lp[head]))]
-        top = tuple((int(t), float(lp[t])) for t in head)
-    return TokenLogprobs(int(token), value, rank, top)
+        if floor is None:  # the n-th largest value itself (ties at it go by id below)
+            floor = np.partition(x, V - top_n)[V - top_n] if top_n < V else -np.inf
+        head = np.flatnonzero(x >= floor)
+        head = head[np.lexsort((head, -x[head]))][:top_n]
+        top = tuple((int(t), float(x[t]) - lse) for t in head)
+    return TokenLogprobs(int(token), float(x[token]) - lse, rank, top)
 
 
 def rows_logprobs(x: np.ndarray, tokens, top_ns) -> list:
-    """TokenLogprobs of tokens[i] in row i of logits x[m, V], LOGSOFTMAX_BLOCK rows at a time."""
+    """TokenLogprobs of tokens[i] in row i of logits x[m, V]: each row's logsumexp (float64 sums),
+    LOGSOFTMAX_BLOCK rows at a time, then the token, its rank and the top N read off the logits."""
     out = []
     for start in range(0, x.shape[0], LOGSOFTMAX_BLOCK):
-        lp = log_softmax(np.asarray(x[start : start + LOGSOFTMAX_BLOCK], dtype=np.float32))
-        for i in range(lp.shape[0]):
-            out.append(token_logprobs(lp[i], int(tokens[start + i]), top_ns[start + i]))
+        block = np.asarray(x[start : start + LOGSOFTMAX_BLOCK], dtype=np.float32)  # [b, V]
+        top = block.max(axis=1, keepdims=True)  # [b, 1]
+        shifted = np.subtract(block, top)
+        np.exp(shifted, out=shifted)
+        lse = top[:, 0].astype(np.float64) + np.log(shifted.sum(axis=1, dtype=np.float64))  # [b]
+        ns = top_ns[start : start + block.shape[0]]
+        floors = _top_floors(block, max(ns))
+        for i in range(block.shape[0]):
+            floor = None if floors is None else float(floors[i])
+            out.append(_record(block[i], float(lse[i]), int(tokens[start + i]), ns[i], floor))
     return out
+
+
+def _top_floors(x: np.ndarray, n: int) -> np.ndarray | None:
+    """Per row of x[b, V], the n-th largest maximum of its TOP_CHUNK-wide chunks: n chunks reach
+    it, so the row's n largest values are all >= it (a few candidates instead of a partition of
+    V). None when the rows have fewer than 2n chunks or n is 0."""
+    b, V = x.shape
+    whole = V // TOP_CHUNK * TOP_CHUNK
+    if n == 0 or V // TOP_CHUNK < 2 * n:
+        return None
+    maxima = x[:, :whole].reshape(b, -1, TOP_CHUNK).max(axis=2)  # [b, C]
+    if whole < V:
+        maxima = np.concatenate([maxima, x[:, whole:].max(axis=1, keepdims=True)], axis=1)
+    C = maxima.shape[1]
+    return np.partition(maxima, C - n, axis=1)[:, C - n]
 
 
 def sample_processed(
