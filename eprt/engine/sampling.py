@@ -54,7 +54,9 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], uniforms: 
     temps = np.array([p.temperature for p in params], dtype=np.float64)  # [n]
     out = np.zeros(logits.shape[0], dtype=np.int64)  # [n]
     greedy = np.flatnonzero(temps == 0.0)
-    if greedy.size:
+    if greedy.size == logits.shape[0]:  # no row gathered: a copy of [n, V] costs more than the argmax
+        out[:] = np.argmax(logits, axis=1)
+    elif greedy.size:
         out[greedy] = np.argmax(logits[greedy], axis=1)
     rows = np.flatnonzero(temps != 0.0)
     if rows.size:
@@ -248,16 +250,35 @@ class History:
     prompt: np.ndarray  # unique prompt ids (int64)
     output: list = field(default_factory=list)  # generated ids
     counts: dict = field(default_factory=dict)  # generated id -> occurrences
+    _seen: set = field(default_factory=set)  # prompt and generated ids
+    _cache: dict = field(default_factory=dict)  # arrays made from the above since the last new token
 
     @classmethod
     def of(cls, prompt_ids) -> History:
-        return cls(np.unique(np.asarray(prompt_ids, dtype=np.int64)))
+        prompt = np.unique(np.asarray(prompt_ids, dtype=np.int64))
+        return cls(prompt, _seen=set(prompt.tolist()))
 
     def sync(self, output_ids) -> History:
         for t in output_ids[len(self.output) :]:
             self.output.append(int(t))
             self.counts[int(t)] = self.counts.get(int(t), 0) + 1
+            self._seen.add(int(t))
+            self._cache.clear()
         return self
+
+    def seen_ids(self) -> np.ndarray:
+        """The prompt's and generated ids, each once (repetition penalty)."""
+        if "seen" not in self._cache:
+            self._cache["seen"] = np.fromiter(self._seen, dtype=np.int64, count=len(self._seen))
+        return self._cache["seen"]
+
+    def count_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(generated ids, their counts as float32), each id once."""
+        if "counts" not in self._cache:
+            n = len(self.counts)
+            ids = np.fromiter(self.counts, dtype=np.int64, count=n)
+            self._cache["counts"] = (ids, np.fromiter(self.counts.values(), dtype=np.float32, count=n))
+        return self._cache["counts"]
 
 
 def stop_ids(params: SamplingParams, eos_ids) -> tuple:
@@ -267,10 +288,10 @@ def stop_ids(params: SamplingParams, eos_ids) -> tuple:
 
 @dataclass(frozen=True)
 class TokenEdits:
-    """vLLM's per-token processing of a batch as unique (row, token) pairs, each applied as
-    ``v = -inf if banned else ((v + bias) / or * scale) - subtract`` (float32; the repetition
-    ``scale`` divides a positive value, multiplies the others). One composition of the stages:
-    masks, logit_bias, then the repetition, frequency and presence penalties. P pairs."""
+    """One stage of vLLM's per-token processing of a batch as (row, token) pairs, unique within
+    the stage, each applied as ``v = -inf if banned else ((v + bias) / or * scale) - subtract``
+    (float32; the repetition ``scale`` divides a positive value, multiplies the others). The
+    stages, in order: banned ids, logit_bias, repetition, frequency + presence. P pairs."""
 
     rows: np.ndarray  # [P] int32 row in the batch
     tokens: np.ndarray  # [P] int32
@@ -283,63 +304,65 @@ class TokenEdits:
     def size(self) -> int:
         return int(self.rows.shape[0])
 
+    @classmethod
+    def stage(cls, rows: list, tokens: list, **values) -> TokenEdits:
+        """The pairs of rows[i] x tokens[i] (per-row id arrays), ``values`` per row (scalars or
+        arrays like tokens[i]) for the named columns, the others neutral."""
+        sizes = [len(t) for t in tokens]
+        out = {"rows": np.repeat(np.asarray(rows, dtype=np.int32), sizes)}
+        out["tokens"] = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens]).astype(np.int32)
+        P = out["tokens"].shape[0]
+        for name, (dtype, neutral) in _COLUMNS.items():
+            given = values.get(name)
+            if given is None:
+                out[name] = np.full(P, neutral, dtype=dtype)
+            else:
+                out[name] = np.concatenate([np.broadcast_to(np.asarray(v, dtype), (n,)) for v, n in zip(given, sizes)])
+        return cls(**out)
+
+
+_COLUMNS = {
+    "banned": (np.uint8, 0),
+    "bias": (np.float32, 0.0),
+    "scale": (np.float32, 1.0),
+    "subtract": (np.float32, 0.0),
+}
+
 
 def token_edits(
     params: Sequence[SamplingParams], histories: Sequence[History | None], vocab_size: int, eos_ids=()
-) -> TokenEdits:
-    """The TokenEdits of rows ``params`` (a row's ``histories`` entry: None when it has no history)."""
-    keys, banned, bias, scale, subtract = [], [], [], [], []
-
-    def add(r: int, ids, column: list, values) -> None:
-        ids = np.asarray(ids, dtype=np.int64)
-        keys.append(r * vocab_size + ids)
-        for c in (banned, bias, scale, subtract):
-            c.append(None if c is not column else np.broadcast_to(np.asarray(values, np.float32), ids.shape))
-
+) -> list[TokenEdits]:
+    """The non-empty TokenEdits stages of rows ``params`` (a row's ``histories`` entry: None when
+    it has no history)."""
+    banned, bias, rep, sub = ([], [], []), ([], [], []), ([], [], []), ([], [], [])
     for r, (p, h) in enumerate(zip(params, histories)):
         out = _banned(p, h, eos_ids)
         if out:
-            add(r, out, banned, 1.0)
+            _add(banned, r, np.unique(np.asarray(out, dtype=np.int64)), 1)
         if p.logit_bias:
-            add(r, [t for t, _ in p.logit_bias], bias, [b for _, b in p.logit_bias])
+            _add(bias, r, [t for t, _ in p.logit_bias], np.asarray([b for _, b in p.logit_bias], np.float32))
         if h is None:
             continue
         if p.repetition_penalty != 1.0:
-            seen = np.union1d(h.prompt, np.fromiter(h.counts, dtype=np.int64, count=len(h.counts)))
-            add(r, seen, scale, p.repetition_penalty)
+            _add(rep, r, h.seen_ids(), p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and h.counts:
-            counts = np.fromiter(h.counts.values(), dtype=np.float32, count=len(h.counts))
-            add(r, list(h.counts), subtract, np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty))
-    if not keys:
-        empty = np.zeros(0, np.float32)
-        return TokenEdits(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.uint8), empty, empty, empty)
-    unique, inverse = np.unique(np.concatenate(keys), return_inverse=True)
-    columns = {"banned": (banned, 0.0), "bias": (bias, 0.0), "scale": (scale, 1.0), "subtract": (subtract, 0.0)}
-    out = {}
-    for name, (parts, default) in columns.items():
-        col, at = np.full(unique.shape[0], default, dtype=np.float32), 0
-        for key, part in zip(keys, parts):
-            if part is not None:
-                col[inverse[at : at + key.shape[0]]] = part  # a stage names each pair once
-            at += key.shape[0]
-        out[name] = col
-    return TokenEdits(
-        (unique // vocab_size).astype(np.int32),
-        (unique % vocab_size).astype(np.int32),
-        out["banned"].astype(np.uint8),
-        out["bias"],
-        out["scale"],
-        out["subtract"],
-    )
+            ids, counts = h.count_arrays()
+            _add(sub, r, ids, np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty))
+    stages = [(banned, "banned"), (bias, "bias"), (rep, "scale"), (sub, "subtract")]
+    return [TokenEdits.stage(s[0], s[1], **{name: s[2]}) for s, name in stages if s[0]]
 
 
-def apply_edits(x: np.ndarray, edits: TokenEdits) -> None:
-    """TokenEdits on logits x[n, V] (float32, in place): the reference of kernels/sampling.cu."""
-    if not edits.size:
-        return
-    v = x[edits.rows, edits.tokens] + edits.bias
-    v = np.where(v > 0, v / edits.scale, v * edits.scale) - edits.subtract
-    x[edits.rows, edits.tokens] = np.where(edits.banned != 0, np.float32(-np.inf), v)
+def _add(stage: tuple, row: int, tokens, values) -> None:
+    for column, v in zip(stage, (row, tokens, values)):
+        column.append(v)
+
+
+def apply_edits(x: np.ndarray, stages: Sequence[TokenEdits]) -> None:
+    """TokenEdits stages on logits x[n, V] (float32, in place): the reference of kernels/sampling.cu."""
+    for e in stages:
+        v = x[e.rows, e.tokens] + e.bias
+        v = np.where(v > 0, v / e.scale, v * e.scale) - e.subtract
+        x[e.rows, e.tokens] = np.where(e.banned != 0, np.float32(-np.inf), v)
 
 
 def allowed_masks(
@@ -537,9 +560,8 @@ def sample_on_device(
     masks = allowed_masks(params, V, token_masks)
     if masks is not None:
         ops.mask_logits(x, *masks)
-    edits = token_edits(params, histories, V, eos_ids)
-    if edits.size:
-        ops.edit_logits(x, edits.rows, edits.tokens, edits.banned, edits.bias, edits.scale, edits.subtract)
+    for e in token_edits(params, histories, V, eos_ids):
+        ops.edit_logits(x, e.rows, e.tokens, e.banned, e.bias, e.scale, e.subtract)
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
     sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
