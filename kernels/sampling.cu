@@ -45,3 +45,67 @@ extern "C" __global__ void edit_tokens(float* x, const int* rows, const int* tok
     v = v > 0.0f ? __fdiv_rn(v, scale[p]) : __fmul_rn(v, scale[p]);
     *at = __fsub_rn(v, subtract[p]);
 }
+
+// A sampled token per row of float32 x[m, V] without the row leaving the device, as the host's
+// sample_rows draws it when no top-k / top-p cut applies: p_t = exp((x_t - max) * inv_temp[r]),
+// zero below min_p[r] (p's maximum is 1), and the token i with cumsum(p)[i-1] <= u[r] * sum(p)
+// < cumsum(p)[i], walking in index order (never a zero p). Grid (m), block SAMPLE_THREADS.
+#define SAMPLE_THREADS 256
+
+__device__ __forceinline__ float sample_weight(float v, float top, float inv_temp, float min_p) {
+    const float p = expf((v - top) * inv_temp);
+    return p < min_p ? 0.0f : p;
+}
+
+extern "C" __global__ void sample_tokens(const float* x, const float* inv_temp, const float* min_p, const double* u,
+                                         int* out, int V) {
+    __shared__ float tops[SAMPLE_THREADS];
+    __shared__ double sums[SAMPLE_THREADS];
+    __shared__ double target;
+    __shared__ int owner;
+    const int tid = threadIdx.x, r = blockIdx.x;
+    const float* row = x + (long long)r * V;
+    const int chunk = (V + SAMPLE_THREADS - 1) / SAMPLE_THREADS;  // each thread owns a contiguous chunk
+    const int lo = min(V, tid * chunk), hi = min(V, lo + chunk);
+    float top = neg_inf();
+    for (int i = lo; i < hi; ++i) top = fmaxf(top, row[i]);
+    tops[tid] = top;
+    __syncthreads();
+    for (int s = SAMPLE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) tops[tid] = fmaxf(tops[tid], tops[tid + s]);
+        __syncthreads();
+    }
+    top = tops[0];
+    const float it = inv_temp[r], mp = min_p[r];
+    double sum = 0.0;
+    for (int i = lo; i < hi; ++i) sum += sample_weight(row[i], top, it, mp);
+    sums[tid] = sum;
+    __syncthreads();
+    if (tid == 0) {  // exclusive prefix sums, then the chunk holding the target
+        double run = 0.0;
+        for (int t = 0; t < SAMPLE_THREADS; ++t) {
+            const double s = sums[t];
+            sums[t] = run;
+            run += s;
+        }
+        target = u[r] * run;
+        owner = 0;
+        for (int t = 0; t < SAMPLE_THREADS; ++t) {
+            const double next = t + 1 < SAMPLE_THREADS ? sums[t + 1] : run;
+            if (next > sums[t] && sums[t] <= target) owner = t;  // the last non-empty chunk starting at or before it
+        }
+    }
+    __syncthreads();
+    if (tid == owner) {
+        double c = sums[tid];
+        int last = -1;
+        for (int i = lo; i < hi; ++i) {
+            const float p = sample_weight(row[i], top, it, mp);
+            if (p == 0.0f) continue;
+            last = i;
+            c += p;
+            if (c > target) break;
+        }
+        out[r] = last;  // rounding past the end: the last possible token
+    }
+}

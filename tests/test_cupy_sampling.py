@@ -105,3 +105,33 @@ def test_device_batches_sample_the_host_tokens_and_logprobs(g):
                 assert abs(a.logprob - b.logprob) < 1e-6
         for h, t in zip(histories, got):
             h.sync(h.output + [t])
+
+
+def test_device_draw_follows_the_softmax_and_the_host_draw(g):
+    """The device's inverse-CDF draw (no top-k / top-p cut): the host's token for almost every
+    uniform (they differ only where rounding moves a boundary), and a chi-square fit to
+    softmax(x / T) with min-p's cut, on fixed seeds."""
+    import cupy
+
+    from eprt.engine.sampling import sample_rows
+
+    rng = np.random.default_rng(21)
+    vocab, n, temperature, min_p = 40, 3000, 0.8, 0.02
+    row = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    row[[3, 17]] = -np.inf  # masked tokens are never drawn
+    uniforms = np.array([token_uniform(77, k) for k in range(n)])
+    x = cupy.asarray(np.tile(row, (n, 1)))
+    got = g.sample_logits(x, np.full(n, 1 / temperature), np.full(n, min_p), uniforms)
+    want = np.asarray(
+        sample_rows(np.tile(row, (n, 1)), [SamplingParams(temperature=temperature, min_p=min_p)] * n, uniforms)
+    )
+    assert np.mean(got == want) > 0.99
+    p = np.exp((row - row.max()) / temperature)
+    p[p < min_p] = 0.0
+    p /= p.sum()
+    counts = np.bincount(got, minlength=vocab)
+    assert counts[p == 0].sum() == 0
+    live = p > 0
+    expected = n * p[live]
+    chi2 = float(((counts[live] - expected) ** 2 / expected).sum())
+    assert chi2 < 2.0 * live.sum() + 20  # dof = live - 1; this bound is far in the tail

@@ -199,10 +199,12 @@ class ModelRunner(TraceCalls):
 
     def _sample_slow(self, logits, rows: list, seqs: list, masks: list, uniforms: np.ndarray) -> list[int]:
         """Tokens of logits rows ``rows`` (sequences ``seqs``): on the host, or with the logits
-        processing on the device (GPU backends: only sampled and logprobs rows come to the host)."""
+        processing and the draw on the device (GPU backends: only rows with a top-k / top-p cut
+        and rows asking for logprobs come to the host)."""
         ops, params = self.executor.ops, [s.params for s in seqs]
         whole = rows if len(rows) < logits.shape[0] else slice(None)
-        if all(p.logprobs is None and not p.processes_logits for p in params) and all(m is None for m in masks):
+        plain = all(p.logprobs is None and not p.processes_logits for p in params) and all(m is None for m in masks)
+        if plain and ops.name == "cpu":
             return sample_rows(ops.to_host(logits[whole]), params, uniforms)  # temperature / top-k / top-p only
         histories = [self._history(s) if s.params.processes_logits else None for s in seqs]
         if ops.name == "cpu":

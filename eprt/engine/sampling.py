@@ -553,7 +553,8 @@ def sample_on_device(
     """``sample_processed`` of rows ``rows`` of device logits[B, V] with the processing on the
     device (``ops.gather_logits`` / ``mask_logits`` / ``edit_logits``: kernels/sampling.cu, the
     same float32 operations as the host's): greedy rows take the device argmax of the processed
-    rows, so only sampled rows and rows asking for logprobs come to the host. ``params`` etc.
+    rows and sampled rows without a top-k / top-p cut the device's draw (``ops.sample_logits``),
+    so only rows with such a cut and rows asking for logprobs come to the host. ``params`` etc.
     are per entry of ``rows``."""
     V = logits.shape[1]
     x = ops.gather_logits(logits, np.asarray(rows))  # [m, V] float32
@@ -569,9 +570,19 @@ def sample_on_device(
         picked = ops.argmax(x if len(greedy) == len(params) else ops.gather_logits(x, np.asarray(greedy)))
         for i, t in zip(greedy, picked):
             tokens[i] = int(t)
-    if sampled:
-        host = ops.to_host(ops.gather_logits(x, np.asarray(sampled)))  # [s, V]
-        for i, t in zip(sampled, sample_rows(host, [params[i] for i in sampled], uniforms[sampled])):
+    uncut = [i for i in sampled if not (0 < params[i].top_k < V) and params[i].top_p >= 1.0]
+    if uncut:  # drawn on the device: only the ids come back
+        temps = np.array([params[i].temperature for i in uncut], dtype=np.float64)
+        with np.errstate(over="ignore", divide="ignore"):
+            inv_temp = np.minimum(1.0 / temps, F32_MAX).astype(np.float32)
+        min_p = np.array([params[i].min_p for i in uncut], dtype=np.float32)
+        drawn = ops.sample_logits(ops.gather_logits(x, np.asarray(uncut)), inv_temp, min_p, uniforms[uncut])
+        for i, t in zip(uncut, drawn):
+            tokens[i] = int(t)
+    cut = [i for i in sampled if i not in uncut]
+    if cut:  # top-k / top-p: the host's sampler
+        host = ops.to_host(ops.gather_logits(x, np.asarray(cut)))  # [s, V]
+        for i, t in zip(cut, sample_rows(host, [params[i] for i in cut], uniforms[cut])):
             tokens[i] = t
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     records = [None] * len(params)

@@ -288,3 +288,9 @@ class Ops:
         """In place on float32 x[m, V], per pair p (host arrays [P]): x[rows[p], tokens[p]] = -inf
         if banned[p], else ((v + bias[p]) / scale[p] when positive, * scale[p] otherwise) - subtract[p]."""
         raise NotImplementedError
+
+    def sample_logits(self, x: Array, inv_temp: np.ndarray, min_p: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+        """A token per row of float32 x[m, V] (host int64 [m]), drawn on the device by inverse CDF in
+        index order over exp((x - max) * inv_temp[r]) cut below min_p[r], with uniforms[r]: the host
+        sampler's draw when no top-k / top-p cut applies (only the ids come back)."""
+        raise NotImplementedError

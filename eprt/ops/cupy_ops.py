@@ -25,6 +25,7 @@ _GEMM_DEFAULT = -1
 
 _BF16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
+_SAMPLE_THREADS = 256  # SAMPLE_THREADS of kernels/sampling.cu
 _I32 = np.dtype(np.int32)
 _U8 = np.dtype(np.uint8)
 _DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32", _U8: "float8_e4m3fn (uint8 bytes)"}
@@ -922,6 +923,17 @@ class CupyOps(Ops):
         flags = cupy.asarray(np.ascontiguousarray(banned, dtype=np.uint8))
         args = (x, self.index(rows), self.index(tokens), flags, *floats, np.int32(P), np.int32(V))
         _launch("sampling.cu", "edit_tokens", (-(-P // 256),), 256, args)
+
+    def sample_logits(self, x, inv_temp, min_p, uniforms) -> np.ndarray:
+        _check("sample_logits", "x", x, _F32, (None, None))
+        m, V = x.shape
+        _require("sample_logits", V > 0, "logits have an empty vocabulary")
+        out = cupy.empty(m, dtype=_I32)
+        if m:
+            floats = [cupy.asarray(np.ascontiguousarray(a, dtype=np.float32).reshape(m)) for a in (inv_temp, min_p)]
+            u = cupy.asarray(np.ascontiguousarray(uniforms, dtype=np.float64).reshape(m))
+            _launch("sampling.cu", "sample_tokens", (m,), _SAMPLE_THREADS, (x, *floats, u, out, np.int32(V)))
+        return cupy.asnumpy(out).astype(np.int64)
 
     # ---- hybrid linear-attention models (kernels/gated_delta.cu) ---------------------------
     def _conv(self, op, x, weight, conv_state, slots, B: int, T: int):
