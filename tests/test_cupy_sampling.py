@@ -135,3 +135,31 @@ def test_device_draw_follows_the_softmax_and_the_host_draw(g):
     expected = n * p[live]
     chi2 = float(((counts[live] - expected) ** 2 / expected).sum())
     assert chi2 < 2.0 * live.sum() + 20  # dof = live - 1; this bound is far in the tail
+
+
+def test_engine_on_the_device_processes_draws_and_reports_logprobs(checkpoint):
+    """The runner's device path end to end (bf16 model: outcomes the processing forces, and
+    logprobs close to the NumPy engine's)."""
+    from eprt.api import GenerationRequest
+    from eprt.engine.engine import EngineConfig, launch_engine
+
+    path, prompt = checkpoint("qwen3_moe"), [140, 9, 9, 31, 200, 17, 64, 12, 250, 11]
+    requests = [
+        SamplingParams(max_tokens=4, logit_bias=((123, 100.0),), logprobs=2, prompt_logprobs=1),
+        SamplingParams(max_tokens=4, temperature=0.9, seed=5, min_p=0.1, logit_bias=((77, 100.0),)),
+        SamplingParams(max_tokens=6, allowed_token_ids=(2, 5), logit_bias=((2, 50.0),), min_tokens=3),
+        SamplingParams(max_tokens=5, temperature=1.0, seed=8, top_k=3, presence_penalty=2.0, logprobs=0),
+    ]
+    results = {}
+    for device_name in ("cuda", "cpu"):
+        cfg = EngineConfig(model=path, device=device_name, max_batch=4, block_size=16, max_model_len=128)
+        with launch_engine(cfg) as engine:
+            results[device_name] = engine.generate([GenerationRequest(prompt, p) for p in requests])
+    forced, drawn, held, cut = results["cuda"]
+    assert forced.token_ids == [123] * 4 and drawn.token_ids == [77] * 4 and held.token_ids == [5, 5, 5, 2]
+    assert len(cut.logprobs) == len(cut.token_ids) and [r.token_id for r in cut.logprobs] == cut.token_ids
+    for got, want in zip(forced.logprobs, results["cpu"][0].logprobs):
+        assert got.token_id == want.token_id and abs(got.logprob - want.logprob) < 0.1  # bf16 activations
+    assert len(forced.prompt_logprobs) == len(prompt) and forced.prompt_logprobs[0] is None
+    for got, want in zip(forced.prompt_logprobs[1:], results["cpu"][0].prompt_logprobs[1:]):
+        assert got.token_id == want.token_id and abs(got.logprob - want.logprob) < 0.1
