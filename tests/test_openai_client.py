@@ -157,3 +157,18 @@ def test_refused_and_unknown_fields(client, server):
     assert "logit_bias" in str(e.value)
     assert complete(client, extra_body={"frobnicate": 1}, user="u1").finish_reason in ("stop", "length")
     assert any("unknown fields ignored: frobnicate" in line for line in server.log)
+
+
+def test_streamed_echo_leads_with_the_prompt_and_its_logprobs(client):
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, stream=True)
+    text, tokens, values = "", [], []
+    for part in stream:
+        for c in part.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+    plain = complete(client, max_tokens=3)  # the prompt's text, then the completion's (decoded apart)
+    assert text == PROMPT_TEXT + plain.text
+    assert ids_of(" ".join(tokens)) == PROMPT + plain.model_extra["token_ids"]
+    assert values[0] is None and all(v <= 0 for v in values[1:])

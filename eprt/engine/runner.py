@@ -144,7 +144,8 @@ class ModelRunner(TraceCalls):
             seq.prompt_logprobs = [None]  # the first token has no context
         hidden, ops = self.executor.prefill_hidden, self.executor.ops
         last = min(start + n, len(seq.prompt_ids) - 1)  # positions whose next token is a prompt token
-        for a in range(start, last, LOGSOFTMAX_BLOCK):
+        first = max(start, len(seq.prompt_logprobs) - 1)  # a prefill redone after a preemption: only new ones
+        for a in range(first, last, LOGSOFTMAX_BLOCK):
             b = min(a + LOGSOFTMAX_BLOCK, last)
             logits = ops.to_host(self.executor.model.logits(hidden[a - start : b - start]))  # [b - a, V]
             targets = seq.prompt_ids[a + 1 : b + 1]
