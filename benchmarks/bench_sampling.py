@@ -2,8 +2,10 @@
 
 1. the sampler alone: ms per step of 32 rows (greedy argmax vs ``sample_rows``) on
    Zipf-shaped logits (as language is) and on flat ones (a wide nucleus: the worst case);
+   then vLLM's processing (``sample_processed``: penalties, logit_bias, bad words, with
+   512-token prompts and 256 generated tokens per row; logprobs) vs plain greedy;
 2. decode steps end to end: the benchmark model of bench_decode_cpu.py with the real
-   vocabulary, 32 requests greedy vs 32 sampled, step time = (t_N - t_1) / (N - 1).
+   vocabulary, 32 requests greedy vs 32 sampled vs 32 penalized, step time = (t_N - t_1) / (N - 1).
 
     python benchmarks/bench_sampling.py [--threads 1] [--dir /tmp/eprt-bench-moe-152k]
 """
@@ -22,12 +24,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import numpy as np  # noqa: E402
 
 from eprt.api import SamplingParams  # noqa: E402
-from eprt.engine.sampling import sample_rows  # noqa: E402
+from eprt.engine.sampling import History, sample_processed, sample_rows  # noqa: E402
 
 PARAMS = {
     "T=1": SamplingParams(temperature=1.0),
     "T=0.7 top_p=0.95": SamplingParams(temperature=0.7, top_p=0.95),
     "T=0.7 top_k=20 top_p=0.8": SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
+}
+
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+PROCESSED = {
+    "greedy penalties": SamplingParams(**PENALTIES),
+    "greedy pen+bias+bad": SamplingParams(
+        **PENALTIES, logit_bias=tuple((t, 2.0) for t in range(0, 2000, 20)), bad_words_ids=((11, 12), (13,))
+    ),
+    "greedy logprobs=5": SamplingParams(logprobs=5),
+    "T=0.7 top_p=0.95 pen": SamplingParams(temperature=0.7, top_p=0.95, **PENALTIES),
 }
 
 
@@ -50,6 +63,14 @@ def sampler_table(vocab: int, rows: int) -> None:
         for label, params in PARAMS.items():
             sampled = best_of(lambda x=logits, ps=[params] * rows: sample_rows(x, ps, uniforms))
             print(f"{name:>7} {label:>26} {greedy * 1e3:8.2f} {sampled * 1e3:8.2f} {sampled / greedy:6.1f}")
+    histories = [
+        History.of(rng.integers(0, vocab, 512)).sync(rng.integers(0, vocab, 256).tolist()) for _ in range(rows)
+    ]
+    logits = cases["zipf"]
+    greedy = best_of(lambda x=logits: np.argmax(x, axis=1))
+    for label, params in PROCESSED.items():
+        t = best_of(lambda ps=[params] * rows: sample_processed(logits, ps, uniforms, histories, (2,)))
+        print(f"{'zipf':>7} {label:>26} {greedy * 1e3:8.2f} {t * 1e3:8.2f} {t / greedy:6.1f}")
 
 
 def step_times(path: str, rows: int, n: int) -> dict:
@@ -59,7 +80,7 @@ def step_times(path: str, rows: int, n: int) -> dict:
 
     prompts = np.random.default_rng(0).integers(3, 1000, size=(rows, 16)).tolist()
     cfg = EngineConfig(model=path, device="cpu", max_batch=rows, max_model_len=256, prefix_cache=False)
-    modes = {"greedy": SamplingParams(), **PARAMS}
+    modes = {"greedy": SamplingParams(), **PARAMS, "greedy penalties": SamplingParams(**PENALTIES)}
     best = {m: float("inf") for m in modes}
     with launch_engine(cfg) as engine:
 

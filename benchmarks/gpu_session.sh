@@ -11,7 +11,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 EPRT_TEST
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$out/device.txt"
 timeout 220 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels_compile.py tests/test_cupy_ops.py tests/test_cupy_ops_shapes.py \
     tests/test_gpu_end_to_end.py tests/test_cupy_ops_deepseek.py tests/test_cupy_ops_fp8.py tests/test_gpu_fp8_model.py \
-    tests/test_cupy_hybrid_ops.py 2>&1 | tee "$out/gpu_tests.log"
+    tests/test_cupy_hybrid_ops.py tests/test_cupy_sampling.py 2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 mpi=0
 if command -v mpiexec >/dev/null; then   # expert parallelism on the GPU: 2 ranks share it

@@ -15,6 +15,7 @@ import numpy as np
 
 TOKEN_ID_LIMIT = 0xFFFFFFE0  # token ids stay below the protocol's command words (docs/protocol.md)
 MAX_CHOICES = 64  # n and best_of: choices of one prompt
+MAX_LOGPROBS = 20  # top alternatives reported per token at most (OpenAI's top_logprobs limit, vLLM's default)
 
 
 class RequestError(ValueError):
@@ -50,6 +51,17 @@ class SamplingParams:
     n: int = 1  # choices returned (docs/design.md, "Choices")
     best_of: int | None = None  # choices generated, the n with the highest cumulative logprob returned
     guide: Guide | None = None  # structured output (a grammar the text must follow)
+    # -- logits processing as vLLM applies it (docs/serving.md, "Sampling fields") -------------
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # > 0: divides positive / multiplies negative logits of prompt+output tokens
+    logit_bias: tuple = ()  # ((token id, bias in [-100, 100]), ...) added to the logits
+    min_tokens: int = 0  # EOS and stop ids are masked until this many tokens are generated
+    bad_words_ids: tuple = ()  # token-id sequences never generated (the last id masked after the others)
+    allowed_token_ids: tuple = ()  # when non-empty, every other token is masked
+    min_p: float = 0.0  # in [0, 1]: tokens below min_p * the top probability are cut (sampled rows)
+    logprobs: int | None = None  # log-probabilities of each generated token and its top-N alternatives
+    prompt_logprobs: int | None = None  # ... of each prompt token (from the second) and its top-N
 
     def validate(self, vocab_size: int) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -78,10 +90,53 @@ class SamplingParams:
         ):
             raise RequestError(f"guide must be a Guide of kind {', '.join(GUIDE_KINDS)}, got {self.guide!r:.80}")
 
+        self._validate_processing(vocab_size)
+
     @property
     def choices(self) -> int:
         """Choices generated: best_of when given, else n."""
         return self.n if self.best_of is None else self.best_of
+
+    def _validate_processing(self, vocab_size: int) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (is_real(v) and -2.0 <= v <= 2.0):
+                raise RequestError(f"{name} must be a number in [-2, 2], got {v!r}")
+        if not (is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf):
+            raise RequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (is_int(v) and 0 <= v <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        for t, bias in self.logit_bias:
+            if not (is_int(t) and 0 <= t < vocab_size):
+                raise RequestError(f"logit_bias token id {t!r} is outside the vocabulary [0, {vocab_size})")
+            if not (is_real(bias) and -100.0 <= bias <= 100.0):
+                raise RequestError(f"logit_bias of token {t} must be a number in [-100, 100], got {bias!r}")
+        for word in self.bad_words_ids:
+            if not word or not all(is_int(t) and 0 <= t < vocab_size for t in word):
+                raise RequestError(f"bad word {word!r} must be a non-empty sequence of ids in [0, {vocab_size})")
+        for t in self.allowed_token_ids:
+            if not (is_int(t) and 0 <= t < vocab_size):
+                raise RequestError(f"allowed token id {t!r} is outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything but temperature, top-k and top-p touches the logits (else: the fast path)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+            or self.bad_words_ids
+            or self.allowed_token_ids
+            or self.min_p
+        )
 
 
 def is_int(v) -> bool:
@@ -91,6 +146,25 @@ def is_int(v) -> bool:
 
 def is_real(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's log-probability, its rank (1: the most likely) and the top alternatives,
+    best first (ties by token id): ``top`` holds (token id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple = ()
+
+    def to_json(self) -> dict:
+        return {
+            "token_id": self.token_id,
+            "logprob": self.logprob,
+            "rank": self.rank,
+            "top": [[t, lp] for t, lp in self.top],
+        }
 
 
 @dataclass
@@ -116,6 +190,8 @@ class GenerationResult:
     accepted_tokens: int | None = None  # speculative drafts accepted; None when speculation is off
     index: int = 0  # which choice of its prompt (n, best_of)
     cumulative_logprob: float | None = None  # sum of its tokens' logprobs, when asked for (best_of)
+    logprobs: list | None = None  # [N] TokenLogprobs of the generated tokens, when asked for
+    prompt_logprobs: list | None = None  # [T] None for the first prompt token, then TokenLogprobs
 
     def to_json(self) -> dict:
         d = {
@@ -135,6 +211,10 @@ class GenerationResult:
             d["index"] = self.index
         if self.cumulative_logprob is not None:
             d["cumulative_logprob"] = self.cumulative_logprob
+        if self.logprobs is not None:
+            d["logprobs"] = [lp.to_json() for lp in self.logprobs]
+        if self.prompt_logprobs is not None:
+            d["prompt_logprobs"] = [None if lp is None else lp.to_json() for lp in self.prompt_logprobs]
         return d
 
 

@@ -62,6 +62,9 @@ class _Seq:
 
 
 class FakeHandle:
+    logprobs = None  # the fake computes no logprobs
+    prompt_logprobs = None
+
     def __init__(self, engine: FakeEngine, seq: _Seq):
         self._engine, self._seq = engine, seq
 

@@ -215,3 +215,47 @@ def test_any_seed_makes_a_key():
     keys = {request_seed(SamplingParams(temperature=1.0, seed=s), fallback) for s in (0, 2**64, 2**128, 2**300)}
     assert len(keys) == 4 and all(0 <= k < 2**128 for k in keys)
     assert all(0.0 <= token_uniform(k, 10**12) < 1.0 for k in keys)
+
+
+def test_logprob_records_are_ordered_with_ties_by_id_and_rank_the_token():
+    from eprt.engine.sampling import log_softmax, rows_logprobs
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((3, 20000)) * 3).astype(np.float32)
+    x[0, 100:400] = x[0].max() + 1.0  # 300 tied maxima: the lowest ids come first
+    x[1, ::2] = -np.inf  # masked tokens never appear
+    tokens = [150, int(np.argmax(x[1])), 5]
+    records = rows_logprobs(x, tokens, [4, 20, 0])
+    assert [t for t, _ in records[0].top] == [100, 101, 102, 103] and records[0].rank == 1
+    assert all(t % 2 == 1 for t, _ in records[1].top) and records[1].rank == 1
+    assert records[2].top == () and records[2].rank == 1 + int(np.sum(x[2] > x[2, 5]))
+    lp = log_softmax(x.astype(np.float64))
+    for i, rec in enumerate(records):
+        assert abs(rec.logprob - lp[i, tokens[i]]) < 1e-5
+        values = [v for _, v in rec.top]
+        assert values == sorted(values, reverse=True)
+        np.testing.assert_allclose(values, [lp[i, t] for t, _ in rec.top], atol=1e-5)
+
+
+def test_batched_processing_equals_each_row_alone_and_the_token_mask_hook():
+    from eprt.engine.sampling import History, process_logits
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 300)).astype(np.float32)
+    params = [
+        SamplingParams(presence_penalty=1.0, repetition_penalty=1.5, logit_bias=((3, 5.0),)),
+        SamplingParams(frequency_penalty=-0.5, bad_words_ids=((7, 8), (9,))),
+        SamplingParams(),
+        SamplingParams(min_tokens=5, allowed_token_ids=(2, 4, 6, 8)),
+    ]
+    histories = [History.of([1, 2, 3, 3]).sync([7, 10, 7]) for _ in params]
+    masks = [None, None, np.arange(300) % 5 == 0, None]
+    together = process_logits(x.copy(), params, histories, (2,), masks)
+    for r in range(4):
+        alone = process_logits(x[r : r + 1].copy(), params[r : r + 1], histories[r : r + 1], (2,), masks[r : r + 1])
+        np.testing.assert_array_equal(together[r], alone[0])
+    assert np.isneginf(together[1, [8, 9]]).all() and np.isfinite(together[1, 7])
+    assert np.isneginf(together[2, np.arange(300) % 5 != 0]).all() and np.isfinite(together[2, ::5]).all()
+    assert np.isneginf(together[3, 2]) and np.isfinite(together[3, [4, 6, 8]]).all()
+    assert together[0, 3] == np.float32(x[0, 3] + 5.0) / np.float32(1.5) or together[0, 3] == (x[0, 3] + 5.0) * 1.5
+    np.testing.assert_array_equal(together[2, ::5], x[2, ::5])

@@ -348,6 +348,23 @@ def test_200_concurrent_mixed_requests_equal_the_sequential_greedy_run(server, c
     print(f"{BURST} concurrent requests answered in {took:.1f}s")
 
 
+def test_prompt_logprobs_cut_the_prefix_hit_on_every_rank(client):
+    """A request asking for prompt logprobs computes its whole prompt: rank 0 cuts its prefix hit to
+    zero and the worker, told chunk_start 0, cuts its own, so neither reports a divergence."""
+    prompt = list(range(3, 43))
+    first = complete(client, prompt=prompt, max_tokens=4)
+    again = complete(client, prompt=prompt, max_tokens=4)
+    asked = complete(client, prompt=prompt, max_tokens=4, prompt_logprobs=1, logprobs=2)
+    after = complete(client, prompt=prompt, max_tokens=4)
+    cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in (first, again, asked, after)]
+    assert cached[1] > 0 and cached[2] == 0 and cached[3] > 0
+    assert len({tuple(b["choices"][0]["token_ids"]) for b in (first, again, asked, after)}) == 1
+    shown = asked["choices"][0]["prompt_logprobs"]
+    assert shown[0] is None and len(shown) == len(prompt)
+    assert all(str(t) in entry for t, entry in zip(prompt[1:], shown[1:]))
+    assert len(asked["choices"][0]["logprobs"]["token_logprobs"]) == 4
+
+
 def test_sigterm_finishes_the_stream_in_flight_and_exits_0(server, reference):
     """Runs last: it stops the module's server."""
     prompt, max_tokens = PROMPTS[1][0], 100

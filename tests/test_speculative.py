@@ -145,3 +145,20 @@ def test_metrics_show_proposed_and_accepted_drafts():
     steps = metrics["eprt_spec_verify_steps"]
     assert 0 < accepted <= proposed and steps > 0
     assert metrics["eprt_spec_mean_accepted_length"] == pytest.approx((steps + accepted) / steps)  # one row a step
+
+
+def test_rows_with_logprobs_or_penalties_keep_plain_decoding_under_speculation():
+    """Penalties and logprobs are applied by the decode sampler only: such rows never verify."""
+    prompt = list(b"the string to the string to the string")
+    requests = [
+        GenerationRequest(prompt, SamplingParams(max_tokens=20, repetition_penalty=1.3)),
+        GenerationRequest(prompt, SamplingParams(max_tokens=20, logprobs=2)),
+        GenerationRequest(prompt, SamplingParams(max_tokens=20)),
+    ]
+    with launch_engine(EngineConfig(device="cpu", max_batch=4)) as engine:
+        plain = engine.generate(requests)
+    cfg = EngineConfig(device="cpu", max_batch=4, speculative_method="ngram", num_speculative_tokens=3)
+    with launch_engine(cfg) as engine:
+        spec = engine.generate(requests)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert [len(r.logprobs) for r in spec[1:2]] == [len(spec[1].token_ids)]

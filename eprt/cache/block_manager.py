@@ -54,8 +54,10 @@ class BlockManager:
         ``len - 1`` so that at least one prompt token is computed."""
         return len(self._match(token_ids, adapter, salt)) * self.block_size
 
-    def can_allocate(self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"") -> bool:
-        return self._cost(token_ids, self._match(token_ids, adapter, salt)) <= self.num_free_blocks()
+    def can_allocate(
+        self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"", max_hit: int | None = None
+    ) -> bool:
+        return self._cost(token_ids, self._match(token_ids, adapter, salt, max_hit=max_hit)) <= self.num_free_blocks()
 
     def can_grow(self, key: Hashable, new_len: int) -> bool:
         return self.blocks_for(new_len) - len(self._table(key)) <= self.num_free_blocks()
@@ -71,13 +73,16 @@ class BlockManager:
         return key in self._tables
 
     # -- changes -----------------------------------------------------------------------
-    def allocate(self, key: Hashable, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"") -> int:
-        """Reserve the blocks of a prompt, reusing its cached prefix; returns the cached length."""
+    def allocate(
+        self, key: Hashable, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"", max_hit: int | None = None
+    ) -> int:
+        """Reserve the blocks of a prompt, reusing its cached prefix (at most ``max_hit`` tokens of
+        it when given); returns the cached length."""
         if key in self._tables:
             raise KeyError(f"sequence {key!r} already holds blocks")
         if len(token_ids) < 1:
             raise ValueError("cannot allocate an empty prompt")
-        matched = self._match(token_ids, adapter, salt)
+        matched = self._match(token_ids, adapter, salt, max_hit=max_hit)
         if self._cost(token_ids, matched) > self.num_free_blocks():
             raise OutOfBlocks(
                 f"sequence {key!r} needs {self._cost(token_ids, matched)} blocks, {self.num_free_blocks()} free"
@@ -193,10 +198,14 @@ class BlockManager:
         """Full blocks of the prompt whose KV is cached, whether ``hit_filter`` would let a hit use them."""
         return len(self._match(token_ids, adapter, salt, filtered=False))
 
-    def _match(self, token_ids: Sequence[int], adapter: int, salt: bytes, filtered: bool = True) -> list[int]:
+    def _match(
+        self, token_ids: Sequence[int], adapter: int, salt: bytes, filtered: bool = True, max_hit: int | None = None
+    ) -> list[int]:
         if not self.enabled or len(token_ids) < 2:
             return []
         limit = (len(token_ids) - 1) // self.block_size
+        if max_hit is not None:
+            limit = min(limit, max_hit // self.block_size)
         blocks, hashes = [], []
         for h in self._hashes(token_ids[: limit * self.block_size], adapter, salt):
             b = self._block_of.get(h)

@@ -66,6 +66,7 @@ class EngineConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
     prompt_lookup_max: int = 4  # ngram: longest suffix matched
     eplb: EplbConfig = field(default_factory=lambda: EplbConfig())  # expert-parallel load balancing
+    logprobs_mode: str = "raw"  # raw | processed: which logits logprobs come from (docs/serving.md)
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -79,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speculative_method is not None:
             self.speculative().drafter()  # raises naming the bad flag
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"--logprobs-mode must be raw or processed, got {self.logprobs_mode!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
         self.eplb.validate()
@@ -151,6 +154,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="token id of image placeholders (default: the config's image_token_id)",
     )
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")
+    g.add_argument(
+        "--logprobs-mode",
+        choices=("raw", "processed"),
+        default="raw",
+        help="logprobs from the model's logits (raw, vLLM's default) or after penalties, temperature and min-p",
+    )
     g.add_argument("--log-all-ranks", action="store_true", help="log from every rank, not only rank 0")
     g.add_argument(
         "--dump-dir",
@@ -227,6 +236,7 @@ def engine_config_from_args(args) -> EngineConfig:
         prompt_lookup_min=getattr(args, "prompt_lookup_min", 1),
         prompt_lookup_max=getattr(args, "prompt_lookup_max", 4),
         eplb=eplb_config_from_args(args),
+        logprobs_mode=getattr(args, "logprobs_mode", "raw"),
     )
     cfg.validate()
     return cfg

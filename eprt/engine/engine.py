@@ -59,6 +59,14 @@ class Handle:
     def cancel(self) -> None:
         self._inner.cancel()
 
+    @property
+    def logprobs(self) -> list | None:
+        return self._inner.logprobs
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        return self._inner.prompt_logprobs
+
     def result(self, timeout: float | None = None) -> GenerationResult:
         return self._engine._with_text(self._inner.result(timeout))
 
@@ -384,6 +392,7 @@ def launch_engine(args_or_config, transport=None):
         f"{sched_cfg.max_prefill_tokens} tokens" if sched_cfg.max_prefill_tokens else "whole prompts",
         cfg.max_batch,
     )
+    runner.eos_token_ids, runner.logprobs_mode = sched_cfg.eos_token_ids, cfg.logprobs_mode
     engine = Engine(runner, Scheduler(runner, sched_cfg, clock=WallClock()), loaded, cfg, transport)
     if cfg.eplb.active:
         engine.eplb = Rebalancer(runner, cfg.eplb, model_cfg, world, started.nodes)

@@ -106,6 +106,7 @@ class ShardExecutor:
         self.slots = SlotTable(max_slots)
         self.image_token_id = image_token_id if image_token_id is not None else model.cfg.image_token_id
         self.compute_logits = True  # workers turn this off: only rank 0 samples
+        self.prefill_hidden = None  # [T, D] of the last prefill chunk, when asked to keep it
         self._tables = np.zeros((max_slots, 8), dtype=np.int32)  # [slots, MB] block table of each decoding slot
         self._table_key = np.full(max_slots, -1, dtype=np.int64)  # block-manager key each row was built for
         self._table_len = np.zeros(max_slots, dtype=np.int64)  # blocks in each row
@@ -116,15 +117,22 @@ class ShardExecutor:
 
     # ---- slot bookkeeping -------------------------------------------------------------
     def allocate(
-        self, slot: int, tokens, adapter: int = -1, vision_rows: np.ndarray | None = None, salt: bytes | None = None
+        self,
+        slot: int,
+        tokens,
+        adapter: int = -1,
+        vision_rows: np.ndarray | None = None,
+        salt: bytes | None = None,
+        max_hit: int | None = None,
     ) -> int:
         """Occupy the empty ``slot`` with a prompt and its vision rows, reserving its blocks;
-        returns the prefix-cache hit length. ``salt``: ``vision_salt(vision_rows)`` if known."""
+        returns the prefix-cache hit length (at most ``max_hit`` tokens when given: rank 0 computes
+        the whole prompt of a request asking for prompt logprobs). ``salt``: ``vision_salt(vision_rows)``."""
         if self.slots.get(slot) is not None:
             raise SlotError(f"slot {slot} is already occupied")
         key = self.slots.next_key
         salt = vision_salt(vision_rows) if salt is None else salt
-        cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt)
+        cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt, max_hit=max_hit)
         self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
         self._salts[key] = salt
         if self.state is not None and cached:  # the hit ends at a snapshot (hit_filter)
@@ -240,16 +248,27 @@ class ShardExecutor:
             self.free(slot)
 
     # ---- compute ----------------------------------------------------------------------
-    def prefill(self, slot: int, tokens, chunk_start: int, chunk_len: int, vision_rows: np.ndarray | None = None):
+    def prefill(
+        self,
+        slot: int,
+        tokens,
+        chunk_start: int,
+        chunk_len: int,
+        vision_rows: np.ndarray | None = None,
+        keep_hidden: bool = False,
+    ):
         """Prefill tokens[chunk_start : chunk_start+chunk_len] of the full prompt ``tokens``.
-        Returns the logits [1, V] of the chunk's last token (None when compute_logits is off)."""
-        return self._prefill_chunks([PrefillChunk(slot, tokens, chunk_start, chunk_len, vision_rows)])
+        Returns the logits [1, V] of the chunk's last token (None when compute_logits is off);
+        ``keep_hidden`` keeps the chunk's hidden states [T, D] in ``self.prefill_hidden``
+        (prompt logprobs: the LM head runs over them only for the requests that ask)."""
+        chunk = PrefillChunk(slot, tokens, chunk_start, chunk_len, vision_rows)
+        return self._prefill_chunks([chunk], keep_hidden=keep_hidden)
 
     def prefill_next(self, slot: int, chunk_start: int, tokens):
         """The next chunk ``tokens`` of the prompt (and vision rows) the slot's PREFILL brought."""
         return self._prefill_chunks([self._next_chunk(slot, chunk_start, tokens)])
 
-    def prefill_group(self, commands: list, vision_rows: list | None = None):
+    def prefill_group(self, commands: list, vision_rows: list | None = None, keep_hidden: bool = False):
         """PREFILL / PREFILL_NEXT commands of one frame as one forward pass over all their tokens
         (docs/protocol.md, "Batched prefill"); ``vision_rows[i]``: the rows PREFILL i announced.
         Returns the logits [G, V] of each chunk's last token (None when compute_logits is off)."""
@@ -260,15 +279,17 @@ class ShardExecutor:
             else self._next_chunk(cmd.slot, cmd.chunk_start, cmd.tokens)
             for cmd, r in zip(commands, rows)
         ]
-        return self._prefill_chunks(chunks)
+        return self._prefill_chunks(chunks, keep_hidden=keep_hidden)
 
     def _next_chunk(self, slot: int, chunk_start: int, tokens) -> PrefillChunk:
         st = self.slots.check_next_chunk(slot, chunk_start, tokens)
         return PrefillChunk(slot, st.prompt, chunk_start, len(tokens), st.vision_rows)
 
-    def _prefill_chunks(self, chunks: list):
+    def _prefill_chunks(self, chunks: list, keep_hidden: bool = False):
         """One forward over the chunks' tokens, each sequence at its own positions attending
-        causally to its own paged KV. Returns logits [G, V] of each chunk's last token, or None."""
+        causally to its own paged KV. Returns logits [G, V] of each chunk's last token, or None;
+        ``keep_hidden`` keeps the hidden states [T, D] of all the chunks' tokens, in order, in
+        ``self.prefill_hidden``."""
         named = [c.slot for c in chunks]
         if len(set(named)) != len(named):
             raise ExecutorError(f"a prefill group names a slot twice: slots {named}")
@@ -277,7 +298,7 @@ class ShardExecutor:
         for c in chunks:
             tokens = [int(t) for t in c.tokens]
             if self.slots.get(c.slot) is None:  # first chunk on a worker: allocate exactly as rank 0 did
-                cached = self.allocate(c.slot, tokens, vision_rows=c.vision_rows)
+                cached = self.allocate(c.slot, tokens, vision_rows=c.vision_rows, max_hit=c.chunk_start)
                 if cached != c.chunk_start:
                     raise ExecutorError(
                         f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
@@ -310,6 +331,7 @@ class ShardExecutor:
         h = self.model.hidden_states(embedded, batch, self.kv, self.state)  # [T, D]
         for st, new in states:
             st.tokens.extend(new)
+        self.prefill_hidden = h if keep_hidden else None
         if not self.compute_logits:
             return None
         last = np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32)  # [G]

@@ -14,7 +14,16 @@ import numpy as np
 from eprt.comm import protocol as P
 from eprt.engine.choices import choice_seed, token_logprobs
 from eprt.engine.executor import ShardExecutor, vision_salt
-from eprt.engine.sampling import request_seed, sample_rows, token_uniform
+from eprt.engine.sampling import (
+    LOGSOFTMAX_BLOCK,
+    History,
+    request_seed,
+    rows_logprobs,
+    sample_on_device,
+    sample_processed,
+    sample_rows,
+    token_uniform,
+)
 from eprt.engine.speculative import Drafter, SpeculativeRunner
 from eprt.engine.structured import GuidedRows
 from eprt.scheduler.interface import TraceCalls
@@ -31,6 +40,15 @@ class SeqModelState:
     checkpoints: tuple = ()  # hybrid models: token counts at which this admission's prefill snapshots
     matcher: object = None  # structured outputs: its grammar's llguidance matcher (eprt/engine/structured.py)
     held: tuple | None = None  # (slot, cached) allocated by admit_ahead for this tick's alloc_sequence
+    history: History | None = None  # penalties and bad words: the prompt's ids and the generated counts
+
+
+def wants_prompt_logprobs(seq) -> bool:
+    """Whether the sequence asks for prompt logprobs it does not have yet (then its prompt is
+    computed whole: no prefix-cache hit, and the LM head runs over every prompt position)."""
+    return seq.params.prompt_logprobs is not None and (
+        seq.prompt_logprobs is None or len(seq.prompt_logprobs) < len(seq.prompt_ids)
+    )
 
 
 class ModelRunner(SpeculativeRunner, TraceCalls):
@@ -58,6 +76,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.decode_rows = 0
         self.drafter = drafter  # speculative decoding (eprt/engine/speculative.py); None: off
         self.guides: GuidedRows | None = None  # structured outputs (set by launch_engine)
+        self.eos_token_ids: tuple = ()  # min_tokens holds these back (the engine sets the model's)
+        self.logprobs_mode = "raw"  # raw | processed (eprt.engine.sampling.LOGPROB_MODES)
 
     # ---- KV memory -------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -75,7 +95,13 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
     def can_admit(self, seq) -> bool:
         if self._state(seq).held is not None:
             return True
-        return self.executor.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
+        return self.executor.blocks.can_allocate(
+            seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt, max_hit=self._max_hit(seq)
+        )
+
+    @staticmethod
+    def _max_hit(seq) -> int | None:
+        return 0 if wants_prompt_logprobs(seq) else None
 
     def admit_ahead(self, seq) -> int | None:
         """Untraced, for the lane's plan: if ``can_admit``, allocate now what this tick's
@@ -103,7 +129,12 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         if slot is None:
             raise RuntimeError("alloc_sequence with every slot occupied")
         seq.cached = self.executor.allocate(
-            slot, seq.token_ids[: seq.num_prompt], seq.adapter, seq.image_embeds, self._state(seq).salt
+            slot,
+            seq.token_ids[: seq.num_prompt],
+            seq.adapter,
+            seq.image_embeds,
+            self._state(seq).salt,
+            max_hit=self._max_hit(seq),
         )
         self._state(seq).checkpoints = self.executor.prefill_checkpoints(slot)
         return slot
@@ -213,10 +244,30 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
                 rows.append(None)
             commands.append(cmd)
         self.transport.flush()
-        logits = self.executor.prefill_group(commands, rows)
+        keep = [wants_prompt_logprobs(seq) for seq, _, _ in chunks]
+        logits = self.executor.prefill_group(commands, rows, keep_hidden=any(keep))
         self.prefill_passes += 1
+        offset = 0
         for row, (seq, start, n) in enumerate(chunks):
             self._ran[id(seq)] = (start, n, logits, row)
+            if keep[row]:
+                self._prompt_logprobs(seq, start, n, self.executor.prefill_hidden[offset : offset + n])
+            offset += n
+        self.executor.prefill_hidden = None
+
+    def _prompt_logprobs(self, seq, start: int, n: int, hidden) -> None:
+        """Raw logprobs of prompt tokens start+1 .. start+n (those inside the prompt) from the
+        chunk's hidden states [n, D], LOGSOFTMAX_BLOCK positions per LM-head call."""
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]  # the first token has no context
+        ops = self.executor.ops
+        last = min(start + n, len(seq.prompt_ids) - 1)  # positions whose next token is a prompt token
+        first = max(start, len(seq.prompt_logprobs) - 1)  # a prefill redone after a preemption: only new ones
+        for a in range(first, last, LOGSOFTMAX_BLOCK):
+            b = min(a + LOGSOFTMAX_BLOCK, last)
+            logits = ops.to_host(self.executor.model.logits(hidden[a - start : b - start]))  # [b - a, V]
+            targets = seq.prompt_ids[a + 1 : b + 1]
+            seq.prompt_logprobs.extend(rows_logprobs(logits, targets, [seq.params.prompt_logprobs] * (b - a)))
 
     def _checkpoint(self, slot: int) -> None:
         """Snapshot the slot's recurrent state here and on every worker (sent with the next frame)."""
@@ -243,31 +294,29 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.decode_rows += len(slots)
 
     def argmax_batch(self, row: int = 0, n: int = 1, stream: int = 0) -> list[int]:
-        """Greedy rows take one device argmax together; sampled rows come to the host in one
-        copy (on a GPU, one transfer of [rows, V] rather than one per row) and are sampled
-        together, each with the uniform of its request's seed at the token's position."""
+        """Plain greedy rows take one device argmax together; the others (sampled, processed,
+        masked or asking for logprobs) come to the host in one copy (on a GPU, one transfer of
+        [rows, V] rather than one per row) and are sampled together, each with the uniform of
+        its request's seed at the token's position. Logprobs go to ``seq.logprobs``."""
         seqs = self._rows[row : row + n]
         logits = self._logits[row : row + n]  # [n, V]
         guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None]
-        on_host = set(guided)
-        sampled = [i for i, s in enumerate(seqs) if s.params.temperature != 0.0 or i in on_host]
+        masks = [None] * len(seqs)  # structured outputs: allowed tokens [V] of each guided row
+        if guided:
+            allowed = self.guides.allowed([seqs[i].model_state.matcher for i in guided])  # [g, V]
+            for k, i in enumerate(guided):
+                masks[i] = allowed[k]
+        slow = [i for i, s in enumerate(seqs) if _off_fast_path(s.params) or masks[i] is not None]
         tokens = [0] * len(seqs)
-        if len(sampled) < len(seqs):
+        if len(slow) < len(seqs):
             greedy = self.executor.ops.argmax(logits)
             tokens = [int(t) for t in greedy]
-        if sampled:
-            host = self.executor.ops.to_host(logits[sampled] if len(sampled) < len(seqs) else logits)  # [m, V]
-            picked = [seqs[i] for i in sampled]
-            if guided:  # structured outputs: the grammar's mask before sampling
-                rows = [k for k, i in enumerate(sampled) if i in on_host]
-                host = np.array(host, dtype=np.float32)  # a copy: the logits stay as the model made them
-                masked = host[rows]
-                self.guides.apply(masked, [seqs[sampled[k]].model_state.matcher for k in rows])
-                host[rows] = masked
+        if slow:
+            picked = [seqs[i] for i in slow]
             uniforms = np.array(
                 [token_uniform(s.model_state.seed, self.executor.slots.get(s.slot).length) for s in picked]
             )
-            for i, t in zip(sampled, sample_rows(host, [s.params for s in picked], uniforms)):
+            for i, t in zip(slow, self._sample_slow(logits, slow, picked, [masks[i] for i in slow], uniforms)):
                 tokens[i] = t
         self._rank_tokens(seqs, logits, tokens)
         if guided:  # the grammar takes the tokens; the next masks are computed during the next forward
@@ -292,6 +341,37 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.transport.send(P.EplbPlacement(epoch, layers, slots, tuple(int(v) for v in table.ravel())))
         return self.executor.switch_placement(epoch, table)
 
+    def _sample_slow(self, logits, rows: list, seqs: list, masks: list, uniforms: np.ndarray) -> list[int]:
+        """Tokens of logits rows ``rows`` (sequences ``seqs``): on the host, or with the logits
+        processing and the draw on the device (GPU backends: only rows with a top-k / top-p cut
+        and rows asking for logprobs come to the host)."""
+        ops, params = self.executor.ops, [s.params for s in seqs]
+        whole = rows if len(rows) < logits.shape[0] else slice(None)
+        plain = all(p.logprobs is None and not p.processes_logits for p in params) and all(m is None for m in masks)
+        if plain and ops.name == "cpu":
+            return sample_rows(ops.to_host(logits[whole]), params, uniforms)  # temperature / top-k / top-p only
+        histories = [self._history(s) if s.params.processes_logits else None for s in seqs]
+        if ops.name == "cpu":
+            tokens, records = sample_processed(
+                ops.to_host(logits[whole]), params, uniforms, histories, self.eos_token_ids, masks, self.logprobs_mode
+            )
+        else:
+            tokens, records = sample_on_device(
+                ops, logits, rows, params, uniforms, histories, self.eos_token_ids, masks, self.logprobs_mode
+            )
+        for s, rec in zip(seqs, records):
+            if rec is not None:
+                if s.logprobs is None:
+                    s.logprobs = []
+                s.logprobs.append(rec)
+        return tokens
+
+    def _history(self, seq) -> History:
+        state = self._state(seq)
+        if state.history is None:
+            state.history = History.of(seq.prompt_ids)
+        return state.history.sync(seq.output_ids)
+
     # ---- shutdown ----------------------------------------------------------------------
     def ep_shutdown(self) -> None:
         self.transport.shutdown()
@@ -301,3 +381,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
 
     def teardown(self) -> None:
         self.executor.shutdown()
+
+
+def _off_fast_path(params) -> bool:
+    """Whether a row needs the host sampler: sampled, processed logits or logprobs."""
+    return params.temperature != 0.0 or params.logprobs is not None or params.processes_logits

@@ -1,18 +1,20 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seed.
+"""Token sampling on rank 0: greedy, temperature, top-k, top-p, min-p, per-request seed; the
+logits processing of vLLM before it (penalties, biases, masks) and log-probabilities.
 
 V vocabulary, n rows. Only rank 0 samples; workers never see logits. A sampled token's draw
 is one uniform from Philox keyed by the request's seed at the token's position, so it does
-not depend on batch-mates, steps or preemption (docs/design.md, "Sampling").
+not depend on batch-mates, steps or preemption (docs/design.md, "Sampling"; docs/serving.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
-from eprt.api import SamplingParams
+from eprt.api import SamplingParams, TokenLogprobs
 
 F32_MAX = float(np.finfo(np.float32).max)
 PHILOX_KEY_BITS = 128
@@ -52,7 +54,9 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], uniforms: 
     temps = np.array([p.temperature for p in params], dtype=np.float64)  # [n]
     out = np.zeros(logits.shape[0], dtype=np.int64)  # [n]
     greedy = np.flatnonzero(temps == 0.0)
-    if greedy.size:
+    if greedy.size == logits.shape[0]:  # no row gathered: a copy of [n, V] costs more than the argmax
+        out[:] = np.argmax(logits, axis=1)
+    elif greedy.size:
         out[greedy] = np.argmax(logits[greedy], axis=1)
     rows = np.flatnonzero(temps != 0.0)
     if rows.size:
@@ -62,6 +66,9 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], uniforms: 
             p = np.subtract(x, x.max(axis=1, keepdims=True))  # [m, V] becomes exp((x - max) / T): max 1
             p *= scale
         np.exp(p, out=p)
+        for i, r in enumerate(rows):  # min-p: probability below min_p * the top one (p's max is 1)
+            if params[r].min_p > 0.0:
+                p[i][p[i] < np.float32(params[r].min_p)] = 0.0
         mass = p.sum(axis=1)  # [m]
         for i, r in enumerate(rows):
             out[r] = _pick(p[i], float(mass[i]), params[r], float(uniforms[r]))
@@ -228,3 +235,364 @@ def _inverse_cdf(p: np.ndarray, u: float) -> int:
     while p[starts[b] + i] == 0.0 and starts[b] + i > 0:  # rounding at a block's end: step back
         i -= 1
     return int(starts[b] + i)
+
+
+# ---- logits processing (vLLM's order and formulas) ------------------------------------------
+LOGPROB_MODES = ("raw", "processed")  # docs/serving.md, "Log-probabilities"
+LOGSOFTMAX_BLOCK = 64  # rows of log-probabilities made at once (a [64, V] float32 buffer)
+
+
+@dataclass
+class History:
+    """A row's token history for penalties and bad words, kept up to date incrementally:
+    ``sync`` takes the generated ids so far and counts only the new ones."""
+
+    prompt: np.ndarray  # unique prompt ids (int64)
+    output: list = field(default_factory=list)  # generated ids
+    counts: dict = field(default_factory=dict)  # generated id -> occurrences
+    _seen: set = field(default_factory=set)  # prompt and generated ids
+    _cache: dict = field(default_factory=dict)  # arrays made from the above since the last new token
+
+    @classmethod
+    def of(cls, prompt_ids) -> History:
+        prompt = np.unique(np.asarray(prompt_ids, dtype=np.int64))
+        return cls(prompt, _seen=set(prompt.tolist()))
+
+    def sync(self, output_ids) -> History:
+        for t in output_ids[len(self.output) :]:
+            self.output.append(int(t))
+            self.counts[int(t)] = self.counts.get(int(t), 0) + 1
+            self._seen.add(int(t))
+            self._cache.clear()
+        return self
+
+    def seen_ids(self) -> np.ndarray:
+        """The prompt's and generated ids, each once (repetition penalty)."""
+        if "seen" not in self._cache:
+            self._cache["seen"] = np.fromiter(self._seen, dtype=np.int64, count=len(self._seen))
+        return self._cache["seen"]
+
+    def count_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(generated ids, their counts as float32), each id once."""
+        if "counts" not in self._cache:
+            n = len(self.counts)
+            ids = np.fromiter(self.counts, dtype=np.int64, count=n)
+            self._cache["counts"] = (ids, np.fromiter(self.counts.values(), dtype=np.float32, count=n))
+        return self._cache["counts"]
+
+
+def stop_ids(params: SamplingParams, eos_ids) -> tuple:
+    """The ids min_tokens holds back: EOS (unless ignore_eos) and the request's stop ids."""
+    return tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_ids))
+
+
+@dataclass(frozen=True)
+class TokenEdits:
+    """One stage of vLLM's per-token processing of a batch as (row, token) pairs, unique within
+    the stage, each applied as ``v = -inf if banned else ((v + bias) / or * scale) - subtract``
+    (float32; the repetition ``scale`` divides a positive value, multiplies the others). The
+    stages, in order: banned ids, logit_bias, repetition, frequency + presence. P pairs."""
+
+    rows: np.ndarray  # [P] int32 row in the batch
+    tokens: np.ndarray  # [P] int32
+    banned: np.ndarray  # [P] uint8: bad word, or a stop id under min_tokens
+    bias: np.ndarray  # [P] float32 logit_bias
+    scale: np.ndarray  # [P] float32 repetition_penalty (1: none)
+    subtract: np.ndarray  # [P] float32 frequency_penalty * count + presence_penalty
+
+    @property
+    def size(self) -> int:
+        return int(self.rows.shape[0])
+
+    @classmethod
+    def stage(cls, rows: list, tokens: list, **values) -> TokenEdits:
+        """The pairs of rows[i] x tokens[i] (per-row id arrays), ``values`` per row (scalars or
+        arrays like tokens[i]) for the named columns, the others neutral."""
+        sizes = [len(t) for t in tokens]
+        out = {"rows": np.repeat(np.asarray(rows, dtype=np.int32), sizes)}
+        out["tokens"] = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens]).astype(np.int32)
+        P = out["tokens"].shape[0]
+        for name, (dtype, neutral) in _COLUMNS.items():
+            given = values.get(name)
+            if given is None:
+                out[name] = np.full(P, neutral, dtype=dtype)
+            else:
+                out[name] = np.concatenate([np.broadcast_to(np.asarray(v, dtype), (n,)) for v, n in zip(given, sizes)])
+        return cls(**out)
+
+
+_COLUMNS = {
+    "banned": (np.uint8, 0),
+    "bias": (np.float32, 0.0),
+    "scale": (np.float32, 1.0),
+    "subtract": (np.float32, 0.0),
+}
+
+
+def token_edits(
+    params: Sequence[SamplingParams], histories: Sequence[History | None], vocab_size: int, eos_ids=()
+) -> list[TokenEdits]:
+    """The non-empty TokenEdits stages of rows ``params`` (a row's ``histories`` entry: None when
+    it has no history)."""
+    banned, bias, rep, sub = ([], [], []), ([], [], []), ([], [], []), ([], [], [])
+    for r, (p, h) in enumerate(zip(params, histories)):
+        out = _banned(p, h, eos_ids)
+        if out:
+            _add(banned, r, np.unique(np.asarray(out, dtype=np.int64)), 1)
+        if p.logit_bias:
+            _add(bias, r, [t for t, _ in p.logit_bias], np.asarray([b for _, b in p.logit_bias], np.float32))
+        if h is None:
+            continue
+        if p.repetition_penalty != 1.0:
+            _add(rep, r, h.seen_ids(), p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and h.counts:
+            ids, counts = h.count_arrays()
+            _add(sub, r, ids, np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty))
+    stages = [(banned, "banned"), (bias, "bias"), (rep, "scale"), (sub, "subtract")]
+    return [TokenEdits.stage(s[0], s[1], **{name: s[2]}) for s, name in stages if s[0]]
+
+
+def _add(stage: tuple, row: int, tokens, values) -> None:
+    for column, v in zip(stage, (row, tokens, values)):
+        column.append(v)
+
+
+def apply_edits(x: np.ndarray, stages: Sequence[TokenEdits]) -> None:
+    """TokenEdits stages on logits x[n, V] (float32, in place): the reference of kernels/sampling.cu."""
+    for e in stages:
+        v = x[e.rows, e.tokens] + e.bias
+        v = np.where(v > 0, v / e.scale, v * e.scale) - e.subtract
+        x[e.rows, e.tokens] = np.where(e.banned != 0, np.float32(-np.inf), v)
+
+
+def allowed_masks(
+    params: Sequence[SamplingParams], vocab_size: int, token_masks: Sequence[np.ndarray | None] | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows with a dense mask (a structured-output ``token_masks[r]``, bool [V] True = allowed,
+    and/or allowed_token_ids) and their masks as bits [R, ceil(V / 32)] uint32 (bit t % 32 of
+    word t // 32: token t allowed; xgrammar's layout), or None when no row has one."""
+    rows, masks = [], []
+    for r, p in enumerate(params):
+        mask = None if token_masks is None else token_masks[r]
+        if not p.allowed_token_ids and mask is None:
+            continue
+        keep = np.ones(vocab_size, dtype=bool) if mask is None else np.asarray(mask, dtype=bool).copy()
+        if p.allowed_token_ids:
+            listed = np.zeros(vocab_size, dtype=bool)
+            listed[list(p.allowed_token_ids)] = True
+            keep &= listed
+        rows.append(r)
+        masks.append(keep)
+    if not rows:
+        return None
+    words = -(-vocab_size // 32)
+    bits = np.zeros((len(rows), words * 32), dtype=bool)
+    bits[:, :vocab_size] = np.stack(masks)
+    return np.asarray(rows, dtype=np.int32), np.packbits(bits, axis=1, bitorder="little").view("<u4")
+
+
+def apply_masks(x: np.ndarray, rows: np.ndarray, bits: np.ndarray) -> None:
+    """Bit masks [R, W] (``allowed_masks``) on rows of logits x[n, V]: disallowed tokens to -inf."""
+    keep = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : x.shape[1]].astype(bool)
+    sub = x[rows]
+    sub[~keep] = -np.inf
+    x[rows] = sub
+
+
+def process_logits(
+    x: np.ndarray,
+    params: Sequence[SamplingParams],
+    histories: Sequence[History | None],
+    eos_ids=(),
+    token_masks: Sequence[np.ndarray | None] | None = None,
+) -> np.ndarray:
+    """vLLM's processing of logits x[n, V] (float32, changed in place and returned), in its order:
+    ``token_masks[r]`` (bool [V], True = allowed: a structured-output mask), allowed_token_ids,
+    bad words, min_tokens, logit_bias, then repetition, frequency and presence penalties.
+    Penalties and biases are gathered over all rows at once as (row, token) pairs."""
+    masks = allowed_masks(params, x.shape[1], token_masks)
+    if masks is not None:
+        apply_masks(x, *masks)
+    apply_edits(x, token_edits(params, histories, x.shape[1], eos_ids))
+    return x
+
+
+def _banned(params: SamplingParams, history: History | None, eos_ids) -> list:
+    """Token ids this row may not produce now: bad words whose prefix ends the output, and the
+    stop ids while fewer than min_tokens have been generated."""
+    out = [] if history is None else history.output
+    banned = []
+    for word in params.bad_words_ids:
+        head = list(word[:-1])
+        if not head or (len(out) >= len(head) and out[len(out) - len(head) :] == head):
+            banned.append(word[-1])
+    if len(out) < params.min_tokens:
+        banned.extend(stop_ids(params, eos_ids))
+    return banned
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """log_softmax over the last axis of x[m, V] (float32 out, float64 sums); -inf stays -inf."""
+    top = x.max(axis=-1, keepdims=True)  # [m, 1]
+    shifted = x - top
+    lse = np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    return shifted - lse
+
+
+def token_logprobs(lp: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
+    """The record of ``token`` in one row of log-probabilities lp[V]: its value, rank (1 + how many
+    are strictly more likely) and the top_n most likely (descending, ties by id)."""
+    return _record(lp, 0.0, token, top_n)
+
+
+TOP_CHUNK = 128  # top-N candidates: the chunks of the row whose maximum is among the N largest chunk maxima
+
+
+def _record(x: np.ndarray, lse: float, token: int, top_n: int, floor: float | None = None) -> TokenLogprobs:
+    """``token_logprobs`` of the row log_softmax(x) = x - lse, without making that row; ``floor``:
+    a value the top_n largest are all >= (``_top_floors``), else a partition finds them."""
+    V = x.shape[0]
+    rank = 1 + int(np.count_nonzero(x > x[token]))
+    top = ()
+    if top_n:
+        if floor is None:  # the n-th largest value itself (ties at it go by id below)
+            floor = np.partition(x, V - top_n)[V - top_n] if top_n < V else -np.inf
+        head = np.flatnonzero(x >= floor)
+        head = head[np.lexsort((head, -x[head]))][:top_n]
+        top = tuple((int(t), float(x[t]) - lse) for t in head)
+    return TokenLogprobs(int(token), float(x[token]) - lse, rank, top)
+
+
+def rows_logprobs(x: np.ndarray, tokens, top_ns) -> list:
+    """TokenLogprobs of tokens[i] in row i of logits x[m, V]: each row's logsumexp (float64 sums),
+    LOGSOFTMAX_BLOCK rows at a time, then the token, its rank and the top N read off the logits."""
+    out = []
+    for start in range(0, x.shape[0], LOGSOFTMAX_BLOCK):
+        block = np.asarray(x[start : start + LOGSOFTMAX_BLOCK], dtype=np.float32)  # [b, V]
+        top = block.max(axis=1, keepdims=True)  # [b, 1]
+        shifted = np.subtract(block, top)
+        np.exp(shifted, out=shifted)
+        lse = top[:, 0].astype(np.float64) + np.log(shifted.sum(axis=1, dtype=np.float64))  # [b]
+        ns = top_ns[start : start + block.shape[0]]
+        floors = _top_floors(block, max(ns))
+        for i in range(block.shape[0]):
+            floor = None if floors is None else float(floors[i])
+            out.append(_record(block[i], float(lse[i]), int(tokens[start + i]), ns[i], floor))
+    return out
+
+
+def _top_floors(x: np.ndarray, n: int) -> np.ndarray | None:
+    """Per row of x[b, V], the n-th largest maximum of its TOP_CHUNK-wide chunks: n chunks reach
+    it, so the row's n largest values are all >= it (a few candidates instead of a partition of
+    V). None when the rows have fewer than 2n chunks or n is 0."""
+    b, V = x.shape
+    whole = V // TOP_CHUNK * TOP_CHUNK
+    if n == 0 or V // TOP_CHUNK < 2 * n:
+        return None
+    maxima = x[:, :whole].reshape(b, -1, TOP_CHUNK).max(axis=2)  # [b, C]
+    if whole < V:
+        maxima = np.concatenate([maxima, x[:, whole:].max(axis=1, keepdims=True)], axis=1)
+    C = maxima.shape[1]
+    return np.partition(maxima, C - n, axis=1)[:, C - n]
+
+
+def sample_processed(
+    logits: np.ndarray,
+    params: Sequence[SamplingParams],
+    uniforms: np.ndarray,
+    histories: Sequence[History | None],
+    eos_ids=(),
+    token_masks: Sequence[np.ndarray | None] | None = None,
+    logprobs_mode: str = "raw",
+) -> tuple[list[int], list]:
+    """Tokens of host logits[n, V] after ``process_logits`` (greedy rows: argmax of the processed
+    logits; sampled ones: ``sample_rows``, which applies temperature, min-p, top-k and top-p),
+    and the TokenLogprobs of each row whose params ask for logprobs (else None): "raw" from
+    the model's logits, "processed" after the processing, temperature and min-p."""
+    raw = [r for r, p in enumerate(params) if p.logprobs is not None]
+    x = np.array(logits, dtype=np.float32)  # [n, V] a copy: the caller's rows stay raw
+    process = [
+        p.processes_logits or (token_masks is not None and token_masks[r] is not None) for r, p in enumerate(params)
+    ]
+    if any(process):
+        process_logits(x, params, histories, eos_ids, token_masks)
+    tokens = sample_rows(x, params, uniforms)
+    if not raw:
+        return tokens, [None] * len(params)
+    source = logits[raw] if logprobs_mode == "raw" else _processed(x[raw], [params[r] for r in raw])
+    records = rows_logprobs(source, [tokens[r] for r in raw], [params[r].logprobs for r in raw])
+    out = [None] * len(params)
+    for r, rec in zip(raw, records):
+        out[r] = rec
+    return tokens, out
+
+
+def _processed(x: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+    """Processed logits x[m, V] of sampled rows divided by their temperature, min-p cut to -inf."""
+    for i, p in enumerate(params):
+        if p.temperature == 0.0:
+            continue
+        x[i] /= np.float32(max(p.temperature, 1.0 / F32_MAX))
+        if p.min_p > 0.0:
+            probs = np.exp(x[i] - x[i].max())
+            x[i][probs < np.float32(p.min_p)] = -np.inf
+    return x
+
+
+def sample_on_device(
+    ops,
+    logits,
+    rows: Sequence[int],
+    params: Sequence[SamplingParams],
+    uniforms: np.ndarray,
+    histories: Sequence[History | None],
+    eos_ids=(),
+    token_masks: Sequence[np.ndarray | None] | None = None,
+    logprobs_mode: str = "raw",
+) -> tuple[list[int], list]:
+    """``sample_processed`` of rows ``rows`` of device logits[B, V] with the processing on the
+    device (``ops.gather_logits`` / ``mask_logits`` / ``edit_logits``: kernels/sampling.cu, the
+    same float32 operations as the host's): greedy rows take the device argmax of the processed
+    rows and sampled rows without a top-k / top-p cut the device's draw (``ops.sample_logits``),
+    so only rows with such a cut and rows asking for logprobs come to the host. ``params`` etc.
+    are per entry of ``rows``."""
+    V = logits.shape[1]
+    x = ops.gather_logits(logits, np.asarray(rows))  # [m, V] float32
+    masks = allowed_masks(params, V, token_masks)
+    if masks is not None:
+        ops.mask_logits(x, *masks)
+    for e in token_edits(params, histories, V, eos_ids):
+        ops.edit_logits(x, e.rows, e.tokens, e.banned, e.bias, e.scale, e.subtract)
+    tokens = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
+    if greedy:
+        picked = ops.argmax(x if len(greedy) == len(params) else ops.gather_logits(x, np.asarray(greedy)))
+        for i, t in zip(greedy, picked):
+            tokens[i] = int(t)
+    uncut = [i for i in sampled if not (0 < params[i].top_k < V) and params[i].top_p >= 1.0]
+    if uncut:  # drawn on the device: only the ids come back
+        temps = np.array([params[i].temperature for i in uncut], dtype=np.float64)
+        with np.errstate(over="ignore", divide="ignore"):
+            inv_temp = np.minimum(1.0 / temps, F32_MAX).astype(np.float32)
+        min_p = np.array([params[i].min_p for i in uncut], dtype=np.float32)
+        drawn = ops.sample_logits(ops.gather_logits(x, np.asarray(uncut)), inv_temp, min_p, uniforms[uncut])
+        for i, t in zip(uncut, drawn):
+            tokens[i] = int(t)
+    cut = [i for i in sampled if i not in uncut]
+    if cut:  # top-k / top-p: the host's sampler
+        host = ops.to_host(ops.gather_logits(x, np.asarray(cut)))  # [s, V]
+        for i, t in zip(cut, sample_rows(host, [params[i] for i in cut], uniforms[cut])):
+            tokens[i] = t
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    records = [None] * len(params)
+    if asked:
+        if logprobs_mode == "raw":
+            source = ops.to_host(ops.gather_logits(logits, np.asarray([rows[i] for i in asked])))
+        else:
+            source = _processed(ops.to_host(ops.gather_logits(x, np.asarray(asked))), [params[i] for i in asked])
+        for i, rec in zip(
+            asked, rows_logprobs(source, [tokens[i] for i in asked], [params[i].logprobs for i in asked])
+        ):
+            records[i] = rec
+    return tokens, records

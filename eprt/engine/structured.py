@@ -113,7 +113,7 @@ class GrammarCompiler:
 
 
 class GuidedRows:
-    """The matchers of the guided sequences and their masks: ``apply`` masks a step's logits
+    """The matchers of the guided sequences and their masks: ``allowed`` gives a step's masks
     (waiting for the masks computed during the forward pass, or computing them now), ``advance``
     feeds the sampled tokens and starts the next step's masks on a thread."""
 
@@ -154,11 +154,12 @@ class GuidedRows:
         bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # [B, 32 W]
         return bits[:, : self.compiler.vocab_size].astype(bool)
 
-    def apply(self, logits: np.ndarray, matchers: list) -> None:
-        """Set the logits [B, V] of tokens each row's grammar forbids to -inf (in place)."""
+    def allowed(self, matchers: list) -> np.ndarray:
+        """Allowed tokens [B, V] (bool) of each matcher's next step; a row its grammar left no
+        token (an error state) may only end (its EOS ids)."""
         allowed = self.masks(matchers)  # [B, V]
         allowed[~allowed.any(axis=1)[:, None] & np.isin(np.arange(allowed.shape[1]), self.compiler.eos)] = True
-        logits[~allowed] = -np.inf  # a row its grammar left no token (an error state) may only end
+        return allowed
 
     def advance(self, matchers: list, tokens: list) -> None:
         """Feed each matcher its sampled token and compute its next mask, both on the thread, while

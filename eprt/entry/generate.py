@@ -76,6 +76,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed given to every prompt")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids")
     parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="logprobs of each generated token and its top N (--json)",
+    )
+    parser.add_argument(
+        "--prompt-logprobs", type=int, default=None, metavar="N", help="logprobs of each prompt token and its top N"
+    )
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--min-tokens", type=int, default=0)
+    parser.add_argument(
         "--image-embeds",
         action="append",
         type=_embeds,
@@ -103,6 +118,13 @@ def _requests(args, tokenizer) -> list:
         ignore_eos=args.ignore_eos,
         n=args.n,
         best_of=args.best_of,
+        logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
     )
     params.validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
     reqs = []

@@ -274,3 +274,24 @@ class Ops:
     def argmax(self, logits: Array) -> np.ndarray:
         """logits[B, V] -> host int64[B] (first maximum wins)."""
         raise NotImplementedError
+
+    # ---- logits processing on the device (the GPU backend; the host's is eprt.engine.sampling) ----
+    def gather_logits(self, logits: Array, rows: np.ndarray) -> Array:
+        """logits[B, V], rows[m] (host int) -> a float32 copy [m, V] of those rows."""
+        raise NotImplementedError
+
+    def mask_logits(self, x: Array, rows: np.ndarray, bits: np.ndarray) -> None:
+        """In place on float32 x[m, V]: token t of row rows[i] becomes -inf unless bit t % 32 of
+        bits[i, t // 32] (host uint32 [R, ceil(V / 32)]) is set."""
+        raise NotImplementedError
+
+    def edit_logits(self, x: Array, rows, tokens, banned, bias, scale, subtract) -> None:
+        """In place on float32 x[m, V], per pair p (host arrays [P]): x[rows[p], tokens[p]] = -inf
+        if banned[p], else ((v + bias[p]) / scale[p] when positive, * scale[p] otherwise) - subtract[p]."""
+        raise NotImplementedError
+
+    def sample_logits(self, x: Array, inv_temp: np.ndarray, min_p: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+        """A token per row of float32 x[m, V] (host int64 [m]), drawn on the device by inverse CDF in
+        index order over exp((x - max) * inv_temp[r]) cut below min_p[r], with uniforms[r]: the host
+        sampler's draw when no top-k / top-p cut applies (only the ids come back)."""
+        raise NotImplementedError

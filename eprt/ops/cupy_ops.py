@@ -25,6 +25,7 @@ _GEMM_DEFAULT = -1
 
 _BF16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
+_SAMPLE_THREADS = 256  # SAMPLE_THREADS of kernels/sampling.cu
 _I32 = np.dtype(np.int32)
 _U8 = np.dtype(np.uint8)
 _DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32", _U8: "float8_e4m3fn (uint8 bytes)"}
@@ -883,6 +884,55 @@ class CupyOps(Ops):
         if B:
             kernel = "argmax_f32" if logits.dtype == _F32 else "argmax_bf16"
             _launch("argmax.cu", kernel, (B,), 1024, (logits, out, np.int32(V)))
+        return cupy.asnumpy(out).astype(np.int64)
+
+    # ---- logits processing (kernels/sampling.cu) ---------------------------------------------
+    def gather_logits(self, logits, rows: np.ndarray):
+        _check("gather_logits", "logits", logits, (_BF16, _F32), (None, None))
+        B, V = logits.shape
+        rows = np.asarray(rows, dtype=np.int32)
+        _require("gather_logits", bool(((rows >= 0) & (rows < B)).all()), f"rows must be in [0, {B})")
+        out = cupy.empty((rows.shape[0], V), dtype=_F32)  # [m, V]
+        if rows.size and V:
+            kernel = "gather_rows_f32" if logits.dtype == _F32 else "gather_rows_bf16"
+            _launch("sampling.cu", kernel, (rows.shape[0],), 1024, (logits, self.index(rows), out, np.int32(V)))
+        return out
+
+    def mask_logits(self, x, rows: np.ndarray, bits: np.ndarray) -> None:
+        _check("mask_logits", "x", x, _F32, (None, None))
+        m, V = x.shape
+        W = -(-V // 32)
+        bits = np.ascontiguousarray(bits, dtype=np.uint32)
+        rows = np.asarray(rows, dtype=np.int32)
+        _require("mask_logits", bits.shape == (rows.shape[0], W), f"bits must be [{rows.shape[0]}, {W}]")
+        _require("mask_logits", bool(((rows >= 0) & (rows < m)).all()), f"rows must be in [0, {m})")
+        if rows.size and V:
+            args = (x, self.index(rows), cupy.asarray(bits), np.int32(V), np.int32(W))
+            _launch("sampling.cu", "mask_tokens", (rows.shape[0],), 1024, args)
+
+    def edit_logits(self, x, rows, tokens, banned, bias, scale, subtract) -> None:
+        _check("edit_logits", "x", x, _F32, (None, None))
+        m, V = x.shape
+        rows, tokens = np.asarray(rows, dtype=np.int32), np.asarray(tokens, dtype=np.int32)
+        P = rows.shape[0]
+        _require("edit_logits", bool(((rows >= 0) & (rows < m)).all()), f"rows must be in [0, {m})")
+        _require("edit_logits", bool(((tokens >= 0) & (tokens < V)).all()), f"tokens must be in [0, {V})")
+        if not P:
+            return
+        floats = [cupy.asarray(np.ascontiguousarray(a, dtype=np.float32)) for a in (bias, scale, subtract)]
+        flags = cupy.asarray(np.ascontiguousarray(banned, dtype=np.uint8))
+        args = (x, self.index(rows), self.index(tokens), flags, *floats, np.int32(P), np.int32(V))
+        _launch("sampling.cu", "edit_tokens", (-(-P // 256),), 256, args)
+
+    def sample_logits(self, x, inv_temp, min_p, uniforms) -> np.ndarray:
+        _check("sample_logits", "x", x, _F32, (None, None))
+        m, V = x.shape
+        _require("sample_logits", V > 0, "logits have an empty vocabulary")
+        out = cupy.empty(m, dtype=_I32)
+        if m:
+            floats = [cupy.asarray(np.ascontiguousarray(a, dtype=np.float32).reshape(m)) for a in (inv_temp, min_p)]
+            u = cupy.asarray(np.ascontiguousarray(uniforms, dtype=np.float64).reshape(m))
+            _launch("sampling.cu", "sample_tokens", (m,), _SAMPLE_THREADS, (x, *floats, u, out, np.int32(V)))
         return cupy.asnumpy(out).astype(np.int64)
 
     # ---- hybrid linear-attention models (kernels/gated_delta.cu) ---------------------------

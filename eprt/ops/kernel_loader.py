@@ -37,6 +37,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     ),
     "mla_attention.cu": ("mla_latent_write", "mla_attention", "mla_attention_split"),
     "argmax.cu": ("argmax_bf16", "argmax_f32"),
+    "sampling.cu": ("gather_rows_bf16", "gather_rows_f32", "mask_tokens", "edit_tokens", "sample_tokens"),
     "expert_count.cu": ("count_experts",),
     "gated_delta.cu": tuple(f"causal_conv1d_k{k}" for k in (2, 3, 4))
     + tuple(f"gated_delta_rule_dk{d}" for d in (32, 64, 128))

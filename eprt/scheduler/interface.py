@@ -4,7 +4,8 @@ that the recording fake overrides to print). Semantics and trace lines: docs/sce
 
 A ``seq`` argument is the scheduler's ``Sequence``; the model may read ``seq_id``, ``slot``,
 ``token_ids``, ``num_prompt``, ``len``, ``params``, ``adapter`` and ``image_embeds``, may set
-``seq.cached`` in ``alloc_sequence``, and may keep its own state in ``seq.model_state``.
+``seq.cached`` in ``alloc_sequence``, may keep its own state in ``seq.model_state``, and writes
+``seq.logprobs`` / ``seq.prompt_logprobs`` (before the token they describe is accepted).
 """
 
 from __future__ import annotations

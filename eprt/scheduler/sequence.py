@@ -53,6 +53,8 @@ class Sequence:
     model_state: object = None  # the model's own (e.g. its sampler); never read here
     choice: int = 0  # which choice of its prompt (n, best_of): 0, or a fork's index
     cumulative_logprob: float | None = None  # the model may sum its tokens' logprobs here (best_of)
+    logprobs: list | None = None  # written by the model: TokenLogprobs per generated token, when asked for
+    prompt_logprobs: list | None = None  # written by the model: [None, TokenLogprobs...] of the prompt
     # -- scheduler bookkeeping -----------------------------------------------------------
     state: SeqState = SeqState.QUEUED
     cached_tokens: int | None = None  # reported hit: that of the first admission
@@ -99,6 +101,8 @@ class Sequence:
             accepted_tokens=self.accepted_tokens,
             index=self.choice,
             cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
         if self.finished:
             self._result = result
@@ -123,6 +127,17 @@ class RequestHandle:
     def guard(self) -> str | None:
         """The guard that ended the request (None when none did or before it ends)."""
         return self._seq.guard if self.done() else None
+
+    @property
+    def logprobs(self) -> list | None:
+        """The generated tokens' TokenLogprobs so far (a live list, one entry per token the client
+        has been given and possibly one more), or None when the request did not ask for them."""
+        return self._seq.logprobs
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """The prompt's [None, TokenLogprobs...] once computed (complete when the first token is)."""
+        return self._seq.prompt_logprobs
 
     def cancel(self) -> None:
         """Ask the scheduler to stop the request; it ends (``stop``) at the end of the tick."""

@@ -43,8 +43,9 @@ def plan_drafts(sched, rows: list) -> list[tuple]:
 
 def verifiable(params) -> bool:
     """Whether a row may ride in a VERIFY: rows whose tokens need more than the verify readback
-    computes (a grammar mask, best_of's cumulative logprob) keep the whole step a decode step."""
-    return params.guide is None and params.best_of is None
+    computes (a grammar mask, best_of's cumulative logprob, logprobs, penalties, biases and the
+    other logits processing) keep the whole step a decode step."""
+    return params.guide is None and params.best_of is None and params.logprobs is None and not params.processes_logits
 
 
 def verify_lane(sched, rows: list) -> bool:

@@ -28,6 +28,7 @@ from eprt.api import (
 from eprt.serve.guided import GUIDED_FIELDS, compile_guide, parse_guide
 from eprt.serve.loop import EngineLoop
 from eprt.serve.params import (
+    PROCESSING,
     FieldError,
     check_text,
     context_room,
@@ -46,6 +47,7 @@ LINE_FIELDS = frozenset(
     {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
     | {"n", "best_of", "response_format", "structured_outputs"}
     | set(GUIDED_FIELDS)
+    | set(PROCESSING)
 )
 _POLL_S = 0.01  # how long the writer sleeps when no request made progress
 
@@ -214,7 +216,9 @@ def build_request(line: Line, engine) -> tuple:
     else:
         prompt_ids = parse_token_ids(obj["prompt_ids"], "prompt_ids", engine.vocab_size)
     room = context_room(prompt_ids, engine.max_model_len, "prompt_ids" if "prompt_ids" in obj else "prompt")
-    opts = parse_options(obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens)
+    opts = parse_options(
+        obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens, tokenizer=engine.tokenizer
+    )
     request_id = f"line-{line.number}" if line.id is None else str(line.id)
     guide, guide_field = parse_guide(obj)
     compile_guide(engine, guide, guide_field)

@@ -442,17 +442,23 @@ async def _events(gen: Generation):
             for i in range(len(lives)):
                 yield _event(openai.chunk(api, first=True, index=i))
         results: list = [None] * len(lives)
+        echo_due = [api.echo] * len(lives)  # the prompt's text (and logprobs) once its prefill is done
         while True:
             for i, live in enumerate(lives):
                 if results[i] is not None:
                     continue
                 delta = live.pump()
-                if delta:
-                    yield _event(openai.chunk(api, delta, index=i))
+                if echo_due[i] and (live.token_ids or live.finished()):
+                    echo_due[i] = False
+                    yield _event(openai.echo_chunk(api, live.request_prompt, live.handle.prompt_logprobs, i))
+                records = live.take_logprobs()
+                if delta or records:
+                    yield _event(openai.chunk(api, delta, records=records, index=i))
                 if live.finished():
                     results[i], tail = live.result()
-                    if tail:
-                        yield _event(openai.chunk(api, tail, index=i))
+                    records = live.take_logprobs()
+                    if tail or records:
+                        yield _event(openai.chunk(api, tail, records=records, index=i))
                     if results[i].finish_reason != "error":
                         yield _event(openai.chunk(api, finish_reason=results[i].finish_reason, index=i))
             if all(r is not None for r in results):

@@ -3,12 +3,15 @@
 No I/O here (``eprt.serve.http`` does the HTTP). A body is size-checked against the context
 first (before any tokenizing), then type-checked by the pydantic models below, then
 value-checked by ``eprt.serve.params``; every problem is a ``FieldError`` naming the field
-(answered 400). Unknown fields are ignored; unsupported ones (tools, ...) are refused.
+(answered 400). A field OpenAI or vLLM defines is honoured, or refused when it asks for what
+is not supported (tools, ...); unknown fields are named in a warning log line. Table:
+docs/serving.md, "Request fields".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,8 +20,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from eprt.api import GenerationRequest, GenerationResult, SamplingParams
-from eprt.serve.guided import compile_guide, parse_guide
+from eprt.serve.guided import GUIDED_FIELDS, compile_guide, parse_guide
 from eprt.serve.params import (
+    PROCESSING,
     FieldError,
     check_text,
     context_room,
@@ -29,16 +33,62 @@ from eprt.serve.params import (
     parse_token_ids,
 )
 
+log = logging.getLogger("eprt.serve")
 MAX_CHARS_PER_TOKEN = 32  # text longer than max_model_len * this cannot fit the context: refused untokenized
 
-# field -> (value that asks for something unsupported?, what to tell the client)
+
+def _set(v) -> bool:
+    return v not in (None, False, 0, "", [], {})
+
+
+# field -> (value that asks for something unsupported?, what to tell the client); OpenAI's and
+# vLLM's fields of both routes (chat-only ones in CHAT_UNSUPPORTED, completions-only ones below)
 UNSUPPORTED = {
-    "logprobs": (lambda v: v not in (None, False, 0), "logprobs are not supported"),
-    "top_logprobs": (lambda v: v not in (None, 0), "top_logprobs are not supported"),
-    "echo": (lambda v: bool(v), "echo is not supported"),
-    "suffix": (lambda v: bool(v), "suffix is not supported"),
-    "tools": (lambda v: bool(v), "tools are not supported"),
+    "suffix": (_set, "suffix is not supported"),
+    "tools": (_set, "tools are not supported"),
+    "tool_choice": (lambda v: v not in (None, "none", "auto"), "tool_choice needs tools, which are not supported"),
+    "functions": (_set, "functions are not supported"),
+    "function_call": (lambda v: v not in (None, "none", "auto"), "function_call is not supported"),
+    "parallel_tool_calls": (lambda v: False, ""),
+    "audio": (_set, "audio output is not supported"),
+    "modalities": (lambda v: v not in (None, ["text"]), 'only modalities ["text"] are supported'),
+    "prediction": (_set, "prediction (predicted outputs) is not supported"),
+    "web_search_options": (_set, "web_search_options is not supported"),
+    "reasoning_effort": (_set, "reasoning_effort is not supported: the model has no reasoning budget"),
+    "verbosity": (_set, "verbosity is not supported"),
+    "use_beam_search": (_set, "use_beam_search is not supported"),
+    "length_penalty": (lambda v: v not in (None, 1, 1.0), "length_penalty needs beam search, which is not supported"),
+    "include_stop_str_in_output": (_set, "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": (lambda v: v is False, "skip_special_tokens false is not supported"),
+    "spaces_between_special_tokens": (lambda v: v is False, "spaces_between_special_tokens false is not supported"),
+    "truncate_prompt_tokens": (_set, "truncate_prompt_tokens is not supported"),
+    "logits_processors": (_set, "logits_processors are not supported"),
+    "vllm_xargs": (_set, "vllm_xargs is not supported"),
+    "guided_decoding_backend": (_set, "guided_decoding_backend is not supported"),
+    "guided_whitespace_pattern": (_set, "guided_whitespace_pattern is not supported"),
+    "structural_tag": (_set, "structural_tag is not supported"),
+    "add_special_tokens": (_set, "add_special_tokens is not supported"),
+    "return_tokens_as_token_ids": (_set, "return_tokens_as_token_ids is not supported"),
+    "cache_salt": (_set, "cache_salt is not supported"),
+    "kv_transfer_params": (_set, "kv_transfer_params is not supported"),
+    "mm_processor_kwargs": (_set, "mm_processor_kwargs is not supported"),
+    "prompt_embeds": (_set, "prompt_embeds is not supported"),
+    "priority": (_set, "priority is not supported: requests are served first come, first served"),
 }
+CHAT_UNSUPPORTED = {
+    "echo": (_set, "echo (of the last message) is not supported on chat completions"),
+    "add_generation_prompt": (lambda v: v is False, "add_generation_prompt false is not supported"),
+    "continue_final_message": (_set, "continue_final_message is not supported"),
+    "documents": (_set, "documents are not supported"),
+    "chat_template": (_set, "chat_template is not supported: the model's own template is used"),
+    "chat_template_kwargs": (_set, "chat_template_kwargs is not supported"),
+}
+# accepted and honoured (PROCESSING: eprt.serve.params), or accepted without effect on the output
+# (metadata OpenAI and vLLM also only record)
+HONOURED = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+HONOURED |= {"timeout", "echo", "top_logprobs", "return_token_ids", "request_id", *PROCESSING}
+HONOURED |= {"n", "best_of", "response_format", "structured_outputs", *GUIDED_FIELDS}
+NO_EFFECT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -129,6 +179,10 @@ class ApiRequest:
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: bool = False  # completions: the prompt's text (and logprobs) lead the answer
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (None: not reported)
+    tokenizer: Any = None  # token strings of logprobs (None: "token_id:<id>")
+    streamed_chars: dict = field(default_factory=dict)  # choice -> text_offset of its next streamed token
 
     def __post_init__(self):
         if not self.id:
@@ -212,9 +266,13 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         raise FieldError("model", f"model {model!r:.80} is not served here; this server serves {model_name!r}")
     _check_size(body, chat, engine.max_model_len)
     _check_types(body, chat)
-    for name, (unsupported, message) in UNSUPPORTED.items():
+    for name, (unsupported, message) in {**UNSUPPORTED, **(CHAT_UNSUPPORTED if chat else {})}.items():
         if unsupported(body.get(name)):
             raise FieldError(name, message)
+    known = HONOURED | NO_EFFECT | set(UNSUPPORTED) | ({"messages", "max_completion_tokens"} if chat else {"prompt"})
+    unknown = sorted(set(body) - known - set(CHAT_UNSUPPORTED if chat else ()))
+    if unknown:
+        log.warning("%s request: unknown fields ignored: %s", "chat" if chat else "completions", ", ".join(unknown))
     stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -232,10 +290,16 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         prompt_ids = _completion_prompt(body["prompt"], engine)
         room = context_room(prompt_ids, engine.max_model_len, "prompt")
         default_max, max_field = SamplingParams().max_tokens, "max_tokens"
-    opts = parse_options(body, engine.vocab_size, default_max, max_tokens_field=max_field)
+    opts = parse_options(
+        body, engine.vocab_size, default_max, max_tokens_field=max_field, tokenizer=engine.tokenizer, chat=chat
+    )
     guide, guide_field = parse_guide(body)
     compile_guide(engine, guide, guide_field)
     params = dataclasses.replace(fit_to_context(parse_choices(body, opts.params, stream), room), guide=guide)
+    echo = not chat and _flag(body, "echo")
+    shown = params.prompt_logprobs  # vLLM's prompt_logprobs field, reported as such
+    if echo and params.logprobs is not None:  # the prompt's logprobs lead the completion's
+        params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     api = ApiRequest(
         chat,
         GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s),
@@ -245,6 +309,7 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         model_name,
     )
     api.request.request_id = api.id
+    api.echo, api.prompt_logprobs, api.tokenizer = echo, shown, engine.tokenizer
     return api
 
 
@@ -268,6 +333,13 @@ def _envelope(api: ApiRequest, obj: str, choices: list) -> dict:
     return {"id": api.id, "object": obj, "created": api.created, "model": api.model, "choices": choices}
 
 
+def prompt_text(api: ApiRequest, result: GenerationResult) -> str:
+    """The prompt's text that ``echo`` puts before the completion ("" without it)."""
+    if not api.echo or api.tokenizer is None:
+        return ""
+    return api.tokenizer.decode(list(result.prompt_ids))
+
+
 def response_body(api: ApiRequest, result: GenerationResult) -> dict:
     """The whole answer of a non-streaming request of one choice."""
     return choices_body(api, [result])
@@ -277,38 +349,134 @@ def choices_body(api: ApiRequest, results: list) -> dict:
     """The whole answer of a non-streaming request, one choice per result (``result.index``).
     ``token_ids`` (an eprt extension) lists the generated ids, so a model without a tokenizer
     still shows what it generated."""
-    choices = []
-    for result in results:
-        if api.chat:
-            choice = {
-                "index": result.index,
-                "message": {"role": "assistant", "content": result.text},
-                "logprobs": None,
-                "finish_reason": result.finish_reason,
-            }
-        else:
-            choice = {
-                "index": result.index,
-                "text": result.text,
-                "logprobs": None,
-                "finish_reason": result.finish_reason,
-            }
-        choice["token_ids"] = list(result.token_ids)
-        choices.append(choice)
+    choices = [_choice(api, result) for result in results]
     body = _envelope(api, "chat.completion" if api.chat else "text_completion", choices)
+    if api.prompt_logprobs is not None:
+        shown = vllm_prompt_logprobs(api, results[0])
+        if api.chat:
+            body["prompt_logprobs"] = shown
+        else:
+            for choice in choices:
+                choice["prompt_logprobs"] = shown
     body["usage"] = usage(results)
     return body
 
 
+def _choice(api: ApiRequest, result: GenerationResult) -> dict:
+    records = None if result.logprobs is None else result.logprobs[: len(result.token_ids)]
+    if api.chat:
+        choice = {
+            "index": result.index,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": None if records is None else chat_logprobs(api, records),
+            "finish_reason": result.finish_reason,
+        }
+    else:
+        echoed, echoed_ids = prompt_text(api, result), list(result.prompt_ids) + list(result.token_ids)
+        if records is not None and api.echo:
+            records = list(result.prompt_logprobs or [None] * len(result.prompt_ids)) + records
+        choice = {
+            "index": result.index,
+            "text": echoed + result.text,
+            "logprobs": None if records is None else completion_logprobs(api, records, 0, echoed_ids),
+            "finish_reason": result.finish_reason,
+        }
+    choice["token_ids"] = list(result.token_ids)
+    return choice
+
+
+# ---- logprobs in OpenAI's shapes ------------------------------------------------------------
+
+
+def token_text(api: ApiRequest, token: int) -> str:
+    return f"token_id:{token}" if api.tokenizer is None else api.tokenizer.decode([token])
+
+
+def chat_logprobs(api: ApiRequest, records: list) -> dict:
+    """Chat's ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(api, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]} for r in records
+        ]
+    }
+
+
+def completion_logprobs(api: ApiRequest, records: list, offset: int, ids=None) -> dict:
+    """Completions' ``logprobs``: tokens, token_logprobs, top_logprobs (the top alternatives and
+    the token itself, as vLLM reports them) and text_offset from ``offset``; a None record (the
+    first echoed prompt token, whose id is ids[i]) has null logprobs."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for i, r in enumerate(records):
+        text = token_text(api, ids[i] if r is None else r.token_id)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if r is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(r.logprob)
+        top = {token_text(api, t): lp for t, lp in r.top}
+        top.setdefault(text, r.logprob)
+        out["top_logprobs"].append(top)
+    return out
+
+
+def vllm_prompt_logprobs(api: ApiRequest, result: GenerationResult) -> list:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then {token id: {logprob, rank,
+    decoded_token}} of the prompt token and its top alternatives."""
+    out = []
+    for r in result.prompt_logprobs or [None] * len(result.prompt_ids):
+        if r is None:
+            out.append(None)
+            continue
+        ranked = {r.token_id: (r.logprob, r.rank)}
+        for i, (t, lp) in enumerate(r.top[: api.prompt_logprobs]):
+            ranked.setdefault(t, (lp, i + 1))
+        out.append(
+            {
+                str(t): {"logprob": lp, "rank": rank, "decoded_token": token_text(api, t)}
+                for t, (lp, rank) in ranked.items()
+            }
+        )
+    return out
+
+
+def echo_chunk(api: ApiRequest, prompt_ids: list, prompt_logprobs: list | None, index: int = 0) -> dict:
+    """The streamed prompt of an ``echo`` completion, with its logprobs when they are asked for."""
+    text = "" if api.tokenizer is None else api.tokenizer.decode(list(prompt_ids))
+    records = None
+    if api.request.params.logprobs is not None:
+        records = list(prompt_logprobs or [None] * len(prompt_ids))
+    return chunk(api, text, records=records, ids=list(prompt_ids), index=index)
+
+
 def chunk(
-    api: ApiRequest, text: str = "", finish_reason: str | None = None, first: bool = False, index: int = 0
+    api: ApiRequest,
+    text: str = "",
+    finish_reason: str | None = None,
+    first: bool = False,
+    records=None,
+    ids=None,
+    index: int = 0,
 ) -> dict:
-    """One streamed chunk of choice ``index``: new text, or (with finish_reason) its last one."""
+    """One streamed chunk of choice ``index``: new text, or (with finish_reason) its last one;
+    ``records``: the TokenLogprobs of the tokens it brings (logprobs asked for; None entries,
+    the first echoed prompt token, take their id from ``ids``)."""
     if api.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        shown = None if records is None else chat_logprobs(api, records)
+        choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        shown = None if records is None else completion_logprobs(api, records, api.streamed_chars.get(index, 0), ids)
+        if shown and shown["tokens"]:
+            api.streamed_chars[index] = shown["text_offset"][-1] + len(shown["tokens"][-1])
+        choice = {"index": index, "text": text, "logprobs": shown, "finish_reason": finish_reason}
     body = _envelope(api, "chat.completion.chunk" if api.chat else "text_completion", [choice])
     if api.include_usage:
         body["usage"] = None

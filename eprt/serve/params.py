@@ -1,7 +1,8 @@
 """Request fields shared by ``eprt serve`` and ``eprt run``: JSON values -> typed options.
 
 Both entry points accept the same per-request fields (max_tokens, temperature, top_p,
-top_k, seed, stop, timeout) with the same checks and the same error messages. Every
+top_k, seed, stop, timeout, and the logits processing and logprobs fields of ``PROCESSING``)
+with the same checks and the same error messages (table: docs/serving.md). Every
 error is a ``FieldError`` that names the offending field, so the HTTP server can answer
 400 with ``param`` set and the batch runner can record the message on the line.
 """
@@ -12,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from eprt.api import MAX_CHOICES, RequestError, SamplingParams, is_int, is_real
+from eprt.api import MAX_CHOICES, MAX_LOGPROBS, RequestError, SamplingParams, is_int, is_real
 
 MAX_STOPS = 16  # stop strings and ids of one request (each string is searched for after every token)
 MAX_STOP_CHARS = 1024  # characters of all the stop strings of one request together
@@ -44,6 +45,27 @@ def _get_int(body: dict, name: str, default, minimum: int) -> int | None:
     if not is_int(v) or v < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise FieldError(name, f"{name} must be {what}, got {v!r}")
+    return v
+
+
+MAX_REPETITION_PENALTY = 1e6  # a finite bound: larger values only push repeated logits further
+
+
+def _get_bool(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise FieldError(name, f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _get_logprob_count(body: dict, name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not is_int(v) or not 0 <= v <= MAX_LOGPROBS:
+        raise FieldError(name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
     return v
 
 
@@ -121,12 +143,113 @@ def parse_stop(value, vocab_size: int) -> tuple:
     return tuple(strings), tuple(ids)
 
 
+# the logits processing and logprobs fields parse_options reads besides the basic ones
+PROCESSING = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "bad_words",
+    "allowed_token_ids",
+    "min_p",
+    "ignore_eos",
+    "stop_token_ids",
+    "logprobs",
+    "prompt_logprobs",
+)
+MAX_BAD_WORDS = 128  # bad words of one request (each is matched against the output's tail every step)
+MAX_TOKEN_LIST = 4096  # entries of logit_bias / allowed_token_ids
+
+
+def parse_logit_bias(value, vocab_size: int) -> tuple:
+    """``logit_bias``: {token id (as a string, JSON's only key type, or an int): bias in [-100, 100]}."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise FieldError("logit_bias", f"logit_bias must be an object of token id -> bias, got {value!r:.60}")
+    if len(value) > MAX_TOKEN_LIST:
+        raise FieldError("logit_bias", f"logit_bias has {len(value)} entries; at most {MAX_TOKEN_LIST} are allowed")
+    out = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise FieldError("logit_bias", f"logit_bias key {key!r:.40} is not a token id") from None
+        if not 0 <= token < vocab_size:
+            raise FieldError("logit_bias", f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})")
+        if not (_is_number(bias) and -100 <= bias <= 100):
+            raise FieldError("logit_bias", f"logit_bias of token {token} must be a number in [-100, 100], got {bias!r}")
+        out.append((token, float(bias)))
+    return tuple(out)
+
+
+def parse_bad_words(value, tokenizer) -> tuple:
+    """``bad_words`` (strings) -> token-id sequences as vLLM makes them: each word alone, and with
+    a leading space when that gives a different first token and as many tokens."""
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(w, str) and w.strip() for w in value):
+        raise FieldError("bad_words", f"bad_words must be a list of non-empty strings, got {value!r:.60}")
+    if len(value) > MAX_BAD_WORDS:
+        raise FieldError("bad_words", f"bad_words has {len(value)} entries; at most {MAX_BAD_WORDS} are allowed")
+    if tokenizer is None:
+        raise FieldError("bad_words", "bad_words need a tokenizer and this model has none")
+    out = []
+    for word in value:
+        plain = tuple(tokenizer.encode(check_text(word.lstrip(), "bad_words"), add_special_tokens=False))
+        if plain:
+            out.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
+def parse_allowed_ids(value, vocab_size: int) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, list) and len(value) > MAX_TOKEN_LIST:
+        raise FieldError("allowed_token_ids", f"allowed_token_ids has more than {MAX_TOKEN_LIST} entries")
+    return tuple(parse_token_ids(value, "allowed_token_ids", vocab_size))
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """How many top alternatives each generated token reports, None for no logprobs: completions
+    (and batch lines) send ``logprobs`` as that count; chat sends ``logprobs: true`` and
+    ``top_logprobs``."""
+    if not chat:
+        v = body.get("logprobs")
+        if v is None:
+            return None
+        if not is_int(v) or not 0 <= v <= MAX_LOGPROBS:
+            raise FieldError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        return v
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise FieldError("logprobs", f"logprobs must be true or false, got {asked!r}")
+    top = body.get("top_logprobs")
+    if top is not None and (not is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise FieldError("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
+    if top and not asked:
+        raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
+    return (top or 0) if asked else None
+
+
 def parse_options(
-    body: dict, vocab_size: int, default_max_tokens: int, max_tokens_field: str = "max_tokens"
+    body: dict,
+    vocab_size: int,
+    default_max_tokens: int,
+    max_tokens_field: str = "max_tokens",
+    tokenizer=None,
+    chat: bool = False,
 ) -> RequestOptions:
-    """Sampling, stop and timeout fields of one request (an HTTP body or a batch line)."""
+    """Sampling, stop and timeout fields of one request (an HTTP body or a batch line), and the
+    logits processing and logprobs fields (``PROCESSING``)."""
     max_tokens = _get_int(body, max_tokens_field, default_max_tokens, minimum=1)
     stop_strings, stop_ids = parse_stop(body.get("stop"), vocab_size)
+    if body.get("stop_token_ids") not in (None, []):  # vLLM's extension: more stop ids
+        stop_ids += tuple(parse_token_ids(body["stop_token_ids"], "stop_token_ids", vocab_size))
     timeout = body.get("timeout")
     if timeout is not None and not (_is_number(timeout) and timeout > 0):
         raise FieldError("timeout", f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -137,7 +260,22 @@ def parse_options(
         top_k=_get_int(body, "top_k", 0, minimum=0),
         seed=_get_int(body, "seed", None, minimum=0),
         stop_token_ids=stop_ids,
+        ignore_eos=_get_bool(body, "ignore_eos"),
+        presence_penalty=_get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_get_number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, low_open=True),
+        logit_bias=parse_logit_bias(body.get("logit_bias"), vocab_size),
+        min_tokens=_get_int(body, "min_tokens", 0, minimum=0),
+        bad_words_ids=parse_bad_words(body.get("bad_words"), tokenizer),
+        allowed_token_ids=parse_allowed_ids(body.get("allowed_token_ids"), vocab_size),
+        min_p=_get_number(body, "min_p", 0.0, 0.0, 1.0),
+        logprobs=parse_logprobs(body, chat),
+        prompt_logprobs=_get_logprob_count(body, "prompt_logprobs"),
     )
+    if params.min_tokens > params.max_tokens:
+        raise FieldError(
+            "min_tokens", f"min_tokens ({params.min_tokens}) must not exceed {max_tokens_field} ({params.max_tokens})"
+        )
     return RequestOptions(params, stop_strings, None if timeout is None else float(timeout))
 
 

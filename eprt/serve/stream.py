@@ -103,6 +103,9 @@ class LiveRequest:
         self.token_ids: list = []  # every id consumed so far, hidden ones included
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
+        self.request_prompt = list(request.prompt_ids)
+        self.wants_logprobs = request.params.logprobs is not None
+        self._logprobs_taken = 0  # records of pumped tokens handed out by take_logprobs
         self._ended = False
         self._cancelled = False
         # Raises RequestError for a bad request. on_finish runs on the engine thread after
@@ -151,6 +154,16 @@ class LiveRequest:
         out.append(self.text.feed(tok))
         if self.text.stopped:
             self.cancel()
+
+    def take_logprobs(self) -> list | None:
+        """The TokenLogprobs of the tokens pumped since the last call (None: not asked for). The
+        engine writes a token's record before queueing the token, so each pumped one has its own."""
+        if not self.wants_logprobs:
+            return None
+        records = self.handle.logprobs or []
+        new = records[self._logprobs_taken : len(self.token_ids)]
+        self._logprobs_taken += len(new)
+        return new
 
     def finished(self) -> bool:
         """Whether the engine is done with the request and every token has been pumped."""

@@ -494,6 +494,10 @@ inline unsigned __float_as_uint(float f) { unsigned v; std::memcpy(&v, &f, 4); r
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+inline float __fadd_rn(float a, float b) { return a + b; }  // no -march: the host never contracts to FMA
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 // CUDA's min/max: integers of mixed types, and fminf/fmaxf (NaN-ignoring) for floats.
