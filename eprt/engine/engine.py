@@ -24,6 +24,7 @@ from eprt.comm.worker import run_worker
 from eprt.comm.world import open_transport
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.expert_load import imbalance
+from eprt.engine.images import EngineImages
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
 from eprt.ops.device import bind_local_gpu, device_choice
@@ -75,10 +76,12 @@ class Engine:
         self._expert_load = runner.executor.model.expert_load()  # [L, E], refreshed by the loop
         self._expert_load_at = time.monotonic()
         self._next_log = time.monotonic() + STATS_LOG_INTERVAL_S
+        self.images = EngineImages(config.model, loaded.config)
 
     # ---- clients (any thread) ------------------------------------------------------------
     def submit(self, req: GenerationRequest, on_finish=None):
         """Queue a request; RequestError (naming the problem) if it cannot be served."""
+        self.images.apply(req)
         self._check_vision(req)
         return Handle(self.scheduler.submit(req, on_finish=self._finisher(on_finish)), self)
 
@@ -110,7 +113,7 @@ class Engine:
             rows = np.asarray(rows)
         except (ValueError, TypeError) as e:  # ragged nested lists, objects NumPy cannot take
             raise RequestError(f"image_embeds is not an array of numbers: {e}") from None
-        d = self.model_config.hidden_size
+        d = self.runner.executor.hidden_size  # a vision row's width
         if rows.ndim != 2 or rows.shape[1] != d:
             raise RequestError(f"image_embeds must have shape [n, {d}], got {list(rows.shape)}")
         if rows.dtype.kind not in "fiu" or not np.isfinite(rows).all():

@@ -17,6 +17,7 @@ from eprt.cache.snapshots import WORD64, SnapshotIndex, prefill_points, prefix_h
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.model.kv_cache import KVCache
 from eprt.model.moe_model import AttnBatch, MoEModel
+from eprt.model.mrope import mrope_cos_sin, prompt_positions, split_vision_rows, vision_row_width
 from eprt.model.recurrent_state import RecurrentState
 
 log = logging.getLogger("eprt.engine")
@@ -88,6 +89,7 @@ class ShardExecutor:
         if self.snapshots is not None:
             self.blocks.hit_filter = self.snapshots.usable_blocks
         self._salts: dict[int, bytes] = {}  # slot key -> prefix-cache salt (snapshot hashes)
+        self._mrope: dict[int, tuple] = {}  # slot key -> (3-D prompt positions [3, P], rope delta): MRoPE models
         self.block_size = block_size
         self.slots = SlotTable(max_slots)
         self.image_token_id = image_token_id if image_token_id is not None else model.cfg.image_token_id
@@ -98,7 +100,8 @@ class ShardExecutor:
 
     @property
     def hidden_size(self) -> int:
-        return self.cfg.hidden_size
+        """Width of one vision row: the hidden size, or for MRoPE models its vision row (mrope.py)."""
+        return vision_row_width(self.cfg)
 
     # ---- slot bookkeeping -------------------------------------------------------------
     def allocate(
@@ -113,6 +116,9 @@ class ShardExecutor:
         cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt)
         self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
         self._salts[key] = salt
+        if self.cfg.mrope_section:
+            image_pos = None if vision_rows is None else split_vision_rows(self.cfg, vision_rows)[2]
+            self._mrope[key] = prompt_positions(tokens, self.image_token_id, image_pos)
         if self.state is not None and cached:  # the hit ends at a snapshot (hit_filter)
             prefix = self.blocks.chain_hashes([int(t) for t in tokens[:cached]], adapter, salt)[-1]
             self.state.restore(self.snapshots.lookup(prefix), slot)
@@ -127,6 +133,7 @@ class ShardExecutor:
     def free(self, slot: int) -> int:
         key = self.slots.vacate(slot).key
         self._salts.pop(key, None)
+        self._mrope.pop(key, None)
         if self.snapshots is not None:
             self.snapshots.forget(key)
         return self.blocks.free(key)
@@ -222,7 +229,10 @@ class ShardExecutor:
             start_pos=chunk_start,
             state_slots=np.asarray([slot], dtype=np.int32),
         )
-        h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv, self.state)  # [T, D]
+        deepstack = None
+        if self.cfg.mrope_section:
+            rows, deepstack, batch.rope_cos_sin = self._mrope_chunk(st.key, chunk_start, end, rows, mask)
+        h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv, self.state, deepstack)
         st.tokens.extend(tokens[chunk_start:end])
         return self.model.logits(h[-1:]) if self.compute_logits else None
 
@@ -240,7 +250,7 @@ class ShardExecutor:
         slot_mapping = block_tables[np.arange(B), lengths // bs] * bs + (lengths % bs).astype(np.int32)  # [B]
         positions = lengths.astype(np.int32)
         batch = AttnBatch(
-            positions=positions,
+            positions=positions + self._rope_deltas(states) if self.cfg.mrope_section else positions,
             slot_mapping=slot_mapping,
             block_tables=block_tables,
             context_lens=positions + 1,
@@ -275,6 +285,20 @@ class ShardExecutor:
         self._tables[slot, : len(table)] = table
         self._tables[slot, len(table) :] = 0
         self._table_key[slot], self._table_len[slot] = key, len(table)
+
+    def _mrope_chunk(self, key: int, start: int, end: int, rows, mask) -> tuple:
+        """MRoPE prefill inputs of the chunk: (main rows [n, D], deepstack (mask, rows [K, n, D]) or
+        None, per-token cos|sin [T, R] or None when the prompt has no image)."""
+        positions, delta = self._mrope[key]
+        if rows is None:
+            return None, None, None
+        main, deepstack, _ = split_vision_rows(self.cfg, rows)
+        table = mrope_cos_sin(self.cfg, self.model.inv_freq, positions[:, start:end])
+        return main, ((mask, deepstack) if len(main) and self.cfg.deepstack_layers else None), table
+
+    def _rope_deltas(self, states) -> np.ndarray:
+        """[B] rope deltas of a decode batch's sequences (0 for a text-only prompt)."""
+        return np.fromiter((self._mrope[st.key][1] for st in states), dtype=np.int32, count=len(states))
 
     def _vision_chunk(self, tokens, start: int, end: int, vision_rows):
         """Rows [n, D] and mask [T] of the image placeholders inside this chunk."""

@@ -1,0 +1,38 @@
+"""Rank 0's image inputs of a request: ``GenerationRequest.images`` (encoded bytes) become the
+expanded prompt and its vision rows before the scheduler sees the request (docs/vision.md).
+The encoder loads on the first request that brings an image."""
+
+from __future__ import annotations
+
+import threading
+
+from eprt.api import GenerationRequest, RequestError
+from eprt.model.config import ModelConfig
+
+
+class EngineImages:
+    def __init__(self, model_dir: str | None, cfg: ModelConfig):
+        self.model_dir, self.cfg = model_dir, cfg
+        self._inputs = None  # eprt.model.vision.ImageInputs, made on first use
+        self._lock = threading.Lock()
+
+    def inputs(self):
+        with self._lock:
+            if self._inputs is None:
+                from eprt.model.vision import ImageInputs
+
+                self._inputs = ImageInputs(self.model_dir, self.cfg)
+            return self._inputs
+
+    def apply(self, req: GenerationRequest) -> None:
+        """Replace ``req.images`` by the expanded prompt and ``req.image_embeds``; RequestError on bad input."""
+        if not req.images:
+            return
+        if req.image_embeds is not None:
+            raise RequestError("give images or image_embeds, not both")
+        if self.model_dir is None or not self.cfg.mrope_section:
+            raise RequestError(
+                f"model {self.cfg.model_type} has no vision encoder: send image_embeds rows instead of images"
+            )
+        req.prompt_ids, req.image_embeds = self.inputs().prepare(list(req.prompt_ids), list(req.images))
+        req.images = None
