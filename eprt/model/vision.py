@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from eprt.model.mrope import image_positions, pack_vision_rows
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,14 @@ def decode_image(data: bytes, limits: ImageLimits, where: str = "image") -> np.n
         raise RequestError(f"{where}: empty image data")
     if len(data) > limits.max_bytes:
         raise RequestError(f"{where}: {len(data)} bytes is over the limit of {limits.max_bytes} bytes an image")
+    if data[:8] == PNG_SIGNATURE and len(data) >= 24:  # PIL cannot even open a PNG of zero size: name it
+        w, h = struct.unpack(">II", data[16:24])
+        if w < 1 or h < 1:
+            raise RequestError(f"{where}: image is {w}x{h} pixels; it must be at least 1x1")
     try:
         img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise RequestError(f"{where}: image is over the limit of {limits.max_pixels} pixels ({e})") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise RequestError(f"{where}: not a PNG, JPEG or WebP image ({e})") from None
     if img.format not in IMAGE_FORMATS:
