@@ -228,6 +228,43 @@ def load_vl_reference(path: str):
     return transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def vl_reference_greedy(path: str, prompt: list, images=(), steps: int = 10) -> list:
+    """transformers' greedy tokens for an expanded qwen3_vl_moe prompt, fed the pixel values of
+    eprt's own preprocessing (transformers' image processor needs torchvision)."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from eprt.model.vision import ImageLimits, ImageProcessorConfig, decode_image, preprocess
+
+    model, ids, kw = load_vl_reference(path), torch.tensor([prompt]), {}
+    if images:
+        with open(os.path.join(path, "preprocessor_config.json")) as f:
+            processor = ImageProcessorConfig.from_dict(json.load(f))
+        pixels = [preprocess(decode_image(b, ImageLimits()), processor) for b in images]
+        kw = dict(
+            pixel_values=torch.from_numpy(np.concatenate([p for p, _ in pixels])),
+            image_grid_thw=torch.tensor([[1, *g] for _, g in pixels]),
+            mm_token_type_ids=(ids == VL_IMAGE).int(),
+        )
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, do_sample=False, max_new_tokens=steps, min_new_tokens=steps, **kw)
+    return out[0, len(prompt) :].tolist()
+
+
+def png_bytes(seed: int, w: int, h: int) -> bytes:
+    """A w x h PNG of random pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def load_reference(path: str):
     """The transformers model of a checkpoint, computing in float32."""
     import torch

@@ -2,7 +2,6 @@
 (interleaved MRoPE, rope deltas, deepstack), eprt's own image preprocessing against
 transformers' PIL processor, the encoder's LRU and the prefix cache keyed by image, bad images."""
 
-import io
 import json
 import os
 import struct
@@ -11,7 +10,15 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from checkpoints import VL_END, VL_IMAGE, VL_START, build_vl_checkpoint, load_vl_reference
+from checkpoints import (
+    VL_END,
+    VL_IMAGE,
+    VL_START,
+    build_vl_checkpoint,
+    load_vl_reference,
+    png_bytes,
+    vl_reference_greedy,
+)
 from PIL import Image
 
 from eprt.api import GenerationRequest, RequestError, SamplingParams
@@ -28,10 +35,7 @@ def vl(ckpt_root):
     return build_vl_checkpoint(os.path.join(ckpt_root, "qwen3_vl_moe"))
 
 
-def png(seed: int, w: int, h: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
+png = png_bytes
 
 
 def png_header(w: int, h: int) -> bytes:
@@ -50,19 +54,7 @@ def processor(path) -> ImageProcessorConfig:
 
 
 def hf_greedy(path, prompt, images=()):
-    """transformers' greedy tokens for an expanded prompt, fed eprt's patchified pixels."""
-    model, ids = load_vl_reference(path), torch.tensor([prompt])
-    kw = {}
-    if images:
-        pixels = [preprocess(decode_image(b, ImageLimits()), processor(path)) for b in images]
-        kw = dict(
-            pixel_values=torch.from_numpy(np.concatenate([p for p, _ in pixels])),
-            image_grid_thw=torch.tensor([[1, *g] for _, g in pixels]),
-            mm_token_type_ids=(ids == VL_IMAGE).int(),
-        )
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS, **kw)
-    return out[0, len(prompt) :].tolist()
+    return vl_reference_greedy(path, prompt, images, STEPS)
 
 
 def engine_config(path, **kw):
