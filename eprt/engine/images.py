@@ -4,6 +4,8 @@ The encoder loads on the first request that brings an image."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 
 from eprt.api import GenerationRequest, RequestError
@@ -15,6 +17,16 @@ class EngineImages:
         self.model_dir, self.cfg = model_dir, cfg
         self._inputs = None  # eprt.model.vision.ImageInputs, made on first use
         self._lock = threading.Lock()
+
+    def frame_tokens(self) -> list:
+        """Token ids that stand for one image in a prompt before expansion: ``<vision_start> <image>
+        <vision_end>`` as config.json names them ([] for a model without a vision encoder)."""
+        if self.model_dir is None or not self.cfg.mrope_section:
+            return []
+        with open(os.path.join(self.model_dir, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+        ids = (raw.get("vision_start_token_id"), self.cfg.image_token_id, raw.get("vision_end_token_id"))
+        return [t for t in ids if t is not None]
 
     def inputs(self):
         with self._lock:
