@@ -185,17 +185,17 @@ def _message(m, i: int, on_image=None) -> dict:
     return {"role": role, "content": content}
 
 
-def _chat_prompt(messages, engine, media: MediaPolicy | None = None) -> tuple[list, list]:
-    """(prompt ids, image bytes in order) of a chat."""
+def _chat_prompt(messages, engine, media: MediaPolicy | None = None, images: list | None = None) -> list:
+    """The prompt ids of a chat; ``images``: a list that collects the bytes of its image parts in
+    order (None: image parts are refused)."""
     if not isinstance(messages, list) or not messages:
         raise FieldError("messages", "messages must be a non-empty list of {role, content} objects")
-    images: list = []
 
     def on_image(part: dict, where: str) -> str:
         images.append(image_part_bytes(part, media or MediaPolicy(), "messages", where))
         return image_text(engine, "messages")
 
-    msgs = [_message(m, i, on_image) for i, m in enumerate(messages)]
+    msgs = [_message(m, i, None if images is None else on_image) for i, m in enumerate(messages)]
     if engine.tokenizer is None:
         raise FieldError(
             "messages", "this model has no tokenizer (so no chat template): use /v1/completions with token ids"
@@ -204,7 +204,7 @@ def _chat_prompt(messages, engine, media: MediaPolicy | None = None) -> tuple[li
         text = engine.tokenizer.apply_chat_template(msgs)
     except _template_errors() as e:  # no template, or one that refuses these messages
         raise FieldError("messages", f"the chat template cannot render these messages: {e}") from None
-    return encode_prompt(engine.tokenizer, text, "messages"), images
+    return encode_prompt(engine.tokenizer, text, "messages")
 
 
 def _template_errors() -> tuple:
@@ -240,8 +240,8 @@ def parse_request(
         raise FieldError("stream_options", "stream_options must be an object")
     include_usage = _flag(options, "include_usage")
     if chat:
-        prompt_ids, images = _chat_prompt(body.get("messages"), engine, media)
-        image_rows = None
+        images: list = []
+        prompt_ids, image_rows = _chat_prompt(body.get("messages"), engine, media, images), None
         if images:  # expanded to the placeholders of each image (and encoded) before the context is sized
             expanded = GenerationRequest(prompt_ids, images=images)
             engine.images.apply(expanded)
