@@ -77,6 +77,7 @@ class Engine:
         self._expert_load_at = time.monotonic()
         self._next_log = time.monotonic() + STATS_LOG_INTERVAL_S
         self.images = EngineImages(config.model, loaded.config)
+        self.images.preload()
 
     # ---- clients (any thread) ------------------------------------------------------------
     def submit(self, req: GenerationRequest, on_finish=None):

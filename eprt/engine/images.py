@@ -1,15 +1,18 @@
 """Rank 0's image inputs of a request: ``GenerationRequest.images`` (encoded bytes) become the
 expanded prompt and its vision rows before the scheduler sees the request (docs/vision.md).
-The encoder loads on the first request that brings an image."""
+The encoder starts loading in the background when the engine starts (``preload``)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 
 from eprt.api import GenerationRequest, RequestError
 from eprt.model.config import ModelConfig
+
+log = logging.getLogger("eprt.engine")
 
 
 class EngineImages:
@@ -29,12 +32,31 @@ class EngineImages:
         return [t for t in ids if t is not None]
 
     def inputs(self):
+        """The image path (made once); RequestError when this installation cannot encode images."""
         with self._lock:
             if self._inputs is None:
                 from eprt.model.vision import ImageInputs
 
-                self._inputs = ImageInputs(self.model_dir, self.cfg)
+                try:
+                    self._inputs = ImageInputs(self.model_dir, self.cfg)
+                except (ImportError, RuntimeError) as e:
+                    raise RequestError(f"images cannot be served here: {e}") from None
             return self._inputs
+
+    def preload(self) -> None:
+        """Load the vision encoder on a background thread (torch imports take seconds), so the first
+        image request does not wait for it; a failure is logged and reported to image requests."""
+        if self.model_dir is None or not self.cfg.mrope_section:
+            return
+
+        def load():
+            try:
+                self.inputs()
+                log.info("vision encoder of %s loaded on rank 0", self.cfg.model_type)
+            except Exception as e:  # reported again to every request that brings an image
+                log.warning("vision encoder not loaded: %s", e)
+
+        threading.Thread(target=load, name="eprt-vision-load", daemon=True).start()
 
     def apply(self, req: GenerationRequest) -> None:
         """Replace ``req.images`` by the expanded prompt and ``req.image_embeds``; RequestError on bad input."""
