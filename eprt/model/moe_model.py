@@ -271,7 +271,7 @@ class MoEModel:
     def _add_deepstack(self, h, mask, rows, layer: int):
         """h[T, D] with the layer's deepstack rows [n, D] added at the n masked tokens."""
         idx = self.ops.index(np.nonzero(mask)[0])
-        h[idx] = h[idx] + self.ops.activation(np.ascontiguousarray(rows[layer]))
+        h[idx] = self.ops.add(h[idx], self.ops.activation(np.ascontiguousarray(rows[layer])))  # [n, D]
         return h
 
     def expert_load(self) -> np.ndarray:

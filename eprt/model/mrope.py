@@ -32,7 +32,7 @@ def split_vision_rows(cfg: ModelConfig, rows: np.ndarray) -> tuple:
     if not cfg.mrope_section:
         return rows, None, None
     deepstack = rows[:, D : D * (1 + K)].reshape(len(rows), K, D).transpose(1, 0, 2)  # [K, n, D]
-    return rows[:, :D], deepstack, rows[:, D * (1 + K) :].astype(np.int64)
+    return np.ascontiguousarray(rows[:, :D]), np.ascontiguousarray(deepstack), rows[:, D * (1 + K) :].astype(np.int64)
 
 
 def image_positions(start: int, grid_h: int, grid_w: int) -> np.ndarray:
