@@ -5,6 +5,8 @@ transformers' PIL processor, the encoder's LRU and the prefix cache keyed by ima
 import json
 import os
 import struct
+import threading
+import time
 import zlib
 
 import numpy as np
@@ -25,7 +27,7 @@ from eprt.api import GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 from eprt.model.config import ConfigError, config_from_dict, load_config
 from eprt.model.mrope import prompt_positions
-from eprt.model.vision import ImageLimits, ImageProcessorConfig, decode_image, preprocess
+from eprt.model.vision import ImageInputs, ImageLimits, ImageProcessorConfig, decode_image, preprocess
 
 STEPS = 10
 
@@ -121,6 +123,44 @@ def test_repeated_image_is_encoded_once_and_hits_the_prefix_cache(vl):
         encoded = engine.images.inputs().encoded
     assert first.cached_tokens == 0 and again.cached_tokens > 0 and other.cached_tokens == 0
     assert again.token_ids == first.token_ids and encoded == 2
+
+
+def test_concurrent_requests_share_one_encoder_pass(vl):
+    """Images of requests that arrive while the tower runs are encoded together in the next pass,
+    each request gets its own rows, and they equal one-at-a-time encodings (up to float rounding:
+    torch's matmuls of a batch sum in another order)."""
+    batched, serial = ImageInputs(vl, load_config(vl)), ImageInputs(vl, load_config(vl))
+    started, release, sizes = threading.Event(), threading.Event(), []
+    tower = batched.encoder.encode
+
+    def held(pixels):
+        sizes.append(len(pixels))
+        started.set()
+        release.wait(60)
+        return tower(pixels)
+
+    batched.encoder.encode = held
+    images = [[png(20, 32, 32)], [png(21, 48, 16)], [png(22, 16, 16), png(20, 32, 32)], [png(23, 24, 40)]]
+    out = [None] * len(images)
+
+    def request(i):
+        out[i] = batched.encode(images[i])
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(len(images))]
+    threads[0].start()
+    assert started.wait(60)
+    for t in threads[1:]:
+        t.start()
+    while len(batched._queue) < 3:  # the three new images of the later requests (png 20 is in flight)
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(60)
+    assert sizes == [1, 3] and batched.encoded == 4 and batched.forward_passes == 2
+    for got, imgs in zip(out, images):
+        for g, want in zip(got, serial.encode(imgs)):
+            np.testing.assert_allclose(g.main, want.main, atol=1e-5)
+            np.testing.assert_allclose(g.deepstack, want.deepstack, atol=1e-5)
 
 
 BAD = {

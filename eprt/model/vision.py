@@ -204,9 +204,24 @@ class VisionEncoder:
         ]
 
 
+@dataclass
+class _Pending:
+    """An image waiting for (or in) an encoder forward pass."""
+
+    pixels: tuple  # (patches [N, F], (gh, gw))
+    result: EncodedImage | None = None
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
 class ImageInputs:
     """Rank 0's image path for one checkpoint: bytes -> rows of the vision sync, with an LRU of
-    encodings keyed by the image bytes' hash so a repeated image is encoded once."""
+    encodings keyed by the image bytes' hash so a repeated image is encoded once. Each request
+    decodes and preprocesses its own images (a bad one fails only its request); the new images
+    of every request waiting meanwhile go through the tower together, in one forward pass."""
 
     def __init__(self, model_dir: str, cfg: ModelConfig, limits: ImageLimits = ImageLimits(), capacity: int = 64):
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
@@ -221,30 +236,77 @@ class ImageInputs:
         self.cfg, self.limits, self.capacity = cfg, limits, capacity
         self.start_token, self.end_token = raw.get("vision_start_token_id"), raw.get("vision_end_token_id")
         self._cache: OrderedDict[bytes, EncodedImage] = OrderedDict()
-        self._lock = threading.Lock()
+        self._inflight: dict[bytes, _Pending] = {}  # queued or being encoded, by image hash
+        self._queue: list[bytes] = []  # hashes for the next forward pass
+        self._running = False  # a thread is running the tower now
+        self._cond = threading.Condition()
         self.encoded = 0  # images run through the tower (cache misses)
+        self.forward_passes = 0
 
     def encode(self, images: list) -> list:
         """Bytes of each image -> EncodedImage, from the LRU where the same bytes were seen."""
         if len(images) > self.limits.max_images:
             raise RequestError(f"{len(images)} images in one request, over the limit of {self.limits.max_images}")
         keys = [hashlib.sha256(bytes(b)).digest() for b in images]
-        with self._lock:
+        with self._cond:
+            known = set(self._cache) | set(self._inflight)
+        pixels = {}  # this request's new images, preprocessed on its own thread
+        for i, (k, b) in enumerate(zip(keys, images)):
+            if k not in known and k not in pixels:
+                pixels[k] = preprocess(decode_image(b, self.limits, f"image {i}"), self.processor)
+        with self._cond:
             found = {k: self._cache[k] for k in keys if k in self._cache}
-            todo = {k: b for k, b in zip(keys, images) if k not in found}
-            pixels = [
-                preprocess(decode_image(b, self.limits, f"image {keys.index(k)}"), self.processor)
-                for k, b in todo.items()
-            ]
-            if pixels:
-                found.update(zip(todo, self.encoder.encode(pixels)))
-                self.encoded += len(pixels)
+            waiting = {}
             for k in keys:
-                self._cache[k] = found[k]
-                self._cache.move_to_end(k)
-            while len(self._cache) > self.capacity:
-                self._cache.popitem(last=False)
+                if k in found or k in waiting:
+                    continue
+                if k not in self._inflight:
+                    if k not in pixels:  # evicted since: preprocess it now
+                        pixels[k] = preprocess(
+                            decode_image(images[keys.index(k)], self.limits, "image"), self.processor
+                        )
+                    self._inflight[k] = _Pending(pixels[k])
+                    self._queue.append(k)
+                waiting[k] = self._inflight[k]
+            while not all(p.done for p in waiting.values()):
+                if self._running:
+                    self._cond.wait()
+                else:
+                    self._forward()
+            for k, p in waiting.items():
+                if p.error is not None:
+                    raise RequestError(f"the vision encoder failed: {p.error}")
+                found[k] = p.result
+            for k in keys:
+                if k in self._cache:
+                    self._cache.move_to_end(k)
         return [found[k] for k in keys]
+
+    def _forward(self) -> None:
+        """Encode every queued image in one forward pass; called with the condition held, which is
+        released while the tower runs so more requests can queue."""
+        batch = [(k, self._inflight[k]) for k in self._queue]
+        self._queue.clear()
+        self._running = True
+        self._cond.release()
+        try:
+            outputs, error = self.encoder.encode([p.pixels for _, p in batch]), None
+        except Exception as e:  # noqa: BLE001 - reported to every request of the batch
+            outputs, error = None, f"{type(e).__name__}: {e}"
+        finally:
+            self._cond.acquire()
+        for i, (k, p) in enumerate(batch):
+            if error is None:
+                p.result = self._cache[k] = outputs[i]
+            else:
+                p.error = error
+            del self._inflight[k]
+        while len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        self.encoded += len(batch) if error is None else 0
+        self.forward_passes += 1
+        self._running = False
+        self._cond.notify_all()
 
     def prepare(self, prompt: list, images: list) -> tuple[list, np.ndarray]:
         """(prompt with each image placeholder expanded to its n_i placeholders, vision rows [sum n_i, W]).
