@@ -174,6 +174,7 @@ class GenerationRequest:
     request_id: str | None = None
     timeout_s: float | None = None  # deadline measured on the engine's clock
     image_embeds: np.ndarray | None = None  # [n, D] float32 rows for the n image placeholders
+    images: list | None = None  # encoded images (PNG/JPEG/WebP bytes), one per image placeholder (vision models)
     stream: bool = False
     on_token: Callable[[int], None] | None = None  # called for every streamed token
 

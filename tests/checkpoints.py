@@ -159,6 +159,112 @@ def build_checkpoint(arch: str, path: str, dtype: str = "float32", seed: int = 0
     return path
 
 
+VL_IMAGE, VL_VIDEO, VL_START, VL_END = 250, 251, 248, 249  # qwen3_vl_moe's special token ids in the tiny vocabulary
+VL_PREPROCESSOR = dict(  # Qwen2VLImageProcessor fields; at most 64 x 64 pixels: 16 placeholders an image
+    image_processor_type="Qwen2VLImageProcessor",
+    patch_size=8,
+    temporal_patch_size=2,
+    merge_size=2,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+    do_rescale=True,
+    rescale_factor=1 / 255,
+    do_normalize=True,
+    do_convert_rgb=True,
+    size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
+)
+
+
+def build_vl_checkpoint(path: str, seed: int = 0) -> str:
+    """A random qwen3_vl_moe checkpoint (vision tower, deepstack at vision layers 0 and 1, interleaved
+    MRoPE sections (2, 3, 3) of head_dim 16) with its preprocessor_config.json; skipped if there."""
+    import json
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import torch
+    import transformers
+
+    text = {k: v for k, v in {**_COMMON, **_ARCH["qwen3_moe"]}.items() if k not in ("rope_theta", "norm_topk_prob")}
+    text["rope_parameters"] = dict(
+        rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True
+    )
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        patch_size=8,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0, 1],
+        initializer_range=0.1,
+    )
+    cfg = transformers.Qwen3VLMoeConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=VL_IMAGE,
+        video_token_id=VL_VIDEO,
+        vision_start_token_id=VL_START,
+        vision_end_token_id=VL_END,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(cfg).eval()
+    model.generation_config.pad_token_id = _COMMON["pad_token_id"]
+    model.save_pretrained(path)
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(VL_PREPROCESSOR, f, indent=1)
+    return path
+
+
+def load_vl_reference(path: str):
+    """The transformers Qwen3VLMoeForConditionalGeneration of a checkpoint, in float32."""
+    import torch
+    import transformers
+
+    return transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def vl_reference_greedy(path: str, prompt: list, images=(), steps: int = 10) -> list:
+    """transformers' greedy tokens for an expanded qwen3_vl_moe prompt, fed the pixel values of
+    eprt's own preprocessing (transformers' image processor needs torchvision)."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from eprt.model.vision import ImageLimits, ImageProcessorConfig, decode_image, preprocess
+
+    model, ids, kw = load_vl_reference(path), torch.tensor([prompt]), {}
+    if images:
+        with open(os.path.join(path, "preprocessor_config.json")) as f:
+            processor = ImageProcessorConfig.from_dict(json.load(f))
+        pixels = [preprocess(decode_image(b, ImageLimits()), processor) for b in images]
+        kw = dict(
+            pixel_values=torch.from_numpy(np.concatenate([p for p, _ in pixels])),
+            image_grid_thw=torch.tensor([[1, *g] for _, g in pixels]),
+            mm_token_type_ids=(ids == VL_IMAGE).int(),
+        )
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, do_sample=False, max_new_tokens=steps, min_new_tokens=steps, **kw)
+    return out[0, len(prompt) :].tolist()
+
+
+def png_bytes(seed: int, w: int, h: int) -> bytes:
+    """A w x h PNG of random pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def load_reference(path: str):
     """The transformers model of a checkpoint, computing in float32."""
     import torch

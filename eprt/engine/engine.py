@@ -26,6 +26,7 @@ from eprt.engine.choices import best_choices
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.eplb import Rebalancer
 from eprt.engine.expert_load import imbalance
+from eprt.engine.images import EngineImages
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
 from eprt.engine.structured import GrammarCompiler, GuidedRows
@@ -87,10 +88,13 @@ class Engine:
         self._expert_load_at = time.monotonic()
         self._next_log = time.monotonic() + STATS_LOG_INTERVAL_S
         self.eplb = None  # eprt.engine.eplb.Rebalancer under EPLB
+        self.images = EngineImages(config.model, loaded.config)
+        self.images.preload()
 
     # ---- clients (any thread) ------------------------------------------------------------
     def submit(self, req: GenerationRequest, on_finish=None):
         """Queue a request; RequestError (naming the problem) if it cannot be served."""
+        self.images.apply(req)
         self._check_vision(req)
         self.compile_guide(req.params.guide)
         return Handle(self.scheduler.submit(req, on_finish=self._finisher(on_finish)), self)
@@ -99,6 +103,7 @@ class Engine:
         """Queue a request of ``req.params.choices`` choices (n, or best_of), one Handle each;
         they share the prompt's prefill (docs/design.md, "Choices"). ``on_tokens[k]`` streams
         choice k; ``on_finish`` runs once per choice (``result.index``)."""
+        self.images.apply(req)
         self._check_vision(req)
         self.compile_guide(req.params.guide)
         inner = self.scheduler.submit_choices(req, on_finish=self._finisher(on_finish), on_tokens=on_tokens)
@@ -141,7 +146,7 @@ class Engine:
             rows = np.asarray(rows)
         except (ValueError, TypeError) as e:  # ragged nested lists, objects NumPy cannot take
             raise RequestError(f"image_embeds is not an array of numbers: {e}") from None
-        d = self.model_config.hidden_size
+        d = self.runner.executor.hidden_size  # a vision row's width
         if rows.ndim != 2 or rows.shape[1] != d:
             raise RequestError(f"image_embeds must have shape [n, {d}], got {list(rows.shape)}")
         if rows.dtype.kind not in "fiu" or not np.isfinite(rows).all():

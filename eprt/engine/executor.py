@@ -19,6 +19,7 @@ from eprt.comm.protocol import Prefill
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.model.kv_cache import KVCache
 from eprt.model.moe_model import AttnBatch, MoEModel, PrefillPart
+from eprt.model.mrope import mrope_cos_sin, prompt_positions, split_vision_rows, vision_row_width
 from eprt.model.placement import switch_model_placement
 from eprt.model.recurrent_state import RecurrentState
 
@@ -102,6 +103,7 @@ class ShardExecutor:
         if self.snapshots is not None:
             self.blocks.hit_filter = self.snapshots.usable_blocks
         self._salts: dict[int, bytes] = {}  # slot key -> prefix-cache salt (snapshot hashes)
+        self._mrope: dict[int, tuple] = {}  # slot key -> (3-D prompt positions [3, P], rope delta): MRoPE models
         self.block_size = block_size
         self.slots = SlotTable(max_slots)
         self.image_token_id = image_token_id if image_token_id is not None else model.cfg.image_token_id
@@ -113,7 +115,8 @@ class ShardExecutor:
 
     @property
     def hidden_size(self) -> int:
-        return self.cfg.hidden_size
+        """Width of one vision row: the hidden size, or for MRoPE models its vision row (mrope.py)."""
+        return vision_row_width(self.cfg)
 
     # ---- slot bookkeeping -------------------------------------------------------------
     def allocate(
@@ -135,6 +138,9 @@ class ShardExecutor:
         cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt, max_hit=max_hit)
         self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
         self._salts[key] = salt
+        if self.cfg.mrope_section:
+            image_pos = None if vision_rows is None else split_vision_rows(self.cfg, vision_rows)[2]
+            self._mrope[key] = prompt_positions(tokens, self.image_token_id, image_pos)
         if self.state is not None and cached:  # the hit ends at a snapshot (hit_filter)
             prefix = self.blocks.chain_hashes([int(t) for t in tokens[:cached]], adapter, salt)[-1]
             self.state.restore(self.snapshots.lookup(prefix), slot)
@@ -149,6 +155,7 @@ class ShardExecutor:
     def free(self, slot: int) -> int:
         key = self.slots.vacate(slot).key
         self._salts.pop(key, None)
+        self._mrope.pop(key, None)
         if self.snapshots is not None:
             self.snapshots.forget(key)
         return self.blocks.free(key)
@@ -279,6 +286,11 @@ class ShardExecutor:
             else self._next_chunk(cmd.slot, cmd.chunk_start, cmd.tokens)
             for cmd, r in zip(commands, rows)
         ]
+        if self.cfg.mrope_section and len(chunks) > 1:  # MRoPE models: one pass per sequence
+            if keep_hidden:
+                raise ExecutorError("prompt logprobs of a prefill group: MRoPE models prefill one sequence per pass")
+            outs = [self._prefill_chunks([c]) for c in chunks]
+            return None if outs[0] is None else self.ops.xp.concatenate(outs, axis=0)
         return self._prefill_chunks(chunks, keep_hidden=keep_hidden)
 
     def _next_chunk(self, slot: int, chunk_start: int, tokens) -> PrefillChunk:
@@ -325,10 +337,19 @@ class ShardExecutor:
             state_slots=np.asarray(named, dtype=np.int32),
             parts=tuple(parts),
         )
+        deepstack = None
+        if self.cfg.mrope_section:  # 3-D positions and deepstack rows: one sequence per pass (prefill_group)
+            (st, _), c = states[0], chunks[0]
+            seen[:], mask = [], (masks[0] if rows[0] is not None else None)
+            main, deepstack, batch.rope_cos_sin = self._mrope_chunk(
+                st.key, c.chunk_start, c.chunk_start + c.chunk_len, rows[0], mask
+            )
+            if main is not None:
+                seen.append(main)
         embedded = self.model.embed(
             np.concatenate(ids), np.concatenate(seen) if seen else None, np.concatenate(masks) if seen else None
         )  # [T, D]
-        h = self.model.hidden_states(embedded, batch, self.kv, self.state)  # [T, D]
+        h = self.model.hidden_states(embedded, batch, self.kv, self.state, deepstack)  # [T, D]
         for st, new in states:
             st.tokens.extend(new)
         self.prefill_hidden = h if keep_hidden else None
@@ -346,7 +367,7 @@ class ShardExecutor:
         slot_mapping = block_tables[np.arange(B), lengths // bs] * bs + (lengths % bs).astype(np.int32)  # [B]
         positions = lengths.astype(np.int32)
         batch = AttnBatch(
-            positions=positions,
+            positions=positions + self._rope_deltas(states) if self.cfg.mrope_section else positions,
             slot_mapping=slot_mapping,
             block_tables=block_tables,
             context_lens=positions + 1,
@@ -426,6 +447,20 @@ class ShardExecutor:
         self._tables[slot, : len(table)] = table
         self._tables[slot, len(table) :] = 0
         self._table_key[slot], self._table_len[slot] = key, len(table)
+
+    def _mrope_chunk(self, key: int, start: int, end: int, rows, mask) -> tuple:
+        """MRoPE prefill inputs of the chunk: (main rows [n, D], deepstack (mask, rows [K, n, D]) or
+        None, per-token cos|sin [T, R] or None when the prompt has no image)."""
+        positions, delta = self._mrope[key]
+        if rows is None:
+            return None, None, None
+        main, deepstack, _ = split_vision_rows(self.cfg, rows)
+        table = mrope_cos_sin(self.cfg, self.model.inv_freq, positions[:, start:end])
+        return main, ((mask, deepstack) if len(main) and self.cfg.deepstack_layers else None), table
+
+    def _rope_deltas(self, states) -> np.ndarray:
+        """[B] rope deltas of a decode batch's sequences (0 for a text-only prompt)."""
+        return np.fromiter((self._mrope[st.key][1] for st in states), dtype=np.int32, count=len(states))
 
     def _vision_chunk(self, tokens, start: int, end: int, vision_rows):
         """Rows [n, D] and mask [T] of the image placeholders inside this chunk."""

@@ -63,8 +63,9 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.executor = executor
         self.transport = transport  # eprt.comm.transport.Transport (LocalTransport on one rank)
         # a tick's prefill chunks as one forward (not for hybrid models: their snapshots are taken
-        # between one sequence's prefill and the next one's allocation)
-        self.batch_prefill = batch_prefill and not executor.cfg.is_hybrid
+        # between one sequence's prefill and the next one's allocation; not for MRoPE models, whose
+        # 3-D positions and deepstack rows are per sequence)
+        self.batch_prefill = batch_prefill and not executor.cfg.is_hybrid and not executor.cfg.mrope_section
         self._groups: list = []  # the lane's planned chunks not yet run, in forward-pass groups
         self._ran: dict = {}  # id(seq) -> (start, n, logits [G, V], row) of chunks run ahead of their call
         self._rng = np.random.default_rng(seed)  # seeds requests that bring none

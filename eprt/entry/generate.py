@@ -14,6 +14,7 @@ import numpy as np
 
 from eprt.api import STOPPED, GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import add_engine_arguments, launch_engine
+from eprt.serve.media import read_local_image
 from eprt.serve.params import check_text
 
 
@@ -98,6 +99,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="[I:]FILE.npy",
         help="float32 [n, D] rows for the n image placeholders of prompt I (default 0)",
     )
+    parser.add_argument(
+        "--image",
+        dest="images",
+        action="append",
+        type=_embeds,
+        default=[],
+        metavar="[I:]FILE",
+        help="a PNG/JPEG/WebP image for prompt I (default 0), repeatable, in the order of its image "
+        "placeholders (vision models; a prompt without placeholders gets the images in front)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt (per choice) per line")
     parser.add_argument("-n", "--n", type=int, default=1, help="choices per prompt, sharing its prefill (default 1)")
     parser.add_argument(
@@ -142,6 +153,10 @@ def _requests(args, tokenizer) -> list:
         if not 0 <= index < len(reqs):
             raise RequestError(f"--image-embeds names prompt {index}, but there are {len(reqs)} prompts")
         reqs[index].image_embeds = _load_embeds(path)
+    for index, path in args.images:
+        if not 0 <= index < len(reqs):
+            raise RequestError(f"--image names prompt {index}, but there are {len(reqs)} prompts")
+        reqs[index].images = (reqs[index].images or []) + [read_local_image(path, "--image", "--image")]
     return reqs
 
 

@@ -10,6 +10,8 @@ Supported ``model_type`` values share one code path; the differences are data:
     glm4_moe   partial rotary, optional per-head q/k norm, sigmoid grouped routing, shared experts
     qwen3_next hybrid: Gated DeltaNet layers between gated full-attention layers (``layer_types``),
                (1 + w) RMSNorms, partial rotary, a gated shared expert (docs/hybrid.md)
+    qwen3_vl_moe  qwen3_moe's ``text_config`` with interleaved multimodal RoPE and deepstack inputs;
+               its vision encoder runs on rank 0 (eprt/model/vision.py, docs/vision.md)
 FP8 block-scaled checkpoints (``quantization_config.quant_method = "fp8"``) for every type.
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from eprt.api import TOKEN_ID_LIMIT, is_int, is_real
 from eprt.ops.base import GroupedRouting
@@ -31,6 +33,7 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v3",
     "glm4_moe",
     "qwen3_next",
+    "qwen3_vl_moe",
 )
 LAYER_TYPES = ("full_attention", "linear_attention")
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -148,6 +151,8 @@ class ModelConfig:
     layer_types: tuple = ()  # "full_attention" | "linear_attention" per layer; (): every layer full attention
     attention_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate) (qwen3_next)
     norm_unit_offset: bool = False  # RMSNorm weights stored as w - 1: the norm multiplies by (1 + w)
+    mrope_section: tuple = ()  # qwen3_vl_moe: rope frequencies of the (t, h, w) axes, interleaved; (): 1-D RoPE
+    deepstack_layers: int = 0  # qwen3_vl_moe: vision features added to the outputs of the first N layers
 
     @property
     def has_shared_expert(self) -> bool:
@@ -423,6 +428,8 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
     if generation_config is not None and not isinstance(generation_config, dict):
         raise ConfigError(f"generation_config.json must hold a JSON object, got {type(generation_config).__name__}")
     model_type = raw.get("model_type")
+    if model_type == "qwen3_vl_moe":
+        return _qwen3_vl_moe(raw, generation_config)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"unsupported model_type {model_type!r}; eprt supports {', '.join(SUPPORTED_MODEL_TYPES)}")
     if raw.get("use_sliding_window"):
@@ -563,6 +570,43 @@ def _qwen3_next(raw: dict, common: dict) -> ModelConfig:
         attention_output_gate=True,
         norm_unit_offset=True,
         **common,
+    )
+
+
+def _qwen3_vl_moe(raw: dict, generation_config: dict | None) -> ModelConfig:
+    """The language model of a Qwen3-VL MoE checkpoint: qwen3_moe's ``text_config`` plus the
+    interleaved (t, h, w) rope sections and the number of deepstack layers of ``vision_config``."""
+    text, vision = raw.get("text_config"), raw.get("vision_config")
+    for name, part in (("text_config", text), ("vision_config", vision)):
+        if not isinstance(part, dict):
+            raise ConfigError(f"qwen3_vl_moe config.json field {name!r} must be an object, got {part!r}")
+    spec = _rope_spec(text)
+    section = spec.get("mrope_section", [24, 20, 20])
+    if not isinstance(section, list) or len(section) != 3 or not all(is_int(v) and v >= 0 for v in section):
+        raise ConfigError(f"text_config rope 'mrope_section' must be 3 non-negative integers, got {section!r}")
+    if spec.get("mrope_interleaved", True) is not True:
+        raise ConfigError("text_config rope 'mrope_interleaved' must be true (Qwen3-VL's interleaved MRoPE)")
+    deepstack = vision.get("deepstack_visual_indexes", [8, 16, 24])
+    if not isinstance(deepstack, list) or not all(is_int(v) for v in deepstack):
+        raise ConfigError(
+            f"vision_config field 'deepstack_visual_indexes' must be a list of integers, got {deepstack!r}"
+        )
+    merged = {**text, "model_type": "qwen3_moe", "image_token_id": raw.get("image_token_id")}
+    merged["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    rope = {k: v for k, v in spec.items() if k not in ("mrope_section", "mrope_interleaved")}
+    merged.update(rope_parameters=rope, rope_scaling=None)
+    cfg = config_from_dict(merged, generation_config)
+    head_half = cfg.head_dim // 2
+    if sum(section) != head_half:
+        raise ConfigError(f"text_config 'mrope_section' {section} must sum to head_dim/2 = {head_half}")
+    if len(deepstack) > cfg.num_layers:
+        raise ConfigError(f"{len(deepstack)} deepstack layers for a language model of {cfg.num_layers} layers")
+    return replace(  # the router always renormalizes its top-k
+        cfg,
+        model_type="qwen3_vl_moe",
+        norm_topk_prob=True,
+        mrope_section=tuple(section),
+        deepstack_layers=len(deepstack),
     )
 
 

@@ -33,6 +33,27 @@ def _read_experts(model_dir: str | None, cfg: ModelConfig, ops, layer: int, ids)
             source.close()
 
 
+class LanguageModelSource:
+    """qwen3_vl_moe's tensors: its language model lives under ``model.language_model.``
+    (``model.X`` is read from there); the vision tower, ``model.visual.``, is rank 0's (vision.py)."""
+
+    def __init__(self, source):
+        self.source = source
+
+    @staticmethod
+    def _name(name: str) -> str:
+        return "model.language_model." + name[len("model.") :] if name.startswith("model.") else name
+
+    def __contains__(self, name: str) -> bool:
+        return self._name(name) in self.source
+
+    def read(self, name: str):
+        return self.source.read(self._name(name))
+
+    def __getattr__(self, attr: str):  # tensors_read, bytes_read, close, ...
+        return getattr(self.source, attr)
+
+
 def expert_shard(num_experts: int, rank: int, world: int) -> tuple[int, int]:
     """Contiguous expert range of ``rank``: the first ``E % world`` ranks get one extra."""
     if world > num_experts:
@@ -70,6 +91,8 @@ def load_model(
     else:
         cfg = load_config(model_dir)
         source = SafetensorsCheckpoint(model_dir)
+        if cfg.model_type == "qwen3_vl_moe":
+            source = LanguageModelSource(source)
         tokenizer = load_tokenizer(model_dir, cfg)
         name = model_dir.rstrip("/").split("/")[-1]
     placement = placement_for(cfg)

@@ -47,6 +47,7 @@ class AttnBatch:
     context_lens: np.ndarray | None = None  # decode: [B] (new token included)
     state_slots: np.ndarray | None = None  # hybrid models: recurrent-state slot of the sequence [1] or rows [B]
     parts: tuple = ()  # batched prefill: a PrefillPart per sequence, in token order (block_table unused)
+    rope_cos_sin: np.ndarray | None = None  # [T, R] per-token cos|sin (3-D MRoPE of image prompts): replaces positions
 
     @property
     def is_prefill(self) -> bool:
@@ -158,6 +159,7 @@ class MoEModel:
         self.slots = None  # eprt.model.placement.ExpertSlots under EPLB: experts on physical slots
         self.max_len = max_len
         _check_backend(cfg, ops)
+        self.inv_freq = _inv_freq(cfg, cfg.rope_dim)  # [R/2] float32
         self.cos_sin = ops.activation(rope_table(cfg, max_len))
         self.scale = attention_scale(cfg)
 
@@ -185,8 +187,11 @@ class MoEModel:
         if cfg.qk_norm == "head":  # Qwen3-MoE
             q = ops.rms_norm(q.reshape(-1, cfg.head_dim), lw.q_norm, cfg.rms_norm_eps).reshape(q.shape)
             k = ops.rms_norm(k.reshape(-1, cfg.head_dim), lw.k_norm, cfg.rms_norm_eps).reshape(k.shape)
-        pos = ops.index(batch.positions)
-        q, k = self._rope(q, pos), self._rope(k, pos)
+        if batch.rope_cos_sin is None:
+            pos, table = ops.index(batch.positions), self.cos_sin
+        else:  # each token's own cos|sin row
+            pos, table = ops.index(np.arange(T, dtype=np.int32)), ops.activation(batch.rope_cos_sin)
+        q, k = self._rope(q, pos, table), self._rope(k, pos, table)
         ops.kv_write(kv.k[layer], kv.v[layer], k, v, ops.index(batch.slot_mapping))
         if batch.is_prefill:
             o = self._per_sequence(
@@ -210,13 +215,13 @@ class MoEModel:
         outs = [run(slice(p.offset, p.offset + p.length), p) for p in batch.prefill_parts()]
         return outs[0] if len(outs) == 1 else self.ops.xp.concatenate(outs, axis=0)
 
-    def _rope(self, x, pos):
+    def _rope(self, x, pos, table):
         """Rotate the first rope_dim dims of every head of x[T, H, Dh] (all of them but for partial rotary)."""
-        rd = self.cos_sin.shape[1]
+        rd = table.shape[1]
         if rd == x.shape[-1]:
-            return self.ops.rope(x, pos, self.cos_sin)
+            return self.ops.rope(x, pos, table)
         xp = self.ops.xp
-        rotated = self.ops.rope(xp.ascontiguousarray(x[..., :rd]), pos, self.cos_sin)  # [T, H, rd]
+        rotated = self.ops.rope(xp.ascontiguousarray(x[..., :rd]), pos, table)  # [T, H, rd]
         return xp.concatenate([rotated, x[..., rd:]], axis=-1)
 
     def _mla_attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
@@ -274,9 +279,10 @@ class MoEModel:
         return ops.linear(ops.silu_and_mul(ops.linear(x, lw.mlp_gate_up)), lw.mlp_down)
 
     # ---- forward -----------------------------------------------------------------------
-    def hidden_states(self, h, batch: AttnBatch, kv: KVCache, state: RecurrentState | None = None):
+    def hidden_states(self, h, batch: AttnBatch, kv: KVCache, state: RecurrentState | None = None, deepstack=None):
         """Run every layer over h[T, D]; returns the final-normed hidden states [T, D]. ``state``:
-        the recurrent state of a hybrid model's linear layers (rows ``batch.state_slots``)."""
+        the recurrent state of a hybrid model's linear layers (rows ``batch.state_slots``).
+        ``deepstack``: (mask [T], rows [K, n, D]) added to the outputs of layers 0..K-1 at the masked tokens."""
         ops, cfg = self.ops, self.cfg
         if cfg.is_hybrid and (state is None or batch.state_slots is None):
             raise ValueError(f"{cfg.model_type} has linear-attention layers: the forward pass needs their state slots")
@@ -299,8 +305,16 @@ class MoEModel:
                 h = attention(lw, x, batch, kv, i)
             x, residual = ops.add_rms_norm(h, residual, lw.post_norm, cfg.rms_norm_eps)
             h = self._moe(lw, x, i) if cfg.sparse_layers[i] else self._dense_mlp(lw, x)
+            if deepstack is not None and i < len(deepstack[1]):
+                h = self._add_deepstack(h, *deepstack, i)
         x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps)
         return x
+
+    def _add_deepstack(self, h, mask, rows, layer: int):
+        """h[T, D] with the layer's deepstack rows [n, D] added at the n masked tokens."""
+        idx = self.ops.index(np.nonzero(mask)[0])
+        h[idx] = self.ops.add(h[idx], self.ops.activation(np.ascontiguousarray(rows[layer])))  # [n, D]
+        return h
 
     def expert_load(self) -> np.ndarray:
         """Tokens routed to each expert so far: [L, E] int32 on the host (a device read)."""

@@ -122,6 +122,10 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary string of one token (special ones included), None if there is none."""
+        return self._tok.id_to_token(int(token_id)) if self._tok is not None else None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False):
         """The checkpoint's template rendered in a sandbox (templates are data from the checkpoint),
         as a ``ChatPrompt`` (or its ids with ``tokenize=True``); a template's own

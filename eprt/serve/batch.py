@@ -27,6 +27,7 @@ from eprt.api import (
 )
 from eprt.serve.guided import GUIDED_FIELDS, compile_guide, parse_guide
 from eprt.serve.loop import EngineLoop
+from eprt.serve.media import MediaPolicy, image_bytes
 from eprt.serve.params import (
     PROCESSING,
     FieldError,
@@ -44,7 +45,7 @@ from eprt.serve.stream import LiveChoices, LiveRequest
 log = logging.getLogger("eprt.serve")
 
 LINE_FIELDS = frozenset(
-    {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
+    {"id", "prompt", "prompt_ids", "images", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
     | {"n", "best_of", "response_format", "structured_outputs"}
     | set(GUIDED_FIELDS)
     | set(PROCESSING)
@@ -215,6 +216,11 @@ def build_request(line: Line, engine) -> tuple:
         prompt_ids = encode_prompt(engine.tokenizer, obj["prompt"], "prompt")
     else:
         prompt_ids = parse_token_ids(obj["prompt_ids"], "prompt_ids", engine.vocab_size)
+    rows = None
+    if "images" in obj:  # expanded to each image's placeholders (and encoded) before the context is sized
+        req = GenerationRequest(prompt_ids, images=line_images(obj["images"]))
+        engine.images.apply(req)
+        prompt_ids, rows = req.prompt_ids, req.image_embeds
     room = context_room(prompt_ids, engine.max_model_len, "prompt_ids" if "prompt_ids" in obj else "prompt")
     opts = parse_options(
         obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens, tokenizer=engine.tokenizer
@@ -223,7 +229,21 @@ def build_request(line: Line, engine) -> tuple:
     guide, guide_field = parse_guide(obj)
     compile_guide(engine, guide, guide_field)
     params = dataclasses.replace(fit_to_context(parse_choices(obj, opts.params), room), guide=guide)
-    return GenerationRequest(prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s), opts.stop_strings
+    req = GenerationRequest(prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s, image_embeds=rows)
+    return req, opts.stop_strings
+
+
+def line_images(value) -> list:
+    """A line's ``images``: a list of image file paths or data: URLs -> their encoded bytes."""
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise FieldError("images", "images must be a non-empty list of image file paths or data: URLs")
+    policy = MediaPolicy(allowed_local_path="/")  # the operator's own input file may name any local image
+    return [
+        image_bytes(
+            v if ":" in v.split("/", 1)[0] else "file://" + os.path.abspath(v), policy, "images", f"images[{i}]"
+        )
+        for i, v in enumerate(value)
+    ]
 
 
 class BatchWriter:

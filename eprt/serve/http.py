@@ -35,6 +35,7 @@ from eprt.api import ENGINE_FAILED, RequestError
 from eprt.engine.choices import best_choices
 from eprt.serve import openai
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES, ApiError, parse_json, read_body
+from eprt.serve.media import MediaPolicy
 from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eprt.serve.metrics import ServerMetrics
 from eprt.serve.stream import LiveRequest
@@ -55,6 +56,7 @@ class HttpSettings:
     http_timeout_s: float = 30.0  # a request's headers, and then its body, must arrive within this
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     backlog: int = 2048  # pending TCP connections the kernel queues for us
+    media: MediaPolicy = MediaPolicy()  # where chat image parts may come from (--allowed-local-media-path)
 
 
 def check_api_key(key: str | None) -> str | None:
@@ -389,7 +391,7 @@ async def _answer(state: ServerState, request: Request, chat: bool):
 
 
 def _parse(raw: bytes, state: ServerState, chat: bool) -> openai.ApiRequest:
-    return openai.parse_request(parse_json(raw), state.engine, chat, state.model_name)
+    return openai.parse_request(parse_json(raw), state.engine, chat, state.model_name, state.settings.media)
 
 
 async def _generate(state: ServerState, request: Request, chat: bool):

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 
 from eprt.api import GenerationRequest, GenerationResult, SamplingParams
 from eprt.serve.guided import GUIDED_FIELDS, compile_guide, parse_guide
+from eprt.serve.media import MediaPolicy, image_part_bytes, image_text
 from eprt.serve.params import (
     PROCESSING,
     FieldError,
@@ -208,19 +209,26 @@ def _completion_prompt(prompt, engine) -> list:
     raise FieldError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
-def _message(m, i: int) -> dict:
+def _message(m, i: int, on_image=None) -> dict:
+    """One chat message with its content as text; ``on_image(part, where)`` gives the text that
+    stands for an ``image_url`` part (None: image parts are refused)."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise FieldError("messages", f"{where} must be an object with role and content")
     role, content = m.get("role"), m.get("content")
     if role not in CHAT_ROLES:
         raise FieldError("messages", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-    if isinstance(content, list):  # content parts: only text ones
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise FieldError(
-                "messages", f'{where}.content: only text parts ({{"type": "text", "text": ...}}) are supported'
-            )
-        content = "".join(p["text"] for p in content)
+    if isinstance(content, list):  # content parts: text, and image_url ones for a vision model
+        texts = []
+        for j, p in enumerate(content):
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                texts.append(p["text"])
+            elif isinstance(p, dict) and p.get("type") == "image_url" and on_image is not None:
+                texts.append(on_image(p, f"{where}.content[{j}]"))
+            else:
+                kinds = '{"type": "text", "text": ...}' + (' or {"type": "image_url", ...}' if on_image else "")
+                raise FieldError("messages", f"{where}.content: only {kinds} parts are supported")
+        content = "".join(texts)
     if not isinstance(content, str):
         raise FieldError("messages", f"{where}.content must be a string or a list of text parts, got {content!r}")
     try:
@@ -230,10 +238,17 @@ def _message(m, i: int) -> dict:
     return {"role": role, "content": content}
 
 
-def _chat_prompt(messages, engine) -> list:
+def _chat_prompt(messages, engine, media: MediaPolicy | None = None, images: list | None = None) -> list:
+    """The prompt ids of a chat; ``images``: a list that collects the bytes of its image parts in
+    order (None: image parts are refused)."""
     if not isinstance(messages, list) or not messages:
         raise FieldError("messages", "messages must be a non-empty list of {role, content} objects")
-    msgs = [_message(m, i) for i, m in enumerate(messages)]
+
+    def on_image(part: dict, where: str) -> str:
+        images.append(image_part_bytes(part, media or MediaPolicy(), "messages", where))
+        return image_text(engine, "messages")
+
+    msgs = [_message(m, i, None if images is None else on_image) for i, m in enumerate(messages)]
     if engine.tokenizer is None:
         raise FieldError(
             "messages", "this model has no tokenizer (so no chat template): use /v1/completions with token ids"
@@ -255,9 +270,12 @@ def _template_errors() -> tuple:
     return (ValueError, TemplateError)
 
 
-def parse_request(body, engine, chat: bool, model_name: str | None = None) -> ApiRequest:
+def parse_request(
+    body, engine, chat: bool, model_name: str | None = None, media: MediaPolicy | None = None
+) -> ApiRequest:
     """Validate one request body of /v1/chat/completions (chat) or /v1/completions;
-    ``model_name``: the name clients use (``--served-model-name``), else the engine's."""
+    ``model_name``: the name clients use (``--served-model-name``), else the engine's;
+    ``media``: where image parts may come from (data: URLs only by default)."""
     if not isinstance(body, dict):
         raise FieldError("body", f"the request body must be a JSON object, got {type(body).__name__}")
     model_name = model_name or engine.model_name
@@ -279,7 +297,12 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         raise FieldError("stream_options", "stream_options must be an object")
     include_usage = _flag(options, "include_usage")
     if chat:
-        prompt_ids = _chat_prompt(body.get("messages"), engine)
+        images: list = []
+        prompt_ids, image_rows = _chat_prompt(body.get("messages"), engine, media, images), None
+        if images:  # expanded to the placeholders of each image (and encoded) before the context is sized
+            expanded = GenerationRequest(prompt_ids, images=images)
+            engine.images.apply(expanded)
+            prompt_ids, image_rows = expanded.prompt_ids, expanded.image_embeds
         room = context_room(prompt_ids, engine.max_model_len, "messages")
         # Chat answers run to the end of the context unless told otherwise, as in OpenAI's API.
         default_max = room
@@ -287,7 +310,7 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
     else:
         if "prompt" not in body:
             raise FieldError("prompt", "prompt is required")
-        prompt_ids = _completion_prompt(body["prompt"], engine)
+        prompt_ids, image_rows = _completion_prompt(body["prompt"], engine), None
         room = context_room(prompt_ids, engine.max_model_len, "prompt")
         default_max, max_field = SamplingParams().max_tokens, "max_tokens"
     opts = parse_options(
@@ -302,7 +325,7 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     api = ApiRequest(
         chat,
-        GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s),
+        GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s, image_embeds=image_rows),
         opts.stop_strings,
         stream,
         include_usage,

@@ -13,6 +13,7 @@ from eprt import env
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES
 from eprt.serve.http import HttpServer, HttpSettings, ServerState, check_api_key
 from eprt.serve.loop import EngineLoop, RankLost
+from eprt.serve.media import MediaPolicy
 
 log = logging.getLogger("eprt.serve")
 
@@ -71,6 +72,12 @@ def add_arguments(parser) -> None:
         f"S seconds (default {HEALTH_STALL_S:g}, at most EPRT_COLLECTIVE_TIMEOUT): a rank may "
         "be stopped or dead; the watchdog ends the job at EPRT_COLLECTIVE_TIMEOUT",
     )
+    parser.add_argument(
+        "--allowed-local-media-path",
+        metavar="DIR",
+        default=None,
+        help="chat image parts may name file:// images under DIR (default: data: URLs only; http(s) never)",
+    )
     add_engine_arguments(parser)
 
 
@@ -90,6 +97,7 @@ def main(args) -> int:
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         http_timeout_s=args.http_timeout,
+        media=MediaPolicy(args.allowed_local_media_path),
     )
     stall_s = args.health_stall_timeout or min(HEALTH_STALL_S, env.COLLECTIVE_TIMEOUT.get())
     with launch_engine(args) as engine:  # worker ranks never get past this line
