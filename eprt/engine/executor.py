@@ -57,8 +57,11 @@ class ShardExecutor:
         prefix_cache: bool = True,
         image_token_id: int | None = None,
         snapshot_rows: int | None = None,
+        lora=None,
     ):
         self.model, self.ops, self.cfg = model, model.ops, model.cfg
+        self.lora = model.lora = lora  # LoraSlots (eprt/model/lora.py) or None: no adapters served
+        self._pending_adapter: dict[int, int] = {}  # slot -> adapter id its next PREFILL uses (SLOT_ADAPTER)
         self.pool_blocks = num_blocks  # as given: KV blocks plus what snapshots take of them
         # a hybrid model's recurrent state: one row per slot beside the paged KV, and snapshots of it
         # at block boundaries for the prefix cache, paid for in KV blocks (docs/hybrid.md)
@@ -202,7 +205,7 @@ class ShardExecutor:
         Returns the logits [1, V] of the chunk's last token (None when compute_logits is off)."""
         tokens = [int(t) for t in tokens]
         if self.slots.get(slot) is None:  # first chunk on a worker: allocate exactly as rank 0 did
-            cached = self.allocate(slot, tokens, vision_rows=vision_rows)
+            cached = self.allocate(slot, tokens, self._pending_adapter.pop(slot, -1), vision_rows=vision_rows)
             if cached != chunk_start:
                 raise ExecutorError(
                     f"prefix cache diverged on slot {slot}: this rank reuses {cached} tokens, "
@@ -222,6 +225,7 @@ class ShardExecutor:
             start_pos=chunk_start,
             state_slots=np.asarray([slot], dtype=np.int32),
         )
+        self._lora_rows([st.adapter] * chunk_len)
         h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv, self.state)  # [T, D]
         st.tokens.extend(tokens[chunk_start:end])
         return self.model.logits(h[-1:]) if self.compute_logits else None
@@ -247,10 +251,49 @@ class ShardExecutor:
             state_slots=np.asarray(slots, dtype=np.int32),
         )
         ids = np.asarray(tokens, dtype=np.int32)
+        self._lora_rows([st.adapter for st in states])
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [B, D]
         for st, tok in zip(states, tokens):  # the token's KV is stored now
             st.tokens.append(int(tok))
         return self.model.logits(h) if self.compute_logits else None
+
+    # ---- LoRA adapters (LORA_LOAD, LORA_UNLOAD, SLOT_ADAPTER; docs/lora.md) --------------------------
+    def _lora_rows(self, adapters: list) -> None:
+        """The forward pass's rows' adapter slots (None, the base path, when no row has an adapter)."""
+        self.model.lora_rows = None if self.lora is None else self.lora.rows(adapters)
+
+    def _lora_slots(self, what: str):
+        if self.lora is None:
+            raise ExecutorError(f"{what}: this executor serves no LoRA adapters (--max-loras 0)")
+        return self.lora
+
+    def load_adapter(self, lora_slot: int, adapter_id: int, path: str) -> None:
+        """Read this rank's share of the adapter at ``path`` into ``lora_slot`` (its old adapter out)."""
+        lora = self._lora_slots("LORA_LOAD")
+        self._check_unused(lora, lora_slot, "LORA_LOAD")
+        lora.load(lora_slot, adapter_id, lora.read(path))
+
+    def unload_adapter(self, lora_slot: int) -> None:
+        lora = self._lora_slots("LORA_UNLOAD")
+        self._check_unused(lora, lora_slot, "LORA_UNLOAD")
+        lora.unload(lora_slot)
+
+    def _check_unused(self, lora, lora_slot: int, what: str) -> None:
+        if not 0 <= lora_slot < lora.max_loras:
+            raise SlotError(f"{what}: LoRA slot {lora_slot} out of range [0, {lora.max_loras})")
+        held = lora.ids[lora_slot]
+        users = [i for i in self.slots.occupied() if held >= 0 and self.slots.get(i).adapter == held]
+        if users:
+            raise SlotError(f"{what}: LoRA slot {lora_slot} holds adapter {held}, in use by slot(s) {users}")
+
+    def set_slot_adapter(self, slot: int, lora_slot: int) -> None:
+        """SLOT_ADAPTER: the next PREFILL into the empty ``slot`` uses the adapter in ``lora_slot``."""
+        lora = self._lora_slots("SLOT_ADAPTER")
+        if self.slots.get(slot) is not None:
+            raise SlotError(f"SLOT_ADAPTER for occupied slot {slot}")
+        if not 0 <= lora_slot < lora.max_loras or lora.ids[lora_slot] < 0:
+            raise SlotError(f"SLOT_ADAPTER slot {slot}: LoRA slot {lora_slot} holds no adapter")
+        self._pending_adapter[slot] = lora.ids[lora_slot]
 
     def _decode_tables(self, slots: list, states: list, lengths: np.ndarray) -> np.ndarray:
         """Block tables [B, MB] (zero-padded) of a decode step's rows, with room for one more

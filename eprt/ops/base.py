@@ -225,6 +225,17 @@ class Ops:
         expert was chosen. Summing this over all ranks gives the MoE output."""
         raise NotImplementedError
 
+    # ---- multi-LoRA (eprt/ops/lora_ops.py: LoraRows, the NumPy reference) --------------------------
+    def lora_apply(self, y: Array, x: Array, a: Array, b: Array, rows) -> Array:
+        """In place and returned: y[T, N] += b[s] @ (a[s] @ x[t]) for each row t whose adapter slot
+        rows.slots[t] = s >= 0; x[T, K], a[S, R, K], b[S, N, R] float32 (zero-padded rank)."""
+        raise NotImplementedError
+
+    def moe_experts_lora(self, x, weights, ids, w_gate_up, w_down, expert_start, rows, gate_up, down) -> Array:
+        """``moe_experts`` where token t's expert projections also carry its adapter slot's delta:
+        gate_up = (a[S, El, R, D], b[S, El, 2I, R]) and down = (a[S, El, R, I], b[S, El, D, R]), or None."""
+        raise NotImplementedError
+
     # ---- hybrid linear-attention models (Qwen3-Next's Gated DeltaNet) -------------------------
     def causal_conv1d(self, x: Array, weight: Array, conv_state: Array, slot: int) -> Array:
         """One sequence's chunk x[T, C] through the depthwise causal conv weight[C, K] that

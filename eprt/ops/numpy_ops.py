@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from eprt.ops import lora_ops
 from eprt.ops.base import Ops
 from eprt.ops.bf16 import bf16_bits_to_f32
 
@@ -201,6 +202,12 @@ class NumpyOps(Ops):
                 ys[picks[lo:hi]] = self.silu_and_mul(xs[lo:hi] @ gate_up) @ down  # [t, D]
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
+
+    def lora_apply(self, y, x, a, b, rows):
+        return lora_ops.lora_apply(y, x, a, b, rows)
+
+    def moe_experts_lora(self, x, weights, ids, w_gate_up, w_down, expert_start, rows, gate_up, down):
+        return lora_ops.moe_experts_lora(self, x, weights, ids, w_gate_up, w_down, expert_start, rows, gate_up, down)
 
     # ---- hybrid linear-attention models (Gated DeltaNet) --------------------------------
     DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (transformers' and FLA's default)
