@@ -70,6 +70,7 @@ class GenerationRequest:
     image_embeds: np.ndarray | None = None  # [n, D] float32 rows for the n image placeholders
     stream: bool = False
     on_token: Callable[[int], None] | None = None  # called for every streamed token
+    adapter: str | None = None  # LoRA adapter name (the OpenAI ``model`` field); None: the base model
 
 
 @dataclass

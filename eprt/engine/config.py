@@ -29,6 +29,14 @@ class EngineConfig:
     dump_dir: str = "eprt-dumps"  # the flight recorder's files (docs/observability.md)
     dump_frames: bool = False  # also write them at shutdown
     record_payloads: bool = False  # record every frame, row and combine with its data, for eprt replay
+    lora_modules: tuple = ()  # (name, adapter dir) pairs served from the start (docs/lora.md)
+    enable_lora: bool = False  # LoRA slots even without --lora-modules (adapters loaded at run time)
+    max_loras: int = 4  # LoRA slots per rank (adapters in one batch at most)
+    max_lora_rank: int = 16
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -40,6 +48,13 @@ class EngineConfig:
             raise ValueError("--num-blocks and --max-prefill-tokens must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.lora_enabled and (self.max_loras < 1 or self.max_lora_rank < 1):
+            raise ValueError(
+                f"--max-loras and --max-lora-rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}"
+            )
+        names = [n for n, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names must be distinct, got {names}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
 
@@ -111,6 +126,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="record every frame, vision row and combine with its data under DUMP_DIR/payloads, for eprt replay",
     )
 
+    g.add_argument(
+        "--lora-modules",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable; docs/lora.md)",
+    )
+    g.add_argument("--enable-lora", action="store_true", help="LoRA slots for adapters loaded at run time")
+    g.add_argument("--max-loras", type=int, default=4, help="LoRA adapter slots per rank (4)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank served (16)")
+
+
+def parse_lora_modules(values) -> tuple:
+    """--lora-modules NAME=DIR values as (name, dir) pairs."""
+    pairs = []
+    for v in values or ():
+        name, sep, path = v.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=DIR, got {v!r}")
+        pairs.append((name, path))
+    return tuple(pairs)
+
 
 def engine_config_from_args(args) -> EngineConfig:
     cfg = EngineConfig(
@@ -129,6 +166,10 @@ def engine_config_from_args(args) -> EngineConfig:
         dump_dir=args.dump_dir or env.DUMP_DIR.get(),
         dump_frames=args.dump_frames,
         record_payloads=args.record_payloads,
+        lora_modules=parse_lora_modules(getattr(args, "lora_modules", ())),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 4),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
     )
     cfg.validate()
     return cfg

@@ -22,6 +22,7 @@ from eprt.comm.recorder import Recorder
 from eprt.comm.transport import StartupFailed
 from eprt.comm.worker import run_worker
 from eprt.comm.world import open_transport
+from eprt.engine.adapters import AdapterRegistry, UnknownAdapter
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.expert_load import imbalance
 from eprt.engine.runner import ModelRunner
@@ -80,7 +81,36 @@ class Engine:
     def submit(self, req: GenerationRequest, on_finish=None):
         """Queue a request; RequestError (naming the problem) if it cannot be served."""
         self._check_vision(req)
-        return Handle(self.scheduler.submit(req, on_finish=self._finisher(on_finish)), self)
+        adapter = self._adapter_id(req.adapter)
+        try:
+            inner = self.scheduler.submit(req, on_finish=self._finisher(on_finish, adapter), adapter=adapter)
+        except BaseException:
+            if adapter != -1:
+                self.runner.adapters.end(adapter)
+            raise
+        return Handle(inner, self)
+
+    def _adapter_id(self, name: str | None) -> int:
+        """-1 for the base model (None or its name), else the adapter's id (UnknownAdapter if none)."""
+        if name is None or name == self.model_name:
+            return -1
+        if self.runner.adapters is None:
+            raise UnknownAdapter(f"model {name!r} is not {self.model_name!r} and no LoRA adapters are served")
+        return self.runner.adapters.begin(name)
+
+    def adapter_names(self) -> list[str]:
+        return [] if self.runner.adapters is None else self.runner.adapters.names()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at ``path`` as ``name`` (checked on rank 0 now; put into slots when used)."""
+        if self.runner.adapters is None:
+            raise RequestError("LoRA adapters are not enabled (start with --enable-lora or --lora-modules)")
+        self.runner.adapters.register(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        if self.runner.adapters is None:
+            raise UnknownAdapter(f"no LoRA adapter named {name!r} (LoRA is not enabled)")
+        self.runner.adapters.unregister(name)
 
     def _with_text(self, result: GenerationResult) -> GenerationResult:
         if self.tokenizer is not None and not result.text:
@@ -88,8 +118,10 @@ class Engine:
             result.text = self.tokenizer.decode([t for t in result.token_ids if t not in eos])
         return result
 
-    def _finisher(self, user_cb):
+    def _finisher(self, user_cb, adapter: int = -1):
         def done(result: GenerationResult) -> None:
+            if adapter != -1:
+                self.runner.adapters.end(adapter)
             self._with_text(result)
             with self._lock:
                 c = self._counters
@@ -300,7 +332,7 @@ def launch_engine(args_or_config, transport=None):
         code = run_worker(transport, executor, cfg.max_batch, model_cfg.vocab_size)
         _close(transport, cfg)
         sys.exit(code)
-    runner = ModelRunner(executor, transport, seed=cfg.seed)
+    runner = ModelRunner(executor, transport, seed=cfg.seed, adapters=_adapter_registry(cfg, executor))
     sched_cfg = SchedulerConfig(
         vocab_size=model_cfg.vocab_size,
         eos_token_ids=tuple(
@@ -327,6 +359,17 @@ def launch_engine(args_or_config, transport=None):
             engine.shutdown()
         else:
             transport.close("rank 0 failed")
+
+
+def _adapter_registry(cfg: EngineConfig, executor) -> AdapterRegistry | None:
+    """Rank 0's adapters: --lora-modules registered (each checked by reading rank 0's share)."""
+    if executor.lora is None:
+        return None
+    registry = AdapterRegistry(cfg.max_loras, validate=executor.lora.read)
+    for name, path in cfg.lora_modules:
+        registry.register(name, path, check=False)  # every rank read it at start-up
+        log.info("LoRA adapter %r from %s", name, path)
+    return registry
 
 
 def _close(transport, cfg: EngineConfig) -> None:

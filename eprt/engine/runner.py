@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eprt.comm import protocol as P
+from eprt.engine import adapter_slots
 from eprt.engine.executor import ShardExecutor, vision_salt
 from eprt.engine.sampling import request_seed, sample_rows, token_uniform
 from eprt.scheduler.interface import TraceCalls
@@ -27,8 +28,9 @@ class SeqModelState:
 
 
 class ModelRunner(TraceCalls):
-    def __init__(self, executor: ShardExecutor, transport, seed: int = 0):
+    def __init__(self, executor: ShardExecutor, transport, seed: int = 0, adapters=None):
         self.executor = executor
+        self.adapters = adapters  # eprt.engine.adapters.AdapterRegistry, or None: no adapters served
         self.transport = transport  # eprt.comm.transport.Transport (LocalTransport on one rank)
         self._rng = np.random.default_rng(seed)  # seeds requests that bring none
         self._logits: np.ndarray | None = None  # [B, V] of the last forward
@@ -50,11 +52,13 @@ class ModelRunner(TraceCalls):
         return seq.model_state
 
     def can_admit(self, seq) -> bool:
+        if seq.adapter != -1 and not adapter_slots.can_place(self, seq.adapter):
+            return False  # every LoRA slot holds an adapter running sequences use
         return self.executor.blocks.can_allocate(seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
 
     def alloc_sequence(self, seq) -> int:
-        if seq.adapter != -1:  # PREFILL carries no adapter: workers could not mirror the allocation
-            raise ValueError(f"adapter {seq.adapter} requested but this model serves no adapters")
+        if seq.adapter != -1 and self.adapters is None:
+            raise ValueError(f"adapter {seq.adapter} requested but this engine serves no adapters (--max-loras 0)")
         slot = self.executor.slots.lowest_free()
         if slot is None:
             raise RuntimeError("alloc_sequence with every slot occupied")
@@ -93,6 +97,8 @@ class ModelRunner(TraceCalls):
     def _prefill_piece(self, seq, start: int, n: int) -> None:
         prompt, rows = tuple(seq.token_ids[: seq.num_prompt]), seq.image_embeds
         if start == seq.cached:  # the slot's first chunk: the whole prompt and its vision rows, once
+            if seq.adapter != -1:
+                self.transport.send(P.SlotAdapter(seq.slot, self.executor.lora.slot_of(seq.adapter)))
             self.transport.send(P.Prefill(seq.slot, start, n, prompt, 0 if rows is None else len(rows)), rows)
         else:
             self.transport.send(P.PrefillNext(seq.slot, start, prompt[start : start + n]))
@@ -143,6 +149,18 @@ class ModelRunner(TraceCalls):
             for i, t in zip(sampled, sample_rows(host, [s.params for s in picked], uniforms)):
                 tokens[i] = t
         return tokens
+
+    # ---- LoRA adapters (eprt/engine/adapter_slots.py) -----------------------------------------
+    def acquire_adapter_slot(self, adapter: int) -> None:
+        """Load the admitted sequence's adapter into a LoRA slot here and on every worker (LORA_LOAD)."""
+        if adapter != -1:
+            adapter_slots.acquire(self, adapter)
+
+    def adapter_id_for(self, adapter: int) -> int:
+        """Once per planning step (-1): empty the slots of adapters unregistered since (LORA_UNLOAD)."""
+        if adapter == -1 and self.adapters is not None:
+            adapter_slots.unload_orphans(self)
+        return adapter
 
     # ---- shutdown ----------------------------------------------------------------------
     def ep_shutdown(self) -> None:

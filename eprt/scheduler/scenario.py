@@ -47,6 +47,7 @@ class RequestSpec:
     cancel_at_tick: int | None = None
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
+    adapter: int = -1  # LoRA adapter id (-1: the base model)
 
 
 @dataclass
@@ -137,6 +138,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         "cancel_at_tick",
         "stop_token_ids",
         "ignore_eos",
+        "adapter",
     }
     where = f"request {r.get('id', '?')}"
     if set(r) - known:
@@ -169,6 +171,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         cancel_at_tick=_take(r, "cancel_at_tick", int, None, where),
         stop_token_ids=_take(r, "stop_token_ids", list, [], where),
         ignore_eos=_take(r, "ignore_eos", bool, False, where),
+        adapter=_take(r, "adapter", int, -1, where),
     )
     if spec.arrive_at_tick < 1:
         raise ScenarioError(f"{where}: arrive_at_tick must be >= 1")
@@ -253,7 +256,7 @@ def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None
         on_token=out.streamed.append,
     )
     try:
-        out.handle = sched.submit(request, on_finish=finished, seq_id=r.id)
+        out.handle = sched.submit(request, on_finish=finished, seq_id=r.id, adapter=r.adapter)
     except RequestError as e:
         out.rejected = str(e)
 
