@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="float32 [n, D] rows for the n image placeholders of prompt I (default 0)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    parser.add_argument(
+        "--adapter", default=None, metavar="NAME", help="generate with the LoRA adapter NAME of --lora-modules"
+    )
     add_engine_arguments(parser)
 
 
@@ -109,7 +112,7 @@ def _requests(args, tokenizer) -> list:
                 raise RequestError(f"--prompt {value!r} encodes to no tokens")
         else:
             ids = value
-        reqs.append(GenerationRequest(prompt_ids=ids, params=params))
+        reqs.append(GenerationRequest(prompt_ids=ids, params=params, adapter=getattr(args, "adapter", None)))
     for index, path in args.image_embeds:
         if not 0 <= index < len(reqs):
             raise RequestError(f"--image-embeds names prompt {index}, but there are {len(reqs)} prompts")

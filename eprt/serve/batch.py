@@ -40,7 +40,7 @@ from eprt.serve.stream import LiveRequest
 log = logging.getLogger("eprt.serve")
 
 LINE_FIELDS = frozenset(
-    {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
+    {"id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout", "model"}
 )
 _POLL_S = 0.01  # how long the writer sleeps when no request made progress
 
@@ -212,7 +212,12 @@ def build_request(line: Line, engine) -> tuple:
     opts = parse_options(obj, engine.vocab_size, default_max_tokens=SamplingParams().max_tokens)
     request_id = f"line-{line.number}" if line.id is None else str(line.id)
     params = fit_to_context(opts.params, room)
-    return GenerationRequest(prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s), opts.stop_strings
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldError("model", f"model must be a string (the base model or a LoRA adapter name), got {model!r}")
+    adapter = None if model in (None, engine.model_name) else model  # unknown names: refused at submit
+    request = GenerationRequest(prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s, adapter=adapter)
+    return request, opts.stop_strings
 
 
 class BatchWriter:

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from eprt.api import GenerationRequest, GenerationResult, SamplingParams
+from eprt.serve.adapters import model_entries, pick_model
 from eprt.serve.params import (
     FieldError,
     check_text,
@@ -209,8 +210,9 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
         raise FieldError("body", f"the request body must be a JSON object, got {type(body).__name__}")
     model_name = model_name or engine.model_name
     model = body.get("model", model_name)
-    if model != model_name:
-        raise FieldError("model", f"model {model!r:.80} is not served here; this server serves {model_name!r}")
+    if not isinstance(model, str):
+        raise FieldError("model", f"model must be a string, got {type(model).__name__}")
+    adapter = pick_model(engine, model, model_name)
     _check_size(body, chat, engine.max_model_len)
     _check_types(body, chat)
     for name, (unsupported, message) in UNSUPPORTED.items():
@@ -237,11 +239,11 @@ def parse_request(body, engine, chat: bool, model_name: str | None = None) -> Ap
     params = fit_to_context(opts.params, room)
     api = ApiRequest(
         chat,
-        GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s),
+        GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s, adapter=adapter),
         opts.stop_strings,
         stream,
         include_usage,
-        model_name,
+        model,
     )
     api.request.request_id = api.id
     return api
@@ -317,6 +319,7 @@ def models_body(engine, created: int, model_name: str | None = None) -> dict:
                 "created": created,
                 "owned_by": "eprt",
                 "max_model_len": engine.max_model_len,
-            }
+            },
+            *model_entries(engine, created, model_name or engine.model_name),
         ],
     }
