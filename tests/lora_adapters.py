@@ -45,11 +45,11 @@ def per_expert_adapter(base: str, out: str, arch_names: tuple, seed: int = 1, r:
     model = load_reference(base)
     cfg = model.config
     tensors, rank_pattern = {}, {}
-    prefix = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+    prefix = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"  # the checkpoint's (v4) key names
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn.q_proj
         _lora(tensors, f"model.layers.{i}.self_attn.q_proj", attn.weight, r, alpha / r, g)
-        experts = getattr(layer, prefix).experts if hasattr(getattr(layer, prefix), "experts") else None
+        experts = getattr(layer.mlp, "experts", None)  # transformers 5 names the module mlp for every arch
         if experts is None:
             continue
         inter = experts.down_proj.shape[2]
