@@ -164,13 +164,13 @@ def test_each_rank_keeps_only_its_experts_factors(qwen):
 def test_lora_apply_equals_a_per_row_loop():
     rng = np.random.default_rng(0)
     S, R, K, N, T = 3, 4, 16, 12, 9
-    a, b = rng.normal(size=(S, R, K)).astype(np.float32), rng.normal(size=(S, N, R)).astype(np.float32)
+    a, b = rng.normal(size=(S, R, K)).astype(np.float32), rng.normal(size=(S, R, N)).astype(np.float32)
     x, y = rng.normal(size=(T, K)).astype(np.float32), rng.normal(size=(T, N)).astype(np.float32)
     slots = np.array([2, -1, 0, 2, 1, -1, 0, 0, 2], np.int32)
     want = y.copy()
     for t, s in enumerate(slots):
         if s >= 0:
-            want[t] += b[s] @ (a[s] @ x[t])
+            want[t] += b[s].T @ (a[s] @ x[t])
     rows = lora_ops.LoraRows.group(slots)
     np.testing.assert_allclose(lora_ops.lora_apply(y.copy(), x, a, b, rows), want, rtol=1e-5, atol=1e-5)
     assert lora_ops.LoraRows.group(np.full(T, -1)) is None  # no adapter: the base path

@@ -273,7 +273,8 @@ def _pair(gate_up: list) -> Factors:
 
 class LoraSlots:
     """``max_loras`` adapter slots on this rank, as per-target stacks zero-padded to the rank limit:
-    a [S, R, in] / b [S, out, R] (experts: [S, El, R, in] / [S, El, out, R]), made on first use.
+    a [S, R, in] / b [S, R, out], B transposed (experts: [S, El, R, in] / [S, El, R, out]), made on
+    first use; a pass reads only the rank prefix its loaded adapters use.
     Which adapter a slot holds is rank 0's choice, mirrored through LORA_LOAD / LORA_UNLOAD."""
 
     def __init__(self, ops, cfg: ModelConfig, max_loras: int, max_rank: int, expert_start: int, expert_end: int):
@@ -286,6 +287,8 @@ class LoraSlots:
         self.paths = [""] * max_loras
         self._stacks: dict = {}  # (layer, target) -> (a, b) backend arrays
         self._held: dict = {}  # (layer, target) -> set of slots with factors there
+        self._ranks: dict = {}  # (layer, target) -> {slot: rank}
+        self._used: dict = {}  # (layer, target) -> (a, b) views of the used rank prefix, or None
 
     def slot_of(self, adapter_id: int) -> int | None:
         return self.ids.index(adapter_id) if adapter_id in self.ids else None
@@ -300,8 +303,10 @@ class LoraSlots:
         for key, f in adapter.targets.items():
             a, b = self._stack(key, f)
             a[slot, ..., : f.rank, :] = self.ops.xp.asarray(f.a)
-            b[slot, ..., : f.rank] = self.ops.xp.asarray(f.b)
+            b[slot, ..., : f.rank, :] = self.ops.xp.asarray(np.swapaxes(f.b, -1, -2))
             self._held.setdefault(key, set()).add(slot)
+            self._ranks.setdefault(key, {})[slot] = f.rank
+            self._use(key)
         self.ids[slot], self.paths[slot] = adapter_id, adapter.path
 
     def unload(self, slot: int) -> None:
@@ -313,14 +318,22 @@ class LoraSlots:
                 a[slot] = 0
                 b[slot] = 0
                 held.discard(slot)
+                del self._ranks[key][slot]
+                self._use(key)
         self.ids[slot], self.paths[slot] = -1, ""
+
+    def _use(self, key: tuple) -> None:
+        """The views a pass reads: the rank prefix the loaded adapters use (None when none holds the target)."""
+        rank = max(self._ranks[key].values(), default=0)
+        a, b = self._stacks[key]
+        self._used[key] = (a[..., :rank, :], b[..., :rank, :]) if rank else None
 
     def _stack(self, key: tuple, f: Factors):
         if key not in self._stacks:
             S, R = self.max_loras, self.max_rank * (2 if key[1] in GATE_UP_TARGETS else 1)
             lead = f.a.shape[:-2]  # () or (El,)
             a = self.ops.zeros((S, *lead, R, f.a.shape[-1]), "f32")
-            b = self.ops.zeros((S, *lead, f.b.shape[-2], R), "f32")
+            b = self.ops.zeros((S, *lead, R, f.b.shape[-2]), "f32")
             self._stacks[key] = (a, b)
         return self._stacks[key]
 
@@ -340,11 +353,9 @@ class LoraSlots:
 
     def apply(self, y, x, rows, layer: int, target: str):
         """y[T, N] plus the LoRA delta of every row's adapter for this layer's ``target``."""
-        stack = self._stacks.get((layer, target))
-        if stack is None or not self._held[(layer, target)]:
-            return y
-        return self.ops.lora_apply(y, x, stack[0], stack[1], rows)
+        used = self._used.get((layer, target))
+        return y if used is None else self.ops.lora_apply(y, x, used[0], used[1], rows)
 
     def experts(self, layer: int) -> tuple:
         """(gate_up, down) expert stacks of the layer, each (a, b) or None."""
-        return tuple(self._stacks[(layer, t)] if self._held.get((layer, t)) else None for t in EXPERT_TARGETS)
+        return tuple(self._used.get((layer, t)) for t in EXPERT_TARGETS)

@@ -2,7 +2,8 @@
 grouping ``LoraRows`` and the NumPy reference of ``Ops.lora_apply`` / ``Ops.moe_experts_lora``.
 
 S adapter slots, R rank (zero-padded), T rows, K in / N out features (legend: ``base.py``).
-Each row r of slot s gets ``b[s] @ (a[s] @ x[r])``; rows of slot -1 (no adapter) get nothing.
+Each row r of slot s gets ``(x[r] @ a[s].T) @ b[s]`` (a [S, R, K], b [S, R, N]: B transposed, so
+a rank prefix of both is contiguous); rows of slot -1 (no adapter) get nothing.
 """
 
 from __future__ import annotations
@@ -39,20 +40,22 @@ class LoraRows:
 
 
 def lora_apply(y: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, rows: LoraRows) -> np.ndarray:
-    """In place and returned: y[T, N] += b[s] @ (a[s] @ x[t]) for each row t of slot s;
-    x[T, K], a[S, R, K], b[S, N, R] (float32 accumulation)."""
+    """In place and returned: y[T, N] += (x[t] @ a[s].T) @ b[s] for each row t of slot s;
+    x[T, K], a[S, R, K], b[S, R, N] (float32 accumulation)."""
     for s, lo, hi in rows.segments:
         idx = rows.order[lo:hi]
         if hi - lo == len(rows.slots):  # every row of one slot: no gather
-            y += (x @ a[s].T) @ b[s].T  # [T, R] -> [T, N]
+            y += (x @ a[s].T) @ b[s]  # [T, R] -> [T, N]
         else:
-            y[idx] += (x[idx] @ a[s].T) @ b[s].T
+            y[idx] += (x[idx] @ a[s].T) @ b[s]
     return y
 
 
 def moe_experts_lora(ops, x, weights, ids, w_gate_up, w_down, expert_start, rows: LoraRows, gate_up, down):
     """``Ops.moe_experts`` with each (token, choice) pair's expert projections carrying the LoRA
-    delta of its token's slot: gate_up / down are (a[S, El, R, K], b[S, El, N, R]) or None."""
+    delta of its token's slot: gate_up / down are (a[S, El, R, K], b[S, El, R, N]) or None. The
+    base products are those of ``moe_experts`` (GEMVs for small groups); the deltas then go by
+    segments of pairs sharing (slot, expert)."""
     T, D = x.shape
     k = ids.shape[1]
     local = (ids - expert_start).reshape(-1)  # [T*k]
@@ -61,26 +64,52 @@ def moe_experts_lora(ops, x, weights, ids, w_gate_up, w_down, expert_start, rows
     bounds = np.searchsorted(experts, np.arange(w_gate_up.shape[0] + 1))  # [El+1]
     start = int(bounds[0])
     picks = order[start : int(bounds[-1])]  # (token, choice) pairs routed here, by expert
-    xs = x[picks // k]  # [n, D]
-    pair_slots = rows.slots[picks // k]  # [n]
     ys = np.zeros((T * k, D), dtype=np.float32)
-    for e in np.flatnonzero(np.diff(bounds)):
-        lo, hi = int(bounds[e]) - start, int(bounds[e + 1]) - start
-        h = xs[lo:hi] @ w_gate_up[e].T  # [t, 2I]
-        _add_segments(h, xs[lo:hi], pair_slots[lo:hi], gate_up, e)
-        act = ops.silu_and_mul(h)  # [t, I]
-        out = act @ w_down[e].T  # [t, D]
-        _add_segments(out, act, pair_slots[lo:hi], down, e)
-        ys[picks[lo:hi]] = out
+    if len(picks) == 0:
+        return ys.reshape(T, k, D).sum(axis=1)
+    xs = x[picks // k]  # [n, D]
+    groups = [(int(e), int(bounds[e]) - start, int(bounds[e + 1]) - start) for e in np.flatnonzero(np.diff(bounds))]
+    segments = _pair_segments(rows.slots[picks // k], experts[start : int(bounds[-1])])
+    h = _grouped(xs, w_gate_up, groups)  # [n, 2I]
+    _add_pairs(h, xs, segments, gate_up)
+    act = ops.silu_and_mul(h)  # [n, I]
+    out = _grouped(act, w_down, groups)  # [n, D]
+    _add_pairs(out, act, segments, down)
+    ys[picks] = out
     ys *= weights.reshape(-1, 1)
     return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 
 
-def _add_segments(y: np.ndarray, x: np.ndarray, slots: np.ndarray, factors, e: int) -> None:
-    """y[t] += b[s, e] @ (a[s, e] @ x[t]) for the rows of each slot s >= 0."""
+def _grouped(xs: np.ndarray, w: np.ndarray, groups: list) -> np.ndarray:
+    """xs[n, K] through w[e] [N, K] for each expert's rows (lo, hi): [n, N], as moe_experts computes it."""
+    from eprt.ops.numpy_ops import EXPERT_ROWS_AS_GEMV
+
+    y = np.empty((len(xs), w.shape[1]), dtype=np.float32)
+    for e, lo, hi in groups:
+        wt = w[e].T  # [K, N]
+        if hi - lo <= EXPERT_ROWS_AS_GEMV:
+            for r in range(lo, hi):
+                y[r] = xs[r] @ wt
+        else:
+            y[lo:hi] = xs[lo:hi] @ wt
+    return y
+
+
+def _pair_segments(slots: np.ndarray, experts: np.ndarray) -> list:
+    """(slot, expert, pair indices) of the pairs with an adapter, one entry per (slot, expert)."""
+    has = np.flatnonzero(slots >= 0)
+    if len(has) == 0:
+        return []
+    key = slots[has].astype(np.int64) * (int(experts.max()) + 1) + experts[has]
+    order = np.argsort(key, kind="stable")
+    cuts = np.flatnonzero(np.diff(key[order])) + 1
+    return [(int(slots[has[g[0]]]), int(experts[has[g[0]]]), has[g]) for g in np.split(order, cuts)]
+
+
+def _add_pairs(y: np.ndarray, x: np.ndarray, segments: list, factors) -> None:
+    """y[p] += (x[p] @ a[s, e].T) @ b[s, e] for the pairs p of each (slot s, expert e)."""
     if factors is None:
         return
     a, b = factors
-    for s in np.unique(slots[slots >= 0]):
-        m = slots == s
-        y[m] += (x[m] @ a[s, e].T) @ b[s, e].T
+    for s, e, idx in segments:
+        y[idx] += (x[idx] @ a[s, e].T) @ b[s, e]
