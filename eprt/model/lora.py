@@ -295,7 +295,17 @@ class LoraSlots:
 
     def read(self, path: str) -> LoraAdapter:
         """The adapter at ``path`` for this rank's experts (checked: LoraError)."""
-        return load_lora(path, self.cfg, self.expert_start, self.expert_end, self.max_rank)
+        adapter = load_lora(path, self.cfg, self.expert_start, self.expert_end, self.max_rank)
+        from eprt.ops.base import Ops
+
+        experts = any(t in EXPERT_TARGETS for _, t in adapter.targets)
+        for op, needed in (("lora_apply", True), ("moe_experts_lora", experts)):
+            if needed and getattr(type(self.ops), op) is getattr(Ops, op):
+                raise LoraError(
+                    f"LoRA adapter {path!r}: the {self.ops.name} backend has no {op}"
+                    + (" (LoRA on the routed experts runs on --device cpu only)" if op == "moe_experts_lora" else "")
+                )
+        return adapter
 
     def load(self, slot: int, adapter_id: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` into ``slot`` (replacing whatever it held)."""

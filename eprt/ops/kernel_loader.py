@@ -38,6 +38,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "mla_attention.cu": ("mla_latent_write", "mla_attention", "mla_attention_split"),
     "argmax.cu": ("argmax_bf16", "argmax_f32"),
     "expert_count.cu": ("count_experts",),
+    "lora.cu": ("lora_shrink", "lora_expand"),
     "gated_delta.cu": tuple(f"causal_conv1d_k{k}" for k in (2, 3, 4))
     + tuple(f"gated_delta_rule_dk{d}" for d in (32, 64, 128))
     + ("delta_rule_gates", "gated_rms_norm", "sigmoid_mul_bf16"),
