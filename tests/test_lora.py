@@ -188,3 +188,33 @@ def test_lora_frames_round_trip_and_other_frames_are_unchanged():
     assert P.encode(P.Prefill(2, 0, 3, (5, 6, 7))).tolist() == [2, P.PREFILL, 3, 0, 3, 5, 6, 7, 0]
     with pytest.raises(P.ProtocolError, match="LORA_LOAD path of 0 bytes"):
         P.encode(P.LoraLoad(0, 1, ""))
+
+
+def test_cli_generate_and_run_pick_adapters(qwen, tmp_path):
+    """eprt generate --lora-modules attn=DIR --adapter attn, and eprt run lines with a model key
+    (the base model's name, an adapter, an unknown one: a line error, the others unaffected)."""
+    import subprocess
+    import sys
+
+    base, adapters = qwen
+    common = ["--model", base, "--device", "cpu", "--lora-modules", f"attn={adapters['attn'][0]}"]
+    cmd = [sys.executable, "-m", "eprt.cli", "generate", *common, "--adapter", "attn", "--json", "--ignore-eos"]
+    cmd += ["--max-tokens", "6", "--prompt-ids", ",".join(map(str, PROMPT))]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert json.loads(out)["token_ids"] == reference_greedy(adapters["attn"][1], PROMPT, 6)[0]
+    lines = [
+        {"id": "a", "prompt_ids": PROMPT, "max_tokens": 6, "model": "attn"},
+        {"id": "b", "prompt_ids": PROMPT, "max_tokens": 6, "model": os.path.basename(base)},
+        {"id": "c", "prompt_ids": PROMPT, "max_tokens": 6, "model": "nope"},
+    ]
+    inp, res = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cmd = [sys.executable, "-m", "eprt.cli", "run", *common, "--input", str(inp), "--output", str(res)]
+    subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    records = {r["id"]: r for r in map(json.loads, res.read_text().splitlines()) if "id" in r}
+    eos = 2
+    for rid, ref in (("a", adapters["attn"][1]), ("b", base)):
+        want = reference_greedy(ref, PROMPT, 6)[0]
+        want = want[: want.index(eos) + 1] if eos in want else want
+        assert records[rid]["token_ids"] == want, rid
+    assert "'nope' is neither the base model nor a loaded LoRA adapter" in records["c"]["error"]
