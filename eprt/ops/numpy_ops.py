@@ -207,7 +207,8 @@ class NumpyOps(Ops):
         return lora_ops.lora_apply(y, x, a, b, rows)
 
     def moe_experts_lora(self, x, weights, ids, w_gate_up, w_down, expert_start, rows, gate_up, down):
-        return lora_ops.moe_experts_lora(self, x, weights, ids, w_gate_up, w_down, expert_start, rows, gate_up, down)
+        args = (w_gate_up, w_down, expert_start, rows, gate_up, down, EXPERT_ROWS_AS_GEMV)
+        return lora_ops.moe_experts_lora(self, x, weights, ids, *args)
 
     # ---- hybrid linear-attention models (Gated DeltaNet) --------------------------------
     DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (transformers' and FLA's default)
