@@ -100,6 +100,9 @@ def test_unknown_adapter_is_refused_at_submit_and_others_finish(qwen):
         assert engine.adapter_names() == []
         with pytest.raises(UnknownAdapter):
             engine.submit(GenerationRequest(PROMPT, SamplingParams(max_tokens=4), adapter="attn"))
+        assert 1 in engine.runner.executor.lora.ids  # its LoRA slot empties at the next planning step
+        engine.generate([GenerationRequest(PROMPT, SamplingParams(max_tokens=2))])
+        assert engine.runner.executor.lora.ids == [-1] * 4
 
 
 def _executor(path, max_loras=2, max_rank=8):

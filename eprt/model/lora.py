@@ -145,7 +145,6 @@ def load_lora(path: str, cfg: ModelConfig, expert_start: int, expert_end: int, m
     for key, ab in sorted(modules.items()):
         if set(ab) != {"A", "B"}:
             raise LoraError(f"adapter module {key!r} has lora_{''.join(ab)} but not both lora_A and lora_B")
-        a, b = _f32(src.read(ab["A"])), _f32(src.read(ab["B"]))  # copies: the file is closed below
         kind, m = next(((k, p.match(key)) for k, p in patterns if p.match(key)), (None, None))
         if kind is None:
             raise LoraError(f"adapter module {key!r}: eprt applies LoRA to {SUPPORTED} only")
@@ -154,20 +153,22 @@ def load_lora(path: str, cfg: ModelConfig, expert_start: int, expert_end: int, m
             raise LoraError(f"adapter module {key!r}: layer {layer} outside the model's {cfg.num_layers} layers")
         _check_target(cfg, key, kind, layer)
         if kind == "fused":
-            for target, f in _fused(cfg, key, a, b, opts, expert_start, expert_end):
-                parts.setdefault((layer, target), {})["fused"] = f
+            target, f = _fused(cfg, key, src, ab, opts, expert_start, expert_end)
+            parts.setdefault((layer, target), {})["fused"] = f
         elif kind == "expert":
             e, proj = int(m.group(2)), cfg.expert_names.index(m.group(3))
             if not 0 <= e < cfg.num_experts:
                 raise LoraError(f"adapter module {key!r}: expert {e} outside [0, {cfg.num_experts})")
-            _check_ab(key, a, b)
-            if expert_start <= e < expert_end:  # another rank's expert: not kept
+            if expert_start <= e < expert_end:
+                a, b = _copy(src, ab["A"]), _copy(src, ab["B"])
+                _check_ab(key, a, b)
                 target = "experts_down" if proj == 2 else "experts_gate_up"
                 f = Factors(a, b * np.float32(opts.scale(key, a.shape[0])))
                 parts.setdefault((layer, target), {})[(e, ("gate", "up", "down")[proj])] = f
-            else:
-                opts.scale(key, a.shape[0])  # the rank still checked
+            else:  # another rank's expert: never read, its rank checked from the header
+                opts.scale(key, src.info(ab["A"]).shape[0])
         else:
+            a, b = _copy(src, ab["A"]), _copy(src, ab["B"])
             _check_ab(key, a, b)
             proj = m.group(2)
             f = Factors(a, b * np.float32(opts.scale(key, a.shape[0])))
@@ -206,11 +207,18 @@ def _check_ab(key: str, a: np.ndarray, b: np.ndarray) -> None:
         raise LoraError(f"adapter module {key!r}: lora_A {a.shape} and lora_B {b.shape} do not chain")
 
 
-def _fused(cfg: ModelConfig, key: str, a, b, opts: _Options, start: int, end: int):
+def _copy(src, name: str, cut=lambda view: view) -> np.ndarray:
+    """A float32 copy of ``cut`` of the tensor's mapped view: only the part ``cut`` keeps is read."""
+    return _f32(cut(src.read(name)))
+
+
+def _fused(cfg: ModelConfig, key: str, src, ab: dict, opts: _Options, start: int, end: int):
     """peft's ParamWrapper on experts.gate_up_proj [E, 2I, D] or down_proj [E, D, I]: lora_A
     [r*E, in] (expert-major rows), lora_B [out, r*E] (rank-major columns); which parameter a
-    (possibly nested) wrapper holds follows from its shapes, the two never being alike."""
+    (possibly nested) wrapper holds follows from its shapes, the two never being alike. Only the
+    local experts' rows of lora_A and columns of lora_B are copied."""
     E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    a, b = (np.broadcast_to(np.uint8(0), src.info(ab[p]).shape) for p in "AB")  # shapes only: nothing read
     _check_ab(key, a, b)
     if a.shape[0] % E:
         raise LoraError(f"adapter module {key!r}: lora_A rows {a.shape[0]} are not rank x {E} experts")
@@ -224,9 +232,9 @@ def _fused(cfg: ModelConfig, key: str, a, b, opts: _Options, start: int, end: in
     target, param = shapes[(a.shape[1], b.shape[0])]
     parent = re.sub(r"(\.base_layer)+$", "", key)
     scale = np.float32(opts.scale(f"{parent}.{param}", r))
-    la = a.reshape(E, r, -1)[start:end]  # [El, r, in]
-    lb = b.reshape(b.shape[0], r, E)[:, :, start:end].transpose(2, 0, 1)  # [El, out, r]
-    yield target, Factors(np.ascontiguousarray(la), np.ascontiguousarray(lb) * scale)
+    la = _copy(src, ab["A"], lambda v: v.reshape(E, r, -1)[start:end])  # [El, r, in]
+    lb = _copy(src, ab["B"], lambda v: v.reshape(v.shape[0], r, E)[:, :, start:end].transpose(2, 0, 1))  # [El, out, r]
+    return target, Factors(la, lb * scale)
 
 
 def _assemble(cfg: ModelConfig, target: str, got: dict, start: int, end: int) -> Factors:
