@@ -177,6 +177,7 @@ class GenerationRequest:
     images: list | None = None  # encoded images (PNG/JPEG/WebP bytes), one per image placeholder (vision models)
     stream: bool = False
     on_token: Callable[[int], None] | None = None  # called for every streamed token
+    adapter: str | None = None  # LoRA adapter name (the OpenAI ``model`` field); None: the base model
 
 
 @dataclass

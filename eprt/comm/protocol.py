@@ -18,6 +18,9 @@ PREFILL_NEXT = 0xFFFFFFE4
 ACCEPT = 0xFFFFFFE6
 FORK = 0xFFFFFFE8
 EPLB_PLACEMENT = 0xFFFFFFEA
+LORA_LOAD = 0xFFFFFFEC
+LORA_UNLOAD = 0xFFFFFFED
+SLOT_ADAPTER = 0xFFFFFFEE
 PREFILL = 0xFFFFFFF0
 RELEASE = 0xFFFFFFF1
 VERIFY_K2 = 0xFFFFFFF2
@@ -26,6 +29,7 @@ VERIFY_K4 = 0xFFFFFFF4
 DECODE_CKPT = 0xFFFFFFF8
 SHUTDOWN = 0xFFFFFFFF
 WORD_MAX = 0xFFFFFFFF
+MAX_PATH_BYTES = 4096  # a LORA_LOAD's adapter path (UTF-8)
 
 VERIFY_WORDS = {VERIFY_K2: 2, VERIFY_K3: 3, VERIFY_K4: 4}  # command word -> K, the most drafts of a row
 MAX_DRAFTS = 4
@@ -36,6 +40,9 @@ NAMES = {
     ACCEPT: "ACCEPT",
     FORK: "FORK",
     EPLB_PLACEMENT: "EPLB_PLACEMENT",
+    LORA_LOAD: "LORA_LOAD",
+    LORA_UNLOAD: "LORA_UNLOAD",
+    SLOT_ADAPTER: "SLOT_ADAPTER",
     PREFILL: "PREFILL",
     RELEASE: "RELEASE",
     VERIFY_K2: "VERIFY_K2",
@@ -173,6 +180,30 @@ class EplbPlacement:
 
 
 @dataclass(frozen=True)
+class LoraLoad:
+    """Read this rank's share of the LoRA adapter at ``path`` into ``lora_slot`` (replacing its adapter)."""
+
+    lora_slot: int
+    adapter_id: int  # 64-bit, sent as lo, hi
+    path: str
+
+
+@dataclass(frozen=True)
+class LoraUnload:
+    """Empty ``lora_slot``."""
+
+    lora_slot: int
+
+
+@dataclass(frozen=True)
+class SlotAdapter:
+    """The next PREFILL into the empty ``slot`` uses the adapter in ``lora_slot``."""
+
+    slot: int
+    lora_slot: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Free every slot and leave the worker loop."""
 
@@ -189,6 +220,9 @@ Command = (
     | Accept
     | DecodeCkpt
     | EplbPlacement
+    | LoraLoad
+    | LoraUnload
+    | SlotAdapter
     | Shutdown
 )
 
@@ -258,6 +292,16 @@ def encode(cmd: Command) -> np.ndarray:
                 f"got {len(cmd.table)}"
             )
         words = [0, EPLB_PLACEMENT, cmd.epoch, cmd.layers, cmd.slots, *cmd.table]
+    elif isinstance(cmd, LoraLoad):
+        raw = cmd.path.encode("utf-8")
+        if not 0 < len(raw) <= MAX_PATH_BYTES:
+            raise ProtocolError(f"LORA_LOAD path of {len(raw)} bytes (must be 1..{MAX_PATH_BYTES})")
+        packed = np.frombuffer(raw + b"\0" * (-len(raw) % 4), dtype="<u4")
+        words = [cmd.lora_slot, LORA_LOAD, cmd.adapter_id & WORD_MAX, cmd.adapter_id >> 32, len(raw), *packed.tolist()]
+    elif isinstance(cmd, LoraUnload):
+        words = [cmd.lora_slot, LORA_UNLOAD]
+    elif isinstance(cmd, SlotAdapter):
+        words = [cmd.slot, SLOT_ADAPTER, cmd.lora_slot]
     elif isinstance(cmd, Shutdown):
         words = [0, SHUTDOWN]
     else:
@@ -408,6 +452,28 @@ class Decoder:
             if len(b) < end:
                 return None
             out = EplbPlacement(epoch, layers, slots, tuple(b[body + 3 : end].tolist()))
+        elif cmd == LORA_LOAD:
+            if len(b) - body < 3:
+                return None
+            nbytes = int(b[body + 2])
+            if not 0 < nbytes <= MAX_PATH_BYTES:
+                raise ProtocolError(f"LORA_LOAD path of {nbytes} bytes (must be 1..{MAX_PATH_BYTES})")
+            end = body + 3 + -(-nbytes // 4)
+            if len(b) < end:
+                return None
+            raw = b[body + 3 : end].astype("<u4").tobytes()[:nbytes]
+            try:
+                path = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ProtocolError(f"LORA_LOAD path is not UTF-8: {e}") from None
+            out = LoraLoad(seq, int(b[body]) | int(b[body + 1]) << 32, path)
+        elif cmd == LORA_UNLOAD:
+            out, end = LoraUnload(seq), body
+        elif cmd == SLOT_ADAPTER:
+            end = body + 1
+            if len(b) < end:
+                return None
+            out = SlotAdapter(self._slot(seq, "SLOT_ADAPTER"), int(b[body]))
         elif cmd == SHUTDOWN:
             out, end = Shutdown(), body
         else:

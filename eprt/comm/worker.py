@@ -21,11 +21,14 @@ from eprt.comm.protocol import (
     Decoder,
     EplbPlacement,
     Fork,
+    LoraLoad,
+    LoraUnload,
     Prefill,
     PrefillNext,
     ProtocolError,
     Release,
     Shutdown,
+    SlotAdapter,
     Verify,
 )
 from eprt.comm.transport import RootDown
@@ -81,6 +84,15 @@ class Executor(Protocol):
 
     def release(self, slot: int) -> None:
         """Free the sequence in ``slot``."""
+
+    def load_adapter(self, lora_slot: int, adapter_id: int, path: str) -> None:
+        """LORA_LOAD: read this rank's share of the adapter at ``path`` into ``lora_slot``."""
+
+    def unload_adapter(self, lora_slot: int) -> None:
+        """LORA_UNLOAD: empty ``lora_slot``."""
+
+    def set_slot_adapter(self, slot: int, lora_slot: int) -> None:
+        """SLOT_ADAPTER: the next PREFILL into the empty ``slot`` uses the adapter in ``lora_slot``."""
 
     def shutdown(self) -> None:
         """Free every slot and everything else the executor holds."""
@@ -178,5 +190,11 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
         executor.switch_placement(cmd.epoch, np.asarray(cmd.table, np.int64).reshape(cmd.layers, cmd.slots))
     elif isinstance(cmd, DecodeCkpt):
         executor.checkpoint(cmd.slot, cmd.snapshot_tokens, cmd.end_block, cmd.session_hash, cmd.adapter_id)
+    elif isinstance(cmd, LoraLoad):
+        executor.load_adapter(cmd.lora_slot, cmd.adapter_id, cmd.path)
+    elif isinstance(cmd, LoraUnload):
+        executor.unload_adapter(cmd.lora_slot)
+    elif isinstance(cmd, SlotAdapter):
+        executor.set_slot_adapter(cmd.slot, cmd.lora_slot)
     else:
         raise ProtocolError(f"no worker action for {cmd!r}")

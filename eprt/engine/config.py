@@ -67,6 +67,14 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix matched
     eplb: EplbConfig = field(default_factory=lambda: EplbConfig())  # expert-parallel load balancing
     logprobs_mode: str = "raw"  # raw | processed: which logits logprobs come from (docs/serving.md)
+    lora_modules: tuple = ()  # (name, adapter dir) pairs served from the start (docs/lora.md)
+    enable_lora: bool = False  # LoRA slots even without --lora-modules (adapters loaded at run time)
+    max_loras: int = 4  # LoRA slots per rank (adapters in one batch at most)
+    max_lora_rank: int = 16
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -82,6 +90,13 @@ class EngineConfig:
             self.speculative().drafter()  # raises naming the bad flag
         if self.logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"--logprobs-mode must be raw or processed, got {self.logprobs_mode!r}")
+        if self.lora_enabled and (self.max_loras < 1 or self.max_lora_rank < 1):
+            raise ValueError(
+                f"--max-loras and --max-lora-rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}"
+            )
+        names = [n for n, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names must be distinct, got {names}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
         self.eplb.validate()
@@ -182,6 +197,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="record every frame, vision row and combine with its data under DUMP_DIR/payloads, for eprt replay",
     )
+    g.add_argument(
+        "--lora-modules",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable; docs/lora.md)",
+    )
+    g.add_argument("--enable-lora", action="store_true", help="LoRA slots for adapters loaded at run time")
+    g.add_argument("--max-loras", type=int, default=4, help="LoRA adapter slots per rank (4)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank served (16)")
     add_eplb_arguments(parser)
 
 
@@ -213,6 +238,17 @@ def eplb_config_from_args(args) -> EplbConfig:
     )
 
 
+def parse_lora_modules(values) -> tuple:
+    """--lora-modules NAME=DIR values as (name, dir) pairs."""
+    pairs = []
+    for v in values or ():
+        name, sep, path = v.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=DIR, got {v!r}")
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
 def engine_config_from_args(args) -> EngineConfig:
     cfg = EngineConfig(
         model=args.model,
@@ -237,6 +273,10 @@ def engine_config_from_args(args) -> EngineConfig:
         prompt_lookup_max=getattr(args, "prompt_lookup_max", 4),
         eplb=eplb_config_from_args(args),
         logprobs_mode=getattr(args, "logprobs_mode", "raw"),
+        lora_modules=parse_lora_modules(getattr(args, "lora_modules", ())),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 4),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
     )
     cfg.validate()
     return cfg

@@ -22,6 +22,7 @@ from eprt.comm.recorder import Recorder
 from eprt.comm.transport import StartupFailed
 from eprt.comm.worker import run_worker
 from eprt.comm.world import open_transport
+from eprt.engine.adapters import AdapterRegistry, UnknownAdapter
 from eprt.engine.choices import best_choices
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.eplb import Rebalancer
@@ -93,11 +94,33 @@ class Engine:
 
     # ---- clients (any thread) ------------------------------------------------------------
     def submit(self, req: GenerationRequest, on_finish=None):
-        """Queue a request; RequestError (naming the problem) if it cannot be served."""
-        self.images.apply(req)
-        self._check_vision(req)
-        self.compile_guide(req.params.guide)
-        return Handle(self.scheduler.submit(req, on_finish=self._finisher(on_finish)), self)
+        """Queue a request of one choice; RequestError (naming the problem) if it cannot be served."""
+        if getattr(req.params, "choices", 1) != 1:
+            raise RequestError(f"{req.params.choices} choices asked for: submit them with submit_choices")
+        return self.submit_choices(req, on_finish)[0]
+
+    def _adapter_id(self, name: str | None, count: int = 1) -> int:
+        """-1 for the base model (None or its name), else the adapter's id (UnknownAdapter if none),
+        held in flight ``count`` times (once per choice: each choice's finish lets go once)."""
+        if name is None or name == self.model_name:
+            return -1
+        if self.runner.adapters is None:
+            raise UnknownAdapter(f"model {name!r} is not {self.model_name!r} and no LoRA adapters are served")
+        return [self.runner.adapters.begin(name) for _ in range(count)][0]
+
+    def adapter_names(self) -> list[str]:
+        return [] if self.runner.adapters is None else self.runner.adapters.names()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at ``path`` as ``name`` (checked on rank 0 now; put into slots when used)."""
+        if self.runner.adapters is None:
+            raise RequestError("LoRA adapters are not enabled (start with --enable-lora or --lora-modules)")
+        self.runner.adapters.register(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        if self.runner.adapters is None:
+            raise UnknownAdapter(f"no LoRA adapter named {name!r} (LoRA is not enabled)")
+        self.runner.adapters.unregister(name)
 
     def submit_choices(self, req: GenerationRequest, on_finish=None, on_tokens: list | None = None) -> list:
         """Queue a request of ``req.params.choices`` choices (n, or best_of), one Handle each;
@@ -106,7 +129,16 @@ class Engine:
         self.images.apply(req)
         self._check_vision(req)
         self.compile_guide(req.params.guide)
-        inner = self.scheduler.submit_choices(req, on_finish=self._finisher(on_finish), on_tokens=on_tokens)
+        count = getattr(req.params, "choices", 1)
+        adapter = self._adapter_id(req.adapter, count)
+        try:
+            inner = self.scheduler.submit_choices(
+                req, on_finish=self._finisher(on_finish, adapter), on_tokens=on_tokens, adapter=adapter
+            )
+        except BaseException:
+            for _ in range(count if adapter != -1 else 0):
+                self.runner.adapters.end(adapter)
+            raise
         return [Handle(h, self) for h in inner]
 
     def compile_guide(self, guide) -> None:
@@ -123,8 +155,10 @@ class Engine:
             result.text = self.tokenizer.decode([t for t in result.token_ids if t not in eos])
         return result
 
-    def _finisher(self, user_cb):
+    def _finisher(self, user_cb, adapter: int = -1):
         def done(result: GenerationResult) -> None:
+            if adapter != -1:
+                self.runner.adapters.end(adapter)
             self._with_text(result)
             with self._lock:
                 c = self._counters
@@ -377,6 +411,7 @@ def launch_engine(args_or_config, transport=None):
         seed=cfg.seed,
         drafter=None if spec is None else spec.drafter(),
         batch_prefill=cfg.batch_prefill,
+        adapters=_adapter_registry(cfg, executor),
     )
     eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
     runner.guides = GuidedRows(GrammarCompiler(loaded.tokenizer, model_cfg.vocab_size, eos))
@@ -410,6 +445,17 @@ def launch_engine(args_or_config, transport=None):
             engine.shutdown()
         else:
             transport.close("rank 0 failed")
+
+
+def _adapter_registry(cfg: EngineConfig, executor) -> AdapterRegistry | None:
+    """Rank 0's adapters: --lora-modules registered (each checked by reading rank 0's share)."""
+    if executor.lora is None:
+        return None
+    registry = AdapterRegistry(cfg.max_loras, validate=executor.lora.read)
+    for name, path in cfg.lora_modules:
+        registry.register(name, path, check=False)  # every rank read it at start-up
+        log.info("LoRA adapter %r from %s", name, path)
+    return registry
 
 
 def _close(transport, cfg: EngineConfig) -> None:

@@ -72,8 +72,11 @@ class ShardExecutor:
         prefix_cache: bool = True,
         image_token_id: int | None = None,
         snapshot_rows: int | None = None,
+        lora=None,
     ):
         self.model, self.ops, self.cfg = model, model.ops, model.cfg
+        self.lora = model.lora = lora  # LoraSlots (eprt/model/lora.py) or None: no adapters served
+        self._pending_adapter: dict[int, int] = {}  # slot -> adapter id its next PREFILL uses (SLOT_ADAPTER)
         self.pool_blocks = num_blocks  # as given: KV blocks plus what snapshots take of them
         # a hybrid model's recurrent state: one row per slot beside the paged KV, and snapshots of it
         # at block boundaries for the prefix cache, paid for in KV blocks (docs/hybrid.md)
@@ -310,7 +313,8 @@ class ShardExecutor:
         for c in chunks:
             tokens = [int(t) for t in c.tokens]
             if self.slots.get(c.slot) is None:  # first chunk on a worker: allocate exactly as rank 0 did
-                cached = self.allocate(c.slot, tokens, vision_rows=c.vision_rows, max_hit=c.chunk_start)
+                adapter = self._pending_adapter.pop(c.slot, -1)
+                cached = self.allocate(c.slot, tokens, adapter, vision_rows=c.vision_rows, max_hit=c.chunk_start)
                 if cached != c.chunk_start:
                     raise ExecutorError(
                         f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
@@ -337,6 +341,7 @@ class ShardExecutor:
             state_slots=np.asarray(named, dtype=np.int32),
             parts=tuple(parts),
         )
+        self._lora_rows([st.adapter for st, new in states for _ in new])  # each token's adapter
         deepstack = None
         if self.cfg.mrope_section:  # 3-D positions and deepstack rows: one sequence per pass (prefill_group)
             (st, _), c = states[0], chunks[0]
@@ -374,6 +379,7 @@ class ShardExecutor:
             state_slots=np.asarray(slots, dtype=np.int32),
         )
         ids = np.asarray(tokens, dtype=np.int32)
+        self._lora_rows([st.adapter for st in states])
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [B, D]
         for st, tok in zip(states, tokens):  # the token's KV is stored now
             st.tokens.append(int(tok))
@@ -411,6 +417,7 @@ class ShardExecutor:
                 context_lens=(positions + 1).astype(np.int32),
             )
         ids = np.asarray([t for tok, d in zip(tokens, drafts) for t in (tok, *d)], dtype=np.int32)  # [N]
+        self._lora_rows([st.adapter for st, d in zip(states, drafts) for _ in range(1 + len(d))])
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [N, D]
         for st, tok, d in zip(states, tokens, drafts):
             st.tokens.extend((int(tok), *(int(t) for t in d)))
@@ -423,6 +430,44 @@ class ShardExecutor:
         for slot, (st, dropped) in zip(slots, self.slots.accept(slots, accepted)):
             if dropped and self.blocks.shrink(st.key, st.length):
                 self._store_table(slot, st.key)
+
+    # ---- LoRA adapters (LORA_LOAD, LORA_UNLOAD, SLOT_ADAPTER; docs/lora.md) --------------------------
+    def _lora_rows(self, adapters: list) -> None:
+        """The forward pass's rows' adapter slots (None, the base path, when no row has an adapter)."""
+        self.model.lora_rows = None if self.lora is None else self.lora.rows(adapters)
+
+    def _lora_slots(self, what: str):
+        if self.lora is None:
+            raise ExecutorError(f"{what}: this executor serves no LoRA adapters (--max-loras 0)")
+        return self.lora
+
+    def load_adapter(self, lora_slot: int, adapter_id: int, path: str) -> None:
+        """Read this rank's share of the adapter at ``path`` into ``lora_slot`` (its old adapter out)."""
+        lora = self._lora_slots("LORA_LOAD")
+        self._check_unused(lora, lora_slot, "LORA_LOAD")
+        lora.load(lora_slot, adapter_id, lora.read(path))
+
+    def unload_adapter(self, lora_slot: int) -> None:
+        lora = self._lora_slots("LORA_UNLOAD")
+        self._check_unused(lora, lora_slot, "LORA_UNLOAD")
+        lora.unload(lora_slot)
+
+    def _check_unused(self, lora, lora_slot: int, what: str) -> None:
+        if not 0 <= lora_slot < lora.max_loras:
+            raise SlotError(f"{what}: LoRA slot {lora_slot} out of range [0, {lora.max_loras})")
+        held = lora.ids[lora_slot]
+        users = [i for i in self.slots.occupied() if held >= 0 and self.slots.get(i).adapter == held]
+        if users:
+            raise SlotError(f"{what}: LoRA slot {lora_slot} holds adapter {held}, in use by slot(s) {users}")
+
+    def set_slot_adapter(self, slot: int, lora_slot: int) -> None:
+        """SLOT_ADAPTER: the next PREFILL into the empty ``slot`` uses the adapter in ``lora_slot``."""
+        lora = self._lora_slots("SLOT_ADAPTER")
+        if self.slots.get(slot) is not None:
+            raise SlotError(f"SLOT_ADAPTER for occupied slot {slot}")
+        if not 0 <= lora_slot < lora.max_loras or lora.ids[lora_slot] < 0:
+            raise SlotError(f"SLOT_ADAPTER slot {slot}: LoRA slot {lora_slot} holds no adapter")
+        self._pending_adapter[slot] = lora.ids[lora_slot]
 
     def _decode_tables(self, slots: list, states: list, lengths: np.ndarray) -> np.ndarray:
         """Block tables [B, MB] (zero-padded) of a decode step's rows, with room for one more

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eprt.comm import protocol as P
+from eprt.engine import adapter_slots
 from eprt.engine.choices import choice_seed, token_logprobs
 from eprt.engine.executor import ShardExecutor, vision_salt
 from eprt.engine.sampling import (
@@ -59,8 +60,10 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         seed: int = 0,
         drafter: Drafter | None = None,
         batch_prefill: bool = True,
+        adapters=None,
     ):
         self.executor = executor
+        self.adapters = adapters  # eprt.engine.adapters.AdapterRegistry, or None: no adapters served
         self.transport = transport  # eprt.comm.transport.Transport (LocalTransport on one rank)
         # a tick's prefill chunks as one forward (not for hybrid models: their snapshots are taken
         # between one sequence's prefill and the next one's allocation; not for MRoPE models, whose
@@ -96,6 +99,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
     def can_admit(self, seq) -> bool:
         if self._state(seq).held is not None:
             return True
+        if seq.adapter != -1 and not adapter_slots.can_place(self, seq.adapter):
+            return False  # every LoRA slot holds an adapter running sequences use
         return self.executor.blocks.can_allocate(
             seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt, max_hit=self._max_hit(seq)
         )
@@ -124,8 +129,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         return self._allocate(seq)
 
     def _allocate(self, seq) -> int:
-        if seq.adapter != -1:  # PREFILL carries no adapter: workers could not mirror the allocation
-            raise ValueError(f"adapter {seq.adapter} requested but this model serves no adapters")
+        if seq.adapter != -1 and self.adapters is None:
+            raise ValueError(f"adapter {seq.adapter} requested but this engine serves no adapters (--max-loras 0)")
         slot = self.executor.slots.lowest_free()
         if slot is None:
             raise RuntimeError("alloc_sequence with every slot occupied")
@@ -236,6 +241,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
             slot, cached = self._slot_and_cached(seq)
             prompt, vision = tuple(seq.token_ids[: seq.num_prompt]), seq.image_embeds
             if start == cached:  # the slot's first chunk: the whole prompt and its vision rows, once
+                if seq.adapter != -1:  # ends a worker's run of prefills: such a chunk runs alone (admit_ahead)
+                    self.transport.send(P.SlotAdapter(slot, self.executor.lora.slot_of(seq.adapter)))
                 cmd = P.Prefill(slot, start, n, prompt, 0 if vision is None else len(vision))
                 self.transport.send(cmd, vision)
                 rows.append(vision)
@@ -372,6 +379,18 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         if state.history is None:
             state.history = History.of(seq.prompt_ids)
         return state.history.sync(seq.output_ids)
+
+    # ---- LoRA adapters (eprt/engine/adapter_slots.py) -----------------------------------------
+    def acquire_adapter_slot(self, adapter: int) -> None:
+        """Load the admitted sequence's adapter into a LoRA slot here and on every worker (LORA_LOAD)."""
+        if adapter != -1:
+            adapter_slots.acquire(self, adapter)
+
+    def adapter_id_for(self, adapter: int) -> int:
+        """Once per planning step (-1): empty the slots of adapters unregistered since (LORA_UNLOAD)."""
+        if adapter == -1 and self.adapters is not None:
+            adapter_slots.unload_orphans(self)
+        return adapter
 
     # ---- shutdown ----------------------------------------------------------------------
     def ep_shutdown(self) -> None:

@@ -20,6 +20,7 @@ from eprt.engine.eplb import check_same_placement, count_nodes, initial_placemen
 from eprt.engine.executor import ShardExecutor
 from eprt.model.kv_cache import KVCache
 from eprt.model.loader import LoadedModel, load_model
+from eprt.model.lora import LoraSlots
 from eprt.ops.base import Ops
 from eprt.ops.device import compute_identity, get_ops
 
@@ -82,9 +83,20 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
             cfg.max_batch,
             prefix_cache=cfg.prefix_cache,
             image_token_id=cfg.image_token_id,
+            lora=_lora_slots(cfg, ops, loaded),
         )
     )
+    if executor.lora is not None:  # every rank reads its share of each adapter once, so a bad one fails here
+        step(lambda: [executor.lora.read(path) for _, path in cfg.lora_modules])
     return Started(ops, loaded, executor, max_model_len, nodes)
+
+
+def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
+    """This rank's LoRA slots (its experts' share of each adapter), or None without --lora-modules / --enable-lora."""
+    if not cfg.lora_enabled:
+        return None
+    w = loaded.model.w
+    return LoraSlots(ops, loaded.config, cfg.max_loras, cfg.max_lora_rank, w.expert_start, w.expert_end)
 
 
 def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:

@@ -114,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--best-of", type=int, default=None, help="generate this many choices per prompt, print the n most likely"
     )
+    parser.add_argument(
+        "--adapter", default=None, metavar="NAME", help="generate with the LoRA adapter NAME of --lora-modules"
+    )
     add_engine_arguments(parser)
 
 
@@ -148,7 +151,7 @@ def _requests(args, tokenizer) -> list:
                 raise RequestError(f"--prompt {value!r} encodes to no tokens")
         else:
             ids = value
-        reqs.append(GenerationRequest(prompt_ids=ids, params=params))
+        reqs.append(GenerationRequest(prompt_ids=ids, params=params, adapter=getattr(args, "adapter", None)))
     for index, path in args.image_embeds:
         if not 0 <= index < len(reqs):
             raise RequestError(f"--image-embeds names prompt {index}, but there are {len(reqs)} prompts")

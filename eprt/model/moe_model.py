@@ -162,6 +162,8 @@ class MoEModel:
         self.inv_freq = _inv_freq(cfg, cfg.rope_dim)  # [R/2] float32
         self.cos_sin = ops.activation(rope_table(cfg, max_len))
         self.scale = attention_scale(cfg)
+        self.lora = None  # LoraSlots (eprt/model/lora.py) when adapters are served
+        self.lora_rows = None  # LoraRows of the forward pass in progress; None: no adapter in the batch
 
     # ---- pieces ------------------------------------------------------------------------
     def embed(self, ids: np.ndarray, image_rows: np.ndarray | None = None, image_mask: np.ndarray | None = None):
@@ -170,12 +172,17 @@ class MoEModel:
             h[self.ops.index(np.nonzero(image_mask)[0])] = self.ops.activation(image_rows)
         return h
 
+    def _linear(self, x, w, layer: int, target: str, bias=None):
+        """ops.linear plus the LoRA delta of each row's adapter (nothing more without adapters)."""
+        y = self.ops.linear(x, w, bias)
+        return y if self.lora_rows is None else self.lora.apply(y, x, self.lora_rows, layer, target)
+
     def _attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
         cfg, ops = self.cfg, self.ops
         T = x.shape[0]
-        q = ops.linear(x, lw.q, lw.q_bias)  # [T, H*Dh]
-        k = ops.linear(x, lw.k, lw.k_bias)  # [T, Hk*Dh]
-        v = ops.linear(x, lw.v, lw.v_bias)
+        q = self._linear(x, lw.q, layer, "q", lw.q_bias)  # [T, H*Dh]
+        k = self._linear(x, lw.k, layer, "k", lw.k_bias)  # [T, Hk*Dh]
+        v = self._linear(x, lw.v, layer, "v", lw.v_bias)
         if cfg.qk_norm == "full":  # OLMoE
             q = ops.rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
@@ -207,7 +214,7 @@ class MoEModel:
         o = o.reshape(T, -1)  # [T, H*Dh]
         if lw.q_gate is not None:  # Qwen3-Next's gated attention
             o = ops.sigmoid_mul(o, ops.linear(x, lw.q_gate))
-        return ops.linear(o, lw.o)  # [T, D]
+        return self._linear(o, lw.o, layer, "o")  # [T, D]
 
     def _per_sequence(self, batch: AttnBatch, run: Callable):
         """A prefill's per-sequence step (causal attention over each one's own paged KV) on each
@@ -261,22 +268,29 @@ class MoEModel:
         else:
             weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
         ops.count_experts(ids, self.expert_counts[layer])
-        if self.slots is None:
+        experts = (None, None) if self.lora_rows is None else self.lora.experts(layer)
+        if experts != (None, None):
+            if self.slots is not None:
+                raise ValueError("LoRA on the routed experts under EPLB is not supported")
+            args = (lw.w_gate_up, lw.w_down, self.w.expert_start, self.lora_rows, *experts)
+            out = self.combine(ops.moe_experts_lora(x, weights, ids, *args))  # [T, D] summed over ranks
+        elif self.slots is None:
             partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
             out = self.combine(partial)  # [T, D] summed over ranks
         else:
             out = self.slots.moe(ops, self.combine, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]
         if lw.shared_gate_up is not None:
-            s = ops.linear(ops.silu_and_mul(ops.linear(x, lw.shared_gate_up)), lw.shared_down)
+            up = ops.silu_and_mul(self._linear(x, lw.shared_gate_up, layer, "shared_gate_up"))
+            s = self._linear(up, lw.shared_down, layer, "shared_down")
             if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
                 out = ops.sigmoid_gate_add(out, s, ops.linear(x, lw.shared_gate))  # gate [T, 1]
             else:  # DeepSeek / GLM shared experts
                 out = ops.add(out, s)
         return out
 
-    def _dense_mlp(self, lw, x):
-        ops = self.ops
-        return ops.linear(ops.silu_and_mul(ops.linear(x, lw.mlp_gate_up)), lw.mlp_down)
+    def _dense_mlp(self, lw, x, layer: int):
+        up = self.ops.silu_and_mul(self._linear(x, lw.mlp_gate_up, layer, "mlp_gate_up"))
+        return self._linear(up, lw.mlp_down, layer, "mlp_down")
 
     # ---- forward -----------------------------------------------------------------------
     def hidden_states(self, h, batch: AttnBatch, kv: KVCache, state: RecurrentState | None = None, deepstack=None):
@@ -304,7 +318,7 @@ class MoEModel:
             else:
                 h = attention(lw, x, batch, kv, i)
             x, residual = ops.add_rms_norm(h, residual, lw.post_norm, cfg.rms_norm_eps)
-            h = self._moe(lw, x, i) if cfg.sparse_layers[i] else self._dense_mlp(lw, x)
+            h = self._moe(lw, x, i) if cfg.sparse_layers[i] else self._dense_mlp(lw, x, i)
             if deepstack is not None and i < len(deepstack[1]):
                 h = self._add_deepstack(h, *deepstack, i)
         x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps)

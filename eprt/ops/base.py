@@ -226,6 +226,17 @@ class Ops:
         expert was chosen. Summing this over all ranks gives the MoE output."""
         raise NotImplementedError
 
+    # ---- multi-LoRA (eprt/ops/lora_ops.py: LoraRows, the NumPy reference) --------------------------
+    def lora_apply(self, y: Array, x: Array, a: Array, b: Array, rows) -> Array:
+        """In place and returned: y[T, N] += (x[t] @ a[s].T) @ b[s] for each row t whose adapter slot
+        rows.slots[t] = s >= 0; x[T, K], a[S, R, K], b[S, R, N] float32 (B transposed, rank zero-padded)."""
+        raise NotImplementedError
+
+    def moe_experts_lora(self, x, weights, ids, w_gate_up, w_down, expert_start, rows, gate_up, down) -> Array:
+        """``moe_experts`` where token t's expert projections also carry its adapter slot's delta:
+        gate_up = (a[S, El, R, D], b[S, El, R, 2I]) and down = (a[S, El, R, I], b[S, El, R, D]), or None."""
+        raise NotImplementedError
+
     # ---- hybrid linear-attention models (Qwen3-Next's Gated DeltaNet) -------------------------
     def causal_conv1d(self, x: Array, weight: Array, conv_state: Array, slot: int) -> Array:
         """One sequence's chunk x[T, C] through the depthwise causal conv weight[C, K] that

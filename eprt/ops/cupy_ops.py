@@ -760,6 +760,26 @@ class CupyOps(Ops):
         MB, BS = block_tables.shape[1], latent_cache.shape[1]
         return self._mla_attend(op, q, latent_cache, block_tables, MB, context_lens, MB * BS, scale, value_dim)
 
+    def lora_apply(self, y, x, a, b, rows):
+        op = "lora_apply"
+        T, K = x.shape
+        _check(op, "x", x, _BF16, (T, K))
+        _check(op, "y", y, _BF16, (T, None))
+        N = y.shape[1]
+        _check(op, "rows.index", rows.index, _I32, (T,))
+        S, R = a.shape[0], a.shape[1]
+        _require(op, a.dtype == _F32 and b.dtype == _F32, "a and b must be float32 stacks")
+        _require(op, a.shape == (S, R, K) and b.shape == (S, R, N), f"a {a.shape} / b {b.shape} do not fit x / y")
+        _require(op, a.strides[1:] == (4 * K, 4) and b.strides[1:] == (4 * N, 4), "a / b rows must be contiguous")
+        if T == 0 or R == 0 or N == 0:
+            return y
+        xa = cupy.empty((T, R), dtype=_F32)  # [T, R]
+        args = (x, a, rows.index, xa, np.int32(K), np.int32(R), np.int64(a.strides[0] // 4))
+        _launch("lora.cu", "lora_shrink", (T,), _threads(32 * R, 256), args)
+        args = (xa, b, rows.index, y, np.int64(T * N), np.int32(N), np.int32(R), np.int64(b.strides[0] // 4))
+        _launch("lora.cu", "lora_expand", (min(-(-T * N // 256), 65536),), 256, args)
+        return y
+
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         op = "moe_experts"
         fp8 = isinstance(w_gate_up, Fp8Weight)

@@ -39,6 +39,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "argmax.cu": ("argmax_bf16", "argmax_f32"),
     "sampling.cu": ("gather_rows_bf16", "gather_rows_f32", "mask_tokens", "edit_tokens", "sample_tokens"),
     "expert_count.cu": ("count_experts",),
+    "lora.cu": ("lora_shrink", "lora_expand"),
     "gated_delta.cu": tuple(f"causal_conv1d_k{k}" for k in (2, 3, 4))
     + tuple(f"gated_delta_rule_dk{d}" for d in (32, 64, 128))
     + ("delta_rule_gates", "gated_rms_norm", "sigmoid_mul_bf16"),

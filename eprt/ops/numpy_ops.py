@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from eprt.ops import lora_ops
 from eprt.ops.base import Ops
 from eprt.ops.bf16 import bf16_bits_to_f32
 
@@ -217,6 +218,13 @@ class NumpyOps(Ops):
                 y = np.zeros_like(x)
             out = y if out is None else out + y
         return out  # [1, D]
+
+    def lora_apply(self, y, x, a, b, rows):
+        return lora_ops.lora_apply(y, x, a, b, rows)
+
+    def moe_experts_lora(self, x, weights, ids, w_gate_up, w_down, expert_start, rows, gate_up, down):
+        args = (w_gate_up, w_down, expert_start, rows, gate_up, down, EXPERT_ROWS_AS_GEMV)
+        return lora_ops.moe_experts_lora(self, x, weights, ids, *args)
 
     # ---- hybrid linear-attention models (Gated DeltaNet) --------------------------------
     DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (transformers' and FLA's default)

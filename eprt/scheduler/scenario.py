@@ -51,6 +51,7 @@ class RequestSpec:
     ignore_eos: bool = False
     drafts: list | None = None  # the fake drafter's script (speculative_tokens > 0)
     choices: list = field(default_factory=list)  # scripts of further choices (n > 1), forked after the prompt
+    adapter: int = -1  # LoRA adapter id (-1: the base model)
 
 
 @dataclass
@@ -146,6 +147,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         "ignore_eos",
         "drafts",
         "choices",
+        "adapter",
     }
     where = f"request {r.get('id', '?')}"
     if set(r) - known:
@@ -180,6 +182,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         ignore_eos=_take(r, "ignore_eos", bool, False, where),
         drafts=_take(r, "drafts", list, None, where),
         choices=_take(r, "choices", list, [], where),
+        adapter=_take(r, "adapter", int, -1, where),
     )
     if spec.drafts is not None and not all(type(t) is int and 0 <= t < engine.vocab_size for t in spec.drafts):
         raise ScenarioError(f"{where}: drafts must be a list of token ids < {engine.vocab_size}")
@@ -284,7 +287,7 @@ def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None
         on_token=out.streamed.append,
     )
     try:
-        handles = sched.submit_choices(request, on_finish=finished, seq_id=r.id)
+        handles = sched.submit_choices(request, on_finish=finished, seq_id=r.id, adapter=r.adapter)
     except RequestError as e:
         out.rejected, out.forks = str(e), []  # (its further choices were never submitted)
         return

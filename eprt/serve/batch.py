@@ -45,7 +45,20 @@ from eprt.serve.stream import LiveChoices, LiveRequest
 log = logging.getLogger("eprt.serve")
 
 LINE_FIELDS = frozenset(
-    {"id", "prompt", "prompt_ids", "images", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "timeout"}
+    {
+        "id",
+        "prompt",
+        "prompt_ids",
+        "images",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "timeout",
+        "model",
+    }
     | {"n", "best_of", "response_format", "structured_outputs"}
     | set(GUIDED_FIELDS)
     | set(PROCESSING)
@@ -229,7 +242,13 @@ def build_request(line: Line, engine) -> tuple:
     guide, guide_field = parse_guide(obj)
     compile_guide(engine, guide, guide_field)
     params = dataclasses.replace(fit_to_context(parse_choices(obj, opts.params), room), guide=guide)
-    req = GenerationRequest(prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s, image_embeds=rows)
+    model = obj.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldError("model", f"model must be a string (the base model or a LoRA adapter name), got {model!r}")
+    adapter = None if model in (None, engine.model_name) else model  # unknown names: refused at submit
+    req = GenerationRequest(
+        prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s, image_embeds=rows, adapter=adapter
+    )
     return req, opts.stop_strings
 
 

@@ -32,8 +32,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from eprt import __version__
 from eprt.api import ENGINE_FAILED, RequestError
+from eprt.engine.adapters import UnknownAdapter
 from eprt.engine.choices import best_choices
-from eprt.serve import openai
+from eprt.serve import adapters, openai
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES, ApiError, parse_json, read_body
 from eprt.serve.media import MediaPolicy
 from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -45,7 +46,8 @@ log = logging.getLogger("eprt.serve")
 MAX_HEADER_BYTES = 64 << 10  # request line and headers; more is answered 431
 _CLIENT_CHECK_S = 0.25  # how often a waiting non-stream request checks that its client is still there
 GENERATION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> is chat
-ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES)
+ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES, *ADAPTER_ROUTES)
 
 
 @dataclass(frozen=True)
@@ -363,6 +365,14 @@ def build_app(state: ServerState):
     async def models():
         return JSONResponse(openai.models_body(state.engine, state.created, state.model_name))
 
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await _adapter_call(state, request, adapters.load_adapter)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await _adapter_call(state, request, adapters.unload_adapter)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _answer(state, request, chat=False)
@@ -374,6 +384,15 @@ def build_app(state: ServerState):
     return Guard(app, state)
 
 
+async def _adapter_call(state: ServerState, request: Request, call):
+    """A LoRA adapter route: the JSON body to ``call`` (off the event loop: it reads files); text answer."""
+    try:
+        raw = await read_body(request, state.settings.max_body_bytes, state.settings.http_timeout_s)
+        return Response(await run_in_threadpool(call, state.engine, parse_json(raw)), media_type="text/plain")
+    except ApiError as e:
+        return error_response(e)
+
+
 async def _answer(state: ServerState, request: Request, chat: bool):
     """One generation request, every failure turned into its error answer."""
     try:
@@ -383,6 +402,8 @@ async def _answer(state: ServerState, request: Request, chat: bool):
         return Response(status_code=499)  # never seen: the client is gone
     except ApiError as e:
         return error_response(e)
+    except UnknownAdapter as e:  # unloaded between parsing and submitting
+        return error_response(ApiError(400, str(e), param="model", code="model_not_found"))
     except RequestError as e:  # FieldError carries the field's name
         return error_response(ApiError(400, str(e), param=getattr(e, "param", None)))
     except Exception:

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from eprt.api import GenerationRequest, GenerationResult, SamplingParams
+from eprt.serve.adapters import model_entries, pick_model
 from eprt.serve.guided import GUIDED_FIELDS, compile_guide, parse_guide
 from eprt.serve.media import MediaPolicy, image_part_bytes, image_text
 from eprt.serve.params import (
@@ -280,8 +281,9 @@ def parse_request(
         raise FieldError("body", f"the request body must be a JSON object, got {type(body).__name__}")
     model_name = model_name or engine.model_name
     model = body.get("model", model_name)
-    if model != model_name:
-        raise FieldError("model", f"model {model!r:.80} is not served here; this server serves {model_name!r}")
+    if not isinstance(model, str):
+        raise FieldError("model", f"model must be a string, got {type(model).__name__}")
+    adapter = pick_model(engine, model, model_name)
     _check_size(body, chat, engine.max_model_len)
     _check_types(body, chat)
     for name, (unsupported, message) in {**UNSUPPORTED, **(CHAT_UNSUPPORTED if chat else {})}.items():
@@ -325,11 +327,11 @@ def parse_request(
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     api = ApiRequest(
         chat,
-        GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s, image_embeds=image_rows),
+        GenerationRequest(prompt_ids, params, timeout_s=opts.timeout_s, image_embeds=image_rows, adapter=adapter),
         opts.stop_strings,
         stream,
         include_usage,
-        model_name,
+        model,
     )
     api.request.request_id = api.id
     api.echo, api.prompt_logprobs, api.tokenizer = echo, shown, engine.tokenizer
@@ -528,6 +530,7 @@ def models_body(engine, created: int, model_name: str | None = None) -> dict:
                 "created": created,
                 "owned_by": "eprt",
                 "max_model_len": engine.max_model_len,
-            }
+            },
+            *model_entries(engine, created, model_name or engine.model_name),
         ],
     }
