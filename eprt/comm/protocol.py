@@ -15,6 +15,8 @@ RESERVED_BASE = TOKEN_ID_LIMIT  # every word >= this is a command, so token ids 
 DECODE_BATCH = 0xFFFFFFE0
 COMPACT = 0xFFFFFFE2
 PREFILL_NEXT = 0xFFFFFFE4
+OWNER = 0xFFFFFFEA
+DECODE_DP = 0xFFFFFFEB
 PREFILL = 0xFFFFFFF0
 RELEASE = 0xFFFFFFF1
 VERIFY_K2 = 0xFFFFFFF2
@@ -29,6 +31,8 @@ NAMES = {
     DECODE_BATCH: "DECODE_BATCH",
     COMPACT: "COMPACT",
     PREFILL_NEXT: "PREFILL_NEXT",
+    OWNER: "OWNER",
+    DECODE_DP: "DECODE_DP",
     PREFILL: "PREFILL",
     RELEASE: "RELEASE",
     VERIFY_K2: "VERIFY_K2",
@@ -129,11 +133,41 @@ class DecodeCkpt:
 
 
 @dataclass(frozen=True)
+class Owner:
+    """dp attention: the sequence the next PREFILL puts into ``slot`` lives on rank ``owner``."""
+
+    slot: int
+    owner: int
+
+
+@dataclass(frozen=True)
+class DecodeDp:
+    """dp attention: one batched decode step, rows as in DECODE_BATCH; ``counts[r]`` rows are
+    owned by rank r (one count per rank of the world)."""
+
+    slots: tuple[int, ...]
+    tokens: tuple[int, ...]
+    counts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Free every slot and leave the worker loop."""
 
 
-Command = Decode1 | DecodeBatch | Compact | Prefill | PrefillNext | Release | Verify | DecodeCkpt | Shutdown
+Command = (
+    Decode1
+    | DecodeBatch
+    | Compact
+    | Prefill
+    | PrefillNext
+    | Release
+    | Verify
+    | DecodeCkpt
+    | Owner
+    | DecodeDp
+    | Shutdown
+)
 
 
 def validate_vocab_size(vocab_size: int) -> int:
@@ -181,6 +215,15 @@ def encode(cmd: Command) -> np.ndarray:
             cmd.adapter_id & WORD_MAX,
             cmd.adapter_id >> 32,
         ]
+    elif isinstance(cmd, Owner):
+        words = [cmd.slot, OWNER, cmd.owner]
+    elif isinstance(cmd, DecodeDp):
+        if len(cmd.slots) != len(cmd.tokens) or sum(cmd.counts) != len(cmd.slots):
+            raise ProtocolError(
+                f"DECODE_DP has {len(cmd.slots)} slots, {len(cmd.tokens)} tokens and rows per rank "
+                f"{list(cmd.counts)} (summing to {sum(cmd.counts)}): all three must agree"
+            )
+        words = [0, DECODE_DP, len(cmd.slots), len(cmd.counts), *cmd.counts, *cmd.slots, *cmd.tokens]
     elif isinstance(cmd, Shutdown):
         words = [0, SHUTDOWN]
     else:
@@ -305,6 +348,26 @@ class Decoder:
                 return None
             w = b[body:end].tolist()
             out = DecodeCkpt(self._slot(seq, "DECODE_CKPT"), w[0], w[1], w[2] | w[3] << 32, w[4] | w[5] << 32)
+        elif cmd == OWNER:
+            end = body + 1
+            if len(b) < end:
+                return None
+            out = Owner(self._slot(seq, "OWNER"), int(b[body]))
+        elif cmd == DECODE_DP:
+            if len(b) - body < 2:
+                return None
+            n, ranks = int(b[body]), int(b[body + 1])
+            if not 1 <= n <= (self.max_slots or n) or ranks < 1:
+                raise ProtocolError(f"DECODE_DP of {n} rows over {ranks} ranks (rows 1..{self.max_slots}, ranks >= 1)")
+            head = body + 2 + ranks
+            end = head + 2 * n
+            if len(b) < end:
+                return None
+            counts = tuple(b[body + 2 : head].tolist())
+            if sum(counts) != n:
+                raise ProtocolError(f"DECODE_DP rows per rank {list(counts)} do not sum to its {n} rows")
+            slots = tuple(self._slot(s, "DECODE_DP") for s in b[head : head + n].tolist())
+            out = DecodeDp(slots, self._tokens(b[head + n : end]), counts)
         elif cmd == SHUTDOWN:
             out, end = Shutdown(), body
         else:

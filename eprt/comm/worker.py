@@ -17,7 +17,9 @@ from eprt.comm.protocol import (
     Decode1,
     DecodeBatch,
     DecodeCkpt,
+    DecodeDp,
     Decoder,
+    Owner,
     Prefill,
     PrefillNext,
     ProtocolError,
@@ -65,6 +67,10 @@ class Executor(Protocol):
 
     def release(self, slot: int) -> None:
         """Free the sequence in ``slot``."""
+
+    def assign_owner(self, slot: int, owner: int) -> None:
+        """OWNER (dp attention, an executor whose ``dp`` is true): the next PREFILL into ``slot`` is
+        owned by rank ``owner``. DECODE_DP calls ``decode(slots, tokens, counts)``."""
 
     def shutdown(self) -> None:
         """Free every slot and everything else the executor holds."""
@@ -138,6 +144,15 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
             f"VERIFY_K{len(cmd.drafts)} (slot {cmd.slot}) is reserved for "
             "speculative decoding, which this build does not support"
         )
+    elif isinstance(cmd, (Owner, DecodeDp)) and not getattr(executor, "dp", False):
+        raise ProtocolError(
+            f"{type(cmd).__name__} (slot {cmd.slots if isinstance(cmd, DecodeDp) else cmd.slot}) "
+            "is for dp attention, but this rank runs replicated attention"
+        )
+    elif isinstance(cmd, Owner):
+        executor.assign_owner(cmd.slot, cmd.owner)
+    elif isinstance(cmd, DecodeDp):
+        executor.decode(list(cmd.slots), list(cmd.tokens), list(cmd.counts))
     elif isinstance(cmd, DecodeCkpt):
         executor.checkpoint(cmd.slot, cmd.snapshot_tokens, cmd.end_block, cmd.session_hash, cmd.adapter_id)
     else:

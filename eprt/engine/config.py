@@ -10,6 +10,9 @@ from eprt import env
 # Prompt tokens per prefill chunk by default: a long prompt shares the step with the decoding
 # sequences instead of stalling them (README, "Measured figures": 648 ms vs 92 ms worst gap).
 DEFAULT_PREFILL_TOKENS = {"cpu": 512, "cuda": 2048}
+ATTENTION_MODES = ("dp", "replicated")
+# --attention by default at world size > 1 (one rank is always replicated): benchmarks/bench_ep.py decides
+DEFAULT_MULTI_RANK_ATTENTION = "replicated"
 
 
 @dataclass
@@ -29,6 +32,13 @@ class EngineConfig:
     dump_dir: str = "eprt-dumps"  # the flight recorder's files (docs/observability.md)
     dump_frames: bool = False  # also write them at shutdown
     record_payloads: bool = False  # record every frame, row and combine with its data, for eprt replay
+    attention: str | None = None  # dp | replicated; None: attention_mode() by world size
+
+    def attention_mode(self, world: int) -> str:
+        """dp (each sequence's attention and KV on one owner rank) or replicated (on every rank)."""
+        if self.attention is not None:
+            return self.attention
+        return DEFAULT_MULTI_RANK_ATTENTION if world > 1 else "replicated"
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -40,6 +50,8 @@ class EngineConfig:
             raise ValueError("--num-blocks and --max-prefill-tokens must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention not in (None, *ATTENTION_MODES):
+            raise ValueError(f"--attention must be dp or replicated, got {self.attention!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
 
@@ -96,6 +108,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="token id of image placeholders (default: the config's image_token_id)",
     )
+    g.add_argument(
+        "--attention",
+        default=None,
+        choices=list(ATTENTION_MODES),
+        help="dp: each sequence's KV and attention on one owner rank, the ranks' KV pools add up; replicated: "
+        f"on every rank (default: {DEFAULT_MULTI_RANK_ATTENTION} at world size > 1, replicated on one rank)",
+    )
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")
     g.add_argument("--log-all-ranks", action="store_true", help="log from every rank, not only rank 0")
     g.add_argument(
@@ -129,6 +148,7 @@ def engine_config_from_args(args) -> EngineConfig:
         dump_dir=args.dump_dir or env.DUMP_DIR.get(),
         dump_frames=args.dump_frames,
         record_payloads=args.record_payloads,
+        attention=args.attention,
     )
     cfg.validate()
     return cfg

@@ -23,6 +23,8 @@ from eprt.comm.transport import StartupFailed
 from eprt.comm.worker import run_worker
 from eprt.comm.world import open_transport
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
+from eprt.engine.dp_executor import DpShardExecutor
+from eprt.engine.dp_runner import DpModelRunner
 from eprt.engine.expert_load import imbalance
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
@@ -300,7 +302,9 @@ def launch_engine(args_or_config, transport=None):
         code = run_worker(transport, executor, cfg.max_batch, model_cfg.vocab_size)
         _close(transport, cfg)
         sys.exit(code)
-    runner = ModelRunner(executor, transport, seed=cfg.seed)
+    runner = (DpModelRunner if isinstance(executor, DpShardExecutor) else ModelRunner)(
+        executor, transport, seed=cfg.seed
+    )
     sched_cfg = SchedulerConfig(
         vocab_size=model_cfg.vocab_size,
         eos_token_ids=tuple(

@@ -224,7 +224,7 @@ class ShardExecutor:
         )
         h = self.model.hidden_states(self.model.embed(ids, rows, mask), batch, self.kv, self.state)  # [T, D]
         st.tokens.extend(tokens[chunk_start:end])
-        return self.model.logits(h[-1:]) if self.compute_logits else None
+        return self._output(h[-1:])
 
     def prefill_next(self, slot: int, chunk_start: int, tokens):
         """The next chunk ``tokens`` of the prompt (and vision rows) the slot's PREFILL brought."""
@@ -250,6 +250,11 @@ class ShardExecutor:
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [B, D]
         for st, tok in zip(states, tokens):  # the token's KV is stored now
             st.tokens.append(int(tok))
+        return self._output(h)
+
+    def _output(self, h):
+        """What a forward pass returns for its last hidden rows h [n, D]: logits [n, V] (None when
+        compute_logits is off)."""
         return self.model.logits(h) if self.compute_logits else None
 
     def _decode_tables(self, slots: list, states: list, lengths: np.ndarray) -> np.ndarray:

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from eprt import env
 from eprt.comm.device_combine import DeviceCombine, nccl_communicator
+from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import EngineConfig
+from eprt.engine.dp_executor import DpShardExecutor
 from eprt.engine.executor import ShardExecutor
 from eprt.model.kv_cache import KVCache
 from eprt.model.loader import LoadedModel, load_model
@@ -60,21 +62,47 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     ops, loaded = step(load)
     sharers = _check_identities(transport, step(lambda: compute_identity(ops)))
     blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, loaded.model.max_len, sharers))
-    agreed = min(int(b) for b in transport.allgather_text(str(blocks)))
-    if agreed < blocks:
+    every = [int(b) for b in transport.allgather_text(str(blocks))]
+    agreed = min(every)
+    dp = cfg.attention_mode(world) == "dp"
+    if agreed < blocks and not dp:
         log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)", rank, agreed, blocks)
     max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed))
-    executor = step(
-        lambda: ShardExecutor(
-            loaded.model,
-            agreed,
-            cfg.block_size,
-            cfg.max_batch,
-            prefix_cache=cfg.prefix_cache,
-            image_token_id=cfg.image_token_id,
+    if dp:  # each rank's pool is its own: a sequence's KV lives on its owner only
+        executor = step(
+            lambda: DpShardExecutor(
+                loaded.model,
+                every,
+                cfg.block_size,
+                cfg.max_batch,
+                DpExchange(transport, ops.xp),
+                prefix_cache=cfg.prefix_cache,
+                image_token_id=cfg.image_token_id,
+            )
         )
-    )
+    else:
+        executor = step(
+            lambda: ShardExecutor(
+                loaded.model,
+                agreed,
+                cfg.block_size,
+                cfg.max_batch,
+                prefix_cache=cfg.prefix_cache,
+                image_token_id=cfg.image_token_id,
+            )
+        )
+    log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
     return Started(ops, loaded, executor, max_model_len)
+
+
+def kv_capacity_line(block_size: int, pools: list[int], dp: bool) -> str:
+    """The start-up line stating the job's KV capacity in tokens: under dp attention the sum of the
+    ranks' pools (each sequence on one owner), else one pool (replicated on every rank)."""
+    tokens = sum(pools) * block_size
+    if dp:
+        each = " + ".join(str(b) for b in pools)
+        return f"KV capacity {tokens} tokens (attention dp: the ranks' pools, {each} blocks of {block_size} tokens)"
+    return f"KV capacity {tokens} tokens (attention replicated: {pools[0]} blocks of {block_size} tokens on every rank)"
 
 
 def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:

@@ -6,7 +6,8 @@ E experts, V vocabulary; MLA: C kv_lora_rank, R rope dims, Dn/Dv nope/value head
 Expert parallelism: ``combine`` sums the per-rank partial MoE outputs over ranks
 (identity on one rank). Attention, router and shared expert are replicated, so every
 rank computes identical hidden states and keeps identical KV (and, for hybrid models, identical
-recurrent state: ``linear_attention.py``).
+recurrent state: ``linear_attention.py``). Under dp attention ``exchange`` replaces the combine:
+each rank runs only its own rows and the MoE layer gathers and scatters them (docs/design.md).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class MoEModel:
         self, cfg: ModelConfig, weights: ModelWeights, ops, max_len: int, combine: Callable = lambda partial: partial
     ):
         self.cfg, self.w, self.ops, self.combine = cfg, weights, ops, combine
+        self.exchange = None  # dp attention: eprt.comm.dp_combine.DpExchange (this rank's rows only)
         self.expert_counts = ops.zeros((cfg.num_layers, cfg.num_experts), "i32")  # [L, E] tokens routed
         self.max_len = max_len
         _check_backend(cfg, ops)
@@ -217,7 +219,9 @@ class MoEModel:
         return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
 
     def _moe(self, lw, x, layer: int):
-        ops, cfg = self.ops, self.cfg
+        ops, cfg, local = self.ops, self.cfg, x
+        if self.exchange is not None:  # dp attention: the experts see every rank's rows
+            x = self.exchange.gather(local)  # [N, D]
         logits = ops.linear(x, lw.router)  # [T, E]
         if cfg.routing is None:
             weights, ids = ops.router(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
@@ -225,8 +229,9 @@ class MoEModel:
             weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
         ops.count_experts(ids, self.expert_counts[layer])
         partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
-        out = self.combine(partial)  # [T, D] summed over ranks
-        if lw.shared_gate_up is not None:
+        out = self.combine(partial) if self.exchange is None else self.exchange.scatter(partial)  # [T, D] summed
+        x = local
+        if lw.shared_gate_up is not None and x.shape[0]:
             s = ops.linear(ops.silu_and_mul(ops.linear(x, lw.shared_gate_up)), lw.shared_down)
             if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
                 out = ops.sigmoid_gate_add(out, s, ops.linear(x, lw.shared_gate))  # gate [T, 1]
@@ -259,6 +264,14 @@ class MoEModel:
             h = self._moe(lw, x, i) if cfg.sparse_layers[i] else self._dense_mlp(lw, x)
         x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps)
         return x
+
+    def idle_pass(self) -> None:
+        """dp attention, a forward pass without rows on this rank: its experts still serve every
+        MoE layer of the other ranks' rows."""
+        empty = self.ops.xp.zeros((0, self.cfg.hidden_size), dtype=self.ops.act_dtype)  # [0, D]
+        for i, lw in enumerate(self.w.layers):
+            if self.cfg.sparse_layers[i]:
+                self._moe(lw, empty, i)
 
     def expert_load(self) -> np.ndarray:
         """Tokens routed to each expert so far: [L, E] int32 on the host (a device read)."""
