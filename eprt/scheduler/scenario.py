@@ -12,6 +12,7 @@ from eprt.api import GenerationRequest, RequestError, SamplingParams, is_int
 from eprt.scheduler.clock import VirtualClock
 from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.fake import RecordingModel
+from eprt.scheduler.fake_dp import DpRecordingModel
 from eprt.scheduler.scheduler import Scheduler
 from eprt.scheduler.sequence import RequestHandle
 
@@ -33,6 +34,7 @@ class EngineSpec:
     prefix_cache: bool = True
     max_model_len: int | None = None
     snapshots: int = 0  # > 0: a hybrid model keeping this many recurrent-state snapshots
+    rank_blocks: list | None = None  # dp attention: the KV blocks of each rank's pool (num_blocks unused)
 
 
 @dataclass
@@ -101,9 +103,17 @@ def parse(doc: dict) -> Scenario:
     fields = EngineSpec.__dataclass_fields__
     if set(eng) - set(fields):
         raise ScenarioError(f"[engine]: unknown keys {sorted(set(eng) - set(fields))}")
-    engine = EngineSpec(
-        **{k: _take(eng, k, bool if k == "prefix_cache" else int, f.default, "[engine]") for k, f in fields.items()}
-    )
+    kinds = {"prefix_cache": bool, "rank_blocks": list}
+    engine = EngineSpec(**{k: _take(eng, k, kinds.get(k, int), f.default, "[engine]") for k, f in fields.items()})
+    if engine.rank_blocks is not None:
+        if not engine.rank_blocks or not all(is_int(b) and b >= 1 for b in engine.rank_blocks):
+            raise ScenarioError(
+                f"[engine]: rank_blocks must be a non-empty list of ints >= 1, got {engine.rank_blocks}"
+            )
+        if engine.snapshots:
+            raise ScenarioError(
+                "[engine]: rank_blocks (dp attention) and snapshots (a hybrid model) do not go together"
+            )
     for key in ("num_blocks", "block_size", "vocab_size", "max_batch"):
         if getattr(engine, key) < 1:
             raise ScenarioError(f"[engine]: {key} must be >= 1, got {getattr(engine, key)}")
@@ -201,15 +211,26 @@ class _Tracer:
 def run(sc: Scenario) -> ScenarioRun:
     lines: list = [f"# scenario {sc.name}"]
     e = sc.engine
-    model = RecordingModel(
-        lines.append,
-        {r.id: (len(r.prompt), r.script) for r in sc.requests},
-        num_slots=e.max_batch,
-        num_blocks=e.num_blocks,
-        block_size=e.block_size,
-        prefix_cache=e.prefix_cache,
-        snapshots=e.snapshots,
-    )
+    scripts = {r.id: (len(r.prompt), r.script) for r in sc.requests}
+    if e.rank_blocks is not None:
+        model = DpRecordingModel(
+            lines.append,
+            scripts,
+            rank_blocks=e.rank_blocks,
+            num_slots=e.max_batch,
+            block_size=e.block_size,
+            prefix_cache=e.prefix_cache,
+        )
+    else:
+        model = RecordingModel(
+            lines.append,
+            scripts,
+            num_slots=e.max_batch,
+            num_blocks=e.num_blocks,
+            block_size=e.block_size,
+            prefix_cache=e.prefix_cache,
+            snapshots=e.snapshots,
+        )
     config = SchedulerConfig(
         vocab_size=e.vocab_size,
         eos_token_ids=(e.eos,),
