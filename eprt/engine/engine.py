@@ -211,16 +211,17 @@ class Engine:
         )
 
     def stats(self) -> dict:
-        blocks = self.runner.executor.blocks
+        pools = getattr(self.runner.executor, "pools", None)  # dp attention: every rank's pool, mirrored here
+        blocks = [self.runner.executor.blocks] if pools is None else pools.pools
         with self._lock:
             out = dict(self._counters)
         sched = self.scheduler.stats()
         out.update(
             sched,
             waiting=sched["queued"],
-            free_blocks=blocks.num_free_blocks(),
-            cached_blocks=blocks.num_cached_blocks(),
-            total_blocks=blocks.num_blocks,
+            free_blocks=sum(b.num_free_blocks() for b in blocks),
+            cached_blocks=sum(b.num_cached_blocks() for b in blocks),
+            total_blocks=sum(b.num_blocks for b in blocks),
             prompt_tokens_computed=self.runner.prompt_tokens_computed,
             decode_steps=self.runner.decode_steps,
             decode_rows=self.runner.decode_rows,

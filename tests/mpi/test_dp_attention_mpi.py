@@ -123,7 +123,8 @@ def test_startup_log_states_kv_capacity(monkeypatch, attention):
     lines = _Lines()
     logging.getLogger("eprt.engine").addHandler(lines)
     try:
-        run_dp(engine_config(shared_checkpoint("mixtral"), attention=attention), lambda: [GenerationRequest([3, 4])])
+        cfg = engine_config(shared_checkpoint("mixtral"), attention=attention)
+        _, total = run_dp(cfg, lambda: [GenerationRequest([3, 4])], lambda engine: engine.stats()["total_blocks"])
     finally:
         logging.getLogger("eprt.engine").removeHandler(lines)
     pools = [26 + 9 * r for r in range(COMM.size)]
@@ -131,3 +132,4 @@ def test_startup_log_states_kv_capacity(monkeypatch, attention):
     if COMM.rank == 0:
         stated = [line for line in lines.lines if line.startswith("KV capacity")]
         assert len(stated) == 1 and stated[0].startswith(f"KV capacity {tokens} tokens ("), stated
+        assert total * 4 == tokens  # the stats line counts the same blocks
