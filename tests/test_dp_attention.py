@@ -97,3 +97,15 @@ def test_scenario_rank_blocks_checked(engine, message):
     doc = {"name": "x", "engine": engine, "request": [{"id": 1, "prompt_len": 2, "script": [1]}]}
     with pytest.raises(ScenarioError, match=message):
         parse(doc)
+
+
+def test_attention_flag_checked():
+    from eprt.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--attention must be dp or replicated, got 'ring'"):
+        EngineConfig(attention="ring").validate()
+    with pytest.raises(ValueError, match="eprt replay rebuilds replicated attention only"):
+        EngineConfig(attention="dp", record_payloads=True).validate()
+    assert EngineConfig().attention_mode(1) == "replicated"
+    assert EngineConfig(record_payloads=True).attention_mode(4) == "replicated"
+    assert EngineConfig(attention="dp").attention_mode(1) == "dp"

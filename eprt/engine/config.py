@@ -38,7 +38,7 @@ class EngineConfig:
         """dp (each sequence's attention and KV on one owner rank) or replicated (on every rank)."""
         if self.attention is not None:
             return self.attention
-        return DEFAULT_MULTI_RANK_ATTENTION if world > 1 else "replicated"
+        return DEFAULT_MULTI_RANK_ATTENTION if world > 1 and not self.record_payloads else "replicated"
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -52,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention not in (None, *ATTENTION_MODES):
             raise ValueError(f"--attention must be dp or replicated, got {self.attention!r}")
+        if self.attention == "dp" and self.record_payloads:
+            raise ValueError("--record-payloads with --attention dp: eprt replay rebuilds replicated attention only")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
 
