@@ -9,8 +9,9 @@ run with replicated attention, over uneven expert splits (7 experts: 4+3, 3+2+2)
 
 import logging
 
+import numpy as np
 import pytest
-from test_expert_parallel_mpi import COMM, PROMPTS, engine_config, run_single, shared_checkpoint
+from test_expert_parallel_mpi import COMM, IMAGE, PROMPTS, engine_config, run_single, shared_checkpoint
 
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import launch_engine
@@ -133,3 +134,21 @@ def test_startup_log_states_kv_capacity(monkeypatch, attention):
         stated = [line for line in lines.lines if line.startswith("KV capacity")]
         assert len(stated) == 1 and stated[0].startswith(f"KV capacity {tokens} tokens ("), stated
         assert total * 4 == tokens  # the stats line counts the same blocks
+
+
+@pytest.mark.mpi(min_size=1)
+def test_dp_vision_rows_equal_single_rank():
+    """Vision rows reach every rank with the PREFILL; the owner scatters them into its embedding."""
+    path = shared_checkpoint("mixtral")
+    rows = np.random.default_rng(1).normal(0, 0.3, size=(2, 64)).astype(np.float32)
+
+    def reqs():
+        return [
+            GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=8)),
+            GenerationRequest([4, IMAGE, 9, IMAGE, 13], SamplingParams(max_tokens=8), image_embeds=rows),
+        ]
+
+    multi, _ = run_dp(engine_config(path, attention="dp"), reqs)
+    single = run_single(engine_config(path, attention="replicated"), reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
