@@ -5,7 +5,8 @@
 Builds (once) a Mixtral-style checkpoint whose experts hold ~95% of the weights, then for each
 workload (expert: batch 32 of 16-token prompts; long: batch 16 of 1,024-token prompts, attention-
 heavy) and each configuration (ranks:attention) launches ``mpiexec -n N`` on this same script
-(``--child``), which times (best of --repeats) the prefill of the batch and steady-state decode steps on rank 0 and
+(``--child``), which times on rank 0 the prefill tick of the batch and each decode tick (the median step of the best of
+--repeats runs) and
 reads the transport's counters: MPI calls, broadcast bytes and combine bytes per decode step. BLAS
 runs one thread per rank in every configuration so the comparison isolates the parallelism; the
 tables are printed by the parent, with the decode speed-up over the first configuration.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -46,30 +48,33 @@ def child(args) -> None:
         device="cpu",
         max_batch=args.batch,
         max_model_len=args.prompt_len + args.steps + 16,
+        max_prefill_tokens=0,  # whole prompts: the first tick prefills them all, every later tick is a decode step
         prefix_cache=False,
         attention=args.attention,
     )
     prompts = [[3 + (7 * i + j) % 4000 for j in range(args.prompt_len)] for i in range(args.batch)]
 
-    def run(n):
-        return engine.generate([GenerationRequest(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts])
-
-    def timed(n):
-        stats, t = engine.transport.stats.copy(), time.perf_counter()
-        run(n)
-        return time.perf_counter() - t, engine.transport.stats - stats
+    def measure():
+        """One batch to the end: the first tick prefills every prompt (whole), each later tick is one
+        decode step; returns (prefill s, [decode step s], the transport's counters of one step)."""
+        params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
+        handles = [engine.submit(GenerationRequest(p, params)) for p in prompts]
+        ticks, counters = [], []
+        while not all(h.done() for h in handles):
+            stats, t = engine.transport.stats.copy(), time.perf_counter()
+            engine._step()
+            ticks.append(time.perf_counter() - t)
+            counters.append(engine.transport.stats - stats)
+        return ticks[0], ticks[1:-1], counters[1]  # (the last tick also releases every sequence)
 
     try:
         with launch_engine(cfg) as engine:
-            run(2)  # warm-up
-            # the best of --repeats: the (steps+1)-token run minus the 1-token (prefill) run
-            short = [timed(1) for _ in range(args.repeats)]
-            long = [timed(args.steps + 1) for _ in range(args.repeats)]
+            runs = [measure() for _ in range(args.repeats + 1)][1:]  # the first warms up
     except SystemExit:
         return  # worker ranks
-    decode = long[0][1] - short[0][1]
-    prefill_s = min(t for t, _ in short)
-    step_s = (min(t for t, _ in long) - prefill_s) / args.steps
+    decode = runs[0][2]
+    prefill_s = min(r[0] for r in runs)
+    step_s = min(statistics.median(r[1]) for r in runs)  # each run's median step, the best run's
     print(
         json.dumps(
             {
@@ -77,9 +82,9 @@ def child(args) -> None:
                 "attention": args.attention,
                 "step_ms": 1e3 * step_s,
                 "prefill_ms": 1e3 * prefill_s,
-                "mpi_calls": decode.mpi_calls / args.steps,
-                "bcast_bytes": decode.bcast_bytes / args.steps,
-                "combine_bytes": decode.allsum_bytes / args.steps,
+                "mpi_calls": decode.mpi_calls,
+                "bcast_bytes": decode.bcast_bytes,
+                "combine_bytes": decode.allsum_bytes,
             }
         ),
         flush=True,
@@ -92,7 +97,7 @@ def main() -> None:
     ap.add_argument("--configs", default="1:replicated,2:replicated,2:dp", help="ranks:attention, comma-separated")
     ap.add_argument("--workloads", default="expert,long", help=f"of {', '.join(WORKLOADS)}")
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed (default: the workload's)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each length; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up; the fastest counts")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--prompt-len", type=int, default=16, help=argparse.SUPPRESS)
