@@ -115,7 +115,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=list(ATTENTION_MODES),
         help="dp: each sequence's KV and attention on one owner rank, the ranks' KV pools add up; replicated: "
-        f"on every rank (default: {DEFAULT_MULTI_RANK_ATTENTION} at world size > 1, replicated on one rank)",
+        "on every rank (default: replicated"
+        + ("" if DEFAULT_MULTI_RANK_ATTENTION == "replicated" else f"; {DEFAULT_MULTI_RANK_ATTENTION} on 2+ ranks")
+        + ")",
     )
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")
     g.add_argument("--log-all-ranks", action="store_true", help="log from every rank, not only rank 0")
