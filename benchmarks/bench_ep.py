@@ -1,13 +1,15 @@
-"""Expert-parallel decode step time at several world sizes, plus MPI traffic per step.
+"""Expert-parallel decode step time at several world sizes and attention modes, plus MPI traffic per step.
 
-    python benchmarks/bench_ep.py [--worlds 1,2] [--batch 8] [--steps 24]
+    python benchmarks/bench_ep.py [--configs 1:replicated,2:replicated,2:dp] [--workloads expert,long]
 
-Builds (once) a Mixtral-style checkpoint whose experts hold ~95% of the weights, then
-for each world size launches ``mpiexec -n N`` on this same script (``--child``), which
-times steady-state decode steps on rank 0 and reads the transport's counters: MPI calls,
-broadcast bytes and combine bytes per decode step. BLAS runs one thread per rank in
-every configuration so the comparison isolates expert parallelism; the table is printed
-by the parent, side by side, with the speed-up over the first world size.
+Builds (once) a Mixtral-style checkpoint whose experts hold ~95% of the weights, then for each
+workload (expert: batch 32 of 16-token prompts; long: batch 16 of 1,024-token prompts, attention-
+heavy) and each configuration (ranks:attention) launches ``mpiexec -n N`` on this same script
+(``--child``), which times on rank 0 the prefill tick of the batch and each decode tick (the median step of the best of
+--repeats runs) and
+reads the transport's counters: MPI calls, broadcast bytes and combine bytes per decode step. BLAS
+runs one thread per rank in every configuration so the comparison isolates the parallelism; the
+tables are printed by the parent, with the decode speed-up over the first configuration.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -31,41 +34,57 @@ EP_MODEL = dict(
     intermediate_size=1024,
     num_local_experts=16,
     num_experts_per_tok=4,
-    max_position_embeddings=1024,
+    max_position_embeddings=2048,
 )
+WORKLOADS = {"expert": dict(batch=32, prompt_len=16, steps=24), "long": dict(batch=16, prompt_len=1024, steps=16)}
 
 
 def child(args) -> None:
     from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
 
-    cfg = EngineConfig(model=args.dir, device="cpu", max_batch=args.batch, max_model_len=512, prefix_cache=False)
-    prompts = [[3 + (7 * i + j) % 4000 for j in range(16)] for i in range(args.batch)]
+    cfg = EngineConfig(
+        model=args.dir,
+        device="cpu",
+        max_batch=args.batch,
+        max_model_len=args.prompt_len + args.steps + 16,
+        max_prefill_tokens=0,  # whole prompts: the first tick prefills them all, every later tick is a decode step
+        prefix_cache=False,
+        attention=args.attention,
+    )
+    prompts = [[3 + (7 * i + j) % 4000 for j in range(args.prompt_len)] for i in range(args.batch)]
 
-    def run(n):
-        return engine.generate([GenerationRequest(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts])
+    def measure():
+        """One batch to the end: the first tick prefills every prompt (whole), each later tick is one
+        decode step; returns (prefill s, [decode step s], the transport's counters of one step)."""
+        params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
+        handles = [engine.submit(GenerationRequest(p, params)) for p in prompts]
+        ticks, counters = [], []
+        while not all(h.done() for h in handles):
+            stats, t = engine.transport.stats.copy(), time.perf_counter()
+            engine._step()
+            ticks.append(time.perf_counter() - t)
+            counters.append(engine.transport.stats - stats)
+        return ticks[0], ticks[1:-1], counters[1]  # (the last tick also releases every sequence)
 
     try:
         with launch_engine(cfg) as engine:
-            run(2)  # warm-up
-            stats0, t0 = engine.transport.stats.copy(), time.perf_counter()
-            run(1)
-            t1, stats1 = time.perf_counter(), engine.transport.stats.copy()
-            run(args.steps + 1)
-            t2, stats2 = time.perf_counter(), engine.transport.stats.copy()
+            runs = [measure() for _ in range(args.repeats + 1)][1:]  # the first warms up
     except SystemExit:
         return  # worker ranks
-    # decode steps only: the (steps+1)-token run minus the 1-token (prefill) run
-    decode = (stats2 - stats1) - (stats1 - stats0)
-    step_s = ((t2 - t1) - (t1 - t0)) / args.steps
+    decode = runs[0][2]
+    prefill_s = min(r[0] for r in runs)
+    step_s = min(statistics.median(r[1]) for r in runs)  # each run's median step, the best run's
     print(
         json.dumps(
             {
                 "world": engine.transport.size,
+                "attention": args.attention,
                 "step_ms": 1e3 * step_s,
-                "mpi_calls": decode.mpi_calls / args.steps,
-                "bcast_bytes": decode.bcast_bytes / args.steps,
-                "combine_bytes": decode.allsum_bytes / args.steps,
+                "prefill_ms": 1e3 * prefill_s,
+                "mpi_calls": decode.mpi_calls,
+                "bcast_bytes": decode.bcast_bytes,
+                "combine_bytes": decode.allsum_bytes,
             }
         ),
         flush=True,
@@ -74,11 +93,15 @@ def child(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="/tmp/eprt-bench-ep")
-    ap.add_argument("--worlds", default="1,2")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--dir", default="/tmp/eprt-bench-ep2048")
+    ap.add_argument("--configs", default="1:replicated,2:replicated,2:dp", help="ranks:attention, comma-separated")
+    ap.add_argument("--workloads", default="expert,long", help=f"of {', '.join(WORKLOADS)}")
+    ap.add_argument("--steps", type=int, default=None, help="decode steps timed (default: the workload's)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up; the fastest counts")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-len", type=int, default=16, help=argparse.SUPPRESS)
+    ap.add_argument("--attention", default="replicated", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -92,36 +115,31 @@ def main() -> None:
     expert_share = expert_params / cfg.param_count()
     print(
         f"model {args.dir}: {cfg.param_count() / 1e6:.0f}M parameters, experts {100 * expert_share:.0f}% of them; "
-        f"batch {args.batch}, {args.steps} decode steps, 1 BLAS thread per rank"
+        f"1 BLAS thread per rank"
     )
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", EPRT_LOG_LEVEL="WARNING")
-    rows = []
-    for n in [int(w) for w in args.worlds.split(",")]:
-        cmd = [
-            "mpiexec",
-            "-n",
-            str(n),
-            sys.executable,
-            os.path.abspath(__file__),
-            "--child",
-            "--dir",
-            args.dir,
-            "--batch",
-            str(args.batch),
-            "--steps",
-            str(args.steps),
-        ]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=True).stdout
-        rows.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
-    print(
-        f"{'ranks':>5} {'step ms':>8} {'speed-up':>8} {'MPI calls/step':>14} {'bcast B/step':>12} "
-        f"{'combine B/step':>14}"
-    )
-    for r in rows:
+    configs = [(int(n), attention) for n, attention in (c.split(":") for c in args.configs.split(","))]
+    for name in args.workloads.split(","):
+        w = dict(WORKLOADS[name], **({} if args.steps is None else {"steps": args.steps}))
+        rows = []
+        for n, attention in configs:
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--dir", args.dir, "--attention", attention]
+            cmd += ["--batch", str(w["batch"]), "--prompt-len", str(w["prompt_len"]), "--steps", str(w["steps"])]
+            cmd += ["--repeats", str(args.repeats)]
+            out = subprocess.run(
+                ["mpiexec", "-n", str(n), *cmd], env=env, capture_output=True, text=True, timeout=900, check=True
+            ).stdout
+            rows.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
+        print(f"\n{name}: batch {w['batch']}, prompts of {w['prompt_len']} tokens, {w['steps']} decode steps")
         print(
-            f"{r['world']:5d} {r['step_ms']:8.2f} {rows[0]['step_ms'] / r['step_ms']:8.2f} {r['mpi_calls']:14.1f} "
-            f"{r['bcast_bytes']:12.0f} {r['combine_bytes']:14.0f}"
+            f"{'ranks':>5} {'attention':>10} {'step ms':>8} {'speed-up':>8} {'prefill ms':>10} {'MPI calls/step':>14} "
+            f"{'bcast B/step':>12} {'combine B/step':>14}"
         )
+        for r in rows:
+            print(
+                f"{r['world']:5d} {r['attention']:>10} {r['step_ms']:8.2f} {rows[0]['step_ms'] / r['step_ms']:8.2f} "
+                f"{r['prefill_ms']:10.0f} {r['mpi_calls']:14.1f} {r['bcast_bytes']:12.0f} {r['combine_bytes']:14.0f}"
+            )
 
 
 if __name__ == "__main__":

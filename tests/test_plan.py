@@ -211,8 +211,10 @@ def test_cli_table_json_and_refusals(checkpoint, capsys):
     assert main(["plan", "--model", path, "--ranks", "2"]) == 0
     table = capsys.readouterr().out
     assert "job capacity" in table and "one rank's pool" in table and "binding" in table
-    assert main(["plan", "--model", path, "--ranks", "2", "--attention", "dp"]) == 2
-    assert "data-parallel (DP) attention is not implemented yet" in capsys.readouterr().err
+    assert main(["plan", "--model", path, "--ranks", "2", "--attention", "dp", "--num-blocks", "50"]) == 0
+    assert "job capacity: 1600 tokens. Attention is dp" in capsys.readouterr().out  # 2 x 50 blocks of 16
+    assert main(["plan", "--model", path, "--ranks", "2", "--num-blocks", "50"]) == 0
+    assert "job capacity: 800 tokens. Attention is replicated" in capsys.readouterr().out
     assert main(["plan", "--model", path, "--ranks", "7"]) == 2
     assert "--ranks must be in [1, num_experts=6], got 7" in capsys.readouterr().err
     assert plan.size(3 << 30) == "3.00 GiB"

@@ -99,7 +99,7 @@ def test_next_waits_for_a_whole_command_without_consuming():
 @pytest.mark.parametrize(
     "words, message",
     [
-        ([0, 0xFFFFFFE1], "unknown reserved command word 0xFFFFFFE1"),
+        ([0, 0xFFFFFFE3], "unknown reserved command word 0xFFFFFFE3"),
         ([2, 0xFFFFFFF5], "unknown reserved command word 0xFFFFFFF5"),
         ([8, 42], "decode: slot 8 out of range (max_slots=8)"),
         ([0, p.DECODE_BATCH, 2, 1, 9, 5, 5], "DECODE_BATCH: slot 9 out of range"),

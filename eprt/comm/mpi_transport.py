@@ -101,6 +101,43 @@ class MpiTransport(Transport):
         self._wait(self._moe.Iallgather(partial, gathered), "the MoE combine")
         return gathered
 
+    def _allgather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray:
+        width = int(np.prod(rows.shape[1:], dtype=np.int64)) * rows.itemsize  # bytes per row
+        out = np.empty((sum(counts),) + rows.shape[1:], rows.dtype)
+        sizes = [c * width for c in counts]
+        self.stats.mpi_calls += 1
+        self._wait(
+            self._moe.Iallgatherv([rows, self._MPI.BYTE], [out, (sizes, _offsets(sizes)), self._MPI.BYTE]),
+            "the dp MoE all-gather",
+        )
+        return out
+
+    def _scatter_sum_rows(self, partial: np.ndarray, counts: list[int]) -> np.ndarray:
+        MPI, width, mine = self._MPI, int(np.prod(partial.shape[1:], dtype=np.int64)), counts[self.rank]
+        parts = np.empty((self.size, mine) + partial.shape[1:], np.float32)  # [P, mine, D]: every rank's block
+        send = [c * width for c in counts]
+        self.stats.mpi_calls += 1
+        self._wait(
+            self._moe.Ialltoallv(
+                [partial, (send, _offsets(send)), MPI.FLOAT],
+                [parts, ([mine * width] * self.size, [r * mine * width for r in range(self.size)]), MPI.FLOAT],
+            ),
+            "the dp MoE reduce-scatter",
+        )
+        out = parts[0].copy()
+        for r in range(1, self.size):  # rank order: the bits of the replicated combine
+            out += parts[r]
+        return out
+
+    def _gather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray | None:
+        width = int(np.prod(rows.shape[1:], dtype=np.int64)) * rows.itemsize
+        sizes = [c * width for c in counts]
+        out = np.empty((sum(counts),) + rows.shape[1:], rows.dtype) if self.rank == 0 else None
+        recv = [out, (sizes, _offsets(sizes)), self._MPI.BYTE] if self.rank == 0 else None
+        self.stats.mpi_calls += 1
+        self._wait(self._moe.Igatherv([rows, self._MPI.BYTE], recv, root=0), "the dp gather of sampled rows")
+        return out
+
     def startup_barrier(self, error: str | None = None) -> None:
         """Wait, without a time limit, until every rank has loaded its model or failed to:
         ranks load at different speeds, and only after this exchange are the collectives
@@ -320,6 +357,10 @@ class MpiTransport(Transport):
 
     def _at_exit(self) -> None:
         self.close("rank 0 exited without closing its transport")
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:r]) for r in range(len(sizes))]
 
 
 def hang_table(answers: dict[int, dict | None]) -> str:

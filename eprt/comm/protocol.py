@@ -21,6 +21,8 @@ EPLB_PLACEMENT = 0xFFFFFFEA
 LORA_LOAD = 0xFFFFFFEC
 LORA_UNLOAD = 0xFFFFFFED
 SLOT_ADAPTER = 0xFFFFFFEE
+OWNER = 0xFFFFFFEF
+DECODE_DP = 0xFFFFFFE1
 PREFILL = 0xFFFFFFF0
 RELEASE = 0xFFFFFFF1
 VERIFY_K2 = 0xFFFFFFF2
@@ -43,6 +45,8 @@ NAMES = {
     LORA_LOAD: "LORA_LOAD",
     LORA_UNLOAD: "LORA_UNLOAD",
     SLOT_ADAPTER: "SLOT_ADAPTER",
+    OWNER: "OWNER",
+    DECODE_DP: "DECODE_DP",
     PREFILL: "PREFILL",
     RELEASE: "RELEASE",
     VERIFY_K2: "VERIFY_K2",
@@ -204,6 +208,24 @@ class SlotAdapter:
 
 
 @dataclass(frozen=True)
+class Owner:
+    """dp attention: the sequence the next PREFILL puts into ``slot`` lives on rank ``owner``."""
+
+    slot: int
+    owner: int
+
+
+@dataclass(frozen=True)
+class DecodeDp:
+    """dp attention: one batched decode step, rows as in DECODE_BATCH; ``counts[r]`` rows are
+    owned by rank r (one count per rank of the world)."""
+
+    slots: tuple[int, ...]
+    tokens: tuple[int, ...]
+    counts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Free every slot and leave the worker loop."""
 
@@ -223,6 +245,8 @@ Command = (
     | LoraLoad
     | LoraUnload
     | SlotAdapter
+    | Owner
+    | DecodeDp
     | Shutdown
 )
 
@@ -302,6 +326,15 @@ def encode(cmd: Command) -> np.ndarray:
         words = [cmd.lora_slot, LORA_UNLOAD]
     elif isinstance(cmd, SlotAdapter):
         words = [cmd.slot, SLOT_ADAPTER, cmd.lora_slot]
+    elif isinstance(cmd, Owner):
+        words = [cmd.slot, OWNER, cmd.owner]
+    elif isinstance(cmd, DecodeDp):
+        if len(cmd.slots) != len(cmd.tokens) or sum(cmd.counts) != len(cmd.slots):
+            raise ProtocolError(
+                f"DECODE_DP has {len(cmd.slots)} slots, {len(cmd.tokens)} tokens and rows per rank "
+                f"{list(cmd.counts)} (summing to {sum(cmd.counts)}): all three must agree"
+            )
+        words = [0, DECODE_DP, len(cmd.slots), len(cmd.counts), *cmd.counts, *cmd.slots, *cmd.tokens]
     elif isinstance(cmd, Shutdown):
         words = [0, SHUTDOWN]
     else:
@@ -474,6 +507,26 @@ class Decoder:
             if len(b) < end:
                 return None
             out = SlotAdapter(self._slot(seq, "SLOT_ADAPTER"), int(b[body]))
+        elif cmd == OWNER:
+            end = body + 1
+            if len(b) < end:
+                return None
+            out = Owner(self._slot(seq, "OWNER"), int(b[body]))
+        elif cmd == DECODE_DP:
+            if len(b) - body < 2:
+                return None
+            n, ranks = int(b[body]), int(b[body + 1])
+            if not 1 <= n <= (self.max_slots or n) or ranks < 1:
+                raise ProtocolError(f"DECODE_DP of {n} rows over {ranks} ranks (rows 1..{self.max_slots}, ranks >= 1)")
+            head = body + 2 + ranks
+            end = head + 2 * n
+            if len(b) < end:
+                return None
+            counts = tuple(b[body + 2 : head].tolist())
+            if sum(counts) != n:
+                raise ProtocolError(f"DECODE_DP rows per rank {list(counts)} do not sum to its {n} rows")
+            slots = tuple(self._slot(s, "DECODE_DP") for s in b[head : head + n].tolist())
+            out = DecodeDp(slots, self._tokens(b[head + n : end]), counts)
         elif cmd == SHUTDOWN:
             out, end = Shutdown(), body
         else:

@@ -191,6 +191,38 @@ class Transport:
             out += gathered[r]
         return out
 
+    # -- dp attention: the MoE exchange and the step's gather (docs/protocol.md, "dp attention") --
+    def allgather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray:
+        """Every rank's ``rows`` [counts[r], ...] (any dtype, the same trailing shape everywhere),
+        concatenated in rank order, on every rank."""
+        self._dp_begin(rows, counts, "allgather_rows")
+        return rows if self.size == 1 else self._allgather_rows(np.ascontiguousarray(rows), counts)
+
+    def scatter_sum_rows(self, partial: np.ndarray, counts: list[int]) -> np.ndarray:
+        """``partial``: float32 [sum(counts), D], block r (``counts[r]`` rows) meant for rank r.
+        Returns this rank's block summed over every rank's ``partial`` in rank order: the float
+        operations of ``allsum`` on those rows, so the same bits."""
+        if partial.dtype != np.float32 or partial.shape[0] != sum(counts):
+            raise TypeError(f"scatter_sum_rows takes float32 [{sum(counts)}, D], got {partial.dtype} {partial.shape}")
+        self._dp_begin(partial[: counts[self.rank]], counts, "scatter_sum_rows")
+        return partial if self.size == 1 else self._scatter_sum_rows(np.ascontiguousarray(partial), counts)
+
+    def gather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray | None:
+        """Rank 0: every rank's ``rows`` [counts[r], ...] concatenated in rank order; None elsewhere."""
+        self._dp_begin(rows, counts, "gather_rows")
+        return rows if self.size == 1 else self._gather_rows(np.ascontiguousarray(rows), counts)
+
+    def _dp_begin(self, rows: np.ndarray, counts: list[int], what: str) -> None:
+        if len(counts) != self.size or rows.shape[0] != counts[self.rank]:
+            raise ValueError(
+                f"{what}: {rows.shape[0]} rows here, but the counts {list(counts)} name "
+                f"{counts[self.rank] if len(counts) == self.size else '?'} for rank {self.rank} of {self.size}"
+            )
+        if self.rank == 0 and self.pending_words:
+            raise RuntimeError(f"{what} with {self.pending_words} command words not flushed")
+        self.stats.allsums += 1
+        self.stats.allsum_bytes += rows.nbytes
+
     def startup_barrier(self, error: str | None = None) -> None:
         """Every rank calls it once it has loaded its model, or failed to (``error``); waits
         without a time limit, then raises StartupFailed on every rank if any rank failed."""
@@ -263,6 +295,15 @@ class Transport:
         pass
 
     def _gather(self, partial: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _allgather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    def _scatter_sum_rows(self, partial: np.ndarray, counts: list[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    def _gather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray | None:
         raise NotImplementedError
 
 

@@ -18,11 +18,13 @@ from eprt.comm.protocol import (
     Decode1,
     DecodeBatch,
     DecodeCkpt,
+    DecodeDp,
     Decoder,
     EplbPlacement,
     Fork,
     LoraLoad,
     LoraUnload,
+    Owner,
     Prefill,
     PrefillNext,
     ProtocolError,
@@ -93,6 +95,10 @@ class Executor(Protocol):
 
     def set_slot_adapter(self, slot: int, lora_slot: int) -> None:
         """SLOT_ADAPTER: the next PREFILL into the empty ``slot`` uses the adapter in ``lora_slot``."""
+
+    def assign_owner(self, slot: int, owner: int) -> None:
+        """OWNER (dp attention, an executor whose ``dp`` is true): the next PREFILL into ``slot`` is
+        owned by rank ``owner``. DECODE_DP calls ``decode(slots, tokens, counts)``."""
 
     def shutdown(self) -> None:
         """Free every slot and everything else the executor holds."""
@@ -188,6 +194,15 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
         executor.accept(list(cmd.slots), list(cmd.accepted))
     elif isinstance(cmd, EplbPlacement):
         executor.switch_placement(cmd.epoch, np.asarray(cmd.table, np.int64).reshape(cmd.layers, cmd.slots))
+    elif isinstance(cmd, (Owner, DecodeDp)) and not getattr(executor, "dp", False):
+        raise ProtocolError(
+            f"{type(cmd).__name__} (slot {cmd.slots if isinstance(cmd, DecodeDp) else cmd.slot}) "
+            "is for dp attention, but this rank runs replicated attention"
+        )
+    elif isinstance(cmd, Owner):
+        executor.assign_owner(cmd.slot, cmd.owner)
+    elif isinstance(cmd, DecodeDp):
+        executor.decode(list(cmd.slots), list(cmd.tokens), list(cmd.counts))
     elif isinstance(cmd, DecodeCkpt):
         executor.checkpoint(cmd.slot, cmd.snapshot_tokens, cmd.end_block, cmd.session_hash, cmd.adapter_id)
     elif isinstance(cmd, LoraLoad):

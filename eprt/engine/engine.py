@@ -25,6 +25,8 @@ from eprt.comm.world import open_transport
 from eprt.engine.adapters import AdapterRegistry, UnknownAdapter
 from eprt.engine.choices import best_choices
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
+from eprt.engine.dp_executor import DpShardExecutor
+from eprt.engine.dp_runner import DpModelRunner
 from eprt.engine.eplb import Rebalancer
 from eprt.engine.expert_load import imbalance
 from eprt.engine.images import EngineImages
@@ -130,6 +132,11 @@ class Engine:
         self._check_vision(req)
         self.compile_guide(req.params.guide)
         count = getattr(req.params, "choices", 1)
+        if isinstance(self.runner, DpModelRunner) and (count > 1 or req.params.prompt_logprobs is not None):
+            raise RequestError(
+                "n / best_of above 1 and prompt_logprobs are not served under --attention dp yet "
+                f"(n={req.params.n}, best_of={req.params.best_of}, prompt_logprobs={req.params.prompt_logprobs})"
+            )
         adapter = self._adapter_id(req.adapter, count)
         try:
             inner = self.scheduler.submit_choices(
@@ -304,16 +311,17 @@ class Engine:
         )
 
     def stats(self) -> dict:
-        blocks = self.runner.executor.blocks
+        pools = getattr(self.runner.executor, "pools", None)  # dp attention: every rank's pool, mirrored here
+        blocks = [self.runner.executor.blocks] if pools is None else pools.pools
         with self._lock:
             out = dict(self._counters)
         sched = self.scheduler.stats()
         out.update(
             sched,
             waiting=sched["queued"],
-            free_blocks=blocks.num_free_blocks(),
-            cached_blocks=blocks.num_cached_blocks(),
-            total_blocks=blocks.num_blocks,
+            free_blocks=sum(b.num_free_blocks() for b in blocks),
+            cached_blocks=sum(b.num_cached_blocks() for b in blocks),
+            total_blocks=sum(b.num_blocks for b in blocks),
             prompt_tokens_computed=self.runner.prompt_tokens_computed,
             decode_steps=self.runner.decode_steps,
             decode_rows=self.runner.decode_rows,
@@ -405,7 +413,7 @@ def launch_engine(args_or_config, transport=None):
             f"--speculative-method {spec.method}: {model_cfg.model_type} keeps recurrent state, "
             "which cannot roll back rejected drafts"
         )
-    runner = ModelRunner(
+    runner = (DpModelRunner if isinstance(executor, DpShardExecutor) else ModelRunner)(
         executor,
         transport,
         seed=cfg.seed,

@@ -358,10 +358,8 @@ class ShardExecutor:
         for st, new in states:
             st.tokens.extend(new)
         self.prefill_hidden = h if keep_hidden else None
-        if not self.compute_logits:
-            return None
         last = np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32)  # [G]
-        return self.model.logits(h[self.ops.index(last)])
+        return self._output(h[self.ops.index(last)])
 
     def decode(self, slots: list, tokens: list):
         """Append tokens[r] to slots[r] and run one step. Returns logits [B, V] (or None)."""
@@ -383,6 +381,11 @@ class ShardExecutor:
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [B, D]
         for st, tok in zip(states, tokens):  # the token's KV is stored now
             st.tokens.append(int(tok))
+        return self._output(h)
+
+    def _output(self, h):
+        """What a forward pass returns for its last hidden rows h [n, D]: logits [n, V] (None when
+        compute_logits is off)."""
         return self.model.logits(h) if self.compute_logits else None
 
     def verify(self, slots: list, tokens: list, drafts: list):

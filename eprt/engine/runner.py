@@ -67,8 +67,13 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.transport = transport  # eprt.comm.transport.Transport (LocalTransport on one rank)
         # a tick's prefill chunks as one forward (not for hybrid models: their snapshots are taken
         # between one sequence's prefill and the next one's allocation; not for MRoPE models, whose
-        # 3-D positions and deepstack rows are per sequence)
-        self.batch_prefill = batch_prefill and not executor.cfg.is_hybrid and not executor.cfg.mrope_section
+        # 3-D positions and deepstack rows are per sequence; not under dp attention, one owner per pass)
+        self.batch_prefill = (
+            batch_prefill
+            and not executor.cfg.is_hybrid
+            and not executor.cfg.mrope_section
+            and not getattr(executor, "dp", False)
+        )
         self._groups: list = []  # the lane's planned chunks not yet run, in forward-pass groups
         self._ran: dict = {}  # id(seq) -> (start, n, logits [G, V], row) of chunks run ahead of their call
         self._rng = np.random.default_rng(seed)  # seeds requests that bring none
@@ -314,7 +319,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
             allowed = self.guides.allowed([seqs[i].model_state.matcher for i in guided])  # [g, V]
             for k, i in enumerate(guided):
                 masks[i] = allowed[k]
-        slow = [i for i, s in enumerate(seqs) if _off_fast_path(s.params) or masks[i] is not None]
+        slow = [i for i, s in enumerate(seqs) if needs_host_sampler(s.params) or masks[i] is not None]
         tokens = [0] * len(seqs)
         if len(slow) < len(seqs):
             greedy = self.executor.ops.argmax(logits)
@@ -403,6 +408,6 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.executor.shutdown()
 
 
-def _off_fast_path(params) -> bool:
+def needs_host_sampler(params) -> bool:
     """Whether a row needs the host sampler: sampled, processed logits or logprobs."""
     return params.temperature != 0.0 or params.logprobs is not None or params.processes_logits

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from eprt import env
 from eprt.comm.device_combine import DeviceCombine, nccl_communicator
+from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import EngineConfig
+from eprt.engine.dp_executor import DpShardExecutor
 from eprt.engine.eplb import check_same_placement, count_nodes, initial_placement
 from eprt.engine.executor import ShardExecutor
 from eprt.model.kv_cache import KVCache
@@ -71,21 +73,39 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
         log.info("rank %d: EPLB expert slots [%d, %d) of %d, %d node(s)", rank, start, end, placement.num_slots, nodes)
     sharers = _check_identities(transport, step(lambda: compute_identity(ops)))
     blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, loaded.model.max_len, sharers))
-    agreed = min(int(b) for b in transport.allgather_text(str(blocks)))
-    if agreed < blocks:
+    every = [int(b) for b in transport.allgather_text(str(blocks))]
+    agreed = min(every)
+    dp = cfg.attention_mode(world) == "dp"
+    if dp:
+        step(lambda: check_dp_features(cfg, loaded.config))
+    if agreed < blocks and not dp:
         log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)", rank, agreed, blocks)
     max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed))
-    executor = step(
-        lambda: ShardExecutor(
-            loaded.model,
-            agreed,
-            cfg.block_size,
-            cfg.max_batch,
-            prefix_cache=cfg.prefix_cache,
-            image_token_id=cfg.image_token_id,
-            lora=_lora_slots(cfg, ops, loaded),
+    if dp:  # each rank's pool is its own: a sequence's KV lives on its owner only
+        executor = step(
+            lambda: DpShardExecutor(
+                loaded.model,
+                every,
+                cfg.block_size,
+                cfg.max_batch,
+                DpExchange(transport, ops.xp),
+                prefix_cache=cfg.prefix_cache,
+                image_token_id=cfg.image_token_id,
+            )
         )
-    )
+    else:
+        executor = step(
+            lambda: ShardExecutor(
+                loaded.model,
+                agreed,
+                cfg.block_size,
+                cfg.max_batch,
+                prefix_cache=cfg.prefix_cache,
+                image_token_id=cfg.image_token_id,
+                lora=_lora_slots(cfg, ops, loaded),
+            )
+        )
+    log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
     if executor.lora is not None:  # every rank reads its share of each adapter once, so a bad one fails here
         step(lambda: [executor.lora.read(path) for _, path in cfg.lora_modules])
     return Started(ops, loaded, executor, max_model_len, nodes)
@@ -97,6 +117,30 @@ def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
         return None
     w = loaded.model.w
     return LoraSlots(ops, loaded.config, cfg.max_loras, cfg.max_lora_rank, w.expert_start, w.expert_end)
+
+
+def check_dp_features(cfg: EngineConfig, model_cfg) -> None:
+    """--attention dp serves neither speculation, LoRA, EPLB nor MRoPE (vision-language) models yet:
+    a clear start-up error naming the flag instead of a wrong answer."""
+    refused = [
+        ("--speculative-method", cfg.speculative_method is not None),
+        ("--lora-modules / --enable-lora", cfg.lora_enabled),
+        ("EPLB (--enable-eplb, --num-redundant-experts, --eplb-interval)", cfg.eplb.active),
+        (f"a {model_cfg.model_type} checkpoint (MRoPE positions)", bool(model_cfg.mrope_section)),
+    ]
+    for what, on in refused:
+        if on:
+            raise ValueError(f"--attention dp does not serve {what} yet; use --attention replicated")
+
+
+def kv_capacity_line(block_size: int, pools: list[int], dp: bool) -> str:
+    """The start-up line stating the job's KV capacity in tokens: under dp attention the sum of the
+    ranks' pools (each sequence on one owner), else one pool (replicated on every rank)."""
+    tokens = sum(pools) * block_size
+    if dp:
+        each = " + ".join(str(b) for b in pools)
+        return f"KV capacity {tokens} tokens (attention dp: the ranks' pools, {each} blocks of {block_size} tokens)"
+    return f"KV capacity {tokens} tokens (attention replicated: {pools[0]} blocks of {block_size} tokens on every rank)"
 
 
 def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:

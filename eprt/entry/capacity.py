@@ -79,7 +79,7 @@ class KVPlan:
     bytes_per_block: int
     blocks_per_rank: tuple  # room on each rank (None: the weights leave no room)
     blocks: int  # the pool every rank allocates: the smallest over the ranks (0: does not fit)
-    tokens: int  # blocks x block_size: the job's capacity (attention is replicated)
+    tokens: int  # the job's capacity: blocks x block_size (replicated), the ranks' pools added up (dp)
     max_model_len: int  # as the engine sets it (0: does not fit)
     problem: str = ""  # why the job does not fit, else empty
 
@@ -279,10 +279,13 @@ def plan_weights(cfg: ModelConfig, sizes: _Sizes, ranks: int, itemsize: int, red
 
 
 # -- KV pool ------------------------------------------------------------------------------------
-def plan_kv(cfg: ModelConfig, settings: Settings, hardware: Hardware, weights: tuple) -> KVPlan:
+def plan_kv(
+    cfg: ModelConfig, settings: Settings, hardware: Hardware, weights: tuple, attention: str = "replicated"
+) -> KVPlan:
     """The pool eprt/engine/startup.py sizes: --num-blocks, else what the GPU's memory leaves after the
     weights (eprt.ops.device.pool_blocks), at most enough for every slot to reach the context length;
-    the ranks then agree on the smallest pool."""
+    replicated attention: the ranks agree on the smallest pool; dp: each keeps its own, and they add up
+    (``blocks`` stays the smallest: it bounds the context length)."""
     itemsize, bs = DEVICE_ITEMSIZE[settings.dtype], settings.block_size
     per_token = KVCache.bytes_per_block(cfg, 1, itemsize)
     per_block = KVCache.bytes_per_block(cfg, bs, itemsize)
@@ -324,7 +327,8 @@ def plan_kv(cfg: ModelConfig, settings: Settings, hardware: Hardware, weights: t
         elif pool_len < 2:
             problem = f"a KV pool of {blocks} blocks of {bs} tokens holds no sequence"
         max_len = 0 if problem else min(model_len, pool_len)
-    return KVPlan(per_token, per_block, tuple(rooms), blocks, blocks * bs, max_len, problem)
+    tokens = sum(rooms) * bs if attention == "dp" and not problem else blocks * bs
+    return KVPlan(per_token, per_block, tuple(rooms), blocks, tokens, max_len, problem)
 
 
 # -- wire ---------------------------------------------------------------------------------------
@@ -424,12 +428,7 @@ def step_bound(
 
 # -- the plan -----------------------------------------------------------------------------------
 def check_settings(cfg: ModelConfig, settings: Settings, hardware: Hardware, attention: str) -> None:
-    if attention == "dp":
-        raise ValueError(
-            "--attention dp: data-parallel (DP) attention is not implemented yet; eprt replicates attention "
-            "(every rank holds every sequence's KV): use --attention replicated"
-        )
-    if attention != "replicated":
+    if attention not in ("replicated", "dp"):
         raise ValueError(f"--attention must be replicated or dp, got {attention!r}")
     if settings.num_redundant_experts < 0:
         raise ValueError(f"--num-redundant-experts must be >= 0, got {settings.num_redundant_experts}")
@@ -464,7 +463,7 @@ def make_plan(
     check_settings(cfg, settings, hardware, attention)
     sizes = _Sizes(model_dir)
     weights = plan_weights(cfg, sizes, settings.ranks, DEVICE_ITEMSIZE[settings.dtype], settings.num_redundant_experts)
-    kv = plan_kv(cfg, settings, hardware, weights)
+    kv = plan_kv(cfg, settings, hardware, weights, attention)
     wires = tuple(decode_wire(cfg, b, settings.ranks, combine_rows(cfg, b, settings)) for b in DECODE_BATCHES)
     bounds = tuple(
         max((step_bound(cfg, w, b, settings, hardware, wire) for w in weights), key=lambda s: s.bound_s)

@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention",
         choices=["replicated", "dp"],
         default="replicated",
-        help="replicated: every rank holds all attention and KV (dp: not implemented yet)",
+        help="replicated: every rank holds all attention and KV; dp: each sequence's on one owner rank, the "
+        "ranks' pools add up (wire and bounds below are replicated attention's)",
     )
     g.add_argument("--context", type=int, default=0, help="context tokens per sequence read by a decode step (0)")
     g.add_argument(
@@ -158,12 +159,21 @@ def render(plan: Plan) -> str:
     if kv.problem:
         lines.append(f"  DOES NOT FIT: {kv.problem}")
     else:
-        lines += [
-            f"  pool: {kv.blocks} blocks = {kv.tokens} tokens per rank (the smallest room over the ranks), "
-            f"max_model_len {kv.max_model_len}",
-            f"  job capacity: {kv.tokens} tokens. Attention is replicated: every rank holds every sequence's KV,",
-            "  so the job holds what one rank's pool holds, whatever the number of ranks.",
-        ]
+        lines.append(
+            f"  pool: {kv.blocks} blocks = {kv.blocks * s.block_size} tokens per rank (the smallest room over the "
+            f"ranks), max_model_len {kv.max_model_len}"
+        )
+        if plan.attention == "dp":
+            lines += [
+                f"  job capacity: {kv.tokens} tokens. Attention is dp: each sequence's KV lives on its owner rank",
+                "  and each rank keeps the pool its memory allows, so the ranks' pools add up. (The wire and the",
+                "  bounds below are replicated attention's; dp adds an all-gather of hidden states per MoE layer.)",
+            ]
+        else:
+            lines += [
+                f"  job capacity: {kv.tokens} tokens. Attention is replicated: every rank holds every sequence's KV,",
+                "  so the job holds what one rank's pool holds, whatever the number of ranks.",
+            ]
     lines += ["", "bytes on the wire, the busiest rank (command frames + MoE combines)"]
     rows = [[f"decode step, batch {b}", size(w.frame_bytes), size(w.combine_bytes), w.combine]
             for b, w in zip(DECODE_BATCHES, plan.decode_wire)]  # fmt: skip

@@ -6,7 +6,8 @@ E experts, V vocabulary; MLA: C kv_lora_rank, R rope dims, Dn/Dv nope/value head
 Expert parallelism: ``combine`` sums the per-rank partial MoE outputs over ranks
 (identity on one rank). Attention, router and shared expert are replicated, so every
 rank computes identical hidden states and keeps identical KV (and, for hybrid models, identical
-recurrent state: ``linear_attention.py``).
+recurrent state: ``linear_attention.py``). Under dp attention ``exchange`` replaces the combine:
+each rank runs only its own rows and the MoE layer gathers and scatters them (docs/design.md).
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ class MoEModel:
         self, cfg: ModelConfig, weights: ModelWeights, ops, max_len: int, combine: Callable = lambda partial: partial
     ):
         self.cfg, self.w, self.ops, self.combine = cfg, weights, ops, combine
+        self.exchange = None  # dp attention: eprt.comm.dp_combine.DpExchange (this rank's rows only)
         self.expert_counts = ops.zeros((cfg.num_layers, cfg.num_experts), "i32")  # [L, E] tokens routed
         self.slots = None  # eprt.model.placement.ExpertSlots under EPLB: experts on physical slots
         self.max_len = max_len
@@ -261,7 +263,9 @@ class MoEModel:
         return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
 
     def _moe(self, lw, x, layer: int):
-        ops, cfg = self.ops, self.cfg
+        ops, cfg, local = self.ops, self.cfg, x
+        if self.exchange is not None:  # dp attention: the experts see every rank's rows
+            x = self.exchange.gather(local)  # [N, D]
         logits = ops.linear(x, lw.router)  # [T, E]
         if cfg.routing is None:
             weights, ids = ops.router(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
@@ -273,13 +277,14 @@ class MoEModel:
             if self.slots is not None:
                 raise ValueError("LoRA on the routed experts under EPLB is not supported")
             args = (lw.w_gate_up, lw.w_down, self.w.expert_start, self.lora_rows, *experts)
-            out = self.combine(ops.moe_experts_lora(x, weights, ids, *args))  # [T, D] summed over ranks
+            out = self._combine(ops.moe_experts_lora(x, weights, ids, *args))  # [T, D] summed over ranks
         elif self.slots is None:
             partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
-            out = self.combine(partial)  # [T, D] summed over ranks
+            out = self._combine(partial)  # [T, D] summed over ranks
         else:
             out = self.slots.moe(ops, self.combine, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]
-        if lw.shared_gate_up is not None:
+        x = local
+        if lw.shared_gate_up is not None and x.shape[0]:
             up = ops.silu_and_mul(self._linear(x, lw.shared_gate_up, layer, "shared_gate_up"))
             s = self._linear(up, lw.shared_down, layer, "shared_down")
             if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
@@ -287,6 +292,10 @@ class MoEModel:
             else:  # DeepSeek / GLM shared experts
                 out = ops.add(out, s)
         return out
+
+    def _combine(self, partial):
+        """The experts' partial sums [T, D] summed over ranks (dp attention: this rank's rows of it)."""
+        return self.combine(partial) if self.exchange is None else self.exchange.scatter(partial)
 
     def _dense_mlp(self, lw, x, layer: int):
         up = self.ops.silu_and_mul(self._linear(x, lw.mlp_gate_up, layer, "mlp_gate_up"))
@@ -329,6 +338,14 @@ class MoEModel:
         idx = self.ops.index(np.nonzero(mask)[0])
         h[idx] = self.ops.add(h[idx], self.ops.activation(np.ascontiguousarray(rows[layer])))  # [n, D]
         return h
+
+    def idle_pass(self) -> None:
+        """dp attention, a forward pass without rows on this rank: its experts still serve every
+        MoE layer of the other ranks' rows."""
+        empty = self.ops.xp.zeros((0, self.cfg.hidden_size), dtype=self.ops.act_dtype)  # [0, D]
+        for i, lw in enumerate(self.w.layers):
+            if self.cfg.sparse_layers[i]:
+                self._moe(lw, empty, i)
 
     def expert_load(self) -> np.ndarray:
         """Tokens routed to each expert so far: [L, E] int32 on the host (a device read)."""

@@ -13,6 +13,7 @@ from eprt.api import GenerationRequest, RequestError, SamplingParams, is_int
 from eprt.scheduler.clock import VirtualClock
 from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.fake import RecordingModel
+from eprt.scheduler.fake_dp import DpRecordingModel
 from eprt.scheduler.scheduler import Scheduler
 from eprt.scheduler.sequence import RequestHandle
 
@@ -35,6 +36,7 @@ class EngineSpec:
     max_model_len: int | None = None
     snapshots: int = 0  # > 0: a hybrid model keeping this many recurrent-state snapshots
     speculative_tokens: int = 0  # > 0: the verify lane, up to this many drafts per step
+    rank_blocks: list | None = None  # dp attention: the KV blocks of each rank's pool (num_blocks unused)
 
 
 @dataclass
@@ -107,9 +109,17 @@ def parse(doc: dict) -> Scenario:
     fields = EngineSpec.__dataclass_fields__
     if set(eng) - set(fields):
         raise ScenarioError(f"[engine]: unknown keys {sorted(set(eng) - set(fields))}")
-    engine = EngineSpec(
-        **{k: _take(eng, k, bool if k == "prefix_cache" else int, f.default, "[engine]") for k, f in fields.items()}
-    )
+    kinds = {"prefix_cache": bool, "rank_blocks": list}
+    engine = EngineSpec(**{k: _take(eng, k, kinds.get(k, int), f.default, "[engine]") for k, f in fields.items()})
+    if engine.rank_blocks is not None:
+        if not engine.rank_blocks or not all(is_int(b) and b >= 1 for b in engine.rank_blocks):
+            raise ScenarioError(
+                f"[engine]: rank_blocks must be a non-empty list of ints >= 1, got {engine.rank_blocks}"
+            )
+        if engine.snapshots:
+            raise ScenarioError(
+                "[engine]: rank_blocks (dp attention) and snapshots (a hybrid model) do not go together"
+            )
     for key in ("num_blocks", "block_size", "vocab_size", "max_batch"):
         if getattr(engine, key) < 1:
             raise ScenarioError(f"[engine]: {key} must be >= 1, got {getattr(engine, key)}")
@@ -222,16 +232,27 @@ class _Tracer:
 def run(sc: Scenario) -> ScenarioRun:
     lines: list = [f"# scenario {sc.name}"]
     e = sc.engine
-    model = RecordingModel(
-        lines.append,
-        {r.id: (len(r.prompt), r.script) for r in sc.requests},
-        num_slots=e.max_batch,
-        num_blocks=e.num_blocks,
-        block_size=e.block_size,
-        prefix_cache=e.prefix_cache,
-        snapshots=e.snapshots,
-        drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
-    )
+    scripts = {r.id: (len(r.prompt), r.script) for r in sc.requests}
+    if e.rank_blocks is not None:
+        model = DpRecordingModel(
+            lines.append,
+            scripts,
+            rank_blocks=e.rank_blocks,
+            num_slots=e.max_batch,
+            block_size=e.block_size,
+            prefix_cache=e.prefix_cache,
+        )
+    else:
+        model = RecordingModel(
+            lines.append,
+            scripts,
+            num_slots=e.max_batch,
+            num_blocks=e.num_blocks,
+            block_size=e.block_size,
+            prefix_cache=e.prefix_cache,
+            snapshots=e.snapshots,
+            drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
+        )
     config = SchedulerConfig(
         vocab_size=e.vocab_size,
         eos_token_ids=(e.eos,),

@@ -12,7 +12,7 @@ import threading
 from collections import deque
 
 from eprt.api import GenerationRequest, RequestError
-from eprt.scheduler import guards, speculation
+from eprt.scheduler import guards, pools, speculation
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig, validate_request
 from eprt.scheduler.effects import (
@@ -294,15 +294,15 @@ class Scheduler:
             self._accept(seq, token, checkpoint=True)
 
     def _make_room(self, rows: list) -> list:
-        """Preempt until every row that crosses a block boundary can get its new block."""
-        bs = self.config.block_size
+        """Preempt until every row that crosses a block boundary can get its new block (within the
+        short pool: one per owner rank under dp attention, ``pools.py``)."""
         while rows:
-            need = sum(1 for s in rows if (s.len + 1) % bs == 0)
-            if need == 0 or need <= self.model.num_free_blocks():
+            pool = pools.short_pool(self.model, rows, self.config.block_size)
+            if pool is None:
                 return rows
-            candidates = [s for s in self._live if not s.finished]
-            victim = max(candidates, key=lambda s: s.admit_order)
-            if len(self._live) == 1:  # it has the whole pool and still cannot grow
+            holders = [s for s in self._live if pools.in_pool(self.model, s, pool)]
+            victim = max((s for s in holders if not s.finished), key=lambda s: s.admit_order)
+            if len(holders) == 1:  # it has the whole pool and still cannot grow
                 self._finish(victim, LENGTH, guard=GUARD_KV_CAPACITY)
             else:  # (if alone among finished ones: retry next tick)
                 self._preempt(victim)

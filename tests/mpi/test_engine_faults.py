@@ -28,14 +28,14 @@ def ckpt(tmp_path_factory):
     return build_checkpoint("olmoe", str(tmp_path_factory.mktemp("fault") / "olmoe"))
 
 
-def launch(ckpt, mode, dump_dir=None):
+def launch(ckpt, mode, dump_dir=None, attention=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
     env["EPRT_COLLECTIVE_TIMEOUT"] = "20"
     if dump_dir is not None:
         env["EPRT_DUMP_DIR"] = str(dump_dir)
     start = time.monotonic()
     p = subprocess.run(
-        ["mpiexec", "-n", "2", sys.executable, str(DRIVER), ckpt, mode],
+        ["mpiexec", "-n", "2", sys.executable, str(DRIVER), ckpt, mode, *([attention] if attention else [])],
         env=env,
         capture_output=True,
         text=True,
@@ -56,6 +56,28 @@ def test_worker_exception_mid_generation_is_reported_by_rank_0(ckpt):
     assert "eprt: rank 1 failed: RuntimeError: injected failure in decode step 4" in out
     assert "generated" not in out
     assert took < 60
+
+
+def test_dp_attention_worker_exception_is_reported_by_rank_0(ckpt):
+    """Under dp attention rank 1 fails inside its own rows' decode: rank 0, waiting in the MoE
+    exchange, names it and the job ends non-zero."""
+    code, out, took = launch(ckpt, "raise", attention="dp")
+    assert code != 0
+    assert "eprt: rank 1 failed: RuntimeError: injected failure in decode step 4" in out
+    assert "generated" not in out
+    assert took < 60
+
+
+def test_dp_attention_killed_worker_ends_the_job_within_60s(ckpt):
+    code, out, took = launch(ckpt, "kill", attention="dp")
+    assert code != 0
+    assert took < 60
+
+
+def test_dp_attention_clean_job_exits_zero(ckpt):
+    code, out, _ = launch(ckpt, "clean", attention="dp")
+    assert code == 0, out
+    assert "generated [10, 10, 10]" in out
 
 
 def test_killed_worker_ends_the_job_within_60s(ckpt):

@@ -1,0 +1,179 @@
+"""One rank's model state under dp attention (docs/design.md, "dp attention"): the slot table of
+every slot, a mirror of every rank's block manager, and KV only for the slots this rank owns. Every
+forward pass joins the MoE exchange (``eprt.comm.dp_combine``), with rows or without; its output,
+each row's greedy token and final hidden state, reaches rank 0 in one small gather.
+N rows in a forward pass, D hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eprt.cache.owners import OwnerPools
+from eprt.comm.dp_combine import DpExchange
+from eprt.comm.protocol import Prefill
+from eprt.comm.slots import SlotError
+from eprt.engine.executor import ExecutorError, ShardExecutor, vision_salt
+from eprt.model.moe_model import MoEModel
+
+
+@dataclass(frozen=True)
+class DpOutput:
+    """A forward pass's rows on rank 0, in the pass's row order."""
+
+    tokens: np.ndarray  # [N] int64: each row's greedy token, from its owner's LM head
+    hidden: np.ndarray  # [N, D] float32: each row's final hidden state (the sampled rows' logits come from it)
+
+
+class DpShardExecutor(ShardExecutor):
+    dp = True  # the worker loop runs OWNER and DECODE_DP on it
+
+    def __init__(
+        self,
+        model: MoEModel,
+        pool_sizes: list[int],
+        block_size: int,
+        max_slots: int,
+        exchange: DpExchange,
+        prefix_cache: bool = True,
+        image_token_id: int | None = None,
+    ):
+        if model.cfg.is_hybrid:
+            raise ValueError(
+                f"--attention dp does not serve {model.cfg.model_type} (recurrent state per owner is not built); "
+                "use --attention replicated"
+            )
+        self.rank = exchange.transport.rank
+        if len(pool_sizes) != exchange.transport.size:
+            raise ValueError(f"{len(pool_sizes)} pool sizes for a world of {exchange.transport.size} ranks")
+        super().__init__(model, pool_sizes[self.rank], block_size, max_slots, prefix_cache, image_token_id)
+        self.pools = OwnerPools(pool_sizes, block_size, prefix_cache)
+        self.pools.pools[self.rank] = self.blocks  # this rank's own pool: the blocks its KV lives in
+        self.owners = np.full(max_slots, -1, dtype=np.int64)  # [slots] owner rank of each occupied slot
+        self._pending: dict[int, int] = {}  # slot -> owner named by OWNER, for its next PREFILL
+        self.exchange = exchange
+        model.exchange = exchange
+        self.compute_logits = True  # every owner runs the LM head on its rows
+
+    # ---- slot bookkeeping, in the owner's pool -------------------------------------------
+    def assign_owner(self, slot: int, owner: int) -> None:
+        """OWNER: the sequence the next PREFILL puts into the empty ``slot`` lives on rank ``owner``."""
+        if not 0 <= owner < len(self.pools):
+            raise ExecutorError(f"OWNER slot {slot}: rank {owner} is outside the world [0, {len(self.pools)})")
+        if self.slots.get(slot) is not None:
+            raise SlotError(f"OWNER slot {slot}: the slot is occupied")
+        self._pending[slot] = owner
+
+    def allocate(
+        self,
+        slot: int,
+        tokens,
+        adapter: int = -1,
+        vision_rows: np.ndarray | None = None,
+        salt: bytes | None = None,
+        max_hit: int | None = None,
+    ) -> int:
+        if self.slots.get(slot) is not None:
+            raise SlotError(f"slot {slot} is already occupied")
+        owner = self._pending.pop(slot, None)
+        if owner is None:
+            raise ExecutorError(f"PREFILL slot {slot}: under dp attention an OWNER frame must name its rank first")
+        salt = vision_salt(vision_rows) if salt is None else salt
+        key, ids = self.slots.next_key, [int(t) for t in tokens]
+        cached = self.pools.pools[owner].allocate(key, ids, adapter, salt, max_hit=max_hit)
+        self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
+        self.owners[slot] = owner
+        return cached
+
+    def cache(self, slot: int) -> None:
+        st = self.slots.held(slot, "cache")
+        self.pools.pools[self.owners[slot]].cache(st.key, st.tokens)
+
+    def free(self, slot: int) -> int:
+        key = self.slots.vacate(slot).key
+        owner, self.owners[slot] = int(self.owners[slot]), -1
+        return self.pools.pools[owner].free(key)
+
+    def compact(self, slot: int, new_slot: int) -> None:
+        super().compact(slot, new_slot)
+        self.owners[new_slot], self.owners[slot] = self.owners[slot], -1
+
+    # ---- compute --------------------------------------------------------------------------
+    def prefill(self, slot: int, tokens, chunk_start: int, chunk_len: int, vision_rows: np.ndarray | None = None):
+        """The chunk on its owner; every other rank mirrors the bookkeeping and serves its experts.
+        Returns a DpOutput of the chunk's last token on rank 0 (None elsewhere)."""
+        tokens = [int(t) for t in tokens]
+        if self.slots.get(slot) is None:
+            cached = self.allocate(slot, tokens, vision_rows=vision_rows)
+            if cached != chunk_start:
+                raise ExecutorError(
+                    f"prefix cache diverged on slot {slot}: this rank reuses {cached} tokens, "
+                    f"rank 0 sent chunk_start={chunk_start}"
+                )
+        owner = int(self.owners[slot])
+        self.exchange.begin(np.full(chunk_len, owner))
+        last = [int(r == owner) for r in range(len(self.pools))]  # the chunk's last row, from its owner
+        if owner == self.rank:
+            return self._collect(super().prefill(slot, tokens, chunk_start, chunk_len, vision_rows), last)
+        st = self.slots.check_chunk(slot, tokens, chunk_start, chunk_len)
+        self.pools.pools[owner].grow(st.key, chunk_start + chunk_len)
+        self.model.idle_pass()
+        st.tokens.extend(tokens[chunk_start : chunk_start + chunk_len])
+        return self._collect(self._no_rows(), last)
+
+    def prefill_next(self, slot: int, chunk_start: int, tokens):
+        st = self.slots.check_next_chunk(slot, chunk_start, tokens)
+        return self.prefill(slot, st.prompt, chunk_start, len(tokens), st.vision_rows)
+
+    def prefill_group(self, commands: list, vision_rows: list | None = None, keep_hidden: bool = False):
+        """dp attention prefills one sequence per pass (its owner's); rank 0 sends one per frame."""
+        if len(commands) != 1 or keep_hidden:
+            raise ExecutorError(
+                f"dp attention: a prefill pass of {len(commands)} sequences"
+                + (" keeping hidden states (prompt logprobs)" if keep_hidden else "")
+                + " (one sequence per pass, no prompt logprobs)"
+            )
+        cmd, rows = commands[0], (vision_rows or [None])[0]
+        if isinstance(cmd, Prefill):
+            return self.prefill(cmd.slot, cmd.tokens, cmd.chunk_start, cmd.chunk_len, rows)
+        return self.prefill_next(cmd.slot, cmd.chunk_start, cmd.tokens)
+
+    def decode(self, slots: list, tokens: list, counts: list | None = None):
+        """One step: row r appends tokens[r] to slots[r]; this rank runs the rows it owns. ``counts``:
+        DECODE_DP's rows per rank, checked against this rank's owners. Returns a DpOutput on rank 0."""
+        states = self.slots.check_decode(slots, tokens, "DECODE_DP")
+        owners = self.owners[np.asarray(slots, dtype=np.int64)]  # [N]
+        self.exchange.begin(owners)
+        if counts is not None and list(counts) != self.exchange.counts:
+            raise ExecutorError(
+                f"DECODE_DP rows per rank {list(counts)}, but the owners of slots {list(slots)} on this rank "
+                f"give {self.exchange.counts}"
+            )
+        mine = np.flatnonzero(owners == self.rank)
+        for r in np.flatnonzero(owners != self.rank):  # the other owners' rows: mirrored bookkeeping
+            st = states[r]
+            self.pools.pools[owners[r]].grow(st.key, st.length + 1)
+            st.tokens.append(int(tokens[r]))
+        if len(mine):
+            out = super().decode([slots[r] for r in mine], [tokens[r] for r in mine])
+        else:
+            self.model.idle_pass()
+            out = self._no_rows()
+        return self._collect(out)
+
+    def _output(self, h):
+        """This rank's rows of a pass as uint32 [n, 1 + D]: the greedy token, then the hidden state's bits."""
+        tokens = np.asarray(self.ops.to_host(self.ops.argmax(self.model.logits(h))), dtype=np.uint32)  # [n]
+        hidden = np.ascontiguousarray(self.ops.to_host(h), dtype=np.float32)  # [n, D]
+        return np.concatenate([tokens[:, None], hidden.view(np.uint32)], axis=1)
+
+    def _no_rows(self) -> np.ndarray:
+        return np.zeros((0, 1 + self.cfg.hidden_size), dtype=np.uint32)
+
+    def _collect(self, rows: np.ndarray, counts: list | None = None) -> DpOutput | None:
+        every = self.exchange.collect(rows, counts)  # [N, 1 + D] on rank 0
+        if every is None:
+            return None
+        return DpOutput(every[:, 0].astype(np.int64), np.ascontiguousarray(every[:, 1:]).view(np.float32))

@@ -1,0 +1,27 @@
+"""KV pools as the scheduler sees them (docs/scenarios.md, "dp attention"): one shared pool under
+replicated attention; under dp attention one per owner rank, the model answering ``pool_of(seq)``
+and ``free_blocks_in(pool)``. A decode step that cannot grow preempts within the short pool only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+def pooled(model) -> bool:
+    return hasattr(model, "pool_of")
+
+
+def short_pool(model, rows: list, block_size: int) -> int | None:
+    """The pool that cannot give each of its rows crossing a block boundary a new block (the lowest
+    such owner rank under dp attention; 0 for the one shared pool), or None when every row can grow."""
+    crossing = [s for s in rows if (s.len + 1) % block_size == 0]
+    if not pooled(model):
+        return None if not crossing or len(crossing) <= model.num_free_blocks() else 0
+    need = Counter(model.pool_of(s) for s in crossing)
+    return next((pool for pool in sorted(need) if need[pool] > model.free_blocks_in(pool)), None)
+
+
+def in_pool(model, seq, pool: int) -> bool:
+    """Whether seq's blocks are in ``pool`` (always, with one shared pool)."""
+    return not pooled(model) or model.pool_of(seq) == pool

@@ -1,0 +1,154 @@
+"""dp attention (--attention dp) with the real model, written once and run at several world sizes:
+
+    mpiexec -n 1|2|3 python -m pytest --with-mpi tests/mpi/test_dp_attention_mpi.py
+
+Each sequence's KV and attention live on one owner rank; the MoE layers all-gather every rank's
+rows and reduce-scatter them back. Greedy (and seeded sampled) tokens must equal a single-rank
+run with replicated attention, over uneven expert splits (7 experts: 4+3, 3+2+2).
+"""
+
+import logging
+
+import numpy as np
+import pytest
+from test_expert_parallel_mpi import COMM, IMAGE, PROMPTS, engine_config, run_single, shared_checkpoint
+
+from eprt.api import GenerationRequest, SamplingParams
+from eprt.engine.engine import launch_engine
+
+
+def run_dp(cfg, reqs_fn, inspect=None):
+    """Generate under dp attention on every rank; rank 0 returns (results, inspect(engine))."""
+    try:
+        with launch_engine(cfg) as engine:
+            out = engine.generate(reqs_fn())
+            return out, None if inspect is None else inspect(engine)
+    except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        return None, None
+
+
+def cached_blocks_per_rank(engine):
+    return [pool.num_cached_blocks() for pool in engine.runner.executor.pools.pools]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe"])
+def test_dp_tokens_equal_single_rank(arch):
+    """Four architectures (DeepSeek's MLA latent cache, grouped routing, shared experts and a dense
+    first layer among them); every rank owns some of the sequences."""
+    path = shared_checkpoint(arch)
+    reqs = lambda: [GenerationRequest(p, SamplingParams(max_tokens=12)) for p in PROMPTS]  # noqa: E731
+    multi, cached = run_dp(engine_config(path, attention="dp"), reqs, cached_blocks_per_rank)
+    single = run_single(engine_config(path, attention="replicated"), reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+        assert all(len(r.token_ids) > 0 for r in multi)
+        assert len(cached) == COMM.size and all(n > 0 for n in cached), cached  # each rank owned sequences
+
+
+@pytest.mark.mpi(min_size=1)
+def test_dp_sampled_rows_equal_single_rank():
+    """Seeded sampling: the sampled rows' logits come from the gathered hidden states on rank 0."""
+    path = shared_checkpoint("qwen2_moe")
+
+    def reqs():
+        params = [SamplingParams(max_tokens=10, temperature=0.8, seed=i) for i in range(3)]
+        params += [SamplingParams(max_tokens=10) for _ in range(3)]
+        return [GenerationRequest(p, sp) for p, sp in zip(PROMPTS, params)]
+
+    multi, _ = run_dp(engine_config(path, attention="dp"), reqs)
+    single = run_single(engine_config(path, attention="replicated"), reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_dp_chunked_prefill_and_prefix_affinity(arch):
+    """6-token prefill chunks and a shared system prompt: later prompts go to the rank caching it
+    (prefix-cache affinity) and reuse it; tokens equal a single rank with the prefix cache off."""
+    path = shared_checkpoint(arch)
+    system = list(range(20, 52))
+
+    def reqs():
+        return [GenerationRequest(system + [i, i + 1], SamplingParams(max_tokens=6)) for i in range(6)]
+
+    def each(engine):
+        return [engine.generate([r])[0] for r in reqs()]  # one after another: the cache is warm
+
+    cfg = engine_config(path, attention="dp", max_prefill_tokens=6)
+    multi, later = run_dp(cfg, reqs, each)
+    single = run_single(engine_config(path, attention="replicated", prefix_cache=False), reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+        assert [r.token_ids for r in later] == [r.token_ids for r in single]
+        assert all(r.cached_tokens == 32 for r in later)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_dp_preemption_on_small_pools_equal_single_rank(monkeypatch):
+    """Pools of 30 + 9r blocks of 4 tokens (rank 0 the smallest): long generations run out of one
+    rank's pool and preempt there, and the tokens still equal a single rank's."""
+    from eprt.engine import startup
+
+    monkeypatch.setattr(startup, "_kv_blocks", lambda cfg, ops, model_cfg, model_len, sharers: 30 + 9 * COMM.rank)
+    path = shared_checkpoint("olmoe")
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(20)] for i in range(4)]
+    reqs = lambda: [GenerationRequest(p, SamplingParams(max_tokens=48, ignore_eos=True)) for p in prompts]  # noqa
+    cfg = engine_config(path, attention="dp")
+    multi, preemptions = run_dp(cfg, reqs, lambda engine: engine.scheduler.preemptions)
+    monkeypatch.setattr(startup, "_kv_blocks", lambda cfg, ops, model_cfg, model_len, sharers: 1000)
+    single = run_single(engine_config(path, attention="replicated"), reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+        assert preemptions > 0
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("attention", ["dp", "replicated"])
+def test_startup_log_states_kv_capacity(monkeypatch, attention):
+    """Rank r's pool is 26 + 9r blocks of 4 tokens: dp adds the pools up, replicated takes the smallest."""
+    from eprt.engine import startup
+
+    monkeypatch.setattr(startup, "_kv_blocks", lambda cfg, ops, model_cfg, model_len, sharers: 26 + 9 * COMM.rank)
+    lines = _Lines()
+    logging.getLogger("eprt.engine").addHandler(lines)
+    try:
+        cfg = engine_config(shared_checkpoint("mixtral"), attention=attention)
+        _, total = run_dp(cfg, lambda: [GenerationRequest([3, 4])], lambda engine: engine.stats()["total_blocks"])
+    finally:
+        logging.getLogger("eprt.engine").removeHandler(lines)
+    pools = [26 + 9 * r for r in range(COMM.size)]
+    tokens = 4 * (sum(pools) if attention == "dp" else min(pools))
+    if COMM.rank == 0:
+        stated = [line for line in lines.lines if line.startswith("KV capacity")]
+        assert len(stated) == 1 and stated[0].startswith(f"KV capacity {tokens} tokens ("), stated
+        assert total * 4 == tokens  # the stats line counts the same blocks
+
+
+@pytest.mark.mpi(min_size=1)
+def test_dp_vision_rows_equal_single_rank():
+    """Vision rows reach every rank with the PREFILL; the owner scatters them into its embedding."""
+    path = shared_checkpoint("mixtral")
+    rows = np.random.default_rng(1).normal(0, 0.3, size=(2, 64)).astype(np.float32)
+
+    def reqs():
+        return [
+            GenerationRequest(PROMPTS[1], SamplingParams(max_tokens=8)),
+            GenerationRequest([4, IMAGE, 9, IMAGE, 13], SamplingParams(max_tokens=8), image_embeds=rows),
+        ]
+
+    multi, _ = run_dp(engine_config(path, attention="dp"), reqs)
+    single = run_single(engine_config(path, attention="replicated"), reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
