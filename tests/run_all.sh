@@ -24,7 +24,7 @@ if command -v g++ >/dev/null; then
   PYTHONPATH=tests python3 -m pytest -q -p no:cacheprovider -p cusim.plugin -m gpu \
     tests/test_cupy_ops.py tests/test_cupy_ops_shapes.py tests/test_gpu_end_to_end.py \
     tests/test_cupy_ops_deepseek.py tests/test_cupy_ops_fp8.py tests/test_gpu_fp8_model.py tests/test_cupy_hybrid_ops.py \
-    tests/test_cupy_sampling.py
+    tests/test_cupy_sampling.py tests/test_gpu_vision.py tests/test_cupy_lora.py
   for n in 2 3; do
     echo "== GPU expert parallelism on cusim at mpiexec -n $n"
     PYTHONPATH=tests mpiexec -n "$n" python3 -m pytest -q -p no:cacheprovider -p cusim.plugin --with-mpi -m gpu \
