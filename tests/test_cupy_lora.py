@@ -66,3 +66,24 @@ def test_attention_adapter_logits_on_cupy_follow_numpy(checkpoint, ckpt_root):
     err = np.abs(cuda - cpu).max(axis=1)
     assert (err < 0.1).all(), err
     assert np.abs(cpu[1] - cpu[0]).max() > 10 * err.max()  # the adapter moves the logits far more
+
+
+@gpu
+@pytest.mark.gpu
+def test_an_experts_adapter_is_refused_at_load_on_cupy(checkpoint, ckpt_root):
+    """LoRA on the routed experts has no CUDA kernel yet: its load on the GPU backend is a clear
+    error naming the op and the way out, not a wrong answer."""
+    import os
+
+    from lora_adapters import per_expert_adapter
+
+    from eprt.model.loader import load_model
+    from eprt.model.lora import LoraError, LoraSlots
+    from eprt.ops.device import get_ops
+
+    base = checkpoint("mixtral", dtype="bfloat16")
+    adapter, _ = per_expert_adapter(base, os.path.join(ckpt_root, "lora-mixtral-bf16-per-expert"), ("w1", "w3", "w2"))
+    lm = load_model(base, get_ops("cuda"), 64)
+    lora = LoraSlots(lm.model.ops, lm.config, 2, 8, 0, lm.config.num_experts)
+    with pytest.raises(LoraError, match="no moe_experts_lora .*--device cpu only"):
+        lora.read(adapter)
