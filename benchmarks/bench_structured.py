@@ -4,7 +4,7 @@ so both take the host sampling path), one run:
 
 - decode step ms = (t_N - t_1) / (N - 1) over N steps, the best of 5 interleaved rounds
   (schemas too long to finish within N);
-- of it, the mask's share: time argmax_batch spends in GuidedRows.apply (waiting for the masks
+- of it, the mask's share: time argmax_batch spends in GuidedRows.allowed (waiting for the masks
   computed on a thread during the forward pass, unpacking, masking) and in GuidedRows.advance;
 - the mask computation alone for 32 rows (what the thread does, overlapped with the forward).
 
@@ -38,12 +38,12 @@ SCHEMAS = {
 
 
 class Meter:
-    """Wall time spent inside GuidedRows.apply / advance / _fill (the masks' share of a step)."""
+    """Wall time spent inside GuidedRows.allowed / advance / _fill (the masks' share of a step)."""
 
     def __init__(self):
-        self.apply = self.advance = self.fill = 0.0
+        self.allowed = self.advance = self.fill = 0.0
         self.fills = 0
-        for name in ("apply", "advance", "_fill"):
+        for name in ("allowed", "advance", "_fill"):
             self._wrap(name)
 
     def _wrap(self, name: str) -> None:
@@ -87,26 +87,26 @@ def main() -> None:
     args = ap.parse_args()
     meter = Meter()
     cases = {"none": None, **{k: Guide("json_schema", json.dumps(v)) for k, v in SCHEMAS.items()}}
-    best = {k: (float("inf"), 0.0, 0.0, 0.0) for k in cases}  # step s, apply, advance, fill (per step / call)
+    best = {k: (float("inf"), 0.0, 0.0, 0.0) for k in cases}  # step s, allowed, advance, fill (per step / call)
     with launch_engine(EngineConfig(model=None, device="cpu", max_batch=ROWS, prefix_cache=False)) as engine:
         for _ in range(REPEAT):
             for name, guide in cases.items():
-                meter.apply = meter.advance = meter.fill = 0.0
+                meter.allowed = meter.advance = meter.fill = 0.0
                 meter.fills = 0
                 steps_before = engine.runner.decode_steps
                 step = run(engine, guide, args.steps)
                 per = max(engine.runner.decode_steps - steps_before, 1)
                 fill = meter.fill / max(meter.fills, 1)
                 if step < best[name][0]:
-                    best[name] = (step, meter.apply / per, meter.advance / per, fill)
+                    best[name] = (step, meter.allowed / per, meter.advance / per, fill)
     plain = best["none"][0]
     print(f"default model, CPU, batch {ROWS}, T=0.8, {args.steps} steps, {args.threads} BLAS threads")
-    print(f"{'guide':>18} {'step ms':>8} {'+ms':>6} {'+%':>6} {'apply ms':>9} {'advance ms':>10} {'fill ms':>8}")
-    for name, (step, apply, advance, fill) in best.items():
+    print(f"{'guide':>18} {'step ms':>8} {'+ms':>6} {'+%':>6} {'allowed ms':>11} {'advance ms':>10} {'fill ms':>8}")
+    for name, (step, allowed, advance, fill) in best.items():
         extra = step - plain
         print(
             f"{name:>18} {step * 1e3:8.2f} {extra * 1e3:6.2f} {100 * extra / plain:5.1f}% "
-            f"{apply * 1e3:9.3f} {advance * 1e3:10.3f} {fill * 1e3:8.3f}"
+            f"{allowed * 1e3:11.3f} {advance * 1e3:10.3f} {fill * 1e3:8.3f}"
         )
     print("apply: per decode step, in argmax_batch (waits for the thread's masks); advance: per step, consuming")
     print("tokens and starting the next masks; fill: one mask computation of the rows (on the thread)")
