@@ -205,13 +205,11 @@ def test_mla_attention_prefill_shapes(H, C, bs, start, T, split, seed):
 
 
 def test_the_cupy_backend_implements_every_op():
-    """No architecture is refused on the GPU at start-up (model._check_backend). The one op it may
-    lack is LoRA on the routed experts, which an adapter's load refuses where it is missing
-    (eprt/model/lora.py, LoraSlots.read; issue 18 leaves its CUDA kernel to come)."""
+    """No architecture is refused on the GPU at start-up (model._check_backend)."""
     from eprt.ops.base import Ops
     from eprt.ops.cupy_ops import CupyOps
 
     ops = [n for n, f in vars(Ops).items() if callable(f) and not n.startswith("_")]
-    optional = ("synchronize", "warm_up", "moe_experts_lora")
+    optional = ("synchronize", "warm_up")
     missing = [n for n in ops if getattr(CupyOps, n) is getattr(Ops, n) and n not in optional]
     assert missing == []

@@ -16,6 +16,7 @@ import numpy as np
 from eprt.ops.base import GroupedRouting, Ops
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from eprt.ops.kernel_loader import KERNELS, get_kernel, get_module
+from eprt.ops.lora_ops import LoraRows
 
 # cuBLAS / CUDA library enum values (stable ABI: cublas_api.h, library_types.h).
 _OP_N, _OP_T = 0, 1
@@ -779,6 +780,37 @@ class CupyOps(Ops):
         args = (xa, b, rows.index, y, np.int64(T * N), np.int32(N), np.int32(R), np.int64(b.strides[0] // 4))
         _launch("lora.cu", "lora_expand", (min(-(-T * N // 256), 65536),), 256, args)
         return y
+
+    def moe_experts_lora(self, x, weights, ids, w_gate_up, w_down, expert_start, rows, gate_up, down):
+        """The tokens without an adapter through ``moe_experts`` (their pairs alone keep a weight);
+        each (token, choice) pair of a token with an adapter through its expert with bf16 GEMMs and
+        ``lora_apply`` deltas, expert by expert, added in with its routing weight."""
+        op = "moe_experts_lora"
+        _require(op, not isinstance(w_gate_up, Fp8Weight), "LoRA on FP8 experts is not supported")
+        El = w_gate_up.shape[0]
+        adapted = np.flatnonzero(rows.slots >= 0)  # [A] tokens with an adapter
+        base_weights = weights.copy()
+        base_weights[self.index(adapted)] = 0.0  # their pairs come from the loop below
+        out = self.moe_experts(x, base_weights, ids, w_gate_up, w_down, expert_start)  # [T, D] f32
+        local = cupy.asnumpy(ids)[adapted] - expert_start  # [A, k]
+        host_weights = cupy.asnumpy(weights)[adapted]  # [A, k]
+        for e in np.unique(local[(local >= 0) & (local < El)]).tolist():
+            which, choice = np.nonzero(local == e)  # pairs routed to expert e (a token at most once)
+            tokens = adapted[which]
+            pair_rows = LoraRows.group(rows.slots[tokens], upload=self.index)  # every pair has a slot
+            xs = x[self.index(tokens)]  # [m, D]
+            h = self.linear(xs, w_gate_up[e])  # [m, 2I]
+            if gate_up is not None:
+                self.lora_apply(h, xs, gate_up[0][:, e], gate_up[1][:, e], pair_rows)
+            act = self.silu_and_mul(h)  # [m, I]
+            y = self.linear(act, w_down[e])  # [m, D]
+            if down is not None:
+                self.lora_apply(y, act, down[0][:, e], down[1][:, e], pair_rows)
+            y32 = (y.astype(cupy.uint32) << 16).view(cupy.float32)  # [m, D] bf16 -> f32
+            w = cupy.asarray(np.ascontiguousarray(host_weights[which, choice], dtype=np.float32)).reshape(-1, 1)
+            idx = self.index(tokens)
+            out[idx] = out[idx] + y32 * w
+        return out
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         op = "moe_experts"
