@@ -84,12 +84,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--threads", type=int, default=THREADS)
+    ap.add_argument("--repeats", type=int, default=REPEAT, help="interleaved rounds; the best of each case counts")
     args = ap.parse_args()
     meter = Meter()
     cases = {"none": None, **{k: Guide("json_schema", json.dumps(v)) for k, v in SCHEMAS.items()}}
     best = {k: (float("inf"), 0.0, 0.0, 0.0) for k in cases}  # step s, allowed, advance, fill (per step / call)
     with launch_engine(EngineConfig(model=None, device="cpu", max_batch=ROWS, prefix_cache=False)) as engine:
-        for _ in range(REPEAT):
+        for _ in range(args.repeats):
             for name, guide in cases.items():
                 meter.allowed = meter.advance = meter.fill = 0.0
                 meter.fills = 0
@@ -108,8 +109,9 @@ def main() -> None:
             f"{name:>18} {step * 1e3:8.2f} {extra * 1e3:6.2f} {100 * extra / plain:5.1f}% "
             f"{allowed * 1e3:11.3f} {advance * 1e3:10.3f} {fill * 1e3:8.3f}"
         )
-    print("apply: per decode step, in argmax_batch (waits for the thread's masks); advance: per step, consuming")
-    print("tokens and starting the next masks; fill: one mask computation of the rows (on the thread)")
+    print("allowed: per decode step, in argmax_batch (the thread's masks; a prompt's first token computes its own)")
+    print("advance: per step, consuming tokens and starting the next masks; fill: one mask computation of the")
+    print("rows (on the thread)")
 
 
 if __name__ == "__main__":
