@@ -109,3 +109,21 @@ def test_attention_flag_checked():
     assert EngineConfig().attention_mode(1) == "replicated"
     assert EngineConfig(record_payloads=True).attention_mode(4) == "replicated"
     assert EngineConfig(attention="dp").attention_mode(1) == "dp"
+
+
+def test_dp_refuses_what_it_does_not_serve_yet_naming_the_flag():
+    from types import SimpleNamespace
+
+    from eprt.engine.config import EngineConfig
+    from eprt.engine.startup import check_dp_features
+
+    plain = SimpleNamespace(model_type="qwen3_moe", mrope_section=None)
+    check_dp_features(EngineConfig(attention="dp"), plain)  # nothing refused
+    cases = [
+        (EngineConfig(attention="dp", speculative_method="ngram"), plain, "--speculative-method"),
+        (EngineConfig(attention="dp", enable_lora=True), plain, "--enable-lora"),
+        (EngineConfig(attention="dp"), SimpleNamespace(model_type="qwen3_vl_moe", mrope_section=[24, 20, 20]), "MRoPE"),
+    ]
+    for cfg, model_cfg, named in cases:
+        with pytest.raises(ValueError, match=named):
+            check_dp_features(cfg, model_cfg)
