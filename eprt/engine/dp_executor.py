@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eprt.cache.block_manager import BlockManager
 from eprt.cache.owners import OwnerPools
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.protocol import Prefill
 from eprt.comm.slots import SlotError
-from eprt.engine.executor import ExecutorError, ShardExecutor, vision_salt
+from eprt.engine.executor import ExecutorError, ShardExecutor
 from eprt.model.moe_model import MoEModel
 
 
@@ -66,35 +67,21 @@ class DpShardExecutor(ShardExecutor):
             raise SlotError(f"OWNER slot {slot}: the slot is occupied")
         self._pending[slot] = owner
 
-    def allocate(
-        self,
-        slot: int,
-        tokens,
-        adapter: int = -1,
-        vision_rows: np.ndarray | None = None,
-        salt: bytes | None = None,
-        max_hit: int | None = None,
-    ) -> int:
-        if self.slots.get(slot) is not None:
-            raise SlotError(f"slot {slot} is already occupied")
+    def _blocks_for_new(self, slot: int) -> BlockManager:
+        """The pool of the owner OWNER named for the slot's next PREFILL."""
         owner = self._pending.pop(slot, None)
         if owner is None:
             raise ExecutorError(f"PREFILL slot {slot}: under dp attention an OWNER frame must name its rank first")
-        salt = vision_salt(vision_rows) if salt is None else salt
-        key, ids = self.slots.next_key, [int(t) for t in tokens]
-        cached = self.pools.pools[owner].allocate(key, ids, adapter, salt, max_hit=max_hit)
-        self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
         self.owners[slot] = owner
-        return cached
+        return self.pools.pools[owner]
 
-    def cache(self, slot: int) -> None:
-        st = self.slots.held(slot, "cache")
-        self.pools.pools[self.owners[slot]].cache(st.key, st.tokens)
+    def _blocks_of(self, slot: int) -> BlockManager:
+        return self.pools.pools[self.owners[slot]]
 
     def free(self, slot: int) -> int:
-        key = self.slots.vacate(slot).key
-        owner, self.owners[slot] = int(self.owners[slot]), -1
-        return self.pools.pools[owner].free(key)
+        blocks = super().free(slot)
+        self.owners[slot] = -1
+        return blocks
 
     def compact(self, slot: int, new_slot: int) -> None:
         super().compact(slot, new_slot)

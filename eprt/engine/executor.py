@@ -138,30 +138,40 @@ class ShardExecutor:
             raise SlotError(f"slot {slot} is already occupied")
         key = self.slots.next_key
         salt = vision_salt(vision_rows) if salt is None else salt
-        cached = self.blocks.allocate(key, [int(t) for t in tokens], adapter, salt, max_hit=max_hit)
+        blocks = self._blocks_for_new(slot)
+        cached = blocks.allocate(key, [int(t) for t in tokens], adapter, salt, max_hit=max_hit)
         self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
         self._salts[key] = salt
         if self.cfg.mrope_section:
             image_pos = None if vision_rows is None else split_vision_rows(self.cfg, vision_rows)[2]
             self._mrope[key] = prompt_positions(tokens, self.image_token_id, image_pos)
         if self.state is not None and cached:  # the hit ends at a snapshot (hit_filter)
-            prefix = self.blocks.chain_hashes([int(t) for t in tokens[:cached]], adapter, salt)[-1]
+            prefix = blocks.chain_hashes([int(t) for t in tokens[:cached]], adapter, salt)[-1]
             self.state.restore(self.snapshots.lookup(prefix), slot)
         elif self.state is not None:
             self.state.reset(slot)
         return cached
 
+    def _blocks_for_new(self, slot: int) -> BlockManager:
+        """The block manager a sequence allocated into the empty ``slot`` keeps its blocks in."""
+        return self.blocks
+
+    def _blocks_of(self, slot: int) -> BlockManager:
+        """The block manager holding the blocks of the sequence in ``slot``."""
+        return self.blocks
+
     def cache(self, slot: int) -> None:
         st = self.slots.held(slot, "cache")
-        self.blocks.cache(st.key, st.tokens)
+        self._blocks_of(slot).cache(st.key, st.tokens)
 
     def free(self, slot: int) -> int:
+        blocks = self._blocks_of(slot)
         key = self.slots.vacate(slot).key
         self._salts.pop(key, None)
         self._mrope.pop(key, None)
         if self.snapshots is not None:
             self.snapshots.forget(key)
-        return self.blocks.free(key)
+        return blocks.free(key)
 
     def release(self, slot: int) -> None:
         self.cache(slot)
