@@ -70,8 +70,9 @@ class AdapterRegistry:
         return self._by_id[adapter_id].path
 
     # ---- requests ------------------------------------------------------------------------------
-    def begin(self, name: str) -> int:
-        """The id of adapter ``name`` for a request being submitted (UnknownAdapter if none)."""
+    def begin(self, name: str, count: int = 1) -> int:
+        """The id of adapter ``name`` for a request of ``count`` choices being submitted, held in
+        flight once per choice (UnknownAdapter if none)."""
         with self._lock:
             adapter = self._by_name.get(name)
             if adapter is None:
@@ -79,12 +80,12 @@ class AdapterRegistry:
                     f"model {name!r} is neither the base model nor a loaded LoRA adapter "
                     f"(adapters: {sorted(self._by_name) or 'none'})"
                 )
-            self._in_flight[adapter.adapter_id] = self._in_flight.get(adapter.adapter_id, 0) + 1
+            self._in_flight[adapter.adapter_id] = self._in_flight.get(adapter.adapter_id, 0) + count
             return adapter.adapter_id
 
-    def end(self, adapter_id: int) -> None:
+    def end(self, adapter_id: int, count: int = 1) -> None:
         with self._lock:
-            self._in_flight[adapter_id] -= 1
+            self._in_flight[adapter_id] -= count
 
     # ---- slots (the loop thread) ---------------------------------------------------------------
     def orphans(self) -> list[int]:

@@ -108,7 +108,7 @@ class Engine:
             return -1
         if self.runner.adapters is None:
             raise UnknownAdapter(f"model {name!r} is not {self.model_name!r} and no LoRA adapters are served")
-        return [self.runner.adapters.begin(name) for _ in range(count)][0]
+        return self.runner.adapters.begin(name, count)
 
     def adapter_names(self) -> list[str]:
         return [] if self.runner.adapters is None else self.runner.adapters.names()
@@ -143,8 +143,8 @@ class Engine:
                 req, on_finish=self._finisher(on_finish, adapter), on_tokens=on_tokens, adapter=adapter
             )
         except BaseException:
-            for _ in range(count if adapter != -1 else 0):
-                self.runner.adapters.end(adapter)
+            if adapter != -1:
+                self.runner.adapters.end(adapter, count)
             raise
         return [Handle(h, self) for h in inner]
 
