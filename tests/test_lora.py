@@ -152,6 +152,17 @@ def test_adapter_rank_above_the_limit_and_unsupported_targets_are_named(qwen, tm
         LoraSlots(lm.model.ops, lm.config, 1, 4, 0, 6).read(str(tmp_path))
 
 
+def test_experts_adapters_are_refused_at_load_under_eplb(qwen):
+    """EPLB puts the experts on physical slots that expert LoRA does not follow: refused at load,
+    while an attention adapter still loads."""
+    base, adapters = qwen
+    lm = load_model(base, NumpyOps(), 64)
+    slots = LoraSlots(lm.model.ops, lm.config, 1, 8, 0, 6, routed_experts=False)
+    with pytest.raises(LoraError, match="targets the routed experts, which EPLB places"):
+        slots.read(adapters["experts"][0])
+    slots.read(adapters["attn"][0])
+
+
 def test_each_rank_keeps_only_its_experts_factors(qwen):
     base, adapters = qwen
     lm = load_model(base, NumpyOps(), 64)

@@ -116,7 +116,8 @@ def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
     if not cfg.lora_enabled:
         return None
     w = loaded.model.w
-    return LoraSlots(ops, loaded.config, cfg.max_loras, cfg.max_lora_rank, w.expert_start, w.expert_end)
+    experts = not cfg.eplb.active  # EPLB's physical slots: no LoRA on the routed experts
+    return LoraSlots(ops, loaded.config, cfg.max_loras, cfg.max_lora_rank, w.expert_start, w.expert_end, experts)
 
 
 def check_dp_features(cfg: EngineConfig, model_cfg) -> None:

@@ -285,12 +285,24 @@ class LoraSlots:
     first use; a pass reads only the rank prefix its loaded adapters use.
     Which adapter a slot holds is rank 0's choice, mirrored through LORA_LOAD / LORA_UNLOAD."""
 
-    def __init__(self, ops, cfg: ModelConfig, max_loras: int, max_rank: int, expert_start: int, expert_end: int):
+    def __init__(
+        self,
+        ops,
+        cfg: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        expert_start: int,
+        expert_end: int,
+        routed_experts: bool = True,
+    ):
+        """``routed_experts`` False: this rank's experts sit on EPLB's physical slots, which expert
+        LoRA does not follow, so an adapter on the routed experts is refused at load."""
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
         self.ops, self.cfg = ops, cfg
         self.max_loras, self.max_rank = max_loras, max_rank
         self.expert_start, self.expert_end = expert_start, expert_end
+        self.routed_experts = routed_experts
         self.ids = [-1] * max_loras  # adapter id held by each slot (-1: empty)
         self.paths = [""] * max_loras
         self._stacks: dict = {}  # (layer, target) -> (a, b) backend arrays
@@ -307,12 +319,14 @@ class LoraSlots:
         from eprt.ops.base import Ops
 
         experts = any(t in EXPERT_TARGETS for _, t in adapter.targets)
+        if experts and not self.routed_experts:
+            raise LoraError(
+                f"LoRA adapter {path!r} targets the routed experts, which EPLB places on physical slots "
+                "(--num-redundant-experts / --enable-eplb): not supported together"
+            )
         for op, needed in (("lora_apply", True), ("moe_experts_lora", experts)):
             if needed and getattr(type(self.ops), op) is getattr(Ops, op):
-                raise LoraError(
-                    f"LoRA adapter {path!r}: the {self.ops.name} backend has no {op}"
-                    + (" (LoRA on the routed experts runs on --device cpu only)" if op == "moe_experts_lora" else "")
-                )
+                raise LoraError(f"LoRA adapter {path!r}: the {self.ops.name} backend has no {op}")
         return adapter
 
     def load(self, slot: int, adapter_id: int, adapter: LoraAdapter) -> None:

@@ -273,9 +273,7 @@ class MoEModel:
             weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
         ops.count_experts(ids, self.expert_counts[layer])
         experts = (None, None) if self.lora_rows is None else self.lora.experts(layer)
-        if experts != (None, None):
-            if self.slots is not None:
-                raise ValueError("LoRA on the routed experts under EPLB is not supported")
+        if experts != (None, None):  # (never under EPLB: LoraSlots.read refuses such adapters there)
             args = (lw.w_gate_up, lw.w_down, self.w.expert_start, self.lora_rows, *experts)
             out = self._combine(ops.moe_experts_lora(x, weights, ids, *args))  # [T, D] summed over ranks
         elif self.slots is None:
