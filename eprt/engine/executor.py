@@ -355,12 +355,11 @@ class ShardExecutor:
         deepstack = None
         if self.cfg.mrope_section:  # 3-D positions and deepstack rows: one sequence per pass (prefill_group)
             (st, _), c = states[0], chunks[0]
-            seen[:], mask = [], (masks[0] if rows[0] is not None else None)
+            mask = masks[0] if rows[0] is not None else None
             main, deepstack, batch.rope_cos_sin = self._mrope_chunk(
                 st.key, c.chunk_start, c.chunk_start + c.chunk_len, rows[0], mask
             )
-            if main is not None:
-                seen.append(main)
+            seen = [] if main is None else [main]  # the main rows replace the vision rows
         embedded = self.model.embed(
             np.concatenate(ids), np.concatenate(seen) if seen else None, np.concatenate(masks) if seen else None
         )  # [T, D]
