@@ -405,7 +405,8 @@ def allowed_masks(
 
 def apply_masks(x: np.ndarray, rows: np.ndarray, bits: np.ndarray) -> None:
     """Bit masks [R, W] (``RowMasks``) on rows of logits x[n, V]: disallowed tokens to -inf."""
-    keep = np.unpackbits(bits.view(np.uint8), axis=1, count=x.shape[1], bitorder="little").view(bool)  # [R, V]
+    words = np.ascontiguousarray(bits, dtype=np.uint32).view(np.uint8)  # [R, 4W]
+    keep = np.unpackbits(words, axis=1, count=x.shape[1], bitorder="little").view(bool)  # [R, V]
     sub = x[rows]
     sub[~keep] = -np.inf
     x[rows] = sub
