@@ -313,11 +313,11 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         logits = self._logits[row : row + n]  # [n, V]
         guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None]
         slow = [i for i, s in enumerate(seqs) if needs_host_sampler(s.params) or s.model_state.matcher is not None]
-        masks = None  # structured outputs: the guided rows' bitmasks, rows counted in ``slow``
+        masks = matchers = None  # structured outputs: the guided rows' bitmasks, rows counted in ``slow``
         if guided:  # filled now, after the forward pass was issued (on a GPU, while it runs)
-            at = {i: k for k, i in enumerate(slow)}
-            bits = self.guides.allowed([seqs[i].model_state.matcher for i in guided])  # [g, W]
-            masks = RowMasks(np.asarray([at[i] for i in guided], dtype=np.int32), bits)
+            matchers = [seqs[i].model_state.matcher for i in guided]
+            at = np.arange(len(guided)) if len(guided) == len(slow) else [slow.index(i) for i in guided]
+            masks = RowMasks(np.asarray(at, dtype=np.int32), self.guides.allowed(matchers))  # bits [g, W]
         tokens = [0] * len(seqs)
         if len(slow) < len(seqs):
             greedy = self.executor.ops.argmax(logits)
@@ -331,7 +331,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
                 tokens[i] = t
         self._rank_tokens(seqs, logits, tokens)
         if guided:  # the grammars take the tokens
-            self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
+            self.guides.advance(matchers, [tokens[i] for i in guided])
         return tokens
 
     def _rank_tokens(self, seqs: list, logits, tokens: list) -> None:
