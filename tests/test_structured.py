@@ -266,9 +266,10 @@ def test_guided_rows_copied_from_a_template_give_a_fresh_matchers_masks(monkeypa
     assert broken.is_error() and _ids(rows.allowed([broken]), V) == [[eos]]
 
 
-def test_guided_rows_among_greedy_and_sampled_unguided_rows_keep_their_masks(engine):
+def test_guided_rows_among_greedy_and_sampled_unguided_rows_keep_their_masks():
     """A batch whose host-sampled rows are not all guided (greedy plain rows take the device
-    argmax): each guided row gets its own mask, the unguided rows none."""
+    argmax): each guided row gets its own mask, the unguided rows none. (Its own engine: the
+    module's runs the server's loop from the server tests on.)"""
     schema = SCHEMAS[1]
     guided = [
         SamplingParams(max_tokens=60, temperature=t, seed=3, guide=Guide("json_schema", json.dumps(schema)))
@@ -279,7 +280,8 @@ def test_guided_rows_among_greedy_and_sampled_unguided_rows_keep_their_masks(eng
         SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True),
     ]
     order = [plain[0], guided[0], plain[1], plain[0], guided[1]]
-    results = engine.generate([GenerationRequest(PROMPT, p) for p in order])
+    with launch_engine(EngineConfig(model=None, device="cpu", max_batch=8)) as engine:
+        results = engine.generate([GenerationRequest(PROMPT, p) for p in order])
     for i in (1, 4):
         jsonschema.validate(json.loads(results[i].text), schema)
     assert not all(results[i].text.startswith("[") for i in (0, 2, 3))
