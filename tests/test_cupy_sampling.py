@@ -11,11 +11,13 @@ import pytest
 from eprt.api import SamplingParams
 from eprt.engine.sampling import (
     History,
+    RowMasks,
     allowed_masks,
     apply_edits,
     apply_masks,
     sample_on_device,
     sample_processed,
+    token_bits,
     token_edits,
     token_uniform,
 )
@@ -72,8 +74,7 @@ def test_masks_and_edits_match_the_numpy_reference_bit_for_bit(g):
     params, histories = batch(rng, 8)
     logits = bf16(rng.standard_normal((8, V)) * 4)
     logits[:, :64] = 0.0  # zeros: the repetition sign test at its edge
-    masks = [None] * 8
-    masks[6] = rng.random(V) < 0.5  # a structured-output mask
+    masks = RowMasks(np.array([6]), token_bits((rng.random(V) < 0.5)[None, :]))  # a structured-output mask
     for device_logits in (g.activation(logits), cupy.asarray(logits)):
         want = logits.copy()
         rows, bits = allowed_masks(params, V, masks)

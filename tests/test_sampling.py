@@ -238,7 +238,7 @@ def test_logprob_records_are_ordered_with_ties_by_id_and_rank_the_token():
 
 
 def test_batched_processing_equals_each_row_alone_and_the_token_mask_hook():
-    from eprt.engine.sampling import History, process_logits
+    from eprt.engine.sampling import History, RowMasks, process_logits, token_bits
 
     rng = np.random.default_rng(4)
     x = rng.standard_normal((4, 300)).astype(np.float32)
@@ -249,13 +249,34 @@ def test_batched_processing_equals_each_row_alone_and_the_token_mask_hook():
         SamplingParams(min_tokens=5, allowed_token_ids=(2, 4, 6, 8)),
     ]
     histories = [History.of([1, 2, 3, 3]).sync([7, 10, 7]) for _ in params]
-    masks = [None, None, np.arange(300) % 5 == 0, None]
-    together = process_logits(x.copy(), params, histories, (2,), masks)
+    fifths = token_bits((np.arange(300) % 5 == 0)[None, :])  # [1, W] a structured-output mask of row 2
+    together = process_logits(x.copy(), params, histories, (2,), RowMasks(np.array([2]), fifths))
     for r in range(4):
-        alone = process_logits(x[r : r + 1].copy(), params[r : r + 1], histories[r : r + 1], (2,), masks[r : r + 1])
+        mask = RowMasks(np.array([0]), fifths) if r == 2 else None
+        alone = process_logits(x[r : r + 1].copy(), params[r : r + 1], histories[r : r + 1], (2,), mask)
         np.testing.assert_array_equal(together[r], alone[0])
     assert np.isneginf(together[1, [8, 9]]).all() and np.isfinite(together[1, 7])
     assert np.isneginf(together[2, np.arange(300) % 5 != 0]).all() and np.isfinite(together[2, ::5]).all()
     assert np.isneginf(together[3, 2]) and np.isfinite(together[3, [4, 6, 8]]).all()
     assert together[0, 3] == np.float32(x[0, 3] + 5.0) / np.float32(1.5) or together[0, 3] == (x[0, 3] + 5.0) * 1.5
     np.testing.assert_array_equal(together[2, ::5], x[2, ::5])
+
+
+def test_row_masks_and_allowed_token_ids_intersect_and_keep_their_rows():
+    from eprt.engine.sampling import RowMasks, allowed_masks, apply_masks, token_bits
+
+    rng = np.random.default_rng(6)
+    V = 70  # not a multiple of 32
+    grammar = rng.random((2, V)) < 0.5  # structured-output masks of rows 1 and 3
+    params = [SamplingParams(), SamplingParams(allowed_token_ids=(1, 2, 3, 40)), SamplingParams()]
+    params += [SamplingParams(), SamplingParams(allowed_token_ids=(5, 69))]
+    masks = allowed_masks(params, V, RowMasks(np.array([1, 3]), token_bits(grammar)))
+    want = np.ones((5, V), dtype=bool)
+    want[[1, 3]] = grammar
+    want[1] &= np.isin(np.arange(V), [1, 2, 3, 40])
+    want[4] = np.isin(np.arange(V), [5, 69])
+    assert masks.rows.tolist() == [1, 3, 4]
+    x = rng.standard_normal((5, V)).astype(np.float32)
+    apply_masks(x, *masks)
+    np.testing.assert_array_equal(np.isfinite(x), want)
+    assert allowed_masks([SamplingParams()] * 5, V) is None

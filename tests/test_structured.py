@@ -175,11 +175,16 @@ def test_a_tokenizer_json_model_gets_masks_of_whole_tokens():
     compiler = GrammarCompiler(tok, hf.get_vocab_size(), [eos])
     rows = GuidedRows(compiler)
     matcher = compiler.matcher(Guide("regex", "[0-9]{3}"))
-    texts = {tok.decode([int(i)]) for i in np.flatnonzero(rows.masks([matcher])[0])}
+
+    def allowed_ids():
+        bits = rows.allowed([matcher])  # [1, W]
+        return np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[: hf.get_vocab_size()])
+
+    texts = {tok.decode([int(i)]) for i in allowed_ids()}
     assert texts == {t for t in (tok.decode([i]) for i in range(hf.get_vocab_size())) if re.fullmatch("[0-9]{1,3}", t)}
     assert any(len(t) > 1 for t in texts)
     rows.advance([matcher], [hf.token_to_id("12")])
-    after = {tok.decode([int(i)]) for i in np.flatnonzero(rows.masks([matcher])[0])}
+    after = {tok.decode([int(i)]) for i in allowed_ids()}
     assert after == {str(d) for d in range(10)}
 
 
@@ -221,3 +226,62 @@ def test_guided_rows_with_speculation_on_follow_the_grammar_and_plain_decoding()
         results = spec.generate(requests)
     assert [r.token_ids for r in results] == plain
     json.loads(results[0].text)
+
+
+def _ids(bits: np.ndarray, vocab_size: int) -> list:
+    """The allowed token ids of each row of bitmasks [B, W]."""
+    keep = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    return [np.flatnonzero(row).tolist() for row in keep]
+
+
+@pytest.mark.parametrize("parallel_vocab", [4096, 0], ids=["per row", "llguidance threads"])
+def test_guided_rows_copied_from_a_template_give_a_fresh_matchers_masks(monkeypatch, parallel_vocab):
+    """Matchers copied from a guide's template (sharing its lexer cache, rebuilt after
+    TEMPLATE_COPIES copies) step by step allow exactly what a fresh matcher of the grammar does,
+    each row on its own path, filled one call per row or on llguidance's threads; a row its
+    grammar left in an error state may only end."""
+    import llguidance
+
+    from eprt.engine import structured
+    from eprt.engine.structured import GrammarCompiler, GuidedRows
+
+    monkeypatch.setattr(structured, "TEMPLATE_COPIES", 3)
+    monkeypatch.setattr(structured, "PARALLEL_VOCAB", parallel_vocab)
+    V, eos = 258, ByteTokenizer.EOS
+    compiler = GrammarCompiler(ByteTokenizer(), V, [eos])
+    rows = GuidedRows(compiler)
+    guide = Guide("json_schema", json.dumps(SCHEMAS[0]))
+    matchers = [compiler.matcher(guide) for _ in range(8)]  # two template rebuilds on the way
+    fresh = [llguidance.LLMatcher(compiler._lltok(), compiler.grammar(guide)) for _ in range(8)]
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        got, want = _ids(rows.allowed(matchers), V), _ids(rows.allowed(fresh), V)
+        assert got == want
+        tokens = [int(rng.choice(ids)) for ids in got]
+        rows.advance(matchers, tokens)
+        rows.advance(fresh, tokens)
+    assert len({tuple(ids) for ids in got}) > 1  # the rows went their own ways
+    broken = compiler.matcher(Guide("regex", "[0-9]+"))
+    rows.advance([broken], [ord("x")])
+    assert broken.is_error() and _ids(rows.allowed([broken]), V) == [[eos]]
+
+
+def test_guided_rows_among_greedy_and_sampled_unguided_rows_keep_their_masks():
+    """A batch whose host-sampled rows are not all guided (greedy plain rows take the device
+    argmax): each guided row gets its own mask, the unguided rows none. (Its own engine: the
+    module's runs the server's loop from the server tests on.)"""
+    schema = SCHEMAS[1]
+    guided = [
+        SamplingParams(max_tokens=60, temperature=t, seed=3, guide=Guide("json_schema", json.dumps(schema)))
+        for t in (0.0, 0.9)
+    ]
+    plain = [
+        SamplingParams(max_tokens=20, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True),
+    ]
+    order = [plain[0], guided[0], plain[1], plain[0], guided[1]]
+    with launch_engine(EngineConfig(model=None, device="cpu", max_batch=8)) as engine:
+        results = engine.generate([GenerationRequest(PROMPT, p) for p in order])
+    for i in (1, 4):
+        jsonschema.validate(json.loads(results[i].text), schema)
+    assert not all(results[i].text.startswith("[") for i in (0, 2, 3))

@@ -18,6 +18,7 @@ from eprt.engine.executor import ShardExecutor, vision_salt
 from eprt.engine.sampling import (
     LOGSOFTMAX_BLOCK,
     History,
+    RowMasks,
     request_seed,
     rows_logprobs,
     sample_on_device,
@@ -154,9 +155,6 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.executor.cache(seq.slot)
 
     def free_sequence(self, seq) -> int:
-        state = seq.model_state
-        if state is not None and state.matcher is not None and seq.finished:  # (preempted: it keeps its matcher)
-            self.guides.forget(state.matcher)
         blocks = self.executor.free(seq.slot)
         self.transport.send(P.Release(seq.slot))
         return blocks
@@ -314,12 +312,12 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         seqs = self._rows[row : row + n]
         logits = self._logits[row : row + n]  # [n, V]
         guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None]
-        masks = [None] * len(seqs)  # structured outputs: allowed tokens [V] of each guided row
-        if guided:
-            allowed = self.guides.allowed([seqs[i].model_state.matcher for i in guided])  # [g, V]
-            for k, i in enumerate(guided):
-                masks[i] = allowed[k]
-        slow = [i for i, s in enumerate(seqs) if needs_host_sampler(s.params) or masks[i] is not None]
+        slow = [i for i, s in enumerate(seqs) if needs_host_sampler(s.params) or s.model_state.matcher is not None]
+        masks = matchers = None  # structured outputs: the guided rows' bitmasks, rows counted in ``slow``
+        if guided:  # filled now, after the forward pass was issued (on a GPU, while it runs)
+            matchers = [seqs[i].model_state.matcher for i in guided]
+            at = np.arange(len(guided)) if len(guided) == len(slow) else [slow.index(i) for i in guided]
+            masks = RowMasks(np.asarray(at, dtype=np.int32), self.guides.allowed(matchers))  # bits [g, W]
         tokens = [0] * len(seqs)
         if len(slow) < len(seqs):
             greedy = self.executor.ops.argmax(logits)
@@ -329,11 +327,11 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
             uniforms = np.array(
                 [token_uniform(s.model_state.seed, self.executor.slots.get(s.slot).length) for s in picked]
             )
-            for i, t in zip(slow, self._sample_slow(logits, slow, picked, [masks[i] for i in slow], uniforms)):
+            for i, t in zip(slow, self._sample_slow(logits, slow, picked, masks, uniforms)):
                 tokens[i] = t
         self._rank_tokens(seqs, logits, tokens)
-        if guided:  # the grammar takes the tokens; the next masks are computed during the next forward
-            self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
+        if guided:  # the grammars take the tokens
+            self.guides.advance(matchers, [tokens[i] for i in guided])
         return tokens
 
     def _rank_tokens(self, seqs: list, logits, tokens: list) -> None:
@@ -354,13 +352,13 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.transport.send(P.EplbPlacement(epoch, layers, slots, tuple(int(v) for v in table.ravel())))
         return self.executor.switch_placement(epoch, table)
 
-    def _sample_slow(self, logits, rows: list, seqs: list, masks: list, uniforms: np.ndarray) -> list[int]:
+    def _sample_slow(self, logits, rows: list, seqs: list, masks: RowMasks | None, uniforms: np.ndarray) -> list[int]:
         """Tokens of logits rows ``rows`` (sequences ``seqs``): on the host, or with the logits
         processing and the draw on the device (GPU backends: only rows with a top-k / top-p cut
         and rows asking for logprobs come to the host)."""
         ops, params = self.executor.ops, [s.params for s in seqs]
         whole = rows if len(rows) < logits.shape[0] else slice(None)
-        plain = all(p.logprobs is None and not p.processes_logits for p in params) and all(m is None for m in masks)
+        plain = masks is None and all(p.logprobs is None and not p.processes_logits for p in params)
         if plain and ops.name == "cpu":
             return sample_rows(ops.to_host(logits[whole]), params, uniforms)  # temperature / top-k / top-p only
         histories = [self._history(s) if s.params.processes_logits else None for s in seqs]

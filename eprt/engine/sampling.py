@@ -365,35 +365,48 @@ def apply_edits(x: np.ndarray, stages: Sequence[TokenEdits]) -> None:
         x[e.rows, e.tokens] = np.where(e.banned != 0, np.float32(-np.inf), v)
 
 
+class RowMasks(NamedTuple):
+    """Allowed-token bitmasks of some rows: bits [R, ceil(V / 32)] uint32 (bit t % 32 of word
+    t // 32 set: token t allowed; xgrammar's and llguidance's layout) of rows ``rows`` [R]."""
+
+    rows: np.ndarray
+    bits: np.ndarray
+
+
+def token_bits(allowed: np.ndarray) -> np.ndarray:
+    """Allowed tokens allowed[R, V] (bool) as bits [R, ceil(V / 32)] uint32 (``RowMasks``)."""
+    R, V = allowed.shape
+    padded = np.zeros((R, -(-V // 32) * 32), dtype=bool)
+    padded[:, :V] = allowed
+    return np.packbits(padded, axis=1, bitorder="little").view("<u4")
+
+
 def allowed_masks(
-    params: Sequence[SamplingParams], vocab_size: int, token_masks: Sequence[np.ndarray | None] | None = None
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """The rows with a dense mask (a structured-output ``token_masks[r]``, bool [V] True = allowed,
-    and/or allowed_token_ids) and their masks as bits [R, ceil(V / 32)] uint32 (bit t % 32 of
-    word t // 32: token t allowed; xgrammar's layout), or None when no row has one."""
-    rows, masks = [], []
-    for r, p in enumerate(params):
-        mask = None if token_masks is None else token_masks[r]
-        if not p.allowed_token_ids and mask is None:
-            continue
-        keep = np.ones(vocab_size, dtype=bool) if mask is None else np.asarray(mask, dtype=bool).copy()
-        if p.allowed_token_ids:
-            listed = np.zeros(vocab_size, dtype=bool)
-            listed[list(p.allowed_token_ids)] = True
-            keep &= listed
-        rows.append(r)
-        masks.append(keep)
-    if not rows:
-        return None
-    words = -(-vocab_size // 32)
-    bits = np.zeros((len(rows), words * 32), dtype=bool)
-    bits[:, :vocab_size] = np.stack(masks)
-    return np.asarray(rows, dtype=np.int32), np.packbits(bits, axis=1, bitorder="little").view("<u4")
+    params: Sequence[SamplingParams], vocab_size: int, token_masks: RowMasks | None = None
+) -> RowMasks | None:
+    """The masks of the rows with one: ``token_masks`` (structured outputs' grammars) and each
+    row's allowed_token_ids (a row with both: their intersection); None when no row has one."""
+    listed = [r for r, p in enumerate(params) if p.allowed_token_ids]
+    if not listed:
+        return token_masks
+    keep = np.zeros((len(listed), vocab_size), dtype=bool)  # [L, V]
+    for k, r in enumerate(listed):
+        keep[k, list(params[r].allowed_token_ids)] = True
+    own = token_bits(keep)  # [L, W]
+    if token_masks is None:
+        return RowMasks(np.asarray(listed, dtype=np.int32), own)
+    rows = sorted(set(listed) | {int(r) for r in token_masks.rows})
+    at = {r: k for k, r in enumerate(rows)}
+    bits = np.full((len(rows), own.shape[1]), 0xFFFFFFFF, dtype=np.uint32)  # [R, W]
+    bits[[at[r] for r in listed]] &= own
+    bits[[at[int(r)] for r in token_masks.rows]] &= token_masks.bits
+    return RowMasks(np.asarray(rows, dtype=np.int32), bits)
 
 
 def apply_masks(x: np.ndarray, rows: np.ndarray, bits: np.ndarray) -> None:
-    """Bit masks [R, W] (``allowed_masks``) on rows of logits x[n, V]: disallowed tokens to -inf."""
-    keep = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : x.shape[1]].astype(bool)
+    """Bit masks [R, W] (``RowMasks``) on rows of logits x[n, V]: disallowed tokens to -inf."""
+    words = np.ascontiguousarray(bits, dtype=np.uint32).view(np.uint8)  # [R, 4W]
+    keep = np.unpackbits(words, axis=1, count=x.shape[1], bitorder="little").view(bool)  # [R, V]
     sub = x[rows]
     sub[~keep] = -np.inf
     x[rows] = sub
@@ -404,16 +417,17 @@ def process_logits(
     params: Sequence[SamplingParams],
     histories: Sequence[History | None],
     eos_ids=(),
-    token_masks: Sequence[np.ndarray | None] | None = None,
+    token_masks: RowMasks | None = None,
 ) -> np.ndarray:
     """vLLM's processing of logits x[n, V] (float32, changed in place and returned), in its order:
-    ``token_masks[r]`` (bool [V], True = allowed: a structured-output mask), allowed_token_ids,
-    bad words, min_tokens, logit_bias, then repetition, frequency and presence penalties.
-    Penalties and biases are gathered over all rows at once as (row, token) pairs."""
+    ``token_masks`` (structured outputs), allowed_token_ids, bad words, min_tokens, logit_bias,
+    then repetition, frequency and presence penalties. Penalties and biases are gathered over
+    all rows at once as (row, token) pairs."""
     masks = allowed_masks(params, x.shape[1], token_masks)
     if masks is not None:
         apply_masks(x, *masks)
-    apply_edits(x, token_edits(params, histories, x.shape[1], eos_ids))
+    if any(p.processes_logits for p in params):
+        apply_edits(x, token_edits(params, histories, x.shape[1], eos_ids))
     return x
 
 
@@ -502,7 +516,7 @@ def sample_processed(
     uniforms: np.ndarray,
     histories: Sequence[History | None],
     eos_ids=(),
-    token_masks: Sequence[np.ndarray | None] | None = None,
+    token_masks: RowMasks | None = None,
     logprobs_mode: str = "raw",
 ) -> tuple[list[int], list]:
     """Tokens of host logits[n, V] after ``process_logits`` (greedy rows: argmax of the processed
@@ -511,10 +525,7 @@ def sample_processed(
     the model's logits, "processed" after the processing, temperature and min-p."""
     raw = [r for r, p in enumerate(params) if p.logprobs is not None]
     x = np.array(logits, dtype=np.float32)  # [n, V] a copy: the caller's rows stay raw
-    process = [
-        p.processes_logits or (token_masks is not None and token_masks[r] is not None) for r, p in enumerate(params)
-    ]
-    if any(process):
+    if token_masks is not None or any(p.processes_logits for p in params):
         process_logits(x, params, histories, eos_ids, token_masks)
     tokens = sample_rows(x, params, uniforms)
     if not raw:
@@ -547,7 +558,7 @@ def sample_on_device(
     uniforms: np.ndarray,
     histories: Sequence[History | None],
     eos_ids=(),
-    token_masks: Sequence[np.ndarray | None] | None = None,
+    token_masks: RowMasks | None = None,
     logprobs_mode: str = "raw",
 ) -> tuple[list[int], list]:
     """``sample_processed`` of rows ``rows`` of device logits[B, V] with the processing on the

@@ -1,6 +1,6 @@
 """Structured outputs on rank 0 with llguidance: a request's Guide compiled against the model's
-tokenizer, one matcher per sequence, and a token bitmask per step applied to its logits before
-sampling; the next step's masks are computed on a thread while the forward pass runs
+tokenizer, one matcher per sequence (copied from the guide's template), and a token bitmask per
+step applied to its logits before sampling, filled after the next forward pass is issued
 (docs/design.md, "Structured outputs"). B guided rows, V vocabulary, W = ceil(V / 32) words.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,9 +17,11 @@ from eprt.api import Guide, RequestError
 from eprt.model.tokenizer import ByteTokenizer
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+GRAMMAR_CACHE = 256  # compiled guides kept (a guide is compiled at submit and again at admission)
+TEMPLATE_COPIES = 256  # matchers copied from a guide's template before a fresh one (their lexer cache is shared)
+PARALLEL_VOCAB = 4096  # above it llguidance's threads fill the rows' masks; below, one call per row is cheaper
 # JSON without free whitespace (a schema's own "x-guidance" overrides it): a small model would
 # otherwise fill its budget with blanks the grammar allows between tokens
-GRAMMAR_CACHE = 256  # compiled guides kept (a guide is compiled at submit and again at admission)
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -49,7 +51,7 @@ class GrammarCompiler:
         self._tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, list(eos_token_ids)
         self._ll_tokenizer = None
         self._lock = threading.Lock()  # HTTP threads compile at submit, the scheduler thread at admission
-        self._grammars: OrderedDict[Guide, str] = OrderedDict()
+        self._grammars: OrderedDict[Guide, _Compiled] = OrderedDict()
 
     def _lltok(self):
         with self._lock:
@@ -72,18 +74,33 @@ class GrammarCompiler:
 
     def grammar(self, guide: Guide) -> str:
         """llguidance's grammar of ``guide``; RequestError naming the problem if it does not compile."""
+        return self._compiled(guide).grammar
+
+    def matcher(self, guide: Guide):
+        """A matcher for one sequence: a copy of the guide's template matcher. The copies share the
+        template's lexer state cache, so rows of one guide build each lexer state once rather than
+        each its own (fresh matchers filled bench_structured.py's string-schema masks 5x slower);
+        after TEMPLATE_COPIES copies a fresh template bounds that cache."""
+        compiled = self._compiled(guide)
+        with self._lock:
+            if compiled.copies >= TEMPLATE_COPIES:
+                compiled.template, compiled.copies = _llguidance().LLMatcher(self._build_lltok(), compiled.grammar), 0
+            compiled.copies += 1
+            return compiled.template.deep_copy()
+
+    def _compiled(self, guide: Guide) -> _Compiled:
         with self._lock:
             if guide in self._grammars:
                 self._grammars.move_to_end(guide)
                 return self._grammars[guide]
-        grammar = self._compile(guide)
+        compiled = self._compile(guide)
         with self._lock:
-            self._grammars[guide] = grammar
+            self._grammars[guide] = compiled
             if len(self._grammars) > GRAMMAR_CACHE:
                 self._grammars.popitem(last=False)
-        return grammar
+        return compiled
 
-    def _compile(self, guide: Guide) -> str:
+    def _compile(self, guide: Guide) -> _Compiled:
         llg = _llguidance()
         text = JSON_OBJECT_SCHEMA if guide.kind == "json_object" else guide.spec
         kind = {"json_object": "json_schema"}.get(guide.kind, guide.kind)
@@ -94,79 +111,66 @@ class GrammarCompiler:
                 grammar = llg.grammar_from(kind, json.loads(text) if kind == "choice" else text)
         except (ValueError, TypeError) as e:
             raise RequestError(f"the {guide.kind} cannot be compiled: {e}") from None
-        ok, message = self._check(grammar)
-        if not ok:
-            raise RequestError(f"the {guide.kind} cannot be compiled: {message}")
-        return grammar
-
-    def _check(self, grammar: str) -> tuple[bool, str]:
-        llg = _llguidance()
         try:
             matcher = llg.LLMatcher(self._lltok(), grammar)
         except (ValueError, TypeError, RuntimeError) as e:
-            return False, str(e)
-        return (not matcher.is_error(), matcher.get_error())
+            raise RequestError(f"the {guide.kind} cannot be compiled: {e}") from None
+        if matcher.is_error():
+            raise RequestError(f"the {guide.kind} cannot be compiled: {matcher.get_error()}")
+        return _Compiled(grammar, matcher)
 
-    def matcher(self, guide: Guide):
-        """A fresh matcher for one sequence."""
-        return _llguidance().LLMatcher(self._lltok(), self.grammar(guide))
+
+@dataclass
+class _Compiled:
+    """A compiled guide: its grammar, the template matcher sequences copy and how many did."""
+
+    grammar: str
+    template: object
+    copies: int = 0
 
 
 class GuidedRows:
-    """The matchers of the guided sequences and their masks: ``allowed`` gives a step's masks
-    (waiting for the masks computed during the forward pass, or computing them now), ``advance``
-    feeds the sampled tokens and starts the next step's masks on a thread."""
+    """The guided sequences' masks: ``advance`` feeds each matcher its sampled token, ``allowed``
+    fills the next step's bitmasks of the given matchers on the calling thread, after the next
+    forward pass was issued (on a GPU it runs while the device computes that pass; on the CPU
+    backend it costs its time in the step: llguidance's fill drops the GIL, a mask thread would
+    fight the forward pass for it)."""
 
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
         self.words = (compiler.vocab_size + 31) // 32
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eprt-mask")
-        self._executor = None
-        self._pending: dict[int, tuple[Future, int]] = {}  # id(matcher) -> (mask job, its row)
-
-    def _fill(self, matchers: list, tokens: list | None = None) -> np.ndarray:
-        """Masks [B, W] of the matchers' next step, after feeding them ``tokens`` (one each) if given."""
-        llg = _llguidance()
-        from llguidance.numpy import fill_next_token_bitmask_par
-
-        if self._executor is None:
-            self._executor = llg.LLExecutor()
-        for m, t in zip(matchers, tokens or ()):  # one at a time: cheaper than the executor's threads here
-            m.consume_token(int(t))
-        masks = np.full((len(matchers), self.words), -1, dtype=np.int32)  # [B, W]
-        fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
-        return masks
+        self._executor = None  # llguidance's thread pool, for large vocabularies
+        eos = np.asarray(compiler.eos, dtype=np.int64)
+        self._eos_words, self._eos_bits = eos // 32, (np.uint32(1) << (eos % 32).astype(np.uint32))
 
     def masks(self, matchers: list) -> np.ndarray:
-        """Allowed tokens [B, V] (bool) of each matcher's next step."""
-        rows = [None] * len(matchers)
-        todo = []
-        for i, m in enumerate(matchers):
-            job = self._pending.pop(id(m), None)
-            if job is not None:
-                rows[i] = job[0].result()[job[1]]
-            else:
-                todo.append(i)
-        if todo:
-            for i, row in zip(todo, self._fill([matchers[i] for i in todo])):
-                rows[i] = row
-        words = np.ascontiguousarray(np.stack(rows))  # [B, W]
-        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # [B, 32 W]
-        return bits[:, : self.compiler.vocab_size].astype(bool)
+        """Bitmasks [B, W] int32 of each matcher's next step (bit t % 32 of word t // 32: token t
+        allowed; llguidance's layout): one llguidance call per matcher, or for a vocabulary over
+        PARALLEL_VOCAB one call that fills every row on llguidance's threads."""
+        masks = np.empty((len(matchers), self.words), dtype=np.int32)  # [B, W]
+        size = self.words * 4
+        if self.compiler.vocab_size > PARALLEL_VOCAB:
+            if self._executor is None:
+                self._executor = _llguidance().LLExecutor()
+            rows = [(m, i) for i, m in enumerate(matchers)]
+            self._executor.unsafe_compute_mask_ptr(rows, masks.ctypes.data, size, len(matchers))
+        else:
+            base = masks.ctypes.data
+            for i, m in enumerate(matchers):
+                m.unsafe_compute_mask_ptr(base + i * size, size)
+        return masks
 
     def allowed(self, matchers: list) -> np.ndarray:
-        """Allowed tokens [B, V] (bool) of each matcher's next step; a row its grammar left no
-        token (an error state) may only end (its EOS ids)."""
-        allowed = self.masks(matchers)  # [B, V]
-        allowed[~allowed.any(axis=1)[:, None] & np.isin(np.arange(allowed.shape[1]), self.compiler.eos)] = True
-        return allowed
+        """Bitmasks [B, W] uint32 (``masks``) of each matcher's next step; a row its grammar left
+        no token (an error state) may only end (its EOS ids)."""
+        bits = self.masks(matchers).view(np.uint32)  # [B, W]
+        empty = np.flatnonzero(~bits.any(axis=1))
+        if empty.size:
+            np.bitwise_or.at(bits, (empty[:, None], self._eos_words[None, :]), self._eos_bits[None, :])
+        return bits
 
     def advance(self, matchers: list, tokens: list) -> None:
-        """Feed each matcher its sampled token and compute its next mask, both on the thread, while
-        the next forward pass runs (``masks`` waits for them)."""
-        job = self._pool.submit(self._fill, list(matchers), list(tokens))
-        for i, m in enumerate(matchers):
-            self._pending[id(m)] = (job, i)
-
-    def forget(self, matcher) -> None:
-        self._pending.pop(id(matcher), None)
+        """Feed each matcher its sampled token (a row it leaves in an error state gets only EOS
+        allowed from its next mask on)."""
+        for m, t in zip(matchers, tokens):
+            m.consume_token(int(t))
