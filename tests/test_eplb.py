@@ -94,7 +94,8 @@ def test_eplb_placement_frame_round_trips_and_refuses_a_wrong_size():
 
 # ---- ranks as threads -------------------------------------------------------------------------
 class ThreadWorld:
-    """W ranks in threads; combine(rank) sums the ranks' partials in rank order, as the transport does."""
+    """W ranks in threads; combine(rank) sums the ranks' partials in rank order, as the transport does;
+    gather(rank) concatenates the ranks' rows in rank order (EPLB's combine, the transport's allgather_rows)."""
 
     def __init__(self, world: int):
         self.world, self.parts = world, [None] * world
@@ -111,6 +112,17 @@ class ThreadWorld:
             return out
 
         return allsum
+
+    def gather(self, rank: int):
+        def allgather_rows(rows, counts):
+            assert rows.shape[0] == counts[rank], (rows.shape, counts, rank)
+            self.parts[rank] = rows
+            self.barrier.wait()
+            out = np.concatenate(self.parts)
+            self.barrier.wait()
+            return out
+
+        return allgather_rows
 
     def run(self, fn):
         out, errors = [None] * self.world, []
@@ -133,10 +145,10 @@ class ThreadWorld:
 PROMPTS = [list(range(90, 130)), [5, 77, 3, 140, 9, 9, 31, 200, 17, 64, 12, 250, 11], [8, 7]]
 
 
-def forward_logits(path, rank, world, combine, placement_for, switch_at=None):
+def forward_logits(path, rank, world, combine, placement_for, switch_at=None, gather=None):
     """Prefill PROMPTS, then 6 decode steps of all three; EPLB switches to ``switch_at[1]`` after
     decode step ``switch_at[0]``. Returns every logits row, stacked."""
-    lm = load_model(path, NumpyOps(), 512, rank, world, combine, placement_for=placement_for)
+    lm = load_model(path, NumpyOps(), 512, rank, world, combine, placement_for, gather)
     ex = ShardExecutor(lm.model, 64, 4, 4, prefix_cache=False)
     rows = []
     for s, p in enumerate(PROMPTS):
@@ -151,7 +163,7 @@ def forward_logits(path, rank, world, combine, placement_for, switch_at=None):
 
 def threaded_logits(path, world, start, switch):
     tw = ThreadWorld(world)
-    return tw.run(lambda r: forward_logits(path, r, world, tw.combine(r), lambda c: start, switch))
+    return tw.run(lambda r: forward_logits(path, r, world, tw.combine(r), lambda c: start, switch, tw.gather(r)))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
@@ -282,7 +294,7 @@ def test_metrics_show_each_layers_rank_imbalance_contiguous_and_placed():
     shutil.which("g++") is None or shutil.which("mpiexec") is None, reason="cusim needs g++ and mpiexec"
 )
 def test_cuda_backend_on_cusim_gives_the_same_tokens_across_live_rebalances():
-    """The CuPy path (device gather of the (token, choice) rows, staged combine of [T*k, D]) at 2 ranks
+    """The CuPy path (device gather of the (token, choice) rows, staged all-gather of each rank's rows) at 2 ranks
     on cusim: the default model's greedy tokens equal EPLB off's, with rebalances every 3 steps."""
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}

@@ -55,6 +55,11 @@ class Placement:
     def rank_range(self, rank: int) -> tuple[int, int]:
         return slot_ranges(self.num_slots, self.world)[rank]
 
+    @property
+    def rank_starts(self) -> np.ndarray:
+        """[W] the first slot of each rank."""
+        return np.array([a for a, _ in slot_ranges(self.num_slots, self.world)], np.int64)
+
     def local_experts(self, rank: int) -> np.ndarray:
         """[L, S] logical experts of ``rank``'s slots, per layer."""
         return self.table[:, slice(*self.rank_range(rank))]
@@ -231,24 +236,36 @@ def replica_table(placement: Placement) -> np.ndarray:
 class ExpertSlots:
     """This rank's share of a placement in the forward pass, and the switch to a new one."""
 
-    def __init__(self, placement: Placement, rank: int, read: Callable | None = None):
+    def __init__(self, placement: Placement, rank: int, read: Callable | None = None, gather: Callable | None = None):
         self.placement, self.rank = placement, rank
         self.read = read  # (layer, expert ids) -> (gate_up, down) from this rank's checkpoint files
+        # (rows [n, D], counts [W]) -> every rank's rows in rank order [sum(counts), D] (the EPLB combine)
+        self.gather = gather if gather is not None else lambda rows, counts: rows
         self.epoch = 0  # placements switched to so far
         self.replicas = replica_table(placement)
         self.start = placement.rank_range(rank)[0]
 
-    def moe(self, ops, combine: Callable, x, weights, ids, w_gate_up, w_down, layer: int):
+    def moe(self, ops, x, weights, ids, w_gate_up, w_down, layer: int):
         """The MoE layer's routed output [T, D], bit for bit what one rank holding every expert computes
-        whatever the placement: every rank computes its (token, choice) rows [T*k, D] (zeros for the
-        others), the combine adds them over ranks (one non-zero term each: exact), and the k choices
-        are added in choice order, as ``moe_experts`` does."""
+        whatever the placement: every rank computes the (token, choice) rows its slots were chosen for,
+        the ranks all-gather them (variable length, rank by rank), every rank puts each row back at its
+        (token, choice) and adds a token's k rows in choice order, as ``moe_experts`` does."""
         T, k = ids.shape
         slots = choose_slots(self.placement, self.replicas, layer, np.asarray(ops.to_host(ids)), ops.moe_split_rows)
-        rows = ops.index(np.repeat(np.arange(T, dtype=np.int32), k))  # [T*k]
-        flat_weights = ops.xp.ascontiguousarray(weights.reshape(T * k, 1))
-        mine = ops.moe_experts(x[rows], flat_weights, ops.index(slots.reshape(T * k, 1)), w_gate_up, w_down, self.start)
-        every = combine(mine).reshape(T, k, -1)  # [T, k, D]
+        owner = np.searchsorted(self.placement.rank_starts, slots.reshape(-1), side="right") - 1  # [T*k] its rank
+        order = np.argsort(owner, kind="stable")  # [T*k] rank by rank, each in (token, choice) order
+        counts = np.bincount(owner, minlength=self.placement.world)  # [W] rows each rank computes
+        lo = int(counts[: self.rank].sum())
+        picks = order[lo : lo + int(counts[self.rank])]  # [n] this rank's (token, choice) rows
+        if len(picks):
+            rows, chosen = ops.index(picks // k), ops.index(picks)
+            mine_weights = ops.xp.ascontiguousarray(weights.reshape(T * k, 1)[chosen])  # [n, 1]
+            mine_slots = ops.index(slots.reshape(-1)[picks].reshape(-1, 1))  # [n, 1]
+            mine = ops.moe_experts(x[rows], mine_weights, mine_slots, w_gate_up, w_down, self.start)  # [n, D]
+        else:
+            mine = ops.xp.zeros((0, x.shape[1]), ops.xp.float32)  # [0, D]
+        every = self.gather(mine, counts.tolist())  # [T*k, D] rank by rank
+        every = every[ops.index(np.argsort(order))].reshape(T, k, -1)  # [T, k, D]
         out = every[:, 0]
         for j in range(1, k):
             out = out + every[:, j]
