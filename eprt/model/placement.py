@@ -200,23 +200,41 @@ def make_placement(
 
 # ---- the forward pass ----------------------------------------------------------------------------
 def choose_slots(placement: Placement, replicas: np.ndarray, layer: int, ids: np.ndarray, min_rows: int) -> np.ndarray:
-    """Physical slot of every (token, choice) of ids [T, k] (logical experts), the same on every rank:
-    expert e's n occurrences in row order go in contiguous parts to u = min(replicas, n // min_rows)
-    (at least 1) of its replicas, starting at replica (row of its first occurrence) mod replicas. Each
-    part has at least ``min_rows`` rows, so a backend whose per-row result changes below that group
+    """Physical slot of every (token, choice) of ids [T, k] (logical experts), the same on every rank
+    (only the ids decide). Experts with one slot load their ranks first; then each replicated expert,
+    most rows first (ties: the lower expert), goes in u contiguous parts (row order) to u of its
+    replicas, each part to the replica whose rank has the fewest rows so far (ties: the lower replica),
+    u = min(replicas, n // min_rows, ceil(n / mean rows per rank)), at least 1: an expert is split only
+    when it holds more than a rank's share, so each split costs one more read of its matrices, and only
+    into parts of at least ``min_rows`` rows, so a backend whose per-row result changes below that group
     size (NumPy's GEMV path) computes the same bits as with one copy. replicas [L, E, M]: slots, -1 pads."""
     flat = ids.reshape(-1).astype(np.int64)  # [N = T*k]
-    k = ids.shape[1] if ids.ndim == 2 else 1
-    order = np.argsort(flat, kind="stable")
-    expert = flat[order]
-    first = np.searchsorted(expert, expert, side="left")  # where each sorted entry's group begins
-    n = np.bincount(flat, minlength=placement.num_experts)[expert]
-    m = (replicas[layer] >= 0).sum(axis=1)[expert]
-    parts = np.clip(n // max(1, min_rows), 1, m)
-    part = (np.arange(len(flat)) - first) * parts // n
-    replica = (part + order[first] // k) % m
+    table = replicas[layer]  # [E, M]
+    count = np.bincount(flat, minlength=placement.num_experts)  # [E] rows of each expert
+    held = (table >= 0).sum(axis=1)  # [E] replicas of each expert
+    rank_of = placement.rank_starts
+    load = np.bincount(
+        np.searchsorted(rank_of, table[:, 0], side="right") - 1, np.where(held == 1, count, 0), placement.world
+    )  # [W] rows of the single-copy experts on each rank
+    order = np.argsort(flat, kind="stable")  # [N] grouped by expert, rows in order
+    first = np.concatenate([[0], np.cumsum(count)])  # [E+1] where each expert's group begins in order
+    chosen = table[flat[order], 0]  # [N] slot of each sorted entry: the first replica, refined below
+    mean = len(flat) / placement.world
+    for e in np.lexsort((np.arange(len(count)), -count)):
+        n = int(count[e])
+        if held[e] < 2 or n == 0:
+            continue
+        parts = max(1, min(int(held[e]), n // max(1, min_rows), -(-n // max(1, int(np.ceil(mean))))))
+        slots = table[e, : held[e]]
+        ranks = np.searchsorted(rank_of, slots, side="right") - 1
+        free = np.ones(len(slots), bool)
+        for i in range(parts):
+            j = int(np.argmin(np.where(free, load[ranks], np.iinfo(np.int64).max)))
+            lo, hi = first[e] + n * i // parts, first[e] + n * (i + 1) // parts
+            chosen[lo:hi], free[j] = slots[j], False
+            load[ranks[j]] += hi - lo
     out = np.empty(len(flat), np.int32)
-    out[order] = replicas[layer][expert, replica]
+    out[order] = chosen
     return out.reshape(ids.shape)
 
 
