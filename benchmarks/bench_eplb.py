@@ -1,16 +1,18 @@
 """EPLB on a skewed router: tokens-per-rank imbalance and decode step time, EPLB off vs on.
 
-    python benchmarks/bench_eplb.py [--world 4] [--batch 32] [--steps 16] [--redundant 4]
+    python benchmarks/bench_eplb.py [--world 4] [--batch 32] [--steps 16] [--redundant 4] [--repeats 3]
 
 Builds (once) a DeepSeek-V3-style checkpoint (16 experts, top-4, experts ~90% of the weights)
 whose router score bias (e_score_correction_bias, selection only) favours 4 hot experts, 3 of
 them on rank 0 under the contiguous placement. Then ``mpiexec -n WORLD`` runs this script
-(``--child``) twice: EPLB off, which also writes the expert-load statistics (--stats-out's
-file), and EPLB on: ``--num-redundant-experts R --init-expert-placement`` that file. Each rank
-counts the (token, choice) rows its experts compute in decode steps and the CPU time it spends
-in them; rank 0 times each decode forward pass (combines included: it waits for the slowest
-rank). Printed: rows per rank, imbalance (max - mean) / mean, the busiest rank's expert CPU ms
-per step, and the median decode step.
+(``--child``), EPLB off (which also writes the expert-load statistics, --stats-out's file) and
+EPLB on (``--num-redundant-experts R --init-expert-placement`` that file), alternating, REPEATS
+times each. Every rank records per decode step: its wall time, the experts' wall and CPU time,
+the combines' wall time (waiting for the slowest rank included) and the CPU it burned in them,
+and the (token, choice) rows its experts computed. Printed per run: the load average before it,
+rows per rank, imbalance (max - mean) / mean, rank 0's median decode step, and each rank's
+medians; then every run's step per variant. ``--poll-cap S`` adds an EPLB-on variant whose
+combines sleep up to S seconds between polls (the transport's default is 1e-4).
 """
 
 from __future__ import annotations
@@ -121,6 +123,10 @@ def child(args) -> None:
             now = None
 
     ShardExecutor.decode = step
+    if args.poll_cap:
+        import eprt.comm.mpi_transport as mt
+
+        mt.BUSY_SLEEP_MAX = args.poll_cap
     eplb = EplbConfig(num_redundant_experts=args.redundant, init_expert_placement=args.placement or None)
     cfg = EngineConfig(
         model=args.dir, device="cpu", max_batch=args.batch, max_model_len=512, prefix_cache=False, eplb=eplb
@@ -179,6 +185,7 @@ def main() -> None:
     ap.add_argument("--bias", type=float, default=0.2, help="router score bias of the hot experts")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--placement", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--poll-cap", type=float, default=0, help="also run EPLB on, sleeping up to S s between polls")
     ap.add_argument("--stats-out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -189,9 +196,12 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="bench-eplb-")
     stats = os.path.join(work, "stats.json")
     runs = []  # (name, load average before, summary), interleaved off, on, off, on, ...
+    variants = ("off", "on", "on-poll") if args.poll_cap else ("off", "on")
     for rep in range(args.repeats):
-        for name in ("off", "on"):
+        for name in variants:
             extra = ["--redundant", "0", "--stats-out", stats] if name == "off" else ["--placement", stats]
+            if name == "on-poll":
+                extra += ["--poll-cap", str(args.poll_cap)]
             out = os.path.join(work, f"{name}{rep}")
             os.makedirs(out)
             cmd = ["mpiexec", "-n", str(args.world), sys.executable, os.path.abspath(__file__), "--child"]
@@ -211,12 +221,12 @@ def main() -> None:
             f"{m['step']:.0f}/{m['experts']:.1f}({m['experts_cpu']:.1f})/{m['combine']:.1f}({m['combine_cpu']:.1f})"
             for m in r["ranks"]
         )
-        print(f"{name:>3} load {load:4.1f} rows {r['rows']} imbalance {r['imbalance']:.3f} step {r['step_ms']:.1f} ms")
+        print(f"{name:>7} load {load:4.1f} rows {r['rows']} imbalance {r['imbalance']:.3f} step {r['step_ms']:.1f} ms")
         print(f"      {ranks}")
-    for name in ("off", "on"):
+    for name in variants:
         times = [r["step_ms"] for n, _, r in runs if n == name]
         print(
-            f"EPLB {name:>3}: decode step ms {' '.join(f'{t:.1f}' for t in times)}; "
+            f"EPLB {name:>7}: decode step ms {' '.join(f'{t:.1f}' for t in times)}; "
             f"best {min(times):.1f}, median {median(times):.1f}"
         )
 

@@ -81,6 +81,23 @@ def test_replica_choice_is_deterministic_and_keeps_parts_of_min_rows():
     assert len(set(few[:, 0].tolist())) == 1  # 4 rows: one replica, the per-row bits of a single copy
 
 
+def test_replicated_expert_goes_whole_to_its_least_loaded_rank_and_splits_only_above_a_share():
+    # 4 ranks of 2 slots; expert 0 on slots 0 (rank 0) and 6 (rank 3), expert 1 on slots 1 (rank 0) and 7
+    placed = Placement(np.array([[0, 1, 2, 3, 4, 5, 0, 1]]), 6, 4)
+    replicas = replica_table(placed)
+    ids = np.array([[0, 2]] * 6 + [[1, 4]] * 6 + [[3, 5]] * 2)  # 28 rows, 7 a rank; expert 0: 6, expert 1: 6
+    slots = choose_slots(placed, replicas, 0, ids, min_rows=5)
+    # single-copy loads: rank 0 none, rank 1 (2, 3) 8, rank 2 (4, 5) 8, rank 3 none; expert 0 (6 rows,
+    # under a share) goes whole to rank 0, then expert 1 whole to rank 3, the least loaded
+    assert slots[:6, 0].tolist() == [0] * 6 and slots[6:12, 0].tolist() == [7] * 6
+    owner = np.searchsorted(placed.rank_starts, slots.reshape(-1), side="right") - 1
+    assert np.bincount(owner, minlength=4).tolist() == [6, 8, 8, 6]
+    hot = np.array([[0, 2]] * 12 + [[3, 4]] * 2)  # expert 0: 12 rows, over a share (7): two parts of 6
+    slots = choose_slots(placed, replicas, 0, hot, min_rows=5)
+    assert slots[:6, 0].tolist() == [0] * 6 and slots[6:12, 0].tolist() == [6] * 6
+    assert choose_slots(placed, replicas, 0, hot, min_rows=7)[:12, 0].tolist() == [0] * 12  # parts of < 7
+
+
 def test_eplb_placement_frame_round_trips_and_refuses_a_wrong_size():
     cmd = P.EplbPlacement(epoch=3, layers=2, slots=3, table=(0, 1, 2, 2, 1, 0))
     words = P.encode(cmd)
