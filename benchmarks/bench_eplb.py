@@ -114,11 +114,11 @@ def child(args) -> None:
     def step(self, slots, tokens):
         nonlocal now
         now = dict.fromkeys(("experts", "experts_cpu", "combine", "combine_cpu", "rows"), 0)
-        w0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.thread_time()
         try:
             return decode(self, slots, tokens)
         finally:
-            now["step"] = 1e3 * (time.perf_counter() - w0)
+            now["step"], now["step_cpu"] = 1e3 * (time.perf_counter() - w0), 1e3 * (time.thread_time() - c0)
             steps.append(now)
             now = None
 
@@ -169,7 +169,7 @@ def summarize(out_dir: str) -> dict:
     per_rank = [r["steps"][-n:] for r in ranks]
     rows = [sum(s["rows"] for s in steps) for steps in per_rank]
     mean = sum(rows) / len(rows)
-    fields = ("step", "experts", "experts_cpu", "combine", "combine_cpu")
+    fields = ("step", "step_cpu", "experts", "experts_cpu", "combine", "combine_cpu")
     ms = [{f: median([s[f] for s in steps]) for f in fields} for steps in per_rank]  # per rank, median over steps
     return {"rows": rows, "imbalance": (max(rows) - mean) / mean, "ranks": ms, "step_ms": ms[0]["step"]}
 
@@ -215,13 +215,20 @@ def main() -> None:
         f"{args.steps} decode steps, 1 BLAS thread per rank, {os.cpu_count()} CPUs; EPLB on: {args.redundant} "
         f"redundant slots, global policy from the EPLB-off run's expert counts; {args.repeats} interleaved repeats"
     )
-    print("per rank, median over the decode steps: step / experts (CPU) / combine (CPU burned while in it) ms")
+    print(
+        "per rank, median over the decode steps, ms: step (CPU) / experts (CPU) / combine (CPU burned in it); "
+        "CPU: the step's CPU summed over the ranks (the work two shared cores share), the busiest rank's"
+    )
     for name, load, r in runs:
         ranks = "  ".join(
-            f"{m['step']:.0f}/{m['experts']:.1f}({m['experts_cpu']:.1f})/{m['combine']:.1f}({m['combine_cpu']:.1f})"
+            f"{m['step']:.0f}({m['step_cpu']:.1f})/{m['experts']:.1f}({m['experts_cpu']:.1f})/{m['combine']:.1f}({m['combine_cpu']:.1f})"
             for m in r["ranks"]
         )
-        print(f"{name:>7} load {load:4.1f} rows {r['rows']} imbalance {r['imbalance']:.3f} step {r['step_ms']:.1f} ms")
+        cpu = [m["step_cpu"] for m in r["ranks"]]
+        print(
+            f"{name:>7} load {load:4.1f} rows {r['rows']} imbalance {r['imbalance']:.3f} step {r['step_ms']:.1f} ms, "
+            f"CPU {sum(cpu):.1f} ms, busiest {max(cpu):.1f} ms"
+        )
         print(f"      {ranks}")
     for name in variants:
         times = [r["step_ms"] for n, _, r in runs if n == name]
