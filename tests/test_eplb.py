@@ -228,6 +228,25 @@ def test_eplb_config_names_the_bad_field(tmp_path):
     assert EplbConfig(init_expert_placement=str(tmp_path / "x.json")).active and not EplbConfig().active
 
 
+def test_count_nodes_logs_when_a_nodes_ranks_outnumber_its_cores(monkeypatch, caplog):
+    import socket
+
+    from eprt.engine import eplb
+
+    here = socket.gethostname()
+    transport = type("T", (), {"rank": 0, "allgather_text": lambda self, text: [here] * 3 + ["other"]})()
+    monkeypatch.setattr(eplb.os, "sched_getaffinity", lambda pid: {0, 1})
+    with caplog.at_level("INFO", logger="eprt.engine"):
+        assert eplb.count_nodes(transport, EplbConfig()) == 2
+        assert eplb.count_nodes(transport, EplbConfig(nodes=4)) == 4
+    assert "EPLB: 3 ranks share this node's 2 CPU cores" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(eplb.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    with caplog.at_level("INFO", logger="eprt.engine"):
+        eplb.count_nodes(transport, EplbConfig())
+    assert "share this node" not in caplog.text
+
+
 def test_init_placement_file_must_match_the_model(checkpoint, tmp_path):
     from eprt.engine.eplb import initial_placement
 
