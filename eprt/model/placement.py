@@ -212,21 +212,23 @@ def choose_slots(placement: Placement, replicas: np.ndarray, layer: int, ids: np
     table = replicas[layer]  # [E, M]
     count = np.bincount(flat, minlength=placement.num_experts)  # [E] rows of each expert
     held = (table >= 0).sum(axis=1)  # [E] replicas of each expert
-    rank_of = placement.rank_starts
-    load = np.bincount(
-        np.searchsorted(rank_of, table[:, 0], side="right") - 1, np.where(held == 1, count, 0), placement.world
-    )  # [W] rows of the single-copy experts on each rank
+    starts, world = placement.rank_starts, placement.world  # [W] first slot of each rank
+
+    def rank_of(slots):
+        return np.searchsorted(starts, slots, side="right") - 1
+
+    load = np.bincount(rank_of(table[:, 0]), np.where(held == 1, count, 0), world).astype(np.int64)  # [W]
     order = np.argsort(flat, kind="stable")  # [N] grouped by expert, rows in order
     first = np.concatenate([[0], np.cumsum(count)])  # [E+1] where each expert's group begins in order
     chosen = table[flat[order], 0]  # [N] slot of each sorted entry: the first replica, refined below
-    mean = len(flat) / placement.world
     for e in np.lexsort((np.arange(len(count)), -count)):
         n = int(count[e])
         if held[e] < 2 or n == 0:
             continue
-        parts = max(1, min(int(held[e]), n // max(1, min_rows), -(-n // max(1, int(np.ceil(mean))))))
+        shares = -(-n * world // len(flat))  # ceil(n / mean rows per rank)
+        parts = max(1, min(int(held[e]), n // max(1, min_rows), shares))
         slots = table[e, : held[e]]
-        ranks = np.searchsorted(rank_of, slots, side="right") - 1
+        ranks = rank_of(slots)
         free = np.ones(len(slots), bool)
         for i in range(parts):
             j = int(np.argmin(np.where(free, load[ranks], np.iinfo(np.int64).max)))
