@@ -90,7 +90,7 @@ def test_replicated_expert_goes_whole_to_its_least_loaded_rank_and_splits_only_a
     # single-copy loads: rank 0 none, rank 1 (2, 3) 8, rank 2 (4, 5) 8, rank 3 none; expert 0 (6 rows,
     # under a share) goes whole to rank 0, then expert 1 whole to rank 3, the least loaded
     assert slots[:6, 0].tolist() == [0] * 6 and slots[6:12, 0].tolist() == [7] * 6
-    owner = np.searchsorted(placed.rank_starts, slots.reshape(-1), side="right") - 1
+    owner = placed.slot_rank[slots.reshape(-1)]
     assert np.bincount(owner, minlength=4).tolist() == [6, 8, 8, 6]
     hot = np.array([[0, 2]] * 12 + [[3, 4]] * 2)  # expert 0: 12 rows, over a share (7): two parts of 6
     slots = choose_slots(placed, replicas, 0, hot, min_rows=5)

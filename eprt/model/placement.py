@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -55,10 +56,10 @@ class Placement:
     def rank_range(self, rank: int) -> tuple[int, int]:
         return slot_ranges(self.num_slots, self.world)[rank]
 
-    @property
-    def rank_starts(self) -> np.ndarray:
-        """[W] the first slot of each rank."""
-        return np.array([a for a, _ in slot_ranges(self.num_slots, self.world)], np.int64)
+    @cached_property
+    def slot_rank(self) -> np.ndarray:
+        """[P] the rank holding each slot."""
+        return np.repeat(np.arange(self.world), [b - a for a, b in slot_ranges(self.num_slots, self.world)])
 
     def local_experts(self, rank: int) -> np.ndarray:
         """[L, S] logical experts of ``rank``'s slots, per layer."""
@@ -212,29 +213,22 @@ def choose_slots(placement: Placement, replicas: np.ndarray, layer: int, ids: np
     table = replicas[layer]  # [E, M]
     count = np.bincount(flat, minlength=placement.num_experts)  # [E] rows of each expert
     held = (table >= 0).sum(axis=1)  # [E] replicas of each expert
-    starts, world = placement.rank_starts, placement.world  # [W] first slot of each rank
-
-    def rank_of(slots):
-        return np.searchsorted(starts, slots, side="right") - 1
-
-    load = np.bincount(rank_of(table[:, 0]), np.where(held == 1, count, 0), world).astype(np.int64)  # [W]
+    slot_rank, world = placement.slot_rank, placement.world  # [P] rank of each slot
+    load = np.bincount(slot_rank[table[:, 0]], np.where(held == 1, count, 0), world).astype(np.int64).tolist()
     order = np.argsort(flat, kind="stable")  # [N] grouped by expert, rows in order
-    first = np.concatenate([[0], np.cumsum(count)])  # [E+1] where each expert's group begins in order
+    first = np.concatenate([[0], np.cumsum(count)]).tolist()  # [E+1] where each expert's group begins in order
     chosen = table[flat[order], 0]  # [N] slot of each sorted entry: the first replica, refined below
-    for e in np.lexsort((np.arange(len(count)), -count)):
-        n = int(count[e])
-        if held[e] < 2 or n == 0:
-            continue
-        shares = -(-n * world // len(flat))  # ceil(n / mean rows per rank)
-        parts = max(1, min(int(held[e]), n // max(1, min_rows), shares))
-        slots = table[e, : held[e]]
-        ranks = rank_of(slots)
-        free = np.ones(len(slots), bool)
+    rows = count.tolist()
+    for e in sorted(np.flatnonzero((held > 1) & (count > 0)).tolist(), key=lambda e: (-rows[e], e)):
+        n, slots = rows[e], table[e, : held[e]].tolist()
+        parts = max(1, min(len(slots), n // max(1, min_rows), -(-n * world // len(flat))))  # ceil(n / mean)
+        free = list(range(len(slots)))
         for i in range(parts):
-            j = int(np.argmin(np.where(free, load[ranks], np.iinfo(np.int64).max)))
+            j = min(free, key=lambda j: (load[slot_rank[slots[j]]], j))
+            free.remove(j)
             lo, hi = first[e] + n * i // parts, first[e] + n * (i + 1) // parts
-            chosen[lo:hi], free[j] = slots[j], False
-            load[ranks[j]] += hi - lo
+            chosen[lo:hi] = slots[j]
+            load[slot_rank[slots[j]]] += hi - lo
     out = np.empty(len(flat), np.int32)
     out[order] = chosen
     return out.reshape(ids.shape)
@@ -272,7 +266,7 @@ class ExpertSlots:
         (token, choice) and adds a token's k rows in choice order, as ``moe_experts`` does."""
         T, k = ids.shape
         slots = choose_slots(self.placement, self.replicas, layer, np.asarray(ops.to_host(ids)), ops.moe_split_rows)
-        owner = np.searchsorted(self.placement.rank_starts, slots.reshape(-1), side="right") - 1  # [T*k] its rank
+        owner = self.placement.slot_rank[slots.reshape(-1)]  # [T*k] the rank computing each (token, choice)
         order = np.argsort(owner, kind="stable")  # [T*k] rank by rank, each in (token, choice) order
         counts = np.bincount(owner, minlength=self.placement.world)  # [W] rows each rank computes
         lo = int(counts[: self.rank].sum())
