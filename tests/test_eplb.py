@@ -81,6 +81,23 @@ def test_replica_choice_is_deterministic_and_keeps_parts_of_min_rows():
     assert len(set(few[:, 0].tolist())) == 1  # 4 rows: one replica, the per-row bits of a single copy
 
 
+def test_replicated_expert_goes_whole_to_its_least_loaded_rank_and_splits_only_above_a_share():
+    # 4 ranks of 2 slots; expert 0 on slots 0 (rank 0) and 6 (rank 3), expert 1 on slots 1 (rank 0) and 7
+    placed = Placement(np.array([[0, 1, 2, 3, 4, 5, 0, 1]]), 6, 4)
+    replicas = replica_table(placed)
+    ids = np.array([[0, 2]] * 6 + [[1, 4]] * 6 + [[3, 5]] * 2)  # 28 rows, 7 a rank; expert 0: 6, expert 1: 6
+    slots = choose_slots(placed, replicas, 0, ids, min_rows=5)
+    # single-copy loads: rank 0 none, rank 1 (2, 3) 8, rank 2 (4, 5) 8, rank 3 none; expert 0 (6 rows,
+    # under a share) goes whole to rank 0, then expert 1 whole to rank 3, the least loaded
+    assert slots[:6, 0].tolist() == [0] * 6 and slots[6:12, 0].tolist() == [7] * 6
+    owner = placed.slot_rank[slots.reshape(-1)]
+    assert np.bincount(owner, minlength=4).tolist() == [6, 8, 8, 6]
+    hot = np.array([[0, 2]] * 12 + [[3, 4]] * 2)  # expert 0: 12 rows, over a share (7): two parts of 6
+    slots = choose_slots(placed, replicas, 0, hot, min_rows=5)
+    assert slots[:6, 0].tolist() == [0] * 6 and slots[6:12, 0].tolist() == [6] * 6
+    assert choose_slots(placed, replicas, 0, hot, min_rows=7)[:12, 0].tolist() == [0] * 12  # parts of < 7
+
+
 def test_eplb_placement_frame_round_trips_and_refuses_a_wrong_size():
     cmd = P.EplbPlacement(epoch=3, layers=2, slots=3, table=(0, 1, 2, 2, 1, 0))
     words = P.encode(cmd)
@@ -94,7 +111,8 @@ def test_eplb_placement_frame_round_trips_and_refuses_a_wrong_size():
 
 # ---- ranks as threads -------------------------------------------------------------------------
 class ThreadWorld:
-    """W ranks in threads; combine(rank) sums the ranks' partials in rank order, as the transport does."""
+    """W ranks in threads; combine(rank) sums the ranks' partials in rank order, as the transport does;
+    gather(rank) concatenates the ranks' rows in rank order (EPLB's combine, the transport's allgather_rows)."""
 
     def __init__(self, world: int):
         self.world, self.parts = world, [None] * world
@@ -111,6 +129,17 @@ class ThreadWorld:
             return out
 
         return allsum
+
+    def gather(self, rank: int):
+        def allgather_rows(rows, counts):
+            assert rows.shape[0] == counts[rank], (rows.shape, counts, rank)
+            self.parts[rank] = rows
+            self.barrier.wait()
+            out = np.concatenate(self.parts)
+            self.barrier.wait()
+            return out
+
+        return allgather_rows
 
     def run(self, fn):
         out, errors = [None] * self.world, []
@@ -133,10 +162,10 @@ class ThreadWorld:
 PROMPTS = [list(range(90, 130)), [5, 77, 3, 140, 9, 9, 31, 200, 17, 64, 12, 250, 11], [8, 7]]
 
 
-def forward_logits(path, rank, world, combine, placement_for, switch_at=None):
+def forward_logits(path, rank, world, combine, placement_for, switch_at=None, gather=None):
     """Prefill PROMPTS, then 6 decode steps of all three; EPLB switches to ``switch_at[1]`` after
     decode step ``switch_at[0]``. Returns every logits row, stacked."""
-    lm = load_model(path, NumpyOps(), 512, rank, world, combine, placement_for=placement_for)
+    lm = load_model(path, NumpyOps(), 512, rank, world, combine, placement_for, gather)
     ex = ShardExecutor(lm.model, 64, 4, 4, prefix_cache=False)
     rows = []
     for s, p in enumerate(PROMPTS):
@@ -151,7 +180,7 @@ def forward_logits(path, rank, world, combine, placement_for, switch_at=None):
 
 def threaded_logits(path, world, start, switch):
     tw = ThreadWorld(world)
-    return tw.run(lambda r: forward_logits(path, r, world, tw.combine(r), lambda c: start, switch))
+    return tw.run(lambda r: forward_logits(path, r, world, tw.combine(r), lambda c: start, switch, tw.gather(r)))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
@@ -197,6 +226,25 @@ def test_eplb_config_names_the_bad_field(tmp_path):
     with pytest.raises(ValueError, match="--eplb-policy must be one of"):
         EplbConfig(policy="round_robin").validate()
     assert EplbConfig(init_expert_placement=str(tmp_path / "x.json")).active and not EplbConfig().active
+
+
+def test_count_nodes_logs_when_a_nodes_ranks_outnumber_its_cores(monkeypatch, caplog):
+    import socket
+
+    from eprt.engine import eplb
+
+    here = socket.gethostname()
+    transport = type("T", (), {"rank": 0, "allgather_text": lambda self, text: [here] * 3 + ["other"]})()
+    monkeypatch.setattr(eplb.os, "sched_getaffinity", lambda pid: {0, 1})
+    with caplog.at_level("INFO", logger="eprt.engine"):
+        assert eplb.count_nodes(transport, EplbConfig()) == 2
+        assert eplb.count_nodes(transport, EplbConfig(nodes=4)) == 4
+    assert "EPLB: 3 ranks share this node's 2 CPU cores" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(eplb.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    with caplog.at_level("INFO", logger="eprt.engine"):
+        eplb.count_nodes(transport, EplbConfig())
+    assert "share this node" not in caplog.text
 
 
 def test_init_placement_file_must_match_the_model(checkpoint, tmp_path):
@@ -282,7 +330,7 @@ def test_metrics_show_each_layers_rank_imbalance_contiguous_and_placed():
     shutil.which("g++") is None or shutil.which("mpiexec") is None, reason="cusim needs g++ and mpiexec"
 )
 def test_cuda_backend_on_cusim_gives_the_same_tokens_across_live_rebalances():
-    """The CuPy path (device gather of the (token, choice) rows, staged combine of [T*k, D]) at 2 ranks
+    """The CuPy path (device gather of the (token, choice) rows, staged all-gather of each rank's rows) at 2 ranks
     on cusim: the default model's greedy tokens equal EPLB off's, with rebalances every 3 steps."""
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}

@@ -223,7 +223,7 @@ def test_cli_table_json_and_refusals(checkpoint, capsys):
 @pytest.mark.parametrize("ranks,redundant", [(2, 2), (4, 3)])
 def test_redundant_expert_slots_cost_what_the_loader_holds(checkpoint, ranks, redundant):
     """EPLB's redundant slots: each rank's slots, read and resident bytes as loaded under the contiguous
-    placement (slot s holds expert s mod E); combines of one row per (token, choice)."""
+    placement (slot s holds expert s mod E); combines all-gather each rank's own (token, choice) rows."""
     from eprt.model.placement import contiguous
 
     path = checkpoint("qwen2_moe")
@@ -237,4 +237,7 @@ def test_redundant_expert_slots_cost_what_the_loader_holds(checkpoint, ranks, re
         assert w.read_bytes == loaded.bytes_read and w.resident_bytes == _resident_bytes(loaded.model.w)
     plain = _plan(path, ranks=ranks, dtype="fp32")
     assert sum(w.expert_bytes for w in planned.weights) > sum(w.expert_bytes for w in plain.weights)
-    assert planned.decode_wire[1].combine_bytes == cfg.top_k * plain.decode_wire[1].combine_bytes
+    rows = capacity.DECODE_BATCHES[1] * cfg.top_k  # (token, choice) rows of a combine, over every rank
+    layers = sum(cfg.sparse_layers)
+    assert planned.decode_wire[1].combine_bytes == layers * 4 * cfg.hidden_size * (rows - rows // ranks)
+    assert planned.decode_wire[1].combine == "all-gather of each rank's rows"

@@ -41,6 +41,8 @@ class Staging:
         if not a.flags.c_contiguous:
             a = cupy.ascontiguousarray(a)
         host = self._host("send", a.shape, a.dtype)
+        if not a.nbytes:  # nothing to copy (an EPLB rank that computes no rows)
+            return host
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memcpyAsync(
             host.ctypes.data, a.data.ptr, a.nbytes, cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr
@@ -55,6 +57,8 @@ class Staging:
         if _is_device_array(buf):
             return buf
         out = cupy.empty(buf.shape, dtype=buf.dtype)
+        if not buf.nbytes:
+            return out
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memcpyAsync(
             out.data.ptr, buf.ctypes.data, buf.nbytes, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr

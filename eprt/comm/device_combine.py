@@ -48,6 +48,22 @@ class DeviceCombine:
             t.recorder.combine(partial, out, t.collectives)
         return out
 
+    def gather_rows(self, rows, counts: list[int]):
+        """EPLB's combine: every rank's rows [counts[r], D] (float32 on the device), in rank order
+        [sum(counts), D]. NCCL has no variable-length all-gather: each rank sends max(counts) rows
+        (its own, then padding) and the padding is dropped."""
+        cupy, t = self.ops.xp, self.transport
+        most, width = max(counts), rows.shape[1]
+        send = cupy.zeros((most, width), dtype=cupy.float32)  # [max(counts), D]
+        send[: rows.shape[0]] = rows
+        gathered = cupy.empty((t.size, most, width), dtype=cupy.float32)  # [P, max(counts), D]
+        stream = cupy.cuda.get_current_stream()
+        self.comm.allGather(send.data.ptr, gathered.data.ptr, send.size, NCCL_FLOAT32, stream.ptr)
+        self._wait(stream)
+        t.stats.allsums += 1
+        t.stats.allsum_bytes += send.nbytes
+        return cupy.concatenate([gathered[r, :c] for r, c in enumerate(counts)])  # [sum(counts), D]
+
     def _wait(self, stream) -> None:
         """Wait for the all-gather, watching the error channel; past the collective timeout the
         transport's watchdog reports the hang (an NCCL collective cannot be cancelled)."""

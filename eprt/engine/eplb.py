@@ -6,6 +6,7 @@ serving from a window of measured expert load, and the rank-imbalance figures of
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 
@@ -20,8 +21,18 @@ log = logging.getLogger("eprt.engine")
 
 
 def count_nodes(transport, eplb: EplbConfig) -> int:
-    """Nodes of the job for the hierarchical policy: ``--eplb-nodes``, else the distinct host names."""
-    return eplb.nodes or len(set(transport.allgather_text(socket.gethostname())))
+    """Nodes of the job for the hierarchical policy: ``--eplb-nodes``, else the distinct host names.
+    Rank 0 logs when its node's ranks outnumber the cores it may run on (docs/eplb.md, "Measured")."""
+    hosts = transport.allgather_text(socket.gethostname())
+    ranks, cores = hosts.count(hosts[0]), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    if transport.rank == 0 and cores and ranks > cores:
+        log.info(
+            "EPLB: %d ranks share this node's %d CPU cores: on the CPU a step then follows the ranks' total "
+            "work, which balancing does not reduce",
+            ranks,
+            cores,
+        )
+    return eplb.nodes or len(set(hosts))
 
 
 def num_slots(eplb: EplbConfig, model_cfg: ModelConfig) -> int:

@@ -61,9 +61,8 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
         ops = get_ops(device)
         ops.warm_up()
         placement_for = lambda model_cfg: initial_placement(cfg.eplb, model_cfg, world, nodes)  # noqa: E731
-        return ops, load_model(
-            cfg.model, ops, cfg.max_model_len, rank, world, _combine(transport, ops), placement_for=placement_for
-        )
+        combine, gather_rows = _combine(transport, ops)
+        return ops, load_model(cfg.model, ops, cfg.max_model_len, rank, world, combine, placement_for, gather_rows)
 
     ops, loaded = step(load)
     if cfg.eplb.active:
@@ -165,13 +164,14 @@ def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:
 
 
 def _combine(transport: Transport, ops: Ops):
-    """The MoE combine for this backend, chosen once and logged: on GPUs an NCCL all-gather with
-    the rank-ordered sum on the device (``EPRT_COMBINE`` auto or nccl), else the partials go
-    through reused pinned host buffers and the transport's host sum (correct with any MPI)."""
+    """The MoE combine for this backend and EPLB's row gather (``gather_rows(rows, counts)``: every
+    rank's rows in rank order), chosen once and logged: on GPUs an NCCL all-gather with the
+    rank-ordered sum on the device (``EPRT_COMBINE`` auto or nccl), else the partials go through
+    reused pinned host buffers and the transport's host sum (correct with any MPI)."""
     if transport.size == 1:
-        return lambda partial: partial
+        return (lambda partial: partial), (lambda rows, counts: rows)
     if ops.name == "cpu":
-        return transport.allsum
+        return transport.allsum, transport.allgather_rows
     choice = env.COMBINE.get()
     if choice not in ("auto", "nccl", "host"):
         raise ValueError(f"EPRT_COMBINE must be auto, nccl or host, got {choice!r}")
@@ -179,14 +179,22 @@ def _combine(transport: Transport, ops: Ops):
         usable = _nccl_importable()
         if all(json.loads(t) for t in transport.allgather_text(json.dumps(usable))):  # every rank, or none
             log.info("MoE combine: NCCL all-gather and a rank-ordered sum on the device")
-            return DeviceCombine(transport, ops, nccl_communicator(transport))
+            device = DeviceCombine(transport, ops, nccl_communicator(transport))
+            return device, device.gather_rows
         if choice == "nccl":
             raise ValueError("EPRT_COMBINE=nccl but NCCL is not usable on every rank (cupy.cuda.nccl)")
     log.info("MoE combine: through pinned host memory (EPRT_COMBINE=%s)", choice)
     from eprt.comm.cuda_staging import Staging
 
     staging = Staging()
-    return lambda partial: staging.to_device(transport.allsum(staging.send_buffer(partial)))
+
+    def combine(partial):
+        return staging.to_device(transport.allsum(staging.send_buffer(partial)))
+
+    def gather_rows(rows, counts):
+        return staging.to_device(transport.allgather_rows(staging.send_buffer(rows), counts))
+
+    return combine, gather_rows
 
 
 def _nccl_importable() -> bool:

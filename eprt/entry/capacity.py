@@ -340,17 +340,16 @@ def frame_bytes(words: int, ranks: int, frame_words: int = DEFAULT_FRAME_WORDS) 
     return 4 * max(frame_words, words + 1)
 
 
-def combine_rows(cfg: ModelConfig, tokens: int, settings: Settings) -> int:
-    """Rows of a MoE combine: one per token, or under EPLB one per (token, choice) (docs/eplb.md)."""
-    return tokens * (cfg.top_k if settings.num_redundant_experts else 1)
-
-
-def combine_received(rows: int, hidden: int, ranks: int) -> tuple[int, str]:
+def combine_received(rows: int, hidden: int, ranks: int, eplb: bool = False) -> tuple[int, str]:
     """Bytes the busiest rank receives in one MoE combine of float32 [rows, hidden] partials
     (eprt/comm/mpi_transport.py: an all-gather, or on 3+ ranks for partials of 1 MiB and more a
-    reduce-scatter then an all-gather of the sums)."""
+    reduce-scatter then an all-gather of the sums). Under EPLB ``rows`` are every rank's (token,
+    choice) rows together and each rank all-gathers only its own; counted as split evenly, the
+    busiest rank receiving all but its rows // ranks (docs/eplb.md)."""
     if ranks == 1:
         return 0, "none (one rank)"
+    if eplb:
+        return 4 * hidden * (rows - rows // ranks), "all-gather of each rank's rows"
     n = rows * hidden
     if ranks < 3 or 4 * n < REDUCE_SCATTER_MIN_BYTES:
         return 4 * (ranks - 1) * n, "all-gather"
@@ -362,17 +361,17 @@ def moe_layers(cfg: ModelConfig) -> int:
     return sum(cfg.sparse_layers)
 
 
-def decode_wire(cfg: ModelConfig, batch: int, ranks: int, rows: int | None = None) -> Wire:
-    """``rows``: of each combine (default ``batch``; EPLB: combine_rows)."""
+def decode_wire(cfg: ModelConfig, batch: int, ranks: int, eplb: bool = False) -> Wire:
+    """``eplb``: combines of one row per (token, choice) (docs/eplb.md)."""
     words = len(encode(DecodeBatch(tuple(range(batch)), (0,) * batch)))
-    combine, how = combine_received(batch if rows is None else rows, cfg.hidden_size, ranks)
+    combine, how = combine_received(batch * (cfg.top_k if eplb else 1), cfg.hidden_size, ranks, eplb)
     return Wire(frame_bytes(words, ranks), moe_layers(cfg) * combine, how)
 
 
-def prefill_wire(cfg: ModelConfig, chunk: int, ranks: int, rows: int | None = None) -> Wire:
+def prefill_wire(cfg: ModelConfig, chunk: int, ranks: int, eplb: bool = False) -> Wire:
     """One later chunk (PREFILL_NEXT) of ``chunk`` prompt tokens; divide by ``chunk`` for per token."""
     words = len(encode(PrefillNext(0, chunk, (0,) * chunk)))
-    combine, how = combine_received(chunk if rows is None else rows, cfg.hidden_size, ranks)
+    combine, how = combine_received(chunk * (cfg.top_k if eplb else 1), cfg.hidden_size, ranks, eplb)
     return Wire(frame_bytes(words, ranks), moe_layers(cfg) * combine, how)
 
 
@@ -464,7 +463,8 @@ def make_plan(
     sizes = _Sizes(model_dir)
     weights = plan_weights(cfg, sizes, settings.ranks, DEVICE_ITEMSIZE[settings.dtype], settings.num_redundant_experts)
     kv = plan_kv(cfg, settings, hardware, weights, attention)
-    wires = tuple(decode_wire(cfg, b, settings.ranks, combine_rows(cfg, b, settings)) for b in DECODE_BATCHES)
+    eplb = settings.num_redundant_experts > 0
+    wires = tuple(decode_wire(cfg, b, settings.ranks, eplb) for b in DECODE_BATCHES)
     bounds = tuple(
         max((step_bound(cfg, w, b, settings, hardware, wire) for w in weights), key=lambda s: s.bound_s)
         for b, wire in zip(DECODE_BATCHES, wires)
@@ -481,8 +481,6 @@ def make_plan(
         weights=weights,
         kv=kv,
         decode_wire=wires,
-        prefill_wire=prefill_wire(
-            cfg, settings.prefill_chunk, settings.ranks, combine_rows(cfg, settings.prefill_chunk, settings)
-        ),
+        prefill_wire=prefill_wire(cfg, settings.prefill_chunk, settings.ranks, eplb),
         decode=bounds,
     )

@@ -81,9 +81,11 @@ def load_model(
     world: int = 1,
     combine: Callable = lambda p: p,
     placement_for: Callable[[ModelConfig], Placement | None] = lambda cfg: None,
+    gather_rows: Callable | None = None,
 ) -> LoadedModel:
     """Load config, tokenizer and this rank's weights. ``model_dir=None`` is the default model.
-    ``placement_for(config)``: an EPLB placement of the experts on physical slots, or None (contiguous)."""
+    ``placement_for(config)``: an EPLB placement of the experts on physical slots, or None (contiguous);
+    ``gather_rows(rows, counts)``: EPLB's combine, every rank's rows in rank order (one rank: rows)."""
     if model_dir is None:
         from eprt.model.default import default_checkpoint
 
@@ -103,7 +105,8 @@ def load_model(
     model = MoEModel(cfg, weights, ops, max_len=max_len, combine=combine)
     if placement is not None:  # expert_start/end: this rank's physical slots
         weights.expert_start, weights.expert_end = placement.rank_range(rank)
-        model.slots = ExpertSlots(placement, rank, lambda layer, ids: _read_experts(model_dir, cfg, ops, layer, ids))
+        read = lambda layer, ids: _read_experts(model_dir, cfg, ops, layer, ids)  # noqa: E731
+        model.slots = ExpertSlots(placement, rank, read, gather_rows)
     loaded = LoadedModel(
         name, cfg, model, tokenizer, getattr(source, "tensors_read", 0), getattr(source, "bytes_read", 0)
     )

@@ -280,7 +280,7 @@ class MoEModel:
             partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
             out = self._combine(partial)  # [T, D] summed over ranks
         else:
-            out = self.slots.moe(ops, self.combine, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]
+            out = self.slots.moe(ops, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]
         x = local
         if lw.shared_gate_up is not None and x.shape[0]:
             up = ops.silu_and_mul(self._linear(x, lw.shared_gate_up, layer, "shared_gate_up"))

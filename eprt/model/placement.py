@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -54,6 +55,11 @@ class Placement:
 
     def rank_range(self, rank: int) -> tuple[int, int]:
         return slot_ranges(self.num_slots, self.world)[rank]
+
+    @cached_property
+    def slot_rank(self) -> np.ndarray:
+        """[P] the rank holding each slot."""
+        return np.repeat(np.arange(self.world), [b - a for a, b in slot_ranges(self.num_slots, self.world)])
 
     def local_experts(self, rank: int) -> np.ndarray:
         """[L, S] logical experts of ``rank``'s slots, per layer."""
@@ -195,23 +201,36 @@ def make_placement(
 
 # ---- the forward pass ----------------------------------------------------------------------------
 def choose_slots(placement: Placement, replicas: np.ndarray, layer: int, ids: np.ndarray, min_rows: int) -> np.ndarray:
-    """Physical slot of every (token, choice) of ids [T, k] (logical experts), the same on every rank:
-    expert e's n occurrences in row order go in contiguous parts to u = min(replicas, n // min_rows)
-    (at least 1) of its replicas, starting at replica (row of its first occurrence) mod replicas. Each
-    part has at least ``min_rows`` rows, so a backend whose per-row result changes below that group
+    """Physical slot of every (token, choice) of ids [T, k] (logical experts), the same on every rank
+    (only the ids decide). Experts with one slot load their ranks first; then each replicated expert,
+    most rows first (ties: the lower expert), goes in u contiguous parts (row order) to u of its
+    replicas, each part to the replica whose rank has the fewest rows so far (ties: the lower replica),
+    u = min(replicas, n // min_rows, ceil(n / mean rows per rank)), at least 1: an expert is split only
+    when it holds more than a rank's share, so each split costs one more read of its matrices, and only
+    into parts of at least ``min_rows`` rows, so a backend whose per-row result changes below that group
     size (NumPy's GEMV path) computes the same bits as with one copy. replicas [L, E, M]: slots, -1 pads."""
     flat = ids.reshape(-1).astype(np.int64)  # [N = T*k]
-    k = ids.shape[1] if ids.ndim == 2 else 1
-    order = np.argsort(flat, kind="stable")
-    expert = flat[order]
-    first = np.searchsorted(expert, expert, side="left")  # where each sorted entry's group begins
-    n = np.bincount(flat, minlength=placement.num_experts)[expert]
-    m = (replicas[layer] >= 0).sum(axis=1)[expert]
-    parts = np.clip(n // max(1, min_rows), 1, m)
-    part = (np.arange(len(flat)) - first) * parts // n
-    replica = (part + order[first] // k) % m
+    table = replicas[layer]  # [E, M]
+    count = np.bincount(flat, minlength=placement.num_experts)  # [E] rows of each expert
+    held = (table >= 0).sum(axis=1)  # [E] replicas of each expert
+    slot_rank, world = placement.slot_rank, placement.world  # [P] rank of each slot
+    load = np.bincount(slot_rank[table[:, 0]], np.where(held == 1, count, 0), world).astype(np.int64).tolist()
+    order = np.argsort(flat, kind="stable")  # [N] grouped by expert, rows in order
+    first = np.concatenate([[0], np.cumsum(count)]).tolist()  # [E+1] where each expert's group begins in order
+    chosen = table[flat[order], 0]  # [N] slot of each sorted entry: the first replica, refined below
+    rows = count.tolist()
+    for e in sorted(np.flatnonzero((held > 1) & (count > 0)).tolist(), key=lambda e: (-rows[e], e)):
+        n, slots = rows[e], table[e, : held[e]].tolist()
+        parts = max(1, min(len(slots), n // max(1, min_rows), -(-n * world // len(flat))))  # ceil(n / mean)
+        free = list(range(len(slots)))
+        for i in range(parts):
+            j = min(free, key=lambda j: (load[slot_rank[slots[j]]], j))
+            free.remove(j)
+            lo, hi = first[e] + n * i // parts, first[e] + n * (i + 1) // parts
+            chosen[lo:hi] = slots[j]
+            load[slot_rank[slots[j]]] += hi - lo
     out = np.empty(len(flat), np.int32)
-    out[order] = replicas[layer][expert, replica]
+    out[order] = chosen
     return out.reshape(ids.shape)
 
 
@@ -231,24 +250,36 @@ def replica_table(placement: Placement) -> np.ndarray:
 class ExpertSlots:
     """This rank's share of a placement in the forward pass, and the switch to a new one."""
 
-    def __init__(self, placement: Placement, rank: int, read: Callable | None = None):
+    def __init__(self, placement: Placement, rank: int, read: Callable | None = None, gather: Callable | None = None):
         self.placement, self.rank = placement, rank
         self.read = read  # (layer, expert ids) -> (gate_up, down) from this rank's checkpoint files
+        # (rows [n, D], counts [W]) -> every rank's rows in rank order [sum(counts), D] (the EPLB combine)
+        self.gather = gather if gather is not None else lambda rows, counts: rows
         self.epoch = 0  # placements switched to so far
         self.replicas = replica_table(placement)
         self.start = placement.rank_range(rank)[0]
 
-    def moe(self, ops, combine: Callable, x, weights, ids, w_gate_up, w_down, layer: int):
+    def moe(self, ops, x, weights, ids, w_gate_up, w_down, layer: int):
         """The MoE layer's routed output [T, D], bit for bit what one rank holding every expert computes
-        whatever the placement: every rank computes its (token, choice) rows [T*k, D] (zeros for the
-        others), the combine adds them over ranks (one non-zero term each: exact), and the k choices
-        are added in choice order, as ``moe_experts`` does."""
+        whatever the placement: every rank computes the (token, choice) rows its slots were chosen for,
+        the ranks all-gather them (variable length, rank by rank), every rank puts each row back at its
+        (token, choice) and adds a token's k rows in choice order, as ``moe_experts`` does."""
         T, k = ids.shape
         slots = choose_slots(self.placement, self.replicas, layer, np.asarray(ops.to_host(ids)), ops.moe_split_rows)
-        rows = ops.index(np.repeat(np.arange(T, dtype=np.int32), k))  # [T*k]
-        flat_weights = ops.xp.ascontiguousarray(weights.reshape(T * k, 1))
-        mine = ops.moe_experts(x[rows], flat_weights, ops.index(slots.reshape(T * k, 1)), w_gate_up, w_down, self.start)
-        every = combine(mine).reshape(T, k, -1)  # [T, k, D]
+        owner = self.placement.slot_rank[slots.reshape(-1)]  # [T*k] the rank computing each (token, choice)
+        order = np.argsort(owner, kind="stable")  # [T*k] rank by rank, each in (token, choice) order
+        counts = np.bincount(owner, minlength=self.placement.world)  # [W] rows each rank computes
+        lo = int(counts[: self.rank].sum())
+        picks = order[lo : lo + int(counts[self.rank])]  # [n] this rank's (token, choice) rows
+        if len(picks):
+            rows, chosen = ops.index(picks // k), ops.index(picks)
+            mine_weights = ops.xp.ascontiguousarray(weights.reshape(T * k, 1)[chosen])  # [n, 1]
+            mine_slots = ops.index(slots.reshape(-1)[picks].reshape(-1, 1))  # [n, 1]
+            mine = ops.moe_experts(x[rows], mine_weights, mine_slots, w_gate_up, w_down, self.start)  # [n, D]
+        else:
+            mine = ops.xp.zeros((0, x.shape[1]), ops.xp.float32)  # [0, D]
+        every = self.gather(mine, counts.tolist())  # [T*k, D] rank by rank
+        every = every[ops.index(np.argsort(order))].reshape(T, k, -1)  # [T, k, D]
         out = every[:, 0]
         for j in range(1, k):
             out = out + every[:, j]

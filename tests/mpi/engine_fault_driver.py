@@ -66,13 +66,13 @@ def main() -> int:
         real_combine, calls = startup._combine, {"n": 0}
 
         def corrupting(transport, ops):
-            combine = real_combine(transport, ops)
+            combine, gather_rows = real_combine(transport, ops)
 
             def perturbed(partial):
                 calls["n"] += 1
                 return combine(partial + 1e-3 if calls["n"] == 5 else partial)
 
-            return perturbed
+            return perturbed, gather_rows
 
         startup._combine = corrupting
     cfg = EngineConfig(

@@ -96,6 +96,56 @@ def test_device_combine_is_the_host_sum_bitwise_on_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_device_gather_rows_is_every_ranks_rows_in_rank_order():
+    """EPLB's combine on the device: uneven counts (rank 1 sends none), the padding dropped."""
+    import cupy
+
+    from eprt.comm.device_combine import DeviceCombine
+    from eprt.comm.mpi_transport import MpiTransport
+    from eprt.ops.cupy_ops import CupyOps
+
+    counts = [3 + 2 * r if r != 1 else 0 for r in range(COMM.size)]
+    rows = np.random.default_rng(7 + COMM.rank).standard_normal((counts[COMM.rank], 5)).astype(np.float32)
+    t = MpiTransport(timeout=60)
+    host = t.allgather_rows(rows, counts)
+    ops = CupyOps()
+    device = ops.to_host(DeviceCombine(t, ops, MpiNccl()).gather_rows(cupy.asarray(rows), counts))
+    if t.rank == 0:
+        t.shutdown()
+    else:
+        t.recv_frame()
+    t.close()
+    assert device.shape == (sum(counts), 5) and np.array_equal(device, host)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cuda_eplb_tokens_with_the_device_combine_equal_single_rank(monkeypatch):
+    """EPLB with redundant slots and its row gather through the device combine (NCCL's stand-in)."""
+    from eprt.engine import startup
+    from eprt.engine.config import EplbConfig
+
+    monkeypatch.setenv("EPRT_COMBINE", "nccl")
+    monkeypatch.setattr(startup, "_nccl_importable", lambda: True)
+    monkeypatch.setattr(startup, "nccl_communicator", lambda transport: MpiNccl())
+    path = shared_checkpoint("qwen2_moe")
+    eplb = EplbConfig(num_redundant_experts=3)
+    cfg = EngineConfig(model=path, device="cuda", max_batch=4, block_size=16, max_model_len=96, eplb=eplb)
+    plain = EngineConfig(model=path, device="cuda", max_batch=4, block_size=16, max_model_len=96)
+    requests = lambda: [GenerationRequest(p, SamplingParams(max_tokens=10)) for p in PROMPTS]  # noqa: E731
+    try:
+        with launch_engine(cfg) as engine:
+            multi = engine.generate(requests())
+    except SystemExit as e:
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        multi = None
+    if COMM.rank == 0:
+        with launch_engine(plain, transport=LocalTransport()) as engine:
+            single = engine.generate(requests())
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+    COMM.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_cuda_tokens_with_the_device_combine_equal_single_rank(monkeypatch):
     from eprt.engine import startup
 
