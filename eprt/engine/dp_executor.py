@@ -114,9 +114,10 @@ class DpShardExecutor(ShardExecutor):
         others = []  # the other owners' chunks: mirrored bookkeeping, their tokens stored after the pass
         for c, owner in zip(chunks, owners):
             if owner != self.rank:
-                st = self.slots.check_chunk(c.slot, c.tokens, c.chunk_start, c.chunk_len)
-                self.pools.pools[owner].grow(st.key, c.chunk_start + c.chunk_len)
-                others.append((st, [int(t) for t in c.tokens[c.chunk_start : c.chunk_start + c.chunk_len]]))
+                tokens, end = [int(t) for t in c.tokens], c.chunk_start + c.chunk_len
+                st = self.slots.check_chunk(c.slot, tokens, c.chunk_start, c.chunk_len)
+                self.pools.pools[owner].grow(st.key, end)
+                others.append((st, tokens[c.chunk_start : end]))
         mine = [c for c, owner in zip(chunks, owners) if owner == self.rank]
         if mine:
             out = super()._prefill_chunks(mine)  # [mine, 1 + D]
