@@ -102,13 +102,43 @@ def test_scenario_rank_blocks_checked(engine, message):
 def test_attention_flag_checked():
     from eprt.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="--attention must be dp or replicated, got 'ring'"):
+    with pytest.raises(ValueError, match="--attention must be auto, dp or replicated, got 'ring'"):
         EngineConfig(attention="ring").validate()
     with pytest.raises(ValueError, match="eprt replay rebuilds replicated attention only"):
         EngineConfig(attention="dp", record_payloads=True).validate()
-    assert EngineConfig().attention_mode(1) == "replicated"
-    assert EngineConfig(record_payloads=True).attention_mode(4) == "replicated"
-    assert EngineConfig(attention="dp").attention_mode(1) == "dp"
+
+
+def test_auto_attention_picks_dp_only_for_a_multi_rank_job_dp_serves(monkeypatch):
+    from types import SimpleNamespace
+
+    from eprt.engine import startup
+    from eprt.engine.config import EngineConfig
+
+    plain = SimpleNamespace(model_type="qwen3_moe", mrope_section=None, is_hybrid=False)
+    hybrid = SimpleNamespace(model_type="qwen3_next", mrope_section=None, is_hybrid=True)
+    assert EngineConfig().attention == "auto"
+    assert startup.choose_attention(EngineConfig(attention="dp"), 1, plain) == ("dp", "--attention dp")
+    assert startup.choose_attention(EngineConfig(attention="replicated"), 4, plain)[0] == "replicated"
+    monkeypatch.setattr(startup, "DEFAULT_MULTI_RANK_ATTENTION", "dp")
+    assert startup.choose_attention(EngineConfig(), 2, plain) == (
+        "dp",
+        "auto: 2 ranks, and dp serves everything this job uses",
+    )
+    cases = [
+        (EngineConfig(), 1, plain, "auto: one rank"),
+        (EngineConfig(record_payloads=True), 4, plain, "--record-payloads"),
+        (EngineConfig(speculative_method="ngram"), 2, plain, "dp does not serve --speculative-method yet"),
+        (EngineConfig(enable_lora=True), 2, plain, "--enable-lora"),
+        (EngineConfig(), 2, hybrid, "qwen3_next checkpoint (recurrent state)"),
+    ]
+    for cfg, world, model_cfg, why in cases:
+        mode, reason = startup.choose_attention(cfg, world, model_cfg)
+        assert mode == "replicated" and why in reason, (mode, reason)
+    monkeypatch.setattr(startup, "DEFAULT_MULTI_RANK_ATTENTION", "replicated")
+    assert startup.choose_attention(EngineConfig(), 2, plain) == (
+        "replicated",
+        "auto: dp does not win benchmarks/bench_ep.py yet (DEFAULT_MULTI_RANK_ATTENTION)",
+    )
 
 
 def test_dp_refuses_what_it_does_not_serve_yet_naming_the_flag():
@@ -117,12 +147,17 @@ def test_dp_refuses_what_it_does_not_serve_yet_naming_the_flag():
     from eprt.engine.config import EngineConfig
     from eprt.engine.startup import check_dp_features
 
-    plain = SimpleNamespace(model_type="qwen3_moe", mrope_section=None)
+    plain = SimpleNamespace(model_type="qwen3_moe", mrope_section=None, is_hybrid=False)
+    vision = SimpleNamespace(model_type="qwen3_vl_moe", mrope_section=[24, 20, 20], is_hybrid=False)
     check_dp_features(EngineConfig(attention="dp"), plain)  # nothing refused
     cases = [
         (EngineConfig(attention="dp", speculative_method="ngram"), plain, "--speculative-method"),
         (EngineConfig(attention="dp", enable_lora=True), plain, "--enable-lora"),
-        (EngineConfig(attention="dp"), SimpleNamespace(model_type="qwen3_vl_moe", mrope_section=[24, 20, 20]), "MRoPE"),
+        (
+            EngineConfig(attention="dp"),
+            vision,
+            "MRoPE",
+        ),
     ]
     for cfg, model_cfg, named in cases:
         with pytest.raises(ValueError, match=named):

@@ -11,8 +11,9 @@ from eprt.engine.speculative import METHODS, SpeculativeConfig
 # Prompt tokens per prefill chunk by default: a long prompt shares the step with the decoding
 # sequences instead of stalling them (README, "Measured figures": 648 ms vs 92 ms worst gap).
 DEFAULT_PREFILL_TOKENS = {"cpu": 512, "cuda": 2048}
-ATTENTION_MODES = ("dp", "replicated")
-# --attention by default at world size > 1 (one rank is always replicated): benchmarks/bench_ep.py decides
+ATTENTION_MODES = ("auto", "dp", "replicated")
+# What --attention auto picks at world size > 1 for a job dp serves (eprt.engine.startup.choose_attention):
+# benchmarks/bench_ep.py decides
 DEFAULT_MULTI_RANK_ATTENTION = "replicated"
 
 
@@ -79,13 +80,7 @@ class EngineConfig:
     def lora_enabled(self) -> bool:
         return self.enable_lora or bool(self.lora_modules)
 
-    attention: str | None = None  # dp | replicated; None: attention_mode() by world size
-
-    def attention_mode(self, world: int) -> str:
-        """dp (each sequence's attention and KV on one owner rank) or replicated (on every rank)."""
-        if self.attention is not None:
-            return self.attention
-        return DEFAULT_MULTI_RANK_ATTENTION if world > 1 and not self.record_payloads else "replicated"
+    attention: str = "auto"  # auto | dp | replicated (auto: eprt.engine.startup.choose_attention)
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -108,8 +103,8 @@ class EngineConfig:
         names = [n for n, _ in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names must be distinct, got {names}")
-        if self.attention not in (None, *ATTENTION_MODES):
-            raise ValueError(f"--attention must be dp or replicated, got {self.attention!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"--attention must be auto, dp or replicated, got {self.attention!r}")
         if self.attention == "dp" and self.record_payloads:
             raise ValueError("--record-payloads with --attention dp: eprt replay rebuilds replicated attention only")
         if self.device not in ("cpu", "cuda", "auto"):
@@ -185,12 +180,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--attention",
-        default=None,
+        default="auto",
         choices=list(ATTENTION_MODES),
         help="dp: each sequence's KV and attention on one owner rank, the ranks' KV pools add up; replicated: "
-        "on every rank (default: replicated"
-        + ("" if DEFAULT_MULTI_RANK_ATTENTION == "replicated" else f"; {DEFAULT_MULTI_RANK_ATTENTION} on 2+ ranks")
-        + ")",
+        "on every rank; auto (default): "
+        + (
+            "replicated (dp does not win benchmarks/bench_ep.py yet)"
+            if DEFAULT_MULTI_RANK_ATTENTION == "replicated"
+            else "dp on 2+ ranks, replicated for a job using what dp does not serve"
+        )
+        + "; the start-up log says which and why",
     )
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")
     g.add_argument(

@@ -14,7 +14,6 @@ import numpy as np
 from eprt.cache.block_manager import BlockManager
 from eprt.cache.owners import OwnerPools
 from eprt.comm.dp_combine import DpExchange
-from eprt.comm.protocol import Prefill
 from eprt.comm.slots import SlotError
 from eprt.engine.executor import ExecutorError, ShardExecutor
 from eprt.model.moe_model import MoEModel
@@ -26,6 +25,9 @@ class DpOutput:
 
     tokens: np.ndarray  # [N] int64: each row's greedy token, from its owner's LM head
     hidden: np.ndarray  # [N, D] float32: each row's final hidden state (the sampled rows' logits come from it)
+
+    def __getitem__(self, rows: slice) -> DpOutput:
+        return DpOutput(self.tokens[rows], self.hidden[rows])
 
 
 class DpShardExecutor(ShardExecutor):
@@ -88,44 +90,48 @@ class DpShardExecutor(ShardExecutor):
         self.owners[new_slot], self.owners[slot] = self.owners[slot], -1
 
     # ---- compute --------------------------------------------------------------------------
-    def prefill(self, slot: int, tokens, chunk_start: int, chunk_len: int, vision_rows: np.ndarray | None = None):
-        """The chunk on its owner; every other rank mirrors the bookkeeping and serves its experts.
-        Returns a DpOutput of the chunk's last token on rank 0 (None elsewhere)."""
-        tokens = [int(t) for t in tokens]
-        if self.slots.get(slot) is None:
-            cached = self.allocate(slot, tokens, vision_rows=vision_rows)
-            if cached != chunk_start:
-                raise ExecutorError(
-                    f"prefix cache diverged on slot {slot}: this rank reuses {cached} tokens, "
-                    f"rank 0 sent chunk_start={chunk_start}"
-                )
-        owner = int(self.owners[slot])
-        self.exchange.begin(np.full(chunk_len, owner))
-        last = [int(r == owner) for r in range(len(self.pools))]  # the chunk's last row, from its owner
-        if owner == self.rank:
-            return self._collect(super().prefill(slot, tokens, chunk_start, chunk_len, vision_rows), last)
-        st = self.slots.check_chunk(slot, tokens, chunk_start, chunk_len)
-        self.pools.pools[owner].grow(st.key, chunk_start + chunk_len)
-        self.model.idle_pass()
-        st.tokens.extend(tokens[chunk_start : chunk_start + chunk_len])
-        return self._collect(self._no_rows(), last)
-
-    def prefill_next(self, slot: int, chunk_start: int, tokens):
-        st = self.slots.check_next_chunk(slot, chunk_start, tokens)
-        return self.prefill(slot, st.prompt, chunk_start, len(tokens), st.vision_rows)
-
-    def prefill_group(self, commands: list, vision_rows: list | None = None, keep_hidden: bool = False):
-        """dp attention prefills one sequence per pass (its owner's); rank 0 sends one per frame."""
-        if len(commands) != 1 or keep_hidden:
-            raise ExecutorError(
-                f"dp attention: a prefill pass of {len(commands)} sequences"
-                + (" keeping hidden states (prompt logprobs)" if keep_hidden else "")
-                + " (one sequence per pass, no prompt logprobs)"
-            )
-        cmd, rows = commands[0], (vision_rows or [None])[0]
-        if isinstance(cmd, Prefill):
-            return self.prefill(cmd.slot, cmd.tokens, cmd.chunk_start, cmd.chunk_len, rows)
-        return self.prefill_next(cmd.slot, cmd.chunk_start, cmd.tokens)
+    def _prefill_chunks(self, chunks: list, keep_hidden: bool = False):
+        """A prefill pass (one PREFILL / PREFILL_NEXT or a batched run of them): every rank mirrors
+        every chunk's bookkeeping, each owner runs its own chunks as one forward, and every rank
+        joins each MoE layer over all the chunks' tokens, in the run's order. Returns a DpOutput of
+        each chunk's last token on rank 0, in the run's order (None elsewhere)."""
+        if keep_hidden:
+            raise ExecutorError("dp attention: a prefill keeping hidden states (prompt logprobs is not served)")
+        named = [c.slot for c in chunks]
+        if len(set(named)) != len(named):
+            raise ExecutorError(f"a prefill group names a slot twice: slots {named}")
+        for c in chunks:
+            if self.slots.get(c.slot) is None:  # first chunk: allocate in the owner's pool, exactly as rank 0 did
+                tokens = [int(t) for t in c.tokens]
+                cached = self.allocate(c.slot, tokens, vision_rows=c.vision_rows, max_hit=c.chunk_start)
+                if cached != c.chunk_start:
+                    raise ExecutorError(
+                        f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
+                        f"rank 0 sent chunk_start={c.chunk_start}"
+                    )
+        owners = self.owners[np.asarray(named, dtype=np.int64)]  # [G] each chunk's owner
+        self.exchange.begin(np.repeat(owners, [c.chunk_len for c in chunks]))  # [N] each token's owner
+        others = []  # the other owners' chunks: mirrored bookkeeping, their tokens stored after the pass
+        for c, owner in zip(chunks, owners):
+            if owner != self.rank:
+                tokens, end = [int(t) for t in c.tokens], c.chunk_start + c.chunk_len
+                st = self.slots.check_chunk(c.slot, tokens, c.chunk_start, c.chunk_len)
+                self.pools.pools[owner].grow(st.key, end)
+                others.append((st, tokens[c.chunk_start : end]))
+        mine = [c for c, owner in zip(chunks, owners) if owner == self.rank]
+        if mine:
+            out = super()._prefill_chunks(mine)  # [mine, 1 + D]
+        else:
+            self.model.idle_pass()
+            out = self._no_rows()
+        for st, new in others:
+            st.tokens.extend(new)
+        every = self.exchange.collect(out, np.bincount(owners, minlength=len(self.pools)).tolist())
+        if every is None:
+            return None
+        ordered = np.empty_like(every)  # rank-major (each rank's chunks in run order) -> run order
+        ordered[np.argsort(owners, kind="stable")] = every
+        return DpOutput(ordered[:, 0].astype(np.int64), np.ascontiguousarray(ordered[:, 1:]).view(np.float32))
 
     def decode(self, slots: list, tokens: list, counts: list | None = None):
         """One step: row r appends tokens[r] to slots[r]; this rank runs the rows it owns. ``counts``:
@@ -159,8 +165,8 @@ class DpShardExecutor(ShardExecutor):
     def _no_rows(self) -> np.ndarray:
         return np.zeros((0, 1 + self.cfg.hidden_size), dtype=np.uint32)
 
-    def _collect(self, rows: np.ndarray, counts: list | None = None) -> DpOutput | None:
-        every = self.exchange.collect(rows, counts)  # [N, 1 + D] on rank 0
+    def _collect(self, rows: np.ndarray) -> DpOutput | None:
+        every = self.exchange.collect(rows)  # [N, 1 + D] on rank 0
         if every is None:
             return None
         return DpOutput(every[:, 0].astype(np.int64), np.ascontiguousarray(every[:, 1:]).view(np.float32))

@@ -31,16 +31,18 @@ class DpModelRunner(ModelRunner):
         return self.executor.pools.choose(seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
 
     def can_admit(self, seq) -> bool:
-        return self._owner_for(seq) is not None
+        return self._state(seq).held is not None or self._owner_for(seq) is not None
 
-    def alloc_sequence(self, seq) -> int:
+    def _allocate(self, seq) -> int:
+        """Choose the owner, name it (OWNER ahead of the PREFILL, in the same frame) and allocate
+        in its pool; at admission or ahead of it (``admit_ahead``, for a batched prefill)."""
         owner, slot = self._owner_for(seq), self.executor.slots.lowest_free()
         if owner is None:
             raise RuntimeError(f"alloc_sequence for s{seq.seq_id}: no rank has room for its prompt")
         if slot is not None:  # (the base call below refuses a full table)
             self.transport.send(P.Owner(slot, owner))
             self.executor.assign_owner(slot, owner)
-        return super().alloc_sequence(seq)
+        return super()._allocate(seq)
 
     # ---- compute ---------------------------------------------------------------------------
     def decode_batch(self, tokens, seqs, stream: int = 0) -> None:

@@ -68,13 +68,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.transport = transport  # eprt.comm.transport.Transport (LocalTransport on one rank)
         # a tick's prefill chunks as one forward (not for hybrid models: their snapshots are taken
         # between one sequence's prefill and the next one's allocation; not for MRoPE models, whose
-        # 3-D positions and deepstack rows are per sequence; not under dp attention, one owner per pass)
-        self.batch_prefill = (
-            batch_prefill
-            and not executor.cfg.is_hybrid
-            and not executor.cfg.mrope_section
-            and not getattr(executor, "dp", False)
-        )
+        # 3-D positions and deepstack rows are per sequence)
+        self.batch_prefill = batch_prefill and not executor.cfg.is_hybrid and not executor.cfg.mrope_section
         self._groups: list = []  # the lane's planned chunks not yet run, in forward-pass groups
         self._ran: dict = {}  # id(seq) -> (start, n, logits [G, V], row) of chunks run ahead of their call
         self._rng = np.random.default_rng(seed)  # seeds requests that bring none

@@ -16,7 +16,7 @@ from eprt import env
 from eprt.comm.device_combine import DeviceCombine, nccl_communicator
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
-from eprt.engine.config import EngineConfig
+from eprt.engine.config import DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
 from eprt.engine.dp_executor import DpShardExecutor
 from eprt.engine.eplb import check_same_placement, count_nodes, initial_placement
 from eprt.engine.executor import ShardExecutor
@@ -74,7 +74,9 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, loaded.model.max_len, sharers))
     every = [int(b) for b in transport.allgather_text(str(blocks))]
     agreed = min(every)
-    dp = cfg.attention_mode(world) == "dp"
+    mode, why = choose_attention(cfg, world, loaded.config)
+    log.info("attention %s (%s)", mode, why)
+    dp = mode == "dp"
     if dp:
         step(lambda: check_dp_features(cfg, loaded.config))
     if agreed < blocks and not dp:
@@ -119,18 +121,43 @@ def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
     return LoraSlots(ops, loaded.config, cfg.max_loras, cfg.max_lora_rank, w.expert_start, w.expert_end, experts)
 
 
-def check_dp_features(cfg: EngineConfig, model_cfg) -> None:
-    """--attention dp serves neither speculation, LoRA, EPLB nor MRoPE (vision-language) models yet:
-    a clear start-up error naming the flag instead of a wrong answer."""
-    refused = [
+def dp_unserved(cfg: EngineConfig, model_cfg) -> list[str]:
+    """What of this job dp attention does not serve yet: speculation, LoRA, EPLB, MRoPE (vision-
+    language) and hybrid models (per-request n > 1 and prompt_logprobs are refused at submit)."""
+    unserved = [
         ("--speculative-method", cfg.speculative_method is not None),
         ("--lora-modules / --enable-lora", cfg.lora_enabled),
         ("EPLB (--enable-eplb, --num-redundant-experts, --eplb-interval)", cfg.eplb.active),
         (f"a {model_cfg.model_type} checkpoint (MRoPE positions)", bool(model_cfg.mrope_section)),
+        (f"a {model_cfg.model_type} checkpoint (recurrent state)", model_cfg.is_hybrid),
     ]
-    for what, on in refused:
-        if on:
-            raise ValueError(f"--attention dp does not serve {what} yet; use --attention replicated")
+    return [what for what, on in unserved if on]
+
+
+def check_dp_features(cfg: EngineConfig, model_cfg) -> None:
+    """An explicit --attention dp with something it does not serve: a clear start-up error naming
+    the flag instead of a wrong answer."""
+    for what in dp_unserved(cfg, model_cfg):
+        raise ValueError(f"--attention dp does not serve {what} yet; use --attention replicated")
+
+
+def choose_attention(cfg: EngineConfig, world: int, model_cfg) -> tuple[str, str]:
+    """The job's attention mode and why (logged at start-up): --attention dp or replicated as given;
+    auto picks replicated on one rank, with --record-payloads, or when the job uses something dp
+    does not serve, else DEFAULT_MULTI_RANK_ATTENTION. Every rank decides the same from the same
+    flags and checkpoint."""
+    if cfg.attention != "auto":
+        return cfg.attention, f"--attention {cfg.attention}"
+    if world == 1:
+        return "replicated", "auto: one rank"
+    if cfg.record_payloads:
+        return "replicated", "auto: --record-payloads (eprt replay rebuilds replicated attention only)"
+    unserved = dp_unserved(cfg, model_cfg)
+    if unserved:
+        return "replicated", f"auto: dp does not serve {', '.join(unserved)} yet"
+    if DEFAULT_MULTI_RANK_ATTENTION != "dp":
+        return "replicated", "auto: dp does not win benchmarks/bench_ep.py yet (DEFAULT_MULTI_RANK_ATTENTION)"
+    return "dp", f"auto: {world} ranks, and dp serves everything this job uses"
 
 
 def kv_capacity_line(block_size: int, pools: list[int], dp: bool) -> str:

@@ -39,12 +39,15 @@ def test_dp_tokens_equal_single_rank(arch):
     first layer among them); every rank owns some of the sequences."""
     path = shared_checkpoint(arch)
     reqs = lambda: [GenerationRequest(p, SamplingParams(max_tokens=12)) for p in PROMPTS]  # noqa: E731
-    multi, cached = run_dp(engine_config(path, attention="dp"), reqs, cached_blocks_per_rank)
+    inspect = lambda engine: (cached_blocks_per_rank(engine), engine.runner.prefill_passes)  # noqa: E731
+    multi, seen = run_dp(engine_config(path, attention="dp"), reqs, inspect)
     single = run_single(engine_config(path, attention="replicated"), reqs)
     if COMM.rank == 0:
+        cached, passes = seen
         assert [r.token_ids for r in multi] == [r.token_ids for r in single]
         assert all(len(r.token_ids) > 0 for r in multi)
         assert len(cached) == COMM.size and all(n > 0 for n in cached), cached  # each rank owned sequences
+        assert passes < len(PROMPTS), f"{passes} prefill passes for {len(PROMPTS)} prompts (not batched)"
 
 
 @pytest.mark.mpi(min_size=1)
