@@ -4,12 +4,12 @@ in eprt/ops/base.py, written here one row, one head and one (token, expert) at a
 import numpy as np
 import pytest
 
-from eprt.ops import cpu_kernels, numpy_ops
-from eprt.ops.numpy_ops import EXPERT_ROWS_AS_GEMV, NumpyOps
+from eprt.ops import numpy_ops
+from eprt.ops.numpy_ops import EXPERT_ROWS_AS_GEMV, NumpyOps, numba_available
 
 # the expert paths: the compiled kernel (numba, the cpu extra) where it imports, and the NumPy fallback
 EXPERT_PATHS = [
-    pytest.param("numba", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed")),
+    pytest.param("numba", marks=pytest.mark.skipif(not numba_available(), reason="numba not installed")),
     "numpy",
 ]
 
@@ -153,11 +153,11 @@ def test_expert_path_choice(monkeypatch):
     monkeypatch.setenv("EPRT_CPU_EXPERTS", "numpy")
     assert NumpyOps().experts == "numpy" and NumpyOps().describe() == "experts NumPy"
     monkeypatch.setenv("EPRT_CPU_EXPERTS", "auto")
-    assert NumpyOps().experts == ("numba" if cpu_kernels.available() else "numpy")
+    assert NumpyOps().experts == ("numba" if numba_available() else "numpy")
     with pytest.raises(ValueError, match="must be one of"):
         NumpyOps("fortran")
-    if not cpu_kernels.available():
-        with pytest.raises(ValueError, match="numba does not import"):
+    if not numba_available():
+        with pytest.raises(ValueError, match="numba is not installed"):
             NumpyOps("numba")
 
 

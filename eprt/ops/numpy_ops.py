@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 
 from eprt import env
-from eprt.ops import cpu_kernels, lora_ops
+from eprt.ops import lora_ops
 from eprt.ops.base import Ops
 from eprt.ops.bf16 import bf16_bits_to_f32
 
@@ -20,6 +22,11 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows computes each row alone (GEMVs or the kernel)
 EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
+
+
+def numba_available() -> bool:
+    """Whether the numba expert path can run (the cpu extra is installed), without importing it."""
+    return importlib.util.find_spec("numba") is not None
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -59,19 +66,26 @@ class NumpyOps(Ops):
         choice = env.CPU_EXPERTS.get() if experts is None else experts
         if choice not in EXPERT_PATHS:
             raise ValueError(f"expert path must be one of {EXPERT_PATHS}, got {choice!r}")
-        if choice == "numba" and not cpu_kernels.available():
-            raise ValueError("expert path 'numba' was asked for, but numba does not import (pip install 'eprt[cpu]')")
-        self.experts = "numba" if choice == "numba" or (choice == "auto" and cpu_kernels.available()) else "numpy"
+        if choice == "numba" and not numba_available():
+            raise ValueError("expert path 'numba' was asked for, but numba is not installed (pip install 'eprt[cpu]')")
+        self.experts = "numba" if choice == "numba" or (choice == "auto" and numba_available()) else "numpy"
+        self._kernels = None  # eprt.ops.cpu_kernels once imported
+
+    @property
+    def kernels(self):
+        if self._kernels is None:
+            from eprt.ops import cpu_kernels
+
+            self._kernels = cpu_kernels
+        return self._kernels
 
     def describe(self) -> str:
         """The expert path, for the start-up log and the ranks' compute identity."""
-        if self.experts == "numba":
-            return f"experts numba {cpu_kernels.version()}"
-        return "experts NumPy"
+        return f"experts numba {self.kernels.VERSION}" if self.experts == "numba" else "experts NumPy"
 
     def warm_up(self) -> None:
         if self.experts == "numba":
-            cpu_kernels.warm_up()
+            self.kernels.warm_up()
 
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray) -> np.ndarray:
@@ -245,15 +259,14 @@ class NumpyOps(Ops):
             y[lo:hi] = xs[lo:hi] @ w[e].T  # [t, N]
         return y
 
-    @staticmethod
-    def _kernel_rows(xs, w, experts, bounds):
+    def _kernel_rows(self, xs, w, experts, bounds):
         """cpu_kernels.expert_rows over the groups ``experts``."""
         w_t = np.swapaxes(w, -1, -2)  # [El, K, N]: contiguous in NumpyOps.weight's layout
         if not w_t.flags.c_contiguous:
             w_t = np.ascontiguousarray(w_t)
         edges = np.empty(2 * len(experts), dtype=np.int64)  # [lo0, hi0, lo1, hi1, ..]
         edges[0::2], edges[1::2] = bounds[experts], bounds[experts + 1]
-        return cpu_kernels.expert_rows(xs, w_t, experts, edges)
+        return self.kernels.expert_rows(xs, w_t, experts, edges)
 
     def _moe_one_token(self, x, weights, local, w_gate_up, w_down):
         """moe_experts for x[1, D]: the same float operations (one-row groups: GEMVs; weighted rows
