@@ -50,6 +50,15 @@ def _product(x, w, y, lo, hi, cols):  # pragma: no cover - compiled
                     cr[n] += (c0 * v0 + c1 * v1) + (c2 * v2 + c3 * v3)
                     dr[n] += (d0 * v0 + d1 * v1) + (d2 * v2 + d3 * v3)
                 r += 4
+            if r + 2 <= hi:  # two rows
+                a0, a1, a2, a3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
+                b0, b1, b2, b3 = x[r + 1, k], x[r + 1, k + 1], x[r + 1, k + 2], x[r + 1, k + 3]
+                ar, br = acc[r - lo], acc[r - lo + 1]
+                for n in range(nb):
+                    v0, v1, v2, v3 = w0[n], w1[n], w2[n], w3[n]
+                    ar[n] += (a0 * v0 + a1 * v1) + (a2 * v2 + a3 * v3)
+                    br[n] += (b0 * v0 + b1 * v1) + (b2 * v2 + b3 * v3)
+                r += 2
             while r < hi:
                 a0, a1, a2, a3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
                 ar = acc[r - lo]
