@@ -196,3 +196,14 @@ def test_weight_keeps_shape_and_values():
     for a in (host, host[0], host[0, 0]):
         w = NumpyOps().weight(a)
         assert w.shape == a.shape and np.array_equal(w, a) and w.dtype == np.float32
+
+
+def test_compute_identity_names_the_expert_path():
+    """Ranks compare compute identities at start-up: ranks on different expert paths round
+    differently (and would split EPLB groups differently), so the identity names the path."""
+    from eprt.ops import device
+
+    what = device.compute_identity(NumpyOps("numpy"))[0]
+    assert "experts NumPy" in what
+    if numba_available():
+        assert "experts numba" in device.compute_identity(NumpyOps("numba"))[0]
