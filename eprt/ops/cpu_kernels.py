@@ -6,7 +6,8 @@ for every row and OpenBLAS's small-M GEMMs run well below its GEMV rate. ``exper
 streams each expert's weights once for all its rows. Element (r, n) of a product is summed
 over k in the same order whatever the group (rows, column tiles), with multiplies and adds
 rounded apart (no fused multiply-add), so a row's bits do not depend on how many rows its
-expert has: the one-token path, EPLB's split groups and the grouped path agree bit for bit.
+expert has (NumpyOps gives it groups of 2 to EXPERT_ROWS_AS_GEMV rows; one row runs a GEMV on
+both paths). The first start compiles for tens of seconds; numba caches the result.
 """
 
 from __future__ import annotations
