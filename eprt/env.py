@@ -86,6 +86,12 @@ DUMP_DIR = _register(
     "where each rank writes its flight recorder on a failure, SIGUSR2 or --dump-frames",
 )
 API_KEY = _register("EPRT_API_KEY", "", str, "API key eprt serve requires (Bearer) when --api-key is not given")
+CPU_EXPERTS = _register(
+    "EPRT_CPU_EXPERTS",
+    "auto",
+    str,
+    "small CPU expert groups: numba (compiled kernel, the cpu extra), numpy (GEMV per row), auto (numba if found)",
+)
 KERNEL_DIR = _register(
     "EPRT_KERNEL_DIR", "", str, "directory of the .cu kernel sources (default: the checkout's or the wheel's kernels/)"
 )

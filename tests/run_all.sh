@@ -16,6 +16,9 @@ ruff check .
 ruff format --check .
 export EPRT_TEST_CKPT_DIR="${EPRT_TEST_CKPT_DIR:-$(mktemp -d)/ckpt}"
 python3 -m pytest -q -p no:cacheprovider --ignore=tests/mpi tests
+# The CPU experts without the compiled kernel (the [test] extra brings numba, so the run above used it).
+echo "== CPU experts on the NumPy path (EPRT_CPU_EXPERTS=numpy)"
+EPRT_CPU_EXPERTS=numpy python3 -m pytest -q -p no:cacheprovider tests/test_model_parity.py tests/test_eplb.py tests/test_lora.py
 
 # The GPU tests once more, on cusim (tests/cusim): the real kernels/*.cu and CupyOps on the CPU.
 # Where a GPU is usable the run above already ran them on it.

@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 
 from eprt.ops import numpy_ops
-from eprt.ops.numpy_ops import NumpyOps
+from eprt.ops.numpy_ops import EXPERT_ROWS_AS_GEMV, NumpyOps, numba_available
+
+# the expert paths: the compiled kernel (numba, the cpu extra) where it imports, and the NumPy fallback
+EXPERT_PATHS = [
+    pytest.param("numba", marks=pytest.mark.skipif(not numba_available(), reason="numba not installed")),
+    "numpy",
+]
 
 
 def softmax(x):
@@ -73,17 +79,18 @@ def test_attention_prefill_is_causal_from_start_pos():
         np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", EXPERT_PATHS)
 @pytest.mark.parametrize("uploaded", [False, True])  # True: the weights in NumpyOps.weight's layout
-@pytest.mark.parametrize("expert_start, local", [(0, 6), (2, 3), (5, 4), (9, 2)])
-def test_moe_experts_matches_pairs(expert_start, local, uploaded):
-    rng = np.random.default_rng(expert_start)
-    T, k, E, D, inter = 15, 3, 9, 8, 5  # experts get 1 to 9 tokens: GEMV rows and GEMMs
+@pytest.mark.parametrize("expert_start, local, T", [(0, 6, 15), (2, 3, 15), (5, 4, 15), (9, 2, 15), (0, 3, 40)])
+def test_moe_experts_matches_pairs(expert_start, local, T, uploaded, path):
+    rng = np.random.default_rng(expert_start + T)
+    k, E, D, inter = 3, 9, 8, 5  # experts get 1 to 9 tokens (15) or up to 40 (40): by-row groups and GEMMs
     x = rng.standard_normal((T, D), dtype=np.float32)
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
     w = rng.random((T, k), dtype=np.float32)
     wgu = rng.standard_normal((local, 2 * inter, D), dtype=np.float32)
     wd = rng.standard_normal((local, D, inter), dtype=np.float32)
-    ops = NumpyOps()
+    ops = NumpyOps(path)
     got = ops.moe_experts(x, w, ids, *((ops.weight(wgu), ops.weight(wd)) if uploaded else (wgu, wd)), expert_start)
     want = np.zeros((T, D), dtype=np.float64)
     for t in range(T):
@@ -96,6 +103,62 @@ def test_moe_experts_matches_pairs(expert_start, local, uploaded):
     assert not got[
         [t for t in range(T) if not ((ids[t] >= expert_start) & (ids[t] < expert_start + local)).any()]
     ].any()
+
+
+@pytest.mark.parametrize("path", EXPERT_PATHS)
+def test_expert_rows_do_not_depend_on_their_group(path):
+    """Up to EXPERT_ROWS_AS_GEMV rows an expert computes each row alone: a row's bits are the same
+    whichever rows share its group (EPLB splits groups only above that). A single row runs a GEMV
+    on both paths (the kernel's bits hold from 2 rows up); above the limit, one GEMM."""
+    rng = np.random.default_rng(3)
+    ops = NumpyOps(path)
+    n, K, N = EXPERT_ROWS_AS_GEMV + 3, 37, 21  # K % 4 != 0: the kernel's remainder terms too
+    xs = rng.standard_normal((n, K), dtype=np.float32)
+    w = ops.weight(rng.standard_normal((2, N, K), dtype=np.float32))  # [El, N, K]
+    R = EXPERT_ROWS_AS_GEMV
+    full = ops.expert_products(xs[:R], w, np.array([0, 0, R]))  # all rows on expert 1
+    for lo, hi in [(0, 2), (0, 3), (1, 5), (4, 9), (3, 16)] + ([(5, 6)] if path == "numpy" else []):
+        y = ops.expert_products(xs[lo:hi], w, np.array([0, 0, hi - lo]))
+        assert np.array_equal(y, full[lo:hi]), (lo, hi)
+    want = xs.astype(np.float64) @ w[1].T.astype(np.float64)
+    np.testing.assert_allclose(full, want[:R], rtol=1e-5, atol=1e-5)
+    one = ops.expert_products(xs[:1], w, np.array([0, 1, 1]))  # one row, on expert 0: a GEMV
+    np.testing.assert_array_equal(one, xs[:1] @ w[0].T)
+    whole = ops.expert_products(xs, w, np.array([0, 0, n]))  # above the limit: one GEMM
+    np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", EXPERT_PATHS)
+def test_moe_one_token_path_equals_the_grouped_path(path):
+    """Decode at batch 1 takes moe_experts' one-token path; the grouped path gives each token's
+    row the same bits when its experts have one row each (the rest of a batch elsewhere)."""
+    rng = np.random.default_rng(5)
+    ops = NumpyOps(path)
+    T, k, E, D, inter = 3, 2, 6, 16, 12
+    x = rng.standard_normal((T, D), dtype=np.float32)
+    ids = np.array([[4, 1], [0, 2], [3, 5]], dtype=np.int32)  # every expert chosen once
+    w = rng.random((T, k), dtype=np.float32)
+    wgu = ops.weight(rng.standard_normal((E, 2 * inter, D), dtype=np.float32))
+    wd = ops.weight(rng.standard_normal((E, D, inter), dtype=np.float32))
+    for start in (0, 2):  # all experts local; some another rank's
+        grouped = ops.moe_experts(x, w, ids, wgu[: E - start], wd[: E - start], start)
+        one = [
+            ops.moe_experts(x[t : t + 1], w[t : t + 1], ids[t : t + 1], wgu[: E - start], wd[: E - start], start)
+            for t in range(T)
+        ]
+        assert np.array_equal(np.concatenate(one), grouped)
+
+
+def test_expert_path_choice(monkeypatch):
+    monkeypatch.setenv("EPRT_CPU_EXPERTS", "numpy")
+    assert NumpyOps().experts == "numpy" and NumpyOps().describe() == "experts NumPy"
+    monkeypatch.setenv("EPRT_CPU_EXPERTS", "auto")
+    assert NumpyOps().experts == ("numba" if numba_available() else "numpy")
+    with pytest.raises(ValueError, match="must be one of"):
+        NumpyOps("fortran")
+    if not numba_available():
+        with pytest.raises(ValueError, match="numba is not installed"):
+            NumpyOps("numba")
 
 
 def test_decode_block_tables_follow_compaction_and_slot_reuse(checkpoint):
@@ -133,3 +196,14 @@ def test_weight_keeps_shape_and_values():
     for a in (host, host[0], host[0, 0]):
         w = NumpyOps().weight(a)
         assert w.shape == a.shape and np.array_equal(w, a) and w.dtype == np.float32
+
+
+def test_compute_identity_names_the_expert_path():
+    """Ranks compare compute identities at start-up: ranks on different expert paths round
+    differently (and would split EPLB groups differently), so the identity names the path."""
+    from eprt.ops import device
+
+    what = device.compute_identity(NumpyOps("numpy"))[0]
+    assert "experts NumPy" in what
+    if numba_available():
+        assert "experts numba" in device.compute_identity(NumpyOps("numba"))[0]

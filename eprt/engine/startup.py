@@ -60,6 +60,8 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     def load():
         ops = get_ops(device)
         ops.warm_up()
+        if ops.describe():
+            log.info("%s backend: %s", ops.name, ops.describe())
         placement_for = lambda model_cfg: initial_placement(cfg.eplb, model_cfg, world, nodes)  # noqa: E731
         combine, gather_rows = _combine(transport, ops)
         return ops, load_model(cfg.model, ops, cfg.max_model_len, rank, world, combine, placement_for, gather_rows)

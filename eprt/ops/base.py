@@ -112,6 +112,10 @@ class Ops:
     def warm_up(self) -> None:
         """Prepare everything the forward pass needs (the GPU backend compiles its kernels)."""
 
+    def describe(self) -> str:
+        """Implementation choices made at start-up that change the arithmetic ("" if none)."""
+        return ""
+
     # ---- compute -------------------------------------------------------------------
     def embedding(self, table: Array, ids: Array) -> Array:
         """table[V, D], ids[T] -> [T, D]"""

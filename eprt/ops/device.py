@@ -116,7 +116,7 @@ def compute_identity(ops: Ops) -> tuple[str, str]:
             blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
         except TypeError:  # NumPy < 1.26 has no mode=; the fingerprint still tells builds apart
             blas = {}
-        what = f"cpu: NumPy {np.__version__}, BLAS {blas.get('name', '?')} {blas.get('version', '?')}"
+        what = f"cpu: NumPy {np.__version__}, BLAS {blas.get('name', '?')} {blas.get('version', '?')}, {ops.describe()}"
         where = f"{host}:cpu:{os.getpid()}"
     else:
         import cupy

@@ -51,11 +51,11 @@ def lora_apply(y: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, rows:
     return y
 
 
-def moe_experts_lora(ops, x, weights, ids, w_gate_up, w_down, expert_start, rows: LoraRows, gate_up, down, gemv_rows):
+def moe_experts_lora(ops, x, weights, ids, w_gate_up, w_down, expert_start, rows: LoraRows, gate_up, down):
     """``Ops.moe_experts`` with each (token, choice) pair's expert projections carrying the LoRA
     delta of its token's slot: gate_up / down are (a[S, El, R, K], b[S, El, R, N]) or None. The
-    base products are those of ``moe_experts`` (GEMVs for small groups); the deltas then go by
-    segments of pairs sharing (slot, expert). ``gemv_rows``: moe_experts' EXPERT_ROWS_AS_GEMV."""
+    base products are those of ``moe_experts`` (``ops.expert_products``); the deltas then go by
+    segments of pairs sharing (slot, expert)."""
     T, D = x.shape
     k = ids.shape[1]
     local = (ids - expert_start).reshape(-1)  # [T*k]
@@ -68,29 +68,15 @@ def moe_experts_lora(ops, x, weights, ids, w_gate_up, w_down, expert_start, rows
     if len(picks) == 0:
         return ys.reshape(T, k, D).sum(axis=1)
     xs = x[picks // k]  # [n, D]
-    groups = [(int(e), int(bounds[e]) - start, int(bounds[e + 1]) - start) for e in np.flatnonzero(np.diff(bounds))]
     segments = _pair_segments(rows.slots[picks // k], experts[start : int(bounds[-1])])
-    h = _grouped(xs, w_gate_up, groups, gemv_rows)  # [n, 2I]
+    h = ops.expert_products(xs, w_gate_up, bounds - start)  # [n, 2I]
     _add_pairs(h, xs, segments, gate_up)
     act = ops.silu_and_mul(h)  # [n, I]
-    out = _grouped(act, w_down, groups, gemv_rows)  # [n, D]
+    out = ops.expert_products(act, w_down, bounds - start)  # [n, D]
     _add_pairs(out, act, segments, down)
     ys[picks] = out
     ys *= weights.reshape(-1, 1)
     return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
-
-
-def _grouped(xs: np.ndarray, w: np.ndarray, groups: list, gemv_rows: int) -> np.ndarray:
-    """xs[n, K] through w[e] [N, K] for each expert's rows (lo, hi): [n, N], as moe_experts computes it."""
-    y = np.empty((len(xs), w.shape[1]), dtype=np.float32)
-    for e, lo, hi in groups:
-        wt = w[e].T  # [K, N]
-        if hi - lo <= gemv_rows:
-            for r in range(lo, hi):
-                y[r] = xs[r] @ wt
-        else:
-            y[lo:hi] = xs[lo:hi] @ wt
-    return y
 
 
 def _pair_segments(slots: np.ndarray, experts: np.ndarray) -> list:

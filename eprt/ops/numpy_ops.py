@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 
+from eprt import env
 from eprt.ops import lora_ops
 from eprt.ops.base import Ops
 from eprt.ops.bf16 import bf16_bits_to_f32
@@ -17,7 +20,13 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
 
 
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
-EXPERT_ROWS_AS_GEMV = 4  # an expert with at most this many tokens runs one GEMV per token
+EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows computes each row alone (GEMVs or the kernel)
+EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
+
+
+def numba_available() -> bool:
+    """Whether the numba expert path can run (the cpu extra is installed), without importing it."""
+    return importlib.util.find_spec("numba") is not None
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -45,10 +54,38 @@ def _solve_unit_lower(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class NumpyOps(Ops):
     name = "cpu"
-    moe_split_rows = EXPERT_ROWS_AS_GEMV + 1  # a row's bits differ between the GEMV and the GEMM paths
+    moe_split_rows = EXPERT_ROWS_AS_GEMV + 1  # a row's bits differ between the by-row and the GEMM paths
     xp = np
     act_dtype = np.float32
     kv_itemsize = 4  # bytes per KV cache element (float32)
+
+    def __init__(self, experts: str | None = None):
+        """``experts``: how small expert groups run: "numba" (cpu_kernels, each expert's weights
+        streamed once for all its rows), "numpy" (a GEMV per row) or "auto" (numba when it
+        imports); None reads EPRT_CPU_EXPERTS."""
+        choice = env.CPU_EXPERTS.get() if experts is None else experts
+        if choice not in EXPERT_PATHS:
+            raise ValueError(f"expert path must be one of {EXPERT_PATHS}, got {choice!r}")
+        if choice == "numba" and not numba_available():
+            raise ValueError("expert path 'numba' was asked for, but numba is not installed (pip install 'eprt[cpu]')")
+        self.experts = "numba" if choice == "numba" or (choice == "auto" and numba_available()) else "numpy"
+        self._kernels = None  # eprt.ops.cpu_kernels once imported
+
+    @property
+    def kernels(self):
+        if self._kernels is None:
+            from eprt.ops import cpu_kernels
+
+            self._kernels = cpu_kernels
+        return self._kernels
+
+    def describe(self) -> str:
+        """The expert path, for the start-up log and the ranks' compute identity."""
+        return f"experts numba {self.kernels.VERSION}" if self.experts == "numba" else "experts NumPy"
+
+    def warm_up(self) -> None:
+        if self.experts == "numba":
+            self.kernels.warm_up()
 
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray) -> np.ndarray:
@@ -193,22 +230,47 @@ class NumpyOps(Ops):
         bounds = np.searchsorted(experts, np.arange(w_gate_up.shape[0] + 1))  # [El+1] group edges
         start, stop = int(bounds[0]), int(bounds[-1])
         picks = order[start:stop]  # (token, choice) pairs routed to this rank, by expert
-        xs = x[picks // k]  # [n, D] gathered once
         ys = np.zeros((T * k, D), dtype=np.float32)  # [T*k, D] one row per (token, choice)
-        for e in np.flatnonzero(np.diff(bounds)):
-            lo, hi = int(bounds[e]) - start, int(bounds[e + 1]) - start
-            gate_up, down = w_gate_up[e].T, w_down[e].T  # [D, 2I], [I, D]
-            if hi - lo <= EXPERT_ROWS_AS_GEMV:  # a few tokens: GEMVs beat OpenBLAS's small GEMMs
-                for r in range(lo, hi):
-                    ys[picks[r]] = self.silu_and_mul(xs[r : r + 1] @ gate_up) @ down  # [1, D]
-            else:
-                ys[picks[lo:hi]] = self.silu_and_mul(xs[lo:hi] @ gate_up) @ down  # [t, D]
+        if stop > start:
+            xs = x[picks // k]  # [n, D] gathered once
+            h = self.expert_products(xs, w_gate_up, bounds - start)  # [n, 2I]
+            ys[picks] = self.expert_products(self.silu_and_mul(h), w_down, bounds - start)  # [n, D]
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 
+    def expert_products(self, xs, w, bounds):
+        """[n, N]: rows bounds[e]..bounds[e+1] of xs[n, K] through expert e of w[El, N, K]. An expert
+        with one row runs a GEMV; with at most EXPERT_ROWS_AS_GEMV rows each row is computed alone
+        (the kernel, or a GEMV per row: the same bits whatever the group's size); more, one GEMM."""
+        sizes = np.diff(bounds)  # [El]
+        small = (sizes > 0) & (sizes <= EXPERT_ROWS_AS_GEMV)
+        kernel = np.flatnonzero(small & (sizes > 1)) if self.experts == "numba" else np.empty(0, np.int64)
+        by_row = np.flatnonzero(sizes == 1) if self.experts == "numba" else np.flatnonzero(small)
+        if len(kernel):
+            y = self._kernel_rows(xs, w, kernel, bounds)  # [n, N]
+        else:
+            y = np.empty((len(xs), w.shape[1]), dtype=np.float32)  # [n, N]
+        for e in by_row.tolist():
+            wt = w[e].T  # [K, N]
+            for r in range(int(bounds[e]), int(bounds[e + 1])):
+                y[r : r + 1] = xs[r : r + 1] @ wt  # [1, N]
+        for e in np.flatnonzero(sizes > EXPERT_ROWS_AS_GEMV).tolist():
+            lo, hi = int(bounds[e]), int(bounds[e + 1])
+            y[lo:hi] = xs[lo:hi] @ w[e].T  # [t, N]
+        return y
+
+    def _kernel_rows(self, xs, w, experts, bounds):
+        """cpu_kernels.expert_rows over the groups ``experts``."""
+        w_t = np.swapaxes(w, -1, -2)  # [El, K, N]: contiguous in NumpyOps.weight's layout
+        if not w_t.flags.c_contiguous:
+            w_t = np.ascontiguousarray(w_t)
+        edges = np.empty(2 * len(experts), dtype=np.int64)  # [lo0, hi0, lo1, hi1, ..]
+        edges[0::2], edges[1::2] = bounds[experts], bounds[experts + 1]
+        return self.kernels.expert_rows(xs, w_t, experts, edges)
+
     def _moe_one_token(self, x, weights, local, w_gate_up, w_down):
-        """moe_experts for x[1, D]: the same float operations (weighted rows summed in choice order),
-        without the sort and scatter that group many tokens."""
+        """moe_experts for x[1, D]: the same float operations (one-row groups: GEMVs; weighted rows
+        summed in choice order), without the sort and scatter that group many tokens."""
         out = None
         for j, e in enumerate(local.tolist()):
             if 0 <= e < w_gate_up.shape[0]:
@@ -223,7 +285,7 @@ class NumpyOps(Ops):
         return lora_ops.lora_apply(y, x, a, b, rows)
 
     def moe_experts_lora(self, x, weights, ids, w_gate_up, w_down, expert_start, rows, gate_up, down):
-        args = (w_gate_up, w_down, expert_start, rows, gate_up, down, EXPERT_ROWS_AS_GEMV)
+        args = (w_gate_up, w_down, expert_start, rows, gate_up, down)
         return lora_ops.moe_experts_lora(self, x, weights, ids, *args)
 
     # ---- hybrid linear-attention models (Gated DeltaNet) --------------------------------
