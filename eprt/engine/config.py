@@ -57,6 +57,7 @@ class EngineConfig:
     max_prefill_tokens: int | None = None  # prompt tokens per prefill chunk; None: by device; 0: whole prompts
     prefix_cache: bool = True
     batch_prefill: bool = True  # a tick's prefill chunks as one forward pass (off: one pass per sequence)
+    overlap: bool = True  # plan a decode step's sampling while its forward pass runs (eprt/engine/overlap.py)
     gpu_memory_utilization: float = 0.9
     image_token_id: int | None = None
     seed: int = 0
@@ -172,6 +173,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the prompts (and prompt chunks) admitted in one tick as one forward pass (default on)",
     )
     g.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="on",
+        help="rank 0 prepares a decode step's sampling and the next step's frame while its forward pass runs "
+        "(default on)",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -284,6 +292,7 @@ def engine_config_from_args(args) -> EngineConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         prefix_cache=not args.no_prefix_cache,
         batch_prefill=args.batch_prefill == "on",
+        overlap=args.overlap == "on",
         gpu_memory_utilization=args.gpu_memory_utilization,
         image_token_id=args.image_token_id,
         seed=args.engine_seed,

@@ -413,14 +413,23 @@ def launch_engine(args_or_config, transport=None):
             f"--speculative-method {spec.method}: {model_cfg.model_type} keeps recurrent state, "
             "which cannot roll back rejected drafts"
         )
-    runner = (DpModelRunner if isinstance(executor, DpShardExecutor) else ModelRunner)(
+    dp = isinstance(executor, DpShardExecutor)
+    if cfg.overlap and dp:
+        log.info("--overlap is off under --attention dp (its decode steps run on each row's owner)")
+    runner = (DpModelRunner if dp else ModelRunner)(
         executor,
         transport,
         seed=cfg.seed,
         drafter=None if spec is None else spec.drafter(),
         batch_prefill=cfg.batch_prefill,
         adapters=_adapter_registry(cfg, executor),
+        overlap=cfg.overlap and not dp,
     )
+    if runner.overlap is not None:
+        log.info(
+            "overlap: decode steps' forward passes %s while rank 0 plans their sampling",
+            "run on a helper thread" if runner.overlap.threaded else "are launched",
+        )
     eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
     runner.guides = GuidedRows(GrammarCompiler(loaded.tokenizer, model_cfg.vocab_size, eos))
     sched_cfg = SchedulerConfig(

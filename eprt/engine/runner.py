@@ -15,6 +15,7 @@ from eprt.comm import protocol as P
 from eprt.engine import adapter_slots
 from eprt.engine.choices import choice_seed, token_logprobs
 from eprt.engine.executor import ShardExecutor, vision_salt
+from eprt.engine.overlap import DecodeOverlap
 from eprt.engine.sampling import (
     LOGSOFTMAX_BLOCK,
     History,
@@ -61,6 +62,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         drafter: Drafter | None = None,
         batch_prefill: bool = True,
         adapters=None,
+        overlap: bool = False,
     ):
         self.executor = executor
         self.adapters = adapters  # eprt.engine.adapters.AdapterRegistry, or None: no adapters served
@@ -77,6 +79,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self._groups: list = []  # the lane's planned chunks not yet run, in forward-pass groups
         self._ran: dict = {}  # id(seq) -> (start, n, logits [G, V], row) of chunks run ahead of their call
         self._rng = np.random.default_rng(seed)  # seeds requests that bring none
+        self.overlap = DecodeOverlap(executor, transport) if overlap else None  # --overlap (eprt/engine/overlap.py)
         self._logits: np.ndarray | None = None  # [B, V] of the last forward
         self._rows: list = []  # the sequences behind those rows
         self.prompt_tokens_computed = 0
@@ -299,10 +302,14 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
 
     def decode_batch(self, tokens, seqs, stream: int = 0) -> None:
         slots = [s.slot for s in seqs]
-        self.transport.send(P.DecodeBatch(slots=tuple(slots), tokens=tuple(int(t) for t in tokens)))
-        self.transport.flush()
-        self._logits = self.executor.decode(slots, list(tokens))
         self._rows = list(seqs)
+        if self.overlap is not None:  # the pass runs on while the rows' sampling is planned
+            self._logits = None
+            self.overlap.decode(slots, [int(t) for t in tokens], self._rows, self._sampling_plan)
+        else:
+            self.transport.send(P.DecodeBatch(slots=tuple(slots), tokens=tuple(int(t) for t in tokens)))
+            self.transport.flush()
+            self._logits = self.executor.decode(slots, list(tokens))
         self.decode_steps += 1
         self.decode_rows += len(slots)
 
@@ -312,7 +319,27 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         [rows, V] rather than one per row) and are sampled together, each with the uniform of
         its request's seed at the token's position. Logprobs go to ``seq.logprobs``."""
         seqs = self._rows[row : row + n]
+        plan = None if self.overlap is None else self.overlap.plan_of(self._rows, row, n)
+        guided, masks, slow, uniforms = self._sampling_plan(seqs) if plan is None else plan
+        if self._logits is None:  # an overlapped decode step: its pass ends now
+            self._logits = self.overlap.logits()
         logits = self._logits[row : row + n]  # [n, V]
+        tokens = [0] * len(seqs)
+        if len(slow) < len(seqs):
+            greedy = self.executor.ops.argmax(logits)
+            tokens = [int(t) for t in greedy]
+        if slow:
+            picked = [seqs[i] for i in slow]
+            for i, t in zip(slow, self._sample_slow(logits, slow, picked, [masks[i] for i in slow], uniforms)):
+                tokens[i] = t
+        self._rank_tokens(seqs, logits, tokens)
+        if guided:  # the grammar takes the tokens; the next masks are computed during the next forward
+            self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
+        return tokens
+
+    def _sampling_plan(self, seqs: list) -> tuple:
+        """What sampling rows ``seqs`` takes before their logits: (guided rows, each row's allowed
+        tokens [V] or None, host-sampled rows, their uniforms: each request's seed at the row's position)."""
         guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None]
         masks = [None] * len(seqs)  # structured outputs: allowed tokens [V] of each guided row
         if guided:
@@ -320,21 +347,10 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
             for k, i in enumerate(guided):
                 masks[i] = allowed[k]
         slow = [i for i, s in enumerate(seqs) if needs_host_sampler(s.params) or masks[i] is not None]
-        tokens = [0] * len(seqs)
-        if len(slow) < len(seqs):
-            greedy = self.executor.ops.argmax(logits)
-            tokens = [int(t) for t in greedy]
-        if slow:
-            picked = [seqs[i] for i in slow]
-            uniforms = np.array(
-                [token_uniform(s.model_state.seed, self.executor.slots.get(s.slot).length) for s in picked]
-            )
-            for i, t in zip(slow, self._sample_slow(logits, slow, picked, [masks[i] for i in slow], uniforms)):
-                tokens[i] = t
-        self._rank_tokens(seqs, logits, tokens)
-        if guided:  # the grammar takes the tokens; the next masks are computed during the next forward
-            self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
-        return tokens
+        uniforms = np.array(
+            [token_uniform(seqs[i].model_state.seed, self.executor.slots.get(seqs[i].slot).length) for i in slow]
+        )
+        return guided, masks, slow, uniforms
 
     def _rank_tokens(self, seqs: list, logits, tokens: list) -> None:
         """best_of: add each sampled token's logprob to its sequence's cumulative logprob."""
@@ -405,6 +421,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.executor.ops.synchronize()
 
     def teardown(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
         self.executor.shutdown()
 
 

@@ -1,0 +1,63 @@
+"""``--overlap``: while a decode step's forward pass runs, rank 0 does the host work that does not
+need its logits: the step's sampling plan (``ModelRunner.sampling_plan``) and the next step's
+DECODE_BATCH, encoded for the same slots with placeholder tokens. The frames, their order and the
+scheduler's calls are those without it (docs/design.md, "Overlap").
+
+On the CPU backend the pass runs on one helper thread (NumPy lets go of the GIL inside BLAS), its
+MoE combines included: MPI is called from that thread only while the main thread plans or waits,
+never from both at once. On a GPU the launches return at once, so the pass runs inline and the
+wait is the readback of the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from eprt.comm.protocol import DecodeBatchWords
+
+
+class DecodeOverlap:
+    def __init__(self, executor, transport):
+        self.executor, self.transport = executor, transport
+        self.threaded = executor.ops.name == "cpu" and transport.any_thread
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="eprt-forward") if self.threaded else None
+        self._running = None  # the running step: its Future (threaded) or its logits
+        self._plan: tuple | None = None  # (rows, the sampling plan of those rows)
+        self._next: DecodeBatchWords | None = None  # the next step's frame, encoded ahead for these slots
+
+    def decode(self, slots: list, tokens: list, rows: list, sampling_plan) -> None:
+        """Send the step's DECODE_BATCH, launch its forward pass, and while it runs make
+        ``sampling_plan(rows)`` and encode the next step's frame for the same slots."""
+        words = self._next.fill(tokens) if self._next is not None and self._next.slots == tuple(slots) else None
+        self._next = None
+        if words is None:
+            words = DecodeBatchWords(tuple(slots)).fill(tokens)
+        self.transport.send_words(words)
+        self.transport.flush()
+        inputs = self.executor.decode_inputs(slots, tokens)
+        self._running = self._pool.submit(self.executor.decode_forward, inputs) if self._pool else None
+        if self._pool is None:
+            self._running = self.executor.decode_forward(inputs)
+        try:
+            self._plan = (rows, sampling_plan(rows))
+            self._next = DecodeBatchWords(tuple(slots))
+        except BaseException:
+            self.logits()  # the pass ends (and its combines) before the error goes up
+            raise
+
+    def plan_of(self, rows: list, row: int, n: int) -> tuple | None:
+        """The sampling plan made during the pass of ``rows`` when rows [row, row + n) are all of
+        them (None otherwise: the caller makes it now); taken once."""
+        plan, self._plan = self._plan, None
+        if plan is None or plan[0] is not rows or row != 0 or n != len(rows):
+            return None
+        return plan[1]
+
+    def logits(self):
+        """The running step's logits [B, V], once its pass has ended (its error, if it failed)."""
+        running, self._running = self._running, None
+        return running.result() if isinstance(running, Future) else running
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
