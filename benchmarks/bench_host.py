@@ -1,13 +1,14 @@
 """Host overhead per decode step at batch 256 on a model whose compute is negligible (one
 layer, hidden 16, vocabulary 512): scheduler, runner, executor bookkeeping and frame
-encoding on rank 0 (one rank, so no MPI wait).
+encoding on rank 0 (one rank, so no MPI wait), with and without ``--overlap``.
 
-    python benchmarks/bench_host.py [--batch 256] [--new-tokens 64] [--profile]
+    python benchmarks/bench_host.py [--batch 256] [--new-tokens 64] [--rounds 5] [--profile]
 
-Step time = (t_N - t_1) / (N - 1) of one engine.generate of B greedy requests, best of
-three; "forward" is the time inside the model's forward pass (every op, attention and
-the MoE included), "host" the rest of the step. There is no overlap of host work with
-compute yet, so only the serial figure is printed.
+Step time = (t_N - t_1) / (N - 1) of one engine.generate of B requests (greedy, then sampled
+with a seed per request), the overlap off and on in turn on one engine, best and median of
+``--rounds``; "forward" is the time inside the model's forward pass (every op, attention and
+the MoE included; with the overlap on it runs on the helper thread), "host" the rest of the
+step: the host time the forward pass did not hide.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5, help="runs of each variant, interleaved")
     ap.add_argument("--dir", default="/tmp/eprt-bench-tiny")
-    ap.add_argument("--profile", action="store_true", help="print the top functions of one timed run")
+    ap.add_argument("--profile", action="store_true", help="print the top functions of one timed run per variant")
     args = ap.parse_args()
     from checkpoints import build_checkpoint
 
@@ -82,31 +84,47 @@ def main() -> None:
     path = build_checkpoint("qwen3_moe", args.dir, **TINY_MODEL)
     b, n = args.batch, args.new_tokens
     prompts = np.random.default_rng(0).integers(3, TINY_MODEL["vocab_size"], size=(b, 8)).tolist()
-    cfg = EngineConfig(model=path, device="cpu", max_batch=b, max_model_len=128, prefix_cache=False)
+    sampling = {
+        "greedy": lambda i, k: SamplingParams(max_tokens=k, ignore_eos=True),
+        "sampled": lambda i, k: SamplingParams(max_tokens=k, ignore_eos=True, temperature=0.8, top_p=0.95, seed=i),
+    }
+    cfg = EngineConfig(model=path, device="cpu", max_batch=b, max_model_len=128, prefix_cache=False, overlap=True)
+    times: dict = {}  # (sampling, overlap) -> [(step s, forward s)]
     with launch_engine(cfg) as engine:
         clock = ForwardClock(engine.runner.executor.model)
+        overlap = engine.runner.overlap
 
-        def run(k):
-            reqs = [GenerationRequest(p, SamplingParams(max_tokens=k, ignore_eos=True)) for p in prompts]
+        def run(kind, k):
+            reqs = [GenerationRequest(p, sampling[kind](i, k)) for i, p in enumerate(prompts)]
             assert all(len(r.token_ids) == k for r in engine.generate(reqs))
 
-        run(2)
-        best = None
-        for _ in range(3):
-            clock.seconds = 0.0
-            t1 = timed(lambda: run(1))
-            f1, clock.seconds = clock.seconds, 0.0
-            tn = timed(lambda: run(n))
-            step, forward = (tn - t1) / (n - 1), (clock.seconds - f1) / (n - 1)
-            best = min(best or (step, forward), (step, forward))
+        for kind in sampling:
+            run(kind, 2)
+            for _ in range(args.rounds):
+                for on in (False, True):
+                    engine.runner.overlap = overlap if on else None
+                    clock.seconds = 0.0
+                    t1 = timed(lambda: run(kind, 1))  # noqa: B023
+                    f1, clock.seconds = clock.seconds, 0.0
+                    tn = timed(lambda: run(kind, n))  # noqa: B023
+                    times.setdefault((kind, on), []).append(((tn - t1) / (n - 1), (clock.seconds - f1) / (n - 1)))
         if args.profile:
-            prof = cProfile.Profile()
-            prof.runcall(run, n)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    step, forward = best
-    print(f"model {path}: batch {b}, {n} new tokens, greedy, one rank (best of 3)")
-    print(f"{'step ms':>8} {'forward ms':>11} {'host ms':>8}")
-    print(f"{step * 1e3:8.2f} {forward * 1e3:11.2f} {(step - forward) * 1e3:8.2f}")
+            for on in (False, True):
+                engine.runner.overlap = overlap if on else None
+                print(f"--- profile, greedy, overlap {'on' if on else 'off'}")
+                prof = cProfile.Profile()
+                prof.runcall(run, "greedy", n)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+        engine.runner.overlap = overlap
+    print(f"model {path}: batch {b}, {n} new tokens, one rank; {args.rounds} rounds of off/on interleaved")
+    print(f"{'sampling':>8} {'overlap':>7} {'step ms':>8} {'forward ms':>11} {'host ms':>8} {'host ms median':>15}")
+    for (kind, on), runs in times.items():
+        step, forward = min(runs)
+        host = float(np.median([s - f for s, f in runs]))
+        print(
+            f"{kind:>8} {'on' if on else 'off':>7} {step * 1e3:8.2f} {forward * 1e3:11.2f} "
+            f"{(step - forward) * 1e3:8.2f} {host * 1e3:15.2f}"
+        )
 
 
 if __name__ == "__main__":
