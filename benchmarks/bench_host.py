@@ -2,13 +2,13 @@
 layer, hidden 16, vocabulary 512): scheduler, runner, executor bookkeeping and frame
 encoding on rank 0 (one rank, so no MPI wait), with and without ``--overlap``.
 
-    python benchmarks/bench_host.py [--batch 256] [--new-tokens 64] [--rounds 5] [--profile]
+    python benchmarks/bench_host.py [--batch 256] [--new-tokens 64] [--rounds 5] [--device cpu|cuda] [--profile]
 
 Step time = (t_N - t_1) / (N - 1) of one engine.generate of B requests (greedy, then sampled
 with a seed per request), the overlap off and on in turn on one engine, best and median of
 ``--rounds``; "forward" is the time inside the model's forward pass (every op, attention and
 the MoE included; with the overlap on it runs on the helper thread), "host" the rest of the
-step: the host time the forward pass did not hide.
+step: the host time the forward pass did not hide (on a GPU "forward" is the time to launch it).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5, help="runs of each variant, interleaved")
     ap.add_argument("--dir", default="/tmp/eprt-bench-tiny")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--profile", action="store_true", help="print the top functions of one timed run per variant")
     args = ap.parse_args()
     from checkpoints import build_checkpoint
@@ -88,7 +89,7 @@ def main() -> None:
         "greedy": lambda i, k: SamplingParams(max_tokens=k, ignore_eos=True),
         "sampled": lambda i, k: SamplingParams(max_tokens=k, ignore_eos=True, temperature=0.8, top_p=0.95, seed=i),
     }
-    cfg = EngineConfig(model=path, device="cpu", max_batch=b, max_model_len=128, prefix_cache=False, overlap=True)
+    cfg = EngineConfig(model=path, device=args.device, max_batch=b, max_model_len=128, prefix_cache=False, overlap=True)
     times: dict = {}  # (sampling, overlap) -> [(step s, forward s)]
     with launch_engine(cfg) as engine:
         clock = ForwardClock(engine.runner.executor.model)

@@ -127,3 +127,16 @@ def test_a_failing_forward_pass_on_the_helper_thread_fails_the_requests_as_befor
         result = handle.result()
         assert result.finish_reason == "error" and result.error.startswith(ENGINE_FAILED)
         assert "forward pass broke" in result.error
+
+
+def test_the_overlap_flag_of_every_command_defaults_to_off():
+    import argparse
+
+    from eprt.engine.config import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args([])).overlap is False
+    assert engine_config_from_args(parser.parse_args(["--overlap", "on"])).overlap is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--overlap", "maybe"])

@@ -57,7 +57,7 @@ class EngineConfig:
     max_prefill_tokens: int | None = None  # prompt tokens per prefill chunk; None: by device; 0: whole prompts
     prefix_cache: bool = True
     batch_prefill: bool = True  # a tick's prefill chunks as one forward pass (off: one pass per sequence)
-    overlap: bool = True  # plan a decode step's sampling while its forward pass runs (eprt/engine/overlap.py)
+    overlap: bool = False  # plan a decode step's sampling while its forward pass runs (eprt/engine/overlap.py)
     gpu_memory_utilization: float = 0.9
     image_token_id: int | None = None
     seed: int = 0
@@ -175,9 +175,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--overlap",
         choices=("on", "off"),
-        default="on",
-        help="rank 0 prepares a decode step's sampling and the next step's frame while its forward pass runs "
-        "(default on)",
+        default="off",
+        help="rank 0 plans a decode step's sampling and encodes the next step's frame while the step's forward "
+        'pass runs (on a helper thread on the CPU); default off: slower on the CPU (docs/design.md, "Overlap")',
     )
     g.add_argument(
         "--gpu-memory-utilization",

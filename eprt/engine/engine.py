@@ -1,7 +1,9 @@
 """The engine on rank 0, and ``launch_engine`` which builds one on every rank:
 ``with launch_engine(config) as engine: engine.generate([GenerationRequest([1, 2, 3])])``.
 MPI stays on the main thread: ``generate`` and ``serve_forever`` tick the scheduler on the
-calling thread; other threads only ``submit`` and wait on their handles.
+calling thread; other threads only ``submit`` and wait on their handles. (With ``--overlap`` on
+the CPU, a decode step's forward pass and its combines run on one helper thread while the main
+thread plans or waits, never calling MPI meanwhile: eprt/engine/overlap.py.)
 """
 
 from __future__ import annotations
