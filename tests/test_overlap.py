@@ -140,3 +140,27 @@ def test_the_overlap_flag_of_every_command_defaults_to_off():
     assert engine_config_from_args(parser.parse_args(["--overlap", "on"])).overlap is True
     with pytest.raises(SystemExit):
         parser.parse_args(["--overlap", "maybe"])
+
+
+def test_structured_outputs_are_those_without_overlap():
+    """The masks of guided rows are computed while the pass runs; the same tokens come out."""
+    import json
+
+    from eprt.api import Guide
+    from eprt.model.tokenizer import ByteTokenizer
+
+    prompt = ByteTokenizer().encode("Here is the data: ")
+    guides = [Guide("regex", r"[0-9]{3}-[a-z]{2}"), Guide("choice", json.dumps(["yes", "no", "maybe"])), None]
+
+    def go(overlap):
+        reqs = [
+            GenerationRequest(prompt, SamplingParams(max_tokens=16, temperature=t, seed=s, guide=g))
+            for g in guides
+            for t, s in ((0.0, None), (0.8, 1))
+        ]
+        with launch_engine(EngineConfig(model=None, device="cpu", max_batch=8, overlap=overlap)) as engine:
+            return [(r.token_ids, r.finish_reason) for r in engine.generate(reqs)]
+
+    off = go(False)
+    assert go(True) == off
+    assert off[0][1] == "stop"  # the regex's rows ended with their grammar
