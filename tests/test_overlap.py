@@ -164,3 +164,26 @@ def test_structured_outputs_are_those_without_overlap():
     off = go(False)
     assert go(True) == off
     assert off[0][1] == "stop"  # the regex's rows ended with their grammar
+
+
+@pytest.mark.gpu
+def test_gpu_launches_without_a_thread_and_gives_the_tokens_without_overlap(checkpoint):
+    """The CuPy backend (on cusim in CI): the pass is launched inline, the wait is the readback."""
+    from eprt.ops.device import cuda_usable
+
+    if not cuda_usable():
+        pytest.skip("no usable CUDA device")
+    path = checkpoint("qwen3_moe")
+    params = [
+        SamplingParams(max_tokens=5, ignore_eos=True),
+        SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.9, seed=4),
+        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1),
+    ]
+
+    def go(overlap):
+        cfg = EngineConfig(model=path, device="cuda", max_batch=4, max_model_len=64, overlap=overlap)
+        with launch_engine(cfg) as engine:
+            assert overlap == (engine.runner.overlap is not None and not engine.runner.overlap.threaded)
+            return [r.token_ids for r in engine.generate([GenerationRequest(p, q) for p, q in zip(PROMPTS, params)])]
+
+    assert go(True) == go(False)
