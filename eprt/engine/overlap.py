@@ -11,7 +11,7 @@ wait is the readback of the sampled tokens.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from eprt.comm.protocol import DecodeBatchWords
 
@@ -42,7 +42,7 @@ class DecodeOverlap:
             self._plan = (rows, sampling_plan(rows))
             self._next = DecodeBatchWords(tuple(slots))
         except BaseException:
-            self.logits()  # the pass ends (and its combines) before the error goes up
+            self._settle()  # the pass (and its combines) ends before the error goes up
             raise
 
     def plan_of(self, rows: list, row: int, n: int) -> tuple | None:
@@ -55,8 +55,20 @@ class DecodeOverlap:
 
     def logits(self):
         """The running step's logits [B, V], once its pass has ended (its error, if it failed)."""
-        running, self._running = self._running, None
-        return running.result() if isinstance(running, Future) else running
+        running = self._running
+        try:
+            return running.result() if isinstance(running, Future) else running
+        except BaseException:
+            self._settle()  # an interrupt while waiting: the pass ends first
+            raise
+        finally:
+            self._running = None
+
+    def _settle(self) -> None:
+        """Wait, without raising, until the running pass (if on the helper thread) has ended."""
+        if isinstance(self._running, Future):
+            wait([self._running])
+        self._running = None
 
     def close(self) -> None:
         if self._pool is not None:
