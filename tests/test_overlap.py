@@ -2,6 +2,7 @@
 pass runs; tokens, logprobs and the frames the workers would see are those without it."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -111,22 +112,28 @@ def test_next_frame_encoded_ahead_is_the_encoders():
 
 
 def test_a_failing_forward_pass_on_the_helper_thread_fails_the_requests_as_before(checkpoint):
+    """(The first decode step fails: the prefill's pass is not the helper thread's.)"""
     path = checkpoint("qwen3_moe")
     cfg = EngineConfig(model=path, device="cpu", max_batch=4, max_model_len=64, overlap=True)
     with launch_engine(cfg) as engine:
         assert engine.runner.overlap.threaded
 
+        threads = []
+
         def broken(inputs):
+            threads.append(threading.current_thread().name)
             raise FloatingPointError("forward pass broke")
 
         engine.runner.executor.decode_forward = broken
-        handle = engine.submit(GenerationRequest([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
+        sampled = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=1)  # planned on the thread
+        handle = engine.submit(GenerationRequest([5, 6, 7], sampled))
         with pytest.raises(FloatingPointError, match="forward pass broke"):
             while not handle.done():
                 engine._step()
         result = handle.result()
         assert result.finish_reason == "error" and result.error.startswith(ENGINE_FAILED)
         assert "forward pass broke" in result.error
+        assert threads and threads[0].startswith("eprt-forward")
 
 
 def test_the_overlap_flag_of_every_command_defaults_to_off():

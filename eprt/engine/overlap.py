@@ -5,8 +5,9 @@ scheduler's calls are those without it (docs/design.md, "Overlap").
 
 On the CPU backend the pass runs on one helper thread (NumPy lets go of the GIL inside BLAS), its
 MoE combines included: MPI is called from that thread only while the main thread plans or waits,
-never from both at once. On a GPU the launches return at once, so the pass runs inline and the
-wait is the readback of the sampled tokens.
+never from both at once. A step without rows for the host sampler has too little to plan to pay
+for the hand-off, and runs inline. On a GPU the launches return at once, so the pass runs inline
+and the wait is the readback of the sampled tokens.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ class DecodeOverlap:
         self._plan: tuple | None = None  # (rows, the sampling plan of those rows)
         self._next: DecodeBatchWords | None = None  # the next step's frame, encoded ahead for these slots
 
-    def decode(self, slots: list, tokens: list, rows: list, sampling_plan) -> None:
-        """Send the step's DECODE_BATCH, launch its forward pass, and while it runs make
-        ``sampling_plan(rows)`` and encode the next step's frame for the same slots."""
+    def decode(self, slots: list, tokens: list, rows: list, sampling_plan, thread: bool) -> None:
+        """Send the step's DECODE_BATCH, launch its forward pass (on the helper thread when
+        ``thread`` and there is one), and while it runs make ``sampling_plan(rows)`` and encode the
+        next step's frame for the same slots."""
         words = self._next.fill(tokens) if self._next is not None and self._next.slots == tuple(slots) else None
         self._next = None
         if words is None:
@@ -35,8 +37,9 @@ class DecodeOverlap:
         self.transport.send_words(words)
         self.transport.flush()
         inputs = self.executor.decode_inputs(slots, tokens)
-        self._running = self._pool.submit(self.executor.decode_forward, inputs) if self._pool else None
-        if self._pool is None:
+        if thread and self._pool is not None:
+            self._running = self._pool.submit(self.executor.decode_forward, inputs)
+        else:
             self._running = self.executor.decode_forward(inputs)
         try:
             self._plan = (rows, sampling_plan(rows))

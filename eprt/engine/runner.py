@@ -305,7 +305,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self._rows = list(seqs)
         if self.overlap is not None:  # the pass runs on while the rows' sampling is planned
             self._logits = None
-            self.overlap.decode(slots, [int(t) for t in tokens], self._rows, self._sampling_plan)
+            thread = any(host_sampled(s) for s in self._rows)  # planning worth a thread hand-off
+            self.overlap.decode(slots, [int(t) for t in tokens], self._rows, self._sampling_plan, thread)
         else:
             self.transport.send(P.DecodeBatch(slots=tuple(slots), tokens=tuple(int(t) for t in tokens)))
             self.transport.flush()
@@ -346,7 +347,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
             allowed = self.guides.allowed([seqs[i].model_state.matcher for i in guided])  # [g, V]
             for k, i in enumerate(guided):
                 masks[i] = allowed[k]
-        slow = [i for i, s in enumerate(seqs) if needs_host_sampler(s.params) or masks[i] is not None]
+        slow = [i for i, s in enumerate(seqs) if host_sampled(s)]
         uniforms = np.array(
             [token_uniform(seqs[i].model_state.seed, self.executor.slots.get(seqs[i].slot).length) for i in slow]
         )
@@ -424,6 +425,11 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         if self.overlap is not None:
             self.overlap.close()
         self.executor.shutdown()
+
+
+def host_sampled(seq) -> bool:
+    """Whether a row goes to the host sampler: ``needs_host_sampler`` or masked by its grammar."""
+    return needs_host_sampler(seq.params) or seq.model_state.matcher is not None
 
 
 def needs_host_sampler(params) -> bool:

@@ -87,7 +87,10 @@ def main() -> int:
         overlap="overlap" in sys.argv[3:],
     )
     with launch_engine(cfg) as engine:
-        results = engine.generate([GenerationRequest([1, 2, 3, i], SamplingParams(max_tokens=10)) for i in range(3)])
+        params = [SamplingParams(max_tokens=10) for i in range(3)]
+        if cfg.overlap:  # sampled rows: rank 0's passes run on its helper thread
+            params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=i) for i in range(3)]
+        results = engine.generate([GenerationRequest([1, 2, 3, i], p) for i, p in enumerate(params)])
         print("generated", [len(r.token_ids) for r in results], flush=True)
     return 0
 
