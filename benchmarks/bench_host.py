@@ -9,6 +9,8 @@ with a seed per request), the overlap off and on in turn on one engine, best and
 ``--rounds``; "forward" is the time inside the model's forward pass (every op, attention and
 the MoE included; with the overlap on it runs on the helper thread), "host" the rest of the
 step: the host time the forward pass did not hide (on a GPU "forward" is the time to launch it).
+"cpu ms" is the process's CPU time per step (both threads), median: on a shared machine it
+moves less with the other processes' load than the wall-clock columns do.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ TINY_MODEL = dict(
 )
 
 
-def timed(fn) -> float:
-    t = time.perf_counter()
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of fn()."""
+    t, c = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 class ForwardClock:
@@ -90,7 +93,7 @@ def main() -> None:
         "sampled": lambda i, k: SamplingParams(max_tokens=k, ignore_eos=True, temperature=0.8, top_p=0.95, seed=i),
     }
     cfg = EngineConfig(model=path, device=args.device, max_batch=b, max_model_len=128, prefix_cache=False, overlap=True)
-    times: dict = {}  # (sampling, overlap) -> [(step s, forward s)]
+    times: dict = {}  # (sampling, overlap) -> [(step s, forward s, cpu s)]
     with launch_engine(cfg) as engine:
         clock = ForwardClock(engine.runner.executor.model)
         overlap = engine.runner.overlap
@@ -105,10 +108,11 @@ def main() -> None:
                 for on in (False, True):
                     engine.runner.overlap = overlap if on else None
                     clock.seconds = 0.0
-                    t1 = timed(lambda: run(kind, 1))  # noqa: B023
+                    (t1, c1) = timed(lambda: run(kind, 1))  # noqa: B023
                     f1, clock.seconds = clock.seconds, 0.0
-                    tn = timed(lambda: run(kind, n))  # noqa: B023
-                    times.setdefault((kind, on), []).append(((tn - t1) / (n - 1), (clock.seconds - f1) / (n - 1)))
+                    (tn, cn) = timed(lambda: run(kind, n))  # noqa: B023
+                    step, forward, cpu = (tn - t1) / (n - 1), (clock.seconds - f1) / (n - 1), (cn - c1) / (n - 1)
+                    times.setdefault((kind, on), []).append((step, forward, cpu))
         if args.profile:
             for on in (False, True):
                 engine.runner.overlap = overlap if on else None
@@ -118,13 +122,17 @@ def main() -> None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(15)
         engine.runner.overlap = overlap
     print(f"model {path}: batch {b}, {n} new tokens, one rank; {args.rounds} rounds of off/on interleaved")
-    print(f"{'sampling':>8} {'overlap':>7} {'step ms':>8} {'forward ms':>11} {'host ms':>8} {'host ms median':>15}")
+    print(
+        f"{'sampling':>8} {'overlap':>7} {'step ms':>8} {'forward ms':>11} {'host ms':>8} {'host ms median':>15} "
+        f"{'cpu ms median':>14}"
+    )
     for (kind, on), runs in times.items():
-        step, forward = min(runs)
-        host = float(np.median([s - f for s, f in runs]))
+        step, forward, _ = min(runs)
+        host = float(np.median([s - f for s, f, _ in runs]))
+        cpu = float(np.median([c for _, _, c in runs]))
         print(
             f"{kind:>8} {'on' if on else 'off':>7} {step * 1e3:8.2f} {forward * 1e3:11.2f} "
-            f"{(step - forward) * 1e3:8.2f} {host * 1e3:15.2f}"
+            f"{(step - forward) * 1e3:8.2f} {host * 1e3:15.2f} {cpu * 1e3:14.2f}"
         )
 
 
