@@ -177,7 +177,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("on", "off"),
         default="off",
         help="rank 0 plans a decode step's sampling and encodes the next step's frame while the step's forward "
-        'pass runs (on a helper thread on the CPU); default off: slower on the CPU (docs/design.md, "Overlap")',
+        "pass runs (on a helper thread on the CPU); default off: not faster on the CPU as measured "
+        '(docs/design.md, "Overlap")',
     )
     g.add_argument(
         "--gpu-memory-utilization",
