@@ -430,7 +430,7 @@ def launch_engine(args_or_config, transport=None):
     if runner.overlap is not None:
         log.info(
             "overlap: decode steps' forward passes %s while rank 0 plans their sampling",
-            "run on a helper thread" if runner.overlap.threaded else "are launched",
+            "with rows for the host sampler run on a helper thread" if runner.overlap.threaded else "are launched",
         )
     eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
     runner.guides = GuidedRows(GrammarCompiler(loaded.tokenizer, model_cfg.vocab_size, eos))
