@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from eprt.comm.protocol import DecodeBatchWords
+from eprt.comm.protocol import DecodeBatch, DecodeBatchWords
 
 
 class DecodeOverlap:
     def __init__(self, executor, transport):
         self.executor, self.transport = executor, transport
-        self.threaded = executor.ops.name == "cpu" and transport.any_thread
+        self.launched = executor.ops.name != "cpu"  # the pass returns once launched (a GPU)
+        self.threaded = not self.launched and transport.any_thread
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="eprt-forward") if self.threaded else None
         self._running = None  # the running step: its Future (threaded) or its logits
         self._plan: tuple | None = None  # (rows, the sampling plan of those rows)
@@ -30,20 +31,22 @@ class DecodeOverlap:
         """Send the step's DECODE_BATCH, launch its forward pass (on the helper thread when
         ``thread`` and there is one), and while it runs make ``sampling_plan(rows)`` and encode the
         next step's frame for the same slots."""
-        words = self._next.fill(tokens) if self._next is not None and self._next.slots == tuple(slots) else None
-        self._next = None
-        if words is None:
-            words = DecodeBatchWords(tuple(slots)).fill(tokens)
-        self.transport.send_words(words)
+        ahead, self._next = self._next, None
+        if ahead is not None and ahead.slots == tuple(slots):
+            self.transport.send_words(ahead.fill(tokens))
+        else:
+            self.transport.send(DecodeBatch(tuple(slots), tuple(tokens)))
         self.transport.flush()
         inputs = self.executor.decode_inputs(slots, tokens)
-        if thread and self._pool is not None:
+        thread = thread and self._pool is not None
+        if thread:
             self._running = self._pool.submit(self.executor.decode_forward, inputs)
         else:
             self._running = self.executor.decode_forward(inputs)
         try:
             self._plan = (rows, sampling_plan(rows))
-            self._next = DecodeBatchWords(tuple(slots))
+            if thread or self.launched:  # (a pass that has ended hides nothing: the next step encodes as usual)
+                self._next = DecodeBatchWords(tuple(slots))
         except BaseException:
             self._settle()  # the pass (and its combines) ends before the error goes up
             raise

@@ -7,6 +7,7 @@ B rows in a decode batch, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -305,8 +306,9 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self._rows = list(seqs)
         if self.overlap is not None:  # the pass runs on while the rows' sampling is planned
             self._logits = None
-            thread = any(host_sampled(s) for s in self._rows)  # planning worth a thread hand-off
-            self.overlap.decode(slots, [int(t) for t in tokens], self._rows, self._sampling_plan, thread)
+            slow = [i for i, s in enumerate(self._rows) if host_sampled(s)]  # planning worth a thread hand-off
+            plan = functools.partial(self._sampling_plan, slow=slow)
+            self.overlap.decode(slots, [int(t) for t in tokens], self._rows, plan, thread=bool(slow))
         else:
             self.transport.send(P.DecodeBatch(slots=tuple(slots), tokens=tuple(int(t) for t in tokens)))
             self.transport.flush()
@@ -338,16 +340,18 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
             self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
         return tokens
 
-    def _sampling_plan(self, seqs: list) -> tuple:
+    def _sampling_plan(self, seqs: list, slow: list | None = None) -> tuple:
         """What sampling rows ``seqs`` takes before their logits: (guided rows, each row's allowed
-        tokens [V] or None, host-sampled rows, their uniforms: each request's seed at the row's position)."""
+        tokens [V] or None, host-sampled rows (``slow`` when given), their uniforms: each request's
+        seed at the row's position)."""
         guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None]
         masks = [None] * len(seqs)  # structured outputs: allowed tokens [V] of each guided row
         if guided:
             allowed = self.guides.allowed([seqs[i].model_state.matcher for i in guided])  # [g, V]
             for k, i in enumerate(guided):
                 masks[i] = allowed[k]
-        slow = [i for i, s in enumerate(seqs) if host_sampled(s)]
+        if slow is None:
+            slow = [i for i, s in enumerate(seqs) if host_sampled(s)]
         uniforms = np.array(
             [token_uniform(seqs[i].model_state.seed, self.executor.slots.get(seqs[i].slot).length) for i in slow]
         )
