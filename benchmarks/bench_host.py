@@ -1,13 +1,16 @@
 """Host overhead per decode step at batch 256 on a model whose compute is negligible (one
 layer, hidden 16, vocabulary 512): scheduler, runner, executor bookkeeping and frame
-encoding on rank 0 (one rank, so no MPI wait).
+encoding on rank 0 (one rank, so no MPI wait), with and without ``--overlap``.
 
-    python benchmarks/bench_host.py [--batch 256] [--new-tokens 64] [--profile]
+    python benchmarks/bench_host.py [--batch 256] [--new-tokens 64] [--rounds 5] [--device cpu|cuda] [--profile]
 
-Step time = (t_N - t_1) / (N - 1) of one engine.generate of B greedy requests, best of
-three; "forward" is the time inside the model's forward pass (every op, attention and
-the MoE included), "host" the rest of the step. There is no overlap of host work with
-compute yet, so only the serial figure is printed.
+Step time = (t_N - t_1) / (N - 1) of one engine.generate of B requests (greedy, then sampled
+with a seed per request), the overlap off and on in turn on one engine, best and median of
+``--rounds``; "forward" is the time inside the model's forward pass (every op, attention and
+the MoE included; with the overlap on it runs on the helper thread), "host" the rest of the
+step: the host time the forward pass did not hide (on a GPU "forward" is the time to launch it).
+"cpu ms" is the process's CPU time per step (both threads), median: on a shared machine it
+moves less with the other processes' load than the wall-clock columns do.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ TINY_MODEL = dict(
 )
 
 
-def timed(fn) -> float:
-    t = time.perf_counter()
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of fn()."""
+    t, c = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 class ForwardClock:
@@ -71,8 +75,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5, help="runs of each variant, interleaved")
     ap.add_argument("--dir", default="/tmp/eprt-bench-tiny")
-    ap.add_argument("--profile", action="store_true", help="print the top functions of one timed run")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--profile", action="store_true", help="print the top functions of one timed run per variant")
     args = ap.parse_args()
     from checkpoints import build_checkpoint
 
@@ -82,31 +88,52 @@ def main() -> None:
     path = build_checkpoint("qwen3_moe", args.dir, **TINY_MODEL)
     b, n = args.batch, args.new_tokens
     prompts = np.random.default_rng(0).integers(3, TINY_MODEL["vocab_size"], size=(b, 8)).tolist()
-    cfg = EngineConfig(model=path, device="cpu", max_batch=b, max_model_len=128, prefix_cache=False)
+    sampling = {
+        "greedy": lambda i, k: SamplingParams(max_tokens=k, ignore_eos=True),
+        "sampled": lambda i, k: SamplingParams(max_tokens=k, ignore_eos=True, temperature=0.8, top_p=0.95, seed=i),
+    }
+    cfg = EngineConfig(model=path, device=args.device, max_batch=b, max_model_len=128, prefix_cache=False, overlap=True)
+    times: dict = {}  # (sampling, overlap) -> [(step s, forward s, cpu s)]
     with launch_engine(cfg) as engine:
         clock = ForwardClock(engine.runner.executor.model)
+        overlap = engine.runner.overlap
 
-        def run(k):
-            reqs = [GenerationRequest(p, SamplingParams(max_tokens=k, ignore_eos=True)) for p in prompts]
+        def run(kind, k):
+            reqs = [GenerationRequest(p, sampling[kind](i, k)) for i, p in enumerate(prompts)]
             assert all(len(r.token_ids) == k for r in engine.generate(reqs))
 
-        run(2)
-        best = None
-        for _ in range(3):
-            clock.seconds = 0.0
-            t1 = timed(lambda: run(1))
-            f1, clock.seconds = clock.seconds, 0.0
-            tn = timed(lambda: run(n))
-            step, forward = (tn - t1) / (n - 1), (clock.seconds - f1) / (n - 1)
-            best = min(best or (step, forward), (step, forward))
+        for kind in sampling:
+            run(kind, 2)
+            for _ in range(args.rounds):
+                for on in (False, True):
+                    engine.runner.overlap = overlap if on else None
+                    clock.seconds = 0.0
+                    (t1, c1) = timed(lambda: run(kind, 1))  # noqa: B023
+                    f1, clock.seconds = clock.seconds, 0.0
+                    (tn, cn) = timed(lambda: run(kind, n))  # noqa: B023
+                    step, forward, cpu = (tn - t1) / (n - 1), (clock.seconds - f1) / (n - 1), (cn - c1) / (n - 1)
+                    times.setdefault((kind, on), []).append((step, forward, cpu))
         if args.profile:
-            prof = cProfile.Profile()
-            prof.runcall(run, n)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    step, forward = best
-    print(f"model {path}: batch {b}, {n} new tokens, greedy, one rank (best of 3)")
-    print(f"{'step ms':>8} {'forward ms':>11} {'host ms':>8}")
-    print(f"{step * 1e3:8.2f} {forward * 1e3:11.2f} {(step - forward) * 1e3:8.2f}")
+            for on in (False, True):
+                engine.runner.overlap = overlap if on else None
+                print(f"--- profile, greedy, overlap {'on' if on else 'off'}")
+                prof = cProfile.Profile()
+                prof.runcall(run, "greedy", n)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+        engine.runner.overlap = overlap
+    print(f"model {path}: batch {b}, {n} new tokens, one rank; {args.rounds} rounds of off/on interleaved")
+    print(
+        f"{'sampling':>8} {'overlap':>7} {'step ms':>8} {'forward ms':>11} {'host ms':>8} {'host ms median':>15} "
+        f"{'cpu ms median':>14}"
+    )
+    for (kind, on), runs in times.items():
+        step, forward, _ = min(runs)
+        host = float(np.median([s - f for s, f, _ in runs]))
+        cpu = float(np.median([c for _, _, c in runs]))
+        print(
+            f"{kind:>8} {'on' if on else 'off':>7} {step * 1e3:8.2f} {forward * 1e3:11.2f} "
+            f"{(step - forward) * 1e3:8.2f} {host * 1e3:15.2f} {cpu * 1e3:14.2f}"
+        )
 
 
 if __name__ == "__main__":

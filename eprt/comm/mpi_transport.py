@@ -49,6 +49,8 @@ class MpiTransport(Transport):
         if not self.timeout > 0:
             raise ValueError(f"EPRT_COLLECTIVE_TIMEOUT must be > 0 seconds, got {self.timeout:g}")
         self._ctl, self._moe, self._err = self._world.Dup(), self._world.Dup(), self._world.Dup()
+        # MPI calls may come from a thread other than the one that initialised MPI (never two at once)
+        self.any_thread = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
         self._inflight = False  # a wait was left by an exception: the comms are unusable
         self._waiting_on = "nothing"  # what the current (or last) wait is for, for the hang report
         self._failed: WorkerFailed | None = None

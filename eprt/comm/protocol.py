@@ -342,6 +342,21 @@ def encode(cmd: Command) -> np.ndarray:
     return as_words(words)
 
 
+class DecodeBatchWords:
+    """The DECODE_BATCH of one slot list encoded ahead of its tokens (rank 0 encodes the next step's
+    while a step computes, eprt/engine/overlap.py): ``fill(tokens)`` is ``encode(DecodeBatch(slots, tokens))``."""
+
+    def __init__(self, slots: tuple[int, ...]):
+        self.slots = slots
+        self._words = encode(DecodeBatch(slots, (0,) * len(slots)))  # the tokens' words are placeholders
+        self._start = len(self._words) - len(slots)
+
+    def fill(self, tokens) -> np.ndarray:
+        words = self._words.copy()
+        words[self._start :] = as_words(tokens)  # ProtocolError for a token that is not a word
+        return words
+
+
 def as_words(values: Iterable[int] | np.ndarray) -> np.ndarray:
     """``values`` as a uint32 array, refusing anything that is not a 32-bit unsigned word."""
     arr = np.asarray(values if isinstance(values, np.ndarray) else list(values))

@@ -103,6 +103,7 @@ class Transport:
         self._n = 1
         self._shutdown_sent = False
         self.closed = False
+        self.any_thread = True  # whether collectives may run on another thread than MPI's (MpiTransport)
         # rank 0: an overdue collective raises CollectiveTimeout (the caller answers its clients,
         # then calls abort) instead of aborting the job at once
         self.watchdog_raises = False
@@ -133,6 +134,10 @@ class Transport:
             if self.size > 1:
                 self._send_rows(rows)
             self.recorder.rows(rows, self.collectives, sent=True)
+
+    def send_words(self, words: np.ndarray) -> None:
+        """Queue one command's words as ``protocol`` encoded them (``DecodeBatchWords.fill``)."""
+        self._append(words)
 
     def flush(self) -> None:
         """Send every pending word (no MPI call when none is pending)."""

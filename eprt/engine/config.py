@@ -58,6 +58,7 @@ class EngineConfig:
     max_prefill_tokens: int | None = None  # prompt tokens per prefill chunk; None: by device; 0: whole prompts
     prefix_cache: bool = True
     batch_prefill: bool = True  # a tick's prefill chunks as one forward pass (off: one pass per sequence)
+    overlap: bool = False  # plan a decode step's sampling while its forward pass runs (eprt/engine/overlap.py)
     gpu_memory_utilization: float = 0.9
     image_token_id: int | None = None
     seed: int = 0
@@ -165,6 +166,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("on", "off"),
         default="on",
         help="run the prompts (and prompt chunks) admitted in one tick as one forward pass (default on)",
+    )
+    g.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="off",
+        help="rank 0 plans a decode step's sampling and encodes the next step's frame while the step's forward "
+        "pass runs (on a helper thread on the CPU); default off: not faster on the CPU as measured "
+        '(docs/design.md, "Overlap")',
     )
     g.add_argument(
         "--gpu-memory-utilization",
@@ -283,6 +292,7 @@ def engine_config_from_args(args) -> EngineConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         prefix_cache=not args.no_prefix_cache,
         batch_prefill=args.batch_prefill == "on",
+        overlap=args.overlap == "on",
         gpu_memory_utilization=args.gpu_memory_utilization,
         image_token_id=args.image_token_id,
         seed=args.engine_seed,

@@ -1,7 +1,9 @@
 """The engine on rank 0, and ``launch_engine`` which builds one on every rank:
 ``with launch_engine(config) as engine: engine.generate([GenerationRequest([1, 2, 3])])``.
 MPI stays on the main thread: ``generate`` and ``serve_forever`` tick the scheduler on the
-calling thread; other threads only ``submit`` and wait on their handles.
+calling thread; other threads only ``submit`` and wait on their handles. (With ``--overlap`` on
+the CPU, a decode step's forward pass and its combines run on one helper thread while the main
+thread plans or waits, never calling MPI meanwhile: eprt/engine/overlap.py.)
 """
 
 from __future__ import annotations
@@ -413,14 +415,23 @@ def launch_engine(args_or_config, transport=None):
             f"--speculative-method {spec.method}: {model_cfg.model_type} keeps recurrent state, "
             "which cannot roll back rejected drafts"
         )
-    runner = (DpModelRunner if isinstance(executor, DpShardExecutor) else ModelRunner)(
+    dp = isinstance(executor, DpShardExecutor)
+    if cfg.overlap and dp:
+        log.info("--overlap is off under --attention dp (its decode steps run on each row's owner)")
+    runner = (DpModelRunner if dp else ModelRunner)(
         executor,
         transport,
         seed=cfg.seed,
         drafter=None if spec is None else spec.drafter(),
         batch_prefill=cfg.batch_prefill,
         adapters=_adapter_registry(cfg, executor),
+        overlap=cfg.overlap and not dp,
     )
+    if runner.overlap is not None:
+        log.info(
+            "overlap: decode steps' forward passes %s while rank 0 plans their sampling",
+            "with rows for the host sampler run on a helper thread" if runner.overlap.threaded else "are launched",
+        )
     eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
     runner.guides = GuidedRows(GrammarCompiler(loaded.tokenizer, model_cfg.vocab_size, eos))
     sched_cfg = SchedulerConfig(

@@ -372,6 +372,11 @@ class ShardExecutor:
 
     def decode(self, slots: list, tokens: list):
         """Append tokens[r] to slots[r] and run one step. Returns logits [B, V] (or None)."""
+        return self.decode_forward(self.decode_inputs(slots, tokens))
+
+    def decode_inputs(self, slots: list, tokens: list) -> tuple:
+        """The host half of ``decode``: check the rows, build the step's batch, store each token in
+        its slot; returns what ``decode_forward`` runs (rank 0 may run that on another thread)."""
         states = self.slots.check_decode(slots, tokens, "decode")
         B, bs = len(states), self.block_size
         lengths = np.fromiter((st.length for st in states), dtype=np.int64, count=B)  # [B] new tokens' positions
@@ -387,9 +392,14 @@ class ShardExecutor:
         )
         ids = np.asarray(tokens, dtype=np.int32)
         self._lora_rows([st.adapter for st in states])
-        h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [B, D]
-        for st, tok in zip(states, tokens):  # the token's KV is stored now
+        for st, tok in zip(states, tokens):  # the token's KV is stored by the forward pass
             st.tokens.append(int(tok))
+        return ids, batch
+
+    def decode_forward(self, inputs: tuple):
+        """The device half of ``decode``: the forward pass of ``decode_inputs``'s batch; logits [B, V] (or None)."""
+        ids, batch = inputs
+        h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [B, D]
         return self._output(h)
 
     def _output(self, h):

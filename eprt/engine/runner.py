@@ -7,6 +7,7 @@ B rows in a decode batch, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ from eprt.comm import protocol as P
 from eprt.engine import adapter_slots
 from eprt.engine.choices import choice_seed, token_logprobs
 from eprt.engine.executor import ShardExecutor, vision_salt
+from eprt.engine.overlap import DecodeOverlap
 from eprt.engine.sampling import (
     LOGSOFTMAX_BLOCK,
     History,
@@ -62,6 +64,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         drafter: Drafter | None = None,
         batch_prefill: bool = True,
         adapters=None,
+        overlap: bool = False,
     ):
         self.executor = executor
         self.adapters = adapters  # eprt.engine.adapters.AdapterRegistry, or None: no adapters served
@@ -73,6 +76,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self._groups: list = []  # the lane's planned chunks not yet run, in forward-pass groups
         self._ran: dict = {}  # id(seq) -> (start, n, logits [G, V], row) of chunks run ahead of their call
         self._rng = np.random.default_rng(seed)  # seeds requests that bring none
+        self.overlap = DecodeOverlap(executor, transport) if overlap else None  # --overlap (eprt/engine/overlap.py)
         self._logits: np.ndarray | None = None  # [B, V] of the last forward
         self._rows: list = []  # the sequences behind those rows
         self.prompt_tokens_computed = 0
@@ -292,10 +296,16 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
 
     def decode_batch(self, tokens, seqs, stream: int = 0) -> None:
         slots = [s.slot for s in seqs]
-        self.transport.send(P.DecodeBatch(slots=tuple(slots), tokens=tuple(int(t) for t in tokens)))
-        self.transport.flush()
-        self._logits = self.executor.decode(slots, list(tokens))
         self._rows = list(seqs)
+        if self.overlap is not None:  # the pass runs on while the rows' sampling is planned
+            self._logits = None
+            slow = [i for i, s in enumerate(self._rows) if host_sampled(s)]  # planning worth a thread hand-off
+            plan = functools.partial(self._sampling_plan, slow=slow)
+            self.overlap.decode(slots, [int(t) for t in tokens], self._rows, plan, thread=bool(slow))
+        else:
+            self.transport.send(P.DecodeBatch(slots=tuple(slots), tokens=tuple(int(t) for t in tokens)))
+            self.transport.flush()
+            self._logits = self.executor.decode(slots, list(tokens))
         self.decode_steps += 1
         self.decode_rows += len(slots)
 
@@ -305,29 +315,40 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         [rows, V] rather than one per row) and are sampled together, each with the uniform of
         its request's seed at the token's position. Logprobs go to ``seq.logprobs``."""
         seqs = self._rows[row : row + n]
+        plan = None if self.overlap is None else self.overlap.plan_of(self._rows, row, n)
+        guided, masks, slow, uniforms = self._sampling_plan(seqs) if plan is None else plan
+        if self._logits is None:  # an overlapped decode step: its pass ends now
+            self._logits = self.overlap.logits()
         logits = self._logits[row : row + n]  # [n, V]
-        guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None]
-        slow = [i for i, s in enumerate(seqs) if needs_host_sampler(s.params) or s.model_state.matcher is not None]
-        masks = matchers = None  # structured outputs: the guided rows' bitmasks, rows counted in ``slow``
-        if guided:  # filled now, after the forward pass was issued (on a GPU, while it runs)
-            matchers = [seqs[i].model_state.matcher for i in guided]
-            at = np.arange(len(guided)) if len(guided) == len(slow) else [slow.index(i) for i in guided]
-            masks = RowMasks(np.asarray(at, dtype=np.int32), self.guides.allowed(matchers))  # bits [g, W]
         tokens = [0] * len(seqs)
         if len(slow) < len(seqs):
             greedy = self.executor.ops.argmax(logits)
             tokens = [int(t) for t in greedy]
         if slow:
             picked = [seqs[i] for i in slow]
-            uniforms = np.array(
-                [token_uniform(s.model_state.seed, self.executor.slots.get(s.slot).length) for s in picked]
-            )
             for i, t in zip(slow, self._sample_slow(logits, slow, picked, masks, uniforms)):
                 tokens[i] = t
         self._rank_tokens(seqs, logits, tokens)
         if guided:  # the grammars take the tokens
-            self.guides.advance(matchers, [tokens[i] for i in guided])
+            self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
         return tokens
+
+    def _sampling_plan(self, seqs: list, slow: list | None = None) -> tuple:
+        """What sampling rows ``seqs`` takes before their logits: (guided rows, their grammars'
+        bitmasks as ``RowMasks`` over positions in the host-sampled rows or None, host-sampled rows
+        (``slow`` when given), their uniforms: each request's seed at the row's position)."""
+        if slow is None:
+            slow = [i for i, s in enumerate(seqs) if host_sampled(s)]
+        guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None]
+        masks = None
+        if guided:  # every guided row is host-sampled
+            at = np.arange(len(guided)) if len(guided) == len(slow) else [slow.index(i) for i in guided]
+            allowed = self.guides.allowed([seqs[i].model_state.matcher for i in guided])  # bits [g, W]
+            masks = RowMasks(np.asarray(at, dtype=np.int32), allowed)
+        uniforms = np.array(
+            [token_uniform(seqs[i].model_state.seed, self.executor.slots.get(seqs[i].slot).length) for i in slow]
+        )
+        return guided, masks, slow, uniforms
 
     def _rank_tokens(self, seqs: list, logits, tokens: list) -> None:
         """best_of: add each sampled token's logprob to its sequence's cumulative logprob."""
@@ -398,7 +419,14 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.executor.ops.synchronize()
 
     def teardown(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
         self.executor.shutdown()
+
+
+def host_sampled(seq) -> bool:
+    """Whether a row goes to the host sampler: ``needs_host_sampler`` or masked by its grammar."""
+    return needs_host_sampler(seq.params) or seq.model_state.matcher is not None
 
 
 def needs_host_sampler(params) -> bool:

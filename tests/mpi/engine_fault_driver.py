@@ -9,7 +9,7 @@ rank 1 reports another NumPy/BLAS build; ``identityfail``: computing it fails on
 ``kvfail``: rank 1 has no room for its KV pool. ``record``: a clean run recording payloads
 (``--record-payloads``) under $EPRT_DUMP_DIR; ``corrupt``: the same, with rank 1's 5th MoE
 partial silently perturbed (what ``eprt replay`` must find). A third argument ``dp`` runs the
-job with ``--attention dp``.
+job with ``--attention dp``, ``overlap`` with ``--overlap on``.
 """
 
 import os
@@ -83,10 +83,14 @@ def main() -> int:
         max_model_len=64,
         record_payloads=mode in ("record", "corrupt"),
         dump_dir=os.environ.get("EPRT_DUMP_DIR", "eprt-dumps"),
-        attention=sys.argv[3] if len(sys.argv) > 3 else None,
+        attention="dp" if "dp" in sys.argv[3:] else None,
+        overlap="overlap" in sys.argv[3:],
     )
     with launch_engine(cfg) as engine:
-        results = engine.generate([GenerationRequest([1, 2, 3, i], SamplingParams(max_tokens=10)) for i in range(3)])
+        params = [SamplingParams(max_tokens=10) for i in range(3)]
+        if cfg.overlap:  # sampled rows: rank 0's passes run on its helper thread
+            params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=i) for i in range(3)]
+        results = engine.generate([GenerationRequest([1, 2, 3, i], p) for i, p in enumerate(params)])
         print("generated", [len(r.token_ids) for r in results], flush=True)
     return 0
 

@@ -28,14 +28,16 @@ def ckpt(tmp_path_factory):
     return build_checkpoint("olmoe", str(tmp_path_factory.mktemp("fault") / "olmoe"))
 
 
-def launch(ckpt, mode, dump_dir=None, attention=None):
+def launch(ckpt, mode, dump_dir=None, attention=None, overlap=False):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
     env["EPRT_COLLECTIVE_TIMEOUT"] = "20"
     if dump_dir is not None:
         env["EPRT_DUMP_DIR"] = str(dump_dir)
     start = time.monotonic()
     p = subprocess.run(
-        ["mpiexec", "-n", "2", sys.executable, str(DRIVER), ckpt, mode, *([attention] if attention else [])],
+        ["mpiexec", "-n", "2", sys.executable, str(DRIVER), ckpt, mode]
+        + ([attention] if attention else [])
+        + (["overlap"] if overlap else []),
         env=env,
         capture_output=True,
         text=True,
@@ -78,6 +80,20 @@ def test_dp_attention_clean_job_exits_zero(ckpt):
     code, out, _ = launch(ckpt, "clean", attention="dp")
     assert code == 0, out
     assert "generated [10, 10, 10]" in out
+
+
+@pytest.mark.parametrize("mode", ["clean", "raise", "kill"])
+def test_overlap_keeps_the_failure_rules(ckpt, mode):
+    """--overlap on: rank 0 waits in its combines on the helper thread when rank 1 fails; the job
+    ends as without the overlap."""
+    code, out, took = launch(ckpt, mode, overlap=True)
+    if mode == "clean":
+        assert code == 0 and "generated [10, 10, 10]" in out, out
+        return
+    assert code != 0 and "generated" not in out
+    if mode == "raise":
+        assert "eprt: rank 1 failed: RuntimeError: injected failure in decode step 4" in out
+    assert took < 60
 
 
 def test_killed_worker_ends_the_job_within_60s(ckpt):
