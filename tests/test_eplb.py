@@ -1,6 +1,7 @@
 """EPLB (docs/eplb.md): placement policies, the token-to-replica choice, the EPLB_PLACEMENT frame, and
 ranks simulated by threads whose forward passes must give the single-rank logits bit for bit."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -236,6 +237,7 @@ def test_count_nodes_logs_when_a_nodes_ranks_outnumber_its_cores(monkeypatch, ca
     here = socket.gethostname()
     transport = type("T", (), {"rank": 0, "allgather_text": lambda self, text: [here] * 3 + ["other"]})()
     monkeypatch.setattr(eplb.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(logging.getLogger("eprt"), "propagate", True)  # an engine run here may have stopped it
     with caplog.at_level("INFO", logger="eprt.engine"):
         assert eplb.count_nodes(transport, EplbConfig()) == 2
         assert eplb.count_nodes(transport, EplbConfig(nodes=4)) == 4
