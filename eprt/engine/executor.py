@@ -400,8 +400,9 @@ class ShardExecutor:
     def verify(self, slots: list, tokens: list, drafts: list):
         """VERIFY: row r appends tokens[r] and its drafts[r] (0..4) to slots[r] in one forward pass.
         Each of the sum(1 + k_r) positions attends like a decode row over its own sequence up to
-        itself. The drafts' KV stays pending until ``accept``. Returns logits [sum(1 + k_r), V],
-        row r's positions consecutive (or None)."""
+        itself (ops.attention_verify: a backend may gather each sequence's KV once). The drafts' KV
+        stays pending until ``accept``. Returns logits [sum(1 + k_r), V], row r's positions
+        consecutive (or None)."""
         states = self.slots.check_verify(slots, tokens, drafts)
         if self.state is not None:
             raise ExecutorError(
@@ -427,6 +428,7 @@ class ShardExecutor:
                 slot_mapping=slot_mapping,
                 block_tables=block_tables,
                 context_lens=(positions + 1).astype(np.int32),
+                query_lens=counts + 1,  # each sequence's KV gathered once for its positions
             )
         ids = np.asarray([t for tok, d in zip(tokens, drafts) for t in (tok, *d)], dtype=np.int32)  # [N]
         self._lora_rows([st.adapter for st, d in zip(states, drafts) for _ in range(1 + len(d))])
