@@ -7,6 +7,7 @@ B rows in a decode batch, V vocabulary.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ from eprt.engine.sampling import (
 from eprt.engine.speculative import Drafter, SpeculativeRunner
 from eprt.engine.structured import GuidedRows
 from eprt.scheduler.interface import TraceCalls
+from eprt.scheduler.speculation import StepCosts
 
 PREFILL_GROUP_TOKENS = 16384  # at most this many prompt tokens in one batched prefill forward
 
@@ -84,6 +86,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.decode_steps = 0
         self.decode_rows = 0
         self.drafter = drafter  # speculative decoding (eprt/engine/speculative.py); None: off
+        self.step_costs = None if drafter is None else StepCosts()  # what a draft position costs here
         self.guides: GuidedRows | None = None  # structured outputs (set by launch_engine)
         self.eos_token_ids: tuple = ()  # min_tokens holds these back (the engine sets the model's)
         self.logprobs_mode = "raw"  # raw | processed (eprt.engine.sampling.LOGPROB_MODES)
@@ -298,6 +301,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         return self.argmax_batch(row, 1)[0]
 
     def decode_batch(self, tokens, seqs, stream: int = 0) -> None:
+        self._step_start = time.perf_counter()
         slots = [s.slot for s in seqs]
         self.transport.send(P.DecodeBatch(slots=tuple(slots), tokens=tuple(int(t) for t in tokens)))
         self.transport.flush()
@@ -334,6 +338,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self._rank_tokens(seqs, logits, tokens)
         if guided:  # the grammar takes the tokens; the next masks are computed during the next forward
             self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
+        if self.step_costs is not None and row == 0 and n == len(self._rows):  # the whole step's readback
+            self.step_costs.decode_step(n, time.perf_counter() - self._step_start)
         return tokens
 
     def _rank_tokens(self, seqs: list, logits, tokens: list) -> None:

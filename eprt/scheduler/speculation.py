@@ -4,7 +4,103 @@ one verify step whose emitted tokens go through the same per-token guards as dec
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from eprt.scheduler.effects import AcceptDrafts, Verify
+
+DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured
+PRIOR = (0.9, 1.0)  # a new sequence's acceptance estimate: hits, trials (optimistic: it drafts at once)
+KEEP = 0.5  # weight of the past in a sequence's acceptance estimate, per verify step
+COST_KEEP = 0.8  # weight of the past in a measured step time, per step
+MAX_PERIOD = 16  # steps between probes of a sequence whose drafts do not pay
+
+
+@dataclass
+class DraftStats:
+    """One sequence's acceptance estimate: exponentially weighted accepted drafts (hits) over the
+    drafts tested (trials: each accepted draft, and the rejected one where a row stopped short),
+    and how long it has been declining to draft (idle: declines in a row)."""
+
+    hits: float = PRIOR[0]
+    trials: float = PRIOR[1]
+    idle: int = 0
+
+    def acceptance(self) -> float:
+        return self.hits / self.trials
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        self.hits = KEEP * self.hits + accepted
+        self.trials = KEEP * self.trials + accepted + (accepted < proposed)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a row emits from k drafts each accepted with probability alpha: 1 + a + .. + a^k."""
+    return sum(alpha**i for i in range(k + 1))
+
+
+def best_draft_count(alpha: float, cost: float, limit: int) -> int:
+    """The drafts k in 0..limit that emit the most tokens per unit of time, a step of k drafts
+    costing 1 + cost * k decode rows; 0 when no k beats a decode step."""
+    best, value = 0, 1.0
+    for k in range(1, limit + 1):
+        v = expected_tokens(alpha, k) / (1.0 + cost * k)
+        if v > value:
+            best, value = k, v
+    return best
+
+
+class DraftPolicy:
+    """Adaptive speculation (the one place it is decided): a sequence drafts the k that its
+    acceptance estimate and the measured cost of a draft position pay for, and none when no k
+    does. A sequence that declines (idle: declines in a row) probes with one draft on the steps
+    that are multiples of min(2**idle, MAX_PERIOD) (steps of the whole lane, so the probes of a
+    batch's rows share one verify step), which keeps its estimate fresh. Which steps speculate
+    never changes the emitted tokens (the drafter is deterministic: a draft is kept iff it is
+    the token the target emits)."""
+
+    def __init__(self) -> None:
+        self.steps = 0  # decode-lane steps so far
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def drafts(self, seq, limit: int, cost: float) -> int:
+        """How many drafts ``seq`` proposes this step (at most ``limit``)."""
+        if seq.draft_stats is None:
+            seq.draft_stats = DraftStats()
+        stats = seq.draft_stats
+        k = best_draft_count(stats.acceptance(), cost, limit)
+        if k:
+            stats.idle = 0
+            return k
+        stats.idle += 1
+        return min(limit, 1) if self.steps % min(2**stats.idle, MAX_PERIOD) == 0 else 0
+
+
+class StepCosts:
+    """The cost of a draft position, measured: decode and verify steps' wall times on rank 0 per
+    batch size (moving averages). A verify of B rows and P drafts that takes t where a decode
+    step of B rows takes d costs (t - d) / P / (d / B) decode rows per draft."""
+
+    def __init__(self) -> None:
+        self.decode: dict[int, float] = {}  # rows -> seconds of a decode step
+        self.per_draft: dict[int, float] = {}  # rows -> decode rows per draft position
+
+    def decode_step(self, rows: int, seconds: float) -> None:
+        self.decode[rows] = _average(self.decode.get(rows), seconds)
+
+    def verify_step(self, rows: int, drafts: int, seconds: float) -> None:
+        d = self.decode.get(rows)
+        if d and drafts:
+            self.per_draft[rows] = _average(self.per_draft.get(rows), max(seconds - d, 0.0) / drafts / (d / rows))
+
+    def draft_cost(self, rows: int) -> float | None:
+        """Decode rows per draft position at this batch size; None until measured."""
+        return self.per_draft.get(rows)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else COST_KEEP * old + (1.0 - COST_KEEP) * new
 
 
 def draft_limit(seq, num_tokens: int, max_model_len: int | None) -> int:
@@ -17,13 +113,18 @@ def draft_limit(seq, num_tokens: int, max_model_len: int | None) -> int:
 
 
 def plan_drafts(sched, rows: list) -> list[tuple]:
-    """Each row's drafts, rows in slot order: proposed within ``draft_limit``, then cut so that
+    """Each row's drafts, rows in slot order: as many as ``DraftPolicy`` finds worth it within
+    ``draft_limit``, then cut so that
     their extra KV blocks fit in the blocks free after the decode step's own (a sequence near
     the end of the pool speculates less; nothing is preempted for drafts)."""
     cfg, model = sched.config, sched.model
+    cost = model.draft_cost(len(rows))
+    cost = DRAFT_COST if cost is None else cost
+    sched.drafting.step()
     drafts = []
     for seq in rows:
         k = draft_limit(seq, cfg.num_speculative_tokens, cfg.max_model_len)
+        k = sched.drafting.drafts(seq, k, cost) if k else 0
         drafts.append(tuple(model.propose_drafts(seq, k)[:k]) if k else ())
     bs = cfg.block_size
 
@@ -59,7 +160,9 @@ def verify_lane(sched, rows: list) -> bool:
         return False
     emitted = sched._fx.run(Verify(tuple(rows), tuple(drafts)))
     kept = []
-    for seq, tokens in zip(rows, emitted):
+    for seq, d, tokens in zip(rows, drafts, emitted):
+        if d:
+            seq.draft_stats.verified(len(d), len(tokens) - 1)
         n = 0
         for token in tokens:
             n += 1
