@@ -86,13 +86,13 @@ def test_draft_policy_declines_then_probes_on_shared_steps():
             probes.append(step)
         for r, k in zip(rows, ks):
             if k:
-                r.draft_stats.verified(k, 0)
+                policy.verified(r, k, 0)
     assert probes == [2, 16, 32]
     good = _Row()  # drafts that pass keep a row at K
     for _ in range(5):
         policy.step()
         assert policy.drafts(good, 4, 0.2) == 4
-        good.draft_stats.verified(4, 4)
+        policy.verified(good, 4, 4)
 
 
 def test_step_costs_measure_a_draft_in_decode_rows():

@@ -236,16 +236,22 @@ class NumpyOps(Ops):
         start, stop = int(bounds[0]), int(bounds[-1])
         picks = order[start:stop]  # (token, choice) pairs routed to this rank, by expert
         xs = x[picks // k]  # [n, D] gathered once
+        edges = (bounds - start).tolist()
+        groups = [(int(e), edges[e], edges[e + 1]) for e in np.flatnonzero(np.diff(bounds))]
+        # a few tokens: GEMVs beat OpenBLAS's small GEMMs; one GEMV per token, in one matmul call
+        # of [t, 1, D] rows by the broadcast matrix
+        gemv = [hi - lo <= EXPERT_ROWS_AS_GEMV for _, lo, hi in groups]
+        h = np.empty((len(picks), w_gate_up.shape[1]), dtype=np.float32)  # [n, 2I]
+        for (e, lo, hi), one in zip(groups, gemv):
+            gate_up = w_gate_up[e].T  # [D, 2I]
+            h[lo:hi] = (xs[lo:hi, None, :] @ gate_up)[:, 0] if one else xs[lo:hi] @ gate_up
+        up = self.silu_and_mul(h)  # [n, I] every group's at once (elementwise: the same bits)
+        out = np.empty((len(picks), D), dtype=np.float32)  # [n, D]
+        for (e, lo, hi), one in zip(groups, gemv):
+            down = w_down[e].T  # [I, D]
+            out[lo:hi] = (up[lo:hi, None, :] @ down)[:, 0] if one else up[lo:hi] @ down
         ys = np.zeros((T * k, D), dtype=np.float32)  # [T*k, D] one row per (token, choice)
-        for e in np.flatnonzero(np.diff(bounds)):
-            lo, hi = int(bounds[e]) - start, int(bounds[e + 1]) - start
-            gate_up, down = w_gate_up[e].T, w_down[e].T  # [D, 2I], [I, D]
-            if hi - lo <= EXPERT_ROWS_AS_GEMV:  # a few tokens: GEMVs beat OpenBLAS's small GEMMs
-                # one GEMV per token, in one call: matmul of [t, 1, D] rows by a broadcast matrix
-                up = self.silu_and_mul((xs[lo:hi, None, :] @ gate_up)[:, 0])  # [t, I]
-                ys[picks[lo:hi]] = (up[:, None, :] @ down)[:, 0]  # [t, D]
-            else:
-                ys[picks[lo:hi]] = self.silu_and_mul(xs[lo:hi] @ gate_up) @ down  # [t, D]
+        ys[picks] = out
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 

@@ -66,15 +66,23 @@ class DraftPolicy:
 
     def drafts(self, seq, limit: int, cost: float) -> int:
         """How many drafts ``seq`` proposes this step (at most ``limit``)."""
-        if seq.draft_stats is None:
-            seq.draft_stats = DraftStats()
-        stats = seq.draft_stats
+        stats = self._stats(seq)
         k = best_draft_count(stats.acceptance(), cost, limit)
         if k:
             stats.idle = 0
             return k
         stats.idle += 1
         return min(limit, 1) if self.steps % min(2**stats.idle, MAX_PERIOD) == 0 else 0
+
+    def verified(self, seq, proposed: int, accepted: int) -> None:
+        """``seq`` had ``proposed`` drafts verified, of which the first ``accepted`` passed."""
+        self._stats(seq).verified(proposed, accepted)
+
+    @staticmethod
+    def _stats(seq) -> DraftStats:
+        if seq.draft_stats is None:
+            seq.draft_stats = DraftStats()
+        return seq.draft_stats
 
 
 class StepCosts:
@@ -162,7 +170,7 @@ def verify_lane(sched, rows: list) -> bool:
     kept = []
     for seq, d, tokens in zip(rows, drafts, emitted):
         if d:
-            seq.draft_stats.verified(len(d), len(tokens) - 1)
+            sched.drafting.verified(seq, len(d), len(tokens) - 1)
         n = 0
         for token in tokens:
             n += 1
