@@ -73,9 +73,9 @@ class _Row:
 
 def test_draft_policy_declines_then_probes_on_shared_steps():
     """Two rows whose drafts never pass: after one verify each declines, and both probe with one
-    draft on the same steps (multiples of 2, 4, .. 16 as they keep declining)."""
+    draft on the same steps (multiples of 2, 4, .. 32 as they keep declining)."""
     policy, rows, probes = DraftPolicy(), [_Row(), _Row()], []
-    for step in range(1, 41):
+    for step in range(1, 70):
         policy.step()
         ks = [policy.drafts(r, 4, speculation.DRAFT_COST) for r in rows]
         assert ks[0] == ks[1]
@@ -87,7 +87,7 @@ def test_draft_policy_declines_then_probes_on_shared_steps():
         for r, k in zip(rows, ks):
             if k:
                 policy.verified(r, k, 0)
-    assert probes == [2, 16, 32]
+    assert probes == [2, 32, 64]
     good = _Row()  # drafts that pass keep a row at K
     for _ in range(5):
         policy.step()
@@ -103,8 +103,10 @@ def test_step_costs_measure_a_draft_in_decode_rows():
     costs.verify_step(2, 2, 1.5)  # 0.5 s more for 2 drafts, a decode row being 0.5 s
     assert costs.draft_cost(2) == pytest.approx(0.5)
     assert costs.draft_cost(1) is None
-    costs.verify_step(2, 4, 1.0)  # no slower than a decode step: the drafts cost nothing
-    assert costs.draft_cost(2) == pytest.approx(0.8 * 0.5)
+    costs.verify_step(2, 4, 1.0)  # no slower than a decode step: these drafts cost nothing
+    assert costs.draft_cost(2) == pytest.approx(0.8 * 1.0 / (0.8 * 2 + 4))  # extra rows over drafts
+    costs.verify_step(2, 1, 2.0)  # a probe's step: one draft, a fixed cost
+    assert costs.draft_cost(2) == pytest.approx((0.64 + 2.0) / (0.64 * 2 + 0.8 * 4 + 1))
 
 
 def test_rejection_sampling_keeps_the_target_distribution_chi_square():

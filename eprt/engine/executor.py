@@ -411,9 +411,13 @@ class ShardExecutor:
         bs = self.block_size
         counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(slots))  # [B]
         lengths = np.fromiter((st.length for st in states), dtype=np.int64, count=len(slots))  # [B]
-        for slot, st, k in zip(slots, states, counts):
-            self.blocks.grow(st.key, st.length + int(k) + 1)
-            self._store_table(slot, st.key)
+        keys = np.fromiter((st.key for st in states), dtype=np.int64, count=len(slots))
+        need = (lengths + counts + 1) // bs + 1  # blocks for all its positions (as _decode_tables)
+        at = np.asarray(slots, dtype=np.int64)  # [B]
+        for r in np.flatnonzero((self._table_key[at] != keys) | (self._table_len[at] < need)):
+            st = states[r]
+            self.blocks.grow(st.key, st.length + int(counts[r]) + 1)
+            self._store_table(slots[r], st.key)
         rows = np.repeat(np.arange(len(slots)), counts + 1)  # [N] the batch row of each position
         starts = np.cumsum(counts + 1) - counts - 1  # [B] where each row's positions begin
         positions = lengths[rows] + np.arange(len(rows)) - starts[rows]  # [N]

@@ -7,7 +7,6 @@ B rows in a decode batch, V vocabulary.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -301,7 +300,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         return self.argmax_batch(row, 1)[0]
 
     def decode_batch(self, tokens, seqs, stream: int = 0) -> None:
-        self._step_start = time.perf_counter()
+        self._decode_start = self._step_clock()
         slots = [s.slot for s in seqs]
         self.transport.send(P.DecodeBatch(slots=tuple(slots), tokens=tuple(int(t) for t in tokens)))
         self.transport.flush()
@@ -338,8 +337,9 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self._rank_tokens(seqs, logits, tokens)
         if guided:  # the grammar takes the tokens; the next masks are computed during the next forward
             self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
-        if self.step_costs is not None and row == 0 and n == len(self._rows):  # the whole step's readback
-            self.step_costs.decode_step(n, time.perf_counter() - self._step_start)
+        if self.step_costs is not None and self._decode_start is not None and n == len(self._rows):
+            self.step_costs.decode_step(n, self._step_clock() - self._decode_start)  # a whole decode step
+        self._decode_start = None  # (a prefill's first tokens come through here too)
         return tokens
 
     def _rank_tokens(self, seqs: list, logits, tokens: list) -> None:

@@ -109,7 +109,8 @@ class SpeculativeRunner:
 
     drafter: Drafter | None = None
     step_costs: StepCosts | None = None  # measured decode and verify step times (speculation on)
-    _step_start = 0.0
+    _step_start = 0.0  # verify_batch's start
+    _decode_start: float | None = None  # decode_batch's start, until its readback
     proposed_tokens = 0
     accepted_tokens = 0
     verify_steps = 0
@@ -128,10 +129,16 @@ class SpeculativeRunner:
     def draft_cost(self, rows: int) -> float | None:
         return None if self.step_costs is None else self.step_costs.draft_cost(rows)
 
+    def _step_clock(self) -> float:
+        """What steps are timed on: on the CPU this process's CPU time (a step's compute, what other
+        work on a shared machine disturbs least), else the wall clock (the readback waits for the
+        device)."""
+        return time.process_time() if self.executor.ops.name == "cpu" else time.perf_counter()
+
     def verify_batch(self, tokens, seqs, drafts, stream: int = 0) -> None:
         slots = [s.slot for s in seqs]
         drafts = [tuple(int(t) for t in d) for d in drafts]
-        self._step_start = time.perf_counter()
+        self._step_start = self._step_clock()
         self.transport.send(P.Verify(tuple(slots), tuple(int(t) for t in tokens), tuple(drafts)))
         self.transport.flush()
         self._logits = self.executor.verify(slots, list(tokens), drafts)  # [N, V]
@@ -158,7 +165,7 @@ class SpeculativeRunner:
                 targets[p] = t
         out = [accepted_run(d, targets[starts[r] : starts[r + 1]]) for r, d in enumerate(drafts)]
         if self.step_costs is not None:
-            self.step_costs.verify_step(len(seqs), sum(len(d) for d in drafts), time.perf_counter() - self._step_start)
+            self.step_costs.verify_step(len(seqs), sum(len(d) for d in drafts), self._step_clock() - self._step_start)
         return out
 
     @staticmethod

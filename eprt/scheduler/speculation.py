@@ -12,7 +12,7 @@ DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its 
 PRIOR = (0.9, 1.0)  # a new sequence's acceptance estimate: hits, trials (optimistic: it drafts at once)
 KEEP = 0.5  # weight of the past in a sequence's acceptance estimate, per verify step
 COST_KEEP = 0.8  # weight of the past in a measured step time, per step
-MAX_PERIOD = 16  # steps between probes of a sequence whose drafts do not pay
+MAX_PERIOD = 32  # steps between probes of a sequence whose drafts do not pay
 
 
 @dataclass
@@ -33,17 +33,15 @@ class DraftStats:
         self.trials = KEEP * self.trials + accepted + (accepted < proposed)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a row emits from k drafts each accepted with probability alpha: 1 + a + .. + a^k."""
-    return sum(alpha**i for i in range(k + 1))
-
-
 def best_draft_count(alpha: float, cost: float, limit: int) -> int:
-    """The drafts k in 0..limit that emit the most tokens per unit of time, a step of k drafts
-    costing 1 + cost * k decode rows; 0 when no k beats a decode step."""
-    best, value = 0, 1.0
+    """The drafts k in 0..limit that emit the most tokens per unit of time: k drafts each accepted
+    with probability alpha emit 1 + alpha + .. + alpha^k tokens in a step that costs 1 + cost * k
+    decode rows; 0 when no k beats a decode step."""
+    best, value, tokens, term = 0, 1.0, 1.0, 1.0
     for k in range(1, limit + 1):
-        v = expected_tokens(alpha, k) / (1.0 + cost * k)
+        term *= alpha
+        tokens += term
+        v = tokens / (1.0 + cost * k)
         if v > value:
             best, value = k, v
     return best
@@ -86,13 +84,15 @@ class DraftPolicy:
 
 
 class StepCosts:
-    """The cost of a draft position, measured: decode and verify steps' wall times on rank 0 per
-    batch size (moving averages). A verify of B rows and P drafts that takes t where a decode
-    step of B rows takes d costs (t - d) / P / (d / B) decode rows per draft."""
+    """The cost of a draft position, measured: decode and verify steps' times on rank 0 (the
+    runner's clock) per batch size. A verify of B rows and P drafts that takes t where a decode step of B rows takes
+    d costs (t - d) / (d / B) decode rows more; the cost of a draft is those extra rows over the
+    drafts, both summed over recent verify steps (decayed), so a step of few drafts (probes)
+    weighs little."""
 
     def __init__(self) -> None:
-        self.decode: dict[int, float] = {}  # rows -> seconds of a decode step
-        self.per_draft: dict[int, float] = {}  # rows -> decode rows per draft position
+        self.decode: dict[int, float] = {}  # rows -> seconds of a decode step (moving average)
+        self.extra: dict[int, tuple[float, float]] = {}  # rows -> (extra decode rows, drafts), decayed sums
 
     def decode_step(self, rows: int, seconds: float) -> None:
         self.decode[rows] = _average(self.decode.get(rows), seconds)
@@ -100,11 +100,13 @@ class StepCosts:
     def verify_step(self, rows: int, drafts: int, seconds: float) -> None:
         d = self.decode.get(rows)
         if d and drafts:
-            self.per_draft[rows] = _average(self.per_draft.get(rows), max(seconds - d, 0.0) / drafts / (d / rows))
+            extra, n = self.extra.get(rows, (0.0, 0.0))
+            self.extra[rows] = (COST_KEEP * extra + max(seconds - d, 0.0) / (d / rows), COST_KEEP * n + drafts)
 
     def draft_cost(self, rows: int) -> float | None:
         """Decode rows per draft position at this batch size; None until measured."""
-        return self.per_draft.get(rows)
+        extra, n = self.extra.get(rows, (0.0, 0.0))
+        return extra / n if n else None
 
 
 def _average(old: float | None, new: float) -> float:
