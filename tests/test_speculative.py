@@ -17,6 +17,14 @@ from eprt.ops.numpy_ops import NumpyOps
 from eprt.scheduler import speculation
 from eprt.scheduler.speculation import DraftPolicy, DraftStats, StepCosts, best_draft_count
 
+
+@pytest.fixture(autouse=True)
+def drafts_cost_nothing(monkeypatch):
+    """The verify path under test whenever the drafter proposes: a draft's cost pinned to 0 (the
+    adaptive policy's choices, driven by measured step times, are tested on their own)."""
+    monkeypatch.setattr(StepCosts, "draft_cost", lambda self, rows: 0.0)
+
+
 # chi-square critical values at p = 0.001 by degrees of freedom (a correct sampler fails 1 in 1000)
 CHI2_999 = dict(
     enumerate(
@@ -95,7 +103,8 @@ def test_draft_policy_declines_then_probes_on_shared_steps():
         policy.verified(good, 4, 4)
 
 
-def test_step_costs_measure_a_draft_in_decode_rows():
+def test_step_costs_measure_a_draft_in_decode_rows(monkeypatch):
+    monkeypatch.undo()  # the real draft_cost
     costs = StepCosts()
     costs.verify_step(2, 2, 1.5)
     assert costs.draft_cost(2) is None  # no decode step of 2 rows to compare with yet
@@ -203,6 +212,24 @@ def test_sampled_batch_with_speculation_equals_plain_sampling():
         verify_rows = engine.runner.verify_rows
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert verify_rows > 0 and sum(r.accepted_tokens for r in spec) > 0
+
+
+def test_adaptive_speculation_measures_step_costs_and_keeps_the_tokens(monkeypatch):
+    """With the measured costs (not pinned), the runner times decode and verify steps, and whatever
+    steps the policy speculates on, the tokens are plain decoding's (sampled rows: drafts are
+    mostly rejected, so the policy declines and decode steps happen)."""
+    monkeypatch.undo()
+    prompt = list(b"the string to the string to the string")
+    requests = [GenerationRequest(prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=s)) for s in range(3)]
+    with launch_engine(EngineConfig(device="cpu", max_batch=4)) as engine:
+        plain = engine.generate(requests)
+    cfg = EngineConfig(device="cpu", max_batch=4, speculative_method="ngram", num_speculative_tokens=4)
+    with launch_engine(cfg) as engine:
+        spec = engine.generate(requests) + engine.generate(requests[:1])
+        costs = engine.runner.step_costs
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain + plain[:1]]
+    assert costs.decode  # decode steps were timed
+    assert all(c >= 0.0 for c in (costs.draft_cost(b) for b in (1, 2, 3)) if c is not None)
 
 
 def test_generate_json_reports_accepted_tokens(capsys):
