@@ -1,7 +1,7 @@
 """Speculative decoding: decode tokens/s and mean accepted length, off vs ngram, batch 1 and 8.
 
     python benchmarks/bench_speculative.py [--model DIR | --bench-model DIR] [--new-tokens 96] [--k 4]
-        [--repeats 3] [--threads N] [--step-costs]
+        [--repeats 3] [--threads N] [--step-costs] [--draft-cost C]
 
 One checkpoint, on the CPU, one rank: the built-in model (3.7 MB: a step costs its Python and
 per-token compute, so verifying K + 1 positions costs more than a decode step), --model DIR, or
@@ -107,6 +107,8 @@ def speedups(args) -> None:
     accepted: dict = {}
     with contextlib.ExitStack() as stack:
         engines = {method: launch(stack, args, method, args.k) for method in (None, "ngram")}
+        if args.draft_cost is not None:  # the adaptive policy with this cost instead of the measured one
+            engines["ngram"].runner.step_costs.draft_cost = lambda rows: args.draft_cost
         for _ in range(args.repeats):
             for name, (text, temperature) in WORKLOADS.items():
                 for batch in BATCHES:
@@ -192,6 +194,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=_THREADS, help="BLAS threads (default: the library's)")
     ap.add_argument("--step-costs", action="store_true", help="time decode vs verify-K steps instead")
+    ap.add_argument(
+        "--draft-cost", type=float, default=None, help="pin a draft's cost in decode rows (0: always draft K)"
+    )
     args = ap.parse_args()
     if args.bench_model:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
