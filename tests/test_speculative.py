@@ -81,7 +81,7 @@ class _Row:
 
 def test_draft_policy_declines_then_probes_on_shared_steps():
     """Two rows whose drafts never pass: after one verify each declines, and both probe with one
-    draft on the same steps (multiples of 2, 4, .. 32 as they keep declining)."""
+    draft on the same steps (multiples of 4, 8, .. 32 as they keep declining)."""
     policy, rows, probes = DraftPolicy(), [_Row(), _Row()], []
     for step in range(1, 70):
         policy.step()
@@ -95,7 +95,7 @@ def test_draft_policy_declines_then_probes_on_shared_steps():
         for r, k in zip(rows, ks):
             if k:
                 policy.verified(r, k, 0)
-    assert probes == [2, 32, 64]
+    assert probes == [32, 64]  # idle grows every step: 4, 8, 16 are passed before their multiples
     good = _Row()  # drafts that pass keep a row at K
     for _ in range(5):
         policy.step()

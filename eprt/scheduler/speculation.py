@@ -24,6 +24,7 @@ class DraftStats:
     hits: float = PRIOR[0]
     trials: float = PRIOR[1]
     idle: int = 0
+    choice: tuple | None = None  # ((cost, limit), k): best_draft_count's answer until hits/trials change
 
     def acceptance(self) -> float:
         return self.hits / self.trials
@@ -31,6 +32,12 @@ class DraftStats:
     def verified(self, proposed: int, accepted: int) -> None:
         self.hits = KEEP * self.hits + accepted
         self.trials = KEEP * self.trials + accepted + (accepted < proposed)
+        self.choice = None
+
+    def best(self, cost: float, limit: int) -> int:
+        if self.choice is None or self.choice[0] != (cost, limit):
+            self.choice = ((cost, limit), best_draft_count(self.acceptance(), cost, limit))
+        return self.choice[1]
 
 
 def best_draft_count(alpha: float, cost: float, limit: int) -> int:
@@ -51,7 +58,7 @@ class DraftPolicy:
     """Adaptive speculation (the one place it is decided): a sequence drafts the k that its
     acceptance estimate and the measured cost of a draft position pay for, and none when no k
     does. A sequence that declines (idle: declines in a row) probes with one draft on the steps
-    that are multiples of min(2**idle, MAX_PERIOD) (steps of the whole lane, so the probes of a
+    that are multiples of min(2**(idle + 1), MAX_PERIOD) (steps of the whole lane, so the probes of a
     batch's rows share one verify step), which keeps its estimate fresh. Which steps speculate
     never changes the emitted tokens (the drafter is deterministic: a draft is kept iff it is
     the token the target emits)."""
@@ -65,12 +72,12 @@ class DraftPolicy:
     def drafts(self, seq, limit: int, cost: float) -> int:
         """How many drafts ``seq`` proposes this step (at most ``limit``)."""
         stats = self._stats(seq)
-        k = best_draft_count(stats.acceptance(), cost, limit)
+        k = stats.best(cost, limit)
         if k:
             stats.idle = 0
             return k
         stats.idle += 1
-        return min(limit, 1) if self.steps % min(2**stats.idle, MAX_PERIOD) == 0 else 0
+        return min(limit, 1) if self.steps % min(2 ** (stats.idle + 1), MAX_PERIOD) == 0 else 0
 
     def verified(self, seq, proposed: int, accepted: int) -> None:
         """``seq`` had ``proposed`` drafts verified, of which the first ``accepted`` passed."""
@@ -124,9 +131,9 @@ def draft_limit(seq, num_tokens: int, max_model_len: int | None) -> int:
 
 def plan_drafts(sched, rows: list) -> list[tuple]:
     """Each row's drafts, rows in slot order: as many as ``DraftPolicy`` finds worth it within
-    ``draft_limit``, then cut so that
-    their extra KV blocks fit in the blocks free after the decode step's own (a sequence near
-    the end of the pool speculates less; nothing is preempted for drafts)."""
+    ``draft_limit``, then cut so that their extra KV blocks fit in the blocks free after the
+    decode step's own (a sequence near the end of the pool speculates less; nothing is
+    preempted for drafts)."""
     cfg, model = sched.config, sched.model
     cost = model.draft_cost(len(rows))
     cost = DRAFT_COST if cost is None else cost
@@ -141,7 +148,7 @@ def plan_drafts(sched, rows: list) -> list[tuple]:
     def extra(seq, k: int) -> int:  # blocks beyond those a plain decode step of seq takes
         return (seq.len + k + 1) // bs - (seq.len + 1) // bs
 
-    if any(extra(seq, len(d)) for seq, d in zip(rows, drafts)):
+    if any(drafts) and any(extra(seq, len(d)) for seq, d in zip(rows, drafts)):
         room = model.num_free_blocks() - sum(1 for s in rows if (s.len + 1) % bs == 0)
         for r, seq in enumerate(rows):
             d = drafts[r]
