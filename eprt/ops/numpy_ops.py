@@ -18,6 +18,7 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
 
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 4  # an expert with at most this many tokens runs one GEMV per token
+MOE_TOKENS_ONE_BY_ONE = 5  # up to this many tokens, moe_experts may run them one by one
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -229,6 +230,13 @@ class NumpyOps(Ops):
         k = ids.shape[1]
         if T == 1:  # one token (decode at batch 1): its k experts in choice order, no grouping
             return self._moe_one_token(x, weights[0], ids[0] - expert_start, w_gate_up, w_down)
+        if T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= EXPERT_ROWS_AS_GEMV:
+            # a few tokens (a verify step's at batch 1), no expert with more rows than run as GEMVs:
+            # token by token is cheaper than grouping them, and the same bits (one GEMV per row)
+            local = ids - expert_start  # [T, k]
+            return np.concatenate(
+                [self._moe_one_token(x[t : t + 1], weights[t], local[t], w_gate_up, w_down) for t in range(T)]
+            )  # [T, D]
         local = (ids - expert_start).reshape(-1)  # [T*k] local expert of each (token, choice)
         order = np.argsort(local, kind="stable")  # grouped by expert, tokens in order
         experts = local[order]
