@@ -81,9 +81,10 @@ class _Row:
 
 def test_draft_policy_declines_then_probes_on_shared_steps():
     """Two rows whose drafts never pass: after one verify each declines, and both probe with one
-    draft on the same steps (multiples of 4, 8, .. 32 as they keep declining)."""
+    draft on the same steps, the gap doubling after each failed probe up to MAX_PERIOD; a row
+    whose probe passes drafts again."""
     policy, rows, probes = DraftPolicy(), [_Row(), _Row()], []
-    for step in range(1, 70):
+    for step in range(1, 100):
         policy.step()
         ks = [policy.drafts(r, 4, speculation.DRAFT_COST) for r in rows]
         assert ks[0] == ks[1]
@@ -95,7 +96,12 @@ def test_draft_policy_declines_then_probes_on_shared_steps():
         for r, k in zip(rows, ks):
             if k:
                 policy.verified(r, k, 0)
-    assert probes == [32, 64]  # idle grows every step: 4, 8, 16 are passed before their multiples
+    assert probes == [2, 4, 8, 16, 32, 64, 96]
+    policy.step()  # step 100
+    policy.verified(rows[0], 1, 1)  # (as if its last probe had passed)
+    policy.verified(rows[0], 1, 1)
+    assert policy.drafts(rows[0], 4, speculation.DRAFT_COST) >= 1  # drafting again, period reset
+    assert rows[0].draft_stats.period == 0
     good = _Row()  # drafts that pass keep a row at K
     for _ in range(5):
         policy.step()

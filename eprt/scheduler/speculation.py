@@ -19,11 +19,11 @@ MAX_PERIOD = 32  # steps between probes of a sequence whose drafts do not pay
 class DraftStats:
     """One sequence's acceptance estimate: exponentially weighted accepted drafts (hits) over the
     drafts tested (trials: each accepted draft, and the rejected one where a row stopped short),
-    and how long it has been declining to draft (idle: declines in a row)."""
+    and, while it declines to draft, the steps between its probes (period; 0 while it drafts)."""
 
     hits: float = PRIOR[0]
     trials: float = PRIOR[1]
-    idle: int = 0
+    period: int = 0
     choice: tuple | None = None  # ((cost, limit), k): best_draft_count's answer until hits/trials change
 
     def acceptance(self) -> float:
@@ -57,9 +57,10 @@ def best_draft_count(alpha: float, cost: float, limit: int) -> int:
 class DraftPolicy:
     """Adaptive speculation (the one place it is decided): a sequence drafts the k that its
     acceptance estimate and the measured cost of a draft position pay for, and none when no k
-    does. A sequence that declines (idle: declines in a row) probes with one draft on the steps
-    that are multiples of min(2**(idle + 1), MAX_PERIOD) (steps of the whole lane, so the probes of a
-    batch's rows share one verify step), which keeps its estimate fresh. Which steps speculate
+    does. A sequence that declines probes with one draft on the next step that is a multiple of
+    its period: 2, then 4, 8, .. MAX_PERIOD after each probe that leaves it declining (steps of
+    the whole lane, so the probes of a batch's rows share one verify step), which keeps its
+    estimate fresh and catches a stretch where lookup pays again. Which steps speculate
     never changes the emitted tokens (the drafter is deterministic: a draft is kept iff it is
     the token the target emits)."""
 
@@ -74,10 +75,13 @@ class DraftPolicy:
         stats = self._stats(seq)
         k = stats.best(cost, limit)
         if k:
-            stats.idle = 0
+            stats.period = 0
             return k
-        stats.idle += 1
-        return min(limit, 1) if self.steps % min(2 ** (stats.idle + 1), MAX_PERIOD) == 0 else 0
+        stats.period = stats.period or 2
+        if self.steps % stats.period:
+            return 0
+        stats.period = min(2 * stats.period, MAX_PERIOD)  # the next probe, if this one fails, waits longer
+        return min(limit, 1)
 
     def verified(self, seq, proposed: int, accepted: int) -> None:
         """``seq`` had ``proposed`` drafts verified, of which the first ``accepted`` passed."""
