@@ -60,9 +60,9 @@ class DraftPolicy:
     does. A sequence that declines probes with one draft on the next step that is a multiple of
     its period: 2, then 4, 8, .. MAX_PERIOD after each probe that leaves it declining (steps of
     the whole lane, so the probes of a batch's rows share one verify step), which keeps its
-    estimate fresh and catches a stretch where lookup pays again. Which steps speculate
-    never changes the emitted tokens (the drafter is deterministic: a draft is kept iff it is
-    the token the target emits)."""
+    estimate fresh and catches a stretch where lookup pays again. Whichever it chooses, a row
+    emits the target's tokens (the drafter is deterministic: a draft is kept iff it is the token
+    the target emits at its position; docs/design.md, "Speculative decoding")."""
 
     def __init__(self) -> None:
         self.steps = 0  # decode-lane steps so far
@@ -96,10 +96,10 @@ class DraftPolicy:
 
 class StepCosts:
     """The cost of a draft position, measured: decode and verify steps' times on rank 0 (the
-    runner's clock) per batch size. A verify of B rows and P drafts that takes t where a decode step of B rows takes
-    d costs (t - d) / (d / B) decode rows more; the cost of a draft is those extra rows over the
-    drafts, both summed over recent verify steps (decayed), so a step of few drafts (probes)
-    weighs little."""
+    runner's clock) per batch size. A verify of B rows and P drafts that takes t where a decode
+    step of B rows takes d costs (t - d) / (d / B) decode rows more; the cost of a draft is those
+    extra rows over the drafts, both summed over recent verify steps (decayed), so a step of few
+    drafts (probes) weighs little."""
 
     def __init__(self) -> None:
         self.decode: dict[int, float] = {}  # rows -> seconds of a decode step (moving average)
