@@ -1,31 +1,58 @@
 """Speculative decoding: decode tokens/s and mean accepted length, off vs ngram, batch 1 and 8.
 
     python benchmarks/bench_speculative.py [--model DIR | --bench-model DIR] [--new-tokens 96] [--k 4]
+        [--repeats 3] [--threads N] [--step-costs] [--draft-cost C]
 
 One checkpoint, on the CPU, one rank: the built-in model (3.7 MB: a step costs its Python and
-per-token compute, so verifying K + 1 positions costs several decode steps), --model DIR, or
+per-token compute, so verifying K + 1 positions costs more than a decode step), --model DIR, or
 --bench-model DIR, bench_decode_cpu.py's ~115M-parameter Qwen3-MoE with random weights (built
 once), where a step at small batch is bound by reading the weights, as on a serving GPU. A
 prompt without a tokenizer is the text's bytes. Two workloads:
 - rewrite: the prompt holds a text twice and the start of a third copy; greedy (lookup pays
   when the model repeats what it has seen);
-- sampled: a short code prompt sampled at temperature 1.0 (drafts are proposed, rarely accepted:
-  lookup does not pay, the verify step must not cost more than it saves).
+- sampled: a short code prompt sampled at temperature 1.0 (drafts are rarely accepted: lookup
+  does not pay, and the adaptive policy must keep speculation from costing more than it saves).
 Decode tokens/s: the tokens after each request's first, over the time from the batch's first
-first token to its last token (streamed timestamps), best of --repeats. Mean accepted length:
-tokens emitted per row with drafts (accepted drafts + 1), from the engine's counters.
+first token to its last token (streamed timestamps). Off and ngram run interleaved, each
+repeat measuring every cell of both, so a busy machine slows both alike; the table shows the
+best of --repeats and, in brackets, the median. Mean accepted length: tokens emitted per row
+with drafts (accepted drafts + 1), from the engine's counters.
+
+--step-costs: instead, the time of one step at batch 1 and 8 when every row verifies K = 1..4
+drafts that are never accepted (the policy forced to draft K), against a decode step (K = 0):
+this process's CPU time (with --threads 1 that is the step's compute, less disturbed by other
+work on a shared machine than the wall clock), best of --repeats and median.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 
-from eprt.api import GenerationRequest, SamplingParams
-from eprt.comm.transport import LocalTransport
-from eprt.engine.engine import EngineConfig, launch_engine
+
+def _threads_from_argv() -> int | None:
+    """--threads must take effect before NumPy (OpenBLAS) starts its pool."""
+    for i, a in enumerate(sys.argv):
+        if a == "--threads" and i + 1 < len(sys.argv):
+            return int(sys.argv[i + 1])
+        if a.startswith("--threads="):
+            return int(a.split("=", 1)[1])
+    return None
+
+
+if (_THREADS := _threads_from_argv()) is not None:
+    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_var] = str(_THREADS)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+from eprt.api import GenerationRequest, SamplingParams  # noqa: E402
+from eprt.comm.transport import LocalTransport  # noqa: E402
+from eprt.engine.engine import EngineConfig, launch_engine  # noqa: E402
+from eprt.scheduler.speculation import DraftPolicy  # noqa: E402
 
 TEXT = (
     "Return a new list containing all items from the iterable in ascending order. A custom key function "
@@ -36,31 +63,126 @@ WORKLOADS = {
     "rewrite": (f"{TEXT}\n\n{TEXT}\n\n{TEXT[:40]}", 0.0),
     "sampled": ('def parse_args(argv):\n    """', 1.0),
 }
+BATCHES = (1, 8)
 
 
-def measure(engine, prompt: list, batch: int, n: int, temperature: float, repeats: int) -> tuple[float, float]:
-    """(decode tokens/s, mean accepted length of these runs' verify steps): every token after a
-    request's first, over the time from the batch's first first-token to its last token; best of
-    ``repeats`` runs."""
-    runner = engine.runner
-    rows0, acc0 = runner.verify_rows, runner.accepted_tokens
-    best = 0.0
-    for _ in range(repeats):
-        stamps: list[list[float]] = [[] for _ in range(batch)]
-        reqs = [
-            GenerationRequest(
-                prompt,
-                SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True),
-                stream=True,
-                on_token=lambda _t, s=stamps[i]: s.append(time.perf_counter()),
+def encode(engine, text: str) -> list:
+    tok = engine.tokenizer
+    return tok.encode(text) if tok is not None else [3 + b for b in text.encode()]
+
+
+def measure(engine, prompt: list, batch: int, n: int, temperature: float) -> tuple[float, float]:
+    """Decode tokens/s of one run: every token after a request's first, over the time from the
+    batch's first first-token to its last token, on the wall clock and on this process's CPU time."""
+    stamps: list[list[tuple[float, float]]] = [[] for _ in range(batch)]
+    reqs = [
+        GenerationRequest(
+            prompt,
+            SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True),
+            stream=True,
+            on_token=lambda _t, s=stamps[i]: s.append((time.perf_counter(), time.process_time())),
+        )
+        for i in range(batch)
+    ]
+    engine.generate(reqs)
+    tokens = sum(len(s) - 1 for s in stamps)
+    return tuple(tokens / (max(s[-1][c] for s in stamps) - min(s[0][c] for s in stamps)) for c in (0, 1))  # type: ignore[return-value]
+
+
+def launch(stack, args, method: str | None, k: int):
+    cfg = EngineConfig(
+        model=args.model,
+        device="cpu",
+        max_batch=max(BATCHES),
+        max_model_len=1024,
+        prefix_cache=False,
+        speculative_method=method,
+        num_speculative_tokens=k,
+    )
+    return stack.enter_context(launch_engine(cfg, transport=LocalTransport()))
+
+
+def speedups(args) -> None:
+    runs: dict = {}
+    accepted: dict = {}
+    with contextlib.ExitStack() as stack:
+        engines = {method: launch(stack, args, method, args.k) for method in (None, "ngram")}
+        if args.draft_cost is not None:  # the adaptive policy with this cost instead of the measured one
+            engines["ngram"].runner.step_costs.draft_cost = lambda rows: args.draft_cost
+        for _ in range(args.repeats):
+            for name, (text, temperature) in WORKLOADS.items():
+                for batch in BATCHES:
+                    for method, engine in engines.items():
+                        runner = engine.runner
+                        rows0, acc0 = runner.verify_rows, runner.accepted_tokens
+                        prompt = encode(engine, text)
+                        runs.setdefault((method, name, batch), []).append(
+                            measure(engine, prompt, batch, args.new_tokens, temperature)
+                        )
+                        rows, acc = runner.verify_rows - rows0, runner.accepted_tokens - acc0
+                        old = accepted.get((name, batch), (0, 0))
+                        accepted[name, batch] = (old[0] + rows, old[1] + acc)
+    for c, clock in enumerate(("wall clock", "CPU time")):
+        print(f"decode tok/s on the {clock}: best of {args.repeats} (median)")
+        print(f"{'workload':<9} {'batch':>5} {'off':>18} {'ngram':>18} {'speedup':>16} {'mean acc len':>13}")
+        for name in WORKLOADS:
+            for batch in BATCHES:
+                off = [r[c] for r in runs[None, name, batch]]
+                on = [r[c] for r in runs["ngram", name, batch]]
+                rows, acc = accepted[name, batch]
+                length = (rows + acc) / rows if rows else 0.0
+                med = statistics.median(on) / statistics.median(off)
+                print(
+                    f"{name:<9} {batch:>5} {max(off):>8.1f} ({statistics.median(off):>7.1f}) "
+                    f"{max(on):>8.1f} ({statistics.median(on):>7.1f}) {max(on) / max(off):>6.2f}x ({med:.2f}x) "
+                    f"{length:>13.2f}"
+                )
+    print("all runs, wall-clock tok/s (CPU-time tok/s):")
+    for key, values in runs.items():
+        print(f"  {key}: {', '.join(f'{w:.0f} ({c:.0f})' for w, c in values)}")
+
+
+class ForcedDrafts(DraftPolicy):
+    """Every row drafts as many as it may, every step."""
+
+    def drafts(self, seq, limit: int, cost: float) -> int:
+        return limit
+
+
+class WrongDrafter:
+    """Drafts a token the model never emits, so no draft is accepted and every step verifies."""
+
+    def propose(self, token_ids, k: int) -> list:
+        return [0] * k
+
+
+def step_costs(args) -> None:
+    times: dict = {}
+    with contextlib.ExitStack() as stack:
+        engines = {0: launch(stack, args, None, 1)}
+        for k in range(1, 5):
+            engines[k] = engine = launch(stack, args, "ngram", k)
+            engine.runner.drafter = WrongDrafter()
+            engine.scheduler.drafting = ForcedDrafts()
+        prompt = encode(engines[0], WORKLOADS["sampled"][0])
+        for _ in range(args.repeats):
+            for batch in BATCHES:
+                for k, engine in engines.items():
+                    steps0 = engine.runner.decode_steps
+                    t0 = time.process_time()
+                    params = [SamplingParams(max_tokens=args.new_tokens, seed=i, ignore_eos=True) for i in range(batch)]
+                    engine.generate([GenerationRequest(prompt, p) for p in params])
+                    seconds = time.process_time() - t0
+                    times.setdefault((batch, k), []).append(seconds / (engine.runner.decode_steps - steps0))
+    for batch in BATCHES:
+        base = min(times[batch, 0])
+        print(f"batch {batch}: decode step {base * 1e3:.3f} ms (median {statistics.median(times[batch, 0]) * 1e3:.3f})")
+        for k in range(1, 5):
+            best = min(times[batch, k])
+            print(
+                f"  verify K={k}: {best * 1e3:.3f} ms (median {statistics.median(times[batch, k]) * 1e3:.3f}), "
+                f"{best / base:.2f}x a decode step, {(best / base - 1) / k:.2f} decode rows per draft"
             )
-            for i in range(batch)
-        ]
-        engine.generate(reqs)
-        tokens = sum(len(s) - 1 for s in stamps)
-        best = max(best, tokens / (max(s[-1] for s in stamps) - min(s[0] for s in stamps)))
-    rows, acc = runner.verify_rows - rows0, runner.accepted_tokens - acc0
-    return best, (rows + acc) / rows if rows else 0.0
 
 
 def main() -> None:
@@ -70,6 +192,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=_THREADS, help="BLAS threads (default: the library's)")
+    ap.add_argument("--step-costs", action="store_true", help="time decode vs verify-K steps instead")
+    ap.add_argument(
+        "--draft-cost", type=float, default=None, help="pin a draft's cost in decode rows (0: always draft K)"
+    )
     args = ap.parse_args()
     if args.bench_model:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -78,31 +205,7 @@ def main() -> None:
         from checkpoints import build_checkpoint
 
         args.model = build_checkpoint("qwen3_moe", args.bench_model, **BENCH_MODEL)
-    results = {}
-    for method in (None, "ngram"):
-        cfg = EngineConfig(
-            model=args.model,
-            device="cpu",
-            max_batch=8,
-            max_model_len=1024,
-            prefix_cache=False,
-            speculative_method=method,
-            num_speculative_tokens=args.k,
-        )
-        with launch_engine(cfg, transport=LocalTransport()) as engine:
-            for name, (text, temperature) in WORKLOADS.items():
-                tok = engine.tokenizer
-                prompt = tok.encode(text) if tok is not None else [3 + b for b in text.encode()]
-                for batch in (1, 8):
-                    results[method, name, batch] = measure(
-                        engine, prompt, batch, args.new_tokens, temperature, args.repeats
-                    )
-    print(f"{'workload':<9} {'batch':>5} {'off tok/s':>10} {'ngram tok/s':>12} {'speedup':>8} {'mean acc len':>13}")
-    for name in WORKLOADS:
-        for batch in (1, 8):
-            off, _ = results[None, name, batch]
-            on, length = results["ngram", name, batch]
-            print(f"{name:<9} {batch:>5} {off:>10.1f} {on:>12.1f} {on / off:>7.2f}x {length:>13.2f}")
+    step_costs(args) if args.step_costs else speedups(args)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,48 @@ def test_attention_decode_in_gathers_of_a_few_rows(monkeypatch):
     np.testing.assert_allclose(NumpyOps().attention_decode(*args), whole, rtol=1e-6, atol=1e-7)
 
 
+def verify_rows(rng, ends, qlens, bs):
+    """A verify step's rows: sequence b's qlens[b] positions end at ends[b]; per row its table
+    (its sequence's) and its context length. Returns (tables [N, MB], lens [N], pool)."""
+    need = [-(-n // bs) for n in ends]
+    nb = sum(need) + 2
+    tables = np.zeros((len(ends), max(need) + 1), dtype=np.int32)
+    free = list(rng.permutation(nb))
+    for b, n in enumerate(need):
+        tables[b, :n] = [free.pop() for _ in range(n)]
+    rows = np.repeat(np.arange(len(ends)), qlens)  # [N]
+    lens = np.concatenate([np.arange(e - t, e) + 1 for e, t in zip(ends, qlens)]).astype(np.int32)
+    return tables[rows], lens, nb
+
+
+@pytest.mark.parametrize("gather_bytes", [None, 1])  # 1: one sequence per gather
+def test_attention_verify_matches_decode_rows(monkeypatch, gather_bytes):
+    """attention_verify gathers each sequence's KV once; each row attends as a decode row would."""
+    if gather_bytes is not None:
+        monkeypatch.setattr(numpy_ops, "DECODE_GATHER_BYTES", gather_bytes)
+    rng = np.random.default_rng(11)
+    ends, qlens, bs, hk, dh = [17, 5, 40, 16], [5, 1, 3, 2], 8, 2, 4
+    tables, lens, nb = verify_rows(rng, ends, qlens, bs)
+    kc = rng.standard_normal((nb, bs, hk, dh), dtype=np.float32)
+    vc = rng.standard_normal((nb, bs, hk, dh), dtype=np.float32)
+    q = rng.standard_normal((len(lens), 2 * hk, dh), dtype=np.float32)
+    ops = NumpyOps()
+    got = ops.attention_verify(q, kc, vc, tables, lens, np.asarray(qlens), 0.4)
+    np.testing.assert_allclose(got, ops.attention_decode(q, kc, vc, tables, lens, 0.4), rtol=1e-5, atol=1e-6)
+
+
+def test_mla_attention_verify_matches_decode_rows():
+    rng = np.random.default_rng(12)
+    ends, qlens, bs, H, L, C = [9, 30, 4], [4, 2, 1], 4, 3, 12, 8
+    tables, lens, nb = verify_rows(rng, ends, qlens, bs)
+    cache = rng.standard_normal((nb, bs, L), dtype=np.float32)
+    q = rng.standard_normal((len(lens), H, L), dtype=np.float32)
+    ops = NumpyOps()
+    got = ops.mla_attention_verify(q, cache, tables, lens, np.asarray(qlens), 0.3, C)
+    want = ops.mla_attention_decode(q, cache, tables, lens, 0.3, C)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_attention_prefill_is_causal_from_start_pos():
     rng = np.random.default_rng(7)
     start, T, bs, hk, dh = 21, 6, 8, 2, 4
@@ -159,6 +201,31 @@ def test_expert_path_choice(monkeypatch):
     if not numba_available():
         with pytest.raises(ValueError, match="numba is not installed"):
             NumpyOps("numba")
+
+
+@pytest.mark.parametrize("path", EXPERT_PATHS)
+@pytest.mark.parametrize("T", [3, 5, 9])  # 9: grouped by expert; 3, 5: token by token
+def test_moe_experts_gemv_rows_have_the_bits_of_one_token(T, path):
+    """A few tokens (a verify step's at batch 1) run token by token, and on the NumPy path an
+    expert with at most EXPERT_ROWS_AS_GEMV rows runs one GEMV per row, so each token's output has
+    the bits of the one-token path: a verify step's positions compute their experts as decode steps
+    do. (The compiled kernel's bits hold from 2 rows up, not against the one-row GEMV.)"""
+    if T > 5 and path == "numba":
+        pytest.skip("grouped rows through the compiled kernel: its own bits, not the one-row GEMV's")
+    rng = np.random.default_rng(7)
+    k, E, D, inter = 2, 8, 64, 48
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    while np.bincount(ids.ravel(), minlength=E).max() > EXPERT_ROWS_AS_GEMV:
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    x = rng.standard_normal((T, D), dtype=np.float32)
+    w = rng.random((T, k), dtype=np.float32)
+    ops = NumpyOps(path)
+    wgu = ops.weight(rng.standard_normal((E, 2 * inter, D), dtype=np.float32))
+    wd = ops.weight(rng.standard_normal((E, D, inter), dtype=np.float32))
+    got = ops.moe_experts(x, w, ids, wgu, wd, 0)
+    for t in range(T):
+        one = ops.moe_experts(x[t : t + 1], w[t : t + 1], ids[t : t + 1], wgu, wd, 0)  # [1, D]
+        np.testing.assert_array_equal(got[t], one[0])
 
 
 def test_decode_block_tables_follow_compaction_and_slot_reuse(checkpoint):

@@ -14,6 +14,16 @@ from eprt.engine.executor import ShardExecutor
 from eprt.engine.speculative import NgramDrafter, SpeculativeConfig, accepted_run, rejection_sample
 from eprt.model.loader import load_model
 from eprt.ops.numpy_ops import NumpyOps
+from eprt.scheduler import speculation
+from eprt.scheduler.speculation import DraftPolicy, DraftStats, StepCosts, best_draft_count
+
+
+@pytest.fixture(autouse=True)
+def drafts_cost_nothing(monkeypatch):
+    """The verify path under test whenever the drafter proposes: a draft's cost pinned to 0 (the
+    adaptive policy's choices, driven by measured step times, are tested on their own)."""
+    monkeypatch.setattr(StepCosts, "draft_cost", lambda self, rows: 0.0)
+
 
 # chi-square critical values at p = 0.001 by degrees of freedom (a correct sampler fails 1 in 1000)
 CHI2_999 = dict(
@@ -44,6 +54,74 @@ def test_accepted_run_stops_at_the_first_mismatch():
     assert accepted_run([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the target replaces the wrong draft
     assert accepted_run([5], [4, 1]) == [4]
     assert accepted_run([], [3]) == [3]
+
+
+def test_best_draft_count_weighs_expected_tokens_against_the_verify_cost():
+    assert best_draft_count(0.0, 0.3, 4) == 0  # nothing is ever accepted: a decode step is better
+    assert best_draft_count(0.2, 0.3, 4) == 0  # (1 + 0.2) / 1.3 < 1
+    assert best_draft_count(0.5, 0.3, 4) == 1  # 1.5 / 1.3 beats 1.75 / 1.6
+    assert best_draft_count(0.9, 0.1, 4) == 4
+    assert best_draft_count(0.9, 0.1, 2) == 2  # never past the limit
+    assert best_draft_count(0.99, 2.0, 4) == 0  # drafts that cost two rows each never pay
+    assert best_draft_count(0.5, 0.0, 3) == 3  # free drafts: as many as allowed
+
+
+def test_draft_stats_track_acceptance_with_decay():
+    stats = DraftStats()
+    assert stats.acceptance() == pytest.approx(0.9)  # the prior drafts at once
+    stats.verified(proposed=3, accepted=0)  # one trial, no hit
+    assert (stats.hits, stats.trials) == pytest.approx((0.45, 1.5))
+    stats.verified(proposed=2, accepted=2)  # two hits, no rejected draft
+    assert (stats.hits, stats.trials) == pytest.approx((2.225, 2.75))
+
+
+class _Row:
+    draft_stats = None
+
+
+def test_draft_policy_declines_then_probes_on_shared_steps():
+    """Two rows whose drafts never pass: after one verify each declines, and both probe with one
+    draft on the same steps, the gap doubling after each failed probe up to MAX_PERIOD; a row
+    whose probe passes drafts again."""
+    policy, rows, probes = DraftPolicy(), [_Row(), _Row()], []
+    for step in range(1, 100):
+        policy.step()
+        ks = [policy.drafts(r, 4, speculation.DRAFT_COST) for r in rows]
+        assert ks[0] == ks[1]
+        if step == 1:
+            assert ks == [4, 4]  # the prior: draft K at once
+        elif ks[0]:
+            assert ks == [1, 1]
+            probes.append(step)
+        for r, k in zip(rows, ks):
+            if k:
+                policy.verified(r, k, 0)
+    assert probes == [2, 4, 8, 16, 32, 64, 96]
+    policy.step()  # step 100
+    policy.verified(rows[0], 1, 1)  # (as if its last probe had passed)
+    policy.verified(rows[0], 1, 1)
+    assert policy.drafts(rows[0], 4, speculation.DRAFT_COST) >= 1  # drafting again, period reset
+    assert rows[0].draft_stats.period == 0
+    good = _Row()  # drafts that pass keep a row at K
+    for _ in range(5):
+        policy.step()
+        assert policy.drafts(good, 4, 0.2) == 4
+        policy.verified(good, 4, 4)
+
+
+def test_step_costs_measure_a_draft_in_decode_rows(monkeypatch):
+    monkeypatch.undo()  # the real draft_cost
+    costs = StepCosts()
+    costs.verify_step(2, 2, 1.5)
+    assert costs.draft_cost(2) is None  # no decode step of 2 rows to compare with yet
+    costs.decode_step(2, 1.0)
+    costs.verify_step(2, 2, 1.5)  # 0.5 s more for 2 drafts, a decode row being 0.5 s
+    assert costs.draft_cost(2) == pytest.approx(0.5)
+    assert costs.draft_cost(1) is None
+    costs.verify_step(2, 4, 1.0)  # no slower than a decode step: these drafts cost nothing
+    assert costs.draft_cost(2) == pytest.approx(0.8 * 1.0 / (0.8 * 2 + 4))  # extra rows over drafts
+    costs.verify_step(2, 1, 2.0)  # a probe's step: one draft, a fixed cost
+    assert costs.draft_cost(2) == pytest.approx((0.64 + 2.0) / (0.64 * 2 + 0.8 * 4 + 1))
 
 
 def test_rejection_sampling_keeps_the_target_distribution_chi_square():
@@ -120,6 +198,44 @@ def test_sampled_tokens_with_speculation_follow_the_plain_distribution_chi_squar
     df = table.shape[1] - 1
     assert 3 <= df <= 15, table  # enough distinct tokens for a real test
     assert chi2 < CHI2_999[df], (chi2, table)
+
+
+def test_sampled_batch_with_speculation_equals_plain_sampling():
+    """Sampled rows of a batched verify take each position's token with that position's seeded
+    uniform (one sample_rows call for the batch), so every row is plain decoding's, token for token."""
+    requests = [
+        GenerationRequest(
+            list(b"the string to the string to the string"),
+            SamplingParams(max_tokens=24, temperature=t, seed=s, ignore_eos=True),
+        )
+        for s, t in ((1, 0.3), (2, 0.0), (3, 1.0), (4, 0.3))
+    ]
+    with launch_engine(EngineConfig(device="cpu", max_batch=4)) as engine:
+        plain = engine.generate(requests)
+    cfg = EngineConfig(device="cpu", max_batch=4, speculative_method="ngram", num_speculative_tokens=3)
+    with launch_engine(cfg) as engine:
+        spec = engine.generate(requests)
+        verify_rows = engine.runner.verify_rows
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert verify_rows > 0 and sum(r.accepted_tokens for r in spec) > 0
+
+
+def test_adaptive_speculation_measures_step_costs_and_keeps_the_tokens(monkeypatch):
+    """With the measured costs (not pinned), the runner times decode and verify steps, and whatever
+    steps the policy speculates on, the tokens are plain decoding's (sampled rows: drafts are
+    mostly rejected, so the policy declines and decode steps happen)."""
+    monkeypatch.undo()
+    prompt = list(b"the string to the string to the string")
+    requests = [GenerationRequest(prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=s)) for s in range(3)]
+    with launch_engine(EngineConfig(device="cpu", max_batch=4)) as engine:
+        plain = engine.generate(requests)
+    cfg = EngineConfig(device="cpu", max_batch=4, speculative_method="ngram", num_speculative_tokens=4)
+    with launch_engine(cfg) as engine:
+        spec = engine.generate(requests) + engine.generate(requests[:1])
+        costs = engine.runner.step_costs
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain + plain[:1]]
+    assert costs.decode  # decode steps were timed
+    assert all(c >= 0.0 for c in (costs.draft_cost(b) for b in (1, 2, 3)) if c is not None)
 
 
 def test_generate_json_reports_accepted_tokens(capsys):

@@ -410,8 +410,9 @@ class ShardExecutor:
     def verify(self, slots: list, tokens: list, drafts: list):
         """VERIFY: row r appends tokens[r] and its drafts[r] (0..4) to slots[r] in one forward pass.
         Each of the sum(1 + k_r) positions attends like a decode row over its own sequence up to
-        itself. The drafts' KV stays pending until ``accept``. Returns logits [sum(1 + k_r), V],
-        row r's positions consecutive (or None)."""
+        itself (ops.attention_verify: a backend may gather each sequence's KV once). The drafts' KV
+        stays pending until ``accept``. Returns logits [sum(1 + k_r), V], row r's positions
+        consecutive (or None)."""
         states = self.slots.check_verify(slots, tokens, drafts)
         if self.state is not None:
             raise ExecutorError(
@@ -420,9 +421,13 @@ class ShardExecutor:
         bs = self.block_size
         counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(slots))  # [B]
         lengths = np.fromiter((st.length for st in states), dtype=np.int64, count=len(slots))  # [B]
-        for slot, st, k in zip(slots, states, counts):
-            self.blocks.grow(st.key, st.length + int(k) + 1)
-            self._store_table(slot, st.key)
+        keys = np.fromiter((st.key for st in states), dtype=np.int64, count=len(slots))
+        need = (lengths + counts + 1) // bs + 1  # blocks for all its positions (as _decode_tables)
+        at = np.asarray(slots, dtype=np.int64)  # [B]
+        for r in np.flatnonzero((self._table_key[at] != keys) | (self._table_len[at] < need)):
+            st = states[r]
+            self.blocks.grow(st.key, st.length + int(counts[r]) + 1)
+            self._store_table(slots[r], st.key)
         rows = np.repeat(np.arange(len(slots)), counts + 1)  # [N] the batch row of each position
         starts = np.cumsum(counts + 1) - counts - 1  # [B] where each row's positions begin
         positions = lengths[rows] + np.arange(len(rows)) - starts[rows]  # [N]
@@ -437,6 +442,7 @@ class ShardExecutor:
                 slot_mapping=slot_mapping,
                 block_tables=block_tables,
                 context_lens=(positions + 1).astype(np.int32),
+                query_lens=counts + 1,  # each sequence's KV gathered once for its positions
             )
         ids = np.asarray([t for tok, d in zip(tokens, drafts) for t in (tok, *d)], dtype=np.int32)  # [N]
         self._lora_rows([st.adapter for st, d in zip(states, drafts) for _ in range(1 + len(d))])

@@ -31,6 +31,7 @@ from eprt.engine.sampling import (
 from eprt.engine.speculative import Drafter, SpeculativeRunner
 from eprt.engine.structured import GuidedRows
 from eprt.scheduler.interface import TraceCalls
+from eprt.scheduler.speculation import StepCosts
 
 PREFILL_GROUP_TOKENS = 16384  # at most this many prompt tokens in one batched prefill forward
 
@@ -84,6 +85,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.decode_steps = 0
         self.decode_rows = 0
         self.drafter = drafter  # speculative decoding (eprt/engine/speculative.py); None: off
+        self.step_costs = None if drafter is None else StepCosts()  # what a draft position costs here
         self.guides: GuidedRows | None = None  # structured outputs (set by launch_engine)
         self.eos_token_ids: tuple = ()  # min_tokens holds these back (the engine sets the model's)
         self.logprobs_mode = "raw"  # raw | processed (eprt.engine.sampling.LOGPROB_MODES)
@@ -295,6 +297,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         return self.argmax_batch(row, 1)[0]
 
     def decode_batch(self, tokens, seqs, stream: int = 0) -> None:
+        self._decode_start = self._step_clock()
         slots = [s.slot for s in seqs]
         self._rows = list(seqs)
         if self.overlap is not None:  # the pass runs on while the rows' sampling is planned
@@ -331,6 +334,9 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self._rank_tokens(seqs, logits, tokens)
         if guided:  # the grammars take the tokens
             self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
+        if self.step_costs is not None and self._decode_start is not None and n == len(self._rows):
+            self.step_costs.decode_step(n, self._step_clock() - self._decode_start)  # a whole decode step
+        self._decode_start = None  # (a prefill's first tokens come through here too)
         return tokens
 
     def _sampling_plan(self, seqs: list, slow: list | None = None) -> tuple:

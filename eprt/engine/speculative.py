@@ -6,7 +6,7 @@ N positions of a verify step (sum over rows of 1 + drafts), V vocabulary.
 
 from __future__ import annotations
 
-import weakref
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,9 +15,9 @@ import numpy as np
 
 from eprt.comm import protocol as P
 from eprt.engine.sampling import sample_rows, token_uniform
+from eprt.scheduler.speculation import StepCosts
 
 METHODS = ("ngram",)  # --speculative-method
-MAX_BACKOFF = 16  # steps a sequence whose drafts keep failing goes without proposing
 
 
 class Drafter(Protocol):
@@ -108,7 +108,9 @@ class SpeculativeRunner:
     emits exactly the tokens it would without speculation, with the same seed."""
 
     drafter: Drafter | None = None
-    _backoff: weakref.WeakKeyDictionary | None = None  # seq -> (steps to skip, failures in a row)
+    step_costs: StepCosts | None = None  # measured decode and verify step times (speculation on)
+    _step_start = 0.0  # verify_batch's start
+    _decode_start: float | None = None  # decode_batch's start, until its readback
     proposed_tokens = 0
     accepted_tokens = 0
     verify_steps = 0
@@ -119,32 +121,24 @@ class SpeculativeRunner:
         return (self.verify_rows + self.accepted_tokens) / self.verify_rows if self.verify_rows else 0.0
 
     def propose_drafts(self, seq, k: int) -> list[int]:
-        """Up to ``k`` drafts; none while the sequence backs off (below)."""
+        """Up to ``k`` drafts (how many: the scheduler's speculation.DraftPolicy)."""
         if self.drafter is None or k < 1:
-            return []
-        if self._backoff is None:
-            self._backoff = weakref.WeakKeyDictionary()
-        skip, failures = self._backoff.get(seq, (0, 0))
-        if skip:
-            self._backoff[seq] = (skip - 1, failures)
             return []
         return self.drafter.propose(seq.token_ids, k)[:k]
 
-    def _after_verify(self, seq, proposed: int, accepted: int) -> None:
-        """Backoff where lookup does not pay: after a step whose drafts were all rejected, the
-        sequence proposes none for 2**failures - 1 steps (failures in a row, at most MAX_BACKOFF
-        steps); any accepted draft ends it. Which steps speculate never changes the tokens."""
-        if not proposed or self._backoff is None:
-            return
-        if accepted:
-            self._backoff.pop(seq, None)
-            return
-        failures = self._backoff.get(seq, (0, 0))[1] + 1
-        self._backoff[seq] = (min(2**failures - 1, MAX_BACKOFF), failures)
+    def draft_cost(self, rows: int) -> float | None:
+        return None if self.step_costs is None else self.step_costs.draft_cost(rows)
+
+    def _step_clock(self) -> float:
+        """What steps are timed on: on the CPU this process's CPU time (a step's compute, what other
+        work on a shared machine disturbs least), else the wall clock (the readback waits for the
+        device)."""
+        return time.process_time() if self.executor.ops.name == "cpu" else time.perf_counter()
 
     def verify_batch(self, tokens, seqs, drafts, stream: int = 0) -> None:
         slots = [s.slot for s in seqs]
         drafts = [tuple(int(t) for t in d) for d in drafts]
+        self._step_start = self._step_clock()
         self.transport.send(P.Verify(tuple(slots), tuple(int(t) for t in tokens), tuple(drafts)))
         self.transport.flush()
         self._logits = self.executor.verify(slots, list(tokens), drafts)  # [N, V]
@@ -161,28 +155,31 @@ class SpeculativeRunner:
         seqs, drafts = self._rows, self._drafts
         starts = np.cumsum([0] + [len(d) + 1 for d in drafts])  # [B + 1] first position of each row
         sampled = [r for r, s in enumerate(seqs) if s.params.temperature != 0.0]
-        out = [[] for _ in seqs]
+        targets = [0] * int(starts[-1])  # [N] the token each position emits if reached
         if len(sampled) < len(seqs):
-            greedy = [int(t) for t in self.executor.ops.argmax(self._logits)]
-            for r, d in enumerate(drafts):
-                out[r] = accepted_run(d, greedy[starts[r] : starts[r + 1]])
+            targets = [int(t) for t in self.executor.ops.argmax(self._logits)]
         if sampled:
             host = self.executor.ops.to_host(self._logits)  # [N, V]
-            for r in sampled:
-                out[r] = self._sample_run(host[starts[r] : starts[r + 1]], seqs[r], drafts[r])
+            positions = [p for r in sampled for p in range(starts[r], starts[r + 1])]
+            for p, t in zip(positions, self._sample_positions(host[positions], seqs, drafts, sampled)):
+                targets[p] = t
+        out = [accepted_run(d, targets[starts[r] : starts[r + 1]]) for r, d in enumerate(drafts)]
+        if self.step_costs is not None:
+            self.step_costs.verify_step(len(seqs), sum(len(d) for d in drafts), self._step_clock() - self._step_start)
         return out
 
     @staticmethod
-    def _sample_run(logits: np.ndarray, seq, drafts: tuple) -> list[int]:
-        """A sampled row's emitted tokens: position i's token drawn with the uniform of its sequence
-        index (``seq.len + 1 + i``), one position at a time until one differs from its draft."""
-        out = []
-        for i in range(len(drafts) + 1):
-            u = token_uniform(seq.model_state.seed, seq.len + 1 + i)
-            out.append(sample_rows(logits[i : i + 1], [seq.params], np.array([u]))[0])
-            if i == len(drafts) or out[-1] != drafts[i]:
-                return out
-        return out
+    def _sample_positions(logits: np.ndarray, seqs, drafts, sampled: list) -> list[int]:
+        """The sampled rows' tokens at each of their positions, logits[n, V] in row order: position i
+        of a row drawn with the uniform of its sequence index (``seq.len + 1 + i``), as plain
+        decoding draws it; one sample_rows call for them all."""
+        params, uniforms = [], []
+        for r in sampled:
+            seq = seqs[r]
+            for i in range(len(drafts[r]) + 1):
+                params.append(seq.params)
+                uniforms.append(token_uniform(seq.model_state.seed, seq.len + 1 + i))
+        return sample_rows(logits, params, np.asarray(uniforms))
 
     def accept_drafts(self, seqs, accepted: Sequence[int]) -> None:
         """ACCEPT: row r keeps accepted[r] drafts; here and, with the next frame, on every worker."""
@@ -191,5 +188,3 @@ class SpeculativeRunner:
         self.executor.accept(list(slots), list(accepted))
         self.transport.send(P.Accept(slots, accepted))
         self.accepted_tokens += sum(accepted)
-        for seq, d, a in zip(seqs, self._drafts, accepted):
-            self._after_verify(seq, len(d), a)

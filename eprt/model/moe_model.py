@@ -46,6 +46,7 @@ class AttnBatch:
     start_pos: int = 0  # prefill: position of the first token
     block_tables: np.ndarray | None = None  # decode: [B, MB]
     context_lens: np.ndarray | None = None  # decode: [B] (new token included)
+    query_lens: np.ndarray | None = None  # verify: [S] rows of each sequence (decode fields per row)
     state_slots: np.ndarray | None = None  # hybrid models: recurrent-state slot of the sequence [1] or rows [B]
     parts: tuple = ()  # batched prefill: a PrefillPart per sequence, in token order (block_table unused)
     rope_cos_sin: np.ndarray | None = None  # [T, R] per-token cos|sin (3-D MRoPE of image prompts): replaces positions
@@ -209,6 +210,9 @@ class MoEModel:
                     q[rows], kv.k[layer], kv.v[layer], ops.index(p.block_table), p.start_pos, self.scale
                 ),
             )
+        elif batch.query_lens is not None:
+            tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
+            o = ops.attention_verify(q, kv.k[layer], kv.v[layer], tables, lens, batch.query_lens, self.scale)
         else:
             o = ops.attention_decode(
                 q, kv.k[layer], kv.v[layer], ops.index(batch.block_tables), ops.index(batch.context_lens), self.scale
@@ -257,6 +261,9 @@ class MoEModel:
                     q_all[rows], cache, ops.index(p.block_table), p.start_pos, self.scale, value_dim=C
                 ),
             )
+        elif batch.query_lens is not None:
+            tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
+            o = ops.mla_attention_verify(q_all, cache, tables, lens, batch.query_lens, self.scale, value_dim=C)
         else:
             tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
             o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, value_dim=C)  # [T, H, C]

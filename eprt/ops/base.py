@@ -158,6 +158,23 @@ class Ops:
         Returns [B, H, Dh]."""
         raise NotImplementedError
 
+    def attention_verify(
+        self,
+        q: Array,
+        k_cache: Array,
+        v_cache: Array,
+        block_tables: Array,
+        context_lens: Array,
+        query_lens: np.ndarray,
+        scale: float,
+    ) -> Array:
+        """A verify step (speculative decoding): B sequences of query_lens[B] (host) consecutive
+        new positions each, N = sum(query_lens) rows in q[N, H, Dh], a sequence's rows together.
+        Row n attends like a decode row: block_tables[N, MB], context_lens[N] >= 1 (its KV and
+        that of the positions before it written). Returns [N, H, Dh]. By default one decode row
+        per position; a backend may gather each sequence's KV once for its rows."""
+        return self.attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
     def router(self, logits: Array, top_k: int, renormalize: bool):
         """logits[T, E] -> (weights[T, k] float32, ids[T, k] int32): softmax in float32
         over all E experts, the k largest (ties to the lower id), optionally renormalized
@@ -202,6 +219,20 @@ class Ops:
         """Batched decode in the latent space, one query per sequence. q[B, H, L],
         block_tables[B, MB], context_lens[B] >= 1 (new token included). Returns [B, H, C]."""
         raise NotImplementedError
+
+    def mla_attention_verify(
+        self,
+        q: Array,
+        latent_cache: Array,
+        block_tables: Array,
+        context_lens: Array,
+        query_lens: np.ndarray,
+        scale: float,
+        value_dim: int,
+    ) -> Array:
+        """attention_verify in the latent space: q[N, H, L], rows as in attention_verify.
+        Returns [N, H, C]."""
+        return self.mla_attention_decode(q, latent_cache, block_tables, context_lens, scale, value_dim)
 
     def silu_and_mul(self, x: Array) -> Array:
         """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]  [T, I]"""

@@ -21,6 +21,7 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
 
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows computes each row alone (GEMVs or the kernel)
+MOE_TOKENS_ONE_BY_ONE = 5  # up to this many tokens, moe_experts may run them one by one
 EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
 
 
@@ -195,6 +196,38 @@ class NumpyOps(Ops):
         probs = _softmax_last(scores)
         return np.matmul(probs, v).reshape(B, H, Dh)  # [B, Hk, G, Dh] -> [B, H, Dh]
 
+    def attention_verify(self, q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
+        """Each sequence's KV gathered once for its rows (queries padded to the longest row count,
+        each row masked past its own length)."""
+        N, H, Dh = q.shape
+        bs, Hk = k_cache.shape[1], k_cache.shape[2]
+        qlens = np.asarray(query_lens, dtype=np.int64)  # [B]
+        lens = np.asarray(context_lens)  # [N]
+        starts = np.cumsum(qlens) - qlens  # [B] each sequence's first row
+        width = int(qlens.max())  # W: rows per sequence, padded
+        take = starts[:, None] + np.minimum(np.arange(width)[None, :], qlens[:, None] - 1)  # [B, W] pads repeat
+        row_bytes = 2 * k_cache[0].nbytes * max(1, -(-int(lens.max()) // bs))
+        step = max(1, DECODE_GATHER_BYTES // row_bytes)  # sequences per gather: bounds the padded copy
+        out = np.empty_like(q)  # [N, H, Dh]
+        for b0 in range(0, len(qlens), step):
+            idx = take[b0 : b0 + step]  # [b, W]
+            b = idx.shape[0]
+            limit = lens[idx]  # [b, W] each row's context length
+            nblocks = -(-int(limit.max()) // bs)
+            S = nblocks * bs
+            tables = block_tables[idx[:, 0], :nblocks]  # [b, nb]
+            k = k_cache[tables].reshape(b, S, Hk, Dh).transpose(0, 2, 3, 1)  # [b, Hk, Dh, S]
+            v = v_cache[tables].reshape(b, S, Hk, Dh).transpose(0, 2, 1, 3)  # [b, Hk, S, Dh]
+            G = H // Hk
+            qg = q[idx].reshape(b, width, Hk, G, Dh).transpose(0, 2, 3, 1, 4) * np.float32(scale)  # [b, Hk, G, W, Dh]
+            scores = np.matmul(qg.reshape(b, Hk, G * width, Dh), k).reshape(b, Hk, G, width, S)
+            scores += np.where(np.arange(S) < limit[:, :, None], np.float32(0), np.float32(-np.inf))[:, None, None]
+            probs = _softmax_last(scores).reshape(b, Hk, G * width, S)
+            o = np.matmul(probs, v).reshape(b, Hk, G, width, Dh).transpose(0, 3, 1, 2, 4)  # [b, W, Hk, G, Dh]
+            real = np.arange(width)[None, :] < qlens[b0 : b0 + b, None]  # [b, W] rows that are not padding
+            out[idx[real]] = o.reshape(b, width, H, Dh)[real]
+        return out
+
     def router(self, logits, top_k, renormalize):
         probs = _softmax_last(logits.astype(np.float32, copy=True))  # [T, E]
         # stable sort on -p: ties go to the lower expert id, as torch.topk does on CPU
@@ -203,6 +236,16 @@ class NumpyOps(Ops):
         if renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return weights.astype(np.float32), ids
+
+    def mla_attention_verify(self, q, latent_cache, block_tables, context_lens, query_lens, scale, value_dim):
+        """Each sequence's latent rows gathered once: its rows are a causal chunk at its end."""
+        outs, n = [], 0
+        for t in np.asarray(query_lens).tolist():
+            end = int(context_lens[n + t - 1])
+            table = block_tables[n]
+            outs.append(self.mla_attention_prefill(q[n : n + t], latent_cache, table, end - t, scale, value_dim))
+            n += t
+        return np.concatenate(outs, axis=0)  # [N, H, C]
 
     def silu_and_mul(self, x):
         inter = x.shape[-1] // 2
@@ -224,6 +267,13 @@ class NumpyOps(Ops):
         k = ids.shape[1]
         if T == 1:  # one token (decode at batch 1): its k experts in choice order, no grouping
             return self._moe_one_token(x, weights[0], ids[0] - expert_start, w_gate_up, w_down)
+        if T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= EXPERT_ROWS_AS_GEMV:
+            # a few tokens (a verify step's at batch 1), no expert with more rows than run as GEMVs:
+            # token by token is cheaper than grouping them, and the same bits (one GEMV per row)
+            local = ids - expert_start  # [T, k]
+            return np.concatenate(
+                [self._moe_one_token(x[t : t + 1], weights[t], local[t], w_gate_up, w_down) for t in range(T)]
+            )  # [T, D]
         local = (ids - expert_start).reshape(-1)  # [T*k] local expert of each (token, choice)
         order = np.argsort(local, kind="stable")  # grouped by expert, tokens in order
         experts = local[order]

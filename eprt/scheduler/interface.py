@@ -91,6 +91,11 @@ class TraceCalls:
     def decode_marconi_checkpoint(self, seq) -> None:
         pass
 
+    def draft_cost(self, rows: int) -> float | None:
+        """Untraced: a draft position's measured cost at this batch size, in decode rows (a decode
+        step's time over its rows); None: not measured (speculation.DRAFT_COST)."""
+        return None
+
     # untraced hints of the prefill lane (docs/scenarios.md, "Prefill lane"): a model that runs a
     # tick's prefill chunks as one forward learns them ahead; these defaults decline
     def admit_ahead(self, seq) -> int | None:

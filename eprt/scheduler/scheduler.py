@@ -49,6 +49,7 @@ class Scheduler:
         self.free_blocks: int | None = None  # num_free_blocks() as read at the last plan
         self.preemptions = 0
         self._fx = EffectRunner(model, tracer)
+        self.drafting = speculation.DraftPolicy()  # the verify lane's (when speculation is on)
         self._inbox = Inbox()
         self._waiting: deque[Sequence] = deque()  # drained or preempted, no slot; front first
         self._live: list[Sequence] = []  # slot holders, in admission order

@@ -61,6 +61,7 @@ class Sequence:
     forks: list = field(default_factory=list, repr=False)  # further choices, forked when the prefill ends
     admit_order: int = -1  # larger: admitted more recently
     accepted_tokens: int | None = None  # speculative drafts accepted (None: speculation off)
+    draft_stats: object = None  # speculation.DraftStats: its acceptance estimate (speculation on)
     finish_reason: str | None = None
     guard: str | None = None
     error: str | None = None

@@ -4,7 +4,124 @@ one verify step whose emitted tokens go through the same per-token guards as dec
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from eprt.scheduler.effects import AcceptDrafts, Verify
+
+DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured
+PRIOR = (0.9, 1.0)  # a new sequence's acceptance estimate: hits, trials (optimistic: it drafts at once)
+KEEP = 0.5  # weight of the past in a sequence's acceptance estimate, per verify step
+COST_KEEP = 0.8  # weight of the past in a measured step time, per step
+MAX_PERIOD = 32  # steps between probes of a sequence whose drafts do not pay
+
+
+@dataclass
+class DraftStats:
+    """One sequence's acceptance estimate: exponentially weighted accepted drafts (hits) over the
+    drafts tested (trials: each accepted draft, and the rejected one where a row stopped short),
+    and, while it declines to draft, the steps between its probes (period; 0 while it drafts)."""
+
+    hits: float = PRIOR[0]
+    trials: float = PRIOR[1]
+    period: int = 0
+    choice: tuple | None = None  # ((cost, limit), k): best_draft_count's answer until hits/trials change
+
+    def acceptance(self) -> float:
+        return self.hits / self.trials
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        self.hits = KEEP * self.hits + accepted
+        self.trials = KEEP * self.trials + accepted + (accepted < proposed)
+        self.choice = None
+
+    def best(self, cost: float, limit: int) -> int:
+        if self.choice is None or self.choice[0] != (cost, limit):
+            self.choice = ((cost, limit), best_draft_count(self.acceptance(), cost, limit))
+        return self.choice[1]
+
+
+def best_draft_count(alpha: float, cost: float, limit: int) -> int:
+    """The drafts k in 0..limit that emit the most tokens per unit of time: k drafts each accepted
+    with probability alpha emit 1 + alpha + .. + alpha^k tokens in a step that costs 1 + cost * k
+    decode rows; 0 when no k beats a decode step."""
+    best, value, tokens, term = 0, 1.0, 1.0, 1.0
+    for k in range(1, limit + 1):
+        term *= alpha
+        tokens += term
+        v = tokens / (1.0 + cost * k)
+        if v > value:
+            best, value = k, v
+    return best
+
+
+class DraftPolicy:
+    """Adaptive speculation (the one place it is decided): a sequence drafts the k that its
+    acceptance estimate and the measured cost of a draft position pay for, and none when no k
+    does. A sequence that declines probes with one draft on the next step that is a multiple of
+    its period: 2, then 4, 8, .. MAX_PERIOD after each probe that leaves it declining (steps of
+    the whole lane, so the probes of a batch's rows share one verify step), which keeps its
+    estimate fresh and catches a stretch where lookup pays again. Whichever it chooses, a row
+    emits the target's tokens (the drafter is deterministic: a draft is kept iff it is the token
+    the target emits at its position; docs/design.md, "Speculative decoding")."""
+
+    def __init__(self) -> None:
+        self.steps = 0  # decode-lane steps so far
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def drafts(self, seq, limit: int, cost: float) -> int:
+        """How many drafts ``seq`` proposes this step (at most ``limit``)."""
+        stats = self._stats(seq)
+        k = stats.best(cost, limit)
+        if k:
+            stats.period = 0
+            return k
+        stats.period = stats.period or 2
+        if self.steps % stats.period:
+            return 0
+        stats.period = min(2 * stats.period, MAX_PERIOD)  # the next probe, if this one fails, waits longer
+        return min(limit, 1)
+
+    def verified(self, seq, proposed: int, accepted: int) -> None:
+        """``seq`` had ``proposed`` drafts verified, of which the first ``accepted`` passed."""
+        self._stats(seq).verified(proposed, accepted)
+
+    @staticmethod
+    def _stats(seq) -> DraftStats:
+        if seq.draft_stats is None:
+            seq.draft_stats = DraftStats()
+        return seq.draft_stats
+
+
+class StepCosts:
+    """The cost of a draft position, measured: decode and verify steps' times on rank 0 (the
+    runner's clock) per batch size. A verify of B rows and P drafts that takes t where a decode
+    step of B rows takes d costs (t - d) / (d / B) decode rows more; the cost of a draft is those
+    extra rows over the drafts, both summed over recent verify steps (decayed), so a step of few
+    drafts (probes) weighs little."""
+
+    def __init__(self) -> None:
+        self.decode: dict[int, float] = {}  # rows -> seconds of a decode step (moving average)
+        self.extra: dict[int, tuple[float, float]] = {}  # rows -> (extra decode rows, drafts), decayed sums
+
+    def decode_step(self, rows: int, seconds: float) -> None:
+        self.decode[rows] = _average(self.decode.get(rows), seconds)
+
+    def verify_step(self, rows: int, drafts: int, seconds: float) -> None:
+        d = self.decode.get(rows)
+        if d and drafts:
+            extra, n = self.extra.get(rows, (0.0, 0.0))
+            self.extra[rows] = (COST_KEEP * extra + max(seconds - d, 0.0) / (d / rows), COST_KEEP * n + drafts)
+
+    def draft_cost(self, rows: int) -> float | None:
+        """Decode rows per draft position at this batch size; None until measured."""
+        extra, n = self.extra.get(rows, (0.0, 0.0))
+        return extra / n if n else None
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else COST_KEEP * old + (1.0 - COST_KEEP) * new
 
 
 def draft_limit(seq, num_tokens: int, max_model_len: int | None) -> int:
@@ -17,20 +134,25 @@ def draft_limit(seq, num_tokens: int, max_model_len: int | None) -> int:
 
 
 def plan_drafts(sched, rows: list) -> list[tuple]:
-    """Each row's drafts, rows in slot order: proposed within ``draft_limit``, then cut so that
-    their extra KV blocks fit in the blocks free after the decode step's own (a sequence near
-    the end of the pool speculates less; nothing is preempted for drafts)."""
+    """Each row's drafts, rows in slot order: as many as ``DraftPolicy`` finds worth it within
+    ``draft_limit``, then cut so that their extra KV blocks fit in the blocks free after the
+    decode step's own (a sequence near the end of the pool speculates less; nothing is
+    preempted for drafts)."""
     cfg, model = sched.config, sched.model
+    cost = model.draft_cost(len(rows))
+    cost = DRAFT_COST if cost is None else cost
+    sched.drafting.step()
     drafts = []
     for seq in rows:
         k = draft_limit(seq, cfg.num_speculative_tokens, cfg.max_model_len)
+        k = sched.drafting.drafts(seq, k, cost) if k else 0
         drafts.append(tuple(model.propose_drafts(seq, k)[:k]) if k else ())
     bs = cfg.block_size
 
     def extra(seq, k: int) -> int:  # blocks beyond those a plain decode step of seq takes
         return (seq.len + k + 1) // bs - (seq.len + 1) // bs
 
-    if any(extra(seq, len(d)) for seq, d in zip(rows, drafts)):
+    if any(drafts) and any(extra(seq, len(d)) for seq, d in zip(rows, drafts)):
         room = model.num_free_blocks() - sum(1 for s in rows if (s.len + 1) % bs == 0)
         for r, seq in enumerate(rows):
             d = drafts[r]
@@ -59,7 +181,9 @@ def verify_lane(sched, rows: list) -> bool:
         return False
     emitted = sched._fx.run(Verify(tuple(rows), tuple(drafts)))
     kept = []
-    for seq, tokens in zip(rows, emitted):
+    for seq, d, tokens in zip(rows, drafts, emitted):
+        if d:
+            sched.drafting.verified(seq, len(d), len(tokens) - 1)
         n = 0
         for token in tokens:
             n += 1

@@ -4,13 +4,22 @@
 
 Greedy tokens with speculation on equal a single-rank run with it off; sampled tokens equal it
 too (a draft is accepted iff the token drawn at its position with that position's uniform equals
-it). Drafts must be accepted somewhere, so the verify path really ran on every rank.
+it). Drafts must be accepted somewhere, so the verify path really ran on every rank: the cost
+of a draft is pinned to 0 here, so every row the drafter has drafts for verifies them (which
+steps the adaptive policy speculates on depends on measured step times otherwise).
 """
 
 import pytest
 from test_expert_parallel_mpi import COMM, PROMPTS, engine_config, run_everywhere, run_single, shared_checkpoint
 
 from eprt.api import GenerationRequest, SamplingParams
+from eprt.scheduler.speculation import StepCosts
+
+
+@pytest.fixture(autouse=True)
+def drafts_cost_nothing(monkeypatch):
+    monkeypatch.setattr(StepCosts, "draft_cost", lambda self, rows: 0.0)
+
 
 REPEATING = [
     [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12, 13],
