@@ -62,7 +62,14 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
         ops.warm_up()
         placement_for = lambda model_cfg: initial_placement(cfg.eplb, model_cfg, world, nodes)  # noqa: E731
         return ops, load_model(
-            cfg.model, ops, cfg.max_model_len, rank, world, _combine(transport, ops), placement_for=placement_for
+            cfg.model,
+            ops,
+            cfg.max_model_len,
+            rank,
+            world,
+            _combine(transport, ops),
+            placement_for=placement_for,
+            mtp=cfg.speculative_method == "mtp",
         )
 
     ops, loaded = step(load)
