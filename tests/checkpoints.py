@@ -362,7 +362,7 @@ def reference_greedy(path, prompt, steps):
     return ids[len(prompt) :], np.stack(rows)
 
 
-def build_mtp_checkpoint(path: str, seed: int = 0, echo: bool = False) -> str:
+def build_mtp_checkpoint(path: str, seed: int = 0, echo: bool = False, **overrides) -> str:
     """A deepseek_v3 checkpoint with a multi-token prediction layer (``num_nextn_predict_layers=1``),
     which transformers neither builds nor saves: its tensors, ``model.layers.{L}.*``, are written
     into the saved file here.
@@ -373,13 +373,14 @@ def build_mtp_checkpoint(path: str, seed: int = 0, echo: bool = False) -> str:
     layer whose attention output is zero (o_proj = 0), so the next token is a function of the
     current one; embeddings of unit RMS; the MTP layer is a copy of that layer fed the next
     token's embedding alone (eh_proj = [I | 0], unit enorm / hnorm), with the model's final norm
-    and LM head as its head. So it drafts the token after next, as the model will decode it."""
+    and LM head as its head. So it drafts the token after next, as the model will decode it.
+    ``overrides``: config fields of the deepseek_v3 checkpoint (expert counts, groups)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     import torch
     from safetensors.torch import load_file, save_file
 
-    overrides = dict(num_hidden_layers=1, first_k_dense_replace=0) if echo else {}
+    overrides.update(dict(num_hidden_layers=1, first_k_dense_replace=0) if echo else {})
     build_checkpoint("deepseek_v3", path, seed=seed, **overrides)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
