@@ -111,15 +111,10 @@ def test_verify_mtp_drafts_recursively_and_rolls_back(mtp_checkpoint):
 
 
 def engine_config(path, mtp: bool, **kw):
+    kw = dict(dict(max_batch=8, block_size=4, max_model_len=96), **kw)
+    k = kw.pop("k", 3)
     return EngineConfig(
-        model=path,
-        device="cpu",
-        max_batch=8,
-        block_size=4,
-        max_model_len=96,
-        speculative_method="mtp" if mtp else None,
-        num_speculative_tokens=kw.pop("k", 3),
-        **kw,
+        model=path, device="cpu", speculative_method="mtp" if mtp else None, num_speculative_tokens=k, **kw
     )
 
 
@@ -177,3 +172,35 @@ def test_a_checkpoint_without_mtp_layers_is_a_start_up_error(checkpoint):
     with pytest.raises(ValueError, match="--speculative-method mtp"):
         with launch_engine(engine_config(checkpoint("qwen3_moe"), True)):
             pass
+
+
+def test_worker_replaying_verify_mtp_keeps_rank_0_state_bitwise(mtp_checkpoint):
+    """A worker fed rank 0's real frames (VERIFY_MTP, ACCEPT, chunked prefill, prefix hits,
+    preemption) drafts the same tokens: the same KV, MTP layer included, and the same held rows."""
+    from test_worker_replay import RecordingTransport, Replay
+
+    from eprt.comm.worker import run_worker
+
+    path = mtp_checkpoint(echo=True)
+    cfg = engine_config(path, True, k=3, num_blocks=14, max_prefill_tokens=6, max_batch=3, max_model_len=48)
+    system = list(range(30, 46))
+    reqs = [
+        GenerationRequest(system + [i, i + 1, i + 2], SamplingParams(max_tokens=14 + 3 * i, ignore_eos=True))
+        for i in range(4)
+    ]
+    transport = RecordingTransport()
+    with launch_engine(cfg, transport=transport) as engine:
+        first = engine.generate(reqs[:1])
+        rest = engine.generate(reqs[1:])
+        rank0 = engine.runner.executor
+        stats = engine.stats()
+    assert any(r.cached_tokens for r in rest) and sum(r.accepted_tokens for r in first + rest) > 0
+    assert stats["preemptions"] > 0
+    worker = ShardExecutor(load_model(path, NumpyOps(), 48, mtp=True).model, 14, 4, 3)
+    worker.compute_logits = False
+    assert run_worker(Replay(transport.frames, transport.rows), worker, 3, 256) == 0
+    assert len(rank0.kv.latent) == 2  # the model's layer and the MTP layer's
+    for a, b in zip(rank0.kv.latent, worker.kv.latent):
+        assert np.array_equal(a, b)
+    assert rank0.blocks._block_of == worker.blocks._block_of
+    assert rank0._mtp_rows.keys() == worker._mtp_rows.keys() == set()
