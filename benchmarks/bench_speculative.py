@@ -1,6 +1,7 @@
-"""Speculative decoding: decode tokens/s and mean accepted length, off vs ngram, batch 1 and 8.
+"""Speculative decoding: decode tokens/s and mean accepted length, off vs ngram (vs mtp), batch 1 and 8.
 
-    python benchmarks/bench_speculative.py [--model DIR | --bench-model DIR] [--new-tokens 96] [--k 4]
+    python benchmarks/bench_speculative.py [--model DIR | --bench-model DIR | --mtp-model DIR [--mtp-echo]]
+        [--new-tokens 96] [--k 4]
 
 One checkpoint, on the CPU, one rank: the built-in model (3.7 MB: a step costs its Python and
 per-token compute, so verifying K + 1 positions costs several decode steps), --model DIR, or
@@ -11,6 +12,10 @@ prompt without a tokenizer is the text's bytes. Two workloads:
   when the model repeats what it has seen);
 - sampled: a short code prompt sampled at temperature 1.0 (drafts are proposed, rarely accepted:
   lookup does not pay, the verify step must not cost more than it saves).
+A checkpoint with an MTP layer (num_nextn_predict_layers and its tensors) gets an mtp column too:
+--mtp-model DIR builds (once) tests/checkpoints.py's tiny deepseek_v3 with a random MTP layer,
+whose drafts are rarely accepted, or with --mtp-echo the one whose MTP layer drafts what the model
+decodes (an upper bound on acceptance, not a real model's).
 Decode tokens/s: the tokens after each request's first, over the time from the batch's first
 first token to its last token (streamed timestamps), best of --repeats. Mean accepted length:
 tokens emitted per row with drafts (accepted drafts + 1), from the engine's counters.
@@ -26,6 +31,8 @@ import time
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.comm.transport import LocalTransport
 from eprt.engine.engine import EngineConfig, launch_engine
+from eprt.model.config import load_config
+from eprt.model.safetensors_io import SafetensorsCheckpoint
 
 TEXT = (
     "Return a new list containing all items from the iterable in ascending order. A custom key function "
@@ -63,10 +70,20 @@ def measure(engine, prompt: list, batch: int, n: int, temperature: float, repeat
     return best, (rows + acc) / rows if rows else 0.0
 
 
+def has_mtp(model_dir: str | None) -> bool:
+    """Whether the checkpoint holds an MTP layer --speculative-method mtp can load."""
+    if model_dir is None:
+        return False
+    cfg = load_config(model_dir)
+    return cfg.mtp_layers > 0 and f"model.layers.{cfg.num_layers}.eh_proj.weight" in SafetensorsCheckpoint(model_dir)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     ap.add_argument("--bench-model", default=None, metavar="DIR", help="build/use bench_decode_cpu.py's model here")
+    ap.add_argument("--mtp-model", default=None, metavar="DIR", help="build/use a tiny deepseek_v3 with an MTP layer")
+    ap.add_argument("--mtp-echo", action="store_true", help="--mtp-model: the MTP layer drafts what the model decodes")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--repeats", type=int, default=3)
@@ -78,8 +95,14 @@ def main() -> None:
         from checkpoints import build_checkpoint
 
         args.model = build_checkpoint("qwen3_moe", args.bench_model, **BENCH_MODEL)
+    if args.mtp_model:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from checkpoints import build_mtp_checkpoint
+
+        args.model = build_mtp_checkpoint(args.mtp_model, echo=args.mtp_echo)
+    methods = ("ngram", "mtp") if has_mtp(args.model) else ("ngram",)
     results = {}
-    for method in (None, "ngram"):
+    for method in (None, *methods):
         cfg = EngineConfig(
             model=args.model,
             device="cpu",
@@ -97,12 +120,16 @@ def main() -> None:
                     results[method, name, batch] = measure(
                         engine, prompt, batch, args.new_tokens, temperature, args.repeats
                     )
-    print(f"{'workload':<9} {'batch':>5} {'off tok/s':>10} {'ngram tok/s':>12} {'speedup':>8} {'mean acc len':>13}")
+    head = "".join(f" {m + ' tok/s':>12} {'speedup':>8} {'acc len':>8}" for m in methods)
+    print(f"{'workload':<9} {'batch':>5} {'off tok/s':>10}{head}")
     for name in WORKLOADS:
         for batch in (1, 8):
             off, _ = results[None, name, batch]
-            on, length = results["ngram", name, batch]
-            print(f"{name:<9} {batch:>5} {off:>10.1f} {on:>12.1f} {on / off:>7.2f}x {length:>13.2f}")
+            cells = ""
+            for m in methods:
+                on, length = results[m, name, batch]
+                cells += f" {on:>12.1f} {on / off:>7.2f}x {length:>8.2f}"
+            print(f"{name:<9} {batch:>5} {off:>10.1f}{cells}")
 
 
 if __name__ == "__main__":
