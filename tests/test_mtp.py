@@ -204,3 +204,45 @@ def test_worker_replaying_verify_mtp_keeps_rank_0_state_bitwise(mtp_checkpoint):
         assert np.array_equal(a, b)
     assert rank0.blocks._block_of == worker.blocks._block_of
     assert rank0._mtp_rows.keys() == worker._mtp_rows.keys() == set()
+
+
+def sampled_tokens(path, mtp: bool, seeds, position: int):
+    params = lambda s: SamplingParams(max_tokens=position + 1, temperature=0.5, top_k=6, seed=s, ignore_eos=True)  # noqa: E731
+    with launch_engine(engine_config(path, mtp, max_batch=32, max_model_len=64)) as engine:
+        results = engine.generate([GenerationRequest(PROMPT, params(s)) for s in seeds])
+    return [r.token_ids[position] for r in results], sum(r.accepted_tokens or 0 for r in results)
+
+
+def test_sampled_mtp_tokens_follow_the_plain_distribution_chi_square(mtp_checkpoint):
+    """Disjoint seed sets, so the two samples are independent: a two-sample chi-square over the
+    tokens seen at output position 2 (rare tokens pooled), as for ngram in test_speculative.py; the
+    first verify step's drafts cover positions 1..3."""
+    from test_speculative import CHI2_999
+
+    path = mtp_checkpoint(echo=True)
+    off, _ = sampled_tokens(path, False, range(0, 300), 2)
+    on, accepted = sampled_tokens(path, True, range(1000, 1300), 2)
+    assert accepted > 0
+    tokens, counts = np.unique(off + on, return_counts=True)
+    common = tokens[counts >= 20]
+    table = np.array(
+        [[sum(t == c for t in side) for c in common] + [sum(t not in common for t in side)] for side in (off, on)]
+    )
+    table = table[:, table.sum(axis=0) > 0]
+    expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0, keepdims=True) / table.sum()
+    chi2 = float(((table - expected) ** 2 / expected).sum())
+    df = table.shape[1] - 1
+    assert 3 <= df <= 15, table  # enough distinct tokens for a real test
+    assert chi2 < CHI2_999[df], (chi2, table)
+
+
+def test_generate_json_reports_mtp_accepted_tokens(mtp_checkpoint, capsys):
+    from eprt import cli
+
+    argv = ["generate", "--model", mtp_checkpoint(echo=True), "--prompt-ids", "5,6,7,8", "--max-tokens", "16"]
+    argv += ["--json", "--device", "cpu", "--ignore-eos"]
+    assert cli.main([*argv, "--speculative-method", "mtp", "--num-speculative-tokens", "3"]) == 0
+    assert cli.main(argv) == 0
+    on, off = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert on["token_ids"] == off["token_ids"] and "accepted_tokens" not in off
+    assert 0 < on["accepted_tokens"] < 16

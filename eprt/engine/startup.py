@@ -212,6 +212,8 @@ def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, model_len: int, sharers: 
         return cfg.num_blocks
     wanted = cfg.max_batch * (model_len // cfg.block_size + 1)
     per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
+    if cfg.speculative_method == "mtp":  # the MTP layer's KV: one more attention layer in every block
+        per_block += per_block // model_cfg.num_attention_layers
     if ops.name != "cpu":
         from eprt.ops.device import kv_pool_blocks
 
