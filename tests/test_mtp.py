@@ -78,11 +78,13 @@ def test_mtp_layer_matches_transformers(mtp_checkpoint):
     path = mtp_checkpoint()
     model = load_model(path, NumpyOps(), max_len=64, mtp=True).model
     ex = ShardExecutor(model, 32, 4, 2, prefix_cache=False)
-    ex.prefill(0, PROMPT, 0, 4)  # two chunks: the held rows grow across them
-    ex.prefill_next(0, 4, PROMPT[4:])
-    st = ex.slots.get(0)
-    h, parts = ex._mtp_catch_up([0], [st], [123])
-    got = np.asarray(model.mtp_logits(h))
+    outputs, run = [], model.mtp_hidden
+    model.mtp_hidden = lambda *args: outputs.append(run(*args)) or outputs[-1]  # noqa: E731
+    ex.prefill(0, PROMPT, 0, 4)  # the MTP layer over positions 0..2 (the prompt holds their next tokens)
+    ex.prefill_next(0, 4, PROMPT[4:])  # 3..7, attending over the first chunk's MTP KV
+    ex.verify_mtp([0], [123], [1])  # the catch-up: 8, fed the token after the prompt
+    assert [len(o) for o in outputs] == [3, 5, 1]
+    got = np.asarray(model.mtp_logits(np.concatenate(outputs)))
     want = reference_mtp_logits(path, PROMPT, 123)
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
     assert (got.argmax(-1) == want.argmax(-1)).all()
@@ -91,7 +93,7 @@ def test_mtp_layer_matches_transformers(mtp_checkpoint):
 def test_verify_mtp_drafts_recursively_and_rolls_back(mtp_checkpoint):
     """After a partial ACCEPT the held rows are those of the kept positions only, and the next
     drafts equal those of an executor that decoded the kept tokens one by one (whose catch-up
-    pass then covers the whole sequence): the rejected positions' MTP KV is overwritten."""
+    pass then covers one more position): the rejected positions' MTP KV is overwritten."""
     model = load_model(mtp_checkpoint(), NumpyOps(), max_len=64, mtp=True).model
     a, b = (ShardExecutor(model, 32, 4, 2, prefix_cache=False) for _ in range(2))
     for ex in (a, b):
@@ -103,8 +105,8 @@ def test_verify_mtp_drafts_recursively_and_rolls_back(mtp_checkpoint):
     b.decode([0], [drafts[0][0]])
     assert a.slots.get(0).tokens == b.slots.get(0).tokens
     (start_a, rows_a), (start_b, rows_b) = a._mtp_rows[a.slots.get(0).key], b._mtp_rows[b.slots.get(0).key]
-    assert (start_a, len(rows_a), start_b, len(rows_b)) == (len(PROMPT), 2, 0, len(PROMPT) + 2)
-    np.testing.assert_allclose(np.asarray(rows_a), np.asarray(rows_b[len(PROMPT) :]), atol=1e-5)
+    assert (start_a, len(rows_a), start_b, len(rows_b)) == (len(PROMPT), 2, len(PROMPT) - 1, 3)
+    np.testing.assert_allclose(np.asarray(rows_a), np.asarray(rows_b[1:]), atol=1e-5)
     da, _ = a.verify_mtp([0], [7], [2])
     db, _ = b.verify_mtp([0], [7], [2])
     assert da == db

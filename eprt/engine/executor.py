@@ -377,6 +377,7 @@ class ShardExecutor:
         self._mtp_keep([st for st, _ in states], [c.chunk_start for c in chunks], [c.chunk_len for c in chunks], h)
         for st, new in states:
             st.tokens.extend(new)
+        self._mtp_prefill(named, [st for st, _ in states])
         self.prefill_hidden = h if keep_hidden else None
         last = np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32)  # [G]
         return self._output(h[self.ops.index(last)])
@@ -495,21 +496,43 @@ class ShardExecutor:
     def _mtp_catch_up(self, slots: list, states: list, tokens: list) -> tuple:
         """The MTP layer over each row's held positions ``s .. L - 1``, position p fed the token
         after it (the stored ones, then ``tokens[r]`` after L - 1) and the main model's hidden row
-        of p; its KV is written, the held rows consumed. Returns (output [T, D], PrefillPart per row)."""
-        ops = self.ops
-        self.model.lora_rows = None  # the MTP layer serves no adapter
-        ids, prev, positions, maps, parts, offset = [], [], [], [], [], 0
+        of p; the held rows are consumed. Returns (output [T, D], PrefillPart per row)."""
+        rows = []
         for slot, st, tok in zip(slots, states, tokens):
             held = self._mtp_rows.pop(st.key, None)
             if held is None or held[0] + len(held[1]) != st.length:
                 raise ExecutorError(
                     f"VERIFY_MTP slot {slot}: no hidden rows held up to its {st.length} stored tokens for the MTP layer"
                 )
-            start, rows = held
+            rows.append((slot, st, held[0], held[1], [*st.tokens[held[0] + 1 : st.length], int(tok)]))
+        return self._mtp_pass(rows)
+
+    def _mtp_prefill(self, slots: list, states: list) -> None:
+        """After a prefill chunk: the MTP layer over each sequence's held positions but the last,
+        whose next tokens the prompt holds (so the first verify step's catch-up is one row)."""
+        if not self.mtp:
+            return
+        rows = []
+        for slot, st in zip(slots, states):
+            start, hidden = self._mtp_rows[st.key]
+            if len(hidden) > 1:
+                rows.append((slot, st, start, hidden[:-1], st.tokens[start + 1 : st.length]))
+                self._mtp_rows[st.key] = (st.length - 1, hidden[-1:])
+        if rows:
+            self._mtp_pass(rows)
+
+    def _mtp_pass(self, rows: list) -> tuple:
+        """One MTP forward over rows ``(slot, state, first position s, hidden rows [m, D], the m
+        tokens after positions s .. s + m - 1)``, each a causal chunk over the slot's MTP KV, which
+        it writes. Returns (output [T, D], PrefillPart per row)."""
+        ops = self.ops
+        self.model.lora_rows = None  # the MTP layer serves no adapter
+        ids, prev, positions, maps, parts, offset = [], [], [], [], [], 0
+        for slot, st, start, hidden, after in rows:
             table = np.asarray(self.blocks.block_table(st.key), dtype=np.int32)
-            pos = np.arange(start, st.length, dtype=np.int32)  # [m]
-            ids.append(np.asarray([*st.tokens[start + 1 : st.length], int(tok)], dtype=np.int32))
-            prev.append(rows)
+            pos = np.arange(start, start + len(hidden), dtype=np.int32)  # [m]
+            ids.append(np.asarray(after, dtype=np.int32))
+            prev.append(hidden)
             positions.append(pos)
             maps.append(self.kv.slots(table, pos))
             parts.append(PrefillPart(offset, len(pos), table, start, slot))
