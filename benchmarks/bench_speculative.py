@@ -15,7 +15,8 @@ prompt without a tokenizer is the text's bytes. Two workloads:
 A checkpoint with an MTP layer (num_nextn_predict_layers and its tensors) gets an mtp column too:
 --mtp-model DIR builds (once) tests/checkpoints.py's tiny deepseek_v3 with a random MTP layer,
 whose drafts are rarely accepted, or with --mtp-echo the one whose MTP layer drafts what the model
-decodes (an upper bound on acceptance, not a real model's).
+decodes (an upper bound on acceptance, not a real model's), with --mtp-layers N layers of which
+all but the first add nothing (so the MTP layer costs 1 / N of the model, as in a deep one).
 Decode tokens/s: the tokens after each request's first, over the time from the batch's first
 first token to its last token (streamed timestamps), best of --repeats. Mean accepted length:
 tokens emitted per row with drafts (accepted drafts + 1), from the engine's counters.
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--bench-model", default=None, metavar="DIR", help="build/use bench_decode_cpu.py's model here")
     ap.add_argument("--mtp-model", default=None, metavar="DIR", help="build/use a tiny deepseek_v3 with an MTP layer")
     ap.add_argument("--mtp-echo", action="store_true", help="--mtp-model: the MTP layer drafts what the model decodes")
+    ap.add_argument("--mtp-layers", type=int, default=1, help="--mtp-echo: the model's layers (the MTP layer is 1)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--repeats", type=int, default=3)
@@ -99,7 +101,7 @@ def main() -> None:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from checkpoints import build_mtp_checkpoint
 
-        args.model = build_mtp_checkpoint(args.mtp_model, echo=args.mtp_echo)
+        args.model = build_mtp_checkpoint(args.mtp_model, echo=args.mtp_echo, echo_layers=args.mtp_layers)
     methods = ("ngram", "mtp") if has_mtp(args.model) else ("ngram",)
     results = {}
     for method in (None, *methods):

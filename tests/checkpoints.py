@@ -362,7 +362,7 @@ def reference_greedy(path, prompt, steps):
     return ids[len(prompt) :], np.stack(rows)
 
 
-def build_mtp_checkpoint(path: str, seed: int = 0, echo: bool = False, **overrides) -> str:
+def build_mtp_checkpoint(path: str, seed: int = 0, echo: bool = False, echo_layers: int = 1, **overrides) -> str:
     """A deepseek_v3 checkpoint with a multi-token prediction layer (``num_nextn_predict_layers=1``),
     which transformers neither builds nor saves: its tensors, ``model.layers.{L}.*``, are written
     into the saved file here.
@@ -374,23 +374,28 @@ def build_mtp_checkpoint(path: str, seed: int = 0, echo: bool = False, **overrid
     current one; embeddings of unit RMS; the MTP layer is a copy of that layer fed the next
     token's embedding alone (eh_proj = [I | 0], unit enorm / hnorm), with the model's final norm
     and LM head as its head. So it drafts the token after next, as the model will decode it.
+    ``echo_layers`` > 1: more layers after that one, each adding nothing (zero attention output,
+    zero expert and shared-expert down projections) but costing a layer's compute, so the MTP
+    layer costs 1 / echo_layers of the model, as in a deep model.
     ``overrides``: config fields of the deepseek_v3 checkpoint (expert counts, groups)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     import torch
     from safetensors.torch import load_file, save_file
 
-    overrides.update(dict(num_hidden_layers=1, first_k_dense_replace=0) if echo else {})
+    overrides.update(dict(num_hidden_layers=echo_layers, first_k_dense_replace=0) if echo else {})
     build_checkpoint("deepseek_v3", path, seed=seed, **overrides)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
-    L = _COMMON["num_hidden_layers"] if not echo else 1
+    L = _COMMON["num_hidden_layers"] if not echo else echo_layers
     D = _COMMON["hidden_size"]
     mtp = f"model.layers.{L}."
     source = "model.layers.0." if echo else "model.layers.1."  # a sparse layer's tensor names and shapes
     g = torch.Generator().manual_seed(seed + 1)
     if echo:
-        tensors["model.layers.0.self_attn.o_proj.weight"].zero_()
+        for name, t in tensors.items():  # layers after 0 add nothing: zero attention, expert outputs
+            if name.endswith("o_proj.weight") or (not name.startswith("model.layers.0.") and "down_proj" in name):
+                t.zero_()
         e = tensors["model.embed_tokens.weight"]
         rms = e.pow(2).mean(-1, keepdim=True).sqrt()
         tensors["model.embed_tokens.weight"] = (e / torch.where(rms > 0, rms, 1.0)).contiguous()  # (pad row: 0)
