@@ -1,7 +1,7 @@
-"""Speculative decoding: decode tokens/s and mean accepted length, off vs ngram, batch 1 and 8.
+"""Speculative decoding: decode tokens/s and mean accepted length, off vs ngram (vs mtp), batch 1 and 8.
 
-    python benchmarks/bench_speculative.py [--model DIR | --bench-model DIR] [--new-tokens 96] [--k 4]
-        [--repeats 3] [--threads N] [--step-costs] [--draft-cost C]
+    python benchmarks/bench_speculative.py [--model DIR | --bench-model DIR | --mtp-model DIR [--mtp-echo]
+        [--mtp-layers N]] [--new-tokens 96] [--k 4] [--repeats 3] [--threads N] [--step-costs] [--draft-cost C]
 
 One checkpoint, on the CPU, one rank: the built-in model (3.7 MB: a step costs its Python and
 per-token compute, so verifying K + 1 positions costs more than a decode step), --model DIR, or
@@ -12,9 +12,14 @@ prompt without a tokenizer is the text's bytes. Two workloads:
   when the model repeats what it has seen);
 - sampled: a short code prompt sampled at temperature 1.0 (drafts are rarely accepted: lookup
   does not pay, and the adaptive policy must keep speculation from costing more than it saves).
+A checkpoint with an MTP layer (num_nextn_predict_layers and its tensors) gets an mtp column too:
+--mtp-model DIR builds (once) tests/checkpoints.py's tiny deepseek_v3 with a random MTP layer,
+whose drafts are rarely accepted, or with --mtp-echo the one whose MTP layer drafts what the model
+decodes (an upper bound on acceptance, not a real model's), with --mtp-layers N layers of which
+all but the first add nothing (so the MTP layer costs 1 / N of the model, as in a deep one).
 Decode tokens/s: the tokens after each request's first, over the time from the batch's first
-first token to its last token (streamed timestamps). Off and ngram run interleaved, each
-repeat measuring every cell of both, so a busy machine slows both alike; the table shows the
+first token to its last token (streamed timestamps). Off and the methods run interleaved, each
+repeat measuring every cell of each, so a busy machine slows both alike; the table shows the
 best of --repeats and, in brackets, the median. Mean accepted length: tokens emitted per row
 with drafts (accepted drafts + 1), from the engine's counters.
 
@@ -52,6 +57,8 @@ import time  # noqa: E402
 from eprt.api import GenerationRequest, SamplingParams  # noqa: E402
 from eprt.comm.transport import LocalTransport  # noqa: E402
 from eprt.engine.engine import EngineConfig, launch_engine  # noqa: E402
+from eprt.model.config import load_config  # noqa: E402
+from eprt.model.safetensors_io import SafetensorsCheckpoint  # noqa: E402
 from eprt.scheduler.speculation import DraftPolicy  # noqa: E402
 
 TEXT = (
@@ -102,13 +109,23 @@ def launch(stack, args, method: str | None, k: int):
     return stack.enter_context(launch_engine(cfg, transport=LocalTransport()))
 
 
+def has_mtp(model_dir: str | None) -> bool:
+    """Whether the checkpoint holds an MTP layer --speculative-method mtp can load."""
+    if model_dir is None:
+        return False
+    cfg = load_config(model_dir)
+    return cfg.mtp_layers > 0 and f"model.layers.{cfg.num_layers}.eh_proj.weight" in SafetensorsCheckpoint(model_dir)
+
+
 def speedups(args) -> None:
     runs: dict = {}
     accepted: dict = {}
+    methods = ("ngram", "mtp") if has_mtp(args.model) else ("ngram",)
     with contextlib.ExitStack() as stack:
-        engines = {method: launch(stack, args, method, args.k) for method in (None, "ngram")}
+        engines = {method: launch(stack, args, method, args.k) for method in (None, *methods)}
         if args.draft_cost is not None:  # the adaptive policy with this cost instead of the measured one
-            engines["ngram"].runner.step_costs.draft_cost = lambda rows: args.draft_cost
+            for m in methods:
+                engines[m].runner.step_costs.draft_cost = lambda rows: args.draft_cost
         for _ in range(args.repeats):
             for name, (text, temperature) in WORKLOADS.items():
                 for batch in BATCHES:
@@ -120,23 +137,26 @@ def speedups(args) -> None:
                             measure(engine, prompt, batch, args.new_tokens, temperature)
                         )
                         rows, acc = runner.verify_rows - rows0, runner.accepted_tokens - acc0
-                        old = accepted.get((name, batch), (0, 0))
-                        accepted[name, batch] = (old[0] + rows, old[1] + acc)
+                        old = accepted.get((method, name, batch), (0, 0))
+                        accepted[method, name, batch] = (old[0] + rows, old[1] + acc)
     for c, clock in enumerate(("wall clock", "CPU time")):
         print(f"decode tok/s on the {clock}: best of {args.repeats} (median)")
-        print(f"{'workload':<9} {'batch':>5} {'off':>18} {'ngram':>18} {'speedup':>16} {'mean acc len':>13}")
+        head = "".join(f" {m:>18} {'speedup':>16} {'mean acc len':>13}" for m in methods)
+        print(f"{'workload':<9} {'batch':>5} {'off':>18}{head}")
         for name in WORKLOADS:
             for batch in BATCHES:
                 off = [r[c] for r in runs[None, name, batch]]
-                on = [r[c] for r in runs["ngram", name, batch]]
-                rows, acc = accepted[name, batch]
-                length = (rows + acc) / rows if rows else 0.0
-                med = statistics.median(on) / statistics.median(off)
-                print(
-                    f"{name:<9} {batch:>5} {max(off):>8.1f} ({statistics.median(off):>7.1f}) "
-                    f"{max(on):>8.1f} ({statistics.median(on):>7.1f}) {max(on) / max(off):>6.2f}x ({med:.2f}x) "
-                    f"{length:>13.2f}"
-                )
+                cells = ""
+                for m in methods:
+                    on = [r[c] for r in runs[m, name, batch]]
+                    rows, acc = accepted[m, name, batch]
+                    length = (rows + acc) / rows if rows else 0.0
+                    med = statistics.median(on) / statistics.median(off)
+                    cells += (
+                        f" {max(on):>8.1f} ({statistics.median(on):>7.1f}) {max(on) / max(off):>6.2f}x ({med:.2f}x) "
+                        f"{length:>13.2f}"
+                    )
+                print(f"{name:<9} {batch:>5} {max(off):>8.1f} ({statistics.median(off):>7.1f}){cells}")
     print("all runs, wall-clock tok/s (CPU-time tok/s):")
     for key, values in runs.items():
         print(f"  {key}: {', '.join(f'{w:.0f} ({c:.0f})' for w, c in values)}")
@@ -151,6 +171,8 @@ class ForcedDrafts(DraftPolicy):
 
 class WrongDrafter:
     """Drafts a token the model never emits, so no draft is accepted and every step verifies."""
+
+    in_pass = False
 
     def propose(self, token_ids, k: int) -> list:
         return [0] * k
@@ -189,6 +211,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     ap.add_argument("--bench-model", default=None, metavar="DIR", help="build/use bench_decode_cpu.py's model here")
+    ap.add_argument("--mtp-model", default=None, metavar="DIR", help="build/use a tiny deepseek_v3 with an MTP layer")
+    ap.add_argument("--mtp-echo", action="store_true", help="--mtp-model: the MTP layer drafts what the model decodes")
+    ap.add_argument("--mtp-layers", type=int, default=1, help="--mtp-echo: the model's layers (the MTP layer is 1)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--repeats", type=int, default=3)
@@ -205,6 +230,11 @@ def main() -> None:
         from checkpoints import build_checkpoint
 
         args.model = build_checkpoint("qwen3_moe", args.bench_model, **BENCH_MODEL)
+    if args.mtp_model:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from checkpoints import build_mtp_checkpoint
+
+        args.model = build_mtp_checkpoint(args.mtp_model, echo=args.mtp_echo, echo_layers=args.mtp_layers)
     step_costs(args) if args.step_costs else speedups(args)
 
 

@@ -360,3 +360,71 @@ def reference_greedy(path, prompt, steps):
             rows.append(logits)
             ids.append(int(np.argmax(logits)))
     return ids[len(prompt) :], np.stack(rows)
+
+
+def build_mtp_checkpoint(path: str, seed: int = 0, echo: bool = False, echo_layers: int = 1, **overrides) -> str:
+    """A deepseek_v3 checkpoint with a multi-token prediction layer (``num_nextn_predict_layers=1``),
+    which transformers neither builds nor saves: its tensors, ``model.layers.{L}.*``, are written
+    into the saved file here.
+
+    Random (``echo=False``): the MTP layer's decoder tensors have the shapes of main layer 1's,
+    seeded random values; its drafts rarely match the model's tokens.
+    ``echo=True``: a model where the MTP layer predicts the next token by construction. One MoE
+    layer whose attention output is zero (o_proj = 0), so the next token is a function of the
+    current one; embeddings of unit RMS; the MTP layer is a copy of that layer fed the next
+    token's embedding alone (eh_proj = [I | 0], unit enorm / hnorm), with the model's final norm
+    and LM head as its head. So it drafts the token after next, as the model will decode it.
+    ``echo_layers`` > 1: more layers after that one, each adding nothing (zero attention output,
+    zero expert and shared-expert down projections) but costing a layer's compute, so the MTP
+    layer costs 1 / echo_layers of the model, as in a deep model.
+    ``overrides``: config fields of the deepseek_v3 checkpoint (expert counts, groups)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    overrides.update(dict(num_hidden_layers=echo_layers, first_k_dense_replace=0) if echo else {})
+    build_checkpoint("deepseek_v3", path, seed=seed, **overrides)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    L = _COMMON["num_hidden_layers"] if not echo else echo_layers
+    D = _COMMON["hidden_size"]
+    mtp = f"model.layers.{L}."
+    source = "model.layers.0." if echo else "model.layers.1."  # a sparse layer's tensor names and shapes
+    g = torch.Generator().manual_seed(seed + 1)
+    if echo:
+        for name, t in tensors.items():  # layers after 0 add nothing: zero attention, expert outputs
+            if name.endswith("o_proj.weight") or (not name.startswith("model.layers.0.") and "down_proj" in name):
+                t.zero_()
+        e = tensors["model.embed_tokens.weight"]
+        rms = e.pow(2).mean(-1, keepdim=True).sqrt()
+        tensors["model.embed_tokens.weight"] = (e / torch.where(rms > 0, rms, 1.0)).contiguous()  # (pad row: 0)
+    for name in [n for n in tensors if n.startswith(source)]:
+        t = tensors[name]
+        if echo:
+            value = t.clone()
+        elif name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
+        else:
+            value = 0.1 * torch.randn(t.shape, generator=g)
+        tensors[mtp + name[len(source) :]] = value.to(t.dtype).contiguous()
+    ones = torch.ones(D)
+    if echo:
+        eh = torch.cat([torch.eye(D), torch.zeros(D, D)], dim=1)
+        head_norm, head = tensors["model.norm.weight"].clone(), tensors["lm_head.weight"].clone()
+        enorm, hnorm = ones, ones
+    else:
+        eh = 0.1 * torch.randn(D, 2 * D, generator=g)
+        head_norm = 1.0 + 0.1 * torch.randn(D, generator=g)
+        head = 0.1 * torch.randn(tensors["lm_head.weight"].shape, generator=g)
+        enorm, hnorm = (1.0 + 0.1 * torch.randn(D, generator=g) for _ in range(2))
+    for name, value in (
+        ("enorm.weight", enorm),
+        ("hnorm.weight", hnorm),
+        ("eh_proj.weight", eh),
+        ("shared_head.norm.weight", head_norm),
+        ("shared_head.head.weight", head),
+    ):
+        tensors[mtp + name] = value.float().clone().contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path

@@ -21,6 +21,7 @@ from eprt.comm.protocol import (
     Release,
     Shutdown,
     Verify,
+    VerifyMtp,
     decode_all,
     encode,
 )
@@ -36,6 +37,7 @@ COMMANDS = [
     Release(slot=7),
     Verify(slots=(1,), tokens=(3,), drafts=((4, 5),)),
     Verify(slots=(2, 0, 5), tokens=(3, 9, 1), drafts=((4, 5, 6, 7), (), (8,))),
+    VerifyMtp(slots=(2, 0, 5), tokens=(3, 9, 1), counts=(4, 0, 1)),
     Accept(slots=(2, 0, 5), accepted=(4, 0, 1)),
     DecodeCkpt(slot=2, snapshot_tokens=64, end_block=3, session_hash=0x123456789ABCDEF0, adapter_id=2**32 + 7),
     Shutdown(),
@@ -57,6 +59,8 @@ def test_words_match_the_spec():
     assert encode(verify).tolist() == [0, 0xFFFFFFF3, 2, 1, 0, 30, 40, 3, 1, 4, 5, 6, 7]
     assert encode(Verify((0,), (30,), ((),))).tolist()[:2] == [0, 0xFFFFFFF2]  # K is at least 2
     assert encode(Accept((1, 0), (2, 0))).tolist() == [0, 0xFFFFFFE6, 2, 1, 0, 2, 0]
+    # VERIFY_MTP: n, slots, tokens, counts; the drafts are the MTP layer's, computed on every rank
+    assert encode(VerifyMtp((1, 0), (30, 40), (3, 0))).tolist() == [0, 0xFFFFFFF5, 2, 1, 0, 30, 40, 3, 0]
     assert encode(DecodeCkpt(2, 64, 3, 0x1_0000_0002, 0x3_0000_0004)).tolist() == [2, 0xFFFFFFF8, 64, 3, 2, 1, 4, 3]
     assert encode(Shutdown()).tolist() == [0, 0xFFFFFFFF]
     assert all(encode(c).dtype == np.uint32 for c in COMMANDS)
@@ -100,7 +104,7 @@ def test_next_waits_for_a_whole_command_without_consuming():
     "words, message",
     [
         ([0, 0xFFFFFFE3], "unknown reserved command word 0xFFFFFFE3"),
-        ([2, 0xFFFFFFF5], "unknown reserved command word 0xFFFFFFF5"),
+        ([2, 0xFFFFFFF6], "unknown reserved command word 0xFFFFFFF6"),
         ([8, 42], "decode: slot 8 out of range (max_slots=8)"),
         ([0, p.DECODE_BATCH, 2, 1, 9, 5, 5], "DECODE_BATCH: slot 9 out of range"),
         ([0, p.DECODE_BATCH, 0], "DECODE_BATCH of 0 rows"),
@@ -162,6 +166,10 @@ def test_encode_refuses_what_cannot_travel():
 def test_verify_rows_are_bounded_by_the_command_word():
     with pytest.raises(ProtocolError, match="VERIFY_K2 row with 3 drafts"):
         decode_all([0, p.VERIFY_K2, 1, 0, 9, 3, 1, 2, 3])
+    with pytest.raises(ProtocolError, match="VERIFY_MTP row with 5 drafts"):
+        decode_all([0, p.VERIFY_MTP, 1, 0, 9, 5])
+    with pytest.raises(ProtocolError, match=r"VERIFY_MTP counts \[5\]: each must be in \[0, 4\]"):
+        encode(VerifyMtp((0,), (9,), (5,)))
     with pytest.raises(ProtocolError, match="ACCEPT of 5 drafts"):
         decode_all([0, p.ACCEPT, 1, 0, 5])
     with pytest.raises(ProtocolError, match="ACCEPT of 9 rows"):

@@ -45,7 +45,7 @@ def test_ngram_drafter_follows_the_most_recent_longest_match():
         NgramDrafter(3, 2)
     with pytest.raises(ValueError, match=r"--num-speculative-tokens must be in \[1, 4\], got 5"):
         SpeculativeConfig("ngram", 5)
-    with pytest.raises(ValueError, match="--speculative-method must be one of ngram, got 'eagle'"):
+    with pytest.raises(ValueError, match="--speculative-method must be one of ngram, mtp, got 'eagle'"):
         SpeculativeConfig("eagle", 2)
 
 

@@ -28,6 +28,7 @@ RELEASE = 0xFFFFFFF1
 VERIFY_K2 = 0xFFFFFFF2
 VERIFY_K3 = 0xFFFFFFF3
 VERIFY_K4 = 0xFFFFFFF4
+VERIFY_MTP = 0xFFFFFFF5
 DECODE_CKPT = 0xFFFFFFF8
 SHUTDOWN = 0xFFFFFFFF
 WORD_MAX = 0xFFFFFFFF
@@ -52,6 +53,7 @@ NAMES = {
     VERIFY_K2: "VERIFY_K2",
     VERIFY_K3: "VERIFY_K3",
     VERIFY_K4: "VERIFY_K4",
+    VERIFY_MTP: "VERIFY_MTP",
     DECODE_CKPT: "DECODE_CKPT",
     SHUTDOWN: "SHUTDOWN",
 }
@@ -151,6 +153,16 @@ class Verify:
 
 
 @dataclass(frozen=True)
+class VerifyMtp:
+    """A verify step whose drafts the MTP layer computes on every rank: row r appends ``tokens[r]``
+    and ``counts[r]`` (0..4) drafts to ``slots[r]`` (docs/protocol.md, "VERIFY_MTP")."""
+
+    slots: tuple[int, ...]
+    tokens: tuple[int, ...]
+    counts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Accept:
     """Close the last VERIFY: row r keeps ``accepted[r]`` of the drafts it sent to ``slots[r]``."""
 
@@ -239,6 +251,7 @@ Command = (
     | PrefillNext
     | Release
     | Verify
+    | VerifyMtp
     | Accept
     | DecodeCkpt
     | EplbPlacement
@@ -294,6 +307,16 @@ def encode(cmd: Command) -> np.ndarray:
         counts = [len(d) for d in cmd.drafts]
         drafts = [t for d in cmd.drafts for t in d]
         words = [0, VERIFY_K2 + cmd.k - 2, n, *cmd.slots, *cmd.tokens, *counts, *drafts]
+    elif isinstance(cmd, VerifyMtp):
+        n = len(cmd.slots)
+        if not n or len(cmd.tokens) != n or len(cmd.counts) != n:
+            raise ProtocolError(
+                f"VERIFY_MTP needs as many tokens and counts as slots (>= 1), got {n} slots, "
+                f"{len(cmd.tokens)} tokens, {len(cmd.counts)} counts"
+            )
+        if not all(0 <= c <= MAX_DRAFTS for c in cmd.counts):
+            raise ProtocolError(f"VERIFY_MTP counts {list(cmd.counts)}: each must be in [0, {MAX_DRAFTS}]")
+        words = [0, VERIFY_MTP, n, *cmd.slots, *cmd.tokens, *cmd.counts]
     elif isinstance(cmd, Accept):
         if len(cmd.slots) != len(cmd.accepted) or not cmd.slots:
             raise ProtocolError(f"ACCEPT has {len(cmd.slots)} slots but {len(cmd.accepted)} counts")
@@ -472,6 +495,18 @@ class Decoder:
             out, end = self._verify(b, body, VERIFY_WORDS[cmd])
             if out is None:
                 return None
+        elif cmd == VERIFY_MTP:
+            if len(b) - body < 1:
+                return None
+            n = self._rows(int(b[body]), "VERIFY_MTP")
+            end = body + 1 + 3 * n
+            if len(b) < end:
+                return None
+            counts = tuple(b[body + 1 + 2 * n : end].tolist())
+            if max(counts) > MAX_DRAFTS:
+                raise ProtocolError(f"VERIFY_MTP row with {max(counts)} drafts (at most {MAX_DRAFTS})")
+            slots = tuple(self._slot(s, "VERIFY_MTP") for s in b[body + 1 : body + 1 + n].tolist())
+            out = VerifyMtp(slots, self._tokens(b[body + 1 + n : body + 1 + 2 * n]), counts)
         elif cmd == ACCEPT:
             if len(b) - body < 1:
                 return None

@@ -32,6 +32,7 @@ from eprt.comm.protocol import (
     Shutdown,
     SlotAdapter,
     Verify,
+    VerifyMtp,
 )
 from eprt.comm.transport import RootDown
 
@@ -67,6 +68,10 @@ class Executor(Protocol):
     def verify(self, slots: list[int], tokens: list[int], drafts: list[tuple[int, ...]]) -> None:
         """VERIFY: row r appends ``tokens[r]`` and its drafts to ``slots[r]`` in one forward pass;
         the drafts stay pending until the ACCEPT."""
+
+    def verify_mtp(self, slots: list[int], tokens: list[int], counts: list[int]) -> object:
+        """VERIFY_MTP: the MTP layer drafts ``counts[r]`` tokens for row r (the same on every rank),
+        then the VERIFY of ``tokens`` and those drafts runs."""
 
     def accept(self, slots: list[int], accepted: list[int]) -> None:
         """ACCEPT: row r keeps ``accepted[r]`` drafts of the last VERIFY; the rest roll back."""
@@ -190,6 +195,8 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
         executor.release(cmd.slot)
     elif isinstance(cmd, Verify):
         executor.verify(list(cmd.slots), list(cmd.tokens), list(cmd.drafts))
+    elif isinstance(cmd, VerifyMtp):
+        executor.verify_mtp(list(cmd.slots), list(cmd.tokens), list(cmd.counts))
     elif isinstance(cmd, Accept):
         executor.accept(list(cmd.slots), list(cmd.accepted))
     elif isinstance(cmd, EplbPlacement):

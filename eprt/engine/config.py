@@ -66,7 +66,7 @@ class EngineConfig:
     dump_dir: str = "eprt-dumps"  # the flight recorder's files (docs/observability.md)
     dump_frames: bool = False  # also write them at shutdown
     record_payloads: bool = False  # record every frame, row and combine with its data, for eprt replay
-    speculative_method: str | None = None  # ngram; None: speculative decoding off
+    speculative_method: str | None = None  # ngram or mtp; None: speculative decoding off
     num_speculative_tokens: int = 3  # drafts per sequence and step (1..4)
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
     prompt_lookup_max: int = 4  # ngram: longest suffix matched
@@ -219,7 +219,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-method",
         default=None,
         choices=METHODS,
-        help="speculative decoding: ngram proposes drafts by prompt lookup, verified in one step (default: off)",
+        help="speculative decoding: ngram proposes drafts by prompt lookup, mtp by DeepSeek's multi-token "
+        "prediction layer (num_nextn_predict_layers) on every rank; verified in one step (default: off)",
     )
     g.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per sequence and step, 1..4 (3)")
     g.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix looked up (1)")

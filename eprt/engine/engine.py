@@ -383,6 +383,7 @@ def launch_engine(args_or_config, transport=None):
         "image_token_id": executor.image_token_id,
         "vocab_size": model_cfg.vocab_size,
         "rope_len": loaded.model.max_len,
+        "mtp": executor.mtp,  # the MTP layer (VERIFY_MTP) is loaded
     }
     log.info(
         "rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, KV %d bytes/token (%s), "

@@ -99,7 +99,11 @@ class ShardExecutor:
                     model.cfg.model_type,
                 )
                 prefix_cache = False
-        self.kv = KVCache(model.ops, model.cfg, num_blocks - reserved, block_size)
+        self.mtp = model.w.mtp is not None  # DeepSeek's MTP layer drafts (VERIFY_MTP): its KV is one more layer
+        self.kv = KVCache(model.ops, model.cfg, num_blocks - reserved, block_size, extra_layers=int(self.mtp))
+        # slot key -> (first position, the main model's hidden rows [m, D] from it on): what the MTP
+        # layer has not consumed yet, for want of the token after each position (docs/protocol.md)
+        self._mtp_rows: dict[int, tuple] = {}
         self.state = RecurrentState(model.ops, model.cfg, max_slots, rows) if model.cfg.is_hybrid else None
         self.blocks = BlockManager(num_blocks - reserved, block_size, prefix_cache=prefix_cache)
         self.snapshots = SnapshotIndex(rows) if rows else None
@@ -161,13 +165,17 @@ class ShardExecutor:
         return self.blocks
 
     def cache(self, slot: int) -> None:
+        """Offer the slot's full blocks to the prefix cache; with an MTP layer only those whose MTP
+        KV was computed too (positions before its first unconsumed hidden row)."""
         st = self.slots.held(slot, "cache")
-        self._blocks_of(slot).cache(st.key, st.tokens)
+        held = self._mtp_rows.get(st.key)
+        self._blocks_of(slot).cache(st.key, st.tokens if held is None else st.tokens[: held[0]])
 
     def free(self, slot: int) -> int:
         blocks = self._blocks_of(slot)
         key = self.slots.vacate(slot).key
         self._salts.pop(key, None)
+        self._mtp_rows.pop(key, None)
         self._mrope.pop(key, None)
         if self.snapshots is not None:
             self.snapshots.forget(key)
@@ -193,6 +201,8 @@ class ShardExecutor:
         child = self.slots.occupy(new_slot, st.prompt, 0, st.adapter, st.vision_rows)
         child.tokens.extend(st.tokens)
         self._salts[key] = self._salts[st.key]
+        if st.key in self._mtp_rows:
+            self._mtp_rows[key] = self._mtp_rows[st.key]
         if self.state is not None:  # a hybrid model: the recurrent state at the prompt's end, copied
             self.state.move(slot, new_slot)
 
@@ -364,8 +374,10 @@ class ShardExecutor:
             np.concatenate(ids), np.concatenate(seen) if seen else None, np.concatenate(masks) if seen else None
         )  # [T, D]
         h = self.model.hidden_states(embedded, batch, self.kv, self.state, deepstack)  # [T, D]
+        self._mtp_keep([st for st, _ in states], [c.chunk_start for c in chunks], [c.chunk_len for c in chunks], h)
         for st, new in states:
             st.tokens.extend(new)
+        self._mtp_prefill(named, [st for st, _ in states])
         self.prefill_hidden = h if keep_hidden else None
         last = np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32)  # [G]
         return self._output(h[self.ops.index(last)])
@@ -394,12 +406,13 @@ class ShardExecutor:
         self._lora_rows([st.adapter for st in states])
         for st, tok in zip(states, tokens):  # the token's KV is stored by the forward pass
             st.tokens.append(int(tok))
-        return ids, batch
+        return ids, batch, states, lengths
 
     def decode_forward(self, inputs: tuple):
         """The device half of ``decode``: the forward pass of ``decode_inputs``'s batch; logits [B, V] (or None)."""
-        ids, batch = inputs
+        ids, batch, states, lengths = inputs
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [B, D]
+        self._mtp_keep(states, lengths, [1] * len(states), h)
         return self._output(h)
 
     def _output(self, h):
@@ -447,6 +460,7 @@ class ShardExecutor:
         ids = np.asarray([t for tok, d in zip(tokens, drafts) for t in (tok, *d)], dtype=np.int32)  # [N]
         self._lora_rows([st.adapter for st, d in zip(states, drafts) for _ in range(1 + len(d))])
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [N, D]
+        self._mtp_keep(states, lengths, counts + 1, h)
         for st, tok, d in zip(states, tokens, drafts):
             st.tokens.extend((int(tok), *(int(t) for t in d)))
         self.slots.open(slots, drafts)
@@ -458,6 +472,121 @@ class ShardExecutor:
         for slot, (st, dropped) in zip(slots, self.slots.accept(slots, accepted)):
             if dropped and self.blocks.shrink(st.key, st.length):
                 self._store_table(slot, st.key)
+            held = self._mtp_rows.get(st.key)
+            if dropped and held is not None:  # the rejected positions' hidden rows go too
+                self._mtp_rows[st.key] = (held[0], held[1][: st.length - held[0]])
+
+    # ---- multi-token prediction (VERIFY_MTP; docs/protocol.md) ---------------------------------
+    def _mtp_keep(self, states: list, starts, lengths, h) -> None:
+        """Hold the main model's hidden rows h [T, D] for the MTP layer: row r's ``lengths[r]`` rows,
+        consecutive in h, are positions ``starts[r]`` on of ``states[r]``'s sequence."""
+        if not self.mtp:
+            return
+        at = 0
+        for st, start, n in zip(states, starts, lengths):
+            start, n, rows = int(start), int(n), h[at : at + int(n)]
+            at += n
+            held = self._mtp_rows.get(st.key)
+            if held is not None:
+                if held[0] + len(held[1]) != start:
+                    raise ExecutorError(
+                        f"MTP rows of slot key {st.key}: positions {held[0]}..{held[0] + len(held[1]) - 1} held, "
+                        f"the next rows start at {start}"
+                    )
+                start, rows = held[0], self.ops.xp.concatenate([held[1], rows], axis=0)
+            self._mtp_rows[st.key] = (start, rows)
+
+    def verify_mtp(self, slots: list, tokens: list, counts: list):
+        """VERIFY_MTP: the MTP layer drafts ``counts[r]`` tokens for row r on this rank (every rank
+        computes the same), then the VERIFY of ``tokens`` and those drafts runs. Returns (drafts,
+        the VERIFY's logits or None)."""
+        if not self.mtp:
+            raise ExecutorError("VERIFY_MTP: this rank has no MTP layer (it runs without --speculative-method mtp)")
+        states = self.slots.check_verify(slots, tokens, [(0,) * int(k) for k in counts])
+        for slot, st, k in zip(slots, states, counts):  # the drafting steps write MTP KV up to L + k - 2
+            self.blocks.grow(st.key, st.length + int(k) + 1)
+            self._store_table(slot, st.key)
+        drafts = self._mtp_drafts(slots, states, tokens, [int(k) for k in counts])
+        return drafts, self.verify(slots, tokens, drafts)
+
+    def _mtp_catch_up(self, slots: list, states: list, tokens: list) -> tuple:
+        """The MTP layer over each row's held positions ``s .. L - 1``, position p fed the token
+        after it (the stored ones, then ``tokens[r]`` after L - 1) and the main model's hidden row
+        of p; the held rows are consumed. Returns (output [T, D], PrefillPart per row)."""
+        rows = []
+        for slot, st, tok in zip(slots, states, tokens):
+            held = self._mtp_rows.pop(st.key, None)
+            if held is None or held[0] + len(held[1]) != st.length:
+                raise ExecutorError(
+                    f"VERIFY_MTP slot {slot}: no hidden rows held up to its {st.length} stored tokens for the MTP layer"
+                )
+            rows.append((slot, st, held[0], held[1], [*st.tokens[held[0] + 1 : st.length], int(tok)]))
+        return self._mtp_pass(rows)
+
+    def _mtp_prefill(self, slots: list, states: list) -> None:
+        """After a prefill chunk: the MTP layer over each sequence's held positions but the last,
+        whose next tokens the prompt holds (so the first verify step's catch-up is one row)."""
+        if not self.mtp:
+            return
+        rows = []
+        for slot, st in zip(slots, states):
+            start, hidden = self._mtp_rows[st.key]
+            if len(hidden) > 1:
+                rows.append((slot, st, start, hidden[:-1], st.tokens[start + 1 : st.length]))
+                self._mtp_rows[st.key] = (st.length - 1, hidden[-1:])
+        if rows:
+            self._mtp_pass(rows)
+
+    def _mtp_pass(self, rows: list) -> tuple:
+        """One MTP forward over rows ``(slot, state, first position s, hidden rows [m, D], the m
+        tokens after positions s .. s + m - 1)``, each a causal chunk over the slot's MTP KV, which
+        it writes. Returns (output [T, D], PrefillPart per row)."""
+        ops = self.ops
+        self.model.lora_rows = None  # the MTP layer serves no adapter
+        ids, prev, positions, maps, parts, offset = [], [], [], [], [], 0
+        for slot, st, start, hidden, after in rows:
+            table = np.asarray(self.blocks.block_table(st.key), dtype=np.int32)
+            pos = np.arange(start, start + len(hidden), dtype=np.int32)  # [m]
+            ids.append(np.asarray(after, dtype=np.int32))
+            prev.append(hidden)
+            positions.append(pos)
+            maps.append(self.kv.slots(table, pos))
+            parts.append(PrefillPart(offset, len(pos), table, start, slot))
+            offset += len(pos)
+        batch = AttnBatch(positions=np.concatenate(positions), slot_mapping=np.concatenate(maps), parts=tuple(parts))
+        return self.model.mtp_hidden(np.concatenate(ids), ops.xp.concatenate(prev, axis=0), batch, self.kv), parts
+
+    def _mtp_drafts(self, slots: list, states: list, tokens: list, counts: list) -> list:
+        """One catch-up pass of the MTP layer over each row's held positions ``s .. L - 1`` (L the
+        stored tokens; the token after L - 1 is ``tokens[r]``), whose last row drafts the token
+        after ``tokens[r]``; then one pass per further draft at positions L, L + 1, .., each fed the
+        previous draft and the MTP's own previous output (as vLLM drafts K > 1 with one layer).
+        Drafts are the argmax of the MTP head. Row r's drafts: counts[r] tokens."""
+        ops, bs = self.ops, self.block_size
+        h, parts = self._mtp_catch_up(slots, states, tokens)  # [T, D]
+        last = h[ops.index(np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32))]  # [B, D]
+        drafts = [[] for _ in slots]
+        rows = [r for r, k in enumerate(counts) if k > 0]
+        lengths = np.asarray([st.length for st in states], dtype=np.int64)  # [B]
+        for j in range(max(counts)):
+            if j:  # position L + j - 1 of each row still drafting: the previous draft, the MTP's own output
+                keep = [i for i, r in enumerate(rows) if counts[r] > j]
+                rows, last = [rows[i] for i in keep], last[ops.index(np.asarray(keep, dtype=np.int32))]
+                pos = lengths[rows] + j - 1  # [b]
+                tables = self._tables[np.asarray(slots, dtype=np.int64)[rows], : int(self._table_len[slots].max())]
+                batch = AttnBatch(
+                    positions=pos.astype(np.int32),
+                    slot_mapping=tables[np.arange(len(rows)), pos // bs] * bs + (pos % bs).astype(np.int32),
+                    block_tables=tables,
+                    context_lens=(pos + 1).astype(np.int32),
+                )
+                step = np.asarray([drafts[r][-1] for r in rows], dtype=np.int32)
+                last = self.model.mtp_hidden(step, last, batch, self.kv)  # [b, D]
+            else:
+                last = last[ops.index(np.asarray(rows, dtype=np.int32))]  # [b, D]
+            for r, t in zip(rows, ops.argmax(self.model.mtp_logits(last))):
+                drafts[r].append(int(t))
+        return [tuple(d) for d in drafts]
 
     # ---- LoRA adapters (LORA_LOAD, LORA_UNLOAD, SLOT_ADAPTER; docs/lora.md) --------------------------
     def _lora_rows(self, adapters: list) -> None:

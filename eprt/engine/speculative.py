@@ -17,12 +17,18 @@ from eprt.comm import protocol as P
 from eprt.engine.sampling import sample_rows, token_uniform
 from eprt.scheduler.speculation import StepCosts
 
-METHODS = ("ngram",)  # --speculative-method
+METHODS = ("ngram", "mtp")  # --speculative-method
 
 
 class Drafter(Protocol):
+    in_pass: bool  # True: the model drafts inside the verify step on every rank (VERIFY_MTP)
+
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens likely to follow ``token_ids`` (prompt and output so far); may be fewer."""
+        """Up to ``k`` tokens likely to follow ``token_ids`` (prompt and output so far); may be fewer.
+        A drafter ``in_pass`` returns ``k`` placeholders (IN_PASS): how many the step drafts."""
+
+
+IN_PASS = -1  # a draft the verify step itself computes (VERIFY_MTP), not yet known on rank 0
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class NgramDrafter:
 
     min_n: int = 1
     max_n: int = 4
+    in_pass = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -58,6 +65,17 @@ class NgramDrafter:
 
 
 @dataclass(frozen=True)
+class MtpDrafter:
+    """DeepSeek's multi-token prediction layer: every rank runs it inside the VERIFY_MTP step
+    (``ShardExecutor.verify_mtp``), so here it only takes all ``k`` drafts offered."""
+
+    in_pass = True
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        return [IN_PASS] * k
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
     num_tokens: int = 3  # K: drafts per sequence and step, 1..protocol.MAX_DRAFTS
@@ -71,7 +89,7 @@ class SpeculativeConfig:
             raise ValueError(f"--num-speculative-tokens must be in [1, {P.MAX_DRAFTS}], got {self.num_tokens}")
 
     def drafter(self) -> Drafter:
-        return NgramDrafter(self.lookup_min, self.lookup_max)
+        return MtpDrafter() if self.method == "mtp" else NgramDrafter(self.lookup_min, self.lookup_max)
 
 
 def accepted_run(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
@@ -139,9 +157,15 @@ class SpeculativeRunner:
         slots = [s.slot for s in seqs]
         drafts = [tuple(int(t) for t in d) for d in drafts]
         self._step_start = self._step_clock()
-        self.transport.send(P.Verify(tuple(slots), tuple(int(t) for t in tokens), tuple(drafts)))
-        self.transport.flush()
-        self._logits = self.executor.verify(slots, list(tokens), drafts)  # [N, V]
+        if self.drafter is not None and self.drafter.in_pass:  # the MTP layer drafts on every rank
+            counts = tuple(len(d) for d in drafts)
+            self.transport.send(P.VerifyMtp(tuple(slots), tuple(int(t) for t in tokens), counts))
+            self.transport.flush()
+            drafts, self._logits = self.executor.verify_mtp(slots, list(tokens), list(counts))  # [N, V]
+        else:
+            self.transport.send(P.Verify(tuple(slots), tuple(int(t) for t in tokens), tuple(drafts)))
+            self.transport.flush()
+            self._logits = self.executor.verify(slots, list(tokens), drafts)  # [N, V]
         self._rows = list(seqs)
         self._drafts = drafts
         self.verify_steps += 1

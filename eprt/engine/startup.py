@@ -64,7 +64,17 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
             log.info("%s backend: %s", ops.name, ops.describe())
         placement_for = lambda model_cfg: initial_placement(cfg.eplb, model_cfg, world, nodes)  # noqa: E731
         combine, gather_rows = _combine(transport, ops)
-        return ops, load_model(cfg.model, ops, cfg.max_model_len, rank, world, combine, placement_for, gather_rows)
+        return ops, load_model(
+            cfg.model,
+            ops,
+            cfg.max_model_len,
+            rank,
+            world,
+            combine,
+            placement_for,
+            gather_rows,
+            mtp=cfg.speculative_method == "mtp",
+        )
 
     ops, loaded = step(load)
     if cfg.eplb.active:
@@ -242,6 +252,8 @@ def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, model_len: int, sharers: 
         return cfg.num_blocks
     wanted = cfg.max_batch * (model_len // cfg.block_size + 1)
     per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
+    if cfg.speculative_method == "mtp":  # the MTP layer's KV: one more attention layer in every block
+        per_block += per_block // model_cfg.num_attention_layers
     if ops.name != "cpu":
         from eprt.ops.device import kv_pool_blocks
 

@@ -106,6 +106,7 @@ def replay(directory: str, model_dir: str | None, rank: int) -> tuple[str, int]:
         rank=rank,
         world=world,
         combine=stream.combine if world > 1 else (lambda p: p),
+        mtp=h.get("mtp", False),
     )
     executor = ShardExecutor(
         loaded.model,

@@ -14,12 +14,14 @@ from eprt.model.config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, ops, cfg: ModelConfig, num_blocks: int, block_size: int):
+    def __init__(self, ops, cfg: ModelConfig, num_blocks: int, block_size: int, extra_layers: int = 0):
+        """``extra_layers``: attention layers past the model's own (an MTP layer's KV, layer ``num_layers``)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k, self.v, self.latent = [], [], []
         kept = [not cfg.is_linear_layer(i) for i in range(cfg.num_layers)]  # linear layers: no KV (None)
+        kept += [True] * extra_layers
         if cfg.mla is not None:
             shape = (num_blocks, block_size, cfg.mla.latent_dim)
             self.latent = [ops.zeros(shape) if keep else None for keep in kept]

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from eprt.model.config import ModelConfig, load_config
 from eprt.model.moe_model import MoEModel
 from eprt.model.placement import ExpertSlots, Placement
-from eprt.model.safetensors_io import SafetensorsCheckpoint
+from eprt.model.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from eprt.model.tokenizer import load_tokenizer
-from eprt.model.weights import load_expert_stack, load_weights
+from eprt.model.weights import load_expert_stack, load_mtp_weights, load_weights
 
 
 @dataclass
@@ -65,6 +65,24 @@ def expert_shard(num_experts: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+def _mtp_weights(source, cfg: ModelConfig, ops, weights, placement):
+    """The MTP layer, or a start-up error naming the flag and what the checkpoint lacks."""
+    if cfg.mtp_layers < 1:
+        raise ValueError(
+            f"--speculative-method mtp: this {cfg.model_type} checkpoint has no multi-token prediction layers "
+            f"(config.json num_nextn_predict_layers is {cfg.mtp_layers}, needs >= 1)"
+        )
+    if placement is not None:
+        raise ValueError("--speculative-method mtp with EPLB: the MTP layer's experts have no EPLB placement")
+    try:
+        return load_mtp_weights(source, cfg, ops, weights)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"--speculative-method mtp: config.json num_nextn_predict_layers is {cfg.mtp_layers}, "
+            f"but the MTP layer model.layers.{cfg.num_layers} is not in the checkpoint: {e}"
+        ) from e
+
+
 def _open_source(model_dir: str | None):
     if model_dir is None:
         from eprt.model.default import default_checkpoint
@@ -82,10 +100,12 @@ def load_model(
     combine: Callable = lambda p: p,
     placement_for: Callable[[ModelConfig], Placement | None] = lambda cfg: None,
     gather_rows: Callable | None = None,
+    mtp: bool = False,
 ) -> LoadedModel:
     """Load config, tokenizer and this rank's weights. ``model_dir=None`` is the default model.
     ``placement_for(config)``: an EPLB placement of the experts on physical slots, or None (contiguous);
-    ``gather_rows(rows, counts)``: EPLB's combine, every rank's rows in rank order (one rank: rows)."""
+    ``gather_rows(rows, counts)``: EPLB's combine, every rank's rows in rank order (one rank: rows);
+    ``mtp``: also the first multi-token prediction layer (``--speculative-method mtp``)."""
     if model_dir is None:
         from eprt.model.default import default_checkpoint
 
@@ -101,6 +121,8 @@ def load_model(
     start, end = expert_shard(cfg.num_experts, rank, world) if placement is None else (0, 0)
     local = None if placement is None else placement.local_experts(rank)
     weights = load_weights(source, cfg, ops, start, end, local_experts=local)
+    if mtp:
+        weights.mtp = _mtp_weights(source, cfg, ops, weights, placement)
     max_len = cfg.max_position_embeddings if max_len is None else min(max_len, cfg.max_position_embeddings)
     model = MoEModel(cfg, weights, ops, max_len=max_len, combine=combine)
     if placement is not None:  # expert_start/end: this rank's physical slots

@@ -278,7 +278,8 @@ class MoEModel:
             weights, ids = ops.router(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
         else:
             weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
-        ops.count_experts(ids, self.expert_counts[layer])
+        if layer < cfg.num_layers:  # (an MTP layer's routing is not counted: EPLB balances the main layers)
+            ops.count_experts(ids, self.expert_counts[layer])
         experts = (None, None) if self.lora_rows is None else self.lora.experts(layer)
         if experts != (None, None):  # (never under EPLB: LoraSlots.read refuses such adapters there)
             args = (lw.w_gate_up, lw.w_down, self.w.expert_start, self.lora_rows, *experts)
@@ -358,3 +359,28 @@ class MoEModel:
 
     def logits(self, x):
         return self.ops.linear(x, self.w.lm_head)  # [T, V]
+
+    # ---- multi-token prediction (DeepSeek's nextn layer; --speculative-method mtp) -----------
+    def mtp_hidden(self, ids: np.ndarray, previous, batch: AttnBatch, kv: KVCache):
+        """The MTP layer over T rows: row t at position ``batch.positions[t]`` joins the embedding of
+        the token after that position (``ids[t]``; zeroed at position 0, as vLLM does) with the hidden
+        state ``previous[t]`` [T, D] that predicted it (the main model's final-normed one, or the
+        MTP's own output when drafting further), runs one decoder layer whose KV is layer
+        ``num_layers`` of ``kv``, and returns its output [T, D] before the head's norm."""
+        ops, cfg, mw, xp = self.ops, self.cfg, self.w.mtp, self.ops.xp
+        eps = cfg.rms_norm_eps
+        e = ops.embedding(mw.embed, ops.index(ids))  # [T, D]
+        first = np.flatnonzero(np.asarray(batch.positions) == 0)
+        if first.size:
+            e[ops.index(first)] = 0
+        joined = xp.concatenate([ops.rms_norm(e, mw.enorm, eps), ops.rms_norm(previous, mw.hnorm, eps)], axis=-1)
+        residual = ops.linear(joined, mw.eh_proj)  # [T, 2D] -> [T, D]
+        lw, layer = mw.layer, cfg.num_layers
+        x = ops.rms_norm(residual, lw.input_norm, eps)
+        h = (self._attention if cfg.mla is None else self._mla_attention)(lw, x, batch, kv, layer)  # [T, D]
+        x, residual = ops.add_rms_norm(h, residual, lw.post_norm, eps)
+        return ops.add(self._moe(lw, x, layer), residual)  # [T, D]
+
+    def mtp_logits(self, h):
+        """The MTP head over its output rows h [T, D]: [T, V]."""
+        return self.ops.linear(self.ops.rms_norm(h, self.w.mtp.head_norm, self.cfg.rms_norm_eps), self.w.mtp.head)

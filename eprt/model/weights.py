@@ -77,6 +77,21 @@ class LayerWeights:
 
 
 @dataclass
+class MtpWeights:
+    """A multi-token prediction layer (``model.layers.{num_hidden_layers}.*``): the next token's
+    embedding and the previous hidden state, each normed, projected to one row, one decoder layer,
+    then its own head."""
+
+    enorm: object  # [D] on the next token's embedding
+    hnorm: object  # [D] on the previous hidden state
+    eh_proj: object  # [D, 2D] over [enorm(embedding) | hnorm(hidden)]
+    layer: LayerWeights  # a full decoder layer (MoE with this rank's experts)
+    head_norm: object  # [D] shared_head.norm
+    head: object  # [V, D] shared_head.head
+    embed: object  # [V, D] its own embed_tokens, else the main model's
+
+
+@dataclass
 class ModelWeights:
     embed: object  # [V, D]
     norm: object  # [D]
@@ -84,6 +99,7 @@ class ModelWeights:
     layers: list = field(default_factory=list)
     expert_start: int = 0
     expert_end: int = 0
+    mtp: MtpWeights | None = None  # DeepSeek's multi-token prediction layer (--speculative-method mtp)
 
 
 @dataclass(frozen=True)
@@ -114,6 +130,7 @@ def _dims(cfg: ModelConfig) -> dict:
             "moe_intermediate_size*n_shared_experts" if cfg.routing else "shared_expert_intermediate_size",
         ),
         "1": Dim(1, "1"),
+        "2D": Dim(2 * cfg.hidden_size, "2*hidden_size"),
         "2Q": Dim(2 * cfg.num_heads * cfg.head_dim, "2*num_attention_heads*head_dim"),
         **_mla_dims(cfg),
         **_linear_dims(cfg),
@@ -360,26 +377,54 @@ def load_weights(
     weights = ModelWeights(
         embed=embed, norm=N("model.norm.weight", "D"), lm_head=lm_head, expert_start=expert_start, expert_end=expert_end
     )
-    for i, sparse in enumerate(cfg.sparse_layers):  # layers past num_hidden_layers (MTP) are never read
-        p = f"model.layers.{i}"
-        if cfg.is_linear_layer(i):
-            mixer = dict(q=None, k=None, v=None, o=None, linear=_gated_delta_net(src, cfg, ops, f"{p}.linear_attn"))
-        else:
-            mixer = (_mla_attention if cfg.mla is not None else _attention)(src, cfg, ops, f"{p}.self_attn")
-        lw = LayerWeights(
-            input_norm=N(f"{p}.input_layernorm.weight", "D"),
-            post_norm=N(f"{p}.post_attention_layernorm.weight", "D"),
-            **mixer,
-        )
-        m = f"{p}.{cfg.moe_prefix}"
-        if sparse:
-            ids = range(expert_start, expert_end) if local_experts is None else local_experts[i].tolist()
-            _load_moe(src, cfg, ops, lw, m, ids)
-        else:
-            lw.mlp_gate_up = _gate_up(src, ops, m, (n["Id"], n["D"]))
-            lw.mlp_down = W(f"{m}.down_proj.weight", "D", "Id")
-        weights.layers.append(lw)
+    for i, sparse in enumerate(cfg.sparse_layers):  # layers past num_hidden_layers (MTP): load_mtp_weights
+        ids = range(expert_start, expert_end) if local_experts is None else local_experts[i].tolist()
+        weights.layers.append(_layer(src, cfg, ops, f"model.layers.{i}", cfg.is_linear_layer(i), sparse, ids))
     return weights
+
+
+def _layer(src: TensorSource, cfg: ModelConfig, ops, p: str, linear: bool, sparse: bool, ids) -> LayerWeights:
+    """One decoder layer under prefix ``p``; a sparse one holds the experts ``ids``."""
+    n = _dims(cfg)
+    W = lambda name, *shape: _weight(src, ops, name, tuple(n[d] for d in shape))  # noqa: E731
+    N = lambda name, *shape: _norm_weight(src, cfg, ops, name, tuple(n[d] for d in shape))  # noqa: E731
+    if linear:
+        mixer = dict(q=None, k=None, v=None, o=None, linear=_gated_delta_net(src, cfg, ops, f"{p}.linear_attn"))
+    else:
+        mixer = (_mla_attention if cfg.mla is not None else _attention)(src, cfg, ops, f"{p}.self_attn")
+    lw = LayerWeights(
+        input_norm=N(f"{p}.input_layernorm.weight", "D"),
+        post_norm=N(f"{p}.post_attention_layernorm.weight", "D"),
+        **mixer,
+    )
+    m = f"{p}.{cfg.moe_prefix}"
+    if sparse:
+        _load_moe(src, cfg, ops, lw, m, ids)
+    else:
+        lw.mlp_gate_up = _gate_up(src, ops, m, (n["Id"], n["D"]))
+        lw.mlp_down = W(f"{m}.down_proj.weight", "D", "Id")
+    return lw
+
+
+def load_mtp_weights(src: TensorSource, cfg: ModelConfig, ops, weights: ModelWeights) -> MtpWeights:
+    """The first multi-token prediction layer, ``model.layers.{num_hidden_layers}``: its experts are
+    this rank's range of the main model's (``weights.expert_start..end``); its embedding, when the
+    checkpoint leaves it out, is the main model's."""
+    if cfg.fp8 is not None and not isinstance(src, Fp8Source):
+        src = Fp8Source(src, cfg.fp8)
+    n, p = _dims(cfg), f"model.layers.{cfg.num_layers}"
+    W = lambda name, *shape: _weight(src, ops, name, tuple(n[d] for d in shape))  # noqa: E731
+    N = lambda name, *shape: _norm_weight(src, cfg, ops, name, tuple(n[d] for d in shape))  # noqa: E731
+    own_embed = f"{p}.embed_tokens.weight"
+    return MtpWeights(
+        enorm=N(f"{p}.enorm.weight", "D"),
+        hnorm=N(f"{p}.hnorm.weight", "D"),
+        eh_proj=W(f"{p}.eh_proj.weight", "D", "2D"),
+        layer=_layer(src, cfg, ops, p, False, True, range(weights.expert_start, weights.expert_end)),
+        head_norm=N(f"{p}.shared_head.norm.weight", "D"),
+        head=W(f"{p}.shared_head.head.weight", "V", "D"),
+        embed=ops.weight(_host(src, own_embed, (n["V"], n["D"]))) if own_embed in src else weights.embed,
+    )
 
 
 def _attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
