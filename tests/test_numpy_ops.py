@@ -206,17 +206,21 @@ def test_expert_path_choice(monkeypatch):
 @pytest.mark.parametrize("path", EXPERT_PATHS)
 @pytest.mark.parametrize("T", [3, 5, 9])  # 9: grouped by expert; 3, 5: token by token
 def test_moe_experts_gemv_rows_have_the_bits_of_one_token(T, path):
-    """A few tokens (a verify step's at batch 1) run token by token, and on the NumPy path an
-    expert with at most EXPERT_ROWS_AS_GEMV rows runs one GEMV per row, so each token's output has
-    the bits of the one-token path: a verify step's positions compute their experts as decode steps
-    do. (The compiled kernel's bits hold from 2 rows up, not against the one-row GEMV.)"""
-    if T > 5 and path == "numba":
-        pytest.skip("grouped rows through the compiled kernel: its own bits, not the one-row GEMV's")
+    """A few tokens (a verify step's at batch 1) run token by token where that gives the grouped
+    path's bits, and an expert's row that runs as a GEMV has the bits of the one-token path: a verify
+    step's positions compute their experts as decode steps do. On the NumPy path that is every
+    expert with at most EXPERT_ROWS_AS_GEMV rows; the compiled kernel's rows (2 or more to an
+    expert) have bits of their own, so on that path every expert here gets one row."""
     rng = np.random.default_rng(7)
-    k, E, D, inter = 2, 8, 64, 48
-    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
-    while np.bincount(ids.ravel(), minlength=E).max() > EXPERT_ROWS_AS_GEMV:
+    k, D, inter = 2, 64, 48
+    if path == "numba":
+        E = max(8, T * k)
+        ids = rng.permutation(E)[: T * k].reshape(T, k).astype(np.int32)  # one row per expert
+    else:
+        E = 8
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+        while np.bincount(ids.ravel(), minlength=E).max() > EXPERT_ROWS_AS_GEMV:
+            ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
     x = rng.standard_normal((T, D), dtype=np.float32)
     w = rng.random((T, k), dtype=np.float32)
     ops = NumpyOps(path)
