@@ -210,6 +210,7 @@ def test_the_cupy_backend_implements_every_op():
     from eprt.ops.cupy_ops import CupyOps
 
     ops = [n for n, f in vars(Ops).items() if callable(f) and not n.startswith("_")]
-    optional = ("synchronize", "warm_up")
+    # the base's own bodies serve: no work, "", or one decode row per verify position
+    optional = ("synchronize", "warm_up", "describe", "attention_verify", "mla_attention_verify")
     missing = [n for n in ops if getattr(CupyOps, n) is getattr(Ops, n) and n not in optional]
     assert missing == []
