@@ -83,7 +83,7 @@ def main() -> int:
         max_model_len=64,
         record_payloads=mode in ("record", "corrupt"),
         dump_dir=os.environ.get("EPRT_DUMP_DIR", "eprt-dumps"),
-        attention="dp" if "dp" in sys.argv[3:] else None,
+        attention="dp" if "dp" in sys.argv[3:] else "auto",
         overlap="overlap" in sys.argv[3:],
     )
     with launch_engine(cfg) as engine:
