@@ -31,6 +31,7 @@ TAG_STATUS = 4  # worker -> rank 0: utf-8 answer ("waiting on X, collective #N")
 STATUS_GRACE = 2.0  # s rank 0 waits for the answers before naming the ranks that gave none
 BUSY_SLEEP_MAX = 1e-4  # s, longest sleep between polls inside a compute-time collective
 IDLE_SLEEP_MAX = 5e-3  # s, longest sleep while a worker waits for its next command
+IDLE_SPIN = 0.05  # s a worker waits for its next command at BUSY_SLEEP_MAX before backing off to IDLE_SLEEP_MAX
 ABORT_GRACE = 0.5  # s between printing why and aborting, so the message reaches the terminal
 REDUCE_SCATTER_MIN_BYTES = 1 << 20  # MoE partials from this size on 3+ ranks: reduce-scatter
 
@@ -236,11 +237,16 @@ class MpiTransport(Transport):
         start = time.monotonic()
         # A worker's watchdog waits a little longer than rank 0's, so rank 0 reports the hang.
         deadline = None if idle else start + self.timeout + (0 if self.rank == 0 else STATUS_GRACE + 1.0)
-        delay, cap = 0.0, IDLE_SLEEP_MAX if idle else BUSY_SLEEP_MAX
+        # Between the steps of a running job the next command comes within rank 0's host work
+        # (milliseconds): an idle wait polls as a compute-time one for IDLE_SPIN, then backs off.
+        delay, cap = 0.0, BUSY_SLEEP_MAX
         while not req.Test():
             self._check_channel()
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 self._watchdog(what)
+            if idle and now - start > IDLE_SPIN:
+                cap = IDLE_SLEEP_MAX
             time.sleep(delay)
             delay = min(cap, 2 * delay if delay else 1e-5)
         self._inflight = False
