@@ -219,23 +219,13 @@ def test_sampled_mtp_tokens_follow_the_plain_distribution_chi_square(mtp_checkpo
     """Disjoint seed sets, so the two samples are independent: a two-sample chi-square over the
     tokens seen at output position 2 (rare tokens pooled), as for ngram in test_speculative.py; the
     first verify step's drafts cover positions 1..3."""
-    from test_speculative import CHI2_999
+    from test_speculative import assert_same_distribution
 
     path = mtp_checkpoint(echo=True)
     off, _ = sampled_tokens(path, False, range(0, 300), 2)
     on, accepted = sampled_tokens(path, True, range(1000, 1300), 2)
     assert accepted > 0
-    tokens, counts = np.unique(off + on, return_counts=True)
-    common = tokens[counts >= 20]
-    table = np.array(
-        [[sum(t == c for t in side) for c in common] + [sum(t not in common for t in side)] for side in (off, on)]
-    )
-    table = table[:, table.sum(axis=0) > 0]
-    expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0, keepdims=True) / table.sum()
-    chi2 = float(((table - expected) ** 2 / expected).sum())
-    df = table.shape[1] - 1
-    assert 3 <= df <= 15, table  # enough distinct tokens for a real test
-    assert chi2 < CHI2_999[df], (chi2, table)
+    assert_same_distribution(off, on)
 
 
 def test_generate_json_reports_mtp_accepted_tokens(mtp_checkpoint, capsys):

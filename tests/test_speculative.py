@@ -187,6 +187,11 @@ def test_sampled_tokens_with_speculation_follow_the_plain_distribution_chi_squar
     off, _ = sampled_histogram(path, False, range(0, 300), 4)
     on, accepted = sampled_histogram(path, True, range(1000, 1300), 4)
     assert accepted > 0
+    assert_same_distribution(off, on)
+
+
+def assert_same_distribution(off: list, on: list) -> None:
+    """A two-sample chi-square test of two token samples (tokens seen fewer than 20 times pooled)."""
     tokens, counts = np.unique(off + on, return_counts=True)
     common = tokens[counts >= 20]
     table = np.array(
