@@ -42,15 +42,21 @@ def shared_checkpoint(arch):
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "deepseek_v3"])
 def test_cuda_tokens_equal_single_rank(arch):
     cfg = EngineConfig(model=shared_checkpoint(arch), device="cuda", max_batch=4, block_size=16, max_model_len=96)
+    assert_tokens_equal_single_rank(cfg, cfg)
+
+
+def assert_tokens_equal_single_rank(multi_cfg: EngineConfig, single_cfg: EngineConfig) -> None:
+    """The greedy tokens of PROMPTS on every rank of this job under ``multi_cfg`` equal those of one
+    rank (rank 0, a local transport) under ``single_cfg``."""
     requests = lambda: [GenerationRequest(p, SamplingParams(max_tokens=10)) for p in PROMPTS]  # noqa: E731
     try:
-        with launch_engine(cfg) as engine:
+        with launch_engine(multi_cfg) as engine:
             multi = engine.generate(requests())
     except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
         assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
         multi = None
     if COMM.rank == 0:
-        with launch_engine(cfg, transport=LocalTransport()) as engine:
+        with launch_engine(single_cfg, transport=LocalTransport()) as engine:
             single = engine.generate(requests())
         assert [r.token_ids for r in multi] == [r.token_ids for r in single]
     COMM.Barrier()
@@ -131,18 +137,7 @@ def test_cuda_eplb_tokens_with_the_device_combine_equal_single_rank(monkeypatch)
     eplb = EplbConfig(num_redundant_experts=3)
     cfg = EngineConfig(model=path, device="cuda", max_batch=4, block_size=16, max_model_len=96, eplb=eplb)
     plain = EngineConfig(model=path, device="cuda", max_batch=4, block_size=16, max_model_len=96)
-    requests = lambda: [GenerationRequest(p, SamplingParams(max_tokens=10)) for p in PROMPTS]  # noqa: E731
-    try:
-        with launch_engine(cfg) as engine:
-            multi = engine.generate(requests())
-    except SystemExit as e:
-        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
-        multi = None
-    if COMM.rank == 0:
-        with launch_engine(plain, transport=LocalTransport()) as engine:
-            single = engine.generate(requests())
-        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
-    COMM.Barrier()
+    assert_tokens_equal_single_rank(cfg, plain)
 
 
 @pytest.mark.mpi(min_size=2)
