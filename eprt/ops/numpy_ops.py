@@ -466,8 +466,27 @@ class NumpyOps(Ops):
         return self._attend_latent(q, rows, scale, value_dim, mask)
 
     def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim):
-        out = np.empty((q.shape[0], q.shape[1], value_dim), dtype=np.float32)  # [B, H, C]
-        for b in range(q.shape[0]):
-            rows = self._latent_rows(latent_cache, block_tables[b], int(context_lens[b]))
-            out[b] = self._attend_latent(q[b : b + 1], rows, scale, value_dim)[0]
+        """Rows gathered padded to the longest context, in batches bounded as attention_decode's."""
+        B, H, _ = q.shape
+        out = np.empty((B, H, value_dim), dtype=np.float32)  # [B, H, C]
+        lens = np.asarray(context_lens)
+        bs = latent_cache.shape[1]
+        row_bytes = latent_cache[0].nbytes * max(1, -(-int(lens.max()) // bs)) if B else 1
+        step = max(1, DECODE_GATHER_BYTES // row_bytes)  # rows per gather: bounds the padded copy
+        for b0 in range(0, B, step):
+            rows = slice(b0, min(B, b0 + step))
+            out[rows] = self._attend_latent_padded(q[rows], latent_cache, block_tables[rows], lens[rows], scale, value_dim)
         return out
+
+    @staticmethod
+    def _attend_latent_padded(q, latent_cache, block_tables, lens, scale, value_dim):
+        """Decode MLA of rows q[B, H, L] over their paged latent rows, masked past each row's length."""
+        B = q.shape[0]
+        bs, width = latent_cache.shape[1:]
+        nblocks = -(-int(lens.max()) // bs)
+        S = nblocks * bs
+        rows = latent_cache[block_tables[:, :nblocks]].reshape(B, S, width)  # [B, S, L]
+        scores = np.matmul(q, rows.transpose(0, 2, 1)) * scale  # [B, H, S]
+        scores += np.where(np.arange(S)[None, :] < lens[:, None], np.float32(0), np.float32(-np.inf))[:, None, :]
+        probs = _softmax_last(scores)
+        return np.matmul(probs, rows[:, :, :value_dim])  # [B, H, C]
