@@ -475,7 +475,9 @@ class NumpyOps(Ops):
         step = max(1, DECODE_GATHER_BYTES // row_bytes)  # rows per gather: bounds the padded copy
         for b0 in range(0, B, step):
             rows = slice(b0, min(B, b0 + step))
-            out[rows] = self._attend_latent_padded(q[rows], latent_cache, block_tables[rows], lens[rows], scale, value_dim)
+            out[rows] = self._attend_latent_padded(
+                q[rows], latent_cache, block_tables[rows], lens[rows], scale, value_dim
+            )
         return out
 
     @staticmethod
