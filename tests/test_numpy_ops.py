@@ -191,6 +191,37 @@ def test_moe_one_token_path_equals_the_grouped_path(path):
         assert np.array_equal(np.concatenate(one), grouped)
 
 
+@pytest.mark.skipif(not numba_available(), reason="numba not installed")
+@pytest.mark.parametrize("T", [2, 5, 9, EXPERT_ROWS_AS_GEMV])  # an expert has at most T rows
+def test_small_experts_rows_have_the_bits_of_one_token_whatever_their_group(T):
+    """On the compiled path, experts of small matrices run every group of up to EXPERT_ROWS_AS_GEMV
+    rows, one row included, in the fused kernel: a token's output has the same bits in a step of T
+    tokens (a verify step, experts shared between tokens) as alone (a decode step at batch 1), and
+    stays close to the float64 reference. Larger matrices keep one-row groups on OpenBLAS's GEMV."""
+    rng = np.random.default_rng(11)
+    k, E, D, inter = 2, 6, 40, 24  # E small: most experts get several rows
+    ops = NumpyOps("numba")
+    wgu = ops.weight(rng.standard_normal((E, 2 * inter, D), dtype=np.float32))
+    wd = ops.weight(rng.standard_normal((E, D, inter), dtype=np.float32))
+    assert ops._one_row_in_kernel(wgu, wd)
+    big = np.empty((E, 1024, 512), np.float32)
+    assert not ops._one_row_in_kernel(big, wd) and not NumpyOps("numpy")._one_row_in_kernel(wgu, wd)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    x = rng.standard_normal((T, D), dtype=np.float32)
+    w = rng.random((T, k), dtype=np.float32)
+    for start in (0, 2):  # all experts local; some another rank's
+        got = ops.moe_experts(x, w, ids, wgu[: E - start], wd[: E - start], start)
+        for t in range(T):
+            one = ops.moe_experts(x[t : t + 1], w[t : t + 1], ids[t : t + 1], wgu[: E - start], wd[: E - start], start)
+            np.testing.assert_array_equal(got[t], one[0])
+    want = np.zeros((T, D))
+    for t in range(T):
+        for j in range(k):
+            g, u = np.split(wgu[ids[t, j]].astype(np.float64) @ x[t], 2)
+            want[t] += w[t, j] * (wd[ids[t, j]].astype(np.float64) @ (g / (1 + np.exp(-g)) * u))
+    np.testing.assert_allclose(ops.moe_experts(x, w, ids, wgu, wd, 0), want, rtol=1e-4, atol=1e-4)
+
+
 def test_expert_path_choice(monkeypatch):
     monkeypatch.setenv("EPRT_CPU_EXPERTS", "numpy")
     assert NumpyOps().experts == "numpy" and NumpyOps().describe() == "experts NumPy"

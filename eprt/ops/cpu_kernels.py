@@ -85,6 +85,69 @@ def _grouped(x, w, y, experts, edges):  # pragma: no cover - compiled
             _product(x, w[experts[i]], y, lo, hi, cols)
 
 
+@njit(nogil=True, cache=True)
+def _ffn_grouped(x, w_gate_up, w_down, y, experts, edges):  # pragma: no cover - compiled
+    """Per group: y[lo:hi] = (silu(g) * u) @ w_down[e], [g | u] = x[lo:hi] @ w_gate_up[e], with the
+    products of ``_product`` (a row's bits whatever its group) and SiLU as NumpyOps writes it."""
+    inter = w_down.shape[1]
+    h = np.empty((x.shape[0], 2 * inter), np.float32)  # [n, 2I]
+    a = np.empty((x.shape[0], inter), np.float32)  # [n, I]
+    one = np.float32(1.0)
+    for i in range(experts.shape[0]):
+        lo, hi = edges[2 * i], edges[2 * i + 1]
+        if hi > lo:
+            _product(
+                x, w_gate_up[experts[i]], h, lo, hi, max(16, min(2 * inter, ACC_BYTES // (4 * (hi - lo)) // 16 * 16))
+            )
+            for r in range(lo, hi):
+                for j in range(inter):
+                    g = h[r, j]
+                    a[r, j] = g / (one + np.exp(-g)) * h[r, inter + j]
+            _product(
+                a, w_down[experts[i]], y, lo, hi, max(16, min(y.shape[1], ACC_BYTES // (4 * (hi - lo)) // 16 * 16))
+            )
+
+
+@njit(nogil=True, cache=True)
+def _ffn_token(x, local, weights, w_gate_up, w_down, out):  # pragma: no cover - compiled
+    """out[0] = sum over the k choices in order of weights[j] * ffn(x[0]) through expert local[j]
+    (0 where local[j] is outside [0, El)), with each row's bits as in ``_ffn_grouped`` and the
+    sum as NumpyOps' (zero rows for other ranks' experts, added in choice order)."""
+    k, D = local.shape[0], out.shape[1]
+    y = np.zeros((1, D), np.float32)  # [1, D]
+    edges = np.zeros(2, np.int64)
+    edges[1] = 1
+    experts = np.zeros(1, np.int64)
+    for j in range(k):
+        e = local[j]
+        if 0 <= e < w_gate_up.shape[0]:
+            experts[0] = e
+            _ffn_grouped(x, w_gate_up, w_down, y, experts, edges)
+            for d in range(D):
+                v = y[0, d] * weights[j]
+                out[0, d] = v if j == 0 else out[0, d] + v
+        else:
+            for d in range(D):
+                out[0, d] = np.float32(0.0) if j == 0 else out[0, d] + np.float32(0.0)
+
+
+def expert_ffn(x: np.ndarray, w_gate_up_t: np.ndarray, w_down_t: np.ndarray, experts: np.ndarray, edges: np.ndarray):
+    """y[n, D]: rows edges[2i]..edges[2i+1] of x[n, D] (float32) through expert experts[i]'s gate/up
+    w_gate_up_t[El, D, 2I], SiLU and down w_down_t[El, I, D] (input-major, C-contiguous); rows outside
+    every group stay zero."""
+    y = np.zeros((x.shape[0], w_down_t.shape[2]), dtype=np.float32)  # [n, D]
+    _ffn_grouped(np.ascontiguousarray(x), w_gate_up_t, w_down_t, y, experts.astype(np.int64), edges.astype(np.int64))
+    return y
+
+
+def moe_token(x: np.ndarray, local: np.ndarray, weights: np.ndarray, w_gate_up_t: np.ndarray, w_down_t: np.ndarray):
+    """[1, D]: the MoE output of one token x[1, D] over its k choices local[k] (this rank's experts;
+    others outside [0, El)) with routing weights[k] (float32), weights as in ``expert_ffn``."""
+    out = np.empty((1, w_down_t.shape[2]), dtype=np.float32)  # [1, D]
+    _ffn_token(np.ascontiguousarray(x), local.astype(np.int64), weights, w_gate_up_t, w_down_t, out)
+    return out
+
+
 def expert_rows(x: np.ndarray, w_t: np.ndarray, experts: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """y[n, N]: rows edges[2i]..edges[2i+1] of x[n, K] (float32) through expert experts[i] of
     w_t[El, K, N] (input-major, C-contiguous float32); rows outside every group stay zero."""
@@ -98,3 +161,6 @@ def warm_up() -> None:
     x = np.ones((5, 7), np.float32)  # [n, K]
     w = np.ones((1, 7, 3), np.float32)  # [El, K, N]
     expert_rows(x, w, np.zeros(1, np.int64), np.array([0, 5], np.int64))
+    expert_ffn(
+        x, np.ones((1, 7, 6), np.float32), np.ones((1, 3, 7), np.float32), np.zeros(1, np.int64), np.array([0, 5])
+    )

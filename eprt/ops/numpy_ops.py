@@ -22,6 +22,7 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows computes each row alone (GEMVs or the kernel)
 MOE_TOKENS_ONE_BY_ONE = 5  # up to this many tokens, moe_experts may run them one by one
+KERNEL_ONE_ROW_BYTES = 256 << 10  # compiled path: experts of matrices up to this size run one row in the kernel
 EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
 
 
@@ -265,6 +266,8 @@ class NumpyOps(Ops):
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
         k = ids.shape[1]
+        if self._one_row_in_kernel(w_gate_up, w_down):
+            return self._moe_compiled(x, weights, ids - expert_start, w_gate_up, w_down)
         if T == 1:  # one token (decode at batch 1): its k experts in choice order, no grouping
             return self._moe_one_token(x, weights[0], ids[0] - expert_start, w_gate_up, w_down)
         gemv_rows = EXPERT_ROWS_AS_GEMV if self.experts == "numpy" else 1  # (the kernel's bits are not a GEMV's)
@@ -288,6 +291,55 @@ class NumpyOps(Ops):
             ys[picks] = self.expert_products(self.silu_and_mul(h), w_down, bounds - start)  # [n, D]
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
+
+    def _one_row_in_kernel(self, w_gate_up, w_down) -> bool:
+        """Whether the compiled path runs these experts through ``_moe_compiled``: where their matrices
+        are small, a GEMV costs mostly its call and the fused kernel is the faster, for one row too.
+        Larger matrices stream faster through OpenBLAS's GEMV. The rule depends on the shapes only,
+        so a decode and a verify step give a row the same bits."""
+        small = max(w_gate_up.shape[1] * w_gate_up.shape[2], w_down.shape[1] * w_down.shape[2]) * 4
+        return self.experts == "numba" and small <= KERNEL_ONE_ROW_BYTES
+
+    def _moe_compiled(self, x, weights, local, w_gate_up, w_down):
+        """moe_experts of small experts on the compiled path: each expert with at most
+        EXPERT_ROWS_AS_GEMV rows (one included) runs gate/up, SiLU and down in one kernel call over
+        all such experts, a row's bits whatever its group; an expert with more rows runs GEMMs.
+        local [T, k]: this rank's expert of each (token, choice), outside [0, El) for another's."""
+        T, D = x.shape
+        k = local.shape[1]
+        flat = local.reshape(-1)  # [T*k]
+        El = w_gate_up.shape[0]
+        if T == 1:  # decode at batch 1: k distinct experts, one row each, one call
+            weights = np.ascontiguousarray(weights[0], dtype=np.float32)
+            return self.kernels.moe_token(x, flat, weights, *self._kernel_weights(w_gate_up, w_down))  # [1, D]
+        order = np.argsort(flat, kind="stable")  # grouped by expert, tokens in order
+        bounds = np.searchsorted(flat[order], np.arange(El + 1))  # [El+1] group edges
+        picks = order[bounds[0] : bounds[-1]]
+        ys = np.zeros((T * k, D), dtype=np.float32)  # [T*k, D] one row per (token, choice)
+        if len(picks):
+            ys[picks] = self._expert_ffn(x[picks // k], w_gate_up, w_down, bounds - bounds[0])  # [n, D]
+        ys *= weights.reshape(-1, 1)
+        return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
+
+    def _expert_ffn(self, xs, w_gate_up, w_down, bounds):
+        """[n, D]: rows bounds[e]..bounds[e+1] of xs[n, D] through expert e's gate/up, SiLU, down."""
+        sizes = np.diff(bounds)  # [El]
+        small = np.flatnonzero((sizes > 0) & (sizes <= EXPERT_ROWS_AS_GEMV))
+        edges = np.empty(2 * len(small), dtype=np.int64)  # [lo0, hi0, lo1, hi1, ..]
+        edges[0::2], edges[1::2] = bounds[small], bounds[small + 1]
+        y = self.kernels.expert_ffn(xs, *self._kernel_weights(w_gate_up, w_down), small, edges)  # [n, D]
+        for e in np.flatnonzero(sizes > EXPERT_ROWS_AS_GEMV).tolist():
+            lo, hi = int(bounds[e]), int(bounds[e + 1])
+            y[lo:hi] = self.silu_and_mul(xs[lo:hi] @ w_gate_up[e].T) @ w_down[e].T  # [t, D]
+        return y
+
+    @staticmethod
+    def _kernel_weights(w_gate_up, w_down):
+        """[El, K, N] views of expert matrices [El, N, K]: contiguous in NumpyOps.weight's layout."""
+        gate_up, down = w_gate_up.swapaxes(-1, -2), w_down.swapaxes(-1, -2)
+        if not (gate_up.flags.c_contiguous and down.flags.c_contiguous):
+            gate_up, down = np.ascontiguousarray(gate_up), np.ascontiguousarray(down)
+        return gate_up, down
 
     def expert_products(self, xs, w, bounds):
         """[n, N]: rows bounds[e]..bounds[e+1] of xs[n, K] through expert e of w[El, N, K]. An expert
