@@ -6,8 +6,8 @@ Builds (once) a DeepSeek-V3-style checkpoint (16 experts, top-4, experts ~90% of
 whose router score bias (e_score_correction_bias, selection only) favours 4 hot experts, 3 of
 them on rank 0 under the contiguous placement: at the default bias they take most of the rows,
 and at the default batch a hot expert holds enough rows that its CPU time follows its rows (at
-batch 32 it is mostly the read of its matrices, which balancing rows cannot even out). Then ``mpiexec -n WORLD`` runs this script
-(``--child``), EPLB off (which also writes the expert-load statistics, --stats-out's file) and
+batch 32 it is mostly the read of its matrices, which balancing rows cannot even out). Then
+``mpiexec -n WORLD`` runs this script (``--child``), EPLB off (which also writes the expert-load statistics, --stats-out's file) and
 EPLB on (``--num-redundant-experts R --init-expert-placement`` that file), alternating, REPEATS
 times each. Every rank records per decode step: its wall time, the experts' wall and CPU time,
 the combines' wall time (waiting for the slowest rank included) and the CPU it burned in them,

@@ -111,6 +111,23 @@ def test_choices_beyond_max_batch_prefill_their_prompt_themselves():
     assert [r.token_ids for r in squeezed] == [r.token_ids for r in roomy]  # same keys either way
 
 
+def test_choices_of_several_prompts_beyond_max_batch_wait_for_slots_in_a_batched_prefill():
+    """Four prompts of 3 choices each on 8 slots: the lane's plan holds slots for the prompts it
+    prefills together, leaving room for their forks; a choice finding no slot waits for one (it
+    used to find every slot held and stop the engine), and the choices equal a roomy run's."""
+    params = [SamplingParams(max_tokens=6, temperature=0.9, seed=7, n=3), SamplingParams(max_tokens=5, best_of=3)]
+    prompts = [PROMPT, PROMPT[:11], list(b"The socket module"), list(b"def parse(")]
+    reqs = [GenerationRequest(p, params[i % 2]) for i, p in enumerate(prompts)]
+
+    def run(max_batch):
+        with launch_engine(EngineConfig(model=None, device="cpu", max_batch=max_batch, prefix_cache=False)) as engine:
+            return [[r.token_ids for r in c] for c in engine.generate_choices(reqs)]
+
+    squeezed = run(8)
+    assert squeezed == run(16)
+    assert [len(c) for c in squeezed] == [3, 1, 3, 1] and all(len(t) > 0 for c in squeezed for t in c)
+
+
 def test_best_of_returns_the_n_most_likely_choices():
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=9, n=2, best_of=5, ignore_eos=True)
     with launch_engine(EngineConfig(model=None, device="cpu", max_batch=8)) as engine:

@@ -80,6 +80,15 @@ class DpShardExecutor(ShardExecutor):
     def _blocks_of(self, slot: int) -> BlockManager:
         return self.pools.pools[self.owners[slot]]
 
+    def _holds_kv(self, slot: int) -> bool:
+        return self.owners[slot] == self.rank
+
+    def fork(self, slot: int, new_slot: int) -> None:
+        """FORK: the copy lives with the original, in its owner's pool (every rank mirrors it; the
+        owner copies the partial last block's KV)."""
+        super().fork(slot, new_slot)
+        self.owners[new_slot] = self.owners[slot]
+
     def free(self, slot: int) -> int:
         blocks = super().free(slot)
         self.owners[slot] = -1

@@ -31,7 +31,9 @@ class DpModelRunner(ModelRunner):
         return self.executor.pools.choose(seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
 
     def can_admit(self, seq) -> bool:
-        return self._state(seq).held is not None or self._owner_for(seq) is not None
+        if self._state(seq).held is not None:
+            return True
+        return self.executor.slots.lowest_free() is not None and self._owner_for(seq) is not None
 
     def _allocate(self, seq) -> int:
         """Choose the owner, name it (OWNER ahead of the PREFILL, in the same frame) and allocate

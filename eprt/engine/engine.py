@@ -134,10 +134,10 @@ class Engine:
         self._check_vision(req)
         self.compile_guide(req.params.guide)
         count = getattr(req.params, "choices", 1)
-        if isinstance(self.runner, DpModelRunner) and (count > 1 or req.params.prompt_logprobs is not None):
+        if isinstance(self.runner, DpModelRunner) and req.params.prompt_logprobs is not None:
             raise RequestError(
-                "n / best_of above 1 and prompt_logprobs are not served under --attention dp yet "
-                f"(n={req.params.n}, best_of={req.params.best_of}, prompt_logprobs={req.params.prompt_logprobs})"
+                f"prompt_logprobs={req.params.prompt_logprobs}: prompt logprobs are not served under "
+                "--attention dp yet (start the job with --attention replicated)"
             )
         adapter = self._adapter_id(req.adapter, count)
         try:

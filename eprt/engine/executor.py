@@ -195,8 +195,8 @@ class ShardExecutor:
         if self.slots.get(new_slot) is not None:
             raise SlotError(f"FORK slot {slot} -> {new_slot}: target slot is occupied")
         key = self.slots.next_key
-        copy = self.blocks.fork(st.key, key, st.length)
-        if copy is not None:
+        copy = self._blocks_of(slot).fork(st.key, key, st.length)
+        if copy is not None and self._holds_kv(slot):
             self.kv.copy_block(*copy)
         child = self.slots.occupy(new_slot, st.prompt, 0, st.adapter, st.vision_rows)
         child.tokens.extend(st.tokens)
@@ -206,9 +206,13 @@ class ShardExecutor:
         if self.state is not None:  # a hybrid model: the recurrent state at the prompt's end, copied
             self.state.move(slot, new_slot)
 
-    def can_fork(self) -> bool:
-        """Whether FORK can run now: a free slot and a free block."""
-        return self.slots.lowest_free() is not None and self.blocks.can_fork()
+    def can_fork(self, slot: int) -> bool:
+        """Whether FORK of ``slot`` can run now: a free slot and a free block in its pool."""
+        return self.slots.lowest_free() is not None and self._blocks_of(slot).can_fork()
+
+    def _holds_kv(self, slot: int) -> bool:
+        """Whether this rank stores the KV of the sequence in ``slot`` (every rank does, but under dp)."""
+        return True
 
     def switch_placement(self, epoch: int, table: np.ndarray) -> int:
         """EPLB_PLACEMENT (docs/eplb.md): hold the experts of ``table`` [layers, slots] from the next

@@ -106,6 +106,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
     def can_admit(self, seq) -> bool:
         if self._state(seq).held is not None:
             return True
+        if self.executor.slots.lowest_free() is None:
+            return False  # every slot taken (by running sequences, forks, or the lane's plan)
         if seq.adapter != -1 and not adapter_slots.can_place(self, seq.adapter):
             return False  # every LoRA slot holds an adapter running sequences use
         return self.executor.blocks.can_allocate(
@@ -161,7 +163,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         return blocks
 
     def can_fork(self, seq) -> bool:
-        return self.executor.can_fork()
+        return self.executor.can_fork(seq.slot)
 
     def fork_sequence(self, seq, child) -> int:
         """FORK child off the just-prefilled seq; the last prefill's logits gain child's row."""

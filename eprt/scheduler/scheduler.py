@@ -220,20 +220,23 @@ class Scheduler:
         """The (seq, start, n) chunks the lane below will run, told to the model ahead (untraced)
         so it may run them as one forward: the same choices, with ``admit_ahead`` answering
         ``can_admit`` and holding the blocks. Stops early where the model cannot say (None)."""
-        plan = []
+        plan, room = [], self.config.max_batch - len(self._live)  # admissions and forks the lane may make
         for seq in [s for s in self._live if s.state is SeqState.PREFILLING]:
             if budget == 0:
                 return plan
             n = _chunk_len(seq.num_prompt - seq.len, budget)
             plan.append((seq, seq.len, n))
             budget = None if budget is None else budget - n
+            if seq.len + n == seq.num_prompt:  # its prompt ends: its further choices fork first
+                room -= len(seq.forks)
         for seq in self._waiting:
-            cached = None if budget == 0 else self.model.admit_ahead(seq)
+            cached = None if budget == 0 or room < 1 else self.model.admit_ahead(seq)
             if cached is None:
                 break
             n = _chunk_len(seq.num_prompt - cached, budget)
             plan.append((seq, cached, n))
             budget = None if budget is None else budget - n
+            room -= 1 + (len(seq.forks) if cached + n == seq.num_prompt else 0)
         return plan
 
     def _admit(self, seq: Sequence) -> None:

@@ -108,6 +108,51 @@ def test_dp_preemption_on_small_pools_equal_single_rank(monkeypatch):
         assert preemptions > 0
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_dp_choices_fork_on_the_owner_and_equal_single_rank(arch):
+    """n = 3 and best_of = 3 (sampled, seeded): FORK puts every choice in its prompt's owner's pool
+    (the owner copies the partial block's KV, every rank mirrors the fork), and the choices equal a
+    single rank's with replicated attention. A request for prompt logprobs is refused by name, and
+    the others still finish."""
+    from eprt.api import RequestError
+
+    path = shared_checkpoint(arch)
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=7, n=3), SamplingParams(max_tokens=6, best_of=3)]
+
+    def reqs():
+        return [GenerationRequest(p, params[i % 2]) for i, p in enumerate(PROMPTS[:4])]
+
+    def choices(engine):
+        owners = []
+
+        def fork(seq, child, inner=engine.runner.fork_sequence):
+            slot = inner(seq, child)
+            owners.append(int(engine.runner.executor.owners[seq.slot]) == int(engine.runner.executor.owners[slot]))
+            return slot
+
+        engine.runner.fork_sequence = fork
+        with pytest.raises(RequestError, match="prompt_logprobs=1"):
+            engine.submit(GenerationRequest(PROMPTS[0], SamplingParams(max_tokens=4, prompt_logprobs=1)))
+        return engine.generate_choices(reqs()), owners
+
+    cfg = engine_config(path, attention="dp")
+    cfg.max_batch = 8
+    _, seen = run_dp(cfg, lambda: [], choices)
+    single_cfg = engine_config(path, attention="replicated")
+    single_cfg.max_batch = 8
+    single = None
+    if COMM.rank == 0:
+        from test_expert_parallel_mpi import LocalTransport
+
+        with launch_engine(single_cfg, transport=LocalTransport()) as engine:
+            single = engine.generate_choices(reqs())
+        multi, owners = seen
+        assert [[r.token_ids for r in c] for c in multi] == [[r.token_ids for r in c] for c in single]
+        assert owners and all(owners)  # (a choice finding no free slot prefills its prompt itself)
+        assert all(len(c) == (3 if i % 2 == 0 else 1) for i, c in enumerate(multi))
+
+
 class _Lines(logging.Handler):
     def __init__(self):
         super().__init__()
