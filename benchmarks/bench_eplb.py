@@ -2,19 +2,19 @@
 
     python benchmarks/bench_eplb.py [--world 4] [--batch 128] [--steps 16] [--redundant 4] [--repeats 3] [--bias 0.6]
 
-Builds (once) a DeepSeek-V3-style checkpoint (16 experts, top-4, experts ~90% of the weights)
-whose router score bias (e_score_correction_bias, selection only) favours 4 hot experts, 3 of
-them on rank 0 under the contiguous placement: at the default bias they take most of the rows,
-and at the default batch a hot expert holds enough rows that its CPU time follows its rows (at
-batch 32 it is mostly the read of its matrices, which balancing rows cannot even out). Then
-``mpiexec -n WORLD`` runs this script (``--child``), EPLB off (which also writes the expert-load statistics, --stats-out's file) and
-EPLB on (``--num-redundant-experts R --init-expert-placement`` that file), alternating, REPEATS
-times each. Every rank records per decode step: its wall time, the experts' wall and CPU time,
-the combines' wall time (waiting for the slowest rank included) and the CPU it burned in them,
-and the (token, choice) rows its experts computed. Printed per run: the load average before it,
-rows per rank, imbalance (max - mean) / mean, rank 0's median decode step, and each rank's
-medians; then every run's step per variant. ``--poll-cap S`` adds an EPLB-on variant whose
-combines sleep up to S seconds between polls (the transport's default is 1e-4).
+Builds (once) a DeepSeek-V3-style checkpoint (16 experts, top-4, experts ~90% of the weights) whose
+router score bias (e_score_correction_bias, selection only) favours 4 hot experts, 3 of them on rank
+0 under the contiguous placement: at the default bias they take most of the rows, and at the default
+batch a hot expert holds enough rows that its CPU time follows its rows (at batch 32 it is mostly
+the read of its matrices, which balancing rows cannot even out). Then ``mpiexec -n WORLD`` runs this
+script (``--child``), EPLB off (which also writes the expert-load statistics, --stats-out's file)
+and EPLB on (``--num-redundant-experts R --init-expert-placement`` that file), alternating, REPEATS
+times each. Every rank records per decode step: its wall time, the experts' wall and CPU time, the
+combines' wall time (waiting for the slowest rank included) and the CPU it burned in them, and the
+(token, choice) rows its experts computed. Printed per run: the load average before it, rows per
+rank, imbalance (max - mean) / mean, rank 0's median decode step, and each rank's medians; then
+every run's step per variant. ``--poll-cap S`` adds an EPLB-on variant whose combines sleep up to S
+seconds between polls (the transport's default is 1e-4).
 """
 
 from __future__ import annotations
