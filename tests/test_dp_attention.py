@@ -18,11 +18,18 @@ from eprt.scheduler.scenario import ScenarioError, parse
 
 
 def test_owner_and_decode_dp_round_trip():
-    cmds = [P.Owner(slot=2, owner=1), P.DecodeDp(slots=(0, 2, 3), tokens=(7, 8, 9), counts=(2, 1))]
+    cmds = [
+        P.Owner(slot=2, owner=1),
+        P.DecodeDp(slots=(0, 2, 3), tokens=(7, 8, 9), counts=(2, 1)),
+        P.Owner(slot=3, owner=0, prompt_hidden=1),
+    ]
     words = np.concatenate([P.encode(c) for c in cmds])
-    assert words[:3].tolist() == [2, P.OWNER, 1]
-    assert words[3:].tolist() == [0, P.DECODE_DP, 3, 2, 2, 1, 0, 2, 3, 7, 8, 9]
+    assert words[:4].tolist() == [2, P.OWNER, 1, 0]
+    assert words[4:16].tolist() == [0, P.DECODE_DP, 3, 2, 2, 1, 0, 2, 3, 7, 8, 9]
+    assert words[16:].tolist() == [3, P.OWNER, 0, 1]
     assert P.decode_all(words, max_slots=4, vocab_size=16) == cmds
+    with pytest.raises(P.ProtocolError, match="OWNER prompt_hidden 2 \\(must be 0 or 1\\)"):
+        P.decode_all([3, P.OWNER, 0, 2], max_slots=4)
 
 
 def test_decode_dp_counts_must_add_up():

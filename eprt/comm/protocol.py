@@ -221,10 +221,13 @@ class SlotAdapter:
 
 @dataclass(frozen=True)
 class Owner:
-    """dp attention: the sequence the next PREFILL puts into ``slot`` lives on rank ``owner``."""
+    """dp attention: the sequence the next PREFILL puts into ``slot`` lives on rank ``owner``;
+    ``prompt_hidden`` 1: its prefill returns every prompt position's hidden state to rank 0
+    (prompt logprobs), 0: only the last position's."""
 
     slot: int
     owner: int
+    prompt_hidden: int = 0
 
 
 @dataclass(frozen=True)
@@ -350,7 +353,7 @@ def encode(cmd: Command) -> np.ndarray:
     elif isinstance(cmd, SlotAdapter):
         words = [cmd.slot, SLOT_ADAPTER, cmd.lora_slot]
     elif isinstance(cmd, Owner):
-        words = [cmd.slot, OWNER, cmd.owner]
+        words = [cmd.slot, OWNER, cmd.owner, cmd.prompt_hidden]
     elif isinstance(cmd, DecodeDp):
         if len(cmd.slots) != len(cmd.tokens) or sum(cmd.counts) != len(cmd.slots):
             raise ProtocolError(
@@ -558,10 +561,12 @@ class Decoder:
                 return None
             out = SlotAdapter(self._slot(seq, "SLOT_ADAPTER"), int(b[body]))
         elif cmd == OWNER:
-            end = body + 1
+            end = body + 2
             if len(b) < end:
                 return None
-            out = Owner(self._slot(seq, "OWNER"), int(b[body]))
+            if int(b[body + 1]) not in (0, 1):
+                raise ProtocolError(f"OWNER prompt_hidden {int(b[body + 1])} (must be 0 or 1)")
+            out = Owner(self._slot(seq, "OWNER"), int(b[body]), int(b[body + 1]))
         elif cmd == DECODE_DP:
             if len(b) - body < 2:
                 return None

@@ -101,9 +101,10 @@ class Executor(Protocol):
     def set_slot_adapter(self, slot: int, lora_slot: int) -> None:
         """SLOT_ADAPTER: the next PREFILL into the empty ``slot`` uses the adapter in ``lora_slot``."""
 
-    def assign_owner(self, slot: int, owner: int) -> None:
+    def assign_owner(self, slot: int, owner: int, prompt_hidden: bool = False) -> None:
         """OWNER (dp attention, an executor whose ``dp`` is true): the next PREFILL into ``slot`` is
-        owned by rank ``owner``. DECODE_DP calls ``decode(slots, tokens, counts)``."""
+        owned by rank ``owner`` (which returns every prompt position's hidden state to rank 0 if
+        ``prompt_hidden``). DECODE_DP calls ``decode(slots, tokens, counts)``."""
 
     def shutdown(self) -> None:
         """Free every slot and everything else the executor holds."""
@@ -207,7 +208,7 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
             "is for dp attention, but this rank runs replicated attention"
         )
     elif isinstance(cmd, Owner):
-        executor.assign_owner(cmd.slot, cmd.owner)
+        executor.assign_owner(cmd.slot, cmd.owner, bool(cmd.prompt_hidden))
     elif isinstance(cmd, DecodeDp):
         executor.decode(list(cmd.slots), list(cmd.tokens), list(cmd.counts))
     elif isinstance(cmd, DecodeCkpt):

@@ -55,26 +55,29 @@ class DpShardExecutor(ShardExecutor):
         self.pools = OwnerPools(pool_sizes, block_size, prefix_cache)
         self.pools.pools[self.rank] = self.blocks  # this rank's own pool: the blocks its KV lives in
         self.owners = np.full(max_slots, -1, dtype=np.int64)  # [slots] owner rank of each occupied slot
-        self._pending: dict[int, int] = {}  # slot -> owner named by OWNER, for its next PREFILL
+        self._pending: dict[int, tuple] = {}  # slot -> (owner, prompt_hidden) named by OWNER, for its next PREFILL
+        self.prompt_hidden: dict[int, bool] = {}  # slot -> its prefill returns every position's hidden state
         self.exchange = exchange
         model.exchange = exchange
         self.compute_logits = True  # every owner runs the LM head on its rows
 
     # ---- slot bookkeeping, in the owner's pool -------------------------------------------
-    def assign_owner(self, slot: int, owner: int) -> None:
-        """OWNER: the sequence the next PREFILL puts into the empty ``slot`` lives on rank ``owner``."""
+    def assign_owner(self, slot: int, owner: int, prompt_hidden: bool = False) -> None:
+        """OWNER: the sequence the next PREFILL puts into the empty ``slot`` lives on rank ``owner``;
+        ``prompt_hidden``: its prefill chunks return every position's hidden state (prompt logprobs)."""
         if not 0 <= owner < len(self.pools):
             raise ExecutorError(f"OWNER slot {slot}: rank {owner} is outside the world [0, {len(self.pools)})")
         if self.slots.get(slot) is not None:
             raise SlotError(f"OWNER slot {slot}: the slot is occupied")
-        self._pending[slot] = owner
+        self._pending[slot] = (owner, bool(prompt_hidden))
 
     def _blocks_for_new(self, slot: int) -> BlockManager:
         """The pool of the owner OWNER named for the slot's next PREFILL."""
-        owner = self._pending.pop(slot, None)
+        owner, prompt_hidden = self._pending.pop(slot, (None, False))
         if owner is None:
             raise ExecutorError(f"PREFILL slot {slot}: under dp attention an OWNER frame must name its rank first")
         self.owners[slot] = owner
+        self.prompt_hidden[slot] = prompt_hidden
         return self.pools.pools[owner]
 
     def _blocks_of(self, slot: int) -> BlockManager:
@@ -92,20 +95,24 @@ class DpShardExecutor(ShardExecutor):
     def free(self, slot: int) -> int:
         blocks = super().free(slot)
         self.owners[slot] = -1
+        self.prompt_hidden.pop(slot, None)
         return blocks
 
     def compact(self, slot: int, new_slot: int) -> None:
         super().compact(slot, new_slot)
         self.owners[new_slot], self.owners[slot] = self.owners[slot], -1
+        if slot in self.prompt_hidden:
+            self.prompt_hidden[new_slot] = self.prompt_hidden.pop(slot)
 
     # ---- compute --------------------------------------------------------------------------
     def _prefill_chunks(self, chunks: list, keep_hidden: bool = False):
         """A prefill pass (one PREFILL / PREFILL_NEXT or a batched run of them): every rank mirrors
         every chunk's bookkeeping, each owner runs its own chunks as one forward, and every rank
         joins each MoE layer over all the chunks' tokens, in the run's order. Returns a DpOutput of
-        each chunk's last token on rank 0, in the run's order (None elsewhere)."""
-        if keep_hidden:
-            raise ExecutorError("dp attention: a prefill keeping hidden states (prompt logprobs is not served)")
+        each chunk's last token on rank 0, in the run's order (None elsewhere). The chunks of slots
+        whose OWNER asked for prompt hidden states return every position's in a second gather:
+        rank 0 keeps them in ``prefill_hidden`` [T, D], the run's tokens in order (``keep_hidden``,
+        rank 0's request for them, must match)."""
         named = [c.slot for c in chunks]
         if len(set(named)) != len(named):
             raise ExecutorError(f"a prefill group names a slot twice: slots {named}")
@@ -127,20 +134,57 @@ class DpShardExecutor(ShardExecutor):
                 st = self.slots.check_chunk(c.slot, tokens, c.chunk_start, c.chunk_len)
                 self.pools.pools[owner].grow(st.key, end)
                 others.append((st, tokens[c.chunk_start : end]))
+        kept = np.fromiter((self.prompt_hidden.get(c.slot, False) for c in chunks), dtype=bool, count=len(chunks))
+        if self.rank == 0 and keep_hidden != bool(kept.any()):
+            raise ExecutorError(
+                f"prefill of slots {named}: prompt hidden states asked for {keep_hidden}, but OWNER named "
+                f"{[c.slot for c, k in zip(chunks, kept) if k]}"
+            )
         mine = [c for c, owner in zip(chunks, owners) if owner == self.rank]
+        hidden = None  # [T_mine, D] this rank's chunks' hidden states, when some are kept
         if mine:
-            out = super()._prefill_chunks(mine)  # [mine, 1 + D]
+            keep_mine = bool(kept[owners == self.rank].any())
+            out = super()._prefill_chunks(mine, keep_hidden=keep_mine)  # [mine, 1 + D]
+            hidden, self.prefill_hidden = self.prefill_hidden, None
         else:
             self.model.idle_pass()
             out = self._no_rows()
         for st, new in others:
             st.tokens.extend(new)
         every = self.exchange.collect(out, np.bincount(owners, minlength=len(self.pools)).tolist())
+        if kept.any():
+            self.prefill_hidden = self._collect_prompt_hidden(chunks, owners, kept, hidden)
         if every is None:
             return None
         ordered = np.empty_like(every)  # rank-major (each rank's chunks in run order) -> run order
         ordered[np.argsort(owners, kind="stable")] = every
         return DpOutput(ordered[:, 0].astype(np.int64), np.ascontiguousarray(ordered[:, 1:]).view(np.float32))
+
+    def _collect_prompt_hidden(self, chunks: list, owners: np.ndarray, kept: np.ndarray, hidden):
+        """The kept chunks' hidden states [T, D] on rank 0, the run's tokens in order (rows of the
+        other chunks stay zero); None elsewhere. One gather: each rank sends its kept chunks' rows."""
+        lengths = np.array([c.chunk_len for c in chunks], dtype=np.int64)  # [G]
+        mine = owners == self.rank
+        starts = np.cumsum(lengths[mine]) - lengths[mine]  # [mine] each chunk's first row in ``hidden``
+        rows = [
+            self.ops.to_host(hidden[int(start) : int(start + n)])
+            for start, n, k in zip(starts, lengths[mine], kept[mine])
+            if k
+        ]
+        D = self.cfg.hidden_size
+        rows = np.concatenate(rows).astype(np.float32) if rows else np.zeros((0, D), np.float32)  # [n_mine, D]
+        counts = np.bincount(owners[kept], weights=lengths[kept], minlength=len(self.pools)).astype(int).tolist()
+        every = self.exchange.collect(rows, counts)  # [sum counts, D] rank-major on rank 0
+        if every is None:
+            return None
+        out = np.zeros((int(lengths.sum()), D), dtype=np.float32)  # [T, D] in the run's order
+        offsets = np.cumsum(lengths) - lengths  # [G]
+        at = 0
+        for rank in range(len(self.pools)):
+            for g in np.flatnonzero((owners == rank) & kept):
+                out[offsets[g] : offsets[g] + lengths[g]] = every[at : at + lengths[g]]
+                at += int(lengths[g])
+        return out
 
     def decode(self, slots: list, tokens: list, counts: list | None = None):
         """One step: row r appends tokens[r] to slots[r]; this rank runs the rows it owns. ``counts``:

@@ -10,7 +10,7 @@ import numpy as np
 
 from eprt.comm import protocol as P
 from eprt.engine.dp_executor import DpOutput, DpShardExecutor
-from eprt.engine.runner import ModelRunner, needs_host_sampler
+from eprt.engine.runner import ModelRunner, needs_host_sampler, wants_prompt_logprobs
 
 
 class DpModelRunner(ModelRunner):
@@ -42,11 +42,17 @@ class DpModelRunner(ModelRunner):
         if owner is None:
             raise RuntimeError(f"alloc_sequence for s{seq.seq_id}: no rank has room for its prompt")
         if slot is not None:  # (the base call below refuses a full table)
-            self.transport.send(P.Owner(slot, owner))
-            self.executor.assign_owner(slot, owner)
+            prompt_hidden = wants_prompt_logprobs(seq)
+            self.transport.send(P.Owner(slot, owner, int(prompt_hidden)))
+            self.executor.assign_owner(slot, owner, prompt_hidden)
         return super()._allocate(seq)
 
     # ---- compute ---------------------------------------------------------------------------
+    def _prompt_logprobs(self, seq, start: int, n: int, hidden) -> None:
+        if not self.executor.prompt_hidden.get(self._slot_and_cached(seq)[0]):  # (admitted ahead: held)
+            raise RuntimeError(f"prompt logprobs of s{seq.seq_id}: its OWNER frame did not ask for its hidden states")
+        super()._prompt_logprobs(seq, start, n, self.executor.ops.activation(hidden))
+
     def decode_batch(self, tokens, seqs, stream: int = 0) -> None:
         slots = [s.slot for s in seqs]
         tokens = [int(t) for t in tokens]

@@ -134,11 +134,6 @@ class Engine:
         self._check_vision(req)
         self.compile_guide(req.params.guide)
         count = getattr(req.params, "choices", 1)
-        if isinstance(self.runner, DpModelRunner) and req.params.prompt_logprobs is not None:
-            raise RequestError(
-                f"prompt_logprobs={req.params.prompt_logprobs}: prompt logprobs are not served under "
-                "--attention dp yet (start the job with --attention replicated)"
-            )
         adapter = self._adapter_id(req.adapter, count)
         try:
             inner = self.scheduler.submit_choices(

@@ -135,7 +135,7 @@ def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
 
 def dp_unserved(cfg: EngineConfig, model_cfg) -> list[str]:
     """What of this job dp attention does not serve yet: speculation, LoRA, EPLB, MRoPE (vision-
-    language) and hybrid models (per-request prompt_logprobs is refused at submit)."""
+    language) and hybrid models."""
     unserved = [
         ("--speculative-method", cfg.speculative_method is not None),
         ("--lora-modules / --enable-lora", cfg.lora_enabled),

@@ -54,7 +54,7 @@ class DpRecordingModel(RecordingModel):
         if owner is None:
             raise FakeModelError(f"alloc_sequence for s{seq.seq_id}: no rank has room for its prompt")
         slot = self.slots.index(None)
-        self._frame(slot, OWNER, owner)
+        self._frame(slot, OWNER, owner, 0)  # prompt_hidden 0: the fake computes no prompt logprobs
         seq.cached = self.pools.pools[owner].allocate(seq.seq_id, prompt, seq.adapter)
         self.slots[slot], self.owner[seq.seq_id] = seq.seq_id, owner
         self.emit(f"alloc_sequence() -> slot {slot} on rank {owner}")

@@ -113,10 +113,7 @@ def test_dp_preemption_on_small_pools_equal_single_rank(monkeypatch):
 def test_dp_choices_fork_on_the_owner_and_equal_single_rank(arch):
     """n = 3 and best_of = 3 (sampled, seeded): FORK puts every choice in its prompt's owner's pool
     (the owner copies the partial block's KV, every rank mirrors the fork), and the choices equal a
-    single rank's with replicated attention. A request for prompt logprobs is refused by name, and
-    the others still finish."""
-    from eprt.api import RequestError
-
+    single rank's with replicated attention."""
     path = shared_checkpoint(arch)
     params = [SamplingParams(max_tokens=8, temperature=0.9, seed=7, n=3), SamplingParams(max_tokens=6, best_of=3)]
 
@@ -132,8 +129,6 @@ def test_dp_choices_fork_on_the_owner_and_equal_single_rank(arch):
             return slot
 
         engine.runner.fork_sequence = fork
-        with pytest.raises(RequestError, match="prompt_logprobs=1"):
-            engine.submit(GenerationRequest(PROMPTS[0], SamplingParams(max_tokens=4, prompt_logprobs=1)))
         return engine.generate_choices(reqs()), owners
 
     cfg = engine_config(path, attention="dp")
@@ -151,6 +146,40 @@ def test_dp_choices_fork_on_the_owner_and_equal_single_rank(arch):
         assert [[r.token_ids for r in c] for c in multi] == [[r.token_ids for r in c] for c in single]
         assert owners and all(owners)  # (a choice finding no free slot prefills its prompt itself)
         assert all(len(c) == (3 if i % 2 == 0 else 1) for i, c in enumerate(multi))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
+def test_dp_prompt_logprobs_equal_single_rank(arch):
+    """Prompt logprobs under dp, in 5-token prefill chunks: OWNER asks the owner for every prompt
+    position's hidden state, rank 0 gathers them in a second gather of the pass (the requests
+    without prompt logprobs in the same runs send only their last row), and the logprobs and the
+    tokens equal a single rank's with replicated attention."""
+    path = shared_checkpoint(arch)
+
+    def reqs():
+        return [
+            GenerationRequest(p, SamplingParams(max_tokens=5, prompt_logprobs=2 if i % 2 == 0 else None))
+            for i, p in enumerate(PROMPTS)
+        ]
+
+    multi, _ = run_dp(engine_config(path, attention="dp", max_prefill_tokens=5), reqs)
+    single = run_single(engine_config(path, attention="replicated", max_prefill_tokens=5), reqs)
+    if COMM.rank == 0:
+        assert [r.token_ids for r in multi] == [r.token_ids for r in single]
+        for i, (m, s) in enumerate(zip(multi, single)):
+            if i % 2:
+                assert m.prompt_logprobs is None and s.prompt_logprobs is None
+                continue
+            assert len(m.prompt_logprobs) == len(PROMPTS[i]) and m.prompt_logprobs[0] is None
+            for got, want in zip(m.prompt_logprobs[1:], s.prompt_logprobs[1:]):
+                assert (got.token_id, got.rank, [t for t, _ in got.top]) == (
+                    want.token_id,
+                    want.rank,
+                    [t for t, _ in want.top],
+                )
+                values = [got.logprob] + [lp for _, lp in got.top]
+                np.testing.assert_allclose(values, [want.logprob] + [lp for _, lp in want.top], rtol=1e-5, atol=1e-6)
 
 
 class _Lines(logging.Handler):
