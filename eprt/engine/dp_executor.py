@@ -209,6 +209,28 @@ class DpShardExecutor(ShardExecutor):
             out = self._no_rows()
         return self._collect(out)
 
+    def verify(self, slots: list, tokens: list, drafts: list):
+        """VERIFY under dp: each owner runs its rows' positions (the verify of their own rank) and every
+        rank joins the MoE layers over all positions, rows in order, each row's consecutive; the other
+        owners' rows are mirrored (tokens, blocks in their pools) and pending as on their owner.
+        Returns a DpOutput of every position on rank 0."""
+        states = self.slots.check_verify(slots, tokens, drafts)
+        counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(slots))  # [B]
+        owners = self.owners[np.asarray(slots, dtype=np.int64)]  # [B]
+        self.exchange.begin(np.repeat(owners, counts + 1))  # [N] each position's owner
+        mine = np.flatnonzero(owners == self.rank).tolist()
+        if mine:
+            out = super().verify([slots[r] for r in mine], [tokens[r] for r in mine], [drafts[r] for r in mine])
+        else:
+            self.model.idle_pass()
+            out = self._no_rows()
+        for r in np.flatnonzero(owners != self.rank).tolist():  # the other owners' rows: mirrored bookkeeping
+            st = states[r]
+            self.pools.pools[owners[r]].grow(st.key, st.length + int(counts[r]) + 1)
+            st.tokens.extend((int(tokens[r]), *(int(t) for t in drafts[r])))
+        self.slots.open(slots, drafts)  # every row pending, in the frame's order
+        return self._collect(out)
+
     def _output(self, h):
         """This rank's rows of a pass as uint32 [n, 1 + D]: the greedy token, then the hidden state's bits."""
         tokens = np.asarray(self.ops.to_host(self.ops.argmax(self.model.logits(h))), dtype=np.uint32)  # [n]

@@ -76,6 +76,17 @@ class DpModelRunner(ModelRunner):
             self._logits = self.executor.model.logits(ops.activation(out.hidden))  # [N, V]
         return super().argmax_batch(row, n, stream)
 
+    def _position_targets(self) -> list[int]:
+        out = self._logits
+        return [int(t) for t in out.tokens] if isinstance(out, DpOutput) else super()._position_targets()
+
+    def _position_logits(self, positions: list) -> np.ndarray:
+        out = self._logits
+        if isinstance(out, DpOutput):  # the sampled rows' logits, from their gathered hidden states
+            ops = self.executor.ops
+            return ops.to_host(self.executor.model.logits(ops.activation(out.hidden[positions])))  # [n, V]
+        return super()._position_logits(positions)
+
 
 def _plain_greedy(seq) -> bool:
     """A greedy row nothing but the argmax decides (its owner's token is the answer)."""

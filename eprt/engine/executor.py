@@ -468,13 +468,13 @@ class ShardExecutor:
         for st, tok, d in zip(states, tokens, drafts):
             st.tokens.extend((int(tok), *(int(t) for t in d)))
         self.slots.open(slots, drafts)
-        return self.model.logits(h) if self.compute_logits else None
+        return self._output(h)
 
     def accept(self, slots: list, accepted: list) -> None:
         """ACCEPT: close the last VERIFY; row r keeps accepted[r] drafts, the rest of its KV rolls back
         (tokens and tail blocks beyond what the kept length needs)."""
         for slot, (st, dropped) in zip(slots, self.slots.accept(slots, accepted)):
-            if dropped and self.blocks.shrink(st.key, st.length):
+            if dropped and self._blocks_of(slot).shrink(st.key, st.length) and self._holds_kv(slot):
                 self._store_table(slot, st.key)
             held = self._mtp_rows.get(st.key)
             if dropped and held is not None:  # the rejected positions' hidden rows go too

@@ -181,16 +181,24 @@ class SpeculativeRunner:
         sampled = [r for r, s in enumerate(seqs) if s.params.temperature != 0.0]
         targets = [0] * int(starts[-1])  # [N] the token each position emits if reached
         if len(sampled) < len(seqs):
-            targets = [int(t) for t in self.executor.ops.argmax(self._logits)]
+            targets = self._position_targets()
         if sampled:
-            host = self.executor.ops.to_host(self._logits)  # [N, V]
             positions = [p for r in sampled for p in range(starts[r], starts[r + 1])]
-            for p, t in zip(positions, self._sample_positions(host[positions], seqs, drafts, sampled)):
+            logits = self._position_logits(positions)  # [n, V]
+            for p, t in zip(positions, self._sample_positions(logits, seqs, drafts, sampled)):
                 targets[p] = t
         out = [accepted_run(d, targets[starts[r] : starts[r + 1]]) for r, d in enumerate(drafts)]
         if self.step_costs is not None:
             self.step_costs.verify_step(len(seqs), sum(len(d) for d in drafts), self._step_clock() - self._step_start)
         return out
+
+    def _position_targets(self) -> list[int]:
+        """The last verify's greedy token at each position [N]."""
+        return [int(t) for t in self.executor.ops.argmax(self._logits)]
+
+    def _position_logits(self, positions: list) -> np.ndarray:
+        """The last verify's logits at ``positions``, on the host [n, V]."""
+        return self.executor.ops.to_host(self._logits)[positions]
 
     @staticmethod
     def _sample_positions(logits: np.ndarray, seqs, drafts, sampled: list) -> list[int]:

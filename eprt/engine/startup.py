@@ -134,10 +134,10 @@ def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
 
 
 def dp_unserved(cfg: EngineConfig, model_cfg) -> list[str]:
-    """What of this job dp attention does not serve yet: speculation, LoRA, EPLB, MRoPE (vision-
-    language) and hybrid models."""
+    """What of this job dp attention does not serve yet: MTP speculation, LoRA, EPLB, MRoPE
+    (vision-language) and hybrid models."""
     unserved = [
-        ("--speculative-method", cfg.speculative_method is not None),
+        ("--speculative-method mtp", cfg.speculative_method == "mtp"),
         ("--lora-modules / --enable-lora", cfg.lora_enabled),
         ("EPLB (--enable-eplb, --num-redundant-experts, --eplb-interval)", cfg.eplb.active),
         (f"a {model_cfg.model_type} checkpoint (MRoPE positions)", bool(model_cfg.mrope_section)),

@@ -215,6 +215,10 @@ class RecordingModel(TraceCalls):
         self.emit(f"decode_batch(tokens=[{', '.join(map(str, tokens))}], seqs=[{names}], stream={stream})")
 
     # -- speculative decoding (the verify lane) -----------------------------------------------
+    def _pool(self, seq) -> BlockManager:
+        """The block manager holding seq's blocks (dp attention: its owner's)."""
+        return self.blocks
+
     def propose_drafts(self, seq, k: int) -> list[int]:
         """From the request's draft script, aligned like its script: the drafts for the next
         output tokens."""
@@ -231,7 +235,7 @@ class RecordingModel(TraceCalls):
             self._check_slot(seq)
             if seq.len != len(seq.token_ids) - 1:
                 raise FakeModelError(f"verify of {seq_name(seq)} whose KV is not up to date")
-            self.blocks.grow(seq.seq_id, seq.len + len(d) + 1)
+            self._pool(seq).grow(seq.seq_id, seq.len + len(d) + 1)
         self._verify = [
             (list(d), [self._answer(seq, seq.len + i) for i in range(len(d) + 1)]) for seq, d in zip(seqs, drafts)
         ]
@@ -254,7 +258,7 @@ class RecordingModel(TraceCalls):
         for seq, (drafts, _), a in zip(seqs, self._verify, accepted):
             if not 0 <= a <= len(drafts):
                 raise FakeModelError(f"{seq_name(seq)}: {a} drafts accepted of {len(drafts)}")
-            self.blocks.shrink(seq.seq_id, seq.len)
+            self._pool(seq).shrink(seq.seq_id, seq.len)
         names = ", ".join(f'"{seq_name(s)}"' for s in seqs)
         self.emit(f"accept_drafts(seqs=[{names}], accepted=[{', '.join(map(str, accepted))}])")
 

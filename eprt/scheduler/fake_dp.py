@@ -23,8 +23,9 @@ class DpRecordingModel(RecordingModel):
         num_slots: int = 8,
         block_size: int = 16,
         prefix_cache: bool = True,
+        drafts: dict | None = None,
     ):
-        super().__init__(emit, scripts, num_slots=num_slots, num_blocks=1, block_size=block_size)
+        super().__init__(emit, scripts, num_slots=num_slots, num_blocks=1, block_size=block_size, drafts=drafts)
         self.pools = OwnerPools(rank_blocks, block_size, prefix_cache)
         self.blocks = None  # every block lives in an owner's pool
         self.owner: dict = {}  # seq_id -> owner rank of its current admission
@@ -72,6 +73,9 @@ class DpRecordingModel(RecordingModel):
         self.emit(f"free_sequence({seq_name(seq)}, blocks={n})")
         self._frame(seq.slot, RELEASE)
         return n
+
+    def _pool(self, seq):
+        return self.pools.pools[self.owner[seq.seq_id]]
 
     # -- compute -----------------------------------------------------------------------------
     def decode_batch(self, tokens, seqs: list, stream: int) -> None:

@@ -25,3 +25,17 @@ def short_pool(model, rows: list, block_size: int) -> int | None:
 def in_pool(model, seq, pool: int) -> bool:
     """Whether seq's blocks are in ``pool`` (always, with one shared pool)."""
     return not pooled(model) or model.pool_of(seq) == pool
+
+
+def pool_key(model, seq) -> int:
+    """The pool seq's blocks are in (0 for the one shared pool)."""
+    return model.pool_of(seq) if pooled(model) else 0
+
+
+def free_after_decode(model, rows: list, block_size: int) -> dict:
+    """Blocks each pool has left once a decode step of ``rows`` has taken a new block for each row
+    crossing a block boundary: {pool: blocks}, {0: blocks} with one shared pool."""
+    crossing = Counter(pool_key(model, s) for s in rows if (s.len + 1) % block_size == 0)
+    if not pooled(model):
+        return {0: model.num_free_blocks() - crossing[0]}
+    return {pool: model.free_blocks_in(pool) - crossing[pool] for pool in sorted({model.pool_of(s) for s in rows})}

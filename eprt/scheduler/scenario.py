@@ -241,6 +241,7 @@ def run(sc: Scenario) -> ScenarioRun:
             num_slots=e.max_batch,
             block_size=e.block_size,
             prefix_cache=e.prefix_cache,
+            drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
         )
     else:
         model = RecordingModel(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eprt.scheduler import pools
 from eprt.scheduler.effects import AcceptDrafts, Verify
 
 DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured
@@ -136,8 +137,8 @@ def draft_limit(seq, num_tokens: int, max_model_len: int | None) -> int:
 def plan_drafts(sched, rows: list) -> list[tuple]:
     """Each row's drafts, rows in slot order: as many as ``DraftPolicy`` finds worth it within
     ``draft_limit``, then cut so that their extra KV blocks fit in the blocks free after the
-    decode step's own (a sequence near the end of the pool speculates less; nothing is
-    preempted for drafts)."""
+    decode step's own, in each row's pool under dp attention (a sequence near the end of its pool
+    speculates less; nothing is preempted for drafts)."""
     cfg, model = sched.config, sched.model
     cost = model.draft_cost(len(rows))
     cost = DRAFT_COST if cost is None else cost
@@ -153,13 +154,13 @@ def plan_drafts(sched, rows: list) -> list[tuple]:
         return (seq.len + k + 1) // bs - (seq.len + 1) // bs
 
     if any(drafts) and any(extra(seq, len(d)) for seq, d in zip(rows, drafts)):
-        room = model.num_free_blocks() - sum(1 for s in rows if (s.len + 1) % bs == 0)
+        room = pools.free_after_decode(model, rows, bs)  # pool -> blocks free after the decode step's own
         for r, seq in enumerate(rows):
-            d = drafts[r]
-            while d and extra(seq, len(d)) > room:
+            d, pool = drafts[r], pools.pool_key(model, seq)
+            while d and extra(seq, len(d)) > room[pool]:
                 d = d[:-1]
             drafts[r] = d
-            room -= extra(seq, len(d))
+            room[pool] -= extra(seq, len(d))
     return drafts
 
 
