@@ -45,6 +45,13 @@ class DpExchange:
         mine = self.transport.scatter_sum_rows(host if self._order is None else host[self._order], self.counts)
         return self._device(mine)
 
+    def mine(self, full):
+        """full [N, D] in global order, the same on every rank (EPLB's combine) -> this rank's rows."""
+        lo = sum(self.counts[: self.transport.rank])
+        if self._order is None:
+            return full[lo : lo + self.local_rows]
+        return full[self._device(self._order[lo : lo + self.local_rows])]
+
     def collect(self, rows: np.ndarray, counts: list[int] | None = None) -> np.ndarray | None:
         """The pass's output rows [local rows, W] of every rank on rank 0, in global order (one
         small gather); None on the other ranks. ``counts``: rows per rank when not the pass's

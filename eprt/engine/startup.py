@@ -134,12 +134,11 @@ def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
 
 
 def dp_unserved(cfg: EngineConfig, model_cfg) -> list[str]:
-    """What of this job dp attention does not serve yet: MTP speculation, LoRA, EPLB, MRoPE
+    """What of this job dp attention does not serve yet: MTP speculation, LoRA, MRoPE
     (vision-language) and hybrid models."""
     unserved = [
         ("--speculative-method mtp", cfg.speculative_method == "mtp"),
         ("--lora-modules / --enable-lora", cfg.lora_enabled),
-        ("EPLB (--enable-eplb, --num-redundant-experts, --eplb-interval)", cfg.eplb.active),
         (f"a {model_cfg.model_type} checkpoint (MRoPE positions)", bool(model_cfg.mrope_section)),
         (f"a {model_cfg.model_type} checkpoint (recurrent state)", model_cfg.is_hybrid),
     ]

@@ -287,8 +287,9 @@ class MoEModel:
         elif self.slots is None:
             partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
             out = self._combine(partial)  # [T, D] summed over ranks
-        else:
+        else:  # EPLB: every rank gets every row's sum; under dp attention it keeps its own
             out = self.slots.moe(ops, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]
+            out = out if self.exchange is None else self.exchange.mine(out)
         x = local
         if lw.shared_gate_up is not None and x.shape[0]:
             up = ops.silu_and_mul(self._linear(x, lw.shared_gate_up, layer, "shared_gate_up"))

@@ -72,3 +72,22 @@ def test_greedy_tokens_identical_eplb_off_static_and_live(arch):
         assert placed == off and switched == off and [r.token_ids for r in single] == off
         assert all(len(t) > 0 for t in off)
         assert rebalances >= (1 if COMM.size > 1 else 0), "no live rebalance happened during generation"
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen2_moe"])
+def test_eplb_under_dp_attention_keeps_the_tokens(arch):
+    """dp attention (each owner's rows) with EPLB: every rank gets every row's routed sum from the
+    own-rows combine and keeps its rows; static and live placements give a single rank's tokens."""
+    path = shared_checkpoint(arch) if arch == "qwen2_moe" else grouped_checkpoint(3)
+    stats = COMM.bcast(os.path.join(tempfile.mkdtemp(), "stats.json") if COMM.rank == 0 else None, root=0)
+    off, _ = generate(engine_config(path, attention="dp"), stats_out=stats)
+    redundant = (-(7 if arch == "qwen2_moe" else 6)) % COMM.size or COMM.size
+    static = EplbConfig(num_redundant_experts=redundant, init_expert_placement=stats)
+    placed, _ = generate(engine_config(path, attention="dp", eplb=static))
+    live = EplbConfig(num_redundant_experts=redundant + 1, interval=3, window=3)
+    switched, rebalances = generate(engine_config(path, attention="dp", eplb=live))
+    single = run_single(engine_config(path), requests)
+    if COMM.rank == 0:
+        assert off == [r.token_ids for r in single] and placed == off and switched == off
+        assert rebalances >= (1 if COMM.size > 1 else 0), "no live rebalance happened during generation"
