@@ -79,6 +79,7 @@ def child(args) -> None:
     from eprt.api import GenerationRequest, SamplingParams
     from eprt.comm.transport import Transport
     from eprt.engine.config import EplbConfig
+    from eprt.engine.dp_executor import DpShardExecutor
     from eprt.engine.engine import EngineConfig, launch_engine
     from eprt.engine.executor import ShardExecutor
     from eprt.engine.expert_load import write_stats
@@ -109,29 +110,36 @@ def child(args) -> None:
 
     NumpyOps.moe_experts = timed(counted, "experts", "experts_cpu")
 
-    Transport.allsum = timed(Transport.allsum, "combine", "combine_cpu")
-    Transport.allgather_rows = timed(Transport.allgather_rows, "combine", "combine_cpu")
-    decode = ShardExecutor.decode
+    for name in ("allsum", "allgather_rows", "scatter_sum_rows"):  # the combines (dp: the exchange's)
+        setattr(Transport, name, timed(getattr(Transport, name), "combine", "combine_cpu"))
+    executor = DpShardExecutor if args.attention == "dp" else ShardExecutor  # (dp: one step, every rank)
+    decode = executor.decode
 
-    def step(self, slots, tokens):
+    def step(self, *a):
         nonlocal now
         now = dict.fromkeys(("experts", "experts_cpu", "combine", "combine_cpu", "rows"), 0)
         w0, c0 = time.perf_counter(), time.thread_time()
         try:
-            return decode(self, slots, tokens)
+            return decode(self, *a)
         finally:
             now["step"], now["step_cpu"] = 1e3 * (time.perf_counter() - w0), 1e3 * (time.thread_time() - c0)
             steps.append(now)
             now = None
 
-    ShardExecutor.decode = step
+    executor.decode = step
     if args.poll_cap:
         import eprt.comm.mpi_transport as mt
 
         mt.BUSY_SLEEP_MAX = args.poll_cap
     eplb = EplbConfig(num_redundant_experts=args.redundant, init_expert_placement=args.placement or None)
     cfg = EngineConfig(
-        model=args.dir, device="cpu", max_batch=args.batch, max_model_len=512, prefix_cache=False, eplb=eplb
+        model=args.dir,
+        device="cpu",
+        max_batch=args.batch,
+        max_model_len=512,
+        prefix_cache=False,
+        eplb=eplb,
+        attention=args.attention,
     )
     prompts = [[3 + (7 * i + j) % 4000 for j in range(16)] for i in range(args.batch)]
 
@@ -185,6 +193,7 @@ def main() -> None:
     ap.add_argument("--redundant", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved EPLB off / on runs")
     ap.add_argument("--bias", type=float, default=0.6, help="router score bias of the hot experts")
+    ap.add_argument("--attention", default="replicated", choices=("replicated", "dp"), help="attention mode")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--placement", default="", help=argparse.SUPPRESS)
     ap.add_argument("--poll-cap", type=float, default=0, help="also run EPLB on, sleeping up to S s between polls")
@@ -208,12 +217,13 @@ def main() -> None:
             os.makedirs(out)
             cmd = ["mpiexec", "-n", str(args.world), sys.executable, os.path.abspath(__file__), "--child"]
             cmd += ["--dir", args.dir, "--batch", str(args.batch), "--steps", str(args.steps), "--out", out]
-            cmd += ["--redundant", str(args.redundant), *extra]
+            cmd += ["--redundant", str(args.redundant), "--attention", args.attention, *extra]
             load = os.getloadavg()[0]
             subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, check=True)
             runs.append((name, load, summarize(out)))
     print(
-        f"skewed router: experts {HOT} score bias +{args.bias}; -n {args.world}, batch {args.batch}, "
+        f"skewed router: experts {HOT} score bias +{args.bias}; -n {args.world}, {args.attention} attention, "
+        f"batch {args.batch}, "
         f"{args.steps} decode steps, 1 BLAS thread per rank, {os.cpu_count()} CPUs; EPLB on: {args.redundant} "
         f"redundant slots, global policy from the EPLB-off run's expert counts; {args.repeats} interleaved repeats"
     )
