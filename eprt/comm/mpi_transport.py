@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import socket
 import sys
 import time
@@ -29,6 +30,7 @@ TAG_ROOT_DOWN = 2  # rank 0 -> worker: utf-8 reason; rank 0 is going down withou
 TAG_STATUS_ASK = 3  # rank 0 -> worker, on a watchdog expiry: "what are you waiting on?" (empty)
 TAG_STATUS = 4  # worker -> rank 0: utf-8 answer ("waiting on X, collective #N")
 STATUS_GRACE = 2.0  # s rank 0 waits for the answers before naming the ranks that gave none
+BUSY_SPIN = 2e-4  # s a collective polls without sleeping first: its own latency when every rank is there
 BUSY_SLEEP_MAX = 1e-4  # s, longest sleep between polls inside a compute-time collective
 IDLE_SLEEP_MAX = 5e-3  # s, longest sleep while a worker waits for its next command
 IDLE_SPIN = 0.05  # s a worker waits for its next command at BUSY_SLEEP_MAX before backing off to IDLE_SLEEP_MAX
@@ -50,6 +52,7 @@ class MpiTransport(Transport):
         if not self.timeout > 0:
             raise ValueError(f"EPRT_COLLECTIVE_TIMEOUT must be > 0 seconds, got {self.timeout:g}")
         self._ctl, self._moe, self._err = self._world.Dup(), self._world.Dup(), self._world.Dup()
+        self.busy_spin = BUSY_SPIN if not self._oversubscribed() else 0.0  # (a spinning rank would take a core)
         # MPI calls may come from a thread other than the one that initialised MPI (never two at once)
         self.any_thread = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
         self._inflight = False  # a wait was left by an exception: the comms are unusable
@@ -239,10 +242,14 @@ class MpiTransport(Transport):
         deadline = None if idle else start + self.timeout + (0 if self.rank == 0 else STATUS_GRACE + 1.0)
         # Between the steps of a running job the next command comes within rank 0's host work
         # (milliseconds): an idle wait polls as a compute-time one for IDLE_SPIN, then backs off.
-        delay, cap = 0.0, BUSY_SLEEP_MAX
+        # A nonblocking collective advances only inside Test: sleeping between polls from the start
+        # made one that every rank was ready for take ~0.3 ms instead of ~20 us (2 ranks, 32 KB).
+        delay, cap, spin = 0.0, BUSY_SLEEP_MAX, start + self.busy_spin
         while not req.Test():
             self._check_channel()
             now = time.monotonic()
+            if now < spin:
+                continue
             if deadline is not None and now > deadline:
                 self._watchdog(what)
             if idle and now - start > IDLE_SPIN:
@@ -250,6 +257,16 @@ class MpiTransport(Transport):
             time.sleep(delay)
             delay = min(cap, 2 * delay if delay else 1e-5)
         self._inflight = False
+
+    def _oversubscribed(self) -> bool:
+        """Whether this node's ranks outnumber the cores this process may run on (a collective)."""
+        local = self._world.Split_type(self._MPI.COMM_TYPE_SHARED)
+        try:
+            ranks = local.Get_size()
+        finally:
+            local.Free()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return ranks > cores
 
     def _check_channel(self) -> None:
         if self.rank != 0:
