@@ -135,7 +135,6 @@ def test_auto_attention_picks_dp_only_for_a_multi_rank_job_dp_serves(monkeypatch
         (EngineConfig(), 1, plain, "auto: one rank"),
         (EngineConfig(record_payloads=True), 4, plain, "--record-payloads"),
         (EngineConfig(speculative_method="mtp"), 2, plain, "dp does not serve --speculative-method mtp yet"),
-        (EngineConfig(enable_lora=True), 2, plain, "--enable-lora"),
         (EngineConfig(), 2, hybrid, "qwen3_next checkpoint (recurrent state)"),
     ]
     for cfg, world, model_cfg, why in cases:
@@ -158,9 +157,9 @@ def test_dp_refuses_what_it_does_not_serve_yet_naming_the_flag():
     vision = SimpleNamespace(model_type="qwen3_vl_moe", mrope_section=[24, 20, 20], is_hybrid=False)
     check_dp_features(EngineConfig(attention="dp"), plain)  # nothing refused
     check_dp_features(EngineConfig(attention="dp", speculative_method="ngram"), plain)
+    check_dp_features(EngineConfig(attention="dp", enable_lora=True), plain)
     cases = [
         (EngineConfig(attention="dp", speculative_method="mtp"), plain, "--speculative-method mtp"),
-        (EngineConfig(attention="dp", enable_lora=True), plain, "--enable-lora"),
         (
             EngineConfig(attention="dp"),
             vision,

@@ -42,6 +42,7 @@ class DpShardExecutor(ShardExecutor):
         exchange: DpExchange,
         prefix_cache: bool = True,
         image_token_id: int | None = None,
+        lora=None,
     ):
         if model.cfg.is_hybrid:
             raise ValueError(
@@ -51,7 +52,7 @@ class DpShardExecutor(ShardExecutor):
         self.rank = exchange.transport.rank
         if len(pool_sizes) != exchange.transport.size:
             raise ValueError(f"{len(pool_sizes)} pool sizes for a world of {exchange.transport.size} ranks")
-        super().__init__(model, pool_sizes[self.rank], block_size, max_slots, prefix_cache, image_token_id)
+        super().__init__(model, pool_sizes[self.rank], block_size, max_slots, prefix_cache, image_token_id, lora=lora)
         self.pools = OwnerPools(pool_sizes, block_size, prefix_cache)
         self.pools.pools[self.rank] = self.blocks  # this rank's own pool: the blocks its KV lives in
         self.owners = np.full(max_slots, -1, dtype=np.int64)  # [slots] owner rank of each occupied slot
@@ -119,7 +120,8 @@ class DpShardExecutor(ShardExecutor):
         for c in chunks:
             if self.slots.get(c.slot) is None:  # first chunk: allocate in the owner's pool, exactly as rank 0 did
                 tokens = [int(t) for t in c.tokens]
-                cached = self.allocate(c.slot, tokens, vision_rows=c.vision_rows, max_hit=c.chunk_start)
+                adapter = self._pending_adapter.pop(c.slot, -1)
+                cached = self.allocate(c.slot, tokens, adapter, vision_rows=c.vision_rows, max_hit=c.chunk_start)
                 if cached != c.chunk_start:
                     raise ExecutorError(
                         f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
@@ -127,6 +129,7 @@ class DpShardExecutor(ShardExecutor):
                     )
         owners = self.owners[np.asarray(named, dtype=np.int64)]  # [G] each chunk's owner
         self.exchange.begin(np.repeat(owners, [c.chunk_len for c in chunks]))  # [N] each token's owner
+        self._exchange_lora([self.slots.get(c.slot).adapter for c in chunks for _ in range(c.chunk_len)])
         others = []  # the other owners' chunks: mirrored bookkeeping, their tokens stored after the pass
         for c, owner in zip(chunks, owners):
             if owner != self.rank:
@@ -192,6 +195,7 @@ class DpShardExecutor(ShardExecutor):
         states = self.slots.check_decode(slots, tokens, "DECODE_DP")
         owners = self.owners[np.asarray(slots, dtype=np.int64)]  # [N]
         self.exchange.begin(owners)
+        self._exchange_lora([st.adapter for st in states])
         if counts is not None and list(counts) != self.exchange.counts:
             raise ExecutorError(
                 f"DECODE_DP rows per rank {list(counts)}, but the owners of slots {list(slots)} on this rank "
@@ -218,6 +222,7 @@ class DpShardExecutor(ShardExecutor):
         counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(slots))  # [B]
         owners = self.owners[np.asarray(slots, dtype=np.int64)]  # [B]
         self.exchange.begin(np.repeat(owners, counts + 1))  # [N] each position's owner
+        self._exchange_lora([st.adapter for st, k in zip(states, counts) for _ in range(int(k) + 1)])
         mine = np.flatnonzero(owners == self.rank).tolist()
         if mine:
             out = super().verify([slots[r] for r in mine], [tokens[r] for r in mine], [drafts[r] for r in mine])
@@ -230,6 +235,11 @@ class DpShardExecutor(ShardExecutor):
             st.tokens.extend((int(tokens[r]), *(int(t) for t in drafts[r])))
         self.slots.open(slots, drafts)  # every row pending, in the frame's order
         return self._collect(out)
+
+    def _exchange_lora(self, adapters: list) -> None:
+        """The adapters of every row the MoE layers of this pass see (all ranks', global order):
+        the experts' LoRA deltas go by them; attention's by this rank's rows (``_lora_rows``)."""
+        self.model.exchange_lora_rows = None if self.lora is None else self.lora.rows(adapters)
 
     def _output(self, h):
         """This rank's rows of a pass as uint32 [n, 1 + D]: the greedy token, then the hidden state's bits."""

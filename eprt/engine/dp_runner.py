@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from eprt.comm import protocol as P
+from eprt.engine import adapter_slots
 from eprt.engine.dp_executor import DpOutput, DpShardExecutor
 from eprt.engine.runner import ModelRunner, needs_host_sampler, wants_prompt_logprobs
 
@@ -33,7 +34,11 @@ class DpModelRunner(ModelRunner):
     def can_admit(self, seq) -> bool:
         if self._state(seq).held is not None:
             return True
-        return self.executor.slots.lowest_free() is not None and self._owner_for(seq) is not None
+        if self.executor.slots.lowest_free() is None:
+            return False
+        if seq.adapter != -1 and not adapter_slots.can_place(self, seq.adapter):
+            return False  # every LoRA slot holds an adapter running sequences use
+        return self._owner_for(seq) is not None
 
     def _allocate(self, seq) -> int:
         """Choose the owner, name it (OWNER ahead of the PREFILL, in the same frame) and allocate

@@ -104,6 +104,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
                 DpExchange(transport, ops.xp),
                 prefix_cache=cfg.prefix_cache,
                 image_token_id=cfg.image_token_id,
+                lora=_lora_slots(cfg, ops, loaded),
             )
         )
     else:
@@ -134,11 +135,10 @@ def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
 
 
 def dp_unserved(cfg: EngineConfig, model_cfg) -> list[str]:
-    """What of this job dp attention does not serve yet: MTP speculation, LoRA, MRoPE
-    (vision-language) and hybrid models."""
+    """What of this job dp attention does not serve yet: MTP speculation, MRoPE (vision-language)
+    and hybrid models."""
     unserved = [
         ("--speculative-method mtp", cfg.speculative_method == "mtp"),
-        ("--lora-modules / --enable-lora", cfg.lora_enabled),
         (f"a {model_cfg.model_type} checkpoint (MRoPE positions)", bool(model_cfg.mrope_section)),
         (f"a {model_cfg.model_type} checkpoint (recurrent state)", model_cfg.is_hybrid),
     ]

@@ -167,6 +167,7 @@ class MoEModel:
         self.scale = attention_scale(cfg)
         self.lora = None  # LoraSlots (eprt/model/lora.py) when adapters are served
         self.lora_rows = None  # LoraRows of the forward pass in progress; None: no adapter in the batch
+        self.exchange_lora_rows = None  # dp attention: LoraRows of the rows the MoE exchange gathers
 
     # ---- pieces ------------------------------------------------------------------------
     def embed(self, ids: np.ndarray, image_rows: np.ndarray | None = None, image_mask: np.ndarray | None = None):
@@ -280,9 +281,10 @@ class MoEModel:
             weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
         if layer < cfg.num_layers:  # (an MTP layer's routing is not counted: EPLB balances the main layers)
             ops.count_experts(ids, self.expert_counts[layer])
-        experts = (None, None) if self.lora_rows is None else self.lora.experts(layer)
+        rows = self.lora_rows if self.exchange is None else self.exchange_lora_rows  # the MoE's rows' adapters
+        experts = (None, None) if rows is None else self.lora.experts(layer)
         if experts != (None, None):  # (never under EPLB: LoraSlots.read refuses such adapters there)
-            args = (lw.w_gate_up, lw.w_down, self.w.expert_start, self.lora_rows, *experts)
+            args = (lw.w_gate_up, lw.w_down, self.w.expert_start, rows, *experts)
             out = self._combine(ops.moe_experts_lora(x, weights, ids, *args))  # [T, D] summed over ranks
         elif self.slots is None:
             partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)

@@ -48,11 +48,14 @@ def adapters_and_references(base):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("attention", ["replicated", "dp"])
 @pytest.mark.parametrize("max_loras", [2, 1])
-def test_mixed_adapter_batch_matches_peft_merged_at_every_world_size(max_loras):
+def test_mixed_adapter_batch_matches_peft_merged_at_every_world_size(max_loras, attention):
+    """Under dp attention each owner applies the attention deltas of its rows, and every rank the
+    expert deltas of every gathered row."""
     base = shared_checkpoint("qwen3_moe")
     dirs, refs = adapters_and_references(base)
-    cfg = engine_config(base, lora_modules=tuple(dirs.items()), max_loras=max_loras)
+    cfg = engine_config(base, lora_modules=tuple(dirs.items()), max_loras=max_loras, attention=attention)
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
     names = [None, "experts", "attn"]
     reqs = lambda: [GenerationRequest(p, params, adapter=a) for a, p in zip(names, PROMPTS)]  # noqa: E731
