@@ -158,13 +158,11 @@ def test_dp_refuses_what_it_does_not_serve_yet_naming_the_flag():
     check_dp_features(EngineConfig(attention="dp"), plain)  # nothing refused
     check_dp_features(EngineConfig(attention="dp", speculative_method="ngram"), plain)
     check_dp_features(EngineConfig(attention="dp", enable_lora=True), plain)
+    check_dp_features(EngineConfig(attention="dp"), vision)
+    hybrid = SimpleNamespace(model_type="qwen3_next", mrope_section=None, is_hybrid=True)
     cases = [
         (EngineConfig(attention="dp", speculative_method="mtp"), plain, "--speculative-method mtp"),
-        (
-            EngineConfig(attention="dp"),
-            vision,
-            "MRoPE",
-        ),
+        (EngineConfig(attention="dp"), hybrid, "qwen3_next checkpoint \\(recurrent state\\)"),
     ]
     for cfg, model_cfg, named in cases:
         with pytest.raises(ValueError, match=named):

@@ -135,11 +135,9 @@ def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
 
 
 def dp_unserved(cfg: EngineConfig, model_cfg) -> list[str]:
-    """What of this job dp attention does not serve yet: MTP speculation, MRoPE (vision-language)
-    and hybrid models."""
+    """What of this job dp attention does not serve yet: MTP speculation and hybrid models."""
     unserved = [
         ("--speculative-method mtp", cfg.speculative_method == "mtp"),
-        (f"a {model_cfg.model_type} checkpoint (MRoPE positions)", bool(model_cfg.mrope_section)),
         (f"a {model_cfg.model_type} checkpoint (recurrent state)", model_cfg.is_hybrid),
     ]
     return [what for what, on in unserved if on]

@@ -33,10 +33,19 @@ def shared_vl_checkpoint():
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("attention", ["replicated", "dp"])
 @pytest.mark.parametrize("chunk", [0, 5])
-def test_images_tokens_equal_transformers_at_every_world_size(chunk):
+def test_images_tokens_equal_transformers_at_every_world_size(chunk, attention):
     path = shared_vl_checkpoint()
-    cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=160, max_prefill_tokens=chunk)
+    cfg = EngineConfig(
+        model=path,
+        device="cpu",
+        max_batch=4,
+        block_size=4,
+        max_model_len=160,
+        max_prefill_tokens=chunk,
+        attention=attention,
+    )
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
     try:
         with launch_engine(cfg) as engine:
