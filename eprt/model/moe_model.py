@@ -184,9 +184,16 @@ class MoEModel:
     def _attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
         cfg, ops = self.cfg, self.ops
         T = x.shape[0]
-        q = self._linear(x, lw.q, layer, "q", lw.q_bias)  # [T, H*Dh]
-        k = self._linear(x, lw.k, layer, "k", lw.k_bias)  # [T, Hk*Dh]
-        v = self._linear(x, lw.v, layer, "v", lw.v_bias)
+        if lw.qkv is not None:  # one product for the three
+            qkv = ops.linear(x, lw.qkv, lw.qkv_bias)  # [T, Q + 2KV]
+            nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, k, v = (ops.xp.ascontiguousarray(qkv[:, a:b]) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, None)))
+            if self.lora_rows is not None:
+                q, k, v = (self.lora.apply(y, x, self.lora_rows, layer, t) for y, t in ((q, "q"), (k, "k"), (v, "v")))
+        else:
+            q = self._linear(x, lw.q, layer, "q", lw.q_bias)  # [T, H*Dh]
+            k = self._linear(x, lw.k, layer, "k", lw.k_bias)  # [T, Hk*Dh]
+            v = self._linear(x, lw.v, layer, "v", lw.v_bias)
         if cfg.qk_norm == "full":  # OLMoE
             q = ops.rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, lw.k_norm, cfg.rms_norm_eps)

@@ -48,10 +48,12 @@ class GatedDeltaNetWeights:
 class LayerWeights:
     input_norm: object
     post_norm: object
-    q: object
+    q: object  # [Q, D]; None where qkv holds q, k and v
     k: object
     v: object
     o: object
+    qkv: object = None  # [Q + 2 KV, D]: q, k, v in one matrix (one GEMV at decode), when none is FP8
+    qkv_bias: object = None  # [Q + 2 KV]
     q_bias: object = None
     k_bias: object = None
     v_bias: object = None
@@ -438,14 +440,14 @@ def _attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
             q=ops.weight(np.ascontiguousarray(both[:, 0].reshape(-1, both.shape[-1]))),
             q_gate=ops.weight(np.ascontiguousarray(both[:, 1].reshape(-1, both.shape[-1]))),
         )
+        out.update(k=W(f"{a}.k_proj.weight", "KV", "D"), v=W(f"{a}.v_proj.weight", "KV", "D"))
     else:
-        out.update(q=W(f"{a}.q_proj.weight", "Q", "D"))
-    out.update(
-        k=W(f"{a}.k_proj.weight", "KV", "D"),
-        v=W(f"{a}.v_proj.weight", "KV", "D"),
-        o=W(f"{a}.o_proj.weight", "D", "Q"),
-    )
-    if cfg.qkv_bias:
+        out.update(_fused_qkv(src, cfg, ops, a))
+    out.update(o=W(f"{a}.o_proj.weight", "D", "Q"))
+    if cfg.qkv_bias and "qkv" in out:
+        host = [_host(src, f"{a}.{p}_proj.bias", (n[d],)) for p, d in (("q", "Q"), ("k", "KV"), ("v", "KV"))]
+        out.update(qkv_bias=ops.weight(np.concatenate(_same_dtype(*host))))
+    elif cfg.qkv_bias:
         out.update(
             q_bias=W(f"{a}.q_proj.bias", "Q"), k_bias=W(f"{a}.k_proj.bias", "KV"), v_bias=W(f"{a}.v_proj.bias", "KV")
         )
@@ -499,6 +501,17 @@ def _deinterleave(rows: np.ndarray, start: int, width: int, period: int) -> np.n
     part = order[:, start : start + width]
     order[:, start : start + width] = np.concatenate([part[:, 0::2], part[:, 1::2]], axis=1)
     return np.ascontiguousarray(rows[order.reshape(-1)])
+
+
+def _fused_qkv(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
+    """q, k and v as one matrix ``qkv`` [Q + 2 KV, D] (q, k, v None), or apart where one is FP8-resident."""
+    n = _dims(cfg)
+    named = [(f"{a}.{p}_proj.weight", (n[d], n["D"])) for p, d in (("q", "Q"), ("k", "KV"), ("v", "KV"))]
+    fp8 = [_resident_fp8(src, ops, [name], shape) for name, shape in named]
+    if any(w is not None for w in fp8):
+        return dict(zip("qkv", (w if w is not None else _weight(src, ops, *nd) for w, nd in zip(fp8, named))))
+    host = _same_dtype(*(_host(src, name, shape) for name, shape in named))
+    return dict(q=None, k=None, v=None, qkv=ops.weight(np.concatenate(host)))
 
 
 def _mla_attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
