@@ -129,7 +129,7 @@ class DpShardExecutor(ShardExecutor):
                     )
         owners = self.owners[np.asarray(named, dtype=np.int64)]  # [G] each chunk's owner
         self.exchange.begin(np.repeat(owners, [c.chunk_len for c in chunks]))  # [N] each token's owner
-        self._exchange_lora([self.slots.get(c.slot).adapter for c in chunks for _ in range(c.chunk_len)])
+        self._exchange_lora([self.slots.get(c.slot).adapter for c in chunks], [c.chunk_len for c in chunks])
         others = []  # the other owners' chunks: mirrored bookkeeping, their tokens stored after the pass
         for c, owner in zip(chunks, owners):
             if owner != self.rank:
@@ -222,7 +222,7 @@ class DpShardExecutor(ShardExecutor):
         counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(slots))  # [B]
         owners = self.owners[np.asarray(slots, dtype=np.int64)]  # [B]
         self.exchange.begin(np.repeat(owners, counts + 1))  # [N] each position's owner
-        self._exchange_lora([st.adapter for st, k in zip(states, counts) for _ in range(int(k) + 1)])
+        self._exchange_lora([st.adapter for st in states], counts + 1)
         mine = np.flatnonzero(owners == self.rank).tolist()
         if mine:
             out = super().verify([slots[r] for r in mine], [tokens[r] for r in mine], [drafts[r] for r in mine])
@@ -236,10 +236,15 @@ class DpShardExecutor(ShardExecutor):
         self.slots.open(slots, drafts)  # every row pending, in the frame's order
         return self._collect(out)
 
-    def _exchange_lora(self, adapters: list) -> None:
-        """The adapters of every row the MoE layers of this pass see (all ranks', global order):
-        the experts' LoRA deltas go by them; attention's by this rank's rows (``_lora_rows``)."""
-        self.model.exchange_lora_rows = None if self.lora is None else self.lora.rows(adapters)
+    def _exchange_lora(self, adapters: list, repeats=None) -> None:
+        """The adapters of every row the MoE layers of this pass see (all ranks', global order; each
+        of ``adapters`` ``repeats`` times): the experts' LoRA deltas go by them; attention's by this
+        rank's rows (``_lora_rows``)."""
+        if self.lora is None:
+            self.model.exchange_lora_rows = None
+            return
+        ids = np.asarray(adapters, dtype=np.int64) if repeats is None else np.repeat(adapters, repeats)
+        self.model.exchange_lora_rows = self.lora.rows(ids)
 
     def _output(self, h):
         """This rank's rows of a pass as uint32 [n, 1 + D]: the greedy token, then the hidden state's bits."""
