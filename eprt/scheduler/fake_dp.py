@@ -63,7 +63,7 @@ class DpRecordingModel(RecordingModel):
 
     def cache_sequence(self, seq) -> None:
         self._check_slot(seq)
-        self.pools.pools[self.owner[seq.seq_id]].cache(seq.seq_id, seq.token_ids[: seq.len])
+        self._pool(seq).cache(seq.seq_id, seq.token_ids[: seq.len])
         self.emit(f"cache_sequence({seq_name(seq)})")
 
     def free_sequence(self, seq) -> int:
@@ -85,7 +85,7 @@ class DpRecordingModel(RecordingModel):
             self._check_slot(seq)
             if seq.len != len(seq.token_ids) - 1:
                 raise FakeModelError(f"decode of {seq_name(seq)} whose KV is not up to date")
-            self.pools.pools[self.owner[seq.seq_id]].grow(seq.seq_id, seq.len + 1)
+            self._pool(seq).grow(seq.seq_id, seq.len + 1)
         self._batch_out = [self._answer(seq, seq.len) for seq in seqs]
         names = ", ".join(f'"{seq_name(s)}"' for s in seqs)
         counts = np.bincount([self.owner[s.seq_id] for s in seqs], minlength=len(self.pools)).tolist()
