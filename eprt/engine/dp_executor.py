@@ -202,10 +202,7 @@ class DpShardExecutor(ShardExecutor):
                 f"give {self.exchange.counts}"
             )
         mine = np.flatnonzero(owners == self.rank)
-        for r in np.flatnonzero(owners != self.rank):  # the other owners' rows: mirrored bookkeeping
-            st = states[r]
-            self.pools.pools[owners[r]].grow(st.key, st.length + 1)
-            st.tokens.append(int(tokens[r]))
+        self._mirror(states, owners, [(int(t),) for t in tokens])
         if len(mine):
             out = super().decode([slots[r] for r in mine], [tokens[r] for r in mine])
         else:
@@ -229,12 +226,17 @@ class DpShardExecutor(ShardExecutor):
         else:
             self.model.idle_pass()
             out = self._no_rows()
-        for r in np.flatnonzero(owners != self.rank).tolist():  # the other owners' rows: mirrored bookkeeping
-            st = states[r]
-            self.pools.pools[owners[r]].grow(st.key, st.length + int(counts[r]) + 1)
-            st.tokens.extend((int(tokens[r]), *(int(t) for t in drafts[r])))
+        self._mirror(states, owners, [(int(tok), *(int(t) for t in d)) for tok, d in zip(tokens, drafts)])
         self.slots.open(slots, drafts)  # every row pending, in the frame's order
         return self._collect(out)
+
+    def _mirror(self, states: list, owners: np.ndarray, appended: list) -> None:
+        """The other owners' rows of a step, as on their owner: row r's ``appended`` tokens stored
+        and its blocks grown to hold them in its owner's pool."""
+        for r in np.flatnonzero(owners != self.rank).tolist():
+            st = states[r]
+            self.pools.pools[owners[r]].grow(st.key, st.length + len(appended[r]))
+            st.tokens.extend(appended[r])
 
     def _exchange_lora(self, adapters: list, repeats=None) -> None:
         """The adapters of every row the MoE layers of this pass see (all ranks', global order; each

@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 
 from eprt.comm import protocol as P
-from eprt.engine import adapter_slots
 from eprt.engine.dp_executor import DpOutput, DpShardExecutor
 from eprt.engine.runner import ModelRunner, needs_host_sampler, wants_prompt_logprobs
 
@@ -31,13 +30,8 @@ class DpModelRunner(ModelRunner):
     def _owner_for(self, seq) -> int | None:
         return self.executor.pools.choose(seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt)
 
-    def can_admit(self, seq) -> bool:
-        if self._state(seq).held is not None:
-            return True
-        if self.executor.slots.lowest_free() is None:
-            return False
-        if seq.adapter != -1 and not adapter_slots.can_place(self, seq.adapter):
-            return False  # every LoRA slot holds an adapter running sequences use
+    def _room_for(self, seq) -> bool:
+        """Whether some rank's pool has the blocks for seq's prompt."""
         return self._owner_for(seq) is not None
 
     def _allocate(self, seq) -> int:

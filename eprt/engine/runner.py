@@ -110,6 +110,10 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
             return False  # every slot taken (by running sequences, forks, or the lane's plan)
         if seq.adapter != -1 and not adapter_slots.can_place(self, seq.adapter):
             return False  # every LoRA slot holds an adapter running sequences use
+        return self._room_for(seq)
+
+    def _room_for(self, seq) -> bool:
+        """Whether the KV pool has the blocks for seq's prompt."""
         return self.executor.blocks.can_allocate(
             seq.token_ids[: seq.num_prompt], seq.adapter, self._state(seq).salt, max_hit=self._max_hit(seq)
         )

@@ -26,6 +26,13 @@ KERNEL_ONE_ROW_BYTES = 256 << 10  # compiled path: experts of matrices up to thi
 EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
 
 
+def _edges(bounds: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """[lo0, hi0, lo1, hi1, ..]: the row range of each of ``experts`` in groups ``bounds`` [El+1]."""
+    edges = np.empty(2 * len(experts), dtype=np.int64)
+    edges[0::2], edges[1::2] = bounds[experts], bounds[experts + 1]
+    return edges
+
+
 def numba_available() -> bool:
     """Whether the numba expert path can run (the cpu extra is installed), without importing it."""
     return importlib.util.find_spec("numba") is not None
@@ -266,12 +273,14 @@ class NumpyOps(Ops):
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
         k = ids.shape[1]
-        if self._one_row_in_kernel(w_gate_up, w_down):
-            return self._moe_compiled(x, weights, ids - expert_start, w_gate_up, w_down)
+        fused = self._one_row_in_kernel(w_gate_up, w_down)
+        if T == 1 and fused:  # decode at batch 1: k distinct experts, one row each, one kernel call
+            routing = np.ascontiguousarray(weights[0], dtype=np.float32)  # [k]
+            return self.kernels.moe_token(x, ids[0] - expert_start, routing, *self._kernel_weights(w_gate_up, w_down))
         if T == 1:  # one token (decode at batch 1): its k experts in choice order, no grouping
             return self._moe_one_token(x, weights[0], ids[0] - expert_start, w_gate_up, w_down)
         gemv_rows = EXPERT_ROWS_AS_GEMV if self.experts == "numpy" else 1  # (the kernel's bits are not a GEMV's)
-        if T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= gemv_rows:
+        if not fused and T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= gemv_rows:
             # a few tokens (a verify step's at batch 1), no expert with more rows than run as GEMVs:
             # token by token is cheaper than grouping them, and the same bits (one GEMV per row)
             local = ids - expert_start  # [T, k]
@@ -287,59 +296,37 @@ class NumpyOps(Ops):
         ys = np.zeros((T * k, D), dtype=np.float32)  # [T*k, D] one row per (token, choice)
         if stop > start:
             xs = x[picks // k]  # [n, D] gathered once
-            h = self.expert_products(xs, w_gate_up, bounds - start)  # [n, 2I]
-            ys[picks] = self.expert_products(self.silu_and_mul(h), w_down, bounds - start)  # [n, D]
+            if fused:
+                ys[picks] = self._expert_ffn(xs, w_gate_up, w_down, bounds - start)  # [n, D]
+            else:
+                h = self.expert_products(xs, w_gate_up, bounds - start)  # [n, 2I]
+                ys[picks] = self.expert_products(self.silu_and_mul(h), w_down, bounds - start)  # [n, D]
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 
     def _one_row_in_kernel(self, w_gate_up, w_down) -> bool:
-        """Whether the compiled path runs these experts through ``_moe_compiled``: where their matrices
-        are small, a GEMV costs mostly its call and the fused kernel is the faster, for one row too.
-        Larger matrices stream faster through OpenBLAS's GEMV. The rule depends on the shapes only,
-        so a decode and a verify step give a row the same bits."""
+        """Whether the compiled path runs these experts fused (gate/up, SiLU and down in one kernel
+        call, every group of up to EXPERT_ROWS_AS_GEMV rows, one row included, a row's bits whatever
+        its group; more rows run GEMMs): where their matrices are small, a GEMV costs mostly its call
+        and the kernel is the faster. Larger matrices stream faster through OpenBLAS's GEMV. The rule
+        depends on the shapes only, so a decode and a verify step give a row the same bits."""
         small = max(w_gate_up.shape[1] * w_gate_up.shape[2], w_down.shape[1] * w_down.shape[2]) * 4
         return self.experts == "numba" and small <= KERNEL_ONE_ROW_BYTES
-
-    def _moe_compiled(self, x, weights, local, w_gate_up, w_down):
-        """moe_experts of small experts on the compiled path: each expert with at most
-        EXPERT_ROWS_AS_GEMV rows (one included) runs gate/up, SiLU and down in one kernel call over
-        all such experts, a row's bits whatever its group; an expert with more rows runs GEMMs.
-        local [T, k]: this rank's expert of each (token, choice), outside [0, El) for another's."""
-        T, D = x.shape
-        k = local.shape[1]
-        flat = local.reshape(-1)  # [T*k]
-        El = w_gate_up.shape[0]
-        if T == 1:  # decode at batch 1: k distinct experts, one row each, one call
-            weights = np.ascontiguousarray(weights[0], dtype=np.float32)
-            return self.kernels.moe_token(x, flat, weights, *self._kernel_weights(w_gate_up, w_down))  # [1, D]
-        order = np.argsort(flat, kind="stable")  # grouped by expert, tokens in order
-        bounds = np.searchsorted(flat[order], np.arange(El + 1))  # [El+1] group edges
-        picks = order[bounds[0] : bounds[-1]]
-        ys = np.zeros((T * k, D), dtype=np.float32)  # [T*k, D] one row per (token, choice)
-        if len(picks):
-            ys[picks] = self._expert_ffn(x[picks // k], w_gate_up, w_down, bounds - bounds[0])  # [n, D]
-        ys *= weights.reshape(-1, 1)
-        return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 
     def _expert_ffn(self, xs, w_gate_up, w_down, bounds):
         """[n, D]: rows bounds[e]..bounds[e+1] of xs[n, D] through expert e's gate/up, SiLU, down."""
         sizes = np.diff(bounds)  # [El]
         small = np.flatnonzero((sizes > 0) & (sizes <= EXPERT_ROWS_AS_GEMV))
-        edges = np.empty(2 * len(small), dtype=np.int64)  # [lo0, hi0, lo1, hi1, ..]
-        edges[0::2], edges[1::2] = bounds[small], bounds[small + 1]
-        y = self.kernels.expert_ffn(xs, *self._kernel_weights(w_gate_up, w_down), small, edges)  # [n, D]
+        y = self.kernels.expert_ffn(xs, *self._kernel_weights(w_gate_up, w_down), small, _edges(bounds, small))
         for e in np.flatnonzero(sizes > EXPERT_ROWS_AS_GEMV).tolist():
             lo, hi = int(bounds[e]), int(bounds[e + 1])
             y[lo:hi] = self.silu_and_mul(xs[lo:hi] @ w_gate_up[e].T) @ w_down[e].T  # [t, D]
         return y
 
     @staticmethod
-    def _kernel_weights(w_gate_up, w_down):
+    def _kernel_weights(*stacks) -> tuple:
         """[El, K, N] views of expert matrices [El, N, K]: contiguous in NumpyOps.weight's layout."""
-        gate_up, down = w_gate_up.swapaxes(-1, -2), w_down.swapaxes(-1, -2)
-        if not (gate_up.flags.c_contiguous and down.flags.c_contiguous):
-            gate_up, down = np.ascontiguousarray(gate_up), np.ascontiguousarray(down)
-        return gate_up, down
+        return tuple(np.ascontiguousarray(w.swapaxes(-1, -2)) for w in stacks)  # (a copy only if not)
 
     def expert_products(self, xs, w, bounds):
         """[n, N]: rows bounds[e]..bounds[e+1] of xs[n, K] through expert e of w[El, N, K]. An expert
@@ -364,12 +351,7 @@ class NumpyOps(Ops):
 
     def _kernel_rows(self, xs, w, experts, bounds):
         """cpu_kernels.expert_rows over the groups ``experts``."""
-        w_t = np.swapaxes(w, -1, -2)  # [El, K, N]: contiguous in NumpyOps.weight's layout
-        if not w_t.flags.c_contiguous:
-            w_t = np.ascontiguousarray(w_t)
-        edges = np.empty(2 * len(experts), dtype=np.int64)  # [lo0, hi0, lo1, hi1, ..]
-        edges[0::2], edges[1::2] = bounds[experts], bounds[experts + 1]
-        return self.kernels.expert_rows(xs, w_t, experts, edges)
+        return self.kernels.expert_rows(xs, *self._kernel_weights(w), experts, _edges(bounds, experts))
 
     def _moe_one_token(self, x, weights, local, w_gate_up, w_down):
         """moe_experts for x[1, D]: the same float operations (one-row groups: GEMVs; weighted rows
