@@ -71,6 +71,15 @@ WORKLOADS = {
     "sampled": ('def parse_args(argv):\n    """', 1.0),
 }
 BATCHES = (1, 8)
+COPY_SMALL = dict(  # the built-in model's depth and experts, wide enough for the copy construction
+    vocab_size=512,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    max_position_embeddings=1024,
+)
 
 
 def encode(engine, text: str) -> list:
@@ -211,6 +220,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     ap.add_argument("--bench-model", default=None, metavar="DIR", help="build/use bench_decode_cpu.py's model here")
+    ap.add_argument("--copy-model", default=None, metavar="DIR", help="build/use the bench model's size that copies")
+    ap.add_argument("--copy-size", choices=("small", "bench"), default="small")
     ap.add_argument("--mtp-model", default=None, metavar="DIR", help="build/use a tiny deepseek_v3 with an MTP layer")
     ap.add_argument("--mtp-echo", action="store_true", help="--mtp-model: the MTP layer drafts what the model decodes")
     ap.add_argument("--mtp-layers", type=int, default=1, help="--mtp-echo: the model's layers (the MTP layer is 1)")
@@ -230,6 +241,14 @@ def main() -> None:
         from checkpoints import build_checkpoint
 
         args.model = build_checkpoint("qwen3_moe", args.bench_model, **BENCH_MODEL)
+    if args.copy_model:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_decode_cpu import BENCH_MODEL
+        from checkpoints import build_copy_checkpoint
+
+        size = BENCH_MODEL if args.copy_size == "bench" else COPY_SMALL
+        args.model = build_copy_checkpoint(args.copy_model, **size)
     if args.mtp_model:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from checkpoints import build_mtp_checkpoint

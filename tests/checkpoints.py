@@ -428,3 +428,90 @@ def build_mtp_checkpoint(path: str, seed: int = 0, echo: bool = False, echo_laye
         tensors[mtp + name] = value.float().clone().contiguous()
     save_file(tensors, file, metadata={"format": "pt"})
     return path
+
+
+COPY_MATCH = 6  # the copy checkpoint's induction head matches the last 6 tokens
+COPY_PREV_WEIGHTS = (2.0, 0.5, 1.0, 1.0, 0.5)  # previous-token heads: weights of RoPE pairs 0..4
+
+
+def build_copy_checkpoint(path: str, seed: int = 0, match: int = COPY_MATCH, **overrides) -> str:
+    """A qwen3_moe checkpoint whose greedy output copies its context: after the last ``match``
+    tokens it predicts the token that followed their earlier occurrences (an induction head built
+    by hand), so prompt lookup pays as it does for a real model rewriting a text. Where those
+    tokens are ambiguous (a shared tail longer than ``match``) it may jump to another occurrence.
+
+    rope_theta 1e32 with head_dim 128: RoPE pair f turns by 10^(-f/2) per position, so pairs 0..4
+    tell neighbours apart and pairs 9..63 barely turn over 1,000 positions (content matching).
+    Residual stream: a constant, the token's id (64 dims, +-1, read by the LM head) and its code
+    (110 // match dims, +-1), then the codes of the ``match`` previous tokens, then the predicted id.
+    - Layer 0: previous-token heads (offsets 1..match; constant q and k on pairs 0..4, q turned
+      back by its offset) copy those codes.
+    - Layer 1: one induction head: q is the codes of the current and match - 1 previous tokens,
+      k the match previous codes of each position, v its id, written to the predicted-id dims.
+    - Every MoE and every later layer adds nothing (zero down_proj / o_proj) but costs its compute.
+    ``overrides``: config fields (the size; heads, head_dim and rope are the construction's)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    shape = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=128, rope_theta=1e32, mlp_only_layers=[])
+    shape.update(tie_word_embeddings=False)  # the embedding holds id and code, the LM head reads the prediction
+    build_checkpoint("qwen3_moe", path, seed=seed, **{**overrides, **shape})
+    file = os.path.join(path, "model.safetensors")
+    t = load_file(file)
+    D = t["model.embed_tokens.weight"].shape[1]
+    V = t["model.embed_tokens.weight"].shape[0]
+    Dh, IDS = 128, 64
+    content = np.concatenate([np.arange(9, Dh // 2), np.arange(Dh // 2 + 9, Dh)])  # pairs 9..63
+    S = len(content) // match  # a token's code: one slot of the induction head's q and k
+    C, ID, CODE = 0, 1, 1 + IDS  # residual dims: constant, id, code, previous codes, predicted id
+    PREV = [CODE + S * (o + 1) for o in range(match)]
+    PRED = CODE + (match + 1) * S
+    assert PRED + IDS <= D, f"hidden_size {D}: the copy checkpoint needs at least {PRED + IDS}"
+    rng = np.random.default_rng(seed)
+    ids = rng.choice([-1.0, 1.0], size=(V, IDS)).astype(np.float32)
+    codes = rng.choice([-1.0, 1.0], size=(V, S)).astype(np.float32)
+    embed = np.zeros((V, D), np.float32)
+    embed[:, C], embed[:, ID : ID + IDS], embed[:, CODE : CODE + S] = 1.0, ids, codes
+
+    def rms(width: int) -> float:  # a token's RMS over the residual with `width` +-1 dims and the constant
+        return float(np.sqrt((1.0 + width) / D))
+
+    for name in t:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t[name][:] = 0.0
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            t[name][:] = 1.0
+    # layer 0: previous-token heads; q head h reads kv head h // 2, offset h + 1
+    a = "model.layers.0.self_attn."
+    pairs = np.arange(len(COPY_PREV_WEIGHTS))
+    theta = 10.0 ** (-pairs / 2)
+    u = np.sqrt(np.asarray(COPY_PREV_WEIGHTS, np.float32))
+    q, k, v, o = (np.zeros_like(t[a + n + "_proj.weight"]) for n in "qkvo")
+    for kv in range((match + 1) // 2):
+        k[kv * Dh + pairs, C] = u  # k: u on the first half of pairs 0..4
+        v[kv * Dh : kv * Dh + S, CODE : CODE + S] = np.eye(S) * rms(IDS + S)
+    for h in range(match):
+        turn = theta * (h + 1)  # q = u turned back by the offset: q.R(j - i)k peaks at j = i - offset
+        q[h * Dh + pairs, C], q[h * Dh + Dh // 2 + pairs, C] = u * np.cos(turn), -u * np.sin(turn)
+        o[PREV[h] : PREV[h] + S, h * Dh : h * Dh + S] = np.eye(S)
+    t[a + "q_norm.weight"][:], t[a + "k_norm.weight"][:] = 5.0, 5.0
+    t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"], t[a + "o_proj.weight"] = q, k, v, o
+    # layer 1: the induction head (q head 0): slot s of q and k on content dims that RoPE barely turns
+    a = "model.layers.1.self_attn."
+    q, k, v, o = (np.zeros_like(t[a + n + "_proj.weight"]) for n in "qkvo")
+    for s, (qsrc, ksrc) in enumerate(zip([CODE, *PREV[:-1]], PREV)):
+        dims = content[s * S : (s + 1) * S]
+        q[dims, qsrc : qsrc + S] = np.eye(S)
+        k[dims, ksrc : ksrc + S] = np.eye(S)
+    v[:IDS, ID : ID + IDS] = np.eye(IDS) * rms(IDS + (match + 1) * S)
+    o[PRED : PRED + IDS, :IDS] = np.eye(IDS)
+    t[a + "q_norm.weight"][:], t[a + "k_norm.weight"][:] = 5.0, 5.0
+    t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"], t[a + "o_proj.weight"] = q, k, v, o
+    t["model.embed_tokens.weight"] = embed
+    head = np.zeros((V, D), np.float32)
+    head[:, PRED : PRED + IDS] = ids * (6.0 * rms(2 * IDS + (match + 1) * S) / IDS)  # a copied token's logit ~6
+    t["lm_head.weight"] = head
+    save_file({n: np.ascontiguousarray(x) for n, x in t.items()}, file, metadata={"format": "pt"})
+    return path

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from eprt.ops import numpy_ops
-from eprt.ops.numpy_ops import EXPERT_ROWS_AS_GEMV, NumpyOps, numba_available
+from eprt.ops.numpy_ops import EXPERT_ROWS_AS_GEMV, LINEAR_KERNEL_ROWS, NumpyOps, numba_available
 
 # the expert paths: the compiled kernel (numba, the cpu extra) where it imports, and the NumPy fallback
 EXPERT_PATHS = [
@@ -168,6 +168,26 @@ def test_expert_rows_do_not_depend_on_their_group(path):
     np.testing.assert_array_equal(one, xs[:1] @ w[0].T)
     whole = ops.expert_products(xs, w, np.array([0, 0, n]))  # above the limit: one GEMM
     np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", EXPERT_PATHS)
+def test_linear_of_a_few_rows(path):
+    """2..LINEAR_KERNEL_ROWS rows (a verify step, a small batch) run the compiled product on the
+    numba path: x @ w.T within float32 rounding, each row's bits whatever rows share the call;
+    one row and more rows than that stay with OpenBLAS."""
+    rng = np.random.default_rng(5)
+    ops = NumpyOps(path)
+    K, N = 37, 70  # K % 4 != 0: the kernel's remainder terms too
+    x = rng.standard_normal((LINEAR_KERNEL_ROWS + 2, K), dtype=np.float32)
+    w = ops.weight(rng.standard_normal((N, K), dtype=np.float32))  # [N, K]
+    bias = rng.standard_normal(N, dtype=np.float32)
+    want = x.astype(np.float64) @ w.T.astype(np.float64) + bias
+    for rows in (1, 2, 5, LINEAR_KERNEL_ROWS, LINEAR_KERNEL_ROWS + 2):
+        np.testing.assert_allclose(ops.linear(x[:rows], w, bias), want[:rows], rtol=1e-5, atol=1e-5)
+    if path == "numba":
+        full = ops.linear(x[:LINEAR_KERNEL_ROWS], w)
+        for lo, hi in [(0, 2), (1, 4), (3, 8)]:
+            assert np.array_equal(ops.linear(x[lo:hi], w), full[lo:hi]), (lo, hi)
 
 
 @pytest.mark.parametrize("path", EXPERT_PATHS)

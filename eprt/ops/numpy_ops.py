@@ -22,6 +22,9 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows computes each row alone (GEMVs or the kernel)
 MOE_TOKENS_ONE_BY_ONE = 5  # up to this many tokens, moe_experts may run them one by one
+LINEAR_KERNEL_ROWS = (
+    8  # compiled path: a product of 2..8 rows streams its weights once (OpenBLAS's small-M GEMM does not)
+)
 KERNEL_ONE_ROW_BYTES = 256 << 10  # compiled path: experts of matrices up to this size run one row in the kernel
 EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
 
@@ -132,7 +135,16 @@ class NumpyOps(Ops):
         return self.rms_norm(s, weight, eps), s
 
     def linear(self, x, w, bias=None):
-        y = x @ w.T  # [T, N]
+        wt = w.T  # [K, N]: contiguous in NumpyOps.weight's layout
+        if (
+            1 < x.shape[0] <= LINEAR_KERNEL_ROWS
+            and self.experts == "numba"
+            and wt.dtype == np.float32
+            and wt.flags.c_contiguous
+        ):
+            y = self.kernels.rows_product(x, wt)  # [T, N] a verify step's or a small batch's rows
+        else:
+            y = x @ wt  # [T, N]
         if bias is not None:
             y += bias
         return y
