@@ -122,6 +122,13 @@ def test_step_costs_measure_a_draft_in_decode_rows(monkeypatch):
     assert costs.draft_cost(2) == pytest.approx(0.8 * 1.0 / (0.8 * 2 + 4))  # extra rows over drafts
     costs.verify_step(2, 1, 2.0)  # a probe's step: one draft, a fixed cost
     assert costs.draft_cost(2) == pytest.approx((0.64 + 2.0) / (0.64 * 2 + 0.8 * 4 + 1))
+    before = costs.draft_cost(2)
+    costs.decode_step(1, 0.1)  # (another batch size)
+    costs.verify_step(2, 4, 0.5)  # 5 steps after the decode step of 2 rows: no baseline, not counted
+    assert costs.draft_cost(2) == pytest.approx(before)
+    costs.decode_step(2, 0.4)  # the latest decode step is the baseline, not an average with older ones
+    costs.verify_step(2, 2, 0.6)
+    assert costs.draft_cost(2) == pytest.approx((0.8 * (0.64 + 2.0) + 1.0) / (0.8 * (0.64 * 2 + 0.8 * 4 + 1) + 2))
 
 
 def test_rejection_sampling_keeps_the_target_distribution_chi_square():

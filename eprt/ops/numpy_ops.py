@@ -19,6 +19,7 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
     return x
 
 
+FEW_QUERY_ROWS = 16  # query rows per kv head (a verify step's) up to which attention scores run as K @ q^T
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows computes each row alone (GEMVs or the kernel)
 MOE_TOKENS_ONE_BY_ONE = 5  # up to this many tokens, moe_experts may run them one by one
@@ -172,8 +173,12 @@ class NumpyOps(Ops):
         T, H, Dh = q.shape
         Hk = k.shape[1]
         G = H // Hk
-        qg = q.reshape(T, Hk, G, Dh).transpose(1, 2, 0, 3).reshape(Hk, G * T, Dh) * np.float32(scale)
-        scores = np.matmul(qg, k.transpose(1, 2, 0)).reshape(Hk, G, T, -1)  # [Hk, G, T, S]
+        if G * T <= FEW_QUERY_ROWS:  # K @ q^T: the keys are the GEMM's long side, not packed as its B
+            qg = q.reshape(T, Hk, G, Dh).transpose(1, 3, 2, 0).reshape(Hk, Dh, G * T) * np.float32(scale)
+            scores = np.matmul(k.transpose(1, 0, 2), qg).transpose(0, 2, 1).reshape(Hk, G, T, -1)  # [Hk, G, T, S]
+        else:
+            qg = q.reshape(T, Hk, G, Dh).transpose(1, 2, 0, 3).reshape(Hk, G * T, Dh) * np.float32(scale)
+            scores = np.matmul(qg, k.transpose(1, 2, 0)).reshape(Hk, G, T, -1)  # [Hk, G, T, S]
         if mask is not None:
             scores = np.where(mask, scores, -np.inf)
         probs = _softmax_last(scores).reshape(Hk, G * T, -1)

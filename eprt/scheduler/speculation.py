@@ -12,7 +12,8 @@ from eprt.scheduler.effects import AcceptDrafts, Verify
 DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured
 PRIOR = (0.9, 1.0)  # a new sequence's acceptance estimate: hits, trials (optimistic: it drafts at once)
 KEEP = 0.5  # weight of the past in a sequence's acceptance estimate, per verify step
-COST_KEEP = 0.8  # weight of the past in a measured step time, per step
+COST_KEEP = 0.8  # weight of the past in a draft's measured cost, per verify step
+FRESH_STEPS = 4  # a verify step is timed against a decode step of its rows at most this many steps before
 MAX_PERIOD = 32  # steps between probes of a sequence whose drafts do not pay
 
 
@@ -97,21 +98,26 @@ class DraftPolicy:
 
 class StepCosts:
     """The cost of a draft position, measured: decode and verify steps' times on rank 0 (the
-    runner's clock) per batch size. A verify of B rows and P drafts that takes t where a decode
-    step of B rows takes d costs (t - d) / (d / B) decode rows more; the cost of a draft is those
-    extra rows over the drafts, both summed over recent verify steps (decayed), so a step of few
-    drafts (probes) weighs little."""
+    runner's clock) per batch size. A verify of B rows and P drafts that takes t, where the latest
+    decode step of B rows, at most FRESH_STEPS steps before, took d, costs (t - d) / (d / B) decode
+    rows more; the cost of a draft is those extra rows over the drafts, both summed over recent
+    verify steps (decayed), so a step of few drafts (probes) weighs little. An older decode step
+    is no baseline: its contexts were other lengths, or its sequences others (a new batch's first
+    step is a verify: the prior drafts at once)."""
 
     def __init__(self) -> None:
-        self.decode: dict[int, float] = {}  # rows -> seconds of a decode step (moving average)
+        self.steps = 0  # decode and verify steps timed so far
+        self.decode: dict[int, tuple[float, int]] = {}  # rows -> (seconds, step) of the latest decode step
         self.extra: dict[int, tuple[float, float]] = {}  # rows -> (extra decode rows, drafts), decayed sums
 
     def decode_step(self, rows: int, seconds: float) -> None:
-        self.decode[rows] = _average(self.decode.get(rows), seconds)
+        self.steps += 1
+        self.decode[rows] = (seconds, self.steps)
 
     def verify_step(self, rows: int, drafts: int, seconds: float) -> None:
-        d = self.decode.get(rows)
-        if d and drafts:
+        self.steps += 1
+        d, at = self.decode.get(rows, (0.0, 0))
+        if d and drafts and self.steps - at <= FRESH_STEPS:
             extra, n = self.extra.get(rows, (0.0, 0.0))
             self.extra[rows] = (COST_KEEP * extra + max(seconds - d, 0.0) / (d / rows), COST_KEEP * n + drafts)
 
@@ -119,10 +125,6 @@ class StepCosts:
         """Decode rows per draft position at this batch size; None until measured."""
         extra, n = self.extra.get(rows, (0.0, 0.0))
         return extra / n if n else None
-
-
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else COST_KEEP * old + (1.0 - COST_KEEP) * new
 
 
 def draft_limit(seq, num_tokens: int, max_model_len: int | None) -> int:
