@@ -19,7 +19,7 @@ decodes (an upper bound on acceptance, not a real model's), with --mtp-layers N 
 all but the first add nothing (so the MTP layer costs 1 / N of the model, as in a deep one).
 Decode tokens/s: the tokens after each request's first, over the time from the batch's first
 first token to its last token (streamed timestamps). Off and the methods run interleaved, each
-repeat measuring every cell of each, so a busy machine slows both alike; the table shows the
+repeat measuring every cell of each (in turn first), so a busy machine slows both alike; the table shows the
 best of --repeats and, in brackets, the median. Mean accepted length: tokens emitted per row
 with drafts (accepted drafts + 1), from the engine's counters.
 
@@ -135,10 +135,11 @@ def speedups(args) -> None:
         if args.draft_cost is not None:  # the adaptive policy with this cost instead of the measured one
             for m in methods:
                 engines[m].runner.step_costs.draft_cost = lambda rows: args.draft_cost
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
+            order = list(engines.items())[:: -1 if repeat % 2 else 1]  # each cell's runs alternate which goes first
             for name, (text, temperature) in WORKLOADS.items():
                 for batch in BATCHES:
-                    for method, engine in engines.items():
+                    for method, engine in order:
                         runner = engine.runner
                         rows0, acc0 = runner.verify_rows, runner.accepted_tokens
                         prompt = encode(engine, text)
