@@ -1,13 +1,18 @@
 """Speculative decoding: decode tokens/s and mean accepted length, off vs ngram (vs mtp), batch 1 and 8.
 
-    python benchmarks/bench_speculative.py [--model DIR | --bench-model DIR | --mtp-model DIR [--mtp-echo]
-        [--mtp-layers N]] [--new-tokens 96] [--k 4] [--repeats 3] [--threads N] [--step-costs] [--draft-cost C]
+    python benchmarks/bench_speculative.py [--model DIR | --bench-model DIR | --copy-model DIR [--copy-size S]
+        | --mtp-model DIR [--mtp-echo] [--mtp-layers N]] [--new-tokens 96] [--k 4] [--repeats 3] [--threads N]
+        [--step-costs] [--draft-cost C]
 
 One checkpoint, on the CPU, one rank: the built-in model (3.7 MB: a step costs its Python and
 per-token compute, so verifying K + 1 positions costs more than a decode step), --model DIR, or
 --bench-model DIR, bench_decode_cpu.py's ~115M-parameter Qwen3-MoE with random weights (built
 once), where a step at small batch is bound by reading the weights, as on a serving GPU. A
-prompt without a tokenizer is the text's bytes. Two workloads:
+prompt without a tokenizer is the text's bytes. --copy-model DIR builds (once) tests/checkpoints.py's
+copy checkpoint, a qwen3_moe whose induction head continues a text it has seen (the built-in model
+does not: it accepts 2.4 of 5 positions on the rewrite text, from its own repetitions), at
+--copy-size small (the built-in model's depth and experts, hidden 256) or bench (the bench model's
+size, bound by reading its weights). Two workloads:
 - rewrite: the prompt holds a text twice and the start of a third copy; greedy (lookup pays
   when the model repeats what it has seen);
 - sampled: a short code prompt sampled at temperature 1.0 (drafts are rarely accepted: lookup
