@@ -60,6 +60,7 @@ def test_best_draft_count_weighs_expected_tokens_against_the_verify_cost():
     assert best_draft_count(0.0, 0.3, 4) == 0  # nothing is ever accepted: a decode step is better
     assert best_draft_count(0.2, 0.3, 4) == 0  # (1 + 0.2) / 1.3 < 1
     assert best_draft_count(0.5, 0.3, 4) == 1  # 1.5 / 1.3 beats 1.75 / 1.6
+    assert best_draft_count(0.35, 0.3, 4) == 0  # 1.35 / 1.3 beats a decode step by less than MIN_GAIN
     assert best_draft_count(0.9, 0.1, 4) == 4
     assert best_draft_count(0.9, 0.1, 2) == 2  # never past the limit
     assert best_draft_count(0.99, 2.0, 4) == 0  # drafts that cost two rows each never pay

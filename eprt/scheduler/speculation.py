@@ -15,6 +15,7 @@ KEEP = 0.5  # weight of the past in a sequence's acceptance estimate, per verify
 COST_KEEP = 0.8  # weight of the past in a draft's measured cost, per verify step
 FRESH_STEPS = 4  # a verify step is timed against a decode step of its rows at most this many steps before
 MAX_PERIOD = 32  # steps between probes of a sequence whose drafts do not pay
+MIN_GAIN = 1.05  # drafting must promise this many times a decode step's tokens per unit of time
 
 
 @dataclass
@@ -45,8 +46,9 @@ class DraftStats:
 def best_draft_count(alpha: float, cost: float, limit: int) -> int:
     """The drafts k in 0..limit that emit the most tokens per unit of time: k drafts each accepted
     with probability alpha emit 1 + alpha + .. + alpha^k tokens in a step that costs 1 + cost * k
-    decode rows; 0 when no k beats a decode step."""
-    best, value, tokens, term = 0, 1.0, 1.0, 1.0
+    decode rows; 0 when no k beats a decode step by MIN_GAIN (alpha and cost are noisy estimates:
+    near the break-even point a wrong guess costs more than a right one gains)."""
+    best, value, tokens, term = 0, MIN_GAIN, 1.0, 1.0
     for k in range(1, limit + 1):
         term *= alpha
         tokens += term
