@@ -23,6 +23,7 @@ def drafts_cost_nothing(monkeypatch):
     """The verify path under test whenever the drafter proposes: a draft's cost pinned to 0 (the
     adaptive policy's choices, driven by measured step times, are tested on their own)."""
     monkeypatch.setattr(StepCosts, "draft_cost", lambda self, rows: 0.0)
+    monkeypatch.setattr(StepCosts, "verify_overhead", lambda self, rows: 0.0)
 
 
 # chi-square critical values at p = 0.001 by degrees of freedom (a correct sampler fails 1 in 1000)
@@ -61,6 +62,9 @@ def test_best_draft_count_weighs_expected_tokens_against_the_verify_cost():
     assert best_draft_count(0.2, 0.3, 4) == 0  # (1 + 0.2) / 1.3 < 1
     assert best_draft_count(0.5, 0.3, 4) == 1  # 1.5 / 1.3 beats 1.75 / 1.6
     assert best_draft_count(0.35, 0.3, 4) == 0  # 1.35 / 1.3 beats a decode step by less than MIN_GAIN
+    assert best_draft_count(0.5, 0.1, 4) == 2  # 1.75 / 1.2 beats 1.5 / 1.1 and 1.875 / 1.3
+    assert best_draft_count(0.5, 0.1, 4, overhead=0.4) == 3  # a verify's overhead: longer drafts pay it off
+    assert best_draft_count(0.3, 0.1, 4, overhead=0.2) == 0  # 1.3 / 1.3: the overhead eats the gain
     assert best_draft_count(0.9, 0.1, 4) == 4
     assert best_draft_count(0.9, 0.1, 2) == 2  # never past the limit
     assert best_draft_count(0.99, 2.0, 4) == 0  # drafts that cost two rows each never pay
@@ -110,26 +114,26 @@ def test_draft_policy_declines_then_probes_on_shared_steps():
         policy.verified(good, 4, 4)
 
 
-def test_step_costs_measure_a_draft_in_decode_rows(monkeypatch):
-    monkeypatch.undo()  # the real draft_cost
+def test_step_costs_fit_a_verify_overhead_and_a_draft_cost(monkeypatch):
+    monkeypatch.undo()  # the real draft_cost and verify_overhead
     costs = StepCosts()
     costs.verify_step(2, 2, 1.5)
-    assert costs.draft_cost(2) is None  # no decode step of 2 rows to compare with yet
+    assert costs.draft_cost(2) is None and costs.verify_overhead(2) == 0.0  # no decode step of 2 rows yet
     costs.decode_step(2, 1.0)
-    costs.verify_step(2, 2, 1.5)  # 0.5 s more for 2 drafts, a decode row being 0.5 s
-    assert costs.draft_cost(2) == pytest.approx(0.5)
+    costs.verify_step(2, 2, 1.5)  # 0.5 s more for 2 drafts, a decode row being 0.5 s: 1 row
+    assert costs.draft_cost(2) == pytest.approx(0.5) and costs.verify_overhead(2) == 0.0  # one P: all on drafts
     assert costs.draft_cost(1) is None
-    costs.verify_step(2, 4, 1.0)  # no slower than a decode step: these drafts cost nothing
-    assert costs.draft_cost(2) == pytest.approx(0.8 * 1.0 / (0.8 * 2 + 4))  # extra rows over drafts
-    costs.verify_step(2, 1, 2.0)  # a probe's step: one draft, a fixed cost
-    assert costs.draft_cost(2) == pytest.approx((0.64 + 2.0) / (0.64 * 2 + 0.8 * 4 + 1))
-    before = costs.draft_cost(2)
+    costs.verify_step(2, 4, 2.0)  # 2 rows for 4 drafts: the same line through 0
+    assert costs.draft_cost(2) == pytest.approx(0.5) and costs.verify_overhead(2) == pytest.approx(0.0, abs=1e-12)
+    costs.verify_step(2, 1, 2.0)  # 2 rows for 1 draft: a fixed part appears
+    P, e, w = np.array([2.0, 4.0, 1.0]), np.array([1.0, 2.0, 2.0]), np.array([0.64, 0.8, 1.0])
+    A = np.stack([np.ones(3), P], axis=1) * np.sqrt(w)[:, None]
+    overhead, cost = np.linalg.lstsq(A, e * np.sqrt(w), rcond=None)[0]  # weighted least squares
+    assert costs.verify_overhead(2) == pytest.approx(overhead) and costs.draft_cost(2) == pytest.approx(cost)
+    assert overhead > 1.0 and cost < 0.1
     costs.decode_step(1, 0.1)  # (another batch size)
     costs.verify_step(2, 4, 0.5)  # 5 steps after the decode step of 2 rows: no baseline, not counted
-    assert costs.draft_cost(2) == pytest.approx(before)
-    costs.decode_step(2, 0.4)  # the latest decode step is the baseline, not an average with older ones
-    costs.verify_step(2, 2, 0.6)
-    assert costs.draft_cost(2) == pytest.approx((0.8 * (0.64 + 2.0) + 1.0) / (0.8 * (0.64 * 2 + 0.8 * 4 + 1) + 2))
+    assert costs.verify_overhead(2) == pytest.approx(overhead) and costs.draft_cost(2) == pytest.approx(cost)
 
 
 def test_rejection_sampling_keeps_the_target_distribution_chi_square():

@@ -147,6 +147,9 @@ class SpeculativeRunner:
     def draft_cost(self, rows: int) -> float | None:
         return None if self.step_costs is None else self.step_costs.draft_cost(rows)
 
+    def verify_overhead(self, rows: int) -> float:
+        return 0.0 if self.step_costs is None else self.step_costs.verify_overhead(rows)
+
     def _step_clock(self) -> float:
         """What steps are timed on: on the CPU this process's CPU time (a step's compute, what other
         work on a shared machine disturbs least), else the wall clock (the readback waits for the

@@ -96,6 +96,11 @@ class TraceCalls:
         step's time over its rows); None: not measured (speculation.DRAFT_COST)."""
         return None
 
+    def verify_overhead(self, rows: int) -> float:
+        """Untraced: what a verify step costs at this batch size whatever its drafts, in decode
+        rows, as measured (speculation.StepCosts); 0: not measured."""
+        return 0.0
+
     # untraced hints of the prefill lane (docs/scenarios.md, "Prefill lane"): a model that runs a
     # tick's prefill chunks as one forward learns them ahead; these defaults decline
     def admit_ahead(self, seq) -> int | None:

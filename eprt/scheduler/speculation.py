@@ -27,7 +27,7 @@ class DraftStats:
     hits: float = PRIOR[0]
     trials: float = PRIOR[1]
     period: int = 0
-    choice: tuple | None = None  # ((cost, limit), k): best_draft_count's answer until hits/trials change
+    choice: tuple | None = None  # ((cost, overhead, limit), k): best_draft_count's answer until hits/trials change
 
     def acceptance(self) -> float:
         return self.hits / self.trials
@@ -37,22 +37,23 @@ class DraftStats:
         self.trials = KEEP * self.trials + accepted + (accepted < proposed)
         self.choice = None
 
-    def best(self, cost: float, limit: int) -> int:
-        if self.choice is None or self.choice[0] != (cost, limit):
-            self.choice = ((cost, limit), best_draft_count(self.acceptance(), cost, limit))
+    def best(self, cost: float, overhead: float, limit: int) -> int:
+        if self.choice is None or self.choice[0] != (cost, overhead, limit):
+            self.choice = ((cost, overhead, limit), best_draft_count(self.acceptance(), cost, limit, overhead))
         return self.choice[1]
 
 
-def best_draft_count(alpha: float, cost: float, limit: int) -> int:
+def best_draft_count(alpha: float, cost: float, limit: int, overhead: float = 0.0) -> int:
     """The drafts k in 0..limit that emit the most tokens per unit of time: k drafts each accepted
-    with probability alpha emit 1 + alpha + .. + alpha^k tokens in a step that costs 1 + cost * k
-    decode rows; 0 when no k beats a decode step by MIN_GAIN (alpha and cost are noisy estimates:
-    near the break-even point a wrong guess costs more than a right one gains)."""
+    with probability alpha emit 1 + alpha + .. + alpha^k tokens in a step that costs
+    1 + overhead + cost * k decode rows (overhead: the row's share of what a verify step costs
+    whatever its drafts); 0 when no k beats a decode step by MIN_GAIN (alpha and the costs are
+    noisy estimates: near the break-even point a wrong guess costs more than a right one gains)."""
     best, value, tokens, term = 0, MIN_GAIN, 1.0, 1.0
     for k in range(1, limit + 1):
         term *= alpha
         tokens += term
-        v = tokens / (1.0 + cost * k)
+        v = tokens / (1.0 + overhead + cost * k)
         if v > value:
             best, value = k, v
     return best
@@ -74,10 +75,11 @@ class DraftPolicy:
     def step(self) -> None:
         self.steps += 1
 
-    def drafts(self, seq, limit: int, cost: float) -> int:
-        """How many drafts ``seq`` proposes this step (at most ``limit``)."""
+    def drafts(self, seq, limit: int, cost: float, overhead: float = 0.0) -> int:
+        """How many drafts ``seq`` proposes this step (at most ``limit``); ``overhead``: the row's
+        share of a verify step's cost whatever its drafts, in decode rows."""
         stats = self._stats(seq)
-        k = stats.best(cost, limit)
+        k = stats.best(cost, overhead, limit)
         if k:
             stats.period = 0
             return k
@@ -99,18 +101,19 @@ class DraftPolicy:
 
 
 class StepCosts:
-    """The cost of a draft position, measured: decode and verify steps' times on rank 0 (the
-    runner's clock) per batch size. A verify of B rows and P drafts that takes t, where the latest
-    decode step of B rows, at most FRESH_STEPS steps before, took d, costs (t - d) / (d / B) decode
-    rows more; the cost of a draft is those extra rows over the drafts, both summed over recent
-    verify steps (decayed), so a step of few drafts (probes) weighs little. An older decode step
-    is no baseline: its contexts were other lengths, or its sequences others (a new batch's first
-    step is a verify: the prior drafts at once)."""
+    """What a verify step costs, measured: decode and verify steps' times on rank 0 (the runner's
+    clock) per batch size. A verify of B rows and P drafts that takes t, where the latest decode
+    step of B rows, at most FRESH_STEPS steps before, took d, costs e = (t - d) / (d / B) decode
+    rows more (an older decode step is no baseline: its contexts were other lengths, or its
+    sequences others; a new batch's first step is a verify, the prior drafts at once). Over recent
+    verify steps (decayed, COST_KEEP per step) e is fitted as overhead + cost * P by least squares:
+    the overhead of a verify step whatever its drafts, and a draft's cost. While every step had
+    the same P, all of e goes to the drafts (overhead 0)."""
 
     def __init__(self) -> None:
         self.steps = 0  # decode and verify steps timed so far
         self.decode: dict[int, tuple[float, int]] = {}  # rows -> (seconds, step) of the latest decode step
-        self.extra: dict[int, tuple[float, float]] = {}  # rows -> (extra decode rows, drafts), decayed sums
+        self.sums: dict[int, tuple[float, ...]] = {}  # rows -> decayed sums of 1, P, P^2, e, P e
 
     def decode_step(self, rows: int, seconds: float) -> None:
         self.steps += 1
@@ -120,13 +123,33 @@ class StepCosts:
         self.steps += 1
         d, at = self.decode.get(rows, (0.0, 0))
         if d and drafts and self.steps - at <= FRESH_STEPS:
-            extra, n = self.extra.get(rows, (0.0, 0.0))
-            self.extra[rows] = (COST_KEEP * extra + max(seconds - d, 0.0) / (d / rows), COST_KEEP * n + drafts)
+            e = (seconds - d) / (d / rows)  # (negative from noise: unclamped, so the fit is unbiased)
+            new = (1.0, drafts, drafts * drafts, e, drafts * e)
+            old = self.sums.get(rows, (0.0,) * 5)
+            self.sums[rows] = tuple(COST_KEEP * o + n for o, n in zip(old, new))
+
+    def _fit(self, rows: int) -> tuple[float, float] | None:
+        """(overhead, cost) in decode rows; None until measured."""
+        if rows not in self.sums:
+            return None
+        n, p, pp, e, pe = self.sums[rows]
+        spread = n * pp - p * p  # n^2 x the variance of P
+        cost = (n * pe - p * e) / spread if spread > 1e-9 * n * pp else None
+        if cost is None or (e - cost * p) / n < 0.0:  # one P so far, or no overhead: all on the drafts
+            return 0.0, max(e / p, 0.0)
+        if cost < 0.0:  # drafts that cost nothing: all on the overhead
+            return max(e / n, 0.0), 0.0
+        return (e - cost * p) / n, cost
 
     def draft_cost(self, rows: int) -> float | None:
         """Decode rows per draft position at this batch size; None until measured."""
-        extra, n = self.extra.get(rows, (0.0, 0.0))
-        return extra / n if n else None
+        fit = self._fit(rows)
+        return None if fit is None else fit[1]
+
+    def verify_overhead(self, rows: int) -> float:
+        """Decode rows a verify step costs at this batch size whatever its drafts; 0 until measured."""
+        fit = self._fit(rows)
+        return 0.0 if fit is None else fit[0]
 
 
 def draft_limit(seq, num_tokens: int, max_model_len: int | None) -> int:
@@ -147,10 +170,11 @@ def plan_drafts(sched, rows: list) -> list[tuple]:
     cost = model.draft_cost(len(rows))
     cost = DRAFT_COST if cost is None else cost
     sched.drafting.step()
+    share = model.verify_overhead(len(rows)) / len(rows)  # each row's share of a verify step's overhead
     drafts = []
     for seq in rows:
         k = draft_limit(seq, cfg.num_speculative_tokens, cfg.max_model_len)
-        k = sched.drafting.drafts(seq, k, cost) if k else 0
+        k = sched.drafting.drafts(seq, k, cost, share) if k else 0
         drafts.append(tuple(model.propose_drafts(seq, k)[:k]) if k else ())
     bs = cfg.block_size
 

@@ -20,6 +20,7 @@ from eprt.scheduler.speculation import StepCosts
 @pytest.fixture(autouse=True)
 def drafts_cost_nothing(monkeypatch):
     monkeypatch.setattr(StepCosts, "draft_cost", lambda self, rows: 0.0)
+    monkeypatch.setattr(StepCosts, "verify_overhead", lambda self, rows: 0.0)
 
 
 REPEATING = [
