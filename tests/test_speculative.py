@@ -126,7 +126,7 @@ def test_step_costs_fit_a_verify_overhead_and_a_draft_cost(monkeypatch):
     costs.verify_step(2, 4, 2.0)  # 2 rows for 4 drafts: the same line through 0
     assert costs.draft_cost(2) == pytest.approx(0.5) and costs.verify_overhead(2) == pytest.approx(0.0, abs=1e-12)
     costs.verify_step(2, 1, 2.0)  # 2 rows for 1 draft: a fixed part appears
-    P, e, w = np.array([2.0, 4.0, 1.0]), np.array([1.0, 2.0, 2.0]), np.array([0.64, 0.8, 1.0])
+    P, e, w = np.array([2.0, 4.0, 1.0]), np.array([1.0, 2.0, 2.0]), speculation.COST_KEEP ** np.arange(2.0, -1, -1)
     A = np.stack([np.ones(3), P], axis=1) * np.sqrt(w)[:, None]
     overhead, cost = np.linalg.lstsq(A, e * np.sqrt(w), rcond=None)[0]  # weighted least squares
     assert costs.verify_overhead(2) == pytest.approx(overhead) and costs.draft_cost(2) == pytest.approx(cost)
@@ -134,6 +134,23 @@ def test_step_costs_fit_a_verify_overhead_and_a_draft_cost(monkeypatch):
     costs.decode_step(1, 0.1)  # (another batch size)
     costs.verify_step(2, 4, 0.5)  # 5 steps after the decode step of 2 rows: no baseline, not counted
     assert costs.verify_overhead(2) == pytest.approx(overhead) and costs.draft_cost(2) == pytest.approx(cost)
+
+
+def test_a_verify_step_that_does_not_pay_as_a_whole_keeps_only_its_probes():
+    policy = DraftPolicy()
+    rows = [_Row() for _ in range(4)]
+    for seq in rows[:2]:
+        seq.draft_stats = DraftStats(hits=0.45, trials=1.0)  # drafts pay at cost 0.1 and a 0.25 share
+    policy.step()  # step 1: no probe due yet
+    ks = [policy.drafts(seq, 4, 0.1, 0.25) for seq in rows[:2]]
+    assert ks == [2, 2]  # (1 + 0.45 + 0.2025) / 1.45 beats 1.45 / 1.35 and MIN_GAIN
+    rows[2].draft_stats = DraftStats(hits=0.0, trials=1.0, period=1)  # declining, its probe due
+    rows[3].draft_stats = DraftStats(hits=0.0, trials=1.0, period=2)  # declining, no probe this step
+    ks += [policy.drafts(seq, 4, 0.1, 0.25) for seq in rows[2:]]
+    assert ks == [2, 2, 1, 0] and rows[2].draft_stats.probe
+    assert policy.worth_a_verify(rows, ks, 0.1, 0.0) == ks  # no overhead measured: as the rows chose
+    assert policy.worth_a_verify(rows, ks, 0.1, 0.2) == ks  # (4 + 1.305) / (4 + 0.2 + 0.5) > MIN_GAIN
+    assert policy.worth_a_verify(rows, ks, 0.1, 1.0) == [0, 0, 1, 0]  # (5.305 / 5.5): only the probe rides
 
 
 def test_rejection_sampling_keeps_the_target_distribution_chi_square():

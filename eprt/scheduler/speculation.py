@@ -12,7 +12,7 @@ from eprt.scheduler.effects import AcceptDrafts, Verify
 DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured
 PRIOR = (0.9, 1.0)  # a new sequence's acceptance estimate: hits, trials (optimistic: it drafts at once)
 KEEP = 0.5  # weight of the past in a sequence's acceptance estimate, per verify step
-COST_KEEP = 0.8  # weight of the past in a draft's measured cost, per verify step
+COST_KEEP = 0.95  # weight of the past in the verify cost fit, per verify step
 FRESH_STEPS = 4  # a verify step is timed against a decode step of its rows at most this many steps before
 MAX_PERIOD = 32  # steps between probes of a sequence whose drafts do not pay
 MIN_GAIN = 1.05  # drafting must promise this many times a decode step's tokens per unit of time
@@ -28,9 +28,15 @@ class DraftStats:
     trials: float = PRIOR[1]
     period: int = 0
     choice: tuple | None = None  # ((cost, overhead, limit), k): best_draft_count's answer until hits/trials change
+    probe: bool = False  # this step's draft is a probe's
 
     def acceptance(self) -> float:
         return self.hits / self.trials
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a step with k drafts is expected to emit: 1 + a + .. + a^k."""
+        a = self.acceptance()
+        return sum(a**i for i in range(k + 1))
 
     def verified(self, proposed: int, accepted: int) -> None:
         self.hits = KEEP * self.hits + accepted
@@ -80,6 +86,7 @@ class DraftPolicy:
         share of a verify step's cost whatever its drafts, in decode rows."""
         stats = self._stats(seq)
         k = stats.best(cost, overhead, limit)
+        stats.probe = False
         if k:
             stats.period = 0
             return k
@@ -87,7 +94,22 @@ class DraftPolicy:
         if self.steps % stats.period:
             return 0
         stats.period = min(2 * stats.period, MAX_PERIOD)  # the next probe, if this one fails, waits longer
+        stats.probe = True
         return min(limit, 1)
+
+    def worth_a_verify(self, rows: list, ks: list, cost: float, overhead: float) -> list:
+        """The batch's drafts ``ks`` (one per row, from ``drafts``), or only its probes' when the
+        verify step they make does not pay as a whole: B rows emitting B + (expected accepted
+        drafts) tokens in a step that costs B + overhead + cost * sum(ks) decode rows must beat a
+        decode step by MIN_GAIN. (Each row weighed its drafts against its share of the overhead,
+        overhead / B; where only some rows draft, the step still pays all of it.)"""
+        if not overhead or not any(ks):
+            return ks
+        B = len(rows)
+        gain = sum(self._stats(seq).expected_tokens(k) - 1.0 for seq, k in zip(rows, ks) if k)
+        if (B + gain) / (B + overhead + cost * sum(ks)) >= MIN_GAIN:
+            return ks
+        return [k if k and self._stats(seq).probe else 0 for seq, k in zip(rows, ks)]
 
     def verified(self, seq, proposed: int, accepted: int) -> None:
         """``seq`` had ``proposed`` drafts verified, of which the first ``accepted`` passed."""
@@ -170,12 +192,13 @@ def plan_drafts(sched, rows: list) -> list[tuple]:
     cost = model.draft_cost(len(rows))
     cost = DRAFT_COST if cost is None else cost
     sched.drafting.step()
-    share = model.verify_overhead(len(rows)) / len(rows)  # each row's share of a verify step's overhead
-    drafts = []
+    overhead = model.verify_overhead(len(rows))
+    ks = []
     for seq in rows:
         k = draft_limit(seq, cfg.num_speculative_tokens, cfg.max_model_len)
-        k = sched.drafting.drafts(seq, k, cost, share) if k else 0
-        drafts.append(tuple(model.propose_drafts(seq, k)[:k]) if k else ())
+        ks.append(sched.drafting.drafts(seq, k, cost, overhead / len(rows)) if k else 0)
+    ks = sched.drafting.worth_a_verify(rows, ks, cost, overhead)
+    drafts = [tuple(model.propose_drafts(seq, k)[:k]) if k else () for seq, k in zip(rows, ks)]
     bs = cfg.block_size
 
     def extra(seq, k: int) -> int:  # blocks beyond those a plain decode step of seq takes
