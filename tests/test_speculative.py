@@ -107,11 +107,17 @@ def test_draft_policy_declines_then_probes_on_shared_steps():
     policy.verified(rows[0], 1, 1)
     assert policy.drafts(rows[0], 4, speculation.DRAFT_COST) >= 1  # drafting again, period reset
     assert rows[0].draft_stats.period == 0
+    policy.step()  # step 101 (odd: no probe due)
+    late = _Row()  # a new sequence starts from the lane's recent acceptance: after all those failures, it declines
+    assert policy.drafts(late, 4, speculation.DRAFT_COST) == 0
+    assert late.draft_stats.acceptance() == pytest.approx(policy.lane.acceptance()) and policy.lane.acceptance() < 0.3
     good = _Row()  # drafts that pass keep a row at K
+    good.draft_stats = DraftStats()  # (the first sequences' prior)
     for _ in range(5):
         policy.step()
         assert policy.drafts(good, 4, 0.2) == 4
         policy.verified(good, 4, 4)
+    assert policy.lane.acceptance() > 0.8  # the lane has seen drafts pass again
 
 
 def test_step_costs_fit_a_verify_overhead_and_a_draft_cost(monkeypatch):

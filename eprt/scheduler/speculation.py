@@ -10,7 +10,8 @@ from eprt.scheduler import pools
 from eprt.scheduler.effects import AcceptDrafts, Verify
 
 DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured
-PRIOR = (0.9, 1.0)  # a new sequence's acceptance estimate: hits, trials (optimistic: it drafts at once)
+PRIOR = (0.9, 1.0)  # the first sequences' acceptance estimate: hits, trials (optimistic: they draft at once)
+PRIOR_KEEP = 0.9  # weight of the past in the lane's acceptance, per verified row: later sequences' prior
 KEEP = 0.5  # weight of the past in a sequence's acceptance estimate, per verify step
 COST_KEEP = 0.95  # weight of the past in the verify cost fit, per verify step
 FRESH_STEPS = 4  # a verify step is timed against a decode step of its rows at most this many steps before
@@ -77,6 +78,7 @@ class DraftPolicy:
 
     def __init__(self) -> None:
         self.steps = 0  # decode-lane steps so far
+        self.lane = DraftStats()  # every row's verifies, decayed by PRIOR_KEEP: a new sequence's prior
 
     def step(self) -> None:
         self.steps += 1
@@ -114,11 +116,13 @@ class DraftPolicy:
     def verified(self, seq, proposed: int, accepted: int) -> None:
         """``seq`` had ``proposed`` drafts verified, of which the first ``accepted`` passed."""
         self._stats(seq).verified(proposed, accepted)
+        lane = self.lane
+        lane.hits = PRIOR_KEEP * lane.hits + accepted
+        lane.trials = PRIOR_KEEP * lane.trials + accepted + (accepted < proposed)
 
-    @staticmethod
-    def _stats(seq) -> DraftStats:
-        if seq.draft_stats is None:
-            seq.draft_stats = DraftStats()
+    def _stats(self, seq) -> DraftStats:
+        if seq.draft_stats is None:  # a new sequence starts from the lane's recent acceptance
+            seq.draft_stats = DraftStats(hits=self.lane.acceptance(), trials=1.0)
         return seq.draft_stats
 
 
