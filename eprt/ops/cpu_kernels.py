@@ -21,6 +21,13 @@ VERSION = numba.__version__
 
 
 @njit(nogil=True, cache=True)
+def _cols(rows, n):  # pragma: no cover - compiled
+    """Columns per tile of ``_product`` for ``rows`` rows of an n-column product: the rows'
+    accumulators stay within ACC_BYTES (a multiple of 16, at least 16)."""
+    return max(16, min(n, ACC_BYTES // (4 * rows) // 16 * 16))
+
+
+@njit(nogil=True, cache=True)
 def _product(x, w, y, lo, hi, cols):  # pragma: no cover - compiled
     """y[lo:hi] = x[lo:hi] @ w, x[n, K], w[K, N], by column tiles of ``cols``; for every element:
     acc = 0, then acc += (x0 w0 + x1 w1) + (x2 w2 + x3 w3) over k in fours, then the K % 4 rest
@@ -81,8 +88,7 @@ def _grouped(x, w, y, experts, edges):  # pragma: no cover - compiled
     for i in range(experts.shape[0]):
         lo, hi = edges[2 * i], edges[2 * i + 1]
         if hi > lo:
-            cols = max(16, min(w.shape[2], ACC_BYTES // (4 * (hi - lo)) // 16 * 16))
-            _product(x, w[experts[i]], y, lo, hi, cols)
+            _product(x, w[experts[i]], y, lo, hi, _cols(hi - lo, w.shape[2]))
 
 
 @njit(nogil=True, cache=True)
@@ -96,16 +102,12 @@ def _ffn_grouped(x, w_gate_up, w_down, y, experts, edges):  # pragma: no cover -
     for i in range(experts.shape[0]):
         lo, hi = edges[2 * i], edges[2 * i + 1]
         if hi > lo:
-            _product(
-                x, w_gate_up[experts[i]], h, lo, hi, max(16, min(2 * inter, ACC_BYTES // (4 * (hi - lo)) // 16 * 16))
-            )
+            _product(x, w_gate_up[experts[i]], h, lo, hi, _cols(hi - lo, 2 * inter))
             for r in range(lo, hi):
                 for j in range(inter):
                     g = h[r, j]
                     a[r, j] = g / (one + np.exp(-g)) * h[r, inter + j]
-            _product(
-                a, w_down[experts[i]], y, lo, hi, max(16, min(y.shape[1], ACC_BYTES // (4 * (hi - lo)) // 16 * 16))
-            )
+            _product(a, w_down[experts[i]], y, lo, hi, _cols(hi - lo, y.shape[1]))
 
 
 @njit(nogil=True, cache=True)
@@ -159,16 +161,9 @@ def expert_rows(x: np.ndarray, w_t: np.ndarray, experts: np.ndarray, edges: np.n
 def rows_product(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
     """y[n, N] = x[n, K] @ w_t[K, N] (input-major, C-contiguous float32) for a few rows: the weights
     are streamed once, where OpenBLAS's GEMM packs them first and runs 2 - 8 rows 1.3 - 4x slower."""
-    y = np.empty((x.shape[0], w_t.shape[1]), dtype=np.float32)  # [n, N]
     n = x.shape[0]
-    _product(
-        np.ascontiguousarray(x, dtype=np.float32),
-        w_t,
-        y,
-        0,
-        n,
-        max(16, min(w_t.shape[1], ACC_BYTES // (4 * n) // 16 * 16)),
-    )
+    y = np.empty((n, w_t.shape[1]), dtype=np.float32)  # [n, N]
+    _product(np.ascontiguousarray(x, dtype=np.float32), w_t, y, 0, n, _cols(n, w_t.shape[1]))
     return y
 
 

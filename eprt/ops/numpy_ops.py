@@ -23,9 +23,7 @@ FEW_QUERY_ROWS = 16  # query rows per kv head (a verify step's) up to which atte
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows computes each row alone (GEMVs or the kernel)
 MOE_TOKENS_ONE_BY_ONE = 5  # up to this many tokens, moe_experts may run them one by one
-LINEAR_KERNEL_ROWS = (
-    8  # compiled path: a product of 2..8 rows streams its weights once (OpenBLAS's small-M GEMM does not)
-)
+LINEAR_KERNEL_ROWS = 8  # compiled path: 2..8 rows stream the weights once (OpenBLAS's small GEMM packs them)
 KERNEL_ONE_ROW_BYTES = 256 << 10  # compiled path: experts of matrices up to this size run one row in the kernel
 EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
 

@@ -39,9 +39,9 @@ class DraftStats:
         a = self.acceptance()
         return sum(a**i for i in range(k + 1))
 
-    def verified(self, proposed: int, accepted: int) -> None:
-        self.hits = KEEP * self.hits + accepted
-        self.trials = KEEP * self.trials + accepted + (accepted < proposed)
+    def verified(self, proposed: int, accepted: int, keep: float = KEEP) -> None:
+        self.hits = keep * self.hits + accepted
+        self.trials = keep * self.trials + accepted + (accepted < proposed)
         self.choice = None
 
     def best(self, cost: float, overhead: float, limit: int) -> int:
@@ -116,9 +116,7 @@ class DraftPolicy:
     def verified(self, seq, proposed: int, accepted: int) -> None:
         """``seq`` had ``proposed`` drafts verified, of which the first ``accepted`` passed."""
         self._stats(seq).verified(proposed, accepted)
-        lane = self.lane
-        lane.hits = PRIOR_KEEP * lane.hits + accepted
-        lane.trials = PRIOR_KEEP * lane.trials + accepted + (accepted < proposed)
+        self.lane.verified(proposed, accepted, PRIOR_KEEP)
 
     def _stats(self, seq) -> DraftStats:
         if seq.draft_stats is None:  # a new sequence starts from the lane's recent acceptance
