@@ -22,11 +22,13 @@ A checkpoint with an MTP layer (num_nextn_predict_layers and its tensors) gets a
 whose drafts are rarely accepted, or with --mtp-echo the one whose MTP layer drafts what the model
 decodes (an upper bound on acceptance, not a real model's), with --mtp-layers N layers of which
 all but the first add nothing (so the MTP layer costs 1 / N of the model, as in a deep one).
-Decode tokens/s: the tokens after each request's first, over the time from the batch's first
-first token to its last token (streamed timestamps). Off and the methods run interleaved, each
-repeat measuring every cell of each (in turn first), so a busy machine slows both alike; the table shows the
-best of --repeats and, in brackets, the median. Mean accepted length: tokens emitted per row
-with drafts (accepted drafts + 1), from the engine's counters.
+Decode tokens/s: the tokens after each request's first, over this process's CPU time in the
+engine's steps from the one after the batch's first token. The engines of a cell run in lock step
+(a step of one, then of the next; which goes first alternates between repeats), so a slower
+stretch of this shared machine slows each alike. The table shows the best of --repeats and, in
+brackets, the median; the speed-up is the median of the per-repeat ratios to off, with their
+quartiles. Mean accepted length: tokens emitted per row with drafts (accepted drafts + 1), from
+the engine's counters.
 
 --step-costs: instead, the time of one step at batch 1 and 8 when every row verifies K = 1..4
 drafts that are never accepted (the policy forced to draft K), against a decode step (K = 0):
@@ -92,22 +94,48 @@ def encode(engine, text: str) -> list:
     return tok.encode(text) if tok is not None else [3 + b for b in text.encode()]
 
 
-def measure(engine, prompt: list, batch: int, n: int, temperature: float) -> tuple[float, float]:
-    """Decode tokens/s of one run: every token after a request's first, over the time from the
-    batch's first first-token to its last token, on the wall clock and on this process's CPU time."""
-    stamps: list[list[tuple[float, float]]] = [[] for _ in range(batch)]
-    reqs = [
-        GenerationRequest(
-            prompt,
-            SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True),
-            stream=True,
-            on_token=lambda _t, s=stamps[i]: s.append((time.perf_counter(), time.process_time())),
-        )
-        for i in range(batch)
-    ]
-    engine.generate(reqs)
-    tokens = sum(len(s) - 1 for s in stamps)
-    return tuple(tokens / (max(s[-1][c] for s in stamps) - min(s[0][c] for s in stamps)) for c in (0, 1))  # type: ignore[return-value]
+class Batch:
+    """One engine's batch of ``batch`` copies of a request, stepped by ``lockstep``: the tokens
+    after each request's first, and this process's CPU time in the engine's steps from the one
+    after the batch's first token."""
+
+    def __init__(self, engine, prompt: list, batch: int, n: int, temperature: float) -> None:
+        self.engine, self.seconds, self.counts = engine, 0.0, [0] * batch
+        self.handles = [
+            engine.submit(
+                GenerationRequest(
+                    prompt,
+                    SamplingParams(max_tokens=n, temperature=temperature, seed=i, ignore_eos=True),
+                    stream=True,
+                    on_token=lambda _t, i=i: self.counts.__setitem__(i, self.counts[i] + 1),
+                )
+            )
+            for i in range(batch)
+        ]
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def step(self) -> None:
+        decoding = any(self.counts)
+        t0 = time.process_time()
+        self.engine.step()
+        if decoding:
+            self.seconds += time.process_time() - t0
+
+    def rate(self) -> float:
+        """Decode tokens/s."""
+        return sum(c - 1 for c in self.counts) / self.seconds
+
+
+def lockstep(batches: list) -> list[float]:
+    """Each batch's decode tokens/s, their engines stepped in turn (a step of one, then of the
+    next), so that a slower stretch of a shared machine slows each alike."""
+    while not all(b.done() for b in batches):
+        for b in batches:
+            if not b.done():
+                b.step()
+    return [b.rate() for b in batches]
 
 
 def launch(stack, args, method: str | None, k: int):
@@ -132,7 +160,7 @@ def has_mtp(model_dir: str | None) -> bool:
 
 
 def speedups(args) -> None:
-    runs: dict = {}
+    runs: dict = {}  # (method, workload, batch) -> decode tok/s per repeat
     accepted: dict = {}
     methods = ("ngram", "mtp") if has_mtp(args.model) else ("ngram",)
     with contextlib.ExitStack() as stack:
@@ -141,47 +169,49 @@ def speedups(args) -> None:
             for m in methods:
                 engines[m].runner.step_costs.draft_cost = lambda rows: args.draft_cost
         for repeat in range(args.repeats):
-            order = list(engines.items())[:: -1 if repeat % 2 else 1]  # each cell's runs alternate which goes first
+            order = list(engines.items())[:: -1 if repeat % 2 else 1]  # which engine steps first alternates
             for name, (text, temperature) in WORKLOADS.items():
                 for batch in BATCHES:
-                    for method, engine in order:
-                        runner = engine.runner
-                        rows0, acc0 = runner.verify_rows, runner.accepted_tokens
-                        prompt = encode(engine, text)
-                        runs.setdefault((method, name, batch), []).append(
-                            measure(engine, prompt, batch, args.new_tokens, temperature)
-                        )
-                        rows, acc = runner.verify_rows - rows0, runner.accepted_tokens - acc0
+                    counters = {m: (e.runner.verify_rows, e.runner.accepted_tokens) for m, e in order}
+                    cell = [Batch(e, encode(e, text), batch, args.new_tokens, temperature) for _, e in order]
+                    for (method, engine), rate in zip(order, lockstep(cell)):
+                        runs.setdefault((method, name, batch), []).append(rate)
+                        rows0, acc0 = counters[method]
                         old = accepted.get((method, name, batch), (0, 0))
-                        accepted[method, name, batch] = (old[0] + rows, old[1] + acc)
-    for c, clock in enumerate(("wall clock", "CPU time")):
-        print(f"decode tok/s on the {clock}: best of {args.repeats} (median)")
-        head = "".join(f" {m:>18} {'speedup':>16} {'mean acc len':>13}" for m in methods)
-        print(f"{'workload':<9} {'batch':>5} {'off':>18}{head}")
-        for name in WORKLOADS:
-            for batch in BATCHES:
-                off = [r[c] for r in runs[None, name, batch]]
-                cells = ""
-                for m in methods:
-                    on = [r[c] for r in runs[m, name, batch]]
-                    rows, acc = accepted[m, name, batch]
-                    length = (rows + acc) / rows if rows else 0.0
-                    med = statistics.median(on) / statistics.median(off)
-                    cells += (
-                        f" {max(on):>8.1f} ({statistics.median(on):>7.1f}) {max(on) / max(off):>6.2f}x ({med:.2f}x) "
-                        f"{length:>13.2f}"
-                    )
-                print(f"{name:<9} {batch:>5} {max(off):>8.1f} ({statistics.median(off):>7.1f}){cells}")
-    print("all runs, wall-clock tok/s (CPU-time tok/s):")
+                        accepted[method, name, batch] = (
+                            old[0] + engine.runner.verify_rows - rows0,
+                            old[1] + engine.runner.accepted_tokens - acc0,
+                        )
+    print(f"decode tok/s (CPU time in each engine's steps): best of {args.repeats} (median); speed-up: the median")
+    print("of the per-repeat ratios [their quartiles]")
+    head = "".join(f" {m:>18} {'speed-up':>22} {'mean acc len':>13}" for m in methods)
+    print(f"{'workload':<9} {'batch':>5} {'off':>18}{head}")
+    for name in WORKLOADS:
+        for batch in BATCHES:
+            off = runs[None, name, batch]
+            cells = ""
+            for m in methods:
+                on = runs[m, name, batch]
+                rows, acc = accepted[m, name, batch]
+                length = (rows + acc) / rows if rows else 0.0
+                ratios = [a / b for a, b in zip(on, off)]
+                q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                best = f"{max(on):>8.1f} ({statistics.median(on):>7.1f})"
+                cells += f" {best} {med:>6.2f}x [{q1:.2f}, {q3:.2f}] {length:>13.2f}"
+            print(f"{name:<9} {batch:>5} {max(off):>8.1f} ({statistics.median(off):>7.1f}){cells}")
+    print("all runs, decode tok/s:")
     for key, values in runs.items():
-        print(f"  {key}: {', '.join(f'{w:.0f} ({c:.0f})' for w, c in values)}")
+        print(f"  {key}: {', '.join(f'{v:.0f}' for v in values)}")
 
 
 class ForcedDrafts(DraftPolicy):
     """Every row drafts as many as it may, every step."""
 
-    def drafts(self, seq, limit: int, cost: float) -> int:
+    def drafts(self, seq, limit: int, cost: float, overhead: float = 0.0) -> int:
         return limit
+
+    def worth_a_verify(self, rows: list, ks: list, cost: float, overhead: float) -> list:
+        return ks
 
 
 class WrongDrafter:

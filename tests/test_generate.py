@@ -300,7 +300,7 @@ def test_text_is_decoded_once_for_callback_and_handle():
         engine.tokenizer.decode = lambda ids: calls.append(list(ids)) or decode(ids)
         handle = engine.submit(GenerationRequest([72, 105], SamplingParams(max_tokens=5)), on_finish=seen.append)
         while not handle.done():
-            engine._step()  # what generate() and serve_forever() do
+            engine.step()  # what generate() and serve_forever() do
         result = handle.result()
         assert result is seen[0] and result.text and len(calls) == 1
         assert handle.result() is result

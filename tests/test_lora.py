@@ -93,7 +93,7 @@ def test_unknown_adapter_is_refused_at_submit_and_others_finish(qwen):
         engine.load_adapter("attn", adapters["attn"][0])
         late = engine.submit(GenerationRequest(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), adapter="attn"))
         while not (ok.done() and late.done()):
-            engine._step()
+            engine.step()
         assert ok.result(timeout=1).finish_reason == "length"
         assert late.result(timeout=1).token_ids == reference_greedy(adapters["attn"][1], PROMPT, 4)[0]
         engine.unload_adapter("attn")

@@ -83,12 +83,13 @@ def verify_rows(rng, ends, qlens, bs):
 
 
 @pytest.mark.parametrize("gather_bytes", [None, 1])  # 1: one sequence per gather
-def test_attention_verify_matches_decode_rows(monkeypatch, gather_bytes):
+@pytest.mark.parametrize("qlens", [[5, 1, 3, 2], [1, 1, 1, 1], [2, 4, 2, 3]])  # 1: a sequence without drafts
+def test_attention_verify_matches_decode_rows(monkeypatch, gather_bytes, qlens):
     """attention_verify gathers each sequence's KV once; each row attends as a decode row would."""
     if gather_bytes is not None:
         monkeypatch.setattr(numpy_ops, "DECODE_GATHER_BYTES", gather_bytes)
     rng = np.random.default_rng(11)
-    ends, qlens, bs, hk, dh = [17, 5, 40, 16], [5, 1, 3, 2], 8, 2, 4
+    ends, bs, hk, dh = [17, 5, 40, 16], 8, 2, 4
     tables, lens, nb = verify_rows(rng, ends, qlens, bs)
     kc = rng.standard_normal((nb, bs, hk, dh), dtype=np.float32)
     vc = rng.standard_normal((nb, bs, hk, dh), dtype=np.float32)

@@ -36,10 +36,10 @@ def run(path, overlap: bool, params: list, **kw) -> tuple:
         assert (engine.runner.overlap is not None) == overlap
         handles = [engine.submit(GenerationRequest(p, q)) for p, q in zip(PROMPTS[:3], params[:3])]
         for _ in range(3):
-            engine._step()
+            engine.step()
         handles += [engine.submit(GenerationRequest(p, q)) for p, q in zip(PROMPTS[3:], params[3:])]
         while not all(h.done() for h in handles):
-            engine._step()
+            engine.step()
         results = [h.result() for h in handles]
         frames = [(e["head"], e["hash"]) for e in engine.transport.recorder.ring if e["kind"] == "frame"]
     return [r.token_ids for r in results], [h.logprobs for h in handles], [r.finish_reason for r in results], frames
@@ -129,7 +129,7 @@ def test_a_failing_forward_pass_on_the_helper_thread_fails_the_requests_as_befor
         handle = engine.submit(GenerationRequest([5, 6, 7], sampled))
         with pytest.raises(FloatingPointError, match="forward pass broke"):
             while not handle.done():
-                engine._step()
+                engine.step()
         result = handle.result()
         assert result.finish_reason == "error" and result.error.startswith(ENGINE_FAILED)
         assert "forward pass broke" in result.error

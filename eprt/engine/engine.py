@@ -235,7 +235,7 @@ class Engine:
                         dropped.add(i)
                         for h in hs:
                             h.cancel()
-            self._step()
+            self.step()
         for i, hs in handles:
             results[i] = [h.result() for h in hs]
             if i in dropped:
@@ -255,13 +255,15 @@ class Engine:
         everything in flight is done."""
         while not stop.is_set():
             if self.scheduler.in_flight():
-                self._step()
+                self.step()
             else:
                 self.scheduler.wait_for_work(poll_s)
         while self.scheduler.in_flight():
-            self._step()
+            self.step()
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One scheduler tick, then the engine's periodic work (what generate and serve_forever
+        loop on; a caller driving several engines in turn may call it)."""
         try:
             self.scheduler.step()
         except BaseException as e:  # a failed rank or model error: no request waits forever

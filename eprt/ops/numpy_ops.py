@@ -23,7 +23,7 @@ FEW_QUERY_ROWS = 16  # query rows per kv head (a verify step's) up to which atte
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows computes each row alone (GEMVs or the kernel)
 MOE_TOKENS_ONE_BY_ONE = 5  # up to this many tokens, moe_experts may run them one by one
-LINEAR_KERNEL_ROWS = 8  # compiled path: 2..8 rows stream the weights once (OpenBLAS's small GEMM packs them)
+LINEAR_KERNEL_ROWS = 16  # compiled path: 2..16 rows stream the weights once (OpenBLAS's small GEMM packs them)
 KERNEL_ONE_ROW_BYTES = 256 << 10  # compiled path: experts of matrices up to this size run one row in the kernel
 EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
 
@@ -220,13 +220,31 @@ class NumpyOps(Ops):
         return np.matmul(probs, v).reshape(B, H, Dh)  # [B, Hk, G, Dh] -> [B, H, Dh]
 
     def attention_verify(self, q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
-        """Each sequence's KV gathered once for its rows (queries padded to the longest row count,
-        each row masked past its own length)."""
-        N, H, Dh = q.shape
-        bs, Hk = k_cache.shape[1], k_cache.shape[2]
+        """Sequences of one row (no drafts) attend as decode rows; the others' KV is gathered once
+        for their rows (queries padded to the longest row count, each row masked past its own
+        length)."""
         qlens = np.asarray(query_lens, dtype=np.int64)  # [B]
         lens = np.asarray(context_lens)  # [N]
         starts = np.cumsum(qlens) - qlens  # [B] each sequence's first row
+        single = qlens == 1  # [B]
+        if not single.any():
+            return self._attend_sequences(q, k_cache, v_cache, block_tables, lens, qlens, starts, scale)
+        out = np.empty_like(q)  # [N, H, Dh]
+        rows = starts[single]  # [b] the one row of each sequence without drafts
+        out[rows] = self.attention_decode(q[rows], k_cache, v_cache, block_tables[rows], lens[rows], scale)
+        if not single.all():
+            many = np.concatenate([np.arange(a, a + n) for a, n in zip(starts[~single], qlens[~single])])  # [n]
+            qlens = qlens[~single]
+            starts = np.cumsum(qlens) - qlens
+            out[many] = self._attend_sequences(
+                q[many], k_cache, v_cache, block_tables[many], lens[many], qlens, starts, scale
+            )
+        return out
+
+    def _attend_sequences(self, q, k_cache, v_cache, block_tables, lens, qlens, starts, scale):
+        """attention_verify of sequences of qlens[B] rows starting at starts[B] of q[N, H, Dh]."""
+        N, H, Dh = q.shape
+        bs, Hk = k_cache.shape[1], k_cache.shape[2]
         width = int(qlens.max())  # W: rows per sequence, padded
         take = starts[:, None] + np.minimum(np.arange(width)[None, :], qlens[:, None] - 1)  # [B, W] pads repeat
         row_bytes = 2 * k_cache[0].nbytes * max(1, -(-int(lens.max()) // bs))
