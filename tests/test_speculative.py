@@ -84,10 +84,26 @@ class _Row:
     draft_stats = None
 
 
+def test_probe_period_keeps_the_probes_within_their_share():
+    assert speculation.probe_period(0.01, 0.0) == 2  # a cheap draft: probes as often as a row may
+    assert speculation.probe_period(0.3, 0.1) == 32  # 0.4 / 0.02 = 20
+    assert speculation.probe_period(0.5, 0.8) == 128  # MAX_PERIOD gives way to the share
+    policy, row = DraftPolicy(), _Row()
+    row.draft_stats = DraftStats(hits=0.0, trials=1.0)
+    probes = []
+    for step in range(1, 400):
+        policy.step()
+        if policy.drafts(row, 4, 0.5, 0.8):
+            probes.append(step)
+            policy.verified(row, 1, 0)
+    assert probes == [2, 128, 256, 384]
+
+
 def test_draft_policy_declines_then_probes_on_shared_steps():
     """Two rows whose drafts never pass: after one verify each declines, and both probe with one
-    draft on the same steps, the gap doubling after each failed probe up to MAX_PERIOD; a row
-    whose probe passes drafts again."""
+    draft on the same steps: the first soon, then at probe_period (the probes' share of the steps
+    within PROBE_SHARE), doubling after each failed probe up to MAX_PERIOD; a row whose probe
+    passes drafts again."""
     policy, rows, probes = DraftPolicy(), [_Row(), _Row()], []
     for step in range(1, 100):
         policy.step()
@@ -101,7 +117,8 @@ def test_draft_policy_declines_then_probes_on_shared_steps():
         for r, k in zip(rows, ks):
             if k:
                 policy.verified(r, k, 0)
-    assert probes == [2, 4, 8, 16, 32, 64, 96]
+    assert speculation.probe_period(speculation.DRAFT_COST, 0.0) == 16  # 0.3 / 0.02 = 15: the next power of two
+    assert probes == [2, 16, 32, 64, 96]
     policy.step()  # step 100
     policy.verified(rows[0], 1, 1)  # (as if its last probe had passed)
     policy.verified(rows[0], 1, 1)

@@ -15,7 +15,8 @@ PRIOR_KEEP = 0.9  # weight of the past in the lane's acceptance, per verified ro
 KEEP = 0.5  # weight of the past in a sequence's acceptance estimate, per verify step
 COST_KEEP = 0.95  # weight of the past in the verify cost fit, per verify step
 FRESH_STEPS = 4  # a verify step is timed against a decode step of its rows at most this many steps before
-MAX_PERIOD = 32  # steps between probes of a sequence whose drafts do not pay
+MAX_PERIOD = 32  # steps between probes of a sequence whose drafts do not pay (unless probe_period is longer)
+PROBE_SHARE = 0.02  # a declining sequence's probes after its first cost at most this share of its steps
 MIN_GAIN = 1.05  # drafting must promise this many times a decode step's tokens per unit of time
 
 
@@ -66,11 +67,22 @@ def best_draft_count(alpha: float, cost: float, limit: int, overhead: float = 0.
     return best
 
 
+def probe_period(cost: float, overhead: float) -> int:
+    """The least steps between a declining row's probes after its first: the power of two (so that
+    rows' probes share steps) at which a probe, ``overhead + cost`` decode rows (its share of a
+    verify step's overhead and its one draft), costs at most PROBE_SHARE of the row's steps."""
+    period = 2
+    while period * PROBE_SHARE < overhead + cost:
+        period *= 2
+    return period
+
+
 class DraftPolicy:
     """Adaptive speculation (the one place it is decided): a sequence drafts the k that its
     acceptance estimate and the measured cost of a draft position pay for, and none when no k
     does. A sequence that declines probes with one draft on the next step that is a multiple of
-    its period: 2, then 4, 8, .. MAX_PERIOD after each probe that leaves it declining (steps of
+    its period: 2 (what a row's new decline knows least), then ``probe_period``, doubled after each
+    probe that leaves it declining up to MAX_PERIOD or ``probe_period`` if that is longer (steps of
     the whole lane, so the probes of a batch's rows share one verify step), which keeps its
     estimate fresh and catches a stretch where lookup pays again. Whichever it chooses, a row
     emits the target's tokens (the drafter is deterministic: a draft is kept iff it is the token
@@ -95,7 +107,8 @@ class DraftPolicy:
         stats.period = stats.period or 2
         if self.steps % stats.period:
             return 0
-        stats.period = min(2 * stats.period, MAX_PERIOD)  # the next probe, if this one fails, waits longer
+        least = probe_period(cost, overhead)  # the next probe, if this one fails, waits longer
+        stats.period = min(max(2 * stats.period, least), max(MAX_PERIOD, least))
         stats.probe = True
         return min(limit, 1)
 
