@@ -10,7 +10,8 @@ per-token compute, so verifying K + 1 positions costs more than a decode step), 
 once), where a step at small batch is bound by reading the weights, as on a serving GPU. A
 prompt without a tokenizer is the text's bytes. --copy-model DIR builds (once) tests/checkpoints.py's
 copy checkpoint, a qwen3_moe whose induction head continues a text it has seen (the built-in model
-does not: it accepts 2.4 of 5 positions on the rewrite text, from its own repetitions), at
+does not: it accepts 2.4 of 5 positions on the rewrite text, from its own repetitions), with an MTP
+layer in DeepSeek's format that copies too (so off, ngram and mtp run on one checkpoint), at
 --copy-size small (the built-in model's depth and experts, hidden 256) or bench (the bench model's
 size, bound by reading its weights). Two workloads:
 - rewrite: the prompt holds a text twice and the start of a third copy; greedy (lookup pays
@@ -284,7 +285,7 @@ def main() -> None:
         from checkpoints import build_copy_checkpoint
 
         size = BENCH_MODEL if args.copy_size == "bench" else COPY_SMALL
-        args.model = build_copy_checkpoint(args.copy_model, **size)
+        args.model = build_copy_checkpoint(args.copy_model, mtp=True, **size)
     if args.mtp_model:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from checkpoints import build_mtp_checkpoint

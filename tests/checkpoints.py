@@ -7,6 +7,7 @@ and an expert count that splits unevenly over 2, 3 and 4 ranks.
 
 from __future__ import annotations
 
+import json
 import os
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
@@ -434,7 +435,7 @@ COPY_MATCH = 6  # the copy checkpoint's induction head matches the last 6 tokens
 COPY_PREV_WEIGHTS = (2.0, 0.5, 1.0, 1.0, 0.5)  # previous-token heads: weights of RoPE pairs 0..4
 
 
-def build_copy_checkpoint(path: str, seed: int = 0, match: int = COPY_MATCH, **overrides) -> str:
+def build_copy_checkpoint(path: str, seed: int = 0, match: int = COPY_MATCH, mtp: bool = False, **overrides) -> str:
     """A qwen3_moe checkpoint whose greedy output copies its context: after the last ``match``
     tokens it predicts the token that followed their earlier occurrences (an induction head built
     by hand), so prompt lookup pays as it does for a real model rewriting a text. Where those
@@ -449,6 +450,11 @@ def build_copy_checkpoint(path: str, seed: int = 0, match: int = COPY_MATCH, **o
     - Layer 1: one induction head: q is the codes of the current and match - 1 previous tokens,
       k the match previous codes of each position, v its id, written to the predicted-id dims.
     - Every MoE and every later layer adds nothing (zero down_proj / o_proj) but costs its compute.
+    ``mtp``: also a multi-token prediction layer in DeepSeek's format (``num_nextn_predict_layers``
+    1, ``model.layers.{L}.*``; GLM-4.5 ships the same), which copies too: eh_proj lays its input out
+    as the residual of the next position (the embedded next token's id and code, the hidden row's
+    code and previous codes one slot further back), and its decoder layer is layer 1's induction
+    head, so it drafts the token after next; fed its own output and its draft, the next one.
     ``overrides``: config fields (the size; heads, head_dim and rope are the construction's)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
@@ -513,5 +519,27 @@ def build_copy_checkpoint(path: str, seed: int = 0, match: int = COPY_MATCH, **o
     head = np.zeros((V, D), np.float32)
     head[:, PRED : PRED + IDS] = ids * (6.0 * rms(2 * IDS + (match + 1) * S) / IDS)  # a copied token's logit ~6
     t["lm_head.weight"] = head
+    if mtp:
+        layers = overrides.get("num_hidden_layers", _COMMON["num_hidden_layers"])
+        m = f"model.layers.{layers}."
+        for name in [n for n in t if n.startswith("model.layers.1.")]:  # the induction head, its MoE adding nothing
+            t[m + name[len("model.layers.1.") :]] = t[name].copy()
+        eh = np.zeros((D, 2 * D), np.float32)  # [enorm(next token's embedding) | hnorm(hidden row)] -> residual
+        eh[C, C] = 1.0
+        eh[ID : ID + IDS, ID : ID + IDS] = np.eye(IDS)
+        eh[CODE : CODE + S, CODE : CODE + S] = np.eye(S)
+        for dst, src in zip(PREV, [CODE, *PREV[:-1]]):  # the hidden row's codes, one slot further back
+            eh[dst : dst + S, D + src : D + src + S] = np.eye(S)
+        t[m + "eh_proj.weight"] = eh
+        t[m + "enorm.weight"] = np.full(D, rms(IDS + S), np.float32)  # entries +-1 again, as in the residual
+        t[m + "hnorm.weight"] = np.full(D, rms(2 * IDS + (match + 1) * S), np.float32)
+        t[m + "shared_head.norm.weight"] = np.ones(D, np.float32)
+        t[m + "shared_head.head.weight"] = head.copy()
+        config = os.path.join(path, "config.json")
+        with open(config) as f:
+            cfg = json.load(f)
+        cfg["num_nextn_predict_layers"] = 1
+        with open(config, "w") as f:
+            json.dump(cfg, f, indent=2)
     save_file({n: np.ascontiguousarray(x) for n, x in t.items()}, file, metadata={"format": "pt"})
     return path

@@ -277,21 +277,28 @@ def test_sampled_batch_with_speculation_equals_plain_sampling():
     assert verify_rows > 0 and sum(r.accepted_tokens for r in spec) > 0
 
 
-def test_greedy_rewrite_on_a_copying_checkpoint_accepts_long_drafts(tmp_path_factory):
-    """On tests/checkpoints.py's copy checkpoint (an induction head: it continues a text it has
-    seen), a rewrite prompt is copied, prompt lookup drafts it and most drafts are accepted, and
-    the tokens are plain decoding's."""
+@pytest.fixture(scope="module")
+def copy_checkpoint(tmp_path_factory):
+    """tests/checkpoints.py's copy checkpoint with its MTP layer, small."""
     from checkpoints import build_copy_checkpoint
 
     dims = dict(hidden_size=256, num_hidden_layers=2, num_experts=4, moe_intermediate_size=32, vocab_size=512)
-    path = build_copy_checkpoint(str(tmp_path_factory.mktemp("copy")), max_position_embeddings=1024, **dims)
+    return build_copy_checkpoint(str(tmp_path_factory.mktemp("copy")), max_position_embeddings=1024, mtp=True, **dims)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_greedy_rewrite_on_a_copying_checkpoint_accepts_long_drafts(copy_checkpoint, method):
+    """On tests/checkpoints.py's copy checkpoint (an induction head: it continues a text it has
+    seen; its MTP layer too), a rewrite prompt is copied, prompt lookup or the MTP layer drafts
+    it and most drafts are accepted, and the tokens are plain decoding's."""
+    path = copy_checkpoint
     text = b"Return a new list containing all items from the iterable in ascending order. "
     prompt = [3 + c for c in text + b"\n\n" + text + b"\n\n" + text[:20]]
     request = GenerationRequest(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
     with launch_engine(EngineConfig(model=path, device="cpu")) as engine:
         plain = engine.generate([request])[0]
     assert bytes(t - 3 for t in plain.token_ids[:30]) == text[20:50]
-    cfg = EngineConfig(model=path, device="cpu", speculative_method="ngram", num_speculative_tokens=4)
+    cfg = EngineConfig(model=path, device="cpu", speculative_method=method, num_speculative_tokens=4)
     with launch_engine(cfg) as engine:
         spec = engine.generate([request])[0]
         rows = engine.runner.verify_rows

@@ -145,7 +145,7 @@ class ModelConfig:
     rope_scaling: YarnScaling | None = None
     routing: GroupedRouting | None = None  # DeepSeek-style routing; None: softmax top-k (ops.router)
     router_bias: bool = False  # e_score_correction_bias (selection only)
-    mtp_layers: int = 0  # num_nextn_predict_layers: recognised, not loaded
+    mtp_layers: int = 0  # num_nextn_predict_layers (DeepSeek's MTP layers; --speculative-method mtp loads the first)
     fp8: Fp8Quantization | None = None
     linear_attention: LinearAttentionConfig | None = None  # qwen3_next's Gated DeltaNet layers
     layer_types: tuple = ()  # "full_attention" | "linear_attention" per layer; (): every layer full attention
@@ -397,7 +397,6 @@ def _deepseek_like(raw: dict, model_type: str, common: dict) -> ModelConfig:
         shared_expert_gated=False,
         routing=_routing(raw, model_type, common["num_experts"], common["top_k"]),
         router_bias=model_type != "deepseek_v2",
-        mtp_layers=_int(raw, "num_nextn_predict_layers", default=0, minimum=0),
     )
     if model_type == "glm4_moe":
         return ModelConfig(
@@ -471,6 +470,7 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
         num_experts=experts,
         top_k=top_k,
         image_token_id=None if image_token is None else _checked_int(image_token, "image_token_id", 0),
+        mtp_layers=_int(raw, "num_nextn_predict_layers", default=0, minimum=0),  # DeepSeek's format, any family
     )
     gen = generation_config or {}
     common["eos_token_ids"] = _eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id"))
