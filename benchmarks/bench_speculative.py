@@ -12,7 +12,7 @@ prompt without a tokenizer is the text's bytes. --copy-model DIR builds (once) t
 copy checkpoint, a qwen3_moe whose induction head continues a text it has seen (the built-in model
 does not: it accepts 2.4 of 5 positions on the rewrite text, from its own repetitions), with an MTP
 layer in DeepSeek's format that copies too (so off, ngram and mtp run on one checkpoint), at
---copy-size small (the built-in model's depth and experts, hidden 256) or bench (the bench model's
+--copy-size small (the built-in model's experts, 8 layers, hidden 256) or bench (the bench model's
 size, bound by reading its weights). Two workloads:
 - rewrite: the prompt holds a text twice and the start of a third copy; greedy (lookup pays
   when the model repeats what it has seen);
@@ -79,10 +79,10 @@ WORKLOADS = {
     "sampled": ('def parse_args(argv):\n    """', 1.0),
 }
 BATCHES = (1, 8)
-COPY_SMALL = dict(  # the built-in model's depth and experts, wide enough for the copy construction
-    vocab_size=512,
+COPY_SMALL = dict(  # the built-in model's experts, wide enough for the copy construction; 8 layers, so
+    vocab_size=512,  # that the MTP layer costs 1 / 8 of the model per draft (DeepSeek-V3's: 1 / 61)
     hidden_size=256,
-    num_hidden_layers=4,
+    num_hidden_layers=8,
     num_experts=8,
     num_experts_per_tok=2,
     moe_intermediate_size=256,

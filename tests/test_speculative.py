@@ -125,15 +125,21 @@ def test_draft_policy_declines_then_probes_on_shared_steps():
     assert policy.drafts(rows[0], 4, speculation.DRAFT_COST) >= 1  # drafting again, period reset
     assert rows[0].draft_stats.period == 0
     policy.step()  # step 101 (odd: no probe due)
-    late = _Row()  # a new sequence starts from the lane's recent acceptance: after all those failures, it declines
+    late = _Row()  # a new sequence's estimate is the lane's recent acceptance: after all those failures, it declines
     assert policy.drafts(late, 4, speculation.DRAFT_COST) == 0
-    assert late.draft_stats.acceptance() == pytest.approx(policy.lane.acceptance()) and policy.lane.acceptance() < 0.3
-    good = _Row()  # drafts that pass keep a row at K
-    good.draft_stats = DraftStats()  # (the first sequences' prior)
+    prior = policy.lane.acceptance()
+    assert late.draft_stats.acceptance(prior) == pytest.approx(prior) and prior < 0.3
+    lucky = DraftStats(hits=0.0, trials=0.0)  # one passed draft moves a row's estimate halfway from the lane's
+    lucky.verified(1, 1)
+    assert lucky.acceptance(prior) == pytest.approx((1.0 + prior) / 2.0)
+    good = _Row()  # drafts that pass bring a row to K and keep it there, whatever the lane's
+    good.draft_stats = DraftStats()  # (hits 0.9, trials 1.0: with the lane's trial, a = 0.58)
+    ks = []
     for _ in range(5):
         policy.step()
-        assert policy.drafts(good, 4, 0.2) == 4
-        policy.verified(good, 4, 4)
+        ks.append(policy.drafts(good, 4, 0.2))
+        policy.verified(good, ks[-1], ks[-1])
+    assert 1 <= ks[0] < 4 and ks[1:] == [4, 4, 4, 4]
     assert policy.lane.acceptance() > 0.8  # the lane has seen drafts pass again
 
 
@@ -161,9 +167,10 @@ def test_step_costs_fit_a_verify_overhead_and_a_draft_cost(monkeypatch):
 
 def test_a_verify_step_that_does_not_pay_as_a_whole_keeps_only_its_probes():
     policy = DraftPolicy()
+    policy.lane = DraftStats(hits=0.45, trials=1.0)  # the lane's acceptance, every row's prior: 0.45
     rows = [_Row() for _ in range(4)]
     for seq in rows[:2]:
-        seq.draft_stats = DraftStats(hits=0.45, trials=1.0)  # drafts pay at cost 0.1 and a 0.25 share
+        seq.draft_stats = DraftStats(hits=0.45, trials=1.0)  # a = 0.45: drafts pay at cost 0.1 and a 0.25 share
     policy.step()  # step 1: no probe due yet
     ks = [policy.drafts(seq, 4, 0.1, 0.25) for seq in rows[:2]]
     assert ks == [2, 2]  # (1 + 0.45 + 0.2025) / 1.45 beats 1.45 / 1.35 and MIN_GAIN

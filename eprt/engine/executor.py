@@ -104,6 +104,8 @@ class ShardExecutor:
         # slot key -> (first position, the main model's hidden rows [m, D] from it on): what the MTP
         # layer has not consumed yet, for want of the token after each position (docs/protocol.md)
         self._mtp_rows: dict[int, tuple] = {}
+        self.step_clock = None  # set (rank 0, step costs measured): VERIFY_MTP times its catch-up pass on it
+        self.mtp_catch_up_seconds = 0.0  # the last VERIFY_MTP's catch-up pass, on step_clock
         self.state = RecurrentState(model.ops, model.cfg, max_slots, rows) if model.cfg.is_hybrid else None
         self.blocks = BlockManager(num_blocks - reserved, block_size, prefix_cache=prefix_cache)
         self.snapshots = SnapshotIndex(rows) if rows else None
@@ -567,7 +569,13 @@ class ShardExecutor:
         previous draft and the MTP's own previous output (as vLLM drafts K > 1 with one layer).
         Drafts are the argmax of the MTP head. Row r's drafts: counts[r] tokens."""
         ops, bs = self.ops, self.block_size
+        if self.step_clock is not None:
+            ops.synchronize()
+            start = self.step_clock()
         h, parts = self._mtp_catch_up(slots, states, tokens)  # [T, D]
+        if self.step_clock is not None:
+            ops.synchronize()
+            self.mtp_catch_up_seconds = self.step_clock() - start
         last = h[ops.index(np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32))]  # [B, D]
         drafts = [[] for _ in slots]
         rows = [r for r, k in enumerate(counts) if k > 0]

@@ -86,6 +86,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.decode_rows = 0
         self.drafter = drafter  # speculative decoding (eprt/engine/speculative.py); None: off
         self.step_costs = None if drafter is None else StepCosts()  # what a draft position costs here
+        if drafter is not None and drafter.in_pass:
+            executor.step_clock = self._step_clock  # the MTP layer's catch-up, timed apart (verify_readback)
         self.guides: GuidedRows | None = None  # structured outputs (set by launch_engine)
         self.eos_token_ids: tuple = ()  # min_tokens holds these back (the engine sets the model's)
         self.logprobs_mode = "raw"  # raw | processed (eprt.engine.sampling.LOGPROB_MODES)

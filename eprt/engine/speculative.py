@@ -129,6 +129,7 @@ class SpeculativeRunner:
     step_costs: StepCosts | None = None  # measured decode and verify step times (speculation on)
     _step_start = 0.0  # verify_batch's start
     _decode_start: float | None = None  # decode_batch's start, until its readback
+    _catch_up = 0.0  # seconds of the last verify_batch's MTP catch-up pass (left out of its cost)
     proposed_tokens = 0
     accepted_tokens = 0
     verify_steps = 0
@@ -165,7 +166,9 @@ class SpeculativeRunner:
             self.transport.send(P.VerifyMtp(tuple(slots), tuple(int(t) for t in tokens), counts))
             self.transport.flush()
             drafts, self._logits = self.executor.verify_mtp(slots, list(tokens), list(counts))  # [N, V]
+            self._catch_up = self.executor.mtp_catch_up_seconds
         else:
+            self._catch_up = 0.0
             self.transport.send(P.Verify(tuple(slots), tuple(int(t) for t in tokens), tuple(drafts)))
             self.transport.flush()
             self._logits = self.executor.verify(slots, list(tokens), drafts)  # [N, V]
@@ -192,7 +195,8 @@ class SpeculativeRunner:
                 targets[p] = t
         out = [accepted_run(d, targets[starts[r] : starts[r + 1]]) for r, d in enumerate(drafts)]
         if self.step_costs is not None:
-            self.step_costs.verify_step(len(seqs), sum(len(d) for d in drafts), self._step_clock() - self._step_start)
+            seconds = self._step_clock() - self._step_start - self._catch_up  # (a cost of the decode steps before)
+            self.step_costs.verify_step(len(seqs), sum(len(d) for d in drafts), seconds)
         return out
 
     def _position_targets(self) -> list[int]:

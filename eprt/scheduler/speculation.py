@@ -10,21 +10,22 @@ from eprt.scheduler import pools
 from eprt.scheduler.effects import AcceptDrafts, Verify
 
 DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured
-PRIOR = (0.9, 1.0)  # the first sequences' acceptance estimate: hits, trials (optimistic: they draft at once)
-PRIOR_KEEP = 0.9  # weight of the past in the lane's acceptance, per verified row: later sequences' prior
+PRIOR = (0.9, 1.0)  # the lane's acceptance before any verify: hits, trials (optimistic: the first rows draft at once)
+PRIOR_KEEP = 0.9  # weight of the past in the lane's acceptance, per verified row: every row's prior
 KEEP = 0.5  # weight of the past in a sequence's acceptance estimate, per verify step
 COST_KEEP = 0.95  # weight of the past in the verify cost fit, per verify step
 FRESH_STEPS = 4  # a verify step is timed against a decode step of its rows at most this many steps before
 MAX_PERIOD = 32  # steps between probes of a sequence whose drafts do not pay (unless probe_period is longer)
 PROBE_SHARE = 0.02  # a declining sequence's probes after its first cost at most this share of its steps
-MIN_GAIN = 1.05  # drafting must promise this many times a decode step's tokens per unit of time
+MIN_GAIN = 1.10  # drafting must promise this many times a decode step's tokens per unit of time
 
 
 @dataclass
 class DraftStats:
-    """One sequence's acceptance estimate: exponentially weighted accepted drafts (hits) over the
-    drafts tested (trials: each accepted draft, and the rejected one where a row stopped short),
-    and, while it declines to draft, the steps between its probes (period; 0 while it drafts)."""
+    """Acceptance counts, exponentially weighted: accepted drafts (hits) and drafts tested (trials:
+    each accepted draft, and the rejected one where a row stopped short). A sequence's estimate
+    adds one trial at the lane's acceptance (its prior) to its own; while it declines to draft,
+    the steps between its probes (period; 0 while it drafts)."""
 
     hits: float = PRIOR[0]
     trials: float = PRIOR[1]
@@ -32,12 +33,13 @@ class DraftStats:
     choice: tuple | None = None  # ((cost, overhead, limit), k): best_draft_count's answer until hits/trials change
     probe: bool = False  # this step's draft is a probe's
 
-    def acceptance(self) -> float:
-        return self.hits / self.trials
+    def acceptance(self, prior: float | None = None) -> float:
+        """hits / trials; with ``prior`` (the lane's acceptance), one more trial at that rate."""
+        return self.hits / self.trials if prior is None else (self.hits + prior) / (self.trials + 1.0)
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, prior: float) -> float:
         """Tokens a step with k drafts is expected to emit: 1 + a + .. + a^k."""
-        a = self.acceptance()
+        a = self.acceptance(prior)
         return sum(a**i for i in range(k + 1))
 
     def verified(self, proposed: int, accepted: int, keep: float = KEEP) -> None:
@@ -45,9 +47,10 @@ class DraftStats:
         self.trials = keep * self.trials + accepted + (accepted < proposed)
         self.choice = None
 
-    def best(self, cost: float, overhead: float, limit: int) -> int:
-        if self.choice is None or self.choice[0] != (cost, overhead, limit):
-            self.choice = ((cost, overhead, limit), best_draft_count(self.acceptance(), cost, limit, overhead))
+    def best(self, cost: float, overhead: float, limit: int, prior: float) -> int:
+        if self.choice is None or self.choice[0] != (cost, overhead, limit, prior):
+            a = self.acceptance(prior)
+            self.choice = ((cost, overhead, limit, prior), best_draft_count(a, cost, limit, overhead))
         return self.choice[1]
 
 
@@ -99,7 +102,7 @@ class DraftPolicy:
         """How many drafts ``seq`` proposes this step (at most ``limit``); ``overhead``: the row's
         share of a verify step's cost whatever its drafts, in decode rows."""
         stats = self._stats(seq)
-        k = stats.best(cost, overhead, limit)
+        k = stats.best(cost, overhead, limit, self.lane.acceptance())
         stats.probe = False
         if k:
             stats.period = 0
@@ -121,7 +124,8 @@ class DraftPolicy:
         if not overhead or not any(ks):
             return ks
         B = len(rows)
-        gain = sum(self._stats(seq).expected_tokens(k) - 1.0 for seq, k in zip(rows, ks) if k)
+        prior = self.lane.acceptance()
+        gain = sum(self._stats(seq).expected_tokens(k, prior) - 1.0 for seq, k in zip(rows, ks) if k)
         if (B + gain) / (B + overhead + cost * sum(ks)) >= MIN_GAIN:
             return ks
         return [k if k and self._stats(seq).probe else 0 for seq, k in zip(rows, ks)]
@@ -132,8 +136,8 @@ class DraftPolicy:
         self.lane.verified(proposed, accepted, PRIOR_KEEP)
 
     def _stats(self, seq) -> DraftStats:
-        if seq.draft_stats is None:  # a new sequence starts from the lane's recent acceptance
-            seq.draft_stats = DraftStats(hits=self.lane.acceptance(), trials=1.0)
+        if seq.draft_stats is None:  # a new sequence: its estimate is the lane's until it is verified
+            seq.draft_stats = DraftStats(hits=0.0, trials=0.0)
         return seq.draft_stats
 
 
