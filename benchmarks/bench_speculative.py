@@ -208,7 +208,7 @@ def speedups(args) -> None:
 class ForcedDrafts(DraftPolicy):
     """Every row drafts as many as it may, every step."""
 
-    def drafts(self, seq, limit: int, cost: float, overhead: float = 0.0) -> int:
+    def drafts(self, seq, limit: int, *costs) -> int:
         return limit
 
     def worth_a_verify(self, rows: list, ks: list, cost: float, overhead: float) -> list:

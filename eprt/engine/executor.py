@@ -106,6 +106,7 @@ class ShardExecutor:
         self._mtp_rows: dict[int, tuple] = {}
         self.step_clock = None  # set (rank 0, step costs measured): VERIFY_MTP times its catch-up pass on it
         self.mtp_catch_up_seconds = 0.0  # the last VERIFY_MTP's catch-up pass, on step_clock
+        self.mtp_caught_up = 0  # the positions it ran
         self.state = RecurrentState(model.ops, model.cfg, max_slots, rows) if model.cfg.is_hybrid else None
         self.blocks = BlockManager(num_blocks - reserved, block_size, prefix_cache=prefix_cache)
         self.snapshots = SnapshotIndex(rows) if rows else None
@@ -576,6 +577,7 @@ class ShardExecutor:
         if self.step_clock is not None:
             ops.synchronize()
             self.mtp_catch_up_seconds = self.step_clock() - start
+        self.mtp_caught_up = int(h.shape[0])
         last = h[ops.index(np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32))]  # [B, D]
         drafts = [[] for _ in slots]
         rows = [r for r, k in enumerate(counts) if k > 0]

@@ -129,7 +129,7 @@ class SpeculativeRunner:
     step_costs: StepCosts | None = None  # measured decode and verify step times (speculation on)
     _step_start = 0.0  # verify_batch's start
     _decode_start: float | None = None  # decode_batch's start, until its readback
-    _catch_up = 0.0  # seconds of the last verify_batch's MTP catch-up pass (left out of its cost)
+    _catch_up = (0, 0.0)  # positions and seconds of the last verify_batch's MTP catch-up pass
     proposed_tokens = 0
     accepted_tokens = 0
     verify_steps = 0
@@ -151,6 +151,9 @@ class SpeculativeRunner:
     def verify_overhead(self, rows: int) -> float:
         return 0.0 if self.step_costs is None else self.step_costs.verify_overhead(rows)
 
+    def catch_up_cost(self, rows: int) -> float:
+        return 0.0 if self.step_costs is None else self.step_costs.catch_up_cost(rows)
+
     def _step_clock(self) -> float:
         """What steps are timed on: on the CPU this process's CPU time (a step's compute, what other
         work on a shared machine disturbs least), else the wall clock (the readback waits for the
@@ -166,9 +169,9 @@ class SpeculativeRunner:
             self.transport.send(P.VerifyMtp(tuple(slots), tuple(int(t) for t in tokens), counts))
             self.transport.flush()
             drafts, self._logits = self.executor.verify_mtp(slots, list(tokens), list(counts))  # [N, V]
-            self._catch_up = self.executor.mtp_catch_up_seconds
+            self._catch_up = (self.executor.mtp_caught_up, self.executor.mtp_catch_up_seconds)
         else:
-            self._catch_up = 0.0
+            self._catch_up = (0, 0.0)
             self.transport.send(P.Verify(tuple(slots), tuple(int(t) for t in tokens), tuple(drafts)))
             self.transport.flush()
             self._logits = self.executor.verify(slots, list(tokens), drafts)  # [N, V]
@@ -195,7 +198,9 @@ class SpeculativeRunner:
                 targets[p] = t
         out = [accepted_run(d, targets[starts[r] : starts[r + 1]]) for r, d in enumerate(drafts)]
         if self.step_costs is not None:
-            seconds = self._step_clock() - self._step_start - self._catch_up  # (a cost of the decode steps before)
+            positions, catch_up = self._catch_up  # a cost of the decode steps before, not of the drafts
+            self.step_costs.catch_up_step(len(seqs), positions, catch_up)
+            seconds = self._step_clock() - self._step_start - catch_up
             self.step_costs.verify_step(len(seqs), sum(len(d) for d in drafts), seconds)
         return out
 

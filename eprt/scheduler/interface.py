@@ -101,6 +101,11 @@ class TraceCalls:
         rows, as measured (speculation.StepCosts); 0: not measured."""
         return 0.0
 
+    def catch_up_cost(self, rows: int) -> float:
+        """Untraced: decode rows per position that an MTP drafter's catch-up costs at this batch
+        size, as measured (speculation.StepCosts); 0: not measured, or no such drafter."""
+        return 0.0
+
     # untraced hints of the prefill lane (docs/scenarios.md, "Prefill lane"): a model that runs a
     # tick's prefill chunks as one forward learns them ahead; these defaults decline
     def admit_ahead(self, seq) -> int | None:

@@ -17,6 +17,7 @@ COST_KEEP = 0.95  # weight of the past in the verify cost fit, per verify step
 FRESH_STEPS = 4  # a verify step is timed against a decode step of its rows at most this many steps before
 MAX_PERIOD = 32  # steps between probes of a sequence whose drafts do not pay (unless probe_period is longer)
 PROBE_SHARE = 0.02  # a declining sequence's probes after its first cost at most this share of its steps
+LONGEST_PERIOD = 1024  # probe_period where even that share cannot pay for them (an MTP layer's catch-up)
 MIN_GAIN = 1.10  # drafting must promise this many times a decode step's tokens per unit of time
 
 
@@ -24,12 +25,14 @@ MIN_GAIN = 1.10  # drafting must promise this many times a decode step's tokens 
 class DraftStats:
     """Acceptance counts, exponentially weighted: accepted drafts (hits) and drafts tested (trials:
     each accepted draft, and the rejected one where a row stopped short). A sequence's estimate
-    adds one trial at the lane's acceptance (its prior) to its own; while it declines to draft,
-    the steps between its probes (period; 0 while it drafts)."""
+    adds one trial at the lane's acceptance (its prior) to its own. Also the steps between its
+    probes while it declines to draft (period, kept while it drafts: a decline after drafting goes
+    on where the last one was), and the period after a probe that fails (backoff)."""
 
     hits: float = PRIOR[0]
     trials: float = PRIOR[1]
-    period: int = 0
+    period: int = 2
+    backoff: int = 2
     choice: tuple | None = None  # ((cost, overhead, limit), k): best_draft_count's answer until hits/trials change
     probe: bool = False  # this step's draft is a probe's
 
@@ -70,12 +73,15 @@ def best_draft_count(alpha: float, cost: float, limit: int, overhead: float = 0.
     return best
 
 
-def probe_period(cost: float, overhead: float) -> int:
+def probe_period(cost: float, overhead: float, catch_up: float = 0.0) -> int:
     """The least steps between a declining row's probes after its first: the power of two (so that
-    rows' probes share steps) at which a probe, ``overhead + cost`` decode rows (its share of a
-    verify step's overhead and its one draft), costs at most PROBE_SHARE of the row's steps."""
+    rows' probes share steps) at which a probe every ``p`` steps, ``overhead + cost + catch_up p``
+    decode rows (its share of a verify step's overhead, its one draft, and an MTP layer's catch-up
+    over the p positions decoded since), costs at most PROBE_SHARE of the row's steps; at most
+    LONGEST_PERIOD (a catch-up near that share leaves probes mostly to a sequence's start)."""
+    room = PROBE_SHARE - catch_up
     period = 2
-    while period * PROBE_SHARE < overhead + cost:
+    while period < LONGEST_PERIOD and period * room < overhead + cost:
         period *= 2
     return period
 
@@ -84,12 +90,14 @@ class DraftPolicy:
     """Adaptive speculation (the one place it is decided): a sequence drafts the k that its
     acceptance estimate and the measured cost of a draft position pay for, and none when no k
     does. A sequence that declines probes with one draft on the next step that is a multiple of
-    its period: 2 (what a row's new decline knows least), then ``probe_period``, doubled after each
-    probe that leaves it declining up to MAX_PERIOD or ``probe_period`` if that is longer (steps of
-    the whole lane, so the probes of a batch's rows share one verify step), which keeps its
-    estimate fresh and catches a stretch where lookup pays again. Whichever it chooses, a row
-    emits the target's tokens (the drafter is deterministic: a draft is kept iff it is the token
-    the target emits at its position; docs/design.md, "Speculative decoding")."""
+    its period: 2 (what a new row knows least), then ``probe_period``, doubled after each probe
+    that fails up to MAX_PERIOD or ``probe_period`` if that is longer, halved after each that
+    passes (steps of the whole lane, so the probes of a batch's rows share one verify step), which
+    keeps its estimate fresh and catches a stretch where lookup pays again. A passing probe counts
+    without decay: a few passes in a row turn a row to drafting, where one lucky pass does not.
+    Whichever it chooses, a row emits the target's tokens (the drafter is deterministic: a draft
+    is kept iff it is the token the target emits at its position; docs/design.md, "Speculative
+    decoding")."""
 
     def __init__(self) -> None:
         self.steps = 0  # decode-lane steps so far
@@ -98,20 +106,19 @@ class DraftPolicy:
     def step(self) -> None:
         self.steps += 1
 
-    def drafts(self, seq, limit: int, cost: float, overhead: float = 0.0) -> int:
+    def drafts(self, seq, limit: int, cost: float, overhead: float = 0.0, catch_up: float = 0.0) -> int:
         """How many drafts ``seq`` proposes this step (at most ``limit``); ``overhead``: the row's
-        share of a verify step's cost whatever its drafts, in decode rows."""
+        share of a verify step's cost whatever its drafts, in decode rows; ``catch_up``: decode rows
+        an MTP layer's catch-up costs per position (probe_period)."""
         stats = self._stats(seq)
         k = stats.best(cost, overhead, limit, self.lane.acceptance())
         stats.probe = False
         if k:
-            stats.period = 0
             return k
-        stats.period = stats.period or 2
         if self.steps % stats.period:
             return 0
-        least = probe_period(cost, overhead)  # the next probe, if this one fails, waits longer
-        stats.period = min(max(2 * stats.period, least), max(MAX_PERIOD, least))
+        least = probe_period(cost, overhead, catch_up)  # the next probe, if this one fails, waits longer
+        stats.backoff = min(max(2 * stats.period, least), max(MAX_PERIOD, least))
         stats.probe = True
         return min(limit, 1)
 
@@ -132,7 +139,11 @@ class DraftPolicy:
 
     def verified(self, seq, proposed: int, accepted: int) -> None:
         """``seq`` had ``proposed`` drafts verified, of which the first ``accepted`` passed."""
-        self._stats(seq).verified(proposed, accepted)
+        stats = self._stats(seq)
+        passed = stats.probe and accepted > 0
+        stats.verified(proposed, accepted, 1.0 if passed else KEEP)  # passing probes add up
+        if stats.probe:  # one that passes halves the wait for the next (lookup may pay again)
+            stats.period = max(stats.period // 2, 2) if passed else stats.backoff
         self.lane.verified(proposed, accepted, PRIOR_KEEP)
 
     def _stats(self, seq) -> DraftStats:
@@ -155,6 +166,7 @@ class StepCosts:
         self.steps = 0  # decode and verify steps timed so far
         self.decode: dict[int, tuple[float, int]] = {}  # rows -> (seconds, step) of the latest decode step
         self.sums: dict[int, tuple[float, ...]] = {}  # rows -> decayed sums of 1, P, P^2, e, P e
+        self.catch_ups: dict[int, tuple[float, float]] = {}  # rows -> decayed sums of catch-up decode rows, positions
 
     def decode_step(self, rows: int, seconds: float) -> None:
         self.steps += 1
@@ -181,6 +193,20 @@ class StepCosts:
         if cost < 0.0:  # drafts that cost nothing: all on the overhead
             return max(e / n, 0.0), 0.0
         return (e - cost * p) / n, cost
+
+    def catch_up_step(self, rows: int, positions: int, seconds: float) -> None:
+        """A verify step of ``rows`` rows whose MTP layer caught up on ``positions`` positions in
+        ``seconds`` (left out of ``verify_step``'s time), against the latest decode step of as many
+        rows if fresh: decode rows per position, decayed as the fit is."""
+        d, at = self.decode.get(rows, (0.0, 0))
+        if d and positions and self.steps + 1 - at <= FRESH_STEPS:
+            old = self.catch_ups.get(rows, (0.0, 0.0))
+            self.catch_ups[rows] = (COST_KEEP * old[0] + seconds / (d / rows), COST_KEEP * old[1] + positions)
+
+    def catch_up_cost(self, rows: int) -> float:
+        """Decode rows an MTP layer's catch-up costs per position at this batch size; 0 until measured."""
+        rows_time, positions = self.catch_ups.get(rows, (0.0, 0.0))
+        return rows_time / positions if positions else 0.0
 
     def draft_cost(self, rows: int) -> float | None:
         """Decode rows per draft position at this batch size; None until measured."""
@@ -211,11 +237,11 @@ def plan_drafts(sched, rows: list) -> list[tuple]:
     cost = model.draft_cost(len(rows))
     cost = DRAFT_COST if cost is None else cost
     sched.drafting.step()
-    overhead = model.verify_overhead(len(rows))
+    overhead, catch_up = model.verify_overhead(len(rows)), model.catch_up_cost(len(rows))
     ks = []
     for seq in rows:
         k = draft_limit(seq, cfg.num_speculative_tokens, cfg.max_model_len)
-        ks.append(sched.drafting.drafts(seq, k, cost, overhead / len(rows)) if k else 0)
+        ks.append(sched.drafting.drafts(seq, k, cost, overhead / len(rows), catch_up) if k else 0)
     ks = sched.drafting.worth_a_verify(rows, ks, cost, overhead)
     drafts = [tuple(model.propose_drafts(seq, k)[:k]) if k else () for seq, k in zip(rows, ks)]
     bs = cfg.block_size
