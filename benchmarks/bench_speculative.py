@@ -286,6 +286,11 @@ def main() -> None:
 
         size = BENCH_MODEL if args.copy_size == "bench" else COPY_SMALL
         args.model = build_copy_checkpoint(args.copy_model, mtp=True, **size)
+        if load_config(args.model).num_layers != size["num_hidden_layers"] or not has_mtp(args.model):
+            sys.exit(
+                f"--copy-model {args.copy_model} holds another checkpoint (an older copy checkpoint or another "
+                f"--copy-size): it is built once per directory, so pass a new one"
+            )
     if args.mtp_model:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from checkpoints import build_mtp_checkpoint
