@@ -142,6 +142,21 @@ def test_draft_policy_declines_then_probes_on_shared_steps():
     assert policy.lane.acceptance() > 0.8  # the lane has seen drafts pass again
 
 
+def test_step_costs_measure_an_mtp_layers_catch_up_per_position(monkeypatch):
+    monkeypatch.undo()  # the real StepCosts
+    costs = StepCosts()
+    assert costs.catch_up_cost(2) == 0.0
+    costs.decode_step(2, 1.0)  # a decode row: 0.5 s
+    costs.verify_step(2, 2, 1.5)
+    costs.catch_up_step(2, 10, 0.5)  # 1 decode row over 10 positions
+    assert costs.catch_up_cost(2) == pytest.approx(0.1)
+    for _ in range(4):  # no fresh decode step of 2 rows: not counted
+        costs.verify_step(2, 2, 1.5)
+    costs.catch_up_step(2, 10, 5.0)
+    assert costs.catch_up_cost(2) == pytest.approx(0.1)
+    assert speculation.probe_period(0.3, 0.1, costs.catch_up_cost(2)) == speculation.LONGEST_PERIOD
+
+
 def test_step_costs_fit_a_verify_overhead_and_a_draft_cost(monkeypatch):
     monkeypatch.undo()  # the real draft_cost and verify_overhead
     costs = StepCosts()

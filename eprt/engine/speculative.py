@@ -199,9 +199,9 @@ class SpeculativeRunner:
         out = [accepted_run(d, targets[starts[r] : starts[r + 1]]) for r, d in enumerate(drafts)]
         if self.step_costs is not None:
             positions, catch_up = self._catch_up  # a cost of the decode steps before, not of the drafts
-            self.step_costs.catch_up_step(len(seqs), positions, catch_up)
             seconds = self._step_clock() - self._step_start - catch_up
             self.step_costs.verify_step(len(seqs), sum(len(d) for d in drafts), seconds)
+            self.step_costs.catch_up_step(len(seqs), positions, catch_up)
         return out
 
     def _position_targets(self) -> list[int]:

@@ -33,7 +33,9 @@ class DraftStats:
     trials: float = PRIOR[1]
     period: int = 2
     backoff: int = 2
-    choice: tuple | None = None  # ((cost, overhead, limit), k): best_draft_count's answer until hits/trials change
+    choice: tuple | None = (
+        None  # ((cost, overhead, limit, prior), k): best_draft_count's answer until hits/trials change
+    )
     probe: bool = False  # this step's draft is a probe's
 
     def acceptance(self, prior: float | None = None) -> float:
@@ -160,7 +162,8 @@ class StepCosts:
     sequences others; a new batch's first step is a verify, the prior drafts at once). Over recent
     verify steps (decayed, COST_KEEP per step) e is fitted as overhead + cost * P by least squares:
     the overhead of a verify step whatever its drafts, and a draft's cost. While every step had
-    the same P, all of e goes to the drafts (overhead 0)."""
+    the same P, all of e goes to the drafts (overhead 0). An MTP drafter's catch-up pass is timed
+    apart, left out of t and measured per position against the same baseline."""
 
     def __init__(self) -> None:
         self.steps = 0  # decode and verify steps timed so far
@@ -195,11 +198,11 @@ class StepCosts:
         return (e - cost * p) / n, cost
 
     def catch_up_step(self, rows: int, positions: int, seconds: float) -> None:
-        """A verify step of ``rows`` rows whose MTP layer caught up on ``positions`` positions in
-        ``seconds`` (left out of ``verify_step``'s time), against the latest decode step of as many
-        rows if fresh: decode rows per position, decayed as the fit is."""
+        """The verify step just timed (``verify_step``, which left this out) had its MTP layer catch
+        up on ``positions`` positions in ``seconds``: decode rows per position against the same
+        baseline, decayed as the fit is."""
         d, at = self.decode.get(rows, (0.0, 0))
-        if d and positions and self.steps + 1 - at <= FRESH_STEPS:
+        if d and positions and self.steps - at <= FRESH_STEPS:
             old = self.catch_ups.get(rows, (0.0, 0.0))
             self.catch_ups[rows] = (COST_KEEP * old[0] + seconds / (d / rows), COST_KEEP * old[1] + positions)
 
