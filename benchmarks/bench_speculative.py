@@ -97,11 +97,12 @@ def encode(engine, text: str) -> list:
 
 class Batch:
     """One engine's batch of ``batch`` copies of a request, stepped by ``lockstep``: the tokens
-    after each request's first, and this process's CPU time in the engine's steps from the one
-    after the batch's first token."""
+    after each request's first, this process's CPU time in the engine's steps from the one after
+    the batch's first token, and the engine's verify counters from its start."""
 
     def __init__(self, engine, prompt: list, batch: int, n: int, temperature: float) -> None:
         self.engine, self.seconds, self.counts = engine, 0.0, [0] * batch
+        self.counters = (engine.runner.verify_rows, engine.runner.accepted_tokens)
         self.handles = [
             engine.submit(
                 GenerationRequest(
@@ -127,6 +128,11 @@ class Batch:
     def rate(self) -> float:
         """Decode tokens/s."""
         return sum(c - 1 for c in self.counts) / self.seconds
+
+    def verified(self) -> tuple[int, int]:
+        """Rows that had drafts verified, and drafts accepted, since the batch started."""
+        runner = self.engine.runner
+        return runner.verify_rows - self.counters[0], runner.accepted_tokens - self.counters[1]
 
 
 def lockstep(batches: list) -> list[float]:
@@ -173,16 +179,11 @@ def speedups(args) -> None:
             order = list(engines.items())[:: -1 if repeat % 2 else 1]  # which engine steps first alternates
             for name, (text, temperature) in WORKLOADS.items():
                 for batch in BATCHES:
-                    counters = {m: (e.runner.verify_rows, e.runner.accepted_tokens) for m, e in order}
                     cell = [Batch(e, encode(e, text), batch, args.new_tokens, temperature) for _, e in order]
-                    for (method, engine), rate in zip(order, lockstep(cell)):
+                    for (method, _), b, rate in zip(order, cell, lockstep(cell)):
                         runs.setdefault((method, name, batch), []).append(rate)
-                        rows0, acc0 = counters[method]
-                        old = accepted.get((method, name, batch), (0, 0))
-                        accepted[method, name, batch] = (
-                            old[0] + engine.runner.verify_rows - rows0,
-                            old[1] + engine.runner.accepted_tokens - acc0,
-                        )
+                        old, new = accepted.get((method, name, batch), (0, 0)), b.verified()
+                        accepted[method, name, batch] = (old[0] + new[0], old[1] + new[1])
     print(f"decode tok/s (CPU time in each engine's steps): best of {args.repeats} (median); speed-up: the median")
     print("of the per-repeat ratios [their quartiles]")
     head = "".join(f" {m:>18} {'speed-up':>22} {'mean acc len':>13}" for m in methods)
