@@ -104,7 +104,8 @@ def test_verify_mtp_drafts_recursively_and_rolls_back(mtp_checkpoint):
     b.decode([0], [40])
     b.decode([0], [drafts[0][0]])
     assert a.slots.get(0).tokens == b.slots.get(0).tokens
-    (start_a, rows_a), (start_b, rows_b) = a._mtp_rows[a.slots.get(0).key], b._mtp_rows[b.slots.get(0).key]
+    held_a, held_b = a._mtp_rows[a.slots.get(0).key], b._mtp_rows[b.slots.get(0).key]
+    (start_a, rows_a), (start_b, rows_b) = (held_a.start, held_a.rows(a.ops)), (held_b.start, held_b.rows(b.ops))
     assert (start_a, len(rows_a), start_b, len(rows_b)) == (len(PROMPT), 2, len(PROMPT) - 1, 3)
     np.testing.assert_allclose(np.asarray(rows_a), np.asarray(rows_b[1:]), atol=1e-5)
     da, _ = a.verify_mtp([0], [7], [2])

@@ -62,6 +62,38 @@ class PrefillChunk:
     vision_rows: np.ndarray | None = None  # float32 [rows, D] of the prompt's image placeholders
 
 
+@dataclass
+class HeldRows:
+    """A sequence's main-model hidden rows [m, D] of positions ``start`` on, which the MTP layer has
+    not consumed: kept as the forward passes' pieces and joined when read (appending each decode
+    step's row to one array would copy all of them every step)."""
+
+    start: int
+    chunks: list
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(len(c) for c in self.chunks)
+
+    def rows(self, ops):
+        """[m, D], the pieces joined (once: they are kept joined)."""
+        if len(self.chunks) > 1:
+            self.chunks = [ops.xp.concatenate(self.chunks, axis=0)]
+        return self.chunks[0]
+
+    def truncate(self, end: int) -> None:
+        """Drop the rows of positions ``end`` on (an ACCEPT's rejected positions)."""
+        keep, at = [], self.start
+        for c in self.chunks:
+            if at < end:
+                keep.append(c[: end - at])
+            at += len(c)
+        self.chunks = keep
+
+    def copy(self) -> HeldRows:
+        return HeldRows(self.start, list(self.chunks))
+
+
 class ShardExecutor:
     def __init__(
         self,
@@ -101,12 +133,12 @@ class ShardExecutor:
                 prefix_cache = False
         self.mtp = model.w.mtp is not None  # DeepSeek's MTP layer drafts (VERIFY_MTP): its KV is one more layer
         self.kv = KVCache(model.ops, model.cfg, num_blocks - reserved, block_size, extra_layers=int(self.mtp))
-        # slot key -> (first position, the main model's hidden rows [m, D] from it on): what the MTP
-        # layer has not consumed yet, for want of the token after each position (docs/protocol.md)
-        self._mtp_rows: dict[int, tuple] = {}
+        # slot key -> the main model's hidden rows the MTP layer has not consumed yet, for want of
+        # the token after each position or of a draft to make (docs/protocol.md)
+        self._mtp_rows: dict[int, HeldRows] = {}
         self.step_clock = None  # set (rank 0, step costs measured): VERIFY_MTP times its catch-up pass on it
         self.mtp_catch_up_seconds = 0.0  # the last VERIFY_MTP's catch-up pass, on step_clock
-        self.mtp_caught_up = 0  # the positions it ran
+        self.mtp_caught_up = (0, 0)  # the rows and positions it ran
         self.state = RecurrentState(model.ops, model.cfg, max_slots, rows) if model.cfg.is_hybrid else None
         self.blocks = BlockManager(num_blocks - reserved, block_size, prefix_cache=prefix_cache)
         self.snapshots = SnapshotIndex(rows) if rows else None
@@ -172,7 +204,7 @@ class ShardExecutor:
         KV was computed too (positions before its first unconsumed hidden row)."""
         st = self.slots.held(slot, "cache")
         held = self._mtp_rows.get(st.key)
-        self._blocks_of(slot).cache(st.key, st.tokens if held is None else st.tokens[: held[0]])
+        self._blocks_of(slot).cache(st.key, st.tokens if held is None else st.tokens[: held.start])
 
     def free(self, slot: int) -> int:
         blocks = self._blocks_of(slot)
@@ -205,7 +237,7 @@ class ShardExecutor:
         child.tokens.extend(st.tokens)
         self._salts[key] = self._salts[st.key]
         if st.key in self._mtp_rows:
-            self._mtp_rows[key] = self._mtp_rows[st.key]
+            self._mtp_rows[key] = self._mtp_rows[st.key].copy()
         if self.state is not None:  # a hybrid model: the recurrent state at the prompt's end, copied
             self.state.move(slot, new_slot)
 
@@ -481,7 +513,7 @@ class ShardExecutor:
                 self._store_table(slot, st.key)
             held = self._mtp_rows.get(st.key)
             if dropped and held is not None:  # the rejected positions' hidden rows go too
-                self._mtp_rows[st.key] = (held[0], held[1][: st.length - held[0]])
+                held.truncate(st.length)
 
     # ---- multi-token prediction (VERIFY_MTP; docs/protocol.md) ---------------------------------
     def _mtp_keep(self, states: list, starts, lengths, h) -> None:
@@ -494,14 +526,15 @@ class ShardExecutor:
             start, n, rows = int(start), int(n), h[at : at + int(n)]
             at += n
             held = self._mtp_rows.get(st.key)
-            if held is not None:
-                if held[0] + len(held[1]) != start:
-                    raise ExecutorError(
-                        f"MTP rows of slot key {st.key}: positions {held[0]}..{held[0] + len(held[1]) - 1} held, "
-                        f"the next rows start at {start}"
-                    )
-                start, rows = held[0], self.ops.xp.concatenate([held[1], rows], axis=0)
-            self._mtp_rows[st.key] = (start, rows)
+            if held is None:
+                self._mtp_rows[st.key] = HeldRows(start, [rows])
+            elif held.end != start:
+                raise ExecutorError(
+                    f"MTP rows of slot key {st.key}: positions {held.start}..{held.end - 1} held, "
+                    f"the next rows start at {start}"
+                )
+            else:
+                held.chunks.append(rows)
 
     def verify_mtp(self, slots: list, tokens: list, counts: list):
         """VERIFY_MTP: the MTP layer drafts ``counts[r]`` tokens for row r on this rank (every rank
@@ -523,11 +556,11 @@ class ShardExecutor:
         rows = []
         for slot, st, tok in zip(slots, states, tokens):
             held = self._mtp_rows.pop(st.key, None)
-            if held is None or held[0] + len(held[1]) != st.length:
+            if held is None or held.end != st.length:
                 raise ExecutorError(
                     f"VERIFY_MTP slot {slot}: no hidden rows held up to its {st.length} stored tokens for the MTP layer"
                 )
-            rows.append((slot, st, held[0], held[1], [*st.tokens[held[0] + 1 : st.length], int(tok)]))
+            rows.append((slot, st, held.start, held.rows(self.ops), [*st.tokens[held.start + 1 : st.length], int(tok)]))
         return self._mtp_pass(rows)
 
     def _mtp_prefill(self, slots: list, states: list) -> None:
@@ -537,10 +570,11 @@ class ShardExecutor:
             return
         rows = []
         for slot, st in zip(slots, states):
-            start, hidden = self._mtp_rows[st.key]
-            if len(hidden) > 1:
-                rows.append((slot, st, start, hidden[:-1], st.tokens[start + 1 : st.length]))
-                self._mtp_rows[st.key] = (st.length - 1, hidden[-1:])
+            held = self._mtp_rows[st.key]
+            if held.end - held.start > 1:
+                hidden = held.rows(self.ops)
+                rows.append((slot, st, held.start, hidden[:-1], st.tokens[held.start + 1 : st.length]))
+                self._mtp_rows[st.key] = HeldRows(st.length - 1, [hidden[-1:]])
         if rows:
             self._mtp_pass(rows)
 
@@ -564,23 +598,27 @@ class ShardExecutor:
         return self.model.mtp_hidden(np.concatenate(ids), ops.xp.concatenate(prev, axis=0), batch, self.kv), parts
 
     def _mtp_drafts(self, slots: list, states: list, tokens: list, counts: list) -> list:
-        """One catch-up pass of the MTP layer over each row's held positions ``s .. L - 1`` (L the
-        stored tokens; the token after L - 1 is ``tokens[r]``), whose last row drafts the token
-        after ``tokens[r]``; then one pass per further draft at positions L, L + 1, .., each fed the
-        previous draft and the MTP's own previous output (as vLLM drafts K > 1 with one layer).
-        Drafts are the argmax of the MTP head. Row r's drafts: counts[r] tokens."""
+        """One catch-up pass of the MTP layer over each drafting row's held positions ``s .. L - 1``
+        (L the stored tokens; the token after L - 1 is ``tokens[r]``), whose last row drafts the
+        token after ``tokens[r]``; then one pass per further draft at positions L, L + 1, .., each
+        fed the previous draft and the MTP's own previous output (as vLLM drafts K > 1 with one
+        layer). Drafts are the argmax of the MTP head. Row r's drafts: counts[r] tokens. A row
+        without drafts keeps its held rows (a sequence that never drafts again never pays for them)."""
         ops, bs = self.ops, self.block_size
+        rows = [r for r, k in enumerate(counts) if k > 0]
+        self.mtp_caught_up, self.mtp_catch_up_seconds = (0, 0), 0.0
+        if not rows:
+            return [() for _ in slots]
         if self.step_clock is not None:
             ops.synchronize()
             start = self.step_clock()
-        h, parts = self._mtp_catch_up(slots, states, tokens)  # [T, D]
+        h, parts = self._mtp_catch_up([slots[r] for r in rows], [states[r] for r in rows], [tokens[r] for r in rows])
         if self.step_clock is not None:
             ops.synchronize()
             self.mtp_catch_up_seconds = self.step_clock() - start
-        self.mtp_caught_up = int(h.shape[0])
-        last = h[ops.index(np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32))]  # [B, D]
+        self.mtp_caught_up = (len(rows), int(h.shape[0]))
+        last = h[ops.index(np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32))]  # [b, D]
         drafts = [[] for _ in slots]
-        rows = [r for r, k in enumerate(counts) if k > 0]
         lengths = np.asarray([st.length for st in states], dtype=np.int64)  # [B]
         for j in range(max(counts)):
             if j:  # position L + j - 1 of each row still drafting: the previous draft, the MTP's own output
@@ -596,8 +634,6 @@ class ShardExecutor:
                 )
                 step = np.asarray([drafts[r][-1] for r in rows], dtype=np.int32)
                 last = self.model.mtp_hidden(step, last, batch, self.kv)  # [b, D]
-            else:
-                last = last[ops.index(np.asarray(rows, dtype=np.int32))]  # [b, D]
             for r, t in zip(rows, ops.argmax(self.model.mtp_logits(last))):
                 drafts[r].append(int(t))
         return [tuple(d) for d in drafts]

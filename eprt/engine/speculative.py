@@ -129,7 +129,7 @@ class SpeculativeRunner:
     step_costs: StepCosts | None = None  # measured decode and verify step times (speculation on)
     _step_start = 0.0  # verify_batch's start
     _decode_start: float | None = None  # decode_batch's start, until its readback
-    _catch_up = (0, 0.0)  # positions and seconds of the last verify_batch's MTP catch-up pass
+    _catch_up = (0, 0.0)  # positions beyond one per row of the last verify_batch's MTP catch-up pass, their seconds
     proposed_tokens = 0
     accepted_tokens = 0
     verify_steps = 0
@@ -169,7 +169,11 @@ class SpeculativeRunner:
             self.transport.send(P.VerifyMtp(tuple(slots), tuple(int(t) for t in tokens), counts))
             self.transport.flush()
             drafts, self._logits = self.executor.verify_mtp(slots, list(tokens), list(counts))  # [N, V]
-            self._catch_up = (self.executor.mtp_caught_up, self.executor.mtp_catch_up_seconds)
+            (rows, positions), seconds = self.executor.mtp_caught_up, self.executor.mtp_catch_up_seconds
+            # a row's first position is its first draft's pass, what a row drafting every step pays;
+            # the rest are owed by the decode steps since its last verify (their share of the pass)
+            beyond = positions - rows
+            self._catch_up = (beyond, seconds * beyond / positions if positions else 0.0)
         else:
             self._catch_up = (0, 0.0)
             self.transport.send(P.Verify(tuple(slots), tuple(int(t) for t in tokens), tuple(drafts)))

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from eprt.scheduler import pools
 from eprt.scheduler.effects import AcceptDrafts, Verify
 
-DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured
+DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured, and its prior
+PRIOR_SPREAD = 1.0  # the prior draft cost weighs as much as steps whose draft counts spread by this x the batch
 PRIOR = (0.9, 1.0)  # the lane's acceptance before any verify: hits, trials (optimistic: the first rows draft at once)
 PRIOR_KEEP = 0.9  # weight of the past in the lane's acceptance, per verified row: every row's prior
 KEEP = 0.5  # weight of the past in a sequence's acceptance estimate, per verify step
@@ -160,10 +161,15 @@ class StepCosts:
     step of B rows, at most FRESH_STEPS steps before, took d, costs e = (t - d) / (d / B) decode
     rows more (an older decode step is no baseline: its contexts were other lengths, or its
     sequences others; a new batch's first step is a verify, the prior drafts at once). Over recent
-    verify steps (decayed, COST_KEEP per step) e is fitted as overhead + cost * P by least squares:
-    the overhead of a verify step whatever its drafts, and a draft's cost. While every step had
-    the same P, all of e goes to the drafts (overhead 0). An MTP drafter's catch-up pass is timed
-    apart, left out of t and measured per position against the same baseline."""
+    verify steps (decayed, COST_KEEP per step) e is fitted as overhead + cost * P by least squares
+    with the cost pulled toward DRAFT_COST (ridge, weight (PRIOR_SPREAD B)^2): the overhead of a
+    verify step whatever its drafts, and a draft's cost. Few timed steps, or steps of about the same
+    P, cannot tell the two apart, and their noise (a decode step's time moves by 10 - 20% on a
+    shared machine) fitted freely made drafts look free, so that rows drafting a third of the time
+    drafted K; steps whose P spread more than B outweigh the prior. A fit with a negative overhead
+    puts all of e on the drafts (overhead 0). An MTP drafter's catch-up pass is timed apart: its
+    positions beyond one per row (owed by the decode steps since each row's last verify) are left
+    out of t and measured per position against the same baseline."""
 
     def __init__(self) -> None:
         self.steps = 0  # decode and verify steps timed so far
@@ -189,18 +195,18 @@ class StepCosts:
         if rows not in self.sums:
             return None
         n, p, pp, e, pe = self.sums[rows]
-        spread = n * pp - p * p  # n^2 x the variance of P
-        cost = (n * pe - p * e) / spread if spread > 1e-9 * n * pp else None
-        if cost is None or (e - cost * p) / n < 0.0:  # one P so far, or no overhead: all on the drafts
-            return 0.0, max(e / p, 0.0)
+        ridge = (PRIOR_SPREAD * rows) ** 2  # the prior's weight, in drafts^2
+        cost = (pe - p * e / n + ridge * DRAFT_COST) / (pp - p * p / n + ridge)  # slope of the centred P
+        if e - cost * p < 0.0:  # no overhead: the line through 0, all on the drafts
+            return 0.0, max((pe + ridge * DRAFT_COST) / (pp + ridge), 0.0)
         if cost < 0.0:  # drafts that cost nothing: all on the overhead
             return max(e / n, 0.0), 0.0
         return (e - cost * p) / n, cost
 
     def catch_up_step(self, rows: int, positions: int, seconds: float) -> None:
         """The verify step just timed (``verify_step``, which left this out) had its MTP layer catch
-        up on ``positions`` positions in ``seconds``: decode rows per position against the same
-        baseline, decayed as the fit is."""
+        up on ``positions`` positions beyond one per row, their share of the pass ``seconds``:
+        decode rows per position against the same baseline, decayed as the fit is."""
         d, at = self.decode.get(rows, (0.0, 0))
         if d and positions and self.steps - at <= FRESH_STEPS:
             old = self.catch_ups.get(rows, (0.0, 0.0))
