@@ -113,6 +113,31 @@ def test_verify_mtp_drafts_recursively_and_rolls_back(mtp_checkpoint):
     assert da == db
 
 
+def test_verify_mtp_leaves_a_row_without_drafts_its_held_rows(mtp_checkpoint):
+    """A row with no drafts in a VERIFY_MTP is not caught up: its held rows grow by the step's
+    position, and when it drafts, its catch-up over all of them gives the drafts of an executor
+    that caught it up at every step (the same MTP KV, computed later)."""
+    model = load_model(mtp_checkpoint(), NumpyOps(), max_len=64, mtp=True).model
+    a, b = (ShardExecutor(model, 32, 4, 2, prefix_cache=False) for _ in range(2))
+    other = [11, 12, 13, 14, 11, 12, 13]
+    for ex in (a, b):
+        ex.prefill(0, PROMPT, 0, len(PROMPT))
+        ex.prefill(1, other, 0, len(other))
+    assert (a.mtp_caught_up, b.mtp_caught_up) == ((0, 0), (0, 0))
+    for tokens in ([40, 50], [41, 51], [42, 52]):
+        da, _ = a.verify_mtp([0, 1], tokens, [1, 0])  # row 1 never drafts here
+        db, _ = b.verify_mtp([0, 1], tokens, [1, 1])
+        assert da[0] == db[0] and da[1] == ()
+        assert (a.mtp_caught_up, b.mtp_caught_up) == ((1, 1), (2, 2))  # (rows, positions): one position each
+        a.accept([0, 1], [0, 0])
+        b.accept([0, 1], [0, 0])
+    held = a._mtp_rows[a.slots.get(1).key]
+    assert (held.start, held.end, len(held.chunks)) == (len(other) - 1, len(other) + 3, 4)  # the pieces, not joined
+    da, _ = a.verify_mtp([0, 1], [43, 53], [2, 3])
+    db, _ = b.verify_mtp([0, 1], [43, 53], [2, 3])
+    assert da == db and a.mtp_caught_up == (2, 1 + 4)  # row 1: the prompt's last position and 3 steps'
+
+
 def engine_config(path, mtp: bool, **kw):
     kw = dict(dict(max_batch=8, block_size=4, max_model_len=96), **kw)
     k = kw.pop("k", 3)
