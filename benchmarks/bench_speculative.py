@@ -1,8 +1,8 @@
 """Speculative decoding: decode tokens/s and mean accepted length, off vs ngram (vs mtp), batch 1 and 8.
 
-    python benchmarks/bench_speculative.py [--model DIR | --bench-model DIR | --copy-model DIR [--copy-size S]
-        | --mtp-model DIR [--mtp-echo] [--mtp-layers N]] [--new-tokens 96] [--k 4] [--repeats 3] [--threads N]
-        [--step-costs] [--draft-cost C]
+    python benchmarks/bench_speculative.py [--model DIR | --bench-model DIR
+        | --copy-model DIR [--copy-size S] [--copy-layers N] | --mtp-model DIR [--mtp-echo] [--mtp-layers N]]
+        [--new-tokens 96] [--k 4] [--repeats 3] [--threads N] [--step-costs] [--draft-cost C]
 
 One checkpoint, on the CPU, one rank: the built-in model (3.7 MB: a step costs its Python and
 per-token compute, so verifying K + 1 positions costs more than a decode step), --model DIR, or
@@ -12,8 +12,9 @@ prompt without a tokenizer is the text's bytes. --copy-model DIR builds (once) t
 copy checkpoint, a qwen3_moe whose induction head continues a text it has seen (the built-in model
 does not: it accepts 2.4 of 5 positions on the rewrite text, from its own repetitions), with an MTP
 layer in DeepSeek's format that copies too (so off, ngram and mtp run on one checkpoint), at
---copy-size small (the built-in model's experts, 8 layers, hidden 256) or bench (the bench model's
-size, bound by reading its weights). Two workloads:
+--copy-size small (the built-in model's experts, hidden 256, --copy-layers layers: 16, so that the
+MTP layer costs 1 / 16 of the model per draft, where DeepSeek-V3's costs 1 / 61) or bench (the bench
+model's size, 8 layers, bound by reading its weights). Two workloads:
 - rewrite: the prompt holds a text twice and the start of a third copy; greedy (lookup pays
   when the model repeats what it has seen);
 - sampled: a short code prompt sampled at temperature 1.0 (drafts are rarely accepted: lookup
@@ -79,10 +80,9 @@ WORKLOADS = {
     "sampled": ('def parse_args(argv):\n    """', 1.0),
 }
 BATCHES = (1, 8)
-COPY_SMALL = dict(  # the built-in model's experts, wide enough for the copy construction; 8 layers, so
-    vocab_size=512,  # that the MTP layer costs 1 / 8 of the model per draft (DeepSeek-V3's: 1 / 61)
+COPY_SMALL = dict(  # the built-in model's experts, wide enough for the copy construction
+    vocab_size=512,
     hidden_size=256,
-    num_hidden_layers=8,
     num_experts=8,
     num_experts_per_tok=2,
     moe_intermediate_size=256,
@@ -260,6 +260,7 @@ def main() -> None:
     ap.add_argument("--bench-model", default=None, metavar="DIR", help="build/use bench_decode_cpu.py's model here")
     ap.add_argument("--copy-model", default=None, metavar="DIR", help="build/use the bench model's size that copies")
     ap.add_argument("--copy-size", choices=("small", "bench"), default="small")
+    ap.add_argument("--copy-layers", type=int, default=16, help="--copy-size small: the model's layers (>= 2)")
     ap.add_argument("--mtp-model", default=None, metavar="DIR", help="build/use a tiny deepseek_v3 with an MTP layer")
     ap.add_argument("--mtp-echo", action="store_true", help="--mtp-model: the MTP layer drafts what the model decodes")
     ap.add_argument("--mtp-layers", type=int, default=1, help="--mtp-echo: the model's layers (the MTP layer is 1)")
@@ -279,18 +280,20 @@ def main() -> None:
         from checkpoints import build_checkpoint
 
         args.model = build_checkpoint("qwen3_moe", args.bench_model, **BENCH_MODEL)
+    if args.copy_layers < 2:
+        ap.error(f"--copy-layers {args.copy_layers}: the copy construction needs at least 2 layers")
     if args.copy_model:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_decode_cpu import BENCH_MODEL
         from checkpoints import build_copy_checkpoint
 
-        size = BENCH_MODEL if args.copy_size == "bench" else COPY_SMALL
+        size = BENCH_MODEL if args.copy_size == "bench" else dict(COPY_SMALL, num_hidden_layers=args.copy_layers)
         args.model = build_copy_checkpoint(args.copy_model, mtp=True, **size)
         if load_config(args.model).num_layers != size["num_hidden_layers"] or not has_mtp(args.model):
             sys.exit(
-                f"--copy-model {args.copy_model} holds another checkpoint (an older copy checkpoint or another "
-                f"--copy-size): it is built once per directory, so pass a new one"
+                f"--copy-model {args.copy_model} holds another checkpoint (an older copy checkpoint, another "
+                f"--copy-size or --copy-layers): it is built once per directory, so pass a new one"
             )
     if args.mtp_model:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
