@@ -62,18 +62,19 @@ class PrefillChunk:
     vision_rows: np.ndarray | None = None  # float32 [rows, D] of the prompt's image placeholders
 
 
-@dataclass
 class HeldRows:
-    """A sequence's main-model hidden rows [m, D] of positions ``start`` on, which the MTP layer has
-    not consumed: kept as the forward passes' pieces and joined when read (appending each decode
-    step's row to one array would copy all of them every step)."""
+    """A sequence's main-model hidden rows [m, D] of positions ``start`` to ``end`` - 1, which the MTP
+    layer has not consumed: kept as the forward passes' pieces and joined when read (appending each
+    decode step's row to one array would copy all of them every step)."""
 
-    start: int
-    chunks: list
+    def __init__(self, start: int, chunks: list) -> None:
+        self.start, self.chunks = start, chunks
+        self.end = start + sum(len(c) for c in chunks)
 
-    @property
-    def end(self) -> int:
-        return self.start + sum(len(c) for c in self.chunks)
+    def append(self, rows) -> None:
+        """The rows [n, D] of positions ``end`` on."""
+        self.chunks.append(rows)
+        self.end += len(rows)
 
     def rows(self, ops):
         """[m, D], the pieces joined (once: they are kept joined)."""
@@ -88,7 +89,7 @@ class HeldRows:
             if at < end:
                 keep.append(c[: end - at])
             at += len(c)
-        self.chunks = keep
+        self.chunks, self.end = keep, min(self.end, end)
 
     def copy(self) -> HeldRows:
         return HeldRows(self.start, list(self.chunks))
@@ -534,7 +535,7 @@ class ShardExecutor:
                     f"the next rows start at {start}"
                 )
             else:
-                held.chunks.append(rows)
+                held.append(rows)
 
     def verify_mtp(self, slots: list, tokens: list, counts: list):
         """VERIFY_MTP: the MTP layer drafts ``counts[r]`` tokens for row r on this rank (every rank
