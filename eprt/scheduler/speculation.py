@@ -181,11 +181,17 @@ class StepCosts:
         self.steps += 1
         self.decode[rows] = (seconds, self.steps)
 
+    def _row_seconds(self, rows: int) -> float:
+        """A decode row's seconds at this batch size: the latest decode step of ``rows`` rows over
+        its rows, if at most FRESH_STEPS steps ago, else 0 (no baseline)."""
+        d, at = self.decode.get(rows, (0.0, 0))
+        return d / rows if self.steps - at <= FRESH_STEPS else 0.0
+
     def verify_step(self, rows: int, drafts: int, seconds: float) -> None:
         self.steps += 1
-        d, at = self.decode.get(rows, (0.0, 0))
-        if d and drafts and self.steps - at <= FRESH_STEPS:
-            e = (seconds - d) / (d / rows)  # (negative from noise: unclamped, so the fit is unbiased)
+        row = self._row_seconds(rows)
+        if row and drafts:
+            e = seconds / row - rows  # (t - d) / (d / B); negative from noise: unclamped, so the fit is unbiased
             new = (1.0, drafts, drafts * drafts, e, drafts * e)
             old = self.sums.get(rows, (0.0,) * 5)
             self.sums[rows] = tuple(COST_KEEP * o + n for o, n in zip(old, new))
@@ -207,10 +213,10 @@ class StepCosts:
         """The verify step just timed (``verify_step``, which left this out) had its MTP layer catch
         up on ``positions`` positions beyond one per row, their share of the pass ``seconds``:
         decode rows per position against the same baseline, decayed as the fit is."""
-        d, at = self.decode.get(rows, (0.0, 0))
-        if d and positions and self.steps - at <= FRESH_STEPS:
+        row = self._row_seconds(rows)
+        if row and positions:
             old = self.catch_ups.get(rows, (0.0, 0.0))
-            self.catch_ups[rows] = (COST_KEEP * old[0] + seconds / (d / rows), COST_KEEP * old[1] + positions)
+            self.catch_ups[rows] = (COST_KEEP * old[0] + seconds / row, COST_KEEP * old[1] + positions)
 
     def catch_up_cost(self, rows: int) -> float:
         """Decode rows an MTP layer's catch-up costs per position at this batch size; 0 until measured."""
