@@ -14,6 +14,15 @@ EXPERT_PATHS = [
 ]
 
 
+def in_k_order(x, wt):
+    """x[1, K] @ wt[K, N] as cpu_kernels.row_product sums it: acc += x[k] * wt[k] for k in order,
+    float32, each product rounded before its add (NumPy's float32 multiply, then add)."""
+    acc = np.zeros((1, wt.shape[1]), np.float32)
+    for k in range(wt.shape[0]):
+        acc = acc + x[:, k : k + 1] * wt[k]
+    return acc
+
+
 def softmax(x):
     e = np.exp(x - x.max())
     return e / e.sum()
@@ -151,8 +160,9 @@ def test_moe_experts_matches_pairs(expert_start, local, T, uploaded, path):
 @pytest.mark.parametrize("path", EXPERT_PATHS)
 def test_expert_rows_do_not_depend_on_their_group(path):
     """Up to EXPERT_ROWS_AS_GEMV rows an expert computes each row alone: a row's bits are the same
-    whichever rows share its group (EPLB splits groups only above that). A single row runs a GEMV
-    on both paths (the kernel's bits hold from 2 rows up); above the limit, one GEMM."""
+    whichever rows share its group (EPLB splits groups only above that). A single row runs a GEMV:
+    OpenBLAS's, or on the compiled path row_product's, k in order (the kernel's bits hold from 2
+    rows up); above the limit, one GEMM."""
     rng = np.random.default_rng(3)
     ops = NumpyOps(path)
     n, K, N = EXPERT_ROWS_AS_GEMV + 3, 37, 21  # K % 4 != 0: the kernel's remainder terms too
@@ -166,7 +176,7 @@ def test_expert_rows_do_not_depend_on_their_group(path):
     want = xs.astype(np.float64) @ w[1].T.astype(np.float64)
     np.testing.assert_allclose(full, want[:R], rtol=1e-5, atol=1e-5)
     one = ops.expert_products(xs[:1], w, np.array([0, 1, 1]))  # one row, on expert 0: a GEMV
-    np.testing.assert_array_equal(one, xs[:1] @ w[0].T)
+    np.testing.assert_array_equal(one, in_k_order(xs[:1], w[0].T) if path == "numba" else xs[:1] @ w[0].T)
     whole = ops.expert_products(xs, w, np.array([0, 0, n]))  # above the limit: one GEMM
     np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-5)
 
@@ -175,7 +185,7 @@ def test_expert_rows_do_not_depend_on_their_group(path):
 def test_linear_of_a_few_rows(path):
     """2..LINEAR_KERNEL_ROWS rows (a verify step, a small batch) run the compiled product on the
     numba path: x @ w.T within float32 rounding, each row's bits whatever rows share the call;
-    one row and more rows than that stay with OpenBLAS."""
+    one row runs row_product (k in order) up to its ROW_COLUMNS, more rows stay with OpenBLAS."""
     rng = np.random.default_rng(5)
     ops = NumpyOps(path)
     K, N = 37, 70  # K % 4 != 0: the kernel's remainder terms too
@@ -189,6 +199,9 @@ def test_linear_of_a_few_rows(path):
         full = ops.linear(x[:LINEAR_KERNEL_ROWS], w)
         for lo, hi in [(0, 2), (1, 4), (3, 8)]:
             assert np.array_equal(ops.linear(x[lo:hi], w), full[lo:hi]), (lo, hi)
+        np.testing.assert_array_equal(ops.linear(x[:1], w), in_k_order(x[:1], w.T))
+        wide = ops.weight(rng.standard_normal((ops.kernels.ROW_COLUMNS + 1, K), dtype=np.float32))
+        np.testing.assert_array_equal(ops.linear(x[:1], wide), x[:1] @ wide.T)  # past ROW_COLUMNS: OpenBLAS
 
 
 @pytest.mark.parametrize("path", EXPERT_PATHS)
@@ -218,15 +231,13 @@ def test_small_experts_rows_have_the_bits_of_one_token_whatever_their_group(T):
     """On the compiled path, experts of small matrices run every group of up to EXPERT_ROWS_AS_GEMV
     rows, one row included, in the fused kernel: a token's output has the same bits in a step of T
     tokens (a verify step, experts shared between tokens) as alone (a decode step at batch 1), and
-    stays close to the float64 reference. Larger matrices keep one-row groups on OpenBLAS's GEMV."""
+    stays close to the float64 reference. Larger matrices run a lone row in row_product's order."""
     rng = np.random.default_rng(11)
     k, E, D, inter = 2, 6, 40, 24  # E small: most experts get several rows
     ops = NumpyOps("numba")
     wgu = ops.weight(rng.standard_normal((E, 2 * inter, D), dtype=np.float32))
     wd = ops.weight(rng.standard_normal((E, D, inter), dtype=np.float32))
-    assert ops._one_row_in_kernel(wgu, wd)
-    big = np.empty((E, 1024, 512), np.float32)
-    assert not ops._one_row_in_kernel(big, wd) and not NumpyOps("numpy")._one_row_in_kernel(wgu, wd)
+    assert not ops._rows_alone(wgu, wd) and ops._rows_alone(np.empty((E, 1024, 512), np.float32), wd)
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
     x = rng.standard_normal((T, D), dtype=np.float32)
     w = rng.random((T, k), dtype=np.float32)
@@ -237,6 +248,41 @@ def test_small_experts_rows_have_the_bits_of_one_token_whatever_their_group(T):
             np.testing.assert_array_equal(got[t], one[0])
     want = np.zeros((T, D))
     for t in range(T):
+        for j in range(k):
+            g, u = np.split(wgu[ids[t, j]].astype(np.float64) @ x[t], 2)
+            want[t] += w[t, j] * (wd[ids[t, j]].astype(np.float64) @ (g / (1 + np.exp(-g)) * u))
+    np.testing.assert_allclose(ops.moe_experts(x, w, ids, wgu, wd, 0), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba not installed")
+def test_large_experts_run_a_lone_row_in_k_order_in_both_moe_paths():
+    """On the compiled path experts of larger matrices run a lone row's products in row_product's
+    order (k one at a time, the weights streamed in memory order), in the one-token kernel (decode
+    at batch 1) and in a grouped step where the token's experts have one row each, with the same
+    bits; their groups of 2 or more rows keep _product's; all within float32 rounding of float64."""
+    rng = np.random.default_rng(13)
+    k, E, D, inter = 2, 8, 160, 256  # gate/up [512, 160]: 320 KiB, past KERNEL_ONE_ROW_BYTES
+    ops = NumpyOps("numba")
+    wgu = ops.weight(rng.standard_normal((E, 2 * inter, D), dtype=np.float32))
+    wd = ops.weight(rng.standard_normal((E, D, inter), dtype=np.float32))
+    assert ops._rows_alone(wgu, wd)
+    x = rng.standard_normal((4, D), dtype=np.float32)
+    w = rng.random((4, k), dtype=np.float32)
+    ids = np.array([[0, 1], [2, 3], [4, 5], [4, 6]], dtype=np.int32)  # experts 0-3, 6 alone; 4 twice
+    for start in (0, 2):  # all experts local; some another rank's
+        got = ops.moe_experts(x, w, ids, wgu[: E - start], wd[: E - start], start)
+        for t in (0, 1):  # tokens whose experts have one row each
+            one = ops.moe_experts(x[t : t + 1], w[t : t + 1], ids[t : t + 1], wgu[: E - start], wd[: E - start], start)
+            np.testing.assert_array_equal(got[t], one[0])
+    lone, quads = (
+        ops.kernels.expert_ffn(x[:1], *ops._kernel_weights(wgu, wd), np.array([3]), np.array([0, 1]), alone)
+        for alone in (True, False)
+    )
+    g, u = np.split(in_k_order(x[:1], wgu[3].T), 2, axis=1)
+    np.testing.assert_allclose(lone, in_k_order(g / (1 + np.exp(-g)) * u, wd[3].T), rtol=1e-6, atol=1e-6)
+    assert not np.array_equal(lone, quads)  # the lone row's order is row_product's, not _product's
+    want = np.zeros((4, D))
+    for t in range(4):
         for j in range(k):
             g, u = np.split(wgu[ids[t, j]].astype(np.float64) @ x[t], 2)
             want[t] += w[t, j] * (wd[ids[t, j]].astype(np.float64) @ (g / (1 + np.exp(-g)) * u))

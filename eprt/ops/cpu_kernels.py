@@ -6,8 +6,9 @@ for every row and OpenBLAS's small-M GEMMs run well below its GEMV rate. ``exper
 streams each expert's weights once for all its rows. Element (r, n) of a product is summed
 over k in the same order whatever the group (rows, column tiles), with multiplies and adds
 rounded apart (no fused multiply-add), so a row's bits do not depend on how many rows its
-expert has (NumpyOps gives it groups of 2 to EXPERT_ROWS_AS_GEMV rows; one row runs a GEMV on
-both paths). The first start compiles for tens of seconds; numba caches the result.
+expert has (NumpyOps gives it groups of 2 to EXPERT_ROWS_AS_GEMV rows). One row alone runs
+``row_product``, a GEMV that sums k one at a time: its bits are its own. The first start
+compiles for tens of seconds; numba caches the result.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from numba import njit
 
 ACC_BYTES = 16 << 10  # accumulator tile of one expert's rows: stays in L1
+ROW_COLUMNS = 2048  # row_product's widest matrix: its accumulator (8 KiB) stays in L1, wider ones stream slower
 VERSION = numba.__version__
 
 
@@ -84,6 +86,21 @@ def _product(x, w, y, lo, hi, cols):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
+def _row(x, w, y):  # pragma: no cover - compiled
+    """y[:] = x @ w for one row x[K], w[K, N]: for every element acc = 0, then acc += x[k] w[k, n]
+    over k in order, each product rounded before its add. The weights are read in memory order,
+    one row of w per k, against an accumulator row that stays in L1."""
+    N = w.shape[1]
+    acc = np.zeros(N, np.float32)  # [N]
+    for k in range(w.shape[0]):
+        a = x[k]
+        wk = w[k]
+        for n in range(N):
+            acc[n] += a * wk[n]
+    y[:] = acc
+
+
+@njit(nogil=True, cache=True)
 def _grouped(x, w, y, experts, edges):  # pragma: no cover - compiled
     for i in range(experts.shape[0]):
         lo, hi = edges[2 * i], edges[2 * i + 1]
@@ -92,26 +109,34 @@ def _grouped(x, w, y, experts, edges):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _ffn_grouped(x, w_gate_up, w_down, y, experts, edges):  # pragma: no cover - compiled
+def _ffn_grouped(x, w_gate_up, w_down, y, experts, edges, rows_alone):  # pragma: no cover - compiled
     """Per group: y[lo:hi] = (silu(g) * u) @ w_down[e], [g | u] = x[lo:hi] @ w_gate_up[e], with the
-    products of ``_product`` (a row's bits whatever its group) and SiLU as NumpyOps writes it."""
+    products of ``_product`` (a row's bits whatever its group) and SiLU as NumpyOps writes it; a
+    group of one row with ``rows_alone`` runs ``_row``'s products instead."""
     inter = w_down.shape[1]
     h = np.empty((x.shape[0], 2 * inter), np.float32)  # [n, 2I]
     a = np.empty((x.shape[0], inter), np.float32)  # [n, I]
     one = np.float32(1.0)
     for i in range(experts.shape[0]):
         lo, hi = edges[2 * i], edges[2 * i + 1]
+        alone = rows_alone and hi - lo == 1
         if hi > lo:
-            _product(x, w_gate_up[experts[i]], h, lo, hi, _cols(hi - lo, 2 * inter))
+            if alone:
+                _row(x[lo], w_gate_up[experts[i]], h[lo])
+            else:
+                _product(x, w_gate_up[experts[i]], h, lo, hi, _cols(hi - lo, 2 * inter))
             for r in range(lo, hi):
                 for j in range(inter):
                     g = h[r, j]
                     a[r, j] = g / (one + np.exp(-g)) * h[r, inter + j]
-            _product(a, w_down[experts[i]], y, lo, hi, _cols(hi - lo, y.shape[1]))
+            if alone:
+                _row(a[lo], w_down[experts[i]], y[lo])
+            else:
+                _product(a, w_down[experts[i]], y, lo, hi, _cols(hi - lo, y.shape[1]))
 
 
 @njit(nogil=True, cache=True)
-def _ffn_token(x, local, weights, w_gate_up, w_down, out):  # pragma: no cover - compiled
+def _ffn_token(x, local, weights, w_gate_up, w_down, out, rows_alone):  # pragma: no cover - compiled
     """out[0] = sum over the k choices in order of weights[j] * ffn(x[0]) through expert local[j]
     (0 where local[j] is outside [0, El)), with each row's bits as in ``_ffn_grouped`` and the
     sum as NumpyOps' (zero rows for other ranks' experts, added in choice order)."""
@@ -124,7 +149,7 @@ def _ffn_token(x, local, weights, w_gate_up, w_down, out):  # pragma: no cover -
         e = local[j]
         if 0 <= e < w_gate_up.shape[0]:
             experts[0] = e
-            _ffn_grouped(x, w_gate_up, w_down, y, experts, edges)
+            _ffn_grouped(x, w_gate_up, w_down, y, experts, edges, rows_alone)
             for d in range(D):
                 v = y[0, d] * weights[j]
                 out[0, d] = v if j == 0 else out[0, d] + v
@@ -133,20 +158,21 @@ def _ffn_token(x, local, weights, w_gate_up, w_down, out):  # pragma: no cover -
                 out[0, d] = np.float32(0.0) if j == 0 else out[0, d] + np.float32(0.0)
 
 
-def expert_ffn(x: np.ndarray, w_gate_up_t: np.ndarray, w_down_t: np.ndarray, experts: np.ndarray, edges: np.ndarray):
+def expert_ffn(x, w_gate_up_t, w_down_t, experts, edges, rows_alone: bool) -> np.ndarray:
     """y[n, D]: rows edges[2i]..edges[2i+1] of x[n, D] (float32) through expert experts[i]'s gate/up
     w_gate_up_t[El, D, 2I], SiLU and down w_down_t[El, I, D] (input-major, C-contiguous); rows outside
-    every group stay zero."""
+    every group stay zero. ``rows_alone``: a group of one row runs ``row_product``'s order."""
     y = np.zeros((x.shape[0], w_down_t.shape[2]), dtype=np.float32)  # [n, D]
-    _ffn_grouped(np.ascontiguousarray(x), w_gate_up_t, w_down_t, y, experts.astype(np.int64), edges.astype(np.int64))
+    experts, edges = experts.astype(np.int64), edges.astype(np.int64)
+    _ffn_grouped(np.ascontiguousarray(x), w_gate_up_t, w_down_t, y, experts, edges, rows_alone)
     return y
 
 
-def moe_token(x: np.ndarray, local: np.ndarray, weights: np.ndarray, w_gate_up_t: np.ndarray, w_down_t: np.ndarray):
+def moe_token(x, local, weights, w_gate_up_t, w_down_t, rows_alone: bool) -> np.ndarray:
     """[1, D]: the MoE output of one token x[1, D] over its k choices local[k] (this rank's experts;
-    others outside [0, El)) with routing weights[k] (float32), weights as in ``expert_ffn``."""
+    others outside [0, El)) with routing weights[k] (float32), the rest as in ``expert_ffn``."""
     out = np.empty((1, w_down_t.shape[2]), dtype=np.float32)  # [1, D]
-    _ffn_token(np.ascontiguousarray(x), local.astype(np.int64), weights, w_gate_up_t, w_down_t, out)
+    _ffn_token(np.ascontiguousarray(x), local.astype(np.int64), weights, w_gate_up_t, w_down_t, out, rows_alone)
     return out
 
 
@@ -155,6 +181,15 @@ def expert_rows(x: np.ndarray, w_t: np.ndarray, experts: np.ndarray, edges: np.n
     w_t[El, K, N] (input-major, C-contiguous float32); rows outside every group stay zero."""
     y = np.zeros((x.shape[0], w_t.shape[2]), dtype=np.float32)  # [n, N]
     _grouped(np.ascontiguousarray(x), w_t, y, experts.astype(np.int64), edges.astype(np.int64))
+    return y
+
+
+def row_product(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
+    """y[1, N] = x[1, K] @ w_t[K, N] (input-major, C-contiguous float32) for one row. From memory it
+    streams matrices up to ROW_COLUMNS columns at close to the machine's read rate, where OpenBLAS's
+    GEMV reads the same [512, 512] and [512, 1024] matrices at 0.5 - 0.8 of it."""
+    y = np.empty((1, w_t.shape[1]), dtype=np.float32)  # [1, N]
+    _row(np.ascontiguousarray(x[0], dtype=np.float32), w_t, y[0])
     return y
 
 
@@ -173,6 +208,8 @@ def warm_up() -> None:
     w = np.ones((1, 7, 3), np.float32)  # [El, K, N]
     expert_rows(x, w, np.zeros(1, np.int64), np.array([0, 5], np.int64))
     rows_product(x, w[0])
-    expert_ffn(
-        x, np.ones((1, 7, 6), np.float32), np.ones((1, 3, 7), np.float32), np.zeros(1, np.int64), np.array([0, 5])
-    )
+    row_product(x[:1], w[0])
+    for rows_alone in (False, True):
+        w_gate_up, w_down = np.ones((1, 7, 6), np.float32), np.ones((1, 3, 7), np.float32)
+        expert_ffn(x, w_gate_up, w_down, np.zeros(1, np.int64), np.array([0, 5]), rows_alone)
+        moe_token(x[:1], np.zeros(2, np.int64), np.ones(2, np.float32), w_gate_up, w_down, rows_alone)

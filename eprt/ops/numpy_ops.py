@@ -24,7 +24,7 @@ DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows computes each row alone (GEMVs or the kernel)
 MOE_TOKENS_ONE_BY_ONE = 5  # up to this many tokens, moe_experts may run them one by one
 LINEAR_KERNEL_ROWS = 16  # compiled path: 2..16 rows stream the weights once (OpenBLAS's small GEMM packs them)
-KERNEL_ONE_ROW_BYTES = 256 << 10  # compiled path: experts of matrices up to this size run one row in the kernel
+KERNEL_ONE_ROW_BYTES = 256 << 10  # compiled path: experts of matrices up to this size run a lone row as _product does
 EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
 
 
@@ -135,18 +135,26 @@ class NumpyOps(Ops):
 
     def linear(self, x, w, bias=None):
         wt = w.T  # [K, N]: contiguous in NumpyOps.weight's layout
-        if (
-            1 < x.shape[0] <= LINEAR_KERNEL_ROWS
-            and self.experts == "numba"
-            and wt.dtype == np.float32
-            and wt.flags.c_contiguous
-        ):
+        if x.shape[0] == 1:
+            y = self._one_row(x, wt)  # [1, N] decode at batch 1
+        elif 1 < x.shape[0] <= LINEAR_KERNEL_ROWS and self._compiled(wt):
             y = self.kernels.rows_product(x, wt)  # [T, N] a verify step's or a small batch's rows
         else:
             y = x @ wt  # [T, N]
         if bias is not None:
             y += bias
         return y
+
+    def _compiled(self, wt) -> bool:
+        """Whether the compiled products can take weights wt[K, N] (float32, input-major)."""
+        return self.experts == "numba" and wt.dtype == np.float32 and wt.flags.c_contiguous
+
+    def _one_row(self, x, wt):
+        """x[1, K] @ wt[K, N]: cpu_kernels.row_product on the compiled path up to its ROW_COLUMNS
+        (from memory it streams such matrices up to 2x faster than OpenBLAS's GEMV), else a GEMV."""
+        if self._compiled(wt) and wt.shape[1] <= self.kernels.ROW_COLUMNS:
+            return self.kernels.row_product(x, wt)  # [1, N]
+        return x @ wt  # [1, N]
 
     def rope(self, x, positions, cos_sin):
         half = x.shape[-1] // 2
@@ -306,14 +314,16 @@ class NumpyOps(Ops):
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
         k = ids.shape[1]
-        fused = self._one_row_in_kernel(w_gate_up, w_down)
+        fused = self.experts == "numba"  # gate/up, SiLU and down of every small group in one kernel call
         if T == 1 and fused:  # decode at batch 1: k distinct experts, one row each, one kernel call
             routing = np.ascontiguousarray(weights[0], dtype=np.float32)  # [k]
-            return self.kernels.moe_token(x, ids[0] - expert_start, routing, *self._kernel_weights(w_gate_up, w_down))
+            alone = self._rows_alone(w_gate_up, w_down)
+            return self.kernels.moe_token(
+                x, ids[0] - expert_start, routing, *self._kernel_weights(w_gate_up, w_down), alone
+            )  # [1, D]
         if T == 1:  # one token (decode at batch 1): its k experts in choice order, no grouping
             return self._moe_one_token(x, weights[0], ids[0] - expert_start, w_gate_up, w_down)
-        gemv_rows = EXPERT_ROWS_AS_GEMV if self.experts == "numpy" else 1  # (the kernel's bits are not a GEMV's)
-        if not fused and T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= gemv_rows:
+        if not fused and T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= EXPERT_ROWS_AS_GEMV:
             # a few tokens (a verify step's at batch 1), no expert with more rows than run as GEMVs:
             # token by token is cheaper than grouping them, and the same bits (one GEMV per row)
             local = ids - expert_start  # [T, k]
@@ -337,20 +347,22 @@ class NumpyOps(Ops):
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 
-    def _one_row_in_kernel(self, w_gate_up, w_down) -> bool:
-        """Whether the compiled path runs these experts fused (gate/up, SiLU and down in one kernel
-        call, every group of up to EXPERT_ROWS_AS_GEMV rows, one row included, a row's bits whatever
-        its group; more rows run GEMMs): where their matrices are small, a GEMV costs mostly its call
-        and the kernel is the faster. Larger matrices stream faster through OpenBLAS's GEMV. The rule
-        depends on the shapes only, so a decode and a verify step give a row the same bits."""
+    @staticmethod
+    def _rows_alone(w_gate_up, w_down) -> bool:
+        """Whether the compiled path runs an expert's lone row in row_product's order: true for
+        larger matrices, which that order streams near the read rate (about 2x _product's one row).
+        Experts of matrices up to KERNEL_ONE_ROW_BYTES run every group of up to EXPERT_ROWS_AS_GEMV
+        rows, one row included, in _product's order: a row's bits whatever its group, so a verify
+        step and a decode step agree. The rule depends on the shapes only."""
         small = max(w_gate_up.shape[1] * w_gate_up.shape[2], w_down.shape[1] * w_down.shape[2]) * 4
-        return self.experts == "numba" and small <= KERNEL_ONE_ROW_BYTES
+        return small > KERNEL_ONE_ROW_BYTES
 
     def _expert_ffn(self, xs, w_gate_up, w_down, bounds):
         """[n, D]: rows bounds[e]..bounds[e+1] of xs[n, D] through expert e's gate/up, SiLU, down."""
         sizes = np.diff(bounds)  # [El]
         small = np.flatnonzero((sizes > 0) & (sizes <= EXPERT_ROWS_AS_GEMV))
-        y = self.kernels.expert_ffn(xs, *self._kernel_weights(w_gate_up, w_down), small, _edges(bounds, small))
+        weights, alone = self._kernel_weights(w_gate_up, w_down), self._rows_alone(w_gate_up, w_down)
+        y = self.kernels.expert_ffn(xs, *weights, small, _edges(bounds, small), alone)  # [n, D]
         for e in np.flatnonzero(sizes > EXPERT_ROWS_AS_GEMV).tolist():
             lo, hi = int(bounds[e]), int(bounds[e + 1])
             y[lo:hi] = self.silu_and_mul(xs[lo:hi] @ w_gate_up[e].T) @ w_down[e].T  # [t, D]
@@ -376,7 +388,7 @@ class NumpyOps(Ops):
         for e in by_row.tolist():
             wt = w[e].T  # [K, N]
             for r in range(int(bounds[e]), int(bounds[e + 1])):
-                y[r : r + 1] = xs[r : r + 1] @ wt  # [1, N]
+                y[r : r + 1] = self._one_row(xs[r : r + 1], wt)  # [1, N]
         for e in np.flatnonzero(sizes > EXPERT_ROWS_AS_GEMV).tolist():
             lo, hi = int(bounds[e]), int(bounds[e + 1])
             y[lo:hi] = xs[lo:hi] @ w[e].T  # [t, N]
