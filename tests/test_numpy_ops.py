@@ -281,6 +281,16 @@ def test_large_experts_run_a_lone_row_in_k_order_in_both_moe_paths():
     g, u = np.split(in_k_order(x[:1], wgu[3].T), 2, axis=1)
     np.testing.assert_allclose(lone, in_k_order(g / (1 + np.exp(-g)) * u, wd[3].T), rtol=1e-6, atol=1e-6)
     assert not np.array_equal(lone, quads)  # the lone row's order is row_product's, not _product's
+    # wider than ROW_COLUMNS: products apart, a lone row on OpenBLAS's GEMV, the same bits either way
+    wide_gu = ops.weight(rng.standard_normal((E, 2 * (ops.kernels.ROW_COLUMNS // 2 + 1), 40), dtype=np.float32))
+    wide_d = ops.weight(rng.standard_normal((E, 40, ops.kernels.ROW_COLUMNS // 2 + 1), dtype=np.float32))
+    assert ops._fused(wgu, wd) and not ops._fused(wide_gu, wide_d)
+    x40 = rng.standard_normal((2, 40), dtype=np.float32)
+    got = ops.moe_experts(x40, w[:2], ids[:2], wide_gu, wide_d, 0)
+    for t in (0, 1):
+        np.testing.assert_array_equal(
+            got[t], ops.moe_experts(x40[t : t + 1], w[t : t + 1], ids[t : t + 1], wide_gu, wide_d, 0)[0]
+        )
     want = np.zeros((4, D))
     for t in range(4):
         for j in range(k):

@@ -314,7 +314,7 @@ class NumpyOps(Ops):
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
         k = ids.shape[1]
-        fused = self.experts == "numba"  # gate/up, SiLU and down of every small group in one kernel call
+        fused = self._fused(w_gate_up, w_down)
         if T == 1 and fused:  # decode at batch 1: k distinct experts, one row each, one kernel call
             routing = np.ascontiguousarray(weights[0], dtype=np.float32)  # [k]
             alone = self._rows_alone(w_gate_up, w_down)
@@ -323,7 +323,8 @@ class NumpyOps(Ops):
             )  # [1, D]
         if T == 1:  # one token (decode at batch 1): its k experts in choice order, no grouping
             return self._moe_one_token(x, weights[0], ids[0] - expert_start, w_gate_up, w_down)
-        if not fused and T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= EXPERT_ROWS_AS_GEMV:
+        gemv_rows = EXPERT_ROWS_AS_GEMV if self.experts == "numpy" else 1  # (the kernel's bits are not a GEMV's)
+        if not fused and T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= gemv_rows:
             # a few tokens (a verify step's at batch 1), no expert with more rows than run as GEMVs:
             # token by token is cheaper than grouping them, and the same bits (one GEMV per row)
             local = ids - expert_start  # [T, k]
@@ -346,6 +347,14 @@ class NumpyOps(Ops):
                 ys[picks] = self.expert_products(self.silu_and_mul(h), w_down, bounds - start)  # [n, D]
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
+
+    def _fused(self, w_gate_up, w_down) -> bool:
+        """Whether the compiled path runs these experts in one kernel call (gate/up, SiLU and down of
+        every group of up to EXPERT_ROWS_AS_GEMV rows): small matrices, and those whose lone row
+        row_product streams (at most ROW_COLUMNS outputs). A wider one's lone row streams faster
+        through OpenBLAS's GEMV: such experts run their products apart (expert_products)."""
+        narrow = max(w_gate_up.shape[1], w_down.shape[1]) <= self.kernels.ROW_COLUMNS
+        return self.experts == "numba" and (narrow or not self._rows_alone(w_gate_up, w_down))
 
     @staticmethod
     def _rows_alone(w_gate_up, w_down) -> bool:
@@ -399,12 +408,12 @@ class NumpyOps(Ops):
         return self.kernels.expert_rows(xs, *self._kernel_weights(w), experts, _edges(bounds, experts))
 
     def _moe_one_token(self, x, weights, local, w_gate_up, w_down):
-        """moe_experts for x[1, D]: the same float operations (one-row groups: GEMVs; weighted rows
+        """moe_experts for x[1, D]: the same float operations (one-row groups: _one_row; weighted rows
         summed in choice order), without the sort and scatter that group many tokens."""
         out = None
         for j, e in enumerate(local.tolist()):
             if 0 <= e < w_gate_up.shape[0]:
-                y = self.silu_and_mul(x @ w_gate_up[e].T) @ w_down[e].T  # [1, D]
+                y = self._one_row(self.silu_and_mul(self._one_row(x, w_gate_up[e].T)), w_down[e].T)  # [1, D]
                 y *= weights[j]
             else:  # another rank's expert
                 y = np.zeros_like(x)
