@@ -15,11 +15,33 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 ACC_BYTES = 16 << 10  # accumulator tile of one expert's rows: stays in L1
 ROW_COLUMNS = 2048  # row_product's widest matrix: its accumulator (8 KiB) stays in L1, wider ones stream slower
+PREFETCH_ROWS = 16  # _product asks for the weight rows this many k ahead into L2 while it computes
 VERSION = numba.__version__
+
+
+@intrinsic
+def _prefetch(typingctx, array, i, j):
+    """Ask the CPU to bring array[i, j]'s cache line into L2 (llvm.prefetch: read, locality 2)."""
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
+        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], ary, index)
+        byte = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [byte, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch")  # LLVM adds the overload suffix
+        flags = [ir.Constant(ir.IntType(32), v) for v in (0, 2, 1)]  # read, L2, data
+        builder.call(fn, [builder.bitcast(pointer, byte), *flags])
+        return context.get_dummy_value()
+
+    return types.void(array, i, j), codegen
 
 
 @njit(nogil=True, cache=True)
@@ -42,6 +64,10 @@ def _product(x, w, y, lo, hi, cols):  # pragma: no cover - compiled
         nb = min(cols, N - n0)
         acc[:, :] = 0.0
         for k in range(0, K4, 4):
+            if k + PREFETCH_ROWS + 4 <= K:
+                for i in range(k + PREFETCH_ROWS, k + PREFETCH_ROWS + 4):
+                    for n in range(n0, n0 + nb, 16):  # a 64-byte line each
+                        _prefetch(w, i, n)
             w0 = w[k, n0 : n0 + nb]
             w1 = w[k + 1, n0 : n0 + nb]
             w2 = w[k + 2, n0 : n0 + nb]
