@@ -1,11 +1,12 @@
 """Decode throughput of eprt vs transformers ``generate`` on the same local MoE checkpoint,
 and eprt against this machine's roofline measured in the same run.
 
-    python benchmarks/bench_decode_cpu.py [--dir /tmp/eprt-bench-moe] [--new-tokens 32] [--threads 1]
+    python benchmarks/bench_decode_cpu.py [--dir /tmp/eprt-bench-moe] [--new-tokens 32] [--threads 1] [--repeats 3]
 
 Builds (once) a ~115M-parameter Qwen3-MoE with random weights, then for batch 1 and 32
 times prefill (1 new token) and prefill+decode (N new tokens) for both engines in the
-same process, and reports decode tokens/s = B * (N - 1) / (t_N - t_1) and the ratio.
+same process, and reports decode tokens/s = B * (N - 1) / (t_N - t_1) and the ratio, t_N - t_1
+the median of --repeats pairs (the machine is shared: one pair moves by 20%).
 Both run greedy with EOS ignored, on the CPU, with the same thread count.
 
 Roofline of a decode step: bytes it must read / single-row GEMV bandwidth at batch 1, and
@@ -117,7 +118,18 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def bench_transformers(path, prompts, n):
+def decode_seconds(run, n: int, repeats: int) -> float:
+    """Median over ``repeats`` of (prefill + n tokens) - (prefill + 1 token), each pair back to back."""
+    run(2)  # warm-up
+
+    def pair() -> float:
+        first = timed(lambda: run(1))
+        return timed(lambda: run(n)) - first
+
+    return float(np.median([pair() for _ in range(repeats)]))
+
+
+def bench_transformers(path, prompts, n, repeats):
     import torch
     from checkpoints import load_reference
 
@@ -136,11 +148,10 @@ def bench_transformers(path, prompts, n):
             )
         assert out.shape[1] == ids.shape[1] + k
 
-    run(2)  # warm-up
-    return timed(lambda: run(1)), timed(lambda: run(n))
+    return decode_seconds(run, n, repeats)
 
 
-def bench_eprt(path, prompts, n, max_batch):
+def bench_eprt(path, prompts, n, max_batch, repeats):
     from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
 
@@ -154,8 +165,7 @@ def bench_eprt(path, prompts, n, max_batch):
             res = engine.generate(reqs)
             assert all(len(r.token_ids) == k for r in res)
 
-        run(2)
-        return timed(lambda: run(1)), timed(lambda: run(n))
+        return decode_seconds(run, n, repeats)
 
 
 def main() -> None:
@@ -165,6 +175,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--threads", type=int, default=THREADS, help="BLAS/torch threads (default: all cores)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed pairs per engine and batch; the median counts")
     args = ap.parse_args()
     from checkpoints import build_checkpoint
 
@@ -188,10 +199,10 @@ def main() -> None:
         prompts = rng.integers(3, cfg.vocab_size, size=(b, args.prompt_len)).tolist()
         n = args.new_tokens
         before = measure_machine(b)
-        e1, en = bench_eprt(path, prompts, n, max_batch=max(b, 1))
+        eprt_seconds = bench_eprt(path, prompts, n, max(b, 1), args.repeats)
         bw, flops = machine_rates(b, (before, measure_machine(b)))
-        h1, hn = bench_transformers(path, prompts, n)
-        e_tps, h_tps = b * (n - 1) / (en - e1), b * (n - 1) / (hn - h1)
+        hf_seconds = bench_transformers(path, prompts, n, args.repeats)
+        e_tps, h_tps = b * (n - 1) / eprt_seconds, b * (n - 1) / hf_seconds
         nbytes, nflops = step_cost(cfg, b, args.prompt_len + n / 2)
         t_mem, t_flop = nbytes / bw, nflops / flops
         t_flop = t_flop if b > 1 else 0.0  # one row: every GEMM is a GEMV, bandwidth is the bound
