@@ -299,6 +299,26 @@ def test_large_experts_run_a_lone_row_in_k_order_in_both_moe_paths():
     np.testing.assert_allclose(ops.moe_experts(x, w, ids, wgu, wd, 0), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not numba_available(), reason="numba not installed")
+def test_compiled_rms_norm_and_rope_have_the_numpy_bits():
+    """The compiled path's rms_norm (NumPy's pairwise float32 sum: blocks of 8 accumulators up to
+    128 items, halves above) and rope give the NumPy expressions' bits at every width."""
+    rng = np.random.default_rng(17)
+    compiled, plain = NumpyOps("numba"), NumpyOps("numpy")
+    for T, D in [(1, 7), (3, 64), (2, 129), (5, 300), (1, 512), (2, 1000), (1, 7168)]:
+        x = rng.standard_normal((T, D), dtype=np.float32) * 3
+        w = rng.standard_normal(D, dtype=np.float32)
+        np.testing.assert_array_equal(compiled.rms_norm(x, w, 1e-6), plain.rms_norm(x, w, 1e-6))
+        r = rng.standard_normal((T, D), dtype=np.float32)
+        for got, want in zip(compiled.add_rms_norm(x, r, w, 1e-5), plain.add_rms_norm(x, r, w, 1e-5)):
+            np.testing.assert_array_equal(got, want)
+    for T, H, Dh in [(1, 8, 64), (4, 2, 6), (3, 5, 128)]:
+        x = rng.standard_normal((T, H, Dh), dtype=np.float32)
+        table = rng.standard_normal((40, Dh), dtype=np.float32)  # [P, Dh]: cos | sin
+        positions = rng.integers(0, 40, T).astype(np.int32)
+        np.testing.assert_array_equal(compiled.rope(x, positions, table), plain.rope(x, positions, table))
+
+
 def test_expert_path_choice(monkeypatch):
     monkeypatch.setenv("EPRT_CPU_EXPERTS", "numpy")
     assert NumpyOps().experts == "numpy" and NumpyOps().describe() == "experts NumPy"

@@ -184,6 +184,105 @@ def _ffn_token(x, local, weights, w_gate_up, w_down, out, rows_alone):  # pragma
                 out[0, d] = np.float32(0.0) if j == 0 else out[0, d] + np.float32(0.0)
 
 
+@njit(nogil=True, cache=True)
+def _block_sum(a, lo, n):  # pragma: no cover - compiled
+    """NumPy's float32 sum of a block of up to 128 items: eight accumulators joined pairwise, then
+    the rest in order (below 8 items, in order)."""
+    if n < 8:
+        res = np.float32(0.0)
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@njit(nogil=True, cache=True)
+def _pairwise_sum(a, n):  # pragma: no cover - compiled
+    """a[:n] summed as NumPy sums float32 (its pairwise sum: blocks of up to 128 items; above, the
+    halves' sums added, a half a multiple of 8 long), so the bits are NumPy's. The recursion runs
+    on an explicit stack (numba's cache does not take recursive functions)."""
+    starts = np.empty(128, np.int64)  # tasks: (start, length); length -1 joins the top two sums
+    lengths = np.empty(128, np.int64)
+    sums = np.empty(64, np.float32)
+    starts[0], lengths[0] = 0, n
+    tasks, done = 1, 0
+    while tasks > 0:
+        tasks -= 1
+        lo, m = starts[tasks], lengths[tasks]
+        if m < 0:
+            sums[done - 2] = sums[done - 2] + sums[done - 1]
+            done -= 1
+        elif m <= 128:
+            sums[done] = _block_sum(a, lo, m)
+            done += 1
+        else:
+            half = m // 2
+            half -= half % 8
+            starts[tasks], lengths[tasks] = 0, -1  # join, after both halves
+            starts[tasks + 1], lengths[tasks + 1] = lo + half, m - half  # right, second
+            starts[tasks + 2], lengths[tasks + 2] = lo, half  # left, first
+            tasks += 3
+    return sums[0]
+
+
+@njit(nogil=True, cache=True)
+def _rms_norm(x, weight, eps, y):  # pragma: no cover - compiled
+    """y[t] = x[t] / sqrt(sum(x[t]^2) / D + eps) * weight, float32, NumpyOps.rms_norm's operations."""
+    D = x.shape[1]
+    square = np.empty(D, np.float32)  # [D]
+    for t in range(x.shape[0]):
+        for i in range(D):
+            square[i] = x[t, i] * x[t, i]
+        scale = np.sqrt(_pairwise_sum(square, D) / np.float32(D) + eps)
+        for i in range(D):
+            y[t, i] = (x[t, i] / scale) * weight[i]
+
+
+@njit(nogil=True, cache=True)
+def _rope(x, positions, cos_sin, y):  # pragma: no cover - compiled
+    """y[t, h] = x[t, h] rotated by row positions[t] of cos_sin [P, Dh] (cos | sin halves), as
+    NumpyOps.rope: [x1 cos - x2 sin | x2 cos + x1 sin]."""
+    half = x.shape[2] // 2
+    for t in range(x.shape[0]):
+        row = cos_sin[positions[t]]
+        for h in range(x.shape[1]):
+            for i in range(half):
+                c, s, x1, x2 = row[i], row[half + i], x[t, h, i], x[t, h, half + i]
+                y[t, h, i] = x1 * c - x2 * s
+                y[t, h, half + i] = x2 * c + x1 * s
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """[T, D]: RMSNorm of x[T, D] (float32) with the bits of NumpyOps.rms_norm, in one call."""
+    y = np.empty(x.shape, dtype=np.float32)  # [T, D]
+    _rms_norm(np.ascontiguousarray(x), weight, np.float32(eps), y)
+    return y
+
+
+def rope(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray) -> np.ndarray:
+    """[T, H, Dh]: NumpyOps.rope's rotation of x[T, H, Dh] (float32), the same bits, in one call."""
+    y = np.empty(x.shape, dtype=np.float32)  # [T, H, Dh]
+    _rope(np.ascontiguousarray(x), positions, cos_sin, y)
+    return y
+
+
 def expert_ffn(x, w_gate_up_t, w_down_t, experts, edges, rows_alone: bool) -> np.ndarray:
     """y[n, D]: rows edges[2i]..edges[2i+1] of x[n, D] (float32) through expert experts[i]'s gate/up
     w_gate_up_t[El, D, 2I], SiLU and down w_down_t[El, I, D] (input-major, C-contiguous); rows outside
@@ -235,6 +334,8 @@ def warm_up() -> None:
     expert_rows(x, w, np.zeros(1, np.int64), np.array([0, 5], np.int64))
     rows_product(x, w[0])
     row_product(x[:1], w[0])
+    rms_norm(x, np.ones(7, np.float32), 1e-6)
+    rope(np.ones((2, 1, 8), np.float32), np.zeros(2, np.int32), np.ones((4, 8), np.float32))
     for rows_alone in (False, True):
         w_gate_up, w_down = np.ones((1, 7, 6), np.float32), np.ones((1, 3, 7), np.float32)
         expert_ffn(x, w_gate_up, w_down, np.zeros(1, np.int64), np.array([0, 5]), rows_alone)
