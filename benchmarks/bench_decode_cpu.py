@@ -11,14 +11,16 @@ Both run greedy with EOS ignored, on the CPU, with the same thread count.
 
 Roofline of a decode step: bytes it must read / single-row GEMV bandwidth at batch 1, and
 max(that, FLOPs / GEMM FLOP/s at M = B) at larger batches, both measured here (median
-pass, before and after eprt's run, of the faster weight layout) on weights larger than the
-last-level cache. Bytes: the weights the step touches (attention, router, the experts its
-B tokens choose, lm_head) and its KV; FLOPs: 2 per active weight per token, plus attention.
+pass of the faster weight layout, passes before each of eprt's pairs and after the last: the
+shared machine's load moves both, so they sample the same minutes) on weights larger than the
+last-level cache. Bytes: the weights the step touches (attention, router, the experts its B
+tokens choose, lm_head) and its KV; FLOPs: 2 per active weight per token, plus attention.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -83,15 +85,26 @@ def measure_machine(batch: int) -> dict:
     }
 
 
-def machine_rates(batch: int, passes: tuple) -> tuple[float, float]:
-    """(bytes/s, FLOP/s) of the faster layout's median pass: the machine is shared, so the
-    passes before and after eprt's run are pooled and their median stands for what the run
-    could get."""
+def record(passes: list, batch: int) -> None:
+    """Append one measure_machine to ``passes``."""
+    passes.append(measure_machine(batch))
+
+
+def machine_rates(batch: int, passes) -> tuple[float, float]:
+    """(bytes/s, FLOP/s) of the faster layout's median pass over ``passes``, pooled: the machine
+    is shared, so their median stands for what a run between them could get."""
     median = {key: float(np.median([t for p in passes for t in p[key]])) for key in passes[0]}
     gemv = min(median["gemv [N, K]"], median["gemv [K, N]"])
     gemm = min(median["gemm [N, K]"], median["gemm [K, N]"])
     size = ROOFLINE_MATRICES * 4096 * 1024
     return 4.0 * size / gemv, 2.0 * batch * size / gemm
+
+
+def roofline(batch: int, cost: tuple[float, float], bandwidth: float, flops: float) -> tuple[float, str]:
+    """(tokens/s, bound) of a decode step of ``cost`` (bytes, FLOPs) at the machine's rates."""
+    t_mem, t_flop = cost[0] / bandwidth, cost[1] / flops
+    t_flop = t_flop if batch > 1 else 0.0  # one row: every GEMM is a GEMV, bandwidth is the bound
+    return batch / max(t_mem, t_flop), "memory" if t_mem >= t_flop else "FLOPs"
 
 
 def step_cost(cfg, batch: int, context: float) -> tuple[float, float]:
@@ -118,15 +131,16 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def decode_seconds(run, n: int, repeats: int) -> float:
-    """Median over ``repeats`` of (prefill + n tokens) - (prefill + 1 token), each pair back to back."""
+def decode_seconds(run, n: int, repeats: int, between=lambda: None) -> list[float]:
+    """(prefill + n tokens) - (prefill + 1 token) of ``repeats`` pairs, each back to back, with
+    ``between()`` before each pair."""
     run(2)  # warm-up
-
-    def pair() -> float:
+    seconds = []
+    for _ in range(repeats):
+        between()
         first = timed(lambda: run(1))
-        return timed(lambda: run(n)) - first
-
-    return float(np.median([pair() for _ in range(repeats)]))
+        seconds.append(timed(lambda: run(n)) - first)
+    return seconds
 
 
 def bench_transformers(path, prompts, n, repeats):
@@ -151,7 +165,7 @@ def bench_transformers(path, prompts, n, repeats):
     return decode_seconds(run, n, repeats)
 
 
-def bench_eprt(path, prompts, n, max_batch, repeats):
+def bench_eprt(path, prompts, n, max_batch, repeats, between):
     from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
 
@@ -165,7 +179,7 @@ def bench_eprt(path, prompts, n, max_batch, repeats):
             res = engine.generate(reqs)
             assert all(len(r.token_ids) == k for r in res)
 
-        return decode_seconds(run, n, repeats)
+        return decode_seconds(run, n, repeats, between)
 
 
 def main() -> None:
@@ -198,18 +212,17 @@ def main() -> None:
     for b in [int(x) for x in args.batches.split(",")]:
         prompts = rng.integers(3, cfg.vocab_size, size=(b, args.prompt_len)).tolist()
         n = args.new_tokens
-        before = measure_machine(b)
-        eprt_seconds = bench_eprt(path, prompts, n, max(b, 1), args.repeats)
-        bw, flops = machine_rates(b, (before, measure_machine(b)))
+        passes = []  # the machine's passes before each eprt pair and after the last
+        eprt_seconds = bench_eprt(path, prompts, n, max(b, 1), args.repeats, functools.partial(record, passes, b))
+        passes.append(measure_machine(b))
         hf_seconds = bench_transformers(path, prompts, n, args.repeats)
-        e_tps, h_tps = b * (n - 1) / eprt_seconds, b * (n - 1) / hf_seconds
-        nbytes, nflops = step_cost(cfg, b, args.prompt_len + n / 2)
-        t_mem, t_flop = nbytes / bw, nflops / flops
-        t_flop = t_flop if b > 1 else 0.0  # one row: every GEMM is a GEMV, bandwidth is the bound
-        roof = b / max(t_mem, t_flop)
+        cost = step_cost(cfg, b, args.prompt_len + n / 2)
+        bw, flops = machine_rates(b, passes)
+        roof, bound = roofline(b, cost, bw, flops)
+        e_tps, h_tps = b * (n - 1) / np.median(eprt_seconds), b * (n - 1) / np.median(hf_seconds)
         print(
             f"{b:5d} {e_tps:11.1f} {h_tps:9.1f} {e_tps / h_tps:8.2f} {bw / 1e9:10.1f} {flops / 1e9:10.1f} "
-            f"{'memory' if t_mem >= t_flop else 'FLOPs':>7} {roof:11.1f} {e_tps / roof:10.0%}",
+            f"{bound:>7} {roof:11.1f} {e_tps / roof:10.0%}",
             flush=True,
         )
 
