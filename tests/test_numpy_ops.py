@@ -324,6 +324,23 @@ def test_compiled_rms_norm_and_rope_have_the_numpy_bits():
         np.testing.assert_array_equal(compiled.rope(x, positions, table), plain.rope(x, positions, table))
 
 
+def test_numpy_path_runs_without_the_compiled_kernels():
+    """The NumPy fallback (no cpu extra) never imports cpu_kernels, which needs numba: experts of
+    large matrices, one row and a few, norms and rope."""
+    rng = np.random.default_rng(19)
+    ops = NumpyOps("numpy")
+    wgu = ops.weight(rng.standard_normal((4, 2 * 256, 160), dtype=np.float32))  # past KERNEL_ONE_ROW_BYTES
+    wd = ops.weight(rng.standard_normal((4, 160, 256), dtype=np.float32))
+    x = rng.standard_normal((3, 160), dtype=np.float32)
+    ids, w = np.array([[0, 1], [2, 3], [0, 2]], dtype=np.int32), rng.random((3, 2), dtype=np.float32)
+    ops.moe_experts(x[:1], w[:1], ids[:1], wgu, wd, 0)
+    ops.moe_experts(x, w, ids, wgu, wd, 0)
+    ops.linear(x[:1], wgu[0])  # [1, 160] @ [160, 512]
+    ops.rms_norm(x, np.ones(160, np.float32), 1e-6)
+    ops.rope(x.reshape(3, 2, 80), np.arange(3), rng.standard_normal((5, 80), dtype=np.float32))
+    assert ops._kernels is None
+
+
 def test_expert_path_choice(monkeypatch):
     monkeypatch.setenv("EPRT_CPU_EXPERTS", "numpy")
     assert NumpyOps().experts == "numpy" and NumpyOps().describe() == "experts NumPy"

@@ -363,8 +363,11 @@ class NumpyOps(Ops):
         every group of up to EXPERT_ROWS_AS_GEMV rows): small matrices, and those whose lone row
         row_product streams (at most ROW_COLUMNS outputs). A wider one's lone row streams faster
         through OpenBLAS's GEMV: such experts run their products apart (expert_products)."""
-        narrow = max(w_gate_up.shape[1], w_down.shape[1]) <= self.kernels.ROW_COLUMNS
-        return self.experts == "numba" and (narrow or not self._rows_alone(w_gate_up, w_down))
+        if self.experts != "numba":  # (and cpu_kernels, which imports numba, stays unimported)
+            return False
+        return not self._rows_alone(w_gate_up, w_down) or max(w_gate_up.shape[1], w_down.shape[1]) <= (
+            self.kernels.ROW_COLUMNS
+        )
 
     @staticmethod
     def _rows_alone(w_gate_up, w_down) -> bool:
