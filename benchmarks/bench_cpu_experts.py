@@ -1,5 +1,5 @@
 """Milliseconds per MoE layer of NumpyOps.moe_experts on bench_decode_cpu.py's model shapes
-(16 experts, D = I = 512, top-2; 8 layers' weights, 400 MB, so each layer's come from memory),
+(16 experts, D = I = 512, top-2; 8 layers' weights, 400 MB a path, so each layer's come from memory),
 the expert paths interleaved in one run: numba (the cpu extra's kernel) and numpy (a GEMV per row).
 
     python benchmarks/bench_cpu_experts.py [--batches 1,32,64] [--repeats 15]
@@ -35,21 +35,27 @@ def main() -> None:
     for o in ops.values():
         o.warm_up()
     rng = np.random.default_rng(0)
-    w = ops["numpy"].weight
-    gate_up = [w(rng.standard_normal((EXPERTS, 2 * INTER, HIDDEN), dtype=np.float32) * 0.05) for _ in range(LAYERS)]
-    down = [w(rng.standard_normal((EXPERTS, HIDDEN, INTER), dtype=np.float32) * 0.05) for _ in range(LAYERS)]
+    host = [
+        (
+            rng.standard_normal((EXPERTS, 2 * INTER, HIDDEN), dtype=np.float32) * 0.05,
+            rng.standard_normal((EXPERTS, HIDDEN, INTER), dtype=np.float32) * 0.05,
+        )
+        for _ in range(LAYERS)
+    ]
+    stacks = {p: [o.expert_weights(*h) for h in host] for p, o in ops.items()}  # each path's layout
+    del host
     print(f"paths: {', '.join(o.describe() for o in ops.values())}; ms per layer (CPU time), best / median")
     for batch in [int(b) for b in args.batches.split(",")]:
         x = rng.standard_normal((batch, HIDDEN), dtype=np.float32)  # [T, D]
         ids = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(batch)]).astype(np.int32)
         weights = rng.random((batch, TOP_K), dtype=np.float32)
-        outs = {p: o.moe_experts(x, weights, ids, gate_up[0], down[0], 0) for p, o in ops.items()}
+        outs = {p: o.moe_experts(x, weights, ids, *stacks[p][0], 0) for p, o in ops.items()}
         times = {p: [] for p in ops}
         for _ in range(args.repeats):
             for p, o in ops.items():
                 t = time.process_time()
                 for layer in range(LAYERS):
-                    o.moe_experts(x, weights, ids, gate_up[layer], down[layer], 0)
+                    o.moe_experts(x, weights, ids, *stacks[p][layer], 0)
                 times[p].append((time.process_time() - t) / LAYERS * 1e3)
         rows = np.bincount(ids.reshape(-1), minlength=EXPERTS)
         diff = max(float(np.abs(outs[p] - outs["numpy"]).max()) for p in ops)

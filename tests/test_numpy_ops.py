@@ -23,6 +23,20 @@ def in_k_order(x, wt):
     return acc
 
 
+def in_quads(x, wt):
+    """x[n, K] @ wt[K, N] as the compiled expert kernels sum it: acc = 0, then acc += (x0 w0 + x1 w1)
+    + (x2 w2 + x3 w3) over k in fours, then the K % 4 rest one at a time, float32, each product
+    rounded before its add."""
+    acc = np.zeros((x.shape[0], wt.shape[1]), np.float32)
+    K4 = wt.shape[0] - wt.shape[0] % 4
+    for k in range(0, K4, 4):
+        xs = [x[:, k + i : k + i + 1] for i in range(4)]
+        acc = acc + ((xs[0] * wt[k] + xs[1] * wt[k + 1]) + (xs[2] * wt[k + 2] + xs[3] * wt[k + 3]))
+    for k in range(K4, wt.shape[0]):
+        acc = acc + x[:, k : k + 1] * wt[k]
+    return acc
+
+
 def moe_reference(x, weights, ids, w_gate_up, w_down):
     """[T, D] float64: sum over each token's choices of weights[t, j] * down(silu(g) * u) through
     expert ids[t, j], all experts local."""
@@ -171,25 +185,45 @@ def test_moe_experts_matches_pairs(expert_start, local, T, uploaded, path):
 @pytest.mark.parametrize("path", EXPERT_PATHS)
 def test_expert_rows_do_not_depend_on_their_group(path):
     """Up to EXPERT_ROWS_AS_GEMV rows an expert computes each row alone: a row's bits are the same
-    whichever rows share its group (EPLB splits groups only above that). A single row runs a GEMV:
-    OpenBLAS's, or on the compiled path row_product's, k in order (the kernel's bits hold from 2
-    rows up); above the limit, one GEMM."""
+    whichever rows share its group (EPLB splits groups only above that); above, one GEMM. Stacks
+    whose width is not a multiple of 16 run this NumPy path on the compiled path too."""
     rng = np.random.default_rng(3)
     ops = NumpyOps(path)
-    n, K, N = EXPERT_ROWS_AS_GEMV + 3, 37, 21  # K % 4 != 0: the kernel's remainder terms too
+    n, K, N = EXPERT_ROWS_AS_GEMV + 3, 37, 21
     xs = rng.standard_normal((n, K), dtype=np.float32)
-    w = ops.weight(rng.standard_normal((2, N, K), dtype=np.float32))  # [El, N, K]
+    w, _ = ops.expert_weights(rng.standard_normal((2, N, K), dtype=np.float32), np.zeros((2, 16, 16), np.float32))
+    assert w.shape == (2, N, K)  # N % 16 != 0: never panels
     R = EXPERT_ROWS_AS_GEMV
     full = ops.expert_products(xs[:R], w, np.array([0, 0, R]))  # all rows on expert 1
-    for lo, hi in [(0, 2), (0, 3), (1, 5), (4, 9), (3, 16)] + ([(5, 6)] if path == "numpy" else []):
+    for lo, hi in [(0, 2), (0, 3), (1, 5), (4, 9), (3, 16), (5, 6)]:
         y = ops.expert_products(xs[lo:hi], w, np.array([0, 0, hi - lo]))
         assert np.array_equal(y, full[lo:hi]), (lo, hi)
     want = xs.astype(np.float64) @ w[1].T.astype(np.float64)
     np.testing.assert_allclose(full, want[:R], rtol=1e-5, atol=1e-5)
-    one = ops.expert_products(xs[:1], w, np.array([0, 1, 1]))  # one row, on expert 0: a GEMV
-    np.testing.assert_array_equal(one, in_k_order(xs[:1], w[0].T) if path == "numba" else xs[:1] @ w[0].T)
     whole = ops.expert_products(xs, w, np.array([0, 0, n]))  # above the limit: one GEMM
     np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba not installed")
+def test_panel_experts_sum_in_quads_whatever_their_group():
+    """On the compiled path, stacks of widths that are multiples of 16 are stored as panels and
+    every group of rows, of any size, sums in the quad order (in_quads): a row's bits never depend
+    on its batch-mates, so EPLB may split any group."""
+    rng = np.random.default_rng(4)
+    ops = NumpyOps("numba")
+    n, K, N = 2 * EXPERT_ROWS_AS_GEMV + 3, 37, 48  # K % 4 != 0: the remainder terms too
+    host = rng.standard_normal((3, N, K), dtype=np.float32)
+    w, _ = ops.expert_weights(host, np.zeros((3, 16, 16), np.float32))
+    assert w.shape == (3, N // 16, K, 16) and np.array_equal(w[2, 1], host[2, 16:32].T)
+    xs = rng.standard_normal((n, K), dtype=np.float32)
+    full = ops.expert_products(xs, w, np.array([0, 0, n, n]))  # every row on expert 1
+    np.testing.assert_array_equal(full, in_quads(xs, host[1].T))
+    for lo, hi in [(0, 1), (0, 2), (1, 5), (4, 9), (3, 20), (5, 6), (0, n)]:
+        y = ops.expert_products(xs[lo:hi], w, np.array([0, 0, hi - lo, hi - lo]))
+        assert np.array_equal(y, full[lo:hi]), (lo, hi)
+    split = ops.expert_products(xs[:7], w, np.array([0, 3, 3, 7]))  # experts 0 and 2
+    np.testing.assert_array_equal(split[:3], in_quads(xs[:3], host[0].T))
+    np.testing.assert_array_equal(split[3:], in_quads(xs[3:7], host[2].T))
 
 
 @pytest.mark.parametrize("path", EXPERT_PATHS)
@@ -221,87 +255,63 @@ def test_moe_one_token_path_equals_the_grouped_path(path):
     row the same bits when its experts have one row each (the rest of a batch elsewhere)."""
     rng = np.random.default_rng(5)
     ops = NumpyOps(path)
-    T, k, E, D, inter = 3, 2, 6, 16, 12
-    x = rng.standard_normal((T, D), dtype=np.float32)
+    T, k, E = 3, 2, 6
+    x = rng.standard_normal((T, 16), dtype=np.float32)
     ids = np.array([[4, 1], [0, 2], [3, 5]], dtype=np.int32)  # every expert chosen once
     w = rng.random((T, k), dtype=np.float32)
-    wgu = ops.weight(rng.standard_normal((E, 2 * inter, D), dtype=np.float32))
-    wd = ops.weight(rng.standard_normal((E, D, inter), dtype=np.float32))
-    for start in (0, 2):  # all experts local; some another rank's
-        grouped = ops.moe_experts(x, w, ids, wgu[: E - start], wd[: E - start], start)
-        one = [
-            ops.moe_experts(x[t : t + 1], w[t : t + 1], ids[t : t + 1], wgu[: E - start], wd[: E - start], start)
-            for t in range(T)
-        ]
-        assert np.array_equal(np.concatenate(one), grouped)
+    for D, inter in ((16, 12), (16, 16)):  # 2I = 24: NumPy's products everywhere; 32: panels on numba
+        wgu, wd = ops.expert_weights(
+            rng.standard_normal((E, 2 * inter, D), dtype=np.float32),
+            rng.standard_normal((E, D, inter), dtype=np.float32),
+        )
+        for start in (0, 2):  # all experts local; some another rank's
+            share = ops.take_experts(wgu, wd, list(range(E - start)))
+            grouped = ops.moe_experts(x, w, ids, *share, start)
+            one = [ops.moe_experts(x[t : t + 1], w[t : t + 1], ids[t : t + 1], *share, start) for t in range(T)]
+            assert np.array_equal(np.concatenate(one), grouped)
 
 
 @pytest.mark.skipif(not numba_available(), reason="numba not installed")
-@pytest.mark.parametrize("T", [2, 5, 9, EXPERT_ROWS_AS_GEMV])  # an expert has at most T rows
-def test_small_experts_rows_have_the_bits_of_one_token_whatever_their_group(T):
-    """On the compiled path, experts of small matrices run every group of up to EXPERT_ROWS_AS_GEMV
-    rows, one row included, in the fused kernel: a token's output has the same bits in a step of T
-    tokens (a verify step, experts shared between tokens) as alone (a decode step at batch 1), and
-    stays close to the float64 reference. Larger matrices run a lone row in row_product's order."""
+@pytest.mark.parametrize("T", [2, 5, 9, EXPERT_ROWS_AS_GEMV, 40])  # an expert has at most T rows
+def test_panel_experts_give_a_token_the_bits_of_one_token_whatever_their_group(T):
+    """On the compiled path every group of rows runs in the fused kernel: a token's output has the
+    same bits in a step of T tokens (a verify step, experts shared between tokens, groups past
+    EXPERT_ROWS_AS_GEMV) as alone (a decode step at batch 1), on every share of the experts, and
+    stays close to the float64 reference."""
     rng = np.random.default_rng(11)
-    k, E, D, inter = 2, 6, 40, 24  # E small: most experts get several rows
+    k, E, D, inter = 2, 6, 48, 24  # E small: most experts get several rows
     ops = NumpyOps("numba")
-    wgu = ops.weight(rng.standard_normal((E, 2 * inter, D), dtype=np.float32))
-    wd = ops.weight(rng.standard_normal((E, D, inter), dtype=np.float32))
-    assert not ops._rows_alone(wgu, wd) and ops._rows_alone(np.empty((E, 1024, 512), np.float32), wd)
+    host_gu = rng.standard_normal((E, 2 * inter, D), dtype=np.float32)
+    host_d = rng.standard_normal((E, D, inter), dtype=np.float32)
+    wgu, wd = ops.expert_weights(host_gu, host_d)
+    assert wgu.ndim == wd.ndim == 4  # panels
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
     x = rng.standard_normal((T, D), dtype=np.float32)
     w = rng.random((T, k), dtype=np.float32)
     for start in (0, 2):  # all experts local; some another rank's
-        got = ops.moe_experts(x, w, ids, wgu[: E - start], wd[: E - start], start)
+        share = ops.take_experts(wgu, wd, list(range(E - start)))
+        got = ops.moe_experts(x, w, ids, *share, start)
         for t in range(T):
-            one = ops.moe_experts(x[t : t + 1], w[t : t + 1], ids[t : t + 1], wgu[: E - start], wd[: E - start], start)
+            one = ops.moe_experts(x[t : t + 1], w[t : t + 1], ids[t : t + 1], *share, start)
             np.testing.assert_array_equal(got[t], one[0])
     np.testing.assert_allclose(
-        ops.moe_experts(x, w, ids, wgu, wd, 0), moe_reference(x, w, ids, wgu, wd), rtol=1e-4, atol=1e-4
+        ops.moe_experts(x, w, ids, wgu, wd, 0), moe_reference(x, w, ids, host_gu, host_d), rtol=1e-4, atol=1e-4
     )
 
 
 @pytest.mark.skipif(not numba_available(), reason="numba not installed")
-def test_large_experts_run_a_lone_row_in_k_order_in_both_moe_paths():
-    """On the compiled path experts of larger matrices run a lone row's products in row_product's
-    order (k one at a time, the weights streamed in memory order), in the one-token kernel (decode
-    at batch 1) and in a grouped step where the token's experts have one row each, with the same
-    bits; their groups of 2 or more rows keep _product's; all within float32 rounding of float64."""
-    rng = np.random.default_rng(13)
-    k, E, D, inter = 2, 8, 160, 256  # gate/up [512, 160]: 320 KiB, past KERNEL_ONE_ROW_BYTES
-    ops = NumpyOps("numba")
-    wgu = ops.weight(rng.standard_normal((E, 2 * inter, D), dtype=np.float32))
-    wd = ops.weight(rng.standard_normal((E, D, inter), dtype=np.float32))
-    assert ops._rows_alone(wgu, wd)
-    x = rng.standard_normal((4, D), dtype=np.float32)
-    w = rng.random((4, k), dtype=np.float32)
-    ids = np.array([[0, 1], [2, 3], [4, 5], [4, 6]], dtype=np.int32)  # experts 0-3, 6 alone; 4 twice
-    for start in (0, 2):  # all experts local; some another rank's
-        got = ops.moe_experts(x, w, ids, wgu[: E - start], wd[: E - start], start)
-        for t in (0, 1):  # tokens whose experts have one row each
-            one = ops.moe_experts(x[t : t + 1], w[t : t + 1], ids[t : t + 1], wgu[: E - start], wd[: E - start], start)
-            np.testing.assert_array_equal(got[t], one[0])
-    lone, quads = (
-        ops.kernels.expert_ffn(x[:1], *ops._kernel_weights(wgu, wd), np.array([3]), np.array([0, 1]), alone)
-        for alone in (True, False)
-    )
-    g, u = np.split(in_k_order(x[:1], wgu[3].T), 2, axis=1)
-    np.testing.assert_allclose(lone, in_k_order(g / (1 + np.exp(-g)) * u, wd[3].T), rtol=1e-6, atol=1e-6)
-    assert not np.array_equal(lone, quads)  # the lone row's order is row_product's, not _product's
-    # wider than ROW_COLUMNS: products apart, a lone row on OpenBLAS's GEMV, the same bits either way
-    wide_gu = ops.weight(rng.standard_normal((E, 2 * (ops.kernels.ROW_COLUMNS // 2 + 1), 40), dtype=np.float32))
-    wide_d = ops.weight(rng.standard_normal((E, 40, ops.kernels.ROW_COLUMNS // 2 + 1), dtype=np.float32))
-    assert ops._fused(wgu, wd) and not ops._fused(wide_gu, wide_d)
-    x40 = rng.standard_normal((2, 40), dtype=np.float32)
-    got = ops.moe_experts(x40, w[:2], ids[:2], wide_gu, wide_d, 0)
-    for t in (0, 1):
-        np.testing.assert_array_equal(
-            got[t], ops.moe_experts(x40[t : t + 1], w[t : t + 1], ids[t : t + 1], wide_gu, wide_d, 0)[0]
-        )
-    np.testing.assert_allclose(
-        ops.moe_experts(x, w, ids, wgu, wd, 0), moe_reference(x, w, ids, wgu, wd), rtol=1e-4, atol=1e-4
-    )
+def test_take_experts_keeps_each_layout():
+    """EPLB's restack (take_experts) picks experts in order and keeps the layout they were stored
+    in: panels on the compiled path, input-major stacks otherwise."""
+    rng = np.random.default_rng(12)
+    host_gu = rng.standard_normal((4, 32, 16), dtype=np.float32)
+    host_d = rng.standard_normal((4, 16, 16), dtype=np.float32)
+    for ops in (NumpyOps("numba"), NumpyOps("numpy")):
+        wgu, wd = ops.expert_weights(host_gu, host_d)
+        gu, d = ops.take_experts(np.concatenate([wgu, wgu[:1]]), np.concatenate([wd, wd[:1]]), [4, 2, 2])
+        want_gu, want_d = ops.expert_weights(host_gu[[0, 2, 2]], host_d[[0, 2, 2]])
+        for got, want in ((gu, want_gu), (d, want_d)):
+            assert got.shape == want.shape and got.strides == want.strides and np.array_equal(got, want)
 
 
 @pytest.mark.skipif(not numba_available(), reason="numba not installed")
@@ -325,12 +335,14 @@ def test_compiled_rms_norm_and_rope_have_the_numpy_bits():
 
 
 def test_numpy_path_runs_without_the_compiled_kernels():
-    """The NumPy fallback (no cpu extra) never imports cpu_kernels, which needs numba: experts of
-    large matrices, one row and a few, norms and rope."""
+    """The NumPy fallback (no cpu extra) never imports cpu_kernels, which needs numba: expert stacks
+    of panel-sized widths, one row and a few, norms and rope."""
     rng = np.random.default_rng(19)
     ops = NumpyOps("numpy")
-    wgu = ops.weight(rng.standard_normal((4, 2 * 256, 160), dtype=np.float32))  # past KERNEL_ONE_ROW_BYTES
-    wd = ops.weight(rng.standard_normal((4, 160, 256), dtype=np.float32))
+    wgu, wd = ops.expert_weights(
+        rng.standard_normal((4, 2 * 256, 160), dtype=np.float32), rng.standard_normal((4, 160, 256), dtype=np.float32)
+    )
+    assert wgu.shape == (4, 512, 160) and wd.shape == (4, 160, 256)
     x = rng.standard_normal((3, 160), dtype=np.float32)
     ids, w = np.array([[0, 1], [2, 3], [0, 2]], dtype=np.int32), rng.random((3, 2), dtype=np.float32)
     ops.moe_experts(x[:1], w[:1], ids[:1], wgu, wd, 0)
@@ -354,28 +366,21 @@ def test_expert_path_choice(monkeypatch):
 
 
 @pytest.mark.parametrize("path", EXPERT_PATHS)
-@pytest.mark.parametrize("T", [3, 5, 9])  # 9: grouped by expert; 3, 5: token by token
-def test_moe_experts_gemv_rows_have_the_bits_of_one_token(T, path):
+@pytest.mark.parametrize("T", [3, 5, 9])  # 9: grouped by expert; 3, 5: token by token on the NumPy path
+def test_moe_experts_rows_have_the_bits_of_one_token(T, path):
     """A few tokens (a verify step's at batch 1) run token by token where that gives the grouped
-    path's bits, and an expert's row that runs as a GEMV has the bits of the one-token path: a verify
-    step's positions compute their experts as decode steps do. On the NumPy path that is every
-    expert with at most EXPERT_ROWS_AS_GEMV rows; the compiled kernel's rows (2 or more to an
-    expert) have bits of their own, so on that path every expert here gets one row."""
+    path's bits, and an expert's row has the bits of the one-token path: a verify step's positions
+    compute their experts as decode steps do (on the NumPy path, every expert with at most
+    EXPERT_ROWS_AS_GEMV rows runs a GEMV per row; on the compiled path, the panels' order)."""
     rng = np.random.default_rng(7)
-    k, D, inter = 2, 64, 48
-    if path == "numba":
-        E = max(8, T * k)
-        ids = rng.permutation(E)[: T * k].reshape(T, k).astype(np.int32)  # one row per expert
-    else:
-        E = 8
-        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
-        while np.bincount(ids.ravel(), minlength=E).max() > EXPERT_ROWS_AS_GEMV:
-            ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    k, D, inter, E = 2, 64, 48, 8
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
     x = rng.standard_normal((T, D), dtype=np.float32)
     w = rng.random((T, k), dtype=np.float32)
     ops = NumpyOps(path)
-    wgu = ops.weight(rng.standard_normal((E, 2 * inter, D), dtype=np.float32))
-    wd = ops.weight(rng.standard_normal((E, D, inter), dtype=np.float32))
+    wgu, wd = ops.expert_weights(
+        rng.standard_normal((E, 2 * inter, D), dtype=np.float32), rng.standard_normal((E, D, inter), dtype=np.float32)
+    )
     got = ops.moe_experts(x, w, ids, wgu, wd, 0)
     for t in range(T):
         one = ops.moe_experts(x[t : t + 1], w[t : t + 1], ids[t : t + 1], wgu, wd, 0)  # [1, D]

@@ -332,7 +332,4 @@ def _restack(ops, lw, old: list, want: list, layer: int, read: Callable) -> tupl
     if missing:
         new_gate_up, new_down = read(layer, missing)
         gate_up, down = ops.xp.concatenate([gate_up, new_gate_up]), ops.xp.concatenate([down, new_down])
-    if isinstance(gate_up, np.ndarray):  # host weights: ops.weight restores the backend's memory layout
-        return (ops.weight(gate_up[source]), ops.weight(down[source])), len(missing)
-    rows = ops.index(np.asarray(source, np.int32))
-    return (ops.xp.ascontiguousarray(gate_up[rows]), ops.xp.ascontiguousarray(down[rows])), len(missing)
+    return ops.take_experts(gate_up, down, source), len(missing)

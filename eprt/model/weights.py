@@ -549,8 +549,7 @@ def load_expert_stack(src: TensorSource, cfg: ModelConfig, ops, layer: int, ids:
     fp8 = _resident_fp8_experts(src, cfg, ops, m, ids)
     if fp8 is not None:
         return fp8
-    gate_up, down = _experts(src, cfg, m, ids)
-    return ops.weight(gate_up), ops.weight(down)
+    return ops.expert_weights(*_experts(src, cfg, m, ids))
 
 
 def _load_moe(src: TensorSource, cfg: ModelConfig, ops, lw: LayerWeights, m: str, ids: Sequence[int]) -> None:
@@ -566,8 +565,7 @@ def _load_moe(src: TensorSource, cfg: ModelConfig, ops, lw: LayerWeights, m: str
     if fp8 is not None:
         lw.w_gate_up, lw.w_down = fp8
     else:
-        gate_up, down = _experts(src, cfg, m, ids)
-        lw.w_gate_up, lw.w_down = ops.weight(gate_up), ops.weight(down)
+        lw.w_gate_up, lw.w_down = ops.expert_weights(*_experts(src, cfg, m, ids))
     if not cfg.has_shared_expert:
         return
     s = f"{m}.{cfg.shared_expert_prefix}"

@@ -18,7 +18,9 @@ Shape legend used in every backend:
 Conventions:
     * Linear weights keep the Hugging Face layout ``[out, in]``: ``y = x @ w.T (+ b)``.
     * Expert weights are stacked per rank: ``w_gate_up[El, 2I, D]`` (rows ``[0, I)`` are
-      the gate projection, ``[I, 2I)`` the up projection) and ``w_down[El, D, I]``.
+      the gate projection, ``[I, 2I)`` the up projection) and ``w_down[El, D, I]``. A backend
+      may store them otherwise (``expert_weights``; NumpyOps' compiled path: panels
+      ``[El, N / 16, K, 16]``); only its own ops read them.
     * KV cache of one layer: ``k_cache[NB, BS, Hk, Dh]`` and ``v_cache[NB, BS, Hk, Dh]``.
       Token position ``p`` of a sequence with block table ``bt`` lives at
       ``cache[bt[p // BS], p % BS]``; ``slot_mapping`` holds ``bt[p // BS] * BS + p % BS``.
@@ -89,6 +91,17 @@ class Ops:
         block_n), ceil(K / block_k)] float32. Rows [i * part_rows, (i + 1) * part_rows) are blocked
         on their own (gate | up stacked). ``linear`` and ``moe_experts`` accept the result."""
         raise NotImplementedError
+
+    def expert_weights(self, gate_up: np.ndarray, down: np.ndarray) -> tuple:
+        """Upload one layer's expert stacks, host gate_up[El, 2I, D] and down[El, D, I] (as for
+        ``weight``), in the layout ``moe_experts`` reads; the default is ``weight``'s."""
+        return self.weight(gate_up), self.weight(down)
+
+    def take_experts(self, gate_up: Array, down: Array, source: list) -> tuple:
+        """The stacks of experts ``source`` (indices into gate_up / down, in that order), in
+        ``expert_weights``' layout."""
+        rows = self.index(np.asarray(source, np.int32))
+        return self.xp.ascontiguousarray(gate_up[rows]), self.xp.ascontiguousarray(down[rows])
 
     def activation(self, host: np.ndarray) -> Array:
         """Upload float32 host data as an activation of ``act_dtype``."""

@@ -1,14 +1,14 @@
-"""Compiled CPU kernels (numba, the ``cpu`` extra): the grouped small-M expert products.
-Imported only when NumpyOps takes the numba path (importing numba takes about a second).
+"""Compiled CPU kernels (numba, the ``cpu`` extra): the expert products, and the small-M dense
+products, norms and rotations. Imported only when NumpyOps takes the numba path (importing numba
+takes about a second).
 
-An expert with a few rows (decode) is bandwidth-bound: a GEMV per row re-reads its weights
-for every row and OpenBLAS's small-M GEMMs run well below its GEMV rate. ``expert_rows``
-streams each expert's weights once for all its rows. Element (r, n) of a product is summed
-over k in the same order whatever the group (rows, column tiles), with multiplies and adds
-rounded apart (no fused multiply-add), so a row's bits do not depend on how many rows its
-expert has (NumpyOps gives it groups of 2 to EXPERT_ROWS_AS_GEMV rows). One row alone runs
-``row_product``, a GEMV that sums k one at a time: its bits are its own. The first start
-compiles for tens of seconds; numba caches the result.
+Experts run from panels (``panels``: 16 output columns' weights contiguous over k), four rows at
+a time against each panel with their sums in registers (``cpu_simd``), so each expert's weights
+stream once, in memory order, for all its rows. Element (r, n) of a product is summed over k in
+fours in one order (``_product``'s) whatever the group, with multiplies and adds rounded apart
+(no fused multiply-add), so a row's bits do not depend on how many rows its expert has. Dense
+matrices keep the input-major layout: ``rows_product`` (2 - 16 rows) and ``row_product`` (one,
+k one at a time). The first start compiles for tens of seconds; numba caches the result.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from eprt.ops import cpu_simd as simd
+
 ACC_BYTES = 16 << 10  # accumulator tile of one expert's rows: stays in L1
 ROW_COLUMNS = 2048  # row_product's widest matrix: its accumulator (8 KiB) stays in L1, wider ones stream slower
 PREFETCH_ROWS = 16  # _product asks for the weight rows this many k ahead into L2 while it computes
+PANEL_PREFETCH_LINES = 128  # _panel_product asks for the weights this many 64-byte lines (8 KiB) ahead
 VERSION = numba.__version__
 
 
@@ -126,43 +129,108 @@ def _row(x, w, y):  # pragma: no cover - compiled
     y[:] = acc
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _quad(acc, x, r, k, v0, v1, v2, v3):  # pragma: no cover - compiled
+    """acc + ((x[r, k] v0 + x[r, k+1] v1) + (x[r, k+2] v2 + x[r, k+3] v3)), 16 lanes."""
+    a0, a1 = simd.mul(simd.splat(x[r, k]), v0), simd.mul(simd.splat(x[r, k + 1]), v1)
+    a2, a3 = simd.mul(simd.splat(x[r, k + 2]), v2), simd.mul(simd.splat(x[r, k + 3]), v3)
+    return simd.add(acc, simd.add(simd.add(a0, a1), simd.add(a2, a3)))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _ahead(lines, i):  # pragma: no cover - compiled
+    """Ask for the four 64-byte lines lines[i : i + 4] (rows of a [n, 16] view) into L2, if there."""
+    if i + 4 <= lines.shape[0]:
+        for j in range(i, i + 4):
+            _prefetch(lines, j, 0)
+
+
 @njit(nogil=True, cache=True)
-def _grouped(x, w, y, experts, edges):  # pragma: no cover - compiled
+def _panel_product(x, panels, y, lo, hi):  # pragma: no cover - compiled
+    """y[lo:hi, :16 C] = x[lo:hi] @ w, w[K, 16 C] stored as panels[C, K, 16] (``panels``): each
+    panel's K rows are contiguous, so the weights stream in memory order (the first rows' pass asks
+    for them PANEL_PREFETCH_LINES ahead), and four rows' sums of a panel stay in registers over the
+    whole of k. Every element is summed in _product's order (the same bits), whatever rows share
+    the call."""
+    C, K = panels.shape[0], panels.shape[1]
+    K4 = K - K % 4
+    lines = panels.reshape(C * K, 16)  # [C K, 16] one 64-byte line per row of a panel
+    for c in range(C):
+        p, n, ahead = panels[c], 16 * c, c * K + PANEL_PREFETCH_LINES
+        r = lo
+        while r + 4 <= hi:  # four rows share each weight load
+            s0, s1, s2, s3 = simd.zeros(), simd.zeros(), simd.zeros(), simd.zeros()
+            for k in range(0, K4, 4):
+                if r == lo:  # the later rows find the panel in cache
+                    _ahead(lines, ahead + k)
+                v0, v1, v2, v3 = (
+                    simd.load(p, k, 0),
+                    simd.load(p, k + 1, 0),
+                    simd.load(p, k + 2, 0),
+                    simd.load(p, k + 3, 0),
+                )
+                s0 = _quad(s0, x, r, k, v0, v1, v2, v3)
+                s1 = _quad(s1, x, r + 1, k, v0, v1, v2, v3)
+                s2 = _quad(s2, x, r + 2, k, v0, v1, v2, v3)
+                s3 = _quad(s3, x, r + 3, k, v0, v1, v2, v3)
+            for k in range(K4, K):
+                v = simd.load(p, k, 0)
+                s0 = simd.add(s0, simd.mul(simd.splat(x[r, k]), v))
+                s1 = simd.add(s1, simd.mul(simd.splat(x[r + 1, k]), v))
+                s2 = simd.add(s2, simd.mul(simd.splat(x[r + 2, k]), v))
+                s3 = simd.add(s3, simd.mul(simd.splat(x[r + 3, k]), v))
+            simd.store(y, r, n, s0)
+            simd.store(y, r + 1, n, s1)
+            simd.store(y, r + 2, n, s2)
+            simd.store(y, r + 3, n, s3)
+            r += 4
+        while r < hi:
+            s0 = simd.zeros()
+            for k in range(0, K4, 4):
+                if r == lo:
+                    _ahead(lines, ahead + k)
+                v0, v1, v2, v3 = (
+                    simd.load(p, k, 0),
+                    simd.load(p, k + 1, 0),
+                    simd.load(p, k + 2, 0),
+                    simd.load(p, k + 3, 0),
+                )
+                s0 = _quad(s0, x, r, k, v0, v1, v2, v3)
+            for k in range(K4, K):
+                s0 = simd.add(s0, simd.mul(simd.splat(x[r, k]), simd.load(p, k, 0)))
+            simd.store(y, r, n, s0)
+            r += 1
+
+
+@njit(nogil=True, cache=True)
+def _grouped(x, panels, y, experts, edges):  # pragma: no cover - compiled
     for i in range(experts.shape[0]):
         lo, hi = edges[2 * i], edges[2 * i + 1]
         if hi > lo:
-            _product(x, w[experts[i]], y, lo, hi, _cols(hi - lo, w.shape[2]))
+            _panel_product(x, panels[experts[i]], y, lo, hi)
 
 
 @njit(nogil=True, cache=True)
-def _ffn_grouped(x, w_gate_up, w_down, y, experts, edges, rows_alone):  # pragma: no cover - compiled
-    """Per group: y[lo:hi] = (silu(g) * u) @ w_down[e], [g | u] = x[lo:hi] @ w_gate_up[e], with the
-    products of ``_product`` (a row's bits whatever its group) and SiLU as NumpyOps writes it; a
-    group of one row with ``rows_alone`` runs ``_row``'s products instead."""
-    inter = w_down.shape[1]
+def _ffn_grouped(x, gate_up, down, y, experts, edges):  # pragma: no cover - compiled
+    """Per group: y[lo:hi] = (silu(g) * u) @ down[e], [g | u] = x[lo:hi] @ gate_up[e] (panels), with
+    _panel_product's products and SiLU as NumpyOps writes it."""
+    inter = down.shape[2]
     h = np.empty((x.shape[0], 2 * inter), np.float32)  # [n, 2I]
     a = np.empty((x.shape[0], inter), np.float32)  # [n, I]
     one = np.float32(1.0)
     for i in range(experts.shape[0]):
         lo, hi = edges[2 * i], edges[2 * i + 1]
-        alone = rows_alone and hi - lo == 1
         if hi > lo:
-            if alone:
-                _row(x[lo], w_gate_up[experts[i]], h[lo])
-            else:
-                _product(x, w_gate_up[experts[i]], h, lo, hi, _cols(hi - lo, 2 * inter))
+            _panel_product(x, gate_up[experts[i]], h, lo, hi)
             for r in range(lo, hi):
                 for j in range(inter):
                     g = h[r, j]
                     a[r, j] = g / (one + np.exp(-g)) * h[r, inter + j]
-            if alone:
-                _row(a[lo], w_down[experts[i]], y[lo])
-            else:
-                _product(a, w_down[experts[i]], y, lo, hi, _cols(hi - lo, y.shape[1]))
+            _panel_product(a, down[experts[i]], y, lo, hi)
 
 
 @njit(nogil=True, cache=True)
-def _ffn_token(x, local, weights, w_gate_up, w_down, out, rows_alone):  # pragma: no cover - compiled
+def _ffn_token(x, local, weights, gate_up, down, out):  # pragma: no cover - compiled
     """out[0] = sum over the k choices in order of weights[j] * ffn(x[0]) through expert local[j]
     (0 where local[j] is outside [0, El)), with each row's bits as in ``_ffn_grouped`` and the
     sum as NumpyOps' (zero rows for other ranks' experts, added in choice order)."""
@@ -173,9 +241,9 @@ def _ffn_token(x, local, weights, w_gate_up, w_down, out, rows_alone):  # pragma
     experts = np.zeros(1, np.int64)
     for j in range(k):
         e = local[j]
-        if 0 <= e < w_gate_up.shape[0]:
+        if 0 <= e < gate_up.shape[0]:
             experts[0] = e
-            _ffn_grouped(x, w_gate_up, w_down, y, experts, edges, rows_alone)
+            _ffn_grouped(x, gate_up, down, y, experts, edges)
             for d in range(D):
                 v = y[0, d] * weights[j]
                 out[0, d] = v if j == 0 else out[0, d] + v
@@ -283,29 +351,35 @@ def rope(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray) -> np.ndarra
     return y
 
 
-def expert_ffn(x, w_gate_up_t, w_down_t, experts, edges, rows_alone: bool) -> np.ndarray:
+def panels(w: np.ndarray) -> np.ndarray:
+    """[.., N / 16, K, 16]: w[.., N, K] (float32, N a multiple of 16) as the panels the expert
+    kernels read, panel c holding w[.., 16 c : 16 c + 16, :] transposed."""
+    *lead, N, K = w.shape
+    return np.ascontiguousarray(w.reshape(*lead, N // simd.LANES, simd.LANES, K).swapaxes(-1, -2))
+
+
+def expert_ffn(x, gate_up, down, experts, edges) -> np.ndarray:
     """y[n, D]: rows edges[2i]..edges[2i+1] of x[n, D] (float32) through expert experts[i]'s gate/up
-    w_gate_up_t[El, D, 2I], SiLU and down w_down_t[El, I, D] (input-major, C-contiguous); rows outside
-    every group stay zero. ``rows_alone``: a group of one row runs ``row_product``'s order."""
-    y = np.zeros((x.shape[0], w_down_t.shape[2]), dtype=np.float32)  # [n, D]
-    experts, edges = experts.astype(np.int64), edges.astype(np.int64)
-    _ffn_grouped(np.ascontiguousarray(x), w_gate_up_t, w_down_t, y, experts, edges, rows_alone)
+    gate_up[El, 2I / 16, D, 16], SiLU and down down[El, D / 16, I, 16] (``panels``); rows outside
+    every group stay zero."""
+    y = np.zeros((x.shape[0], 16 * down.shape[1]), dtype=np.float32)  # [n, D]
+    _ffn_grouped(np.ascontiguousarray(x), gate_up, down, y, experts.astype(np.int64), edges.astype(np.int64))
     return y
 
 
-def moe_token(x, local, weights, w_gate_up_t, w_down_t, rows_alone: bool) -> np.ndarray:
+def moe_token(x, local, weights, gate_up, down) -> np.ndarray:
     """[1, D]: the MoE output of one token x[1, D] over its k choices local[k] (this rank's experts;
     others outside [0, El)) with routing weights[k] (float32), the rest as in ``expert_ffn``."""
-    out = np.empty((1, w_down_t.shape[2]), dtype=np.float32)  # [1, D]
-    _ffn_token(np.ascontiguousarray(x), local.astype(np.int64), weights, w_gate_up_t, w_down_t, out, rows_alone)
+    out = np.empty((1, 16 * down.shape[1]), dtype=np.float32)  # [1, D]
+    _ffn_token(np.ascontiguousarray(x), local.astype(np.int64), weights, gate_up, down, out)
     return out
 
 
-def expert_rows(x: np.ndarray, w_t: np.ndarray, experts: np.ndarray, edges: np.ndarray) -> np.ndarray:
+def expert_rows(x: np.ndarray, w: np.ndarray, experts: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """y[n, N]: rows edges[2i]..edges[2i+1] of x[n, K] (float32) through expert experts[i] of
-    w_t[El, K, N] (input-major, C-contiguous float32); rows outside every group stay zero."""
-    y = np.zeros((x.shape[0], w_t.shape[2]), dtype=np.float32)  # [n, N]
-    _grouped(np.ascontiguousarray(x), w_t, y, experts.astype(np.int64), edges.astype(np.int64))
+    w[El, N / 16, K, 16] (``panels``); rows outside every group stay zero."""
+    y = np.zeros((x.shape[0], 16 * w.shape[1]), dtype=np.float32)  # [n, N]
+    _grouped(np.ascontiguousarray(x), w, y, experts.astype(np.int64), edges.astype(np.int64))
     return y
 
 
@@ -331,12 +405,12 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) for the float32 shapes the ops pass."""
     x = np.ones((5, 7), np.float32)  # [n, K]
     w = np.ones((1, 7, 3), np.float32)  # [El, K, N]
-    expert_rows(x, w, np.zeros(1, np.int64), np.array([0, 5], np.int64))
     rows_product(x, w[0])
     row_product(x[:1], w[0])
     rms_norm(x, np.ones(7, np.float32), 1e-6)
     rope(np.ones((2, 1, 8), np.float32), np.zeros(2, np.int32), np.ones((4, 8), np.float32))
-    for rows_alone in (False, True):
-        w_gate_up, w_down = np.ones((1, 7, 6), np.float32), np.ones((1, 3, 7), np.float32)
-        expert_ffn(x, w_gate_up, w_down, np.zeros(1, np.int64), np.array([0, 5]), rows_alone)
-        moe_token(x[:1], np.zeros(2, np.int64), np.ones(2, np.float32), w_gate_up, w_down, rows_alone)
+    gate_up, down = panels(np.ones((1, 32, 16), np.float32)), panels(np.ones((1, 16, 16), np.float32))
+    x = np.ones((5, 16), np.float32)  # [n, D]
+    expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
+    expert_ffn(x, gate_up, down, np.zeros(1, np.int64), np.array([0, 5]))
+    moe_token(x[:1], np.zeros(2, np.int64), np.ones(2, np.float32), gate_up, down)

@@ -54,9 +54,8 @@ def lora_apply(y: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, rows:
 def moe_experts_lora(ops, x, weights, ids, w_gate_up, w_down, expert_start, rows: LoraRows, gate_up, down):
     """``Ops.moe_experts`` with each (token, choice) pair's expert projections carrying the LoRA
     delta of its token's slot: gate_up / down are (a[S, El, R, K], b[S, El, R, N]) or None. The
-    base products are ``ops.expert_products`` (those of ``moe_experts``, except the compiled path's
-    fused small experts, whose SiLU is the kernel's); the deltas then go by segments of pairs
-    sharing (slot, expert)."""
+    base products are ``ops.expert_products`` (those of ``moe_experts``; on the compiled path its
+    fused kernel's SiLU is its own); the deltas then go by segments of pairs sharing (slot, expert)."""
     T, D = x.shape
     k = ids.shape[1]
     local = (ids - expert_start).reshape(-1)  # [T*k]

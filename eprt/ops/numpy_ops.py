@@ -21,10 +21,9 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
 
 FEW_QUERY_ROWS = 16  # query rows per kv head (a verify step's) up to which attention scores run as K @ q^T
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
-EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows computes each row alone (GEMVs or the kernel)
+EXPERT_ROWS_AS_GEMV = 16  # NumPy's products: an expert with at most this many rows runs a GEMV per row
 MOE_TOKENS_ONE_BY_ONE = 5  # up to this many tokens, moe_experts may run them one by one
 LINEAR_KERNEL_ROWS = 16  # compiled path: 2..16 rows stream the weights once (OpenBLAS's small GEMM packs them)
-KERNEL_ONE_ROW_BYTES = 256 << 10  # compiled path: experts of matrices up to this size run a lone row as _product does
 EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
 
 
@@ -65,7 +64,7 @@ def _solve_unit_lower(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class NumpyOps(Ops):
     name = "cpu"
-    moe_split_rows = EXPERT_ROWS_AS_GEMV + 1  # a row's bits differ between the by-row and the GEMM paths
+    moe_split_rows = EXPERT_ROWS_AS_GEMV + 1  # NumPy's products: a row's bits differ between GEMVs and a GEMM
     xp = np
     act_dtype = np.float32
     kv_itemsize = 4  # bytes per KV cache element (float32)
@@ -99,11 +98,15 @@ class NumpyOps(Ops):
             self.kernels.warm_up()
 
     # ---- data movement -------------------------------------------------------------
+    @staticmethod
+    def _float32(host: np.ndarray) -> np.ndarray:
+        return bf16_bits_to_f32(host) if host.dtype == np.uint16 else np.asarray(host, dtype=np.float32)
+
     def weight(self, host: np.ndarray) -> np.ndarray:
         """Same shape and values; a matrix (or stack of them) is stored input-major ([.., K, N]
         in memory, a transposed view): OpenBLAS streams ``x @ w.T`` for one row about twice as
         fast from that layout as from [N, K] on this project's machines."""
-        w = bf16_bits_to_f32(host) if host.dtype == np.uint16 else np.asarray(host, dtype=np.float32)
+        w = self._float32(host)
         if w.ndim < 2:
             return np.ascontiguousarray(w)
         return np.ascontiguousarray(np.swapaxes(w, -1, -2)).swapaxes(-1, -2)
@@ -324,17 +327,13 @@ class NumpyOps(Ops):
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
         k = ids.shape[1]
-        fused = self._fused(w_gate_up, w_down)
-        if T == 1 and fused:  # decode at batch 1: k distinct experts, one row each, one kernel call
+        panels = w_gate_up.ndim == 4  # expert_weights stored them for the compiled kernels
+        if T == 1 and panels:  # decode at batch 1: k distinct experts, one row each, one kernel call
             routing = np.ascontiguousarray(weights[0], dtype=np.float32)  # [k]
-            alone = self._rows_alone(w_gate_up, w_down)
-            return self.kernels.moe_token(
-                x, ids[0] - expert_start, routing, *self._kernel_weights(w_gate_up, w_down), alone
-            )  # [1, D]
+            return self.kernels.moe_token(x, ids[0] - expert_start, routing, w_gate_up, w_down)  # [1, D]
         if T == 1:  # one token (decode at batch 1): its k experts in choice order, no grouping
             return self._moe_one_token(x, weights[0], ids[0] - expert_start, w_gate_up, w_down)
-        gemv_rows = EXPERT_ROWS_AS_GEMV if self.experts == "numpy" else 1  # (the kernel's bits are not a GEMV's)
-        if not fused and T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= gemv_rows:
+        if not panels and T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= EXPERT_ROWS_AS_GEMV:
             # a few tokens (a verify step's at batch 1), no expert with more rows than run as GEMVs:
             # token by token is cheaper than grouping them, and the same bits (one GEMV per row)
             local = ids - expert_start  # [T, k]
@@ -350,64 +349,41 @@ class NumpyOps(Ops):
         ys = np.zeros((T * k, D), dtype=np.float32)  # [T*k, D] one row per (token, choice)
         if stop > start:
             xs = x[picks // k]  # [n, D] gathered once
-            if fused:
-                ys[picks] = self._expert_ffn(xs, w_gate_up, w_down, bounds - start)  # [n, D]
+            if panels:  # gate/up, SiLU and down of every group in one kernel call
+                chosen = np.flatnonzero(np.diff(bounds))  # experts with rows
+                ys[picks] = self.kernels.expert_ffn(xs, w_gate_up, w_down, chosen, _edges(bounds - start, chosen))
             else:
                 h = self.expert_products(xs, w_gate_up, bounds - start)  # [n, 2I]
                 ys[picks] = self.expert_products(self.silu_and_mul(h), w_down, bounds - start)  # [n, D]
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 
-    def _fused(self, w_gate_up, w_down) -> bool:
-        """Whether the compiled path runs these experts in one kernel call (gate/up, SiLU and down of
-        every group of up to EXPERT_ROWS_AS_GEMV rows): small matrices, and those whose lone row
-        row_product streams (at most ROW_COLUMNS outputs). A wider one's lone row streams faster
-        through OpenBLAS's GEMV: such experts run their products apart (expert_products)."""
-        if self.experts != "numba":  # (and cpu_kernels, which imports numba, stays unimported)
-            return False
-        return not self._rows_alone(w_gate_up, w_down) or max(w_gate_up.shape[1], w_down.shape[1]) <= (
-            self.kernels.ROW_COLUMNS
-        )
+    def expert_weights(self, gate_up, down):
+        """On the compiled path, stacks whose outputs (2I, D) are multiples of 16 are stored as
+        panels [El, N / 16, K, 16] (cpu_kernels.panels): the kernels read each 16 columns' weights
+        in memory order and keep four rows' sums in registers, every row in the same order whatever
+        its group (a row's bits do not depend on its batch-mates). Other stacks are stored as
+        ``weight`` stores them and run NumPy's products."""
+        gate_up, down = self._float32(gate_up), self._float32(down)  # [El, 2I, D], [El, D, I]
+        if self.experts == "numba" and gate_up.shape[1] % 16 == 0 and down.shape[1] % 16 == 0:
+            return self.kernels.panels(gate_up), self.kernels.panels(down)
+        return self.weight(gate_up), self.weight(down)
 
-    @staticmethod
-    def _rows_alone(w_gate_up, w_down) -> bool:
-        """Whether the compiled path runs an expert's lone row in row_product's order: true for
-        larger matrices, which that order streams near the read rate (about 2x _product's one row).
-        Experts of matrices up to KERNEL_ONE_ROW_BYTES run every group of up to EXPERT_ROWS_AS_GEMV
-        rows, one row included, in _product's order: a row's bits whatever its group, so a verify
-        step and a decode step agree. The rule depends on the shapes only."""
-        small = max(w_gate_up.shape[1] * w_gate_up.shape[2], w_down.shape[1] * w_down.shape[2]) * 4
-        return small > KERNEL_ONE_ROW_BYTES
-
-    def _expert_ffn(self, xs, w_gate_up, w_down, bounds):
-        """[n, D]: rows bounds[e]..bounds[e+1] of xs[n, D] through expert e's gate/up, SiLU, down."""
-        sizes = np.diff(bounds)  # [El]
-        small = np.flatnonzero((sizes > 0) & (sizes <= EXPERT_ROWS_AS_GEMV))
-        weights, alone = self._kernel_weights(w_gate_up, w_down), self._rows_alone(w_gate_up, w_down)
-        y = self.kernels.expert_ffn(xs, *weights, small, _edges(bounds, small), alone)  # [n, D]
-        for e in np.flatnonzero(sizes > EXPERT_ROWS_AS_GEMV).tolist():
-            lo, hi = int(bounds[e]), int(bounds[e + 1])
-            y[lo:hi] = self.silu_and_mul(xs[lo:hi] @ w_gate_up[e].T) @ w_down[e].T  # [t, D]
-        return y
-
-    @staticmethod
-    def _kernel_weights(*stacks) -> tuple:
-        """[El, K, N] views of expert matrices [El, N, K]: contiguous in NumpyOps.weight's layout."""
-        return tuple(np.ascontiguousarray(w.swapaxes(-1, -2)) for w in stacks)  # (a copy only if not)
+    def take_experts(self, gate_up, down, source):
+        if gate_up.ndim == 4:  # panels: indexing keeps their layout
+            return np.ascontiguousarray(gate_up[source]), np.ascontiguousarray(down[source])
+        return self.weight(gate_up[source]), self.weight(down[source])  # restores the input-major layout
 
     def expert_products(self, xs, w, bounds):
-        """[n, N]: rows bounds[e]..bounds[e+1] of xs[n, K] through expert e of w[El, N, K]. An expert
-        with one row runs a GEMV; with at most EXPERT_ROWS_AS_GEMV rows each row is computed alone
-        (the kernel, or a GEMV per row: the same bits whatever the group's size); more, one GEMM."""
+        """[n, N]: rows bounds[e]..bounds[e+1] of xs[n, K] through expert e of w[El, N, K] (or its
+        panels: cpu_kernels.expert_rows, every group). Otherwise each row of an expert with at most
+        EXPERT_ROWS_AS_GEMV rows runs a GEMV (the same bits whatever the group's size); more, one GEMM."""
         sizes = np.diff(bounds)  # [El]
-        small = (sizes > 0) & (sizes <= EXPERT_ROWS_AS_GEMV)
-        kernel = np.flatnonzero(small & (sizes > 1)) if self.experts == "numba" else np.empty(0, np.int64)
-        by_row = np.flatnonzero(sizes == 1) if self.experts == "numba" else np.flatnonzero(small)
-        if len(kernel):
-            y = self._kernel_rows(xs, w, kernel, bounds)  # [n, N]
-        else:
-            y = np.empty((len(xs), w.shape[1]), dtype=np.float32)  # [n, N]
-        for e in by_row.tolist():
+        if w.ndim == 4:
+            chosen = np.flatnonzero(sizes)
+            return self.kernels.expert_rows(xs, w, chosen, _edges(bounds, chosen))  # [n, N]
+        y = np.empty((len(xs), w.shape[1]), dtype=np.float32)  # [n, N]
+        for e in np.flatnonzero((sizes > 0) & (sizes <= EXPERT_ROWS_AS_GEMV)).tolist():
             wt = w[e].T  # [K, N]
             for r in range(int(bounds[e]), int(bounds[e + 1])):
                 y[r : r + 1] = self._one_row(xs[r : r + 1], wt)  # [1, N]
@@ -415,10 +391,6 @@ class NumpyOps(Ops):
             lo, hi = int(bounds[e]), int(bounds[e + 1])
             y[lo:hi] = xs[lo:hi] @ w[e].T  # [t, N]
         return y
-
-    def _kernel_rows(self, xs, w, experts, bounds):
-        """cpu_kernels.expert_rows over the groups ``experts``."""
-        return self.kernels.expert_rows(xs, *self._kernel_weights(w), experts, _edges(bounds, experts))
 
     def _moe_one_token(self, x, weights, local, w_gate_up, w_down):
         """moe_experts for x[1, D]: the same float operations (one-row groups: _one_row; weighted rows

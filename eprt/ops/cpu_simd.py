@@ -1,0 +1,97 @@
+"""Sixteen float32 lanes for the compiled CPU kernels: a numba value type held as LLVM's
+<16 x float> (a register: one zmm with AVX-512, two ymm with AVX2, four NEON q registers) and
+the few operations the kernels use. Multiplies and adds stay apart (no fused multiply-add), as in
+NumPy's float32 expressions. Imported with cpu_kernels only (it needs numba)."""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+LANES = 16
+_VECTOR = ir.VectorType(ir.FloatType(), LANES)
+
+
+class Lanes(types.Type):
+    def __init__(self):
+        super().__init__(name=f"float32x{LANES}")
+
+
+lanes = Lanes()
+
+
+@register_model(Lanes)
+class _LanesModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VECTOR)
+
+
+def _pointer(context, builder, array_type, array, index, index_types):
+    """A <16 x float>* to array[index...] (a float32 array, C order along the last axis)."""
+    ary = context.make_array(array_type)(context, builder, array)
+    index = [context.cast(builder, v, t, types.intp) for v, t in zip(index, index_types)]
+    item = cgutils.get_item_pointer(context, builder, array_type, ary, index)
+    return builder.bitcast(item, _VECTOR.as_pointer())
+
+
+@intrinsic
+def load(typingctx, array, i, j):
+    """array[i, j : j + 16] of a float32 matrix whose rows are contiguous."""
+
+    def codegen(context, builder, signature, args):
+        return builder.load(
+            _pointer(context, builder, signature.args[0], args[0], args[1:], signature.args[1:]), align=4
+        )
+
+    return lanes(array, i, j), codegen
+
+
+@intrinsic
+def store(typingctx, array, i, j, value):
+    """array[i, j : j + 16] = value."""
+
+    def codegen(context, builder, signature, args):
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1:3], signature.args[1:3])
+        builder.store(args[3], pointer, align=4)
+        return context.get_dummy_value()
+
+    return types.void(array, i, j, value), codegen
+
+
+@intrinsic
+def splat(typingctx, x):
+    """x (a float32) in every lane."""
+
+    def codegen(context, builder, signature, args):
+        value = context.cast(builder, args[0], signature.args[0], types.float32)
+        undef = ir.Constant(_VECTOR, ir.Undefined)
+        first = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+
+    return lanes(x), codegen
+
+
+@intrinsic
+def zeros(typingctx):
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_VECTOR, [0.0] * LANES)
+
+    return lanes(), codegen
+
+
+@intrinsic
+def add(typingctx, a, b):
+    def codegen(context, builder, signature, args):
+        return builder.fadd(args[0], args[1])
+
+    return lanes(a, b), codegen
+
+
+@intrinsic
+def mul(typingctx, a, b):
+    def codegen(context, builder, signature, args):
+        return builder.fmul(args[0], args[1])
+
+    return lanes(a, b), codegen
