@@ -5,22 +5,13 @@ import numpy as np
 import pytest
 
 from eprt.ops import numpy_ops
-from eprt.ops.numpy_ops import EXPERT_ROWS_AS_GEMV, LINEAR_KERNEL_ROWS, NumpyOps, numba_available
+from eprt.ops.numpy_ops import EXPERT_ROWS_AS_GEMV, NumpyOps, numba_available
 
 # the expert paths: the compiled kernel (numba, the cpu extra) where it imports, and the NumPy fallback
 EXPERT_PATHS = [
     pytest.param("numba", marks=pytest.mark.skipif(not numba_available(), reason="numba not installed")),
     "numpy",
 ]
-
-
-def in_k_order(x, wt):
-    """x[1, K] @ wt[K, N] as cpu_kernels.row_product sums it: acc += x[k] * wt[k] for k in order,
-    float32, each product rounded before its add (NumPy's float32 multiply, then add)."""
-    acc = np.zeros((1, wt.shape[1]), np.float32)
-    for k in range(wt.shape[0]):
-        acc = acc + x[:, k : k + 1] * wt[k]
-    return acc
 
 
 def in_quads(x, wt):
@@ -227,26 +218,29 @@ def test_panel_experts_sum_in_quads_whatever_their_group():
 
 
 @pytest.mark.parametrize("path", EXPERT_PATHS)
-def test_linear_of_a_few_rows(path):
-    """2..LINEAR_KERNEL_ROWS rows (a verify step, a small batch) run the compiled product on the
-    numba path: x @ w.T within float32 rounding, each row's bits whatever rows share the call;
-    one row runs row_product (k in order) up to its ROW_COLUMNS, more rows stay with OpenBLAS."""
+def test_linear_rows_do_not_depend_on_their_batch(path):
+    """On the compiled path a linear weight of a width that is a multiple of 16 is stored as panels
+    and every row count sums in the quad order (in_quads): a row's bits are the same alone, in a
+    verify step's few rows or in a batch. Other widths, and the NumPy path, run OpenBLAS."""
     rng = np.random.default_rng(5)
     ops = NumpyOps(path)
-    K, N = 37, 70  # K % 4 != 0: the kernel's remainder terms too
-    x = rng.standard_normal((LINEAR_KERNEL_ROWS + 2, K), dtype=np.float32)
-    w = ops.weight(rng.standard_normal((N, K), dtype=np.float32))  # [N, K]
-    bias = rng.standard_normal(N, dtype=np.float32)
-    want = x.astype(np.float64) @ w.T.astype(np.float64) + bias
-    for rows in (1, 2, 5, LINEAR_KERNEL_ROWS, LINEAR_KERNEL_ROWS + 2):
-        np.testing.assert_allclose(ops.linear(x[:rows], w, bias), want[:rows], rtol=1e-5, atol=1e-5)
-    if path == "numba":
-        full = ops.linear(x[:LINEAR_KERNEL_ROWS], w)
-        for lo, hi in [(0, 2), (1, 4), (3, 8)]:
-            assert np.array_equal(ops.linear(x[lo:hi], w), full[lo:hi]), (lo, hi)
-        np.testing.assert_array_equal(ops.linear(x[:1], w), in_k_order(x[:1], w.T))
-        wide = ops.weight(rng.standard_normal((ops.kernels.ROW_COLUMNS + 1, K), dtype=np.float32))
-        np.testing.assert_array_equal(ops.linear(x[:1], wide), x[:1] @ wide.T)  # past ROW_COLUMNS: OpenBLAS
+    K = 37  # K % 4 != 0: the kernel's remainder terms too
+    x = rng.standard_normal((40, K), dtype=np.float32)
+    bias = rng.standard_normal(64, dtype=np.float32)
+    for N in (64, 70):
+        host = rng.standard_normal((N, K), dtype=np.float32)
+        w = ops.linear_weight(host)
+        panels = path == "numba" and N % 16 == 0
+        assert w.shape == ((N // 16, K, 16) if panels else (N, K))
+        want = x.astype(np.float64) @ host.T.astype(np.float64)
+        full = ops.linear(x, w)
+        np.testing.assert_allclose(full, want, rtol=1e-5, atol=1e-5)
+        if panels:
+            np.testing.assert_array_equal(full, in_quads(x, host.T))
+            for lo, hi in [(0, 1), (0, 2), (1, 4), (3, 8), (5, 21), (0, 40)]:
+                assert np.array_equal(ops.linear(x[lo:hi], w), full[lo:hi]), (lo, hi)
+        got = ops.linear(x[:3], w, bias[:N] if N <= 64 else None)
+        np.testing.assert_allclose(got, want[:3] + (bias[:N] if N <= 64 else 0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("path", EXPERT_PATHS)
@@ -347,7 +341,7 @@ def test_numpy_path_runs_without_the_compiled_kernels():
     ids, w = np.array([[0, 1], [2, 3], [0, 2]], dtype=np.int32), rng.random((3, 2), dtype=np.float32)
     ops.moe_experts(x[:1], w[:1], ids[:1], wgu, wd, 0)
     ops.moe_experts(x, w, ids, wgu, wd, 0)
-    ops.linear(x[:1], wgu[0])  # [1, 160] @ [160, 512]
+    ops.linear(x[:1], ops.linear_weight(rng.standard_normal((512, 160), dtype=np.float32)))  # [1, 160] -> [1, 512]
     ops.rms_norm(x, np.ones(160, np.float32), 1e-6)
     ops.rope(x.reshape(3, 2, 80), np.arange(3), rng.standard_normal((5, 80), dtype=np.float32))
     assert ops._kernels is None

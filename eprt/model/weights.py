@@ -286,9 +286,13 @@ def _check_fp8_finite(name: str, raw: np.ndarray, scale: np.ndarray) -> None:
 
 
 def _weight(src: TensorSource, ops, name: str, expected: tuple):
-    """One weight: FP8-resident where the backend keeps FP8, else a checked host array uploaded."""
+    """One weight: FP8-resident where the backend keeps FP8, else a checked host array uploaded (a
+    matrix as a linear layer's: every matrix read through here is one)."""
     fp8 = _resident_fp8(src, ops, [name], expected)
-    return fp8 if fp8 is not None else ops.weight(_host(src, name, expected))
+    if fp8 is not None:
+        return fp8
+    host = _host(src, name, expected)
+    return ops.linear_weight(host) if host.ndim == 2 else ops.weight(host)
 
 
 def _read(src: TensorSource, name: str, expected: tuple) -> np.ndarray:
@@ -437,8 +441,8 @@ def _attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
     if cfg.attention_output_gate:  # rows per head: query (Dh) | gate (Dh)
         both = _host(src, f"{a}.q_proj.weight", (n["2Q"], n["D"])).reshape(cfg.num_heads, 2, cfg.head_dim, -1)
         out.update(
-            q=ops.weight(np.ascontiguousarray(both[:, 0].reshape(-1, both.shape[-1]))),
-            q_gate=ops.weight(np.ascontiguousarray(both[:, 1].reshape(-1, both.shape[-1]))),
+            q=ops.linear_weight(np.ascontiguousarray(both[:, 0].reshape(-1, both.shape[-1]))),
+            q_gate=ops.linear_weight(np.ascontiguousarray(both[:, 1].reshape(-1, both.shape[-1]))),
         )
         out.update(k=W(f"{a}.k_proj.weight", "KV", "D"), v=W(f"{a}.v_proj.weight", "KV", "D"))
     else:
@@ -483,13 +487,13 @@ def _gated_delta_net(src: TensorSource, cfg: ModelConfig, ops, a: str) -> GatedD
     ba = np.concatenate([ba[:, :r].reshape(-1, ba.shape[-1]), ba[:, r:].reshape(-1, ba.shape[-1])], axis=0)
     conv = _host(src, f"{a}.conv1d.weight", (n["Cv"], n["1"], n["Kc"]))
     return GatedDeltaNetWeights(
-        in_proj=ops.weight(np.ascontiguousarray(qkvz)),
-        in_proj_ba=ops.weight(np.ascontiguousarray(ba)),
+        in_proj=ops.linear_weight(np.ascontiguousarray(qkvz)),
+        in_proj_ba=ops.linear_weight(np.ascontiguousarray(ba)),
         conv=ops.weight(np.ascontiguousarray(conv[:, 0, :])),
         a_log=ops.weight(_f32(_host(src, f"{a}.A_log", (n["Hv"],)))),
         dt_bias=ops.weight(_f32(_host(src, f"{a}.dt_bias", (n["Hv"],)))),
         norm=W(f"{a}.norm.weight", "dv"),
-        out=W(f"{a}.out_proj.weight", "D", "HVdv"),
+        out=ops.linear_weight(_host(src, f"{a}.out_proj.weight", (n["D"], n["HVdv"]))),
     )
 
 
@@ -511,7 +515,7 @@ def _fused_qkv(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
     if any(w is not None for w in fp8):
         return dict(zip("qkv", (w if w is not None else _weight(src, ops, *nd) for w, nd in zip(fp8, named))))
     host = _same_dtype(*(_host(src, name, shape) for name, shape in named))
-    return dict(q=None, k=None, v=None, qkv=ops.weight(np.concatenate(host)))
+    return dict(q=None, k=None, v=None, qkv=ops.linear_weight(np.concatenate(host)))
 
 
 def _mla_attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
@@ -531,8 +535,8 @@ def _mla_attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
     kv_b = _same_dtype(_host(src, f"{a}.kv_b_proj.weight", (n["HKV"], n["C"])))[0]
     kv_b = kv_b.reshape(H, Dn + m.v_head_dim, C)  # [H, Dn+Dv, C]
     out.update(
-        q=ops.weight(q),
-        kv_a=ops.weight(kv_a),
+        q=ops.linear_weight(q),
+        kv_a=ops.linear_weight(kv_a),
         kv_a_norm=W(f"{a}.kv_a_layernorm.weight", "C"),
         w_uk=ops.weight(np.ascontiguousarray(kv_b[:, :Dn, :].transpose(0, 2, 1))),  # [H, C, Dn]
         w_uv=ops.weight(np.ascontiguousarray(kv_b[:, Dn:, :])),  # [H, Dv, C]
@@ -582,7 +586,7 @@ def _gate_up(src: TensorSource, ops, prefix: str, expected: tuple):
     if fp8 is not None:
         return fp8
     g, u = _same_dtype(*(_host(src, name, expected) for name in names))
-    return ops.weight(np.concatenate([g, u], axis=0))
+    return ops.linear_weight(np.concatenate([g, u], axis=0))
 
 
 def _resident_fp8_experts(src: TensorSource, cfg: ModelConfig, ops, prefix: str, ids: Sequence[int]):

@@ -16,7 +16,9 @@ Shape legend used in every backend:
     C conv channels (2*Hk*dk + Hv*dv)   K conv kernel width
 
 Conventions:
-    * Linear weights keep the Hugging Face layout ``[out, in]``: ``y = x @ w.T (+ b)``.
+    * Linear weights keep the Hugging Face layout ``[out, in]``: ``y = x @ w.T (+ b)``. A backend
+      may store those only ``linear`` reads otherwise (``linear_weight``; NumpyOps' compiled path:
+      panels ``[N / 16, K, 16]``).
     * Expert weights are stacked per rank: ``w_gate_up[El, 2I, D]`` (rows ``[0, I)`` are
       the gate projection, ``[I, 2I)`` the up projection) and ``w_down[El, D, I]``. A backend
       may store them otherwise (``expert_weights``; NumpyOps' compiled path: panels
@@ -91,6 +93,11 @@ class Ops:
         block_n), ceil(K / block_k)] float32. Rows [i * part_rows, (i + 1) * part_rows) are blocked
         on their own (gate | up stacked). ``linear`` and ``moe_experts`` accept the result."""
         raise NotImplementedError
+
+    def linear_weight(self, host: np.ndarray) -> Array:
+        """Upload a matrix [N, K] that only ``linear`` reads, in the layout it reads fastest; the
+        default is ``weight``'s."""
+        return self.weight(host)
 
     def expert_weights(self, gate_up: np.ndarray, down: np.ndarray) -> tuple:
         """Upload one layer's expert stacks, host gate_up[El, 2I, D] and down[El, D, I] (as for

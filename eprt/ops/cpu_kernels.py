@@ -1,14 +1,13 @@
-"""Compiled CPU kernels (numba, the ``cpu`` extra): the expert products, and the small-M dense
-products, norms and rotations. Imported only when NumpyOps takes the numba path (importing numba
-takes about a second).
+"""Compiled CPU kernels (numba, the ``cpu`` extra): the matrix products (dense and experts),
+norms and rotations. Imported only when NumpyOps takes the numba path (importing numba takes
+about a second).
 
-Experts run from panels (``panels``: 16 output columns' weights contiguous over k), four rows at
-a time against each panel with their sums in registers (``cpu_simd``), so each expert's weights
-stream once, in memory order, for all its rows. Element (r, n) of a product is summed over k in
-fours in one order (``_product``'s) whatever the group, with multiplies and adds rounded apart
-(no fused multiply-add), so a row's bits do not depend on how many rows its expert has. Dense
-matrices keep the input-major layout: ``rows_product`` (2 - 16 rows) and ``row_product`` (one,
-k one at a time). The first start compiles for tens of seconds; numba caches the result.
+Weights are read from panels (``panels``: 16 output columns' weights contiguous over k), four
+rows at a time against each panel with their sums in registers (``cpu_simd``), so a matrix
+streams once, in memory order, for all its rows. Element (r, n) of a product is summed over k in
+fours in one order whatever the rows in the call, with multiplies and adds rounded apart (no
+fused multiply-add), so a row's bits do not depend on its batch-mates. The first start compiles
+for tens of seconds; numba caches the result.
 """
 
 from __future__ import annotations
@@ -22,9 +21,6 @@ from numba.extending import intrinsic
 
 from eprt.ops import cpu_simd as simd
 
-ACC_BYTES = 16 << 10  # accumulator tile of one expert's rows: stays in L1
-ROW_COLUMNS = 2048  # row_product's widest matrix: its accumulator (8 KiB) stays in L1, wider ones stream slower
-PREFETCH_ROWS = 16  # _product asks for the weight rows this many k ahead into L2 while it computes
 PANEL_PREFETCH_LINES = 128  # _panel_product asks for the weights this many 64-byte lines (8 KiB) ahead
 VERSION = numba.__version__
 
@@ -45,88 +41,6 @@ def _prefetch(typingctx, array, i, j):
         return context.get_dummy_value()
 
     return types.void(array, i, j), codegen
-
-
-@njit(nogil=True, cache=True)
-def _cols(rows, n):  # pragma: no cover - compiled
-    """Columns per tile of ``_product`` for ``rows`` rows of an n-column product: the rows'
-    accumulators stay within ACC_BYTES (a multiple of 16, at least 16)."""
-    return max(16, min(n, ACC_BYTES // (4 * rows) // 16 * 16))
-
-
-@njit(nogil=True, cache=True)
-def _product(x, w, y, lo, hi, cols):  # pragma: no cover - compiled
-    """y[lo:hi] = x[lo:hi] @ w, x[n, K], w[K, N], by column tiles of ``cols``; for every element:
-    acc = 0, then acc += (x0 w0 + x1 w1) + (x2 w2 + x3 w3) over k in fours, then the K % 4 rest
-    one at a time."""
-    K = x.shape[1]
-    N = w.shape[1]
-    K4 = K - K % 4
-    acc = np.empty((hi - lo, cols), np.float32)  # [m, cols]
-    for n0 in range(0, N, cols):
-        nb = min(cols, N - n0)
-        acc[:, :] = 0.0
-        for k in range(0, K4, 4):
-            if k + PREFETCH_ROWS + 4 <= K:
-                for i in range(k + PREFETCH_ROWS, k + PREFETCH_ROWS + 4):
-                    for n in range(n0, n0 + nb, 16):  # a 64-byte line each
-                        _prefetch(w, i, n)
-            w0 = w[k, n0 : n0 + nb]
-            w1 = w[k + 1, n0 : n0 + nb]
-            w2 = w[k + 2, n0 : n0 + nb]
-            w3 = w[k + 3, n0 : n0 + nb]
-            r = lo
-            while r + 4 <= hi:  # four rows share each weight load
-                a0, a1, a2, a3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
-                b0, b1, b2, b3 = x[r + 1, k], x[r + 1, k + 1], x[r + 1, k + 2], x[r + 1, k + 3]
-                c0, c1, c2, c3 = x[r + 2, k], x[r + 2, k + 1], x[r + 2, k + 2], x[r + 2, k + 3]
-                d0, d1, d2, d3 = x[r + 3, k], x[r + 3, k + 1], x[r + 3, k + 2], x[r + 3, k + 3]
-                ar, br, cr, dr = acc[r - lo], acc[r - lo + 1], acc[r - lo + 2], acc[r - lo + 3]
-                for n in range(nb):
-                    v0, v1, v2, v3 = w0[n], w1[n], w2[n], w3[n]  # loaded once: the stores below may alias
-                    ar[n] += (a0 * v0 + a1 * v1) + (a2 * v2 + a3 * v3)
-                    br[n] += (b0 * v0 + b1 * v1) + (b2 * v2 + b3 * v3)
-                    cr[n] += (c0 * v0 + c1 * v1) + (c2 * v2 + c3 * v3)
-                    dr[n] += (d0 * v0 + d1 * v1) + (d2 * v2 + d3 * v3)
-                r += 4
-            if r + 2 <= hi:  # two rows
-                a0, a1, a2, a3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
-                b0, b1, b2, b3 = x[r + 1, k], x[r + 1, k + 1], x[r + 1, k + 2], x[r + 1, k + 3]
-                ar, br = acc[r - lo], acc[r - lo + 1]
-                for n in range(nb):
-                    v0, v1, v2, v3 = w0[n], w1[n], w2[n], w3[n]
-                    ar[n] += (a0 * v0 + a1 * v1) + (a2 * v2 + a3 * v3)
-                    br[n] += (b0 * v0 + b1 * v1) + (b2 * v2 + b3 * v3)
-                r += 2
-            while r < hi:
-                a0, a1, a2, a3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
-                ar = acc[r - lo]
-                for n in range(nb):
-                    ar[n] += (a0 * w0[n] + a1 * w1[n]) + (a2 * w2[n] + a3 * w3[n])
-                r += 1
-        for k in range(K4, K):
-            wk = w[k, n0 : n0 + nb]
-            for r in range(lo, hi):
-                a = x[r, k]
-                ar = acc[r - lo]
-                for n in range(nb):
-                    ar[n] += a * wk[n]
-        y[lo:hi, n0 : n0 + nb] = acc[:, :nb]
-
-
-@njit(nogil=True, cache=True)
-def _row(x, w, y):  # pragma: no cover - compiled
-    """y[:] = x @ w for one row x[K], w[K, N]: for every element acc = 0, then acc += x[k] w[k, n]
-    over k in order, each product rounded before its add. The weights are read in memory order,
-    one row of w per k, against an accumulator row that stays in L1."""
-    N = w.shape[1]
-    acc = np.zeros(N, np.float32)  # [N]
-    for k in range(w.shape[0]):
-        a = x[k]
-        wk = w[k]
-        for n in range(N):
-            acc[n] += a * wk[n]
-    y[:] = acc
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -150,8 +64,9 @@ def _panel_product(x, panels, y, lo, hi):  # pragma: no cover - compiled
     """y[lo:hi, :16 C] = x[lo:hi] @ w, w[K, 16 C] stored as panels[C, K, 16] (``panels``): each
     panel's K rows are contiguous, so the weights stream in memory order (the first rows' pass asks
     for them PANEL_PREFETCH_LINES ahead), and four rows' sums of a panel stay in registers over the
-    whole of k. Every element is summed in _product's order (the same bits), whatever rows share
-    the call."""
+    whole of k. Every element is summed in one order (acc = 0, then acc += (x0 w0 + x1 w1) +
+    (x2 w2 + x3 w3) over k in fours, then the K % 4 rest one at a time), whatever rows share the
+    call."""
     C, K = panels.shape[0], panels.shape[1]
     K4 = K - K % 4
     lines = panels.reshape(C * K, 16)  # [C K, 16] one 64-byte line per row of a panel
@@ -383,34 +298,21 @@ def expert_rows(x: np.ndarray, w: np.ndarray, experts: np.ndarray, edges: np.nda
     return y
 
 
-def row_product(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
-    """y[1, N] = x[1, K] @ w_t[K, N] (input-major, C-contiguous float32) for one row. From memory it
-    streams matrices up to ROW_COLUMNS columns at close to the machine's read rate, where OpenBLAS's
-    GEMV reads the same [512, 512] and [512, 1024] matrices at 0.5 - 0.8 of it."""
-    y = np.empty((1, w_t.shape[1]), dtype=np.float32)  # [1, N]
-    _row(np.ascontiguousarray(x[0], dtype=np.float32), w_t, y[0])
-    return y
-
-
-def rows_product(x: np.ndarray, w_t: np.ndarray) -> np.ndarray:
-    """y[n, N] = x[n, K] @ w_t[K, N] (input-major, C-contiguous float32) for a few rows: the weights
-    are streamed once, where OpenBLAS's GEMM packs them first and runs 2 - 16 rows 1.1 - 4x slower."""
-    n = x.shape[0]
-    y = np.empty((n, w_t.shape[1]), dtype=np.float32)  # [n, N]
-    _product(np.ascontiguousarray(x, dtype=np.float32), w_t, y, 0, n, _cols(n, w_t.shape[1]))
+def product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """y[T, N] = x[T, K] @ w.T, w[N, K] stored as ``panels`` [N / 16, K, 16] (float32)."""
+    y = np.empty((x.shape[0], 16 * w.shape[0]), dtype=np.float32)  # [T, N]
+    _panel_product(np.ascontiguousarray(x, dtype=np.float32), w, y, 0, x.shape[0])
     return y
 
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) for the float32 shapes the ops pass."""
     x = np.ones((5, 7), np.float32)  # [n, K]
-    w = np.ones((1, 7, 3), np.float32)  # [El, K, N]
-    rows_product(x, w[0])
-    row_product(x[:1], w[0])
     rms_norm(x, np.ones(7, np.float32), 1e-6)
     rope(np.ones((2, 1, 8), np.float32), np.zeros(2, np.int32), np.ones((4, 8), np.float32))
     gate_up, down = panels(np.ones((1, 32, 16), np.float32)), panels(np.ones((1, 16, 16), np.float32))
     x = np.ones((5, 16), np.float32)  # [n, D]
+    product(x, down[0])
     expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
     expert_ffn(x, gate_up, down, np.zeros(1, np.int64), np.array([0, 5]))
     moe_token(x[:1], np.zeros(2, np.int64), np.ones(2, np.float32), gate_up, down)
