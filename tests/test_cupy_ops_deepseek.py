@@ -217,6 +217,7 @@ def test_the_cupy_backend_implements_every_op():
         "describe",
         "attention_verify",
         "mla_attention_verify",
+        "linear_weight",
         "expert_weights",
         "take_experts",
     )

@@ -128,7 +128,8 @@ def _grouped(x, panels, y, experts, edges):  # pragma: no cover - compiled
 @njit(nogil=True, cache=True)
 def _ffn_grouped(x, gate_up, down, y, experts, edges):  # pragma: no cover - compiled
     """Per group: y[lo:hi] = (silu(g) * u) @ down[e], [g | u] = x[lo:hi] @ gate_up[e] (panels), with
-    _panel_product's products and SiLU as NumpyOps writes it."""
+    _panel_product's products and SiLU as NumpyOps writes it, 16 columns at a time with
+    cpu_simd.silu_mul's exp (within 1 ulp; NumPy's scalar exp is 10x slower here)."""
     inter = down.shape[2]
     h = np.empty((x.shape[0], 2 * inter), np.float32)  # [n, 2I]
     a = np.empty((x.shape[0], inter), np.float32)  # [n, I]
@@ -138,7 +139,9 @@ def _ffn_grouped(x, gate_up, down, y, experts, edges):  # pragma: no cover - com
         if hi > lo:
             _panel_product(x, gate_up[experts[i]], h, lo, hi)
             for r in range(lo, hi):
-                for j in range(inter):
+                for j in range(0, inter - inter % 16, 16):
+                    simd.store(a, r, j, simd.silu_mul(simd.load(h, r, j), simd.load(h, r, inter + j)))
+                for j in range(inter - inter % 16, inter):  # (I a multiple of 8: at most 8 columns)
                     g = h[r, j]
                     a[r, j] = g / (one + np.exp(-g)) * h[r, inter + j]
             _panel_product(a, down[experts[i]], y, lo, hi)
