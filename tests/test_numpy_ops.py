@@ -70,14 +70,18 @@ def attend_one(q, kc, vc, table, n, scale):
     return out
 
 
+@pytest.mark.parametrize("path", EXPERT_PATHS)
 @pytest.mark.parametrize("pad", [0, -1])
 @pytest.mark.parametrize("hk, group", [(1, 4), (2, 2), (3, 1)])
-def test_attention_decode_matches_rows(pad, hk, group):
+@pytest.mark.parametrize("dh", [8, 32])  # 32: the compiled kernel on the numba path
+def test_attention_decode_matches_rows(pad, hk, group, dh, path):
     rng = np.random.default_rng(hk * 10 + group)
-    lens, bs, dh = [1, 16, 17, 50, 3], 16, 8
+    lens, bs = [1, 16, 17, 50, 3], 16
     kc, vc, tables = paged(rng, lens, bs, hk, dh, pad)
     q = rng.standard_normal((len(lens), hk * group, dh), dtype=np.float32)
-    got = NumpyOps().attention_decode(q, kc, vc, tables, np.asarray(lens, dtype=np.int32), 0.3)
+    ops = NumpyOps(path)
+    assert ops._compiled_attention(q, kc, vc) == (path == "numba" and dh == 32)
+    got = ops.attention_decode(q, kc, vc, tables, np.asarray(lens, dtype=np.int32), 0.3)
     for b, n in enumerate(lens):
         np.testing.assert_allclose(got[b], attend_one(q[b], kc, vc, tables[b], n, 0.3), rtol=1e-5, atol=1e-6)
 

@@ -171,6 +171,55 @@ def _ffn_token(x, local, weights, gate_up, down, out):  # pragma: no cover - com
 
 
 @njit(nogil=True, cache=True)
+def _decode_attention(q, k_cache, v_cache, tables, lens, scale, out):  # pragma: no cover - compiled
+    """out[b, h] = softmax((q[b, h] scale) . K) V over row b's lens[b] positions, read where its
+    block table puts them (no gather), GQA head h on kv head h // (H / Hk); Dh a multiple of 16."""
+    B, H, Dh = q.shape
+    NB, BS, Hk = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    keys = k_cache.reshape(NB * BS, Hk * Dh)  # [slot, Hk Dh]
+    values = v_cache.reshape(NB * BS, Hk * Dh)
+    query = np.empty((1, Dh), np.float32)  # [1, Dh]
+    acc = np.empty((1, Dh), np.float32)  # [1, Dh]
+    longest = 0
+    for b in range(B):
+        longest = max(longest, lens[b])
+    scores = np.empty((1, longest + 16), np.float32)  # [1, S] padded to whole lanes
+    minus_one = simd.splat(np.float32(-1.0))
+    for b in range(B):
+        n = lens[b]
+        for h in range(H):
+            col = (h // (H // Hk)) * Dh
+            for d in range(Dh):
+                query[0, d] = q[b, h, d] * scale
+            top = np.float32(-np.inf)
+            for s in range(n):
+                row = tables[b, s // BS] * BS + s % BS
+                v = simd.zeros()
+                for d in range(0, Dh, 16):
+                    v = simd.add(v, simd.mul(simd.load(query, 0, d), simd.load(keys, row, col + d)))
+                scores[0, s] = simd.total(v)
+                top = max(top, scores[0, s])
+            sum_p = simd.zeros()
+            for s in range(0, n, 16):  # the last lanes past n are masked to 0 below
+                p = simd.exp(simd.add(simd.load(scores, 0, s), simd.mul(simd.splat(top), minus_one)))
+                simd.store(scores, 0, s, p)
+            for s in range(n, n + (-n) % 16):
+                scores[0, s] = np.float32(0.0)
+            for s in range(0, n, 16):
+                sum_p = simd.add(sum_p, simd.load(scores, 0, s))
+            for d in range(0, Dh, 16):
+                simd.store(acc, 0, d, simd.zeros())
+            for s in range(n):
+                row = tables[b, s // BS] * BS + s % BS
+                p = simd.splat(scores[0, s])
+                for d in range(0, Dh, 16):
+                    simd.store(acc, 0, d, simd.add(simd.load(acc, 0, d), simd.mul(p, simd.load(values, row, col + d))))
+            norm = np.float32(1.0) / simd.total(sum_p)
+            for d in range(Dh):
+                out[b, h, d] = acc[0, d] * norm
+
+
+@njit(nogil=True, cache=True)
 def _block_sum(a, lo, n):  # pragma: no cover - compiled
     """NumPy's float32 sum of a block of up to 128 items: eight accumulators joined pairwise, then
     the rest in order (below 8 items, in order)."""
@@ -269,6 +318,17 @@ def rope(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray) -> np.ndarra
     return y
 
 
+def decode_attention(q, k_cache, v_cache, block_tables, lens, scale: float) -> np.ndarray:
+    """[B, H, Dh]: NumpyOps.attention_decode of q[B, H, Dh] over float32 caches [NB, BS, Hk, Dh]
+    (Dh a multiple of 16), each row's positions read in place through block_tables[B, MB]."""
+    out = np.empty(q.shape, dtype=np.float32)  # [B, H, Dh]
+    tables = np.ascontiguousarray(block_tables, dtype=np.int64)
+    _decode_attention(
+        np.ascontiguousarray(q), k_cache, v_cache, tables, np.asarray(lens, np.int64), np.float32(scale), out
+    )
+    return out
+
+
 def panels(w: np.ndarray) -> np.ndarray:
     """[.., N / 16, K, 16]: w[.., N, K] (float32, N a multiple of 16) as the panels the expert
     kernels read, panel c holding w[.., 16 c : 16 c + 16, :] transposed."""
@@ -319,3 +379,5 @@ def warm_up() -> None:
     expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
     expert_ffn(x, gate_up, down, np.zeros(1, np.int64), np.array([0, 5]))
     moe_token(x[:1], np.zeros(2, np.int64), np.ones(2, np.float32), gate_up, down)
+    cache = np.ones((2, 4, 1, 16), np.float32)  # [NB, BS, Hk, Dh]
+    decode_attention(np.ones((1, 2, 16), np.float32), cache, cache, np.zeros((1, 2), np.int32), np.array([5]), 0.25)

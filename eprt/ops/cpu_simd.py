@@ -137,3 +137,29 @@ def silu_mul(typingctx, gate, up):
         return builder.fmul(builder.fdiv(gate, sigmoid_denominator), up)
 
     return lanes(gate, up), codegen
+
+
+@intrinsic
+def exp(typingctx, x):
+    """exp(x) in every lane, as ``_exp``."""
+
+    def codegen(context, builder, signature, args):
+        return _exp(builder, args[0])
+
+    return lanes(x), codegen
+
+
+@intrinsic
+def total(typingctx, v):
+    """The sum of the 16 lanes, halves added pairwise (8 + 8, then 4 + 4, 2 + 2, 1 + 1)."""
+
+    def codegen(context, builder, signature, args):
+        v, width = args[0], LANES
+        while width > 1:
+            half = ir.VectorType(ir.IntType(32), width // 2)
+            low = builder.shuffle_vector(v, v, ir.Constant(half, list(range(width // 2))))
+            high = builder.shuffle_vector(v, v, ir.Constant(half, list(range(width // 2, width))))
+            v, width = builder.fadd(low, high), width // 2
+        return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+    return types.float32(v), codegen
