@@ -22,6 +22,7 @@ from numba.extending import intrinsic
 from eprt.ops import cpu_simd as simd
 
 PANEL_PREFETCH_LINES = 128  # _panel_product asks for the weights this many 64-byte lines (8 KiB) ahead
+KV_PREFETCH_POSITIONS = 8  # _decode_attention asks for the keys this many positions ahead
 VERSION = numba.__version__
 
 
@@ -173,50 +174,68 @@ def _ffn_token(x, local, weights, gate_up, down, out):  # pragma: no cover - com
 @njit(nogil=True, cache=True)
 def _decode_attention(q, k_cache, v_cache, tables, lens, scale, out):  # pragma: no cover - compiled
     """out[b, h] = softmax((q[b, h] scale) . K) V over row b's lens[b] positions, read where its
-    block table puts them (no gather), GQA head h on kv head h // (H / Hk); Dh a multiple of 16."""
+    block table puts them (no gather), GQA head h on kv head h // (H / Hk); Dh a multiple of 16.
+    Each position's keys and values (all heads, one contiguous row of the cache) are read once,
+    for every head, in position order."""
     B, H, Dh = q.shape
     NB, BS, Hk = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    group = H // Hk
     keys = k_cache.reshape(NB * BS, Hk * Dh)  # [slot, Hk Dh]
     values = v_cache.reshape(NB * BS, Hk * Dh)
-    query = np.empty((1, Dh), np.float32)  # [1, Dh]
-    acc = np.empty((1, Dh), np.float32)  # [1, Dh]
+    query = np.empty((H, Dh), np.float32)  # [H, Dh]
+    acc = np.empty((H, Dh), np.float32)  # [H, Dh]
     longest = 0
     for b in range(B):
         longest = max(longest, lens[b])
-    scores = np.empty((1, longest + 16), np.float32)  # [1, S] padded to whole lanes
+    scores = np.empty((H, longest + 16), np.float32)  # [H, S] padded to whole lanes
+    norm = np.empty(H, np.float32)
     minus_one = simd.splat(np.float32(-1.0))
     for b in range(B):
         n = lens[b]
         for h in range(H):
-            col = (h // (H // Hk)) * Dh
             for d in range(Dh):
-                query[0, d] = q[b, h, d] * scale
-            top = np.float32(-np.inf)
-            for s in range(n):
-                row = tables[b, s // BS] * BS + s % BS
+                query[h, d] = q[b, h, d] * scale
+        for s in range(n):
+            row = tables[b, s // BS] * BS + s % BS
+            if s + KV_PREFETCH_POSITIONS < n:  # the keys a few positions on, and this one's values
+                t = s + KV_PREFETCH_POSITIONS
+                ahead = tables[b, t // BS] * BS + t % BS
+                for j in range(0, Hk * Dh, 16):
+                    _prefetch(keys, ahead, j)
+            for j in range(0, Hk * Dh, 16):
+                _prefetch(values, row, j)
+            for h in range(H):
+                col = (h // group) * Dh
                 v = simd.zeros()
                 for d in range(0, Dh, 16):
-                    v = simd.add(v, simd.mul(simd.load(query, 0, d), simd.load(keys, row, col + d)))
-                scores[0, s] = simd.total(v)
-                top = max(top, scores[0, s])
-            sum_p = simd.zeros()
-            for s in range(0, n, 16):  # the last lanes past n are masked to 0 below
-                p = simd.exp(simd.add(simd.load(scores, 0, s), simd.mul(simd.splat(top), minus_one)))
-                simd.store(scores, 0, s, p)
-            for s in range(n, n + (-n) % 16):
-                scores[0, s] = np.float32(0.0)
-            for s in range(0, n, 16):
-                sum_p = simd.add(sum_p, simd.load(scores, 0, s))
-            for d in range(0, Dh, 16):
-                simd.store(acc, 0, d, simd.zeros())
+                    v = simd.add(v, simd.mul(simd.load(query, h, d), simd.load(keys, row, col + d)))
+                scores[h, s] = simd.total(v)
+        for h in range(H):
+            top = np.float32(-np.inf)
             for s in range(n):
-                row = tables[b, s // BS] * BS + s % BS
-                p = simd.splat(scores[0, s])
+                top = max(top, scores[h, s])
+            for s in range(0, n, 16):  # the lanes past n are set to 0 below
+                simd.store(
+                    scores, h, s, simd.exp(simd.add(simd.load(scores, h, s), simd.mul(simd.splat(top), minus_one)))
+                )
+            for s in range(n, n + (-n) % 16):
+                scores[h, s] = np.float32(0.0)
+            sum_p = simd.zeros()
+            for s in range(0, n, 16):
+                sum_p = simd.add(sum_p, simd.load(scores, h, s))
+            norm[h] = np.float32(1.0) / simd.total(sum_p)
+            for d in range(0, Dh, 16):
+                simd.store(acc, h, d, simd.zeros())
+        for s in range(n):
+            row = tables[b, s // BS] * BS + s % BS
+            for h in range(H):
+                col = (h // group) * Dh
+                p = simd.splat(scores[h, s])
                 for d in range(0, Dh, 16):
-                    simd.store(acc, 0, d, simd.add(simd.load(acc, 0, d), simd.mul(p, simd.load(values, row, col + d))))
-            norm = np.float32(1.0) / simd.total(sum_p)
+                    simd.store(acc, h, d, simd.add(simd.load(acc, h, d), simd.mul(p, simd.load(values, row, col + d))))
+        for h in range(H):
             for d in range(Dh):
-                out[b, h, d] = acc[0, d] * norm
+                out[b, h, d] = acc[h, d] * norm[h]
 
 
 @njit(nogil=True, cache=True)
