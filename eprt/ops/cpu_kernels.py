@@ -149,26 +149,45 @@ def _ffn_grouped(x, gate_up, down, y, experts, edges):  # pragma: no cover - com
 
 
 @njit(nogil=True, cache=True)
-def _ffn_token(x, local, weights, gate_up, down, out):  # pragma: no cover - compiled
-    """out[0] = sum over the k choices in order of weights[j] * ffn(x[0]) through expert local[j]
-    (0 where local[j] is outside [0, El)), with each row's bits as in ``_ffn_grouped`` and the
-    sum as NumpyOps' (zero rows for other ranks' experts, added in choice order)."""
-    k, D = local.shape[0], out.shape[1]
-    y = np.zeros((1, D), np.float32)  # [1, D]
-    edges = np.zeros(2, np.int64)
-    edges[1] = 1
-    experts = np.zeros(1, np.int64)
-    for j in range(k):
-        e = local[j]
-        if 0 <= e < gate_up.shape[0]:
-            experts[0] = e
-            _ffn_grouped(x, gate_up, down, y, experts, edges)
+def _moe(x, local, weights, gate_up, down, out):  # pragma: no cover - compiled
+    """out[t] = sum over the k choices of token t in order of weights[t, j] * ffn(x[t]) through expert
+    local[t, j] (0 where it is outside [0, El): another rank's), as NumpyOps' grouped path computes
+    it: the (token, choice) rows grouped by expert, tokens in order (``_ffn_grouped``), each
+    weighted, then added in choice order."""
+    T, k = local.shape
+    El, D = gate_up.shape[0], x.shape[1]
+    counts = np.zeros(El + 1, np.int64)
+    for t in range(T):
+        for j in range(k):
+            e = local[t, j]
+            if 0 <= e < El:
+                counts[e + 1] += 1
+    for e in range(El):
+        counts[e + 1] += counts[e]  # counts[e]: expert e's first row
+    n = counts[El]
+    place = np.empty((T, k), np.int64)  # each (token, choice) row's place in xs, -1 elsewhere
+    fill = counts[:El].copy()
+    xs = np.empty((n, D), np.float32)  # [n, D]
+    for t in range(T):
+        for j in range(k):
+            e = local[t, j]
+            place[t, j] = -1
+            if 0 <= e < El:
+                place[t, j] = fill[e]
+                xs[fill[e]] = x[t]
+                fill[e] += 1
+    chosen = np.flatnonzero(counts[1:] > counts[:El])
+    edges = np.empty(2 * len(chosen), np.int64)
+    for i in range(len(chosen)):
+        edges[2 * i], edges[2 * i + 1] = counts[chosen[i]], counts[chosen[i] + 1]
+    ys = np.empty((n, D), np.float32)  # [n, D]
+    _ffn_grouped(xs, gate_up, down, ys, chosen, edges)
+    for t in range(T):
+        for j in range(k):
+            i = place[t, j]
             for d in range(D):
-                v = y[0, d] * weights[j]
-                out[0, d] = v if j == 0 else out[0, d] + v
-        else:
-            for d in range(D):
-                out[0, d] = np.float32(0.0) if j == 0 else out[0, d] + np.float32(0.0)
+                v = ys[i, d] * weights[t, j] if i >= 0 else np.float32(0.0)
+                out[t, d] = v if j == 0 else out[t, d] + v
 
 
 @njit(nogil=True, cache=True)
@@ -355,20 +374,13 @@ def panels(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(*lead, N // simd.LANES, simd.LANES, K).swapaxes(-1, -2))
 
 
-def expert_ffn(x, gate_up, down, experts, edges) -> np.ndarray:
-    """y[n, D]: rows edges[2i]..edges[2i+1] of x[n, D] (float32) through expert experts[i]'s gate/up
-    gate_up[El, 2I / 16, D, 16], SiLU and down down[El, D / 16, I, 16] (``panels``); rows outside
-    every group stay zero."""
-    y = np.zeros((x.shape[0], 16 * down.shape[1]), dtype=np.float32)  # [n, D]
-    _ffn_grouped(np.ascontiguousarray(x), gate_up, down, y, experts.astype(np.int64), edges.astype(np.int64))
-    return y
-
-
-def moe_token(x, local, weights, gate_up, down) -> np.ndarray:
-    """[1, D]: the MoE output of one token x[1, D] over its k choices local[k] (this rank's experts;
-    others outside [0, El)) with routing weights[k] (float32), the rest as in ``expert_ffn``."""
-    out = np.empty((1, 16 * down.shape[1]), dtype=np.float32)  # [1, D]
-    _ffn_token(np.ascontiguousarray(x), local.astype(np.int64), weights, gate_up, down, out)
+def moe(x, local, weights, gate_up, down) -> np.ndarray:
+    """[T, D]: the MoE output of x[T, D] (float32) over each token's k choices local[T, k] (this
+    rank's experts; others outside [0, El)) with routing weights[T, k] (float32), through gate/up
+    gate_up[El, 2I / 16, D, 16], SiLU and down down[El, D / 16, I, 16] (``panels``), in one call."""
+    out = np.empty((x.shape[0], 16 * down.shape[1]), dtype=np.float32)  # [T, D]
+    local = np.ascontiguousarray(local, dtype=np.int64)
+    _moe(np.ascontiguousarray(x), local, np.ascontiguousarray(weights, dtype=np.float32), gate_up, down, out)
     return out
 
 
@@ -396,7 +408,6 @@ def warm_up() -> None:
     x = np.ones((5, 16), np.float32)  # [n, D]
     product(x, down[0])
     expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
-    expert_ffn(x, gate_up, down, np.zeros(1, np.int64), np.array([0, 5]))
-    moe_token(x[:1], np.zeros(2, np.int64), np.ones(2, np.float32), gate_up, down)
+    moe(x, np.zeros((5, 2), np.int64), np.ones((5, 2), np.float32), gate_up, down)
     cache = np.ones((2, 4, 1, 16), np.float32)  # [NB, BS, Hk, Dh]
     decode_attention(np.ones((1, 2, 16), np.float32), cache, cache, np.zeros((1, 2), np.int32), np.array([5]), 0.25)

@@ -335,13 +335,11 @@ class NumpyOps(Ops):
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
         k = ids.shape[1]
-        panels = w_gate_up.ndim == 4  # expert_weights stored them for the compiled kernels
-        if T == 1 and panels:  # decode at batch 1: k distinct experts, one row each, one kernel call
-            routing = np.ascontiguousarray(weights[0], dtype=np.float32)  # [k]
-            return self.kernels.moe_token(x, ids[0] - expert_start, routing, w_gate_up, w_down)  # [1, D]
+        if w_gate_up.ndim == 4:  # panels (expert_weights): grouping, every group's FFN and the sum, one call
+            return self.kernels.moe(x, ids - expert_start, weights, w_gate_up, w_down)  # [T, D]
         if T == 1:  # one token (decode at batch 1): its k experts in choice order, no grouping
             return self._moe_one_token(x, weights[0], ids[0] - expert_start, w_gate_up, w_down)
-        if not panels and T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= EXPERT_ROWS_AS_GEMV:
+        if T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= EXPERT_ROWS_AS_GEMV:
             # a few tokens (a verify step's at batch 1), no expert with more rows than run as GEMVs:
             # token by token is cheaper than grouping them, and the same bits (one GEMV per row)
             local = ids - expert_start  # [T, k]
@@ -357,12 +355,8 @@ class NumpyOps(Ops):
         ys = np.zeros((T * k, D), dtype=np.float32)  # [T*k, D] one row per (token, choice)
         if stop > start:
             xs = x[picks // k]  # [n, D] gathered once
-            if panels:  # gate/up, SiLU and down of every group in one kernel call
-                chosen = np.flatnonzero(np.diff(bounds))  # experts with rows
-                ys[picks] = self.kernels.expert_ffn(xs, w_gate_up, w_down, chosen, _edges(bounds - start, chosen))
-            else:
-                h = self.expert_products(xs, w_gate_up, bounds - start)  # [n, 2I]
-                ys[picks] = self.expert_products(self.silu_and_mul(h), w_down, bounds - start)  # [n, D]
+            h = self.expert_products(xs, w_gate_up, bounds - start)  # [n, 2I]
+            ys[picks] = self.expert_products(self.silu_and_mul(h), w_down, bounds - start)  # [n, D]
         ys *= weights.reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 
