@@ -60,10 +60,11 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], uniforms: 
         out[greedy] = np.argmax(logits[greedy], axis=1)
     rows = np.flatnonzero(temps != 0.0)
     if rows.size:
-        x = np.asarray(logits[rows], dtype=np.float32)  # [m, V]
+        p = np.asarray(logits[rows], dtype=np.float32)  # [m, V] a new array (rows: an index array), made
+        # exp((x - max) / T) in place: max 1
         with np.errstate(over="ignore", divide="ignore"):  # a tiny temperature sends every non-maximum to -inf
             scale = np.minimum(1.0 / temps[rows], F32_MAX).astype(np.float32)[:, None]  # [m, 1]
-            p = np.subtract(x, x.max(axis=1, keepdims=True))  # [m, V] becomes exp((x - max) / T): max 1
+            p -= p.max(axis=1, keepdims=True)
             p *= scale
         np.exp(p, out=p)
         for i, r in enumerate(rows):  # min-p: probability below min_p * the top one (p's max is 1)
