@@ -280,3 +280,31 @@ def test_row_masks_and_allowed_token_ids_intersect_and_keep_their_rows():
     apply_masks(x, *masks)
     np.testing.assert_array_equal(np.isfinite(x), want)
     assert allowed_masks([SamplingParams()] * 5, V) is None
+
+
+def test_compiled_bucket_sums_give_the_same_draws(monkeypatch):
+    """On the compiled CPU path the nucleus's bucket masses come from cpu_kernels.bucket_sums: the
+    sums np.bincount makes (each bucket in index order, float64), so the same tokens either way."""
+    import pytest
+
+    pytest.importorskip("numba")
+    from eprt.engine.sampling import NUM_BUCKETS, sample_rows
+    from eprt.ops import cpu_kernels
+
+    rng = np.random.default_rng(5)
+    for V in (1, 1000, 151936):
+        p = np.exp(rng.standard_normal(V) * 3).astype(np.float32)
+        p /= p.max()
+        keys = p.view(np.int32) >> 16
+        want = np.bincount(keys, weights=p, minlength=NUM_BUCKETS)
+        assert np.array_equal(cpu_kernels.bucket_sums(keys, p, NUM_BUCKETS), want)
+    with pytest.raises(ValueError):  # a key outside the buckets: NumPy's error
+        cpu_kernels.bucket_sums(np.array([1, -1]), np.ones(2, np.float32), 4)
+    logits = np.concatenate([rng.standard_normal((4, 151936)) * 2, np.round(rng.standard_normal((4, 151936)))])
+    params = [SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=300.0, top_p=0.5)] * 4
+    uniforms = rng.random(8)
+    tokens = {}
+    for path in ("numba", "numpy"):
+        monkeypatch.setenv("EPRT_CPU_EXPERTS", path)
+        tokens[path] = sample_rows(logits.astype(np.float32), params, uniforms)
+    assert tokens["numba"] == tokens["numpy"]
