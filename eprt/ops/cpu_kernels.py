@@ -60,6 +60,12 @@ def _ahead(lines, i):  # pragma: no cover - compiled
             _prefetch(lines, j, 0)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _four_rows(panel, k):  # pragma: no cover - compiled
+    """panel[k : k + 4] of a [K, 16] panel: four k's 16 weights, one line each."""
+    return simd.load(panel, k, 0), simd.load(panel, k + 1, 0), simd.load(panel, k + 2, 0), simd.load(panel, k + 3, 0)
+
+
 @njit(nogil=True, cache=True)
 def _panel_product(x, panels, y, lo, hi):  # pragma: no cover - compiled
     """y[lo:hi, :16 C] = x[lo:hi] @ w, w[K, 16 C] stored as panels[C, K, 16] (``panels``): each
@@ -79,12 +85,7 @@ def _panel_product(x, panels, y, lo, hi):  # pragma: no cover - compiled
             for k in range(0, K4, 4):
                 if r == lo:  # the later rows find the panel in cache
                     _ahead(lines, ahead + k)
-                v0, v1, v2, v3 = (
-                    simd.load(p, k, 0),
-                    simd.load(p, k + 1, 0),
-                    simd.load(p, k + 2, 0),
-                    simd.load(p, k + 3, 0),
-                )
+                v0, v1, v2, v3 = _four_rows(p, k)
                 s0 = _quad(s0, x, r, k, v0, v1, v2, v3)
                 s1 = _quad(s1, x, r + 1, k, v0, v1, v2, v3)
                 s2 = _quad(s2, x, r + 2, k, v0, v1, v2, v3)
@@ -105,12 +106,7 @@ def _panel_product(x, panels, y, lo, hi):  # pragma: no cover - compiled
             for k in range(0, K4, 4):
                 if r == lo:
                     _ahead(lines, ahead + k)
-                v0, v1, v2, v3 = (
-                    simd.load(p, k, 0),
-                    simd.load(p, k + 1, 0),
-                    simd.load(p, k + 2, 0),
-                    simd.load(p, k + 3, 0),
-                )
+                v0, v1, v2, v3 = _four_rows(p, k)
                 s0 = _quad(s0, x, r, k, v0, v1, v2, v3)
             for k in range(K4, K):
                 s0 = simd.add(s0, simd.mul(simd.splat(x[r, k]), simd.load(p, k, 0)))
