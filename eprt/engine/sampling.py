@@ -15,9 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from eprt import env
 from eprt.api import SamplingParams, TokenLogprobs
-from eprt.ops.numpy_ops import numba_available
+from eprt.ops.numpy_ops import cpu_path
 
 F32_MAX = float(np.finfo(np.float32).max)
 PHILOX_KEY_BITS = 128
@@ -165,9 +164,9 @@ def _kernels():
 
 
 def _bucket_sums(keys: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
-    """np.bincount(keys, weights=values, minlength=n); on the compiled CPU path (the cpu extra,
-    EPRT_CPU_EXPERTS not "numpy") cpu_kernels.bucket_sums, the same sums 8 - 10x faster."""
-    if env.CPU_EXPERTS.get() != "numpy" and numba_available():
+    """np.bincount(keys, weights=values, minlength=n); on the compiled CPU path (``cpu_path``)
+    cpu_kernels.bucket_sums, the same sums 8 - 10x faster."""
+    if cpu_path() == "numba":
         return _kernels().bucket_sums(keys, values, n)
     return np.bincount(keys, weights=values, minlength=n)
 

@@ -38,6 +38,18 @@ def numba_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+def cpu_path(choice: str | None = None) -> str:
+    """The CPU path ``choice`` (None: EPRT_CPU_EXPERTS) resolves to: "numba" (cpu_kernels, the
+    compiled products, attention and sampling helpers) or "numpy"; "auto" is numba when it is
+    installed."""
+    choice = env.CPU_EXPERTS.get() if choice is None else choice
+    if choice not in EXPERT_PATHS:
+        raise ValueError(f"expert path must be one of {EXPERT_PATHS}, got {choice!r}")
+    if choice == "numba" and not numba_available():
+        raise ValueError("expert path 'numba' was asked for, but numba is not installed (pip install 'eprt[cpu]')")
+    return "numba" if choice == "numba" or (choice == "auto" and numba_available()) else "numpy"
+
+
 def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
@@ -72,12 +84,7 @@ class NumpyOps(Ops):
         """``experts``: how small expert groups run: "numba" (cpu_kernels, each expert's weights
         streamed once for all its rows), "numpy" (a GEMV per row) or "auto" (numba when it
         imports); None reads EPRT_CPU_EXPERTS."""
-        choice = env.CPU_EXPERTS.get() if experts is None else experts
-        if choice not in EXPERT_PATHS:
-            raise ValueError(f"expert path must be one of {EXPERT_PATHS}, got {choice!r}")
-        if choice == "numba" and not numba_available():
-            raise ValueError("expert path 'numba' was asked for, but numba is not installed (pip install 'eprt[cpu]')")
-        self.experts = "numba" if choice == "numba" or (choice == "auto" and numba_available()) else "numpy"
+        self.experts = cpu_path(experts)
         self._kernels = None  # eprt.ops.cpu_kernels once imported
 
     @property
