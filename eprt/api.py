@@ -26,6 +26,63 @@ class EngineClosed(RequestError):
     """The engine is shutting down (or broke) and takes no new requests: not the request's fault."""
 
 
+class JobFailure(RuntimeError):
+    """A failure of what every request shares (a rank, the transport, the KV pool's invariants): it
+    ends the job, and a per-request stage never takes it for its own request's failure
+    (eprt/engine/isolation.py)."""
+
+
+def as_float(v) -> float | None:
+    """``v`` as a finite float; None when it is not a real number (bools are not), or not finite
+    as a float: NaN, an infinity, an integer too large for a float (10**400)."""
+    if not is_real(v):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field takes: [low, high], (low, high] with ``low_open``."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+    def check(self, name: str, v) -> float:
+        """``v`` as a float, or RequestError naming the field, the value and the range."""
+        f = as_float(v)
+        if f is None or not (f > self.low if self.low_open else f >= self.low) or f > self.high:
+            raise RequestError(f"{name} must be a finite number {self}, got {v!r:.40}")
+        return f
+
+
+# Above it every realistic logit spread samples as flat; below it 1 / T stays a normal float32,
+# so (logit - max) / T never meets 0 * -inf (a masked token): docs/serving.md, "Request fields".
+MAX_TEMPERATURE = 1e4
+# A logit is divided or multiplied by at most this: overflow would need a logit of 3.4e32 (a
+# broken model, which the sampler's finite check catches; eprt/engine/sampling.py).
+MAX_REPETITION_PENALTY = 1e6
+RANGES = {  # the numeric sampling fields' ranges, for every entry point (docs/serving.md)
+    "temperature": Range(0.0, MAX_TEMPERATURE),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "min_p": Range(0.0, 1.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(1.0 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+    "logit_bias": Range(-100.0, 100.0),
+    "timeout": Range(0.0, low_open=True),
+}
+
+
 GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -52,24 +109,22 @@ class SamplingParams:
     best_of: int | None = None  # choices generated, the n with the highest cumulative logprob returned
     guide: Guide | None = None  # structured output (a grammar the text must follow)
     # -- logits processing as vLLM applies it (docs/serving.md, "Sampling fields") -------------
-    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from every token already generated
-    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # > 0: divides positive / multiplies negative logits of prompt+output tokens
-    logit_bias: tuple = ()  # ((token id, bias in [-100, 100]), ...) added to the logits
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
+    logit_bias: tuple = ()  # ((token id, bias), ...) added to the logits
     min_tokens: int = 0  # EOS and stop ids are masked until this many tokens are generated
     bad_words_ids: tuple = ()  # token-id sequences never generated (the last id masked after the others)
     allowed_token_ids: tuple = ()  # when non-empty, every other token is masked
-    min_p: float = 0.0  # in [0, 1]: tokens below min_p * the top probability are cut (sampled rows)
+    min_p: float = 0.0  # tokens below min_p * the top probability are cut (sampled rows)
     logprobs: int | None = None  # log-probabilities of each generated token and its top-N alternatives
     prompt_logprobs: int | None = None  # ... of each prompt token (from the second) and its top-N
 
     def validate(self, vocab_size: int) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (is_real(self.temperature) and 0.0 <= self.temperature < math.inf):
-            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            RANGES[name].check(name, getattr(self, name))
         if not is_int(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
@@ -98,14 +153,6 @@ class SamplingParams:
         return self.n if self.best_of is None else self.best_of
 
     def _validate_processing(self, vocab_size: int) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not (is_real(v) and -2.0 <= v <= 2.0):
-                raise RequestError(f"{name} must be a number in [-2, 2], got {v!r}")
-        if not (is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf):
-            raise RequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        if not (is_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise RequestError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -115,8 +162,7 @@ class SamplingParams:
         for t, bias in self.logit_bias:
             if not (is_int(t) and 0 <= t < vocab_size):
                 raise RequestError(f"logit_bias token id {t!r} is outside the vocabulary [0, {vocab_size})")
-            if not (is_real(bias) and -100.0 <= bias <= 100.0):
-                raise RequestError(f"logit_bias of token {t} must be a number in [-100, 100], got {bias!r}")
+            RANGES["logit_bias"].check(f"logit_bias of token {t}", bias)
         for word in self.bad_words_ids:
             if not word or not all(is_int(t) and 0 <= t < vocab_size for t in word):
                 raise RequestError(f"bad word {word!r} must be a non-empty sequence of ids in [0, {vocab_size})")

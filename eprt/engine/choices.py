@@ -26,12 +26,13 @@ def choice_seed(seed: int, choice: int) -> int:
 
 def token_logprobs(logits: np.ndarray, temperatures: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """log softmax(logits[r] / T[r])[tokens[r]] of each row (T = 0: the raw logits), float64 [m]:
-    the probability the sampler drew each token with."""
+    the probability the sampler drew each token with (the maximum subtracted first, so a tiny
+    temperature sends the others to -inf, never to +inf)."""
     x = np.asarray(logits, dtype=np.float64)  # [m, V]
     t = np.where(temperatures > 0.0, temperatures, 1.0)[:, None]  # [m, 1]
-    x = x / t
-    top = x.max(axis=1, keepdims=True)  # [m, 1]
-    lse = top[:, 0] + np.log(np.exp(x - top).sum(axis=1))  # [m]
+    with np.errstate(over="ignore"):
+        x = (x - x.max(axis=1, keepdims=True)) / t  # [m, V], max 0
+    lse = np.log(np.exp(x).sum(axis=1))  # [m]
     return x[np.arange(x.shape[0]), tokens] - lse
 
 

@@ -88,5 +88,6 @@ class DpModelRunner(ModelRunner):
 
 
 def _plain_greedy(seq) -> bool:
-    """A greedy row nothing but the argmax decides (its owner's token is the answer)."""
-    return not needs_host_sampler(seq.params) and (seq.model_state is None or seq.model_state.matcher is None)
+    """A greedy row nothing but the argmax decides (its owner's token is the answer), not failed."""
+    state = seq.model_state
+    return not needs_host_sampler(seq.params) and (state is None or (state.matcher is None and state.failure is None))

@@ -32,12 +32,14 @@ from eprt.engine.dp_runner import DpModelRunner
 from eprt.engine.eplb import Rebalancer
 from eprt.engine.expert_load import imbalance
 from eprt.engine.images import EngineImages
+from eprt.engine.isolation import one_by_one
 from eprt.engine.runner import ModelRunner
 from eprt.engine.startup import start_rank
 from eprt.engine.structured import GrammarCompiler, GuidedRows
 from eprt.ops.device import bind_local_gpu, device_choice
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig
+from eprt.scheduler.interface import RowFailure
 from eprt.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("eprt.engine")
@@ -154,9 +156,15 @@ class Engine:
             self.runner.guides.compiler.grammar(guide)
 
     def _with_text(self, result: GenerationResult) -> GenerationResult:
+        """``result`` with its text decoded; a decoding that fails fails that request alone."""
         if self.tokenizer is not None and not result.text:
             eos = set(self.scheduler.config.eos_token_ids)
-            result.text = self.tokenizer.decode([t for t in result.token_ids if t not in eos])
+            ids = [t for t in result.token_ids if t not in eos]
+            (text,) = one_by_one([ids], self.tokenizer.decode, "detokenizing")
+            if not isinstance(text, RowFailure):
+                result.text = text
+            elif result.error is None:  # (an error result keeps its first error)
+                result.finish_reason, result.error = "error", text.reason
         return result
 
     def _finisher(self, user_cb, adapter: int = -1):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,11 +17,13 @@ from eprt.comm import protocol as P
 from eprt.engine import adapter_slots
 from eprt.engine.choices import choice_seed, token_logprobs
 from eprt.engine.executor import ShardExecutor, vision_salt
+from eprt.engine.isolation import one_by_one, per_row
 from eprt.engine.overlap import DecodeOverlap
 from eprt.engine.sampling import (
     LOGSOFTMAX_BLOCK,
     History,
     RowMasks,
+    checked,
     request_seed,
     rows_logprobs,
     sample_on_device,
@@ -30,7 +33,7 @@ from eprt.engine.sampling import (
 )
 from eprt.engine.speculative import Drafter, SpeculativeRunner
 from eprt.engine.structured import GuidedRows
-from eprt.scheduler.interface import TraceCalls
+from eprt.scheduler.interface import RowFailure, TraceCalls
 from eprt.scheduler.speculation import StepCosts
 
 PREFILL_GROUP_TOKENS = 16384  # at most this many prompt tokens in one batched prefill forward
@@ -46,6 +49,17 @@ class SeqModelState:
     matcher: object = None  # structured outputs: its grammar's llguidance matcher (eprt/engine/structured.py)
     held: tuple | None = None  # (slot, cached) allocated by admit_ahead for this tick's alloc_sequence
     history: History | None = None  # penalties and bad words: the prompt's ids and the generated counts
+    failure: RowFailure | None = None  # its prompt logprobs failed: its next token is this failure
+
+
+class SamplingPlan(NamedTuple):
+    """What sampling rows takes before their logits (``ModelRunner._sampling_plan``)."""
+
+    guided: list  # rows whose grammar masks them (each host-sampled)
+    masks: RowMasks | None  # their grammars' bitmasks, over positions in ``slow``
+    slow: list  # host-sampled rows
+    uniforms: np.ndarray  # [len(slow)] each request's seed at the row's position
+    failed: dict  # row -> RowFailure: a stage before the logits failed for that request
 
 
 def wants_prompt_logprobs(seq) -> bool:
@@ -270,8 +284,11 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         offset = 0
         for row, (seq, start, n) in enumerate(chunks):
             self._ran[id(seq)] = (start, n, logits, row)
-            if keep[row]:
-                self._prompt_logprobs(seq, start, n, self.executor.prefill_hidden[offset : offset + n])
+            if keep[row] and self._state(seq).failure is None:
+                chunk = (seq, start, n, self.executor.prefill_hidden[offset : offset + n])
+                (done,) = one_by_one([chunk], lambda c: self._prompt_logprobs(*c), "prompt logprobs")
+                if isinstance(done, RowFailure):
+                    self._state(seq).failure = done
             offset += n
         self.executor.prefill_hidden = None
 
@@ -320,59 +337,96 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.decode_steps += 1
         self.decode_rows += len(slots)
 
-    def argmax_batch(self, row: int = 0, n: int = 1, stream: int = 0) -> list[int]:
+    def argmax_batch(self, row: int = 0, n: int = 1, stream: int = 0) -> list:
         """Plain greedy rows take one device argmax together; the others (sampled, processed,
         masked or asking for logprobs) come to the host in one copy (on a GPU, one transfer of
         [rows, V] rather than one per row) and are sampled together, each with the uniform of
-        its request's seed at the token's position. Logprobs go to ``seq.logprobs``."""
+        its request's seed at the token's position. Logprobs go to ``seq.logprobs``. A row whose
+        stage failed for its request alone (docs/design.md, "Failure isolation") answers a
+        RowFailure; the others are what they would be without it."""
         seqs = self._rows[row : row + n]
         plan = None if self.overlap is None else self.overlap.plan_of(self._rows, row, n)
-        guided, masks, slow, uniforms = self._sampling_plan(seqs) if plan is None else plan
+        plan = self._sampling_plan(seqs) if plan is None else plan
         if self._logits is None:  # an overlapped decode step: its pass ends now
             self._logits = self.overlap.logits()
         logits = self._logits[row : row + n]  # [n, V]
-        tokens = [0] * len(seqs)
-        if len(slow) < len(seqs):
-            greedy = self.executor.ops.argmax(logits)
-            tokens = [int(t) for t in greedy]
-        if slow:
-            picked = [seqs[i] for i in slow]
-            for i, t in zip(slow, self._sample_slow(logits, slow, picked, masks, uniforms)):
+        tokens = self._greedy(logits, [i for i in range(len(seqs)) if i not in plan.slow and i not in plan.failed])
+        if plan.slow:
+            picked = [seqs[i] for i in plan.slow]
+            for i, t in zip(plan.slow, self._sample_slow(logits, plan.slow, picked, plan.masks, plan.uniforms)):
                 tokens[i] = t
+        tokens = [plan.failed.get(i, t) for i, t in enumerate(tokens)]
         self._rank_tokens(seqs, logits, tokens)
-        if guided:  # the grammars take the tokens
-            self.guides.advance([seqs[i].model_state.matcher for i in guided], [tokens[i] for i in guided])
+        self._advance_grammars(seqs, plan.guided, tokens)
         if self.step_costs is not None and self._decode_start is not None and n == len(self._rows):
             self.step_costs.decode_step(n, self._step_clock() - self._decode_start)  # a whole decode step
         self._decode_start = None  # (a prefill's first tokens come through here too)
         return tokens
 
-    def _sampling_plan(self, seqs: list, slow: list | None = None) -> tuple:
-        """What sampling rows ``seqs`` takes before their logits: (guided rows, their grammars'
-        bitmasks as ``RowMasks`` over positions in the host-sampled rows or None, host-sampled rows
-        (``slow`` when given), their uniforms: each request's seed at the row's position)."""
+    def _sampling_plan(self, seqs: list, slow: list | None = None) -> SamplingPlan:
+        """What sampling rows ``seqs`` takes before their logits (``SamplingPlan``; the host-sampled
+        rows are ``slow`` when given); a row whose grammar's mask fails, or whose prompt logprobs
+        did, is failed here and sampled no further."""
         if slow is None:
             slow = [i for i, s in enumerate(seqs) if host_sampled(s)]
-        guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None]
+        failed = {i: s.model_state.failure for i, s in enumerate(seqs) if s.model_state.failure is not None}
+        guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None and i not in failed]
         masks = None
         if guided:  # every guided row is host-sampled
+            matchers = [seqs[i].model_state.matcher for i in guided]
+            allowed = per_row(matchers, self.guides.allowed, "the structured-output grammar")  # bits [W] each
+            failed.update((i, a) for i, a in zip(guided, allowed) if isinstance(a, RowFailure))
+            kept = [(i, a) for i, a in zip(guided, allowed) if not isinstance(a, RowFailure)]
+            guided = [i for i, _ in kept]
+        slow = [i for i in slow if i not in failed]
+        if guided:
             at = np.arange(len(guided)) if len(guided) == len(slow) else [slow.index(i) for i in guided]
-            allowed = self.guides.allowed([seqs[i].model_state.matcher for i in guided])  # bits [g, W]
-            masks = RowMasks(np.asarray(at, dtype=np.int32), allowed)
+            masks = RowMasks(np.asarray(at, dtype=np.int32), np.stack([a for _, a in kept]))
         uniforms = np.array(
             [token_uniform(seqs[i].model_state.seed, self.executor.slots.get(seqs[i].slot).length) for i in slow]
         )
-        return guided, masks, slow, uniforms
+        return SamplingPlan(guided, masks, slow, uniforms, failed)
+
+    def _greedy(self, logits, rows: list) -> list:
+        """Tokens [n] of logits [n, V]: the argmax of each row in ``rows`` (one device argmax of
+        every row), a RowFailure where its logit is not finite (``sampling.checked``), 0 elsewhere."""
+        tokens = [0] * logits.shape[0]
+        if rows:
+            ops = self.executor.ops
+            greedy = ops.argmax(logits)
+            picked = [int(greedy[i]) for i in rows]
+            for i, t in zip(rows, picked):
+                tokens[i] = t
+            checked(tokens, rows, ops.to_host(logits[ops.index(np.asarray(rows)), ops.index(np.asarray(picked))]))
+        return tokens
+
+    def _advance_grammars(self, seqs: list, guided: list, tokens: list) -> None:
+        """The grammars of rows ``guided`` take their tokens; one that fails fails its row."""
+        rows = [i for i in guided if not isinstance(tokens[i], RowFailure)]
+        done = one_by_one(
+            rows,
+            lambda i: self.guides.advance([seqs[i].model_state.matcher], [tokens[i]]),
+            "the structured-output grammar",
+        )
+        for i, d in zip(rows, done):
+            if isinstance(d, RowFailure):
+                tokens[i] = d
 
     def _rank_tokens(self, seqs: list, logits, tokens: list) -> None:
         """best_of: add each sampled token's logprob to its sequence's cumulative logprob."""
         ranked = [i for i, s in enumerate(seqs) if s.params.best_of is not None]
-        if not ranked:
-            return
-        host = self.executor.ops.to_host(logits[ranked])  # [m, V]
-        temps = np.array([seqs[i].params.temperature for i in ranked], dtype=np.float64)
-        for i, lp in zip(ranked, token_logprobs(host, temps, np.array([tokens[i] for i in ranked]))):
-            seqs[i].cumulative_logprob = (seqs[i].cumulative_logprob or 0.0) + float(lp)
+        ranked = [i for i in ranked if not isinstance(tokens[i], RowFailure)]
+
+        def logprobs(rows: list) -> np.ndarray:
+            host = self.executor.ops.to_host(logits[rows])  # [m, V]
+            temps = np.array([seqs[i].params.temperature for i in rows], dtype=np.float64)
+            return token_logprobs(host, temps, np.array([tokens[i] for i in rows]))
+
+        for i, lp in zip(ranked, per_row(ranked, logprobs, "best_of's logprob") if ranked else ()):
+            if isinstance(lp, RowFailure):
+                tokens[i] = lp
+            else:
+                seqs[i].cumulative_logprob = (seqs[i].cumulative_logprob or 0.0) + float(lp)
 
     # ---- expert-parallel load balancing ---------------------------------------------------
     def switch_placement(self, epoch: int, table: np.ndarray) -> int:
@@ -382,15 +436,34 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.transport.send(P.EplbPlacement(epoch, layers, slots, tuple(int(v) for v in table.ravel())))
         return self.executor.switch_placement(epoch, table)
 
-    def _sample_slow(self, logits, rows: list, seqs: list, masks: RowMasks | None, uniforms: np.ndarray) -> list[int]:
-        """Tokens of logits rows ``rows`` (sequences ``seqs``): on the host, or with the logits
-        processing and the draw on the device (GPU backends: only rows with a top-k / top-p cut
-        and rows asking for logprobs come to the host)."""
+    def _sample_slow(self, logits, rows: list, seqs: list, masks: RowMasks | None, uniforms: np.ndarray) -> list:
+        """Tokens of logits rows ``rows`` (sequences ``seqs``), sampled together (``_draw``); if that
+        raises, row by row, a row whose sampling raises answering a RowFailure."""
+
+        def draw(picked: list) -> list:
+            sub = None if masks is None else masks.take(picked)
+            return self._draw(logits, [rows[k] for k in picked], [seqs[k] for k in picked], sub, uniforms[picked])
+
+        tokens = []
+        for s, out in zip(seqs, per_row(list(range(len(rows))), draw, "sampling")):
+            token, rec = (out, None) if isinstance(out, RowFailure) else out
+            if rec is not None:
+                if s.logprobs is None:
+                    s.logprobs = []
+                s.logprobs.append(rec)
+            tokens.append(token)
+        return tokens
+
+    def _draw(self, logits, rows: list, seqs: list, masks: RowMasks | None, uniforms: np.ndarray) -> list:
+        """(token, TokenLogprobs or None) of each of logits rows ``rows`` (sequences ``seqs``): on the
+        host, or with the logits processing and the draw on the device (GPU backends: only rows
+        with a top-k / top-p cut and rows asking for logprobs come to the host). No effects on the
+        sequences (``per_row`` may run it again)."""
         ops, params = self.executor.ops, [s.params for s in seqs]
         whole = rows if len(rows) < logits.shape[0] else slice(None)
         plain = masks is None and all(p.logprobs is None and not p.processes_logits for p in params)
-        if plain and ops.name == "cpu":
-            return sample_rows(ops.to_host(logits[whole]), params, uniforms)  # temperature / top-k / top-p only
+        if plain and ops.name == "cpu":  # temperature / top-k / top-p only
+            return [(t, None) for t in sample_rows(ops.to_host(logits[whole]), params, uniforms)]
         histories = [self._history(s) if s.params.processes_logits else None for s in seqs]
         if ops.name == "cpu":
             tokens, records = sample_processed(
@@ -400,12 +473,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
             tokens, records = sample_on_device(
                 ops, logits, rows, params, uniforms, histories, self.eos_token_ids, masks, self.logprobs_mode
             )
-        for s, rec in zip(seqs, records):
-            if rec is not None:
-                if s.logprobs is None:
-                    s.logprobs = []
-                s.logprobs.append(rec)
-        return tokens
+        return list(zip(tokens, records))
 
     def _history(self, seq) -> History:
         state = self._state(seq)

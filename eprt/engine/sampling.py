@@ -17,9 +17,30 @@ import numpy as np
 
 from eprt.api import SamplingParams, TokenLogprobs
 from eprt.ops.numpy_ops import cpu_path
+from eprt.scheduler.interface import RowFailure
 
 F32_MAX = float(np.finfo(np.float32).max)
 PHILOX_KEY_BITS = 128
+NO_TOKEN = (
+    "no token is left to sample: the masks (allowed_token_ids, bad_words, min_tokens, the structured-output "
+    "grammar) forbid every one"
+)
+
+
+def unusable(top: float) -> RowFailure:
+    """Why a row whose largest processed logit (or picked one) ``top`` is not finite has no token."""
+    if top == -np.inf:
+        return RowFailure(NO_TOKEN)
+    return RowFailure(f"the logits are not finite after the logits processing ({float(top)})")
+
+
+def checked(tokens: list, rows: Sequence[int], picked: np.ndarray) -> list:
+    """``tokens`` with tokens[rows[i]] a RowFailure where its logit ``picked[i]`` is not finite
+    (a NaN row's argmax is a NaN; a row every mask forbids picks a -inf)."""
+    for r, v in zip(rows, picked.tolist()):
+        if not np.isfinite(v):
+            tokens[r] = unusable(v)
+    return tokens
 
 
 def request_seed(params: SamplingParams, fallback: np.random.Generator) -> int:
@@ -49,9 +70,10 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     return sample_rows(logits[None, :], [params], np.array([rng.random()]))[0]
 
 
-def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], uniforms: np.ndarray) -> list[int]:
+def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], uniforms: np.ndarray) -> list:
     """Tokens of logits[n, V]: row r greedy when params[r].temperature is 0, else drawn with
-    uniforms[r] (in [0, 1)) by inverse CDF over the row's kept tokens (order: ``_pick``). A sampled
+    uniforms[r] (in [0, 1)) by inverse CDF over the row's kept tokens (order: ``_pick``); a
+    RowFailure for a row whose logits are not finite (``checked``, ``unusable``). A sampled
     row runs all its passes (max, temperature, exp, sum, the cuts) before the next starts: at
     V = 151936 a row (600 KB) stays in L2 through them, where [n, V] at once went to memory for each."""
     temps = np.array([p.temperature for p in params], dtype=np.float64)  # [n]
@@ -64,16 +86,21 @@ def sample_rows(logits: np.ndarray, params: Sequence[SamplingParams], uniforms: 
     rows = np.flatnonzero(temps != 0.0)
     with np.errstate(over="ignore", divide="ignore"):  # a tiny temperature sends every non-maximum to -inf
         scales = np.minimum(1.0 / temps[rows], F32_MAX).astype(np.float32)  # [m]
+    tokens = checked([int(t) for t in out], greedy, logits[greedy, out[greedy]])
     for i, r in enumerate(rows.tolist()):  # a row at a time: its [V] stays in cache through every pass
         p = np.array(logits[r], dtype=np.float32)  # [V] becomes exp((x - max) / T): max 1
+        top = p.max()
+        if not np.isfinite(top):
+            tokens[r] = unusable(top)
+            continue
         with np.errstate(over="ignore"):
-            p -= p.max()
+            p -= top
             p *= scales[i]
         np.exp(p, out=p)
         if params[r].min_p > 0.0:  # min-p: probability below min_p * the top one (p's max is 1)
             p[p < np.float32(params[r].min_p)] = 0.0
-        out[r] = _pick(p, float(p.sum()), params[r], float(uniforms[r]))
-    return [int(t) for t in out]
+        tokens[r] = _pick(p, float(p.sum()), params[r], float(uniforms[r]))
+    return tokens
 
 
 def _pick(p: np.ndarray, mass: float, params: SamplingParams, u: float) -> int:
@@ -388,6 +415,15 @@ class RowMasks(NamedTuple):
     rows: np.ndarray
     bits: np.ndarray
 
+    def take(self, positions: Sequence[int]) -> RowMasks | None:
+        """The masks of rows ``positions`` (of the rows these masks index), renumbered 0, 1, ...
+        in that order; None when none of them has a mask."""
+        at = {int(r): k for k, r in enumerate(self.rows)}
+        keep = [(j, at[p]) for j, p in enumerate(positions) if p in at]
+        if not keep:
+            return None
+        return RowMasks(np.asarray([j for j, _ in keep], dtype=np.int32), self.bits[[k for _, k in keep]])
+
 
 def token_bits(allowed: np.ndarray) -> np.ndarray:
     """Allowed tokens allowed[R, V] (bool) as bits [R, ceil(V / 32)] uint32 (``RowMasks``)."""
@@ -538,12 +574,13 @@ def sample_processed(
     """Tokens of host logits[n, V] after ``process_logits`` (greedy rows: argmax of the processed
     logits; sampled ones: ``sample_rows``, which applies temperature, min-p, top-k and top-p),
     and the TokenLogprobs of each row whose params ask for logprobs (else None): "raw" from
-    the model's logits, "processed" after the processing, temperature and min-p."""
-    raw = [r for r, p in enumerate(params) if p.logprobs is not None]
+    the model's logits, "processed" after the processing, temperature and min-p (none for a row
+    whose token is a RowFailure)."""
     x = np.array(logits, dtype=np.float32)  # [n, V] a copy: the caller's rows stay raw
     if token_masks is not None or any(p.processes_logits for p in params):
         process_logits(x, params, histories, eos_ids, token_masks)
     tokens = sample_rows(x, params, uniforms)
+    raw = [r for r, p in enumerate(params) if p.logprobs is not None and not isinstance(tokens[r], RowFailure)]
     if not raw:
         return tokens, [None] * len(params)
     source = logits[raw] if logprobs_mode == "raw" else _processed(x[raw], [params[r] for r in raw])
@@ -555,10 +592,12 @@ def sample_processed(
 
 
 def _processed(x: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
-    """Processed logits x[m, V] of sampled rows divided by their temperature, min-p cut to -inf."""
+    """Processed logits x[m, V] of sampled rows, their maximum subtracted (a tiny temperature
+    cannot overflow them to +inf), divided by their temperature, min-p cut to -inf."""
     for i, p in enumerate(params):
         if p.temperature == 0.0:
             continue
+        x[i] -= x[i].max()
         x[i] /= np.float32(max(p.temperature, 1.0 / F32_MAX))
         if p.min_p > 0.0:
             probs = np.exp(x[i] - x[i].max())
@@ -606,12 +645,16 @@ def sample_on_device(
         drawn = ops.sample_logits(ops.gather_logits(x, np.asarray(uncut)), inv_temp, min_p, uniforms[uncut])
         for i, t in zip(uncut, drawn):
             tokens[i] = int(t)
+    on_device = greedy + uncut  # their tokens' processed logits must be finite
+    if on_device:
+        at = [tokens[i] for i in on_device]
+        checked(tokens, on_device, ops.to_host(x[ops.index(np.asarray(on_device)), ops.index(np.asarray(at))]))
     cut = [i for i in sampled if i not in uncut]
     if cut:  # top-k / top-p: the host's sampler
         host = ops.to_host(ops.gather_logits(x, np.asarray(cut)))  # [s, V]
         for i, t in zip(cut, sample_rows(host, [params[i] for i in cut], uniforms[cut])):
             tokens[i] = t
-    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None and not isinstance(tokens[i], RowFailure)]
     records = [None] * len(params)
     if asked:
         if logprobs_mode == "raw":

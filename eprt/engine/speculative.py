@@ -14,7 +14,9 @@ from typing import Protocol
 import numpy as np
 
 from eprt.comm import protocol as P
+from eprt.engine.isolation import per_row
 from eprt.engine.sampling import sample_rows, token_uniform
+from eprt.scheduler.interface import RowFailure
 from eprt.scheduler.speculation import StepCosts
 
 METHODS = ("ngram", "mtp")  # --speculative-method
@@ -92,17 +94,22 @@ class SpeculativeConfig:
         return MtpDrafter() if self.method == "mtp" else NgramDrafter(self.lookup_min, self.lookup_max)
 
 
-def accepted_run(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
+def accepted_run(drafts: Sequence[int], targets: Sequence) -> list:
     """The tokens a verified row emits: drafts while each equals the target sampled at its
-    position, then the target at the first mismatch (or the bonus after the last draft).
-    ``targets`` has one more entry than ``drafts``."""
+    position, then the target at the first mismatch (or the bonus after the last draft); a
+    RowFailure target (which no draft equals) is the row's last. ``targets`` has one more entry
+    than ``drafts``."""
     out = []
     for d, t in zip(drafts, targets):
-        out.append(int(t))
+        out.append(_token(t))
         if d != t:
             return out
-    out.append(int(targets[len(drafts)]))
+    out.append(_token(targets[len(drafts)]))
     return out
+
+
+def _token(t):
+    return t if isinstance(t, RowFailure) else int(t)
 
 
 def rejection_sample(p: np.ndarray, q: np.ndarray, draft: int, u_accept: float, u_resample: float) -> tuple[bool, int]:
@@ -187,19 +194,24 @@ class SpeculativeRunner:
         self.decode_rows += len(slots)
         self.proposed_tokens += sum(len(d) for d in drafts)
 
-    def verify_readback(self, stream: int = 0) -> list[list[int]]:
-        """Per row of the last verify_batch, the tokens it emits (accepted drafts, then one more)."""
+    def verify_readback(self, stream: int = 0) -> list[list]:
+        """Per row of the last verify_batch, the tokens it emits (accepted drafts, then one more);
+        a row whose sampling failed ends with its RowFailure (``isolation.per_row``)."""
         seqs, drafts = self._rows, self._drafts
         starts = np.cumsum([0] + [len(d) + 1 for d in drafts])  # [B + 1] first position of each row
         sampled = [r for r, s in enumerate(seqs) if s.params.temperature != 0.0]
         targets = [0] * int(starts[-1])  # [N] the token each position emits if reached
         if len(sampled) < len(seqs):
             targets = self._position_targets()
-        if sampled:
-            positions = [p for r in sampled for p in range(starts[r], starts[r + 1])]
-            logits = self._position_logits(positions)  # [n, V]
-            for p, t in zip(positions, self._sample_positions(logits, seqs, drafts, sampled)):
-                targets[p] = t
+
+        def draw(rows: list) -> list:  # each row's tokens at its positions
+            positions = [p for r in rows for p in range(starts[r], starts[r + 1])]
+            flat = self._sample_positions(self._position_logits(positions), seqs, drafts, rows)  # [n]
+            ends = np.cumsum([0] + [len(drafts[r]) + 1 for r in rows])
+            return [flat[ends[i] : ends[i + 1]] for i in range(len(rows))]
+
+        for r, got in zip(sampled, per_row(sampled, draw, "sampling") if sampled else ()):
+            targets[starts[r] : starts[r + 1]] = [got] * (len(drafts[r]) + 1) if isinstance(got, RowFailure) else got
         out = [accepted_run(d, targets[starts[r] : starts[r + 1]]) for r, d in enumerate(drafts)]
         if self.step_costs is not None:
             positions, catch_up = self._catch_up  # a cost of the decode steps before, not of the drafts
@@ -208,9 +220,9 @@ class SpeculativeRunner:
             self.step_costs.catch_up_step(len(seqs), positions, catch_up)
         return out
 
-    def _position_targets(self) -> list[int]:
-        """The last verify's greedy token at each position [N]."""
-        return [int(t) for t in self.executor.ops.argmax(self._logits)]
+    def _position_targets(self) -> list:
+        """The last verify's greedy token at each position [N] (``ModelRunner._greedy``)."""
+        return self._greedy(self._logits, list(range(self._logits.shape[0])))
 
     def _position_logits(self, positions: list) -> np.ndarray:
         """The last verify's logits at ``positions``, on the host [n, V]."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eprt.api import TOKEN_ID_LIMIT, GenerationRequest, RequestError, is_int, is_real
+from eprt.api import RANGES, TOKEN_ID_LIMIT, GenerationRequest, RequestError, is_int
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,6 @@ def validate_request(cfg: SchedulerConfig, request: GenerationRequest) -> list:
             f"the prompt has {len(prompt)} tokens but max_model_len={cfg.max_model_len} "
             f"leaves room for at most {cfg.max_model_len - 1}"
         )
-    timeout = request.timeout_s
-    if timeout is not None and not (is_real(timeout) and timeout > 0):
-        raise RequestError(f"timeout must be positive, got {request.timeout_s!r}")
+    if request.timeout_s is not None:
+        RANGES["timeout"].check("timeout", request.timeout_s)
     return [int(t) for t in prompt]

@@ -6,12 +6,29 @@ A ``seq`` argument is the scheduler's ``Sequence``; the model may read ``seq_id`
 ``token_ids``, ``num_prompt``, ``len``, ``params``, ``adapter`` and ``image_embeds``, may set
 ``seq.cached`` in ``alloc_sequence``, may keep its own state in ``seq.model_state``, and writes
 ``seq.logprobs`` / ``seq.prompt_logprobs`` (before the token they describe is accepted).
+
+A call that returns a row's next token (``argmax_on_device``, ``argmax_batch``, ``verify_readback``)
+may return a ``RowFailure`` in its place: that request alone failed (docs/scenarios.md, "One run").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """A row's answer in place of its next token when a stage that computes it for that request
+    alone failed (its logits processing, sampling, logprobs, grammar mask): the scheduler ends the
+    sequence with reason ``error`` and ``reason`` as its error, and the step goes on for the other
+    rows. The trace prints it as ``failed``."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return "failed"
 
 
 class ModelInterface(Protocol):

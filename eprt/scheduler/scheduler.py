@@ -29,6 +29,7 @@ from eprt.scheduler.effects import (
     Tracer,
 )
 from eprt.scheduler.inbox import Inbox
+from eprt.scheduler.interface import RowFailure
 from eprt.scheduler.sequence import ERROR, GUARD_KV_CAPACITY, LENGTH, STOP, RequestHandle, SeqState, Sequence
 
 log = logging.getLogger(__name__)
@@ -322,8 +323,12 @@ class Scheduler:
         seq.state = SeqState.QUEUED
         self._waiting.appendleft(seq)
 
-    def _accept(self, seq: Sequence, token: int, checkpoint: bool) -> None:
-        """Take one generated token: keep it, apply the per-token guards, stream it."""
+    def _accept(self, seq: Sequence, token: int | RowFailure, checkpoint: bool) -> None:
+        """Take one generated token: keep it, apply the per-token guards, stream it. A RowFailure
+        instead ends the sequence (``error``); its blocks go back at the end of the tick."""
+        if isinstance(token, RowFailure):
+            self._finish(seq, ERROR, error=token.reason)
+            return
         token = int(token)
         seq.token_ids.append(token)
         if guards.is_stop_token(seq, token, self.config.eos_token_ids):

@@ -10,10 +10,9 @@ error is a ``FieldError`` that names the offending field, so the HTTP server can
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
-from eprt.api import MAX_CHOICES, MAX_LOGPROBS, RequestError, SamplingParams, is_int, is_real
+from eprt.api import MAX_CHOICES, MAX_LOGPROBS, RANGES, RequestError, SamplingParams, is_int
 
 MAX_STOPS = 16  # stop strings and ids of one request (each string is searched for after every token)
 MAX_STOP_CHARS = 1024  # characters of all the stop strings of one request together
@@ -34,10 +33,6 @@ class RequestOptions:
     timeout_s: float | None  # per-request deadline in seconds, None for no deadline
 
 
-def _is_number(v) -> bool:
-    return is_real(v) and math.isfinite(v)
-
-
 def _get_int(body: dict, name: str, default, minimum: int) -> int | None:
     v = body.get(name)
     if v is None:
@@ -46,9 +41,6 @@ def _get_int(body: dict, name: str, default, minimum: int) -> int | None:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise FieldError(name, f"{name} must be {what}, got {v!r}")
     return v
-
-
-MAX_REPETITION_PENALTY = 1e6  # a finite bound: larger values only push repeated logits further
 
 
 def _get_bool(body: dict, name: str) -> bool:
@@ -69,15 +61,15 @@ def _get_logprob_count(body: dict, name: str) -> int | None:
     return v
 
 
-def _get_number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+def _get_number(body: dict, name: str, default: float | None) -> float | None:
+    """The field ``name`` as a float in its range (``eprt.api.RANGES``), ``default`` when absent."""
     v = body.get(name)
     if v is None:
         return default
-    ok = _is_number(v) and (v > low if low_open else v >= low) and v <= high
-    if not ok:
-        where = f">= {low:g}" if high == math.inf else f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-        raise FieldError(name, f"{name} must be a number {where}, got {v!r}")
-    return float(v)
+    try:
+        return RANGES[name].check(name, v)
+    except RequestError as e:
+        raise FieldError(name, str(e)) from None
 
 
 def check_text(text: str, param: str) -> str:
@@ -178,9 +170,10 @@ def parse_logit_bias(value, vocab_size: int) -> tuple:
             raise FieldError("logit_bias", f"logit_bias key {key!r:.40} is not a token id") from None
         if not 0 <= token < vocab_size:
             raise FieldError("logit_bias", f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})")
-        if not (_is_number(bias) and -100 <= bias <= 100):
-            raise FieldError("logit_bias", f"logit_bias of token {token} must be a number in [-100, 100], got {bias!r}")
-        out.append((token, float(bias)))
+        try:
+            out.append((token, RANGES["logit_bias"].check(f"logit_bias of token {token}", bias)))
+        except RequestError as e:
+            raise FieldError("logit_bias", str(e)) from None
     return tuple(out)
 
 
@@ -250,25 +243,23 @@ def parse_options(
     stop_strings, stop_ids = parse_stop(body.get("stop"), vocab_size)
     if body.get("stop_token_ids") not in (None, []):  # vLLM's extension: more stop ids
         stop_ids += tuple(parse_token_ids(body["stop_token_ids"], "stop_token_ids", vocab_size))
-    timeout = body.get("timeout")
-    if timeout is not None and not (_is_number(timeout) and timeout > 0):
-        raise FieldError("timeout", f"timeout must be a positive number of seconds, got {timeout!r}")
+    timeout = _get_number(body, "timeout", None)
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=_get_number(body, "temperature", 0.0, 0.0, math.inf),
-        top_p=_get_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        temperature=_get_number(body, "temperature", 0.0),
+        top_p=_get_number(body, "top_p", 1.0),
         top_k=_get_int(body, "top_k", 0, minimum=0),
         seed=_get_int(body, "seed", None, minimum=0),
         stop_token_ids=stop_ids,
         ignore_eos=_get_bool(body, "ignore_eos"),
-        presence_penalty=_get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_get_number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, low_open=True),
+        presence_penalty=_get_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_get_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_get_number(body, "repetition_penalty", 1.0),
         logit_bias=parse_logit_bias(body.get("logit_bias"), vocab_size),
         min_tokens=_get_int(body, "min_tokens", 0, minimum=0),
         bad_words_ids=parse_bad_words(body.get("bad_words"), tokenizer),
         allowed_token_ids=parse_allowed_ids(body.get("allowed_token_ids"), vocab_size),
-        min_p=_get_number(body, "min_p", 0.0, 0.0, 1.0),
+        min_p=_get_number(body, "min_p", 0.0),
         logprobs=parse_logprobs(body, chat),
         prompt_logprobs=_get_logprob_count(body, "prompt_logprobs"),
     )
@@ -276,7 +267,7 @@ def parse_options(
         raise FieldError(
             "min_tokens", f"min_tokens ({params.min_tokens}) must not exceed {max_tokens_field} ({params.max_tokens})"
         )
-    return RequestOptions(params, stop_strings, None if timeout is None else float(timeout))
+    return RequestOptions(params, stop_strings, timeout)
 
 
 def context_room(prompt_ids: list, max_model_len: int, param: str) -> int:
