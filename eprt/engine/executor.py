@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eprt.api import JobFailure
 from eprt.cache.block_manager import BlockManager
 from eprt.cache.snapshots import WORD64, SnapshotIndex, prefill_points, prefix_hash64
 from eprt.comm.protocol import Prefill
@@ -26,8 +27,8 @@ from eprt.model.recurrent_state import RecurrentState
 log = logging.getLogger("eprt.engine")
 
 
-class ExecutorError(RuntimeError):
-    """A command this rank cannot execute (its state disagrees with the command)."""
+class ExecutorError(JobFailure):
+    """A command this rank cannot execute (its state disagrees with the command): shared state."""
 
 
 SNAPSHOT_POOL_SHARE = 4  # recurrent-state snapshots may take at most 1/4 of the KV pool's memory

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from eprt.cache.block_manager import BlockManager
 from eprt.cache.snapshots import WORD64, SnapshotIndex, prefill_points, prefix_hash64
 from eprt.comm.protocol import DECODE_CKPT, FORK, PREFILL, PREFILL_NEXT, RELEASE, SHUTDOWN, WORD_MAX
-from eprt.scheduler.interface import TraceCalls
+from eprt.scheduler.interface import RowFailure, TraceCalls
 
 
 class FakeModelError(RuntimeError):
@@ -33,11 +33,14 @@ class RecordingModel(TraceCalls):
         prefix_cache: bool = True,
         snapshots: int = 0,
         drafts: dict | None = None,
+        failures: dict | None = None,
     ):
         """``scripts`` maps seq_id to (original prompt length, script tokens). ``snapshots`` > 0
         (with the prefix cache): a hybrid model keeping that many recurrent-state snapshots, saved
-        by DECODE_CKPT where the real runner saves them (docs/scenarios.md, "The fake model")."""
+        by DECODE_CKPT where the real runner saves them (docs/scenarios.md, "The fake model").
+        ``failures`` maps seq_id to the output index whose token is a RowFailure instead."""
         self.emit = emit
+        self.failures = dict(failures or {})
         self.drafts = {k: list(v) for k, v in (drafts or {}).items()}  # seq_id -> draft script
         self._verify: list = []  # per row of the last verify_batch: (drafts, targets)
         self.scripts = {k: (int(n), list(s)) for k, (n, s) in scripts.items()}
@@ -56,6 +59,8 @@ class RecordingModel(TraceCalls):
         i = last_pos + 1 - prompt_len
         if i < 0:
             raise FakeModelError(f"s{seq.seq_id}: asked for a token inside the prompt (position {last_pos})")
+        if self.failures.get(seq.seq_id) == i:
+            return RowFailure(f"planted failure of s{seq.seq_id} at output {i}")
         return script[min(i, len(script) - 1)]
 
     def _check_slot(self, seq) -> None:

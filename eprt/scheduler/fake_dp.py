@@ -24,8 +24,11 @@ class DpRecordingModel(RecordingModel):
         block_size: int = 16,
         prefix_cache: bool = True,
         drafts: dict | None = None,
+        failures: dict | None = None,
     ):
-        super().__init__(emit, scripts, num_slots=num_slots, num_blocks=1, block_size=block_size, drafts=drafts)
+        super().__init__(
+            emit, scripts, num_slots=num_slots, num_blocks=1, block_size=block_size, drafts=drafts, failures=failures
+        )
         self.pools = OwnerPools(rank_blocks, block_size, prefix_cache)
         self.blocks = None  # every block lives in an owner's pool
         self.owner: dict = {}  # seq_id -> owner rank of its current admission

@@ -54,6 +54,7 @@ class RequestSpec:
     drafts: list | None = None  # the fake drafter's script (speculative_tokens > 0)
     choices: list = field(default_factory=list)  # scripts of further choices (n > 1), forked after the prompt
     adapter: int = -1  # LoRA adapter id (-1: the base model)
+    fail_at: int | None = None  # the output index whose token the fake answers with a RowFailure
 
 
 @dataclass
@@ -158,6 +159,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         "drafts",
         "choices",
         "adapter",
+        "fail_at",
     }
     where = f"request {r.get('id', '?')}"
     if set(r) - known:
@@ -193,6 +195,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         drafts=_take(r, "drafts", list, None, where),
         choices=_take(r, "choices", list, [], where),
         adapter=_take(r, "adapter", int, -1, where),
+        fail_at=_take(r, "fail_at", int, None, where),
     )
     if spec.drafts is not None and not all(type(t) is int and 0 <= t < engine.vocab_size for t in spec.drafts):
         raise ScenarioError(f"{where}: drafts must be a list of token ids < {engine.vocab_size}")
@@ -201,6 +204,8 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
             raise ScenarioError(f"{where}: choices must be non-empty scripts of token ids < {engine.vocab_size}")
     if spec.choices and mode != "blocking":
         raise ScenarioError(f'{where}: a request with choices must be mode = "blocking" (one stream per request)')
+    if spec.fail_at is not None and spec.fail_at < 0:
+        raise ScenarioError(f"{where}: fail_at must be an output index >= 0, got {spec.fail_at}")
     if spec.arrive_at_tick < 1:
         raise ScenarioError(f"{where}: arrive_at_tick must be >= 1")
     if spec.cancel_at_tick is not None and spec.cancel_at_tick < spec.arrive_at_tick:
@@ -233,6 +238,7 @@ def run(sc: Scenario) -> ScenarioRun:
     lines: list = [f"# scenario {sc.name}"]
     e = sc.engine
     scripts = {r.id: (len(r.prompt), r.script) for r in sc.requests}
+    failures = {r.id: r.fail_at for r in sc.requests if r.fail_at is not None}
     if e.rank_blocks is not None:
         model = DpRecordingModel(
             lines.append,
@@ -242,6 +248,7 @@ def run(sc: Scenario) -> ScenarioRun:
             block_size=e.block_size,
             prefix_cache=e.prefix_cache,
             drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
+            failures=failures,
         )
     else:
         model = RecordingModel(
@@ -253,6 +260,7 @@ def run(sc: Scenario) -> ScenarioRun:
             prefix_cache=e.prefix_cache,
             snapshots=e.snapshots,
             drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
+            failures=failures,
         )
     config = SchedulerConfig(
         vocab_size=e.vocab_size,

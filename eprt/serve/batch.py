@@ -20,6 +20,7 @@ from eprt.api import (
     ENGINE_FAILED,
     EngineClosed,
     GenerationRequest,
+    JobFailure,
     RequestError,
     SamplingParams,
     is_engine_failure,
@@ -345,7 +346,9 @@ class BatchWriter:
         self._write(line, record, failed=failed, tokens=sum(len(r.token_ids) for r in results))
 
     def _submit(self, line: Line, live: dict) -> bool:
-        """Submit (or record as bad) one line; False when the engine takes no more requests."""
+        """Submit (or record as bad) one line; False when the engine takes no more requests. A
+        line whose request cannot be built or submitted is recorded with its error, whatever the
+        error (only a JobFailure, shared state, is not the line's)."""
         if line.error is None:
             try:
                 request, stops = build_request(line, self.engine)
@@ -356,6 +359,11 @@ class BatchWriter:
                 return False  # not the line's fault: it stays unfinished
             except RequestError as e:
                 line.error = str(e)
+            except JobFailure:
+                raise
+            except Exception as e:  # a bug one line's fields reach: that line's error, not the job's
+                log.exception("line %d: its request could not be built", line.number)
+                line.error = f"{type(e).__name__}: {e}"
         self._write(line, {"error": line.error}, failed=True)
         return True
 

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from eprt.api import ENGINE_FAILED
+from eprt.api import ENGINE_FAILED, JobFailure
 
 log = logging.getLogger("eprt.serve")
 
@@ -20,7 +20,7 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _WATCH_S = 0.25  # how often the progress watcher samples the engine's counters
 
 
-class RankLost(RuntimeError):
+class RankLost(JobFailure):
     """The MPI launcher reported (SIGUSR1) that a rank of the job died; ``ranks``: the worker
     ranks that then did not answer a ping (empty if none could be named)."""
 

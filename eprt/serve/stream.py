@@ -1,7 +1,8 @@
 """Streamed token ids -> text, with stop strings (``TextStream``: never splits a multi-byte
 character, holds back a tail that could still become a stop string), and one in-flight
 request seen from a client thread (``LiveRequest``: the engine thread only queues ids; the
-client pumps the queue and cancels the sequence once a stop string matched).
+client pumps the queue and cancels the sequence once a stop string matched, or once its text
+cannot be made: that request then ends with reason ``error`` naming the cause).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import time
 
 from eprt.api import GenerationRequest
 from eprt.engine.choices import best_choices
+from eprt.engine.isolation import one_by_one
+from eprt.scheduler.interface import RowFailure
 from eprt.serve.params import FieldError
 
 _END = object()  # queued by on_finish, after every token
@@ -108,6 +111,7 @@ class LiveRequest:
         self._logprobs_taken = 0  # records of pumped tokens handed out by take_logprobs
         self._ended = False
         self._cancelled = False
+        self._failure: RowFailure | None = None  # its text could not be made (detokenizing, stop strings)
         # Raises RequestError for a bad request. on_finish runs on the engine thread after
         # the last on_token, for every end (finished, stopped, cancelled, timed out, failed).
         self.handle = engine.submit(request, on_finish=lambda result: self._put(_END)) if submit else None
@@ -146,14 +150,22 @@ class LiveRequest:
         return "".join(out)
 
     def _consume(self, tok: int, out: list) -> None:
-        if self.text.stopped:
+        if self.text.stopped or self._failure is not None:
             return
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.token_ids.append(tok)
-        out.append(self.text.feed(tok))
-        if self.text.stopped:
+        out.append(self._text_of(self.text.feed, tok))
+        if self.text.stopped or self._failure is not None:
             self.cancel()
+
+    def _text_of(self, make, *args) -> str:
+        """``make(*args)``, the text; "" when it raises, which fails this request (kept as its failure)."""
+        (text,) = one_by_one([args], lambda a: make(*a), "detokenizing")
+        if isinstance(text, RowFailure):
+            self._failure = self._failure or text
+            return ""
+        return text
 
     def take_logprobs(self) -> list | None:
         """The TokenLogprobs of the tokens pumped since the last call (None: not asked for). The
@@ -177,7 +189,10 @@ class LiveRequest:
     def result(self) -> tuple:
         """(the final result, the text not yet returned by ``pump``); call once finished."""
         res = self.handle.result()
-        tail = self.text.finish()
+        tail = "" if self._failure is not None else self._text_of(self.text.finish)
+        if self._failure is not None:  # cancelled by us: the request failed here
+            failed = {"finish_reason": "error", "error": self._failure.reason}
+            return dataclasses.replace(res, token_ids=list(self.token_ids), text=self.text.text, **failed), ""
         if self.text.stopped:
             # The sequence was cancelled by us at a stop string: report it as a normal stop.
             res = dataclasses.replace(res, token_ids=list(self.token_ids), finish_reason="stop", error=None)
