@@ -475,3 +475,41 @@ def test_max_tokens_past_the_context_is_cut_and_a_full_prompt_is_a_line_error(ch
     out = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert out["huge"]["finish_reason"] == "length" and len(out["huge"]["token_ids"]) <= 32 - 3
     assert "leaves room for at most 31" in out["full"]["error"]
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["n1", "mpiexec-n2"])
+def test_a_line_whose_request_fails_is_recorded_and_a_resume_does_not_crash(tmp_path, world):
+    """Issue 35: the line {"repetition_penalty": 1e-320, ...} crashed the job on every resume (0 of
+    11 lines written). Now it is a line error; lines failing in their own stage (a planted failing
+    logits processor, masks that leave no token) are recorded with their error; the others finish."""
+    from planted_faults import PLANTED_SEED
+
+    lines = [{"id": f"g{i}", "prompt": f"line {i}: ", "max_tokens": 16, "ignore_eos": True} for i in range(10)]
+    lines[5:5] = [
+        {
+            "id": "repro",
+            "prompt": "aaaa",
+            "max_tokens": 8,
+            "repetition_penalty": 1e-320,
+            "temperature": 1,
+            "top_p": 0.5,
+        },
+        {"id": "planted", "prompt": "aaaa", "max_tokens": 8, "seed": PLANTED_SEED, "presence_penalty": 0.5},
+        {"id": "masked", "prompt": "aaaa", "allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 2},
+    ]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    launcher = [] if world == 1 else ["mpiexec", "-n", str(world)]
+    cmd = [*launcher, sys.executable, str(TESTS / "planted_faults.py"), "run", "--device", "cpu", "--max-batch", "8"]
+    cmd += ["--input", str(inp), "--output", str(out)]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    records = {r["id"]: r for r in read_records(out)}
+    assert sorted(records) == sorted(line["id"] for line in lines)
+    assert "repetition_penalty must be a finite number in [1e-06, 1e+06], got 1e-320" in records["repro"]["error"]
+    assert records["planted"]["finish_reason"] == "error" and "planted failure" in records["planted"]["error"]
+    assert records["masked"]["finish_reason"] == "error" and "no token is left" in records["masked"]["error"]
+    assert all(records[f"g{i}"]["finish_reason"] == "length" for i in range(10))
+    assert "(3 failed" in first.stderr and "engine failed" not in first.stderr
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "13 skipped as already done" in again.stderr, again.stderr
+    assert len(read_records(out)) == len(lines)

@@ -598,7 +598,8 @@ def _processed(x: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
         if p.temperature == 0.0:
             continue
         x[i] -= x[i].max()
-        x[i] /= np.float32(max(p.temperature, 1.0 / F32_MAX))
+        with np.errstate(over="ignore"):  # a tiny temperature: every non-maximum to -inf
+            x[i] /= np.float32(max(p.temperature, 1.0 / F32_MAX))
         if p.min_p > 0.0:
             probs = np.exp(x[i] - x[i].max())
             x[i][probs < np.float32(p.min_p)] = -np.inf
