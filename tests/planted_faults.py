@@ -6,7 +6,8 @@ tests/test_batch_run.py, tests/test_isolation.py):
 Each planted failure fires only for requests that carry its marker (every rank installs them, as
 the same code runs everywhere; only rank 0 samples, masks and detokenizes):
 - ``seed`` PLANTED_SEED with a logits processing field (a penalty): the logits processing raises
-  for any batch holding such a row (a failing logits processor);
+  for any batch holding such a row (a failing logits processor); sampled in a verify step
+  (speculative decoding), the draw of its positions raises;
 - a ``guided_regex`` containing PLANTED_REGEX: filling that grammar's token mask raises (a failing
   structured-output mask);
 - the token PLANTED_TOKEN among the ids decoded (force it with ``logit_bias``): the tokenizer's
@@ -18,7 +19,7 @@ from __future__ import annotations
 import sys
 
 from eprt import cli
-from eprt.engine import sampling, structured
+from eprt.engine import sampling, speculative, structured
 from eprt.model.tokenizer import ByteTokenizer
 
 PLANTED_SEED = 4242
@@ -38,6 +39,14 @@ def plant(patch=None) -> None:
         return process(x, params, *args, **kwargs)
 
     patch(sampling, "process_logits", failing_process)
+    draw = speculative.sample_rows
+
+    def failing_draw(logits, params, uniforms):
+        if any(p.seed == PLANTED_SEED for p in params):
+            raise RuntimeError("planted failure in a verify step's sampling")
+        return draw(logits, params, uniforms)
+
+    patch(speculative, "sample_rows", failing_draw)
 
     marked: set = set()  # ids of the matchers of a planted guide
     matcher, allowed = structured.GrammarCompiler.matcher, structured.GuidedRows.allowed
