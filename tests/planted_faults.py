@@ -9,7 +9,8 @@ the same code runs everywhere; only rank 0 samples, masks and detokenizes):
   for any batch holding such a row (a failing logits processor); sampled in a verify step
   (speculative decoding), the draw of its positions raises;
 - a ``guided_regex`` containing PLANTED_REGEX: filling that grammar's token mask raises (a failing
-  structured-output mask);
+  structured-output mask); one containing PLANTED_MATCHER: making its matcher raises (when the
+  sequence is first admitted);
 - the token PLANTED_TOKEN among the ids decoded (force it with ``logit_bias``): the tokenizer's
   decode raises (a failing detokenizer).
 """
@@ -24,6 +25,7 @@ from eprt.model.tokenizer import ByteTokenizer
 
 PLANTED_SEED = 4242
 PLANTED_REGEX = "PLANTED"
+PLANTED_MATCHER = "NOMATCHER"
 PLANTED_TOKEN = 1  # a control byte the built-in model never writes unforced
 
 
@@ -52,6 +54,8 @@ def plant(patch=None) -> None:
     matcher, allowed = structured.GrammarCompiler.matcher, structured.GuidedRows.allowed
 
     def marking_matcher(self, guide):
+        if PLANTED_MATCHER in guide.spec:
+            raise RuntimeError("planted failure making the structured-output matcher")
         m = matcher(self, guide)
         if PLANTED_REGEX in guide.spec:
             marked.add(id(m))

@@ -22,6 +22,7 @@ from eprt.engine.sampling import (
     token_uniform,
 )
 from eprt.ops import device
+from eprt.scheduler.interface import RowFailure
 
 gpu = pytest.mark.skipif(not device.cuda_usable(), reason="CuPy cannot use a CUDA device here")
 pytestmark = [gpu, pytest.mark.gpu]
@@ -164,3 +165,28 @@ def test_engine_on_the_device_processes_draws_and_reports_logprobs(checkpoint):
     assert len(forced.prompt_logprobs) == len(prompt) and forced.prompt_logprobs[0] is None
     for got, want in zip(forced.prompt_logprobs[1:], results["cpu"][0].prompt_logprobs[1:]):
         assert got.token_id == want.token_id and abs(got.logprob - want.logprob) < 0.1
+
+
+def test_device_rows_without_a_finite_token_fail_as_on_the_host(g):
+    """Failure isolation (docs/design.md): a row every mask forbids, or with a NaN or +inf logit,
+    is the host's RowFailure on the device too, greedy, drawn on the device or cut by top-k, and
+    the other rows keep their tokens (a NaN made the device draw's sums garbage: any token, or -1)."""
+    rng = np.random.default_rng(3)
+    logits = bf16(rng.standard_normal((12, V)) * 3)
+    logits[[1, 4, 7], 11] = np.nan
+    logits[[2, 5, 8], 12] = np.inf
+    lanes = [dict(), dict(temperature=0.8), dict(temperature=0.8, top_k=40)]  # greedy, device draw, cut
+    masked = dict(bad_words_ids=((5,),), allowed_token_ids=(5,))  # every token masked
+    params = [SamplingParams(**lanes[r // 3], **(masked if r % 3 == 0 else {})) for r in range(9)]
+    params += [SamplingParams(**lane) for lane in lanes]  # rows 9-11: nothing wrong
+    rows = [9, 0, 1, 10, 2, 3, 4, 11, 5, 6, 7, 8]
+    picked = [params[r] for r in rows]
+    histories = [History.of([1, 2]) for _ in rows]
+    uniforms = np.array([token_uniform(7, r) for r in rows])
+    want, _ = sample_processed(logits[rows], picked, uniforms, histories, EOS)
+    got, _ = sample_on_device(g, g.activation(logits), rows, picked, uniforms, histories, EOS)
+    assert got == want
+    assert [isinstance(t, RowFailure) for t in got] == [r < 9 for r in rows]
+    assert [t.reason.startswith("no token") for t in got if isinstance(t, RowFailure)] == [
+        r % 3 == 0 for r in rows if r < 9
+    ]

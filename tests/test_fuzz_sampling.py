@@ -3,7 +3,7 @@
 in per-request stages (tests/planted_faults.py), while four long streams are in flight:
 
 - the reproduction ``repetition_penalty=1e-320`` (which crashed the job) is a 400 naming the field;
-- each planted failure (a logits processor, a structured-output mask, the detokenizer) and a
+- each planted failure (a logits processor, a structured-output mask or matcher, the detokenizer) and a
   request whose masks leave no token fail that request alone, with an error naming the cause;
 - hypothesis-generated bodies with every numeric sampling field at its edges (denormals, 0,
   negative zero, 1e308, huge integers, NaN and infinities, their strings; mostly in range, so that
@@ -28,7 +28,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planted_faults import PLANTED_REGEX, PLANTED_SEED, PLANTED_TOKEN
+from planted_faults import PLANTED_MATCHER, PLANTED_REGEX, PLANTED_SEED, PLANTED_TOKEN
 from test_server import ServerProcess
 
 from eprt.comm.world import launcher_world_size
@@ -160,6 +160,7 @@ def test_the_reproduction_is_refused_while_four_streams_finish(server):
 PLANTED = {  # a request that fails alone, and the words its error names
     "logits processor": ({"seed": PLANTED_SEED, "presence_penalty": 0.5}, "planted failure in the logits processing"),
     "structured mask": ({"guided_regex": f"({PLANTED_REGEX})+"}, "planted failure in the structured-output mask"),
+    "grammar matcher": ({"guided_regex": f"({PLANTED_MATCHER})+"}, "planted failure making the structured-output"),
     "detokenizer": ({"logit_bias": {str(PLANTED_TOKEN): 100}}, "detokenizing failed"),
     "no token left": ({"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 3}, "no token is left"),
 }

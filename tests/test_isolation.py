@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from planted_faults import PLANTED_REGEX, PLANTED_SEED, PLANTED_TOKEN, plant
+from planted_faults import PLANTED_MATCHER, PLANTED_REGEX, PLANTED_SEED, PLANTED_TOKEN, plant
 
 from eprt.api import RANGES, GenerationRequest, Guide, JobFailure, RequestError, SamplingParams
 from eprt.engine import sampling
@@ -128,6 +128,7 @@ def _good(engine) -> list:
 PLANTED = {  # what each planted failure's request sends, and the words its error must contain
     "logits processing": (dict(seed=PLANTED_SEED, presence_penalty=0.5, temperature=0.7), "planted failure in the"),
     "structured mask": (dict(guide=Guide("regex", f"({PLANTED_REGEX})+")), "structured-output mask"),
+    "grammar matcher": (dict(guide=Guide("regex", f"({PLANTED_MATCHER})+")), "structured-output matcher"),
     "detokenizer": (dict(logit_bias=((PLANTED_TOKEN, 100.0),)), "detokenizing failed"),
     "no token left": (dict(allowed_token_ids=(5,), stop_token_ids=(5,), min_tokens=3), "no token is left"),
 }
@@ -152,10 +153,20 @@ def test_a_planted_failure_fails_its_request_alone(engine, monkeypatch, what):
     assert stats["free_blocks"] == stats["total_blocks"] and stats["running"] == 0
 
 
-def test_a_failed_row_in_a_prefill_with_forks_fails_that_request(engine, monkeypatch):
+FORKED = {  # n = 3: the prefill's row fails (each row's processing), or its state does before the forks
+    "logits processing": dict(temperature=0.9, seed=PLANTED_SEED, presence_penalty=0.2),
+    "grammar matcher": dict(guide=Guide("regex", f"({PLANTED_MATCHER})+")),
+}
+
+
+@pytest.mark.parametrize("what", FORKED)
+def test_a_failed_row_in_a_prefill_with_forks_fails_that_request(engine, monkeypatch, what):
     with monkeypatch.context() as m:
         plant(m)
         ids = engine.tokenizer.encode("aaaa")
-        params = SamplingParams(max_tokens=6, n=3, temperature=0.9, seed=PLANTED_SEED, presence_penalty=0.2)
+        params = SamplingParams(max_tokens=6, n=3, **FORKED[what])
         out = engine.generate_choices([GenerationRequest(ids, params), *_good(engine)[:1]])
     assert [r.finish_reason for r in out[0]] == ["error"] * 3 and out[1][0].finish_reason == "length"
+    assert all("planted failure" in r.error for r in out[0]), out[0]
+    stats = engine.stats()
+    assert stats["free_blocks"] == stats["total_blocks"] and stats["running"] == 0

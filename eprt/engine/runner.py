@@ -49,7 +49,7 @@ class SeqModelState:
     matcher: object = None  # structured outputs: its grammar's llguidance matcher (eprt/engine/structured.py)
     held: tuple | None = None  # (slot, cached) allocated by admit_ahead for this tick's alloc_sequence
     history: History | None = None  # penalties and bad words: the prompt's ids and the generated counts
-    failure: RowFailure | None = None  # its prompt logprobs failed: its next token is this failure
+    failure: RowFailure | None = None  # its grammar's matcher or its prompt logprobs failed: its next token is this
 
 
 class SamplingPlan(NamedTuple):
@@ -115,8 +115,14 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         if seq.model_state is None:
             seed = choice_seed(request_seed(seq.params, self._rng), seq.choice)
             seq.model_state = SeqModelState(seed=seed, salt=vision_salt(seq.image_embeds))
-            if seq.params.guide is not None:  # compiled once at submit: cannot fail here
-                seq.model_state.matcher = self.guides.compiler.matcher(seq.params.guide)
+            if seq.params.guide is not None:  # compiled at submit; a matcher that fails fails its row
+                (matcher,) = one_by_one(
+                    [seq.params.guide], self.guides.compiler.matcher, "the structured-output grammar"
+                )
+                if isinstance(matcher, RowFailure):
+                    seq.model_state.failure = matcher
+                else:
+                    seq.model_state.matcher = matcher
         return seq.model_state
 
     def can_admit(self, seq) -> bool:
@@ -193,7 +199,9 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         self.executor.fork(seq.slot, slot)
         self.transport.send(P.Fork(seq.slot, slot))
         parent = self._state(seq)  # choice 0: its seed is the request's key
-        child.model_state = SeqModelState(seed=choice_seed(parent.seed, child.choice), salt=parent.salt)
+        child.model_state = SeqModelState(
+            seed=choice_seed(parent.seed, child.choice), salt=parent.salt, failure=parent.failure
+        )
         if parent.matcher is not None:  # the fork's grammar state starts where the parent's is: the prompt's end
             child.model_state.matcher = parent.matcher.deep_copy()
         self._rows.append(child)

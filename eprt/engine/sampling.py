@@ -35,8 +35,9 @@ def unusable(top: float) -> RowFailure:
 
 
 def checked(tokens: list, rows: Sequence[int], picked: np.ndarray) -> list:
-    """``tokens`` with tokens[rows[i]] a RowFailure where its logit ``picked[i]`` is not finite
-    (a NaN row's argmax is a NaN; a row every mask forbids picks a -inf)."""
+    """``tokens`` with tokens[rows[i]] a RowFailure where ``picked[i]``, its argmax's logit or
+    its row's maximum, is not finite (a NaN row's argmax is a NaN, as its maximum; a row every
+    mask forbids has -inf)."""
     for r, v in zip(rows, picked.tolist()):
         if not np.isfinite(v):
             tokens[r] = unusable(v)
@@ -646,10 +647,9 @@ def sample_on_device(
         drawn = ops.sample_logits(ops.gather_logits(x, np.asarray(uncut)), inv_temp, min_p, uniforms[uncut])
         for i, t in zip(uncut, drawn):
             tokens[i] = int(t)
-    on_device = greedy + uncut  # their tokens' processed logits must be finite
+    on_device = greedy + uncut  # their processed rows must be finite (a NaN would make the draw garbage)
     if on_device:
-        at = [tokens[i] for i in on_device]
-        checked(tokens, on_device, ops.to_host(x[ops.index(np.asarray(on_device)), ops.index(np.asarray(at))]))
+        checked(tokens, on_device, ops.to_host(x[ops.index(np.asarray(on_device))].max(axis=1)))
     cut = [i for i in sampled if i not in uncut]
     if cut:  # top-k / top-p: the host's sampler
         host = ops.to_host(ops.gather_logits(x, np.asarray(cut)))  # [s, V]
