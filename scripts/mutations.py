@@ -105,7 +105,7 @@ def run_tests(tree: Path, m: Mutation, timeout: float) -> tuple[int, str, float]
         out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return -1, "timed out", time.monotonic() - start
-    failed = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("FAILED ")]
+    failed = sorted({line.split()[1] for line in out.stdout.splitlines() if line.startswith("FAILED ")})
     return out.returncode, ", ".join(failed) or out.stdout.strip().splitlines()[-1:][0], time.monotonic() - start
 
 

@@ -77,7 +77,10 @@ def test_hierarchical_policy_gives_deepseeks_published_placement():
     weight = np.array(
         [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86], [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
     )
-    published = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1], [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+    published = [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
     want = rank_sets(Placement(np.array(published, np.int32), 12, 8))
     assert rank_sets(balanced(weight, 16, 8, groups=4, nodes=2)) == want
 

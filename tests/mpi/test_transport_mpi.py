@@ -144,8 +144,8 @@ def test_allsum_is_bitwise_identical_on_every_rank(t):
 
 def rank_ordered_sum(parts: list) -> np.ndarray:
     out = parts[0].copy()
-    for p in parts[1:]:
-        out += p
+    for part in parts[1:]:
+        out += part
     return out
 
 
