@@ -64,6 +64,39 @@ def test_hierarchical_policy_keeps_each_group_on_one_node():
         balanced(SKEWED, 12, 4, groups=3, nodes=2)
 
 
+def rank_sets(placed: Placement) -> list:
+    """Per layer, each rank's experts as a sorted list (the order of a rank's own slots is free)."""
+    return [[sorted(row[a:b]) for a, b in slot_ranges(len(row), placed.world)] for row in placed.table.tolist()]
+
+
+def test_hierarchical_policy_gives_deepseeks_published_placement():
+    # The example of DeepSeek's EPLB README (github.com/deepseek-ai/EPLB): 2 layers of 12 experts in 4
+    # groups, 16 replicas on 2 nodes of 4 GPUs. Its phy2log, two slots per GPU:
+    #   [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    #    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+    weight = np.array(
+        [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86], [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+    )
+    published = [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
+    want = rank_sets(Placement(np.array(published, np.int32), 12, 8))
+    assert rank_sets(balanced(weight, 16, 8, groups=4, nodes=2)) == want
+
+
+def test_global_policy_replicates_by_load_per_replica_and_packs_heaviest_first():
+    # Worked by hand from DeepSeek's algorithm. Loads 10, 6, 3, 1 on 6 slots of 3 ranks: the first
+    # extra slot goes to expert 0 (10 per replica), the second to expert 1 (6 against 0's 5), so the
+    # replicas carry 5, 3, 3, 1, 5, 3 tokens. Heaviest first into the lightest rank with room:
+    # 5 -> r0, 5 -> r1, 3 -> r2, 3 -> r2, 3 -> r0, 1 -> r1: ranks {0, 1}, {0, 3}, {1, 2} at 8, 6, 6.
+    # Every extra slot to the heaviest expert instead (10/3 per replica) would give 6 + 1 on one rank.
+    placed = balanced(np.array([[10, 6, 3, 1]]), 6, 3)
+    assert rank_sets(placed) == [[[0, 1], [0, 3], [1, 2]]]
+    assert placed.replica_counts().tolist() == [[2, 2, 1, 1]]
+    assert placed.rank_tokens(np.array([[10, 6, 3, 1]])).tolist() == [[8.0, 6.0, 6.0]]
+
+
 def test_placement_refuses_an_expert_on_no_slot():
     with pytest.raises(ValueError, match="expert 3 of layer 0 on no slot"):
         Placement(np.array([[0, 1, 2, 0]]), 4, 2)

@@ -136,9 +136,27 @@ def test_allsum_is_bitwise_identical_on_every_rank(t):
     MPI.COMM_WORLD.Allgather(out, everyone)
     for r in range(t.size):
         assert np.array_equal(everyone[r].view(np.uint32), out.view(np.uint32)), f"rank {r} differs"
-    exact = np.sum(np.stack(mine).astype(np.float64), axis=0)
-    np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-6 * np.abs(exact).max())
+    # and it is the rank-ordered sum, the bits of the device combine and the dp reduce-scatter: a
+    # path that summed in another order would still agree across ranks, and differ from them at 3+
+    assert np.array_equal(out.view(np.uint32), rank_ordered_sum(mine).view(np.uint32))
     assert (used.allsums, used.mpi_calls) == ((1, 1) if t.size > 1 else (1, 0))
+
+
+def rank_ordered_sum(parts: list) -> np.ndarray:
+    out = parts[0].copy()
+    for part in parts[1:]:
+        out += part
+    return out
+
+
+@pytest.mark.mpi
+def test_dp_reduce_scatter_gives_each_rank_its_rows_of_the_rank_ordered_sum(t):
+    counts = [3 + r for r in range(t.size)]  # uneven blocks, decode-sized
+    mine = partials(t.size, shape=(sum(counts), 96))
+    out = t.scatter_sum_rows(mine[t.rank], counts)
+    start = sum(counts[: t.rank])
+    want = rank_ordered_sum(mine)[start : start + counts[t.rank]]
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.mpi
@@ -152,10 +170,7 @@ def test_large_allsum_is_the_rank_ordered_sum_bitwise(t):
     before = t.stats.copy()
     out = t.allsum(mine[t.rank])
     used = t.stats - before
-    ordered = mine[0].copy()
-    for r in range(1, t.size):
-        ordered += mine[r]
-    assert np.array_equal(out.view(np.uint32), ordered.view(np.uint32))
+    assert np.array_equal(out.view(np.uint32), rank_ordered_sum(mine).view(np.uint32))
     everyone = np.empty((t.size,) + out.shape, np.float32)
     MPI.COMM_WORLD.Allgather(out, everyone)
     assert all(np.array_equal(everyone[r].view(np.uint32), out.view(np.uint32)) for r in range(t.size))
