@@ -1,6 +1,7 @@
 """Expert-parallel decode step time at several world sizes and attention modes, plus MPI traffic per step.
 
     python benchmarks/bench_ep.py [--configs 1:replicated,2:replicated,2:dp] [--workloads expert,long]
+    python benchmarks/bench_ep.py --configs 2:replicated:check,2:dp:check --workloads expert   # --check-state's cost
 
 Builds (once) a Mixtral-style checkpoint whose experts hold ~95% of the weights, then for each
 workload (expert: batch 32 of 16-token prompts; long: batch 16 of 1,024-token prompts, attention-
@@ -9,7 +10,9 @@ heavy) and each configuration (ranks:attention) launches ``mpiexec -n N`` on thi
 --repeats runs) and
 reads the transport's counters: MPI calls, broadcast bytes and combine bytes per decode step. BLAS
 runs one thread per rank in every configuration so the comparison isolates the parallelism; the
-tables are printed by the parent, with the decode speed-up over the first configuration.
+tables are printed by the parent, with the decode speed-up over the first configuration. A
+configuration ending in ``:check`` runs with ``--check-state``; its "check ms" column is the time rank 0
+spends per decode step in the state check (hashing, the all-gather and the comparison).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ WORKLOADS = {"expert": dict(batch=32, prompt_len=16, steps=24), "long": dict(bat
 def child(args) -> None:
     from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
+    from eprt.engine.executor import ShardExecutor
 
     cfg = EngineConfig(
         model=args.dir,
@@ -51,6 +55,7 @@ def child(args) -> None:
         max_prefill_tokens=0,  # whole prompts: the first tick prefills them all, every later tick is a decode step
         prefix_cache=False,
         attention=args.attention,
+        check_state=args.check,
     )
     prompts = [[3 + (7 * i + j) % 4000 for j in range(args.prompt_len)] for i in range(args.batch)]
 
@@ -59,16 +64,25 @@ def child(args) -> None:
         decode step; returns (prefill s, [decode step s], the transport's counters of one step)."""
         params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
         handles = [engine.submit(GenerationRequest(p, params)) for p in prompts]
-        ticks, counters = [], []
+        ticks, counters, checks = [], [], []
         while not all(h.done() for h in handles):
-            stats, t = engine.transport.stats.copy(), time.perf_counter()
-            engine._step()
+            stats, t, checked[0] = engine.transport.stats.copy(), time.perf_counter(), 0.0
+            engine.step()
             ticks.append(time.perf_counter() - t)
             counters.append(engine.transport.stats - stats)
-        return ticks[0], ticks[1:-1], counters[1]  # (the last tick also releases every sequence)
+            checks.append(checked[0])
+        return ticks[0], ticks[1:-1], counters[1], statistics.mean(checks[1:-1])  # (the last tick releases all)
+
+    checked = [0.0]
+
+    def timed_check(step, transport, real=ShardExecutor.check_state):
+        t = time.perf_counter()
+        real(engine.runner.executor, step, transport)
+        checked[0] += time.perf_counter() - t
 
     try:
         with launch_engine(cfg) as engine:
+            engine.runner.executor.check_state = timed_check
             runs = [measure() for _ in range(args.repeats + 1)][1:]  # the first warms up
     except SystemExit:
         return  # worker ranks
@@ -85,6 +99,7 @@ def child(args) -> None:
                 "mpi_calls": decode.mpi_calls,
                 "bcast_bytes": decode.bcast_bytes,
                 "combine_bytes": decode.allsum_bytes,
+                "check_ms": 1e3 * min(r[3] for r in runs) if args.check else None,
             }
         ),
         flush=True,
@@ -102,6 +117,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--prompt-len", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--attention", default="replicated", help=argparse.SUPPRESS)
+    ap.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -118,12 +134,13 @@ def main() -> None:
         f"1 BLAS thread per rank"
     )
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", EPRT_LOG_LEVEL="WARNING")
-    configs = [(int(n), attention) for n, attention in (c.split(":") for c in args.configs.split(","))]
+    configs = [c.split(":") for c in args.configs.split(",")]
     for name in args.workloads.split(","):
         w = dict(WORKLOADS[name], **({} if args.steps is None else {"steps": args.steps}))
         rows = []
-        for n, attention in configs:
+        for n, attention, *check in configs:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--dir", args.dir, "--attention", attention]
+            cmd += ["--check"] if check == ["check"] else []
             cmd += ["--batch", str(w["batch"]), "--prompt-len", str(w["prompt_len"]), "--steps", str(w["steps"])]
             cmd += ["--repeats", str(args.repeats)]
             out = subprocess.run(
@@ -133,12 +150,13 @@ def main() -> None:
         print(f"\n{name}: batch {w['batch']}, prompts of {w['prompt_len']} tokens, {w['steps']} decode steps")
         print(
             f"{'ranks':>5} {'attention':>10} {'step ms':>8} {'speed-up':>8} {'prefill ms':>10} {'MPI calls/step':>14} "
-            f"{'bcast B/step':>12} {'combine B/step':>14}"
+            f"{'bcast B/step':>12} {'combine B/step':>14} {'check ms':>8}"
         )
         for r in rows:
             print(
                 f"{r['world']:5d} {r['attention']:>10} {r['step_ms']:8.2f} {rows[0]['step_ms'] / r['step_ms']:8.2f} "
-                f"{r['prefill_ms']:10.0f} {r['mpi_calls']:14.1f} {r['bcast_bytes']:12.0f} {r['combine_bytes']:14.0f}"
+                f"{r['prefill_ms']:10.0f} {r['mpi_calls']:14.1f} {r['bcast_bytes']:12.0f} {r['combine_bytes']:14.0f} "
+                f"{'-' if r['check_ms'] is None else format(r['check_ms'], '8.3f'):>8}"
             )
 
 

@@ -71,6 +71,12 @@ LOG_ALL_RANKS = _register("EPRT_LOG_ALL_RANKS", False, _bool, "log from every ra
 COLLECTIVE_TIMEOUT = _register(
     "EPRT_COLLECTIVE_TIMEOUT", 30.0, float, "seconds a rank waits in one collective before the watchdog aborts the job"
 )
+CHECK_STATE = _register(
+    "EPRT_CHECK_STATE",
+    False,
+    _bool,
+    "compare every rank's digests of its mirrored state after each step (--check-state; off by default)",
+)
 BLOCK_SIZE = _register("EPRT_BLOCK_SIZE", 16, int, "tokens per KV block")
 NUM_BLOCKS = _register("EPRT_NUM_BLOCKS", 0, int, "KV blocks per rank on the CPU backend (0: sized from max context)")
 COMBINE = _register(

@@ -99,7 +99,7 @@ def run_tests(tree: Path, m: Mutation, timeout: float) -> tuple[int, str, float]
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
     if m.ranks:
         cmd = ["mpiexec", "-n", str(m.ranks), *cmd, "--with-mpi"]
-    env = {**os.environ, "PYTHONPATH": f"{tree}:{tree / 'tests'}"}
+    env = {**os.environ, "PYTHONPATH": f"{tree}:{tree / 'tests'}", "EPRT_CHECK_STATE": "1"}
     start = time.monotonic()
     try:
         out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)

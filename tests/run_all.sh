@@ -37,8 +37,9 @@ else
   echo "== skipped: GPU tests on cusim (no g++ here)"
 fi
 
-# The MPI tests: written once, run at several world sizes.
+# The MPI tests: written once, run at several world sizes, with the ranks' state digests compared
+# after every step (--check-state; docs/design.md, "State digests").
 for n in 1 2 3; do
   echo "== tests/mpi at mpiexec -n $n"
-  mpiexec -n "$n" python3 -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+  EPRT_CHECK_STATE=1 mpiexec -n "$n" python3 -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
 done

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from eprt.comm import protocol as p
 from eprt.comm.protocol import (
     Accept,
+    CheckState,
     Compact,
     Decode1,
     DecodeBatch,
@@ -40,6 +41,7 @@ COMMANDS = [
     VerifyMtp(slots=(2, 0, 5), tokens=(3, 9, 1), counts=(4, 0, 1)),
     Accept(slots=(2, 0, 5), accepted=(4, 0, 1)),
     DecodeCkpt(slot=2, snapshot_tokens=64, end_block=3, session_hash=0x123456789ABCDEF0, adapter_id=2**32 + 7),
+    CheckState(step=123456),
     Shutdown(),
 ]
 
@@ -62,6 +64,7 @@ def test_words_match_the_spec():
     # VERIFY_MTP: n, slots, tokens, counts; the drafts are the MTP layer's, computed on every rank
     assert encode(VerifyMtp((1, 0), (30, 40), (3, 0))).tolist() == [0, 0xFFFFFFF5, 2, 1, 0, 30, 40, 3, 0]
     assert encode(DecodeCkpt(2, 64, 3, 0x1_0000_0002, 0x3_0000_0004)).tolist() == [2, 0xFFFFFFF8, 64, 3, 2, 1, 4, 3]
+    assert encode(CheckState(9)).tolist() == [0, 0xFFFFFFE3, 9]
     assert encode(Shutdown()).tolist() == [0, 0xFFFFFFFF]
     assert all(encode(c).dtype == np.uint32 for c in COMMANDS)
 
@@ -103,7 +106,7 @@ def test_next_waits_for_a_whole_command_without_consuming():
 @pytest.mark.parametrize(
     "words, message",
     [
-        ([0, 0xFFFFFFE3], "unknown reserved command word 0xFFFFFFE3"),
+        ([0, 0xFFFFFFE5], "unknown reserved command word 0xFFFFFFE5"),
         ([2, 0xFFFFFFF6], "unknown reserved command word 0xFFFFFFF6"),
         ([8, 42], "decode: slot 8 out of range (max_slots=8)"),
         ([0, p.DECODE_BATCH, 2, 1, 9, 5, 5], "DECODE_BATCH: slot 9 out of range"),

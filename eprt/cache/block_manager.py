@@ -13,6 +13,8 @@ import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
+import numpy as np
+
 
 class OutOfBlocks(RuntimeError):
     """An allocation or growth asked for more blocks than are free."""
@@ -53,6 +55,23 @@ class BlockManager:
         """Prompt tokens a new sequence would reuse: a multiple of block_size, at most
         ``len - 1`` so that at least one prompt token is computed."""
         return len(self._match(token_ids, adapter, salt)) * self.block_size
+
+    def mirrored_state(self) -> dict[str, tuple]:
+        """The accounting every rank mirrors, as data to hash (``--check-state``): "blocks" (the free
+        list in order, the references, each sequence's table) and "prefix cache" (the keyed blocks
+        and the evictable ones in LRU order)."""
+        tables = sorted(self._tables.items(), key=lambda kv: repr(kv[0]))
+        return {
+            "blocks": (
+                np.fromiter(self._free, np.int64, len(self._free)),
+                np.asarray(self._refs, np.int64),
+                tuple((repr(k), np.asarray(t, np.int64)) for k, t in tables),
+            ),
+            "prefix cache": (
+                np.fromiter(self._evictable, np.int64, len(self._evictable)),
+                tuple(sorted(self._key_of.items())),
+            ),
+        }
 
     def can_allocate(
         self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"", max_hit: int | None = None

@@ -44,6 +44,12 @@ class SnapshotIndex:
     def __len__(self) -> int:
         return len(self._row_of)
 
+    def mirrored_state(self) -> tuple:
+        """The rows every rank mirrors, as data to hash (``--check-state``): each snapshot's row in
+        LRU order, the free rows, the restored ones and each sequence's turn snapshot."""
+        turns = sorted((repr(k), v) for k, v in self._turn.items())
+        return tuple(self._row_of.items()), tuple(self._free), tuple(sorted(self._used)), tuple(turns)
+
     def __contains__(self, prefix: bytes) -> bool:
         return prefix in self._row_of
 

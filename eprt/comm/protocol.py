@@ -14,6 +14,7 @@ from eprt.api import TOKEN_ID_LIMIT
 RESERVED_BASE = TOKEN_ID_LIMIT  # every word >= this is a command, so token ids stay below it
 DECODE_BATCH = 0xFFFFFFE0
 COMPACT = 0xFFFFFFE2
+CHECK_STATE = 0xFFFFFFE3
 PREFILL_NEXT = 0xFFFFFFE4
 ACCEPT = 0xFFFFFFE6
 FORK = 0xFFFFFFE8
@@ -39,6 +40,7 @@ MAX_DRAFTS = 4
 NAMES = {
     DECODE_BATCH: "DECODE_BATCH",
     COMPACT: "COMPACT",
+    CHECK_STATE: "CHECK_STATE",
     PREFILL_NEXT: "PREFILL_NEXT",
     ACCEPT: "ACCEPT",
     FORK: "FORK",
@@ -241,6 +243,13 @@ class DecodeDp:
 
 
 @dataclass(frozen=True)
+class CheckState:
+    """``--check-state``: compare every rank's digests of its mirrored state after step ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Free every slot and leave the worker loop."""
 
@@ -263,6 +272,7 @@ Command = (
     | SlotAdapter
     | Owner
     | DecodeDp
+    | CheckState
     | Shutdown
 )
 
@@ -361,6 +371,8 @@ def encode(cmd: Command) -> np.ndarray:
                 f"{list(cmd.counts)} (summing to {sum(cmd.counts)}): all three must agree"
             )
         words = [0, DECODE_DP, len(cmd.slots), len(cmd.counts), *cmd.counts, *cmd.slots, *cmd.tokens]
+    elif isinstance(cmd, CheckState):
+        words = [0, CHECK_STATE, cmd.step]
     elif isinstance(cmd, Shutdown):
         words = [0, SHUTDOWN]
     else:
@@ -494,6 +506,11 @@ class Decoder:
             out = PrefillNext(self._slot(seq, "PREFILL_NEXT"), chunk_start, self._tokens(b[body + 2 : end]))
         elif cmd == RELEASE:
             out, end = Release(self._slot(seq, "RELEASE")), body
+        elif cmd == CHECK_STATE:
+            end = body + 1
+            if len(b) < end:
+                return None
+            out = CheckState(int(b[body]))
         elif cmd in VERIFY_WORDS:
             out, end = self._verify(b, body, VERIFY_WORDS[cmd])
             if out is None:

@@ -62,6 +62,13 @@ class Recorder:
     def rows(self, rows: np.ndarray, collective: int, sent: bool) -> None:
         self._add({"kind": "rows", "sent": sent, "shape": list(rows.shape), "hash": digest(rows)}, collective, rows)
 
+    def words(self, words: np.ndarray, labels: list | None, collective: int) -> None:
+        """An all-gather of small words (``--check-state``'s digests, named by ``labels``): this rank's."""
+        entry = {"kind": "words", "values": [f"{int(v):016x}" for v in words.ravel()]}
+        if labels is not None:
+            entry["labels"] = list(labels)
+        self._add(entry, collective, words)
+
     def combine(self, partial: np.ndarray, result: np.ndarray, collective: int) -> None:
         """A MoE combine; the partial's hash and the result only with payloads (hashing every
         combine would cost more than the recorder may)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from eprt.comm.protocol import ProtocolError
 
 
@@ -48,6 +50,15 @@ class SlotTable:
     def state(self) -> dict[int, tuple[int, tuple[int, ...]]]:
         """Occupied slots as ``{slot: (prompt length, stored tokens)}``: comparable across ranks."""
         return {i: (len(s.prompt), tuple(s.tokens)) for i, s in enumerate(self._slots) if s is not None}
+
+    def mirrored_state(self) -> tuple:
+        """Everything the slots hold, as data to hash (``--check-state``)."""
+        held = tuple(
+            (i, s.key, np.asarray(s.prompt, np.int64), np.asarray(s.tokens, np.int64), s.adapter, s.pending)
+            for i, s in enumerate(self._slots)
+            if s is not None
+        )
+        return held, self.next_key, self.open_verify
 
     def get(self, slot: int) -> SlotState | None:
         return self._slots[self._check_range(slot)]

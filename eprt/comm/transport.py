@@ -203,6 +203,16 @@ class Transport:
         self._dp_begin(rows, counts, "allgather_rows")
         return rows if self.size == 1 else self._allgather_rows(np.ascontiguousarray(rows), counts)
 
+    def allgather_words(self, words: np.ndarray, labels: list | None = None) -> np.ndarray:
+        """Every rank's ``words`` (uint64 [n], the same n everywhere) in rank order [P, n], on every
+        rank: ``--check-state``'s digests, named by ``labels`` in the flight recorder (not a MoE
+        exchange, so not counted as one)."""
+        row = np.ascontiguousarray(words, np.uint64).reshape(1, -1)
+        if self.rank == 0 and self.pending_words:
+            raise RuntimeError(f"allgather_words with {self.pending_words} command words not flushed")
+        self.recorder.words(row[0], labels, self.collectives)
+        return row if self.size == 1 else self._allgather_rows(row, [1] * self.size)
+
     def scatter_sum_rows(self, partial: np.ndarray, counts: list[int]) -> np.ndarray:
         """``partial``: float32 [sum(counts), D], block r (``counts[r]`` rows) meant for rank r.
         Returns this rank's block summed over every rank's ``partial`` in rank order: the float

@@ -13,6 +13,7 @@ import numpy as np
 
 from eprt.comm.protocol import (
     Accept,
+    CheckState,
     Command,
     Compact,
     Decode1,
@@ -105,6 +106,10 @@ class Executor(Protocol):
         """OWNER (dp attention, an executor whose ``dp`` is true): the next PREFILL into ``slot`` is
         owned by rank ``owner`` (which returns every prompt position's hidden state to rank 0 if
         ``prompt_hidden``). DECODE_DP calls ``decode(slots, tokens, counts)``."""
+
+    def check_state(self, step: int, transport) -> None:
+        """CHECK_STATE (``--check-state``): compare this rank's digests of its mirrored state with
+        every rank's, over ``transport``; raises when they differ."""
 
     def shutdown(self) -> None:
         """Free every slot and everything else the executor holds."""
@@ -219,5 +224,7 @@ def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decod
         executor.unload_adapter(cmd.lora_slot)
     elif isinstance(cmd, SlotAdapter):
         executor.set_slot_adapter(cmd.slot, cmd.lora_slot)
+    elif isinstance(cmd, CheckState):
+        executor.check_state(cmd.step, transport)
     else:
         raise ProtocolError(f"no worker action for {cmd!r}")

@@ -59,6 +59,7 @@ class EngineConfig:
     prefix_cache: bool = True
     batch_prefill: bool = True  # a tick's prefill chunks as one forward pass (off: one pass per sequence)
     overlap: bool = False  # plan a decode step's sampling while its forward pass runs (eprt/engine/overlap.py)
+    check_state: bool = field(default_factory=env.CHECK_STATE.get)  # compare the ranks' state digests each step
     gpu_memory_utilization: float = 0.9
     image_token_id: int | None = None
     seed: int = 0
@@ -174,6 +175,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="rank 0 plans a decode step's sampling and encodes the next step's frame while the step's forward "
         "pass runs (on a helper thread on the CPU); default off: not faster on the CPU as measured "
         '(docs/design.md, "Overlap")',
+    )
+    g.add_argument(
+        "--check-state",
+        action="store_true",
+        help="after every step compare each rank's digests of the state it mirrors (slots, KV pools, prefix "
+        "cache, placement, snapshots) and end the job naming any that differ (also EPRT_CHECK_STATE=1)",
     )
     g.add_argument(
         "--gpu-memory-utilization",
@@ -294,6 +301,7 @@ def engine_config_from_args(args) -> EngineConfig:
         prefix_cache=not args.no_prefix_cache,
         batch_prefill=args.batch_prefill == "on",
         overlap=args.overlap == "on",
+        check_state=args.check_state or env.CHECK_STATE.get(),
         gpu_memory_utilization=args.gpu_memory_utilization,
         image_token_id=args.image_token_id,
         seed=args.engine_seed,

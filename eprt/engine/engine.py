@@ -95,6 +95,8 @@ class Engine:
         self._expert_load_at = time.monotonic()
         self._next_log = time.monotonic() + STATS_LOG_INTERVAL_S
         self.eplb = None  # eprt.engine.eplb.Rebalancer under EPLB
+        # --check-state: in a job of several ranks, and not under --overlap (its forward pass may be in flight)
+        self.check_state = config.check_state and transport.size > 1 and runner.overlap is None
         self.images = EngineImages(config.model, loaded.config)
         self.images.preload()
 
@@ -272,8 +274,11 @@ class Engine:
     def step(self) -> None:
         """One scheduler tick, then the engine's periodic work (what generate and serve_forever
         loop on; a caller driving several engines in turn may call it)."""
+        frames = self.transport.stats.frames
         try:
             self.scheduler.step()
+            if self.check_state and self.transport.stats.frames != frames:  # a step that ran something
+                self.runner.check_state(self.scheduler.tick)
         except BaseException as e:  # a failed rank or model error: no request waits forever
             self.scheduler.fail_all(f"{ENGINE_FAILED}: {type(e).__name__}: {e}")
             raise

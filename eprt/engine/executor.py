@@ -18,6 +18,7 @@ from eprt.cache.block_manager import BlockManager
 from eprt.cache.snapshots import WORD64, SnapshotIndex, prefill_points, prefix_hash64
 from eprt.comm.protocol import Prefill
 from eprt.comm.slots import SlotError, SlotTable
+from eprt.engine.state_check import check_state
 from eprt.model.kv_cache import KVCache
 from eprt.model.moe_model import AttnBatch, MoEModel, PrefillPart
 from eprt.model.mrope import mrope_cos_sin, prompt_positions, split_vision_rows, vision_row_width
@@ -255,6 +256,10 @@ class ShardExecutor:
         """EPLB_PLACEMENT (docs/eplb.md): hold the experts of ``table`` [layers, slots] from the next
         forward pass; returns how many experts were read from the checkpoint."""
         return switch_model_placement(self.model, epoch, table)
+
+    def check_state(self, step: int, transport) -> None:
+        """CHECK_STATE: this rank's digests of what it mirrors against every rank's (state_check)."""
+        check_state(self, transport, step)
 
     def compact(self, slot: int, new_slot: int) -> None:
         self.slots.move(slot, new_slot)

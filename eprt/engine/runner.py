@@ -502,6 +502,13 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
         return adapter
 
     # ---- shutdown ----------------------------------------------------------------------
+    def check_state(self, step: int) -> None:
+        """CHECK_STATE after a step (``--check-state``): every rank compares its mirrored state's digests."""
+        step &= P.WORD_MAX
+        self.transport.send(P.CheckState(step))
+        self.transport.flush()
+        self.executor.check_state(step, self.transport)
+
     def ep_shutdown(self) -> None:
         self.transport.shutdown()
 

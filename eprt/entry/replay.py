@@ -83,6 +83,18 @@ class RecordedStream:
             )
         return result.copy()
 
+    def allgather_words(self, words: np.ndarray, labels: list | None = None) -> np.ndarray:
+        """--check-state's digests: this rank's as recorded (every rank's row is taken to be the same)."""
+        entry, recorded = self._take("words")
+        mine = np.ascontiguousarray(words, np.uint64)
+        if recorded.shape != mine.shape or not np.array_equal(recorded, mine):
+            names = labels or [str(k) for k in range(len(mine))]
+            differ = [n for n, a, b in zip(names, mine.tolist(), recorded.tolist()) if a != b] or names
+            raise self._diverged(
+                f"entry {entry['i']}: the state digests of {', '.join(differ)} differ from the recording"
+            )
+        return np.tile(mine, (self.header["size"], 1))
+
     def _diverged(self, message: str) -> Divergence:
         self.divergence = message
         return Divergence(message)

@@ -9,7 +9,10 @@ rank 1 reports another NumPy/BLAS build; ``identityfail``: computing it fails on
 ``kvfail``: rank 1 has no room for its KV pool. ``record``: a clean run recording payloads
 (``--record-payloads``) under $EPRT_DUMP_DIR; ``corrupt``: the same, with rank 1's 5th MoE
 partial silently perturbed (what ``eprt replay`` must find). A third argument ``dp`` runs the
-job with ``--attention dp``, ``overlap`` with ``--overlap on``.
+job with ``--attention dp``, ``overlap`` with ``--overlap on``. ``drift`` (with ``--check-state``):
+rank 1's mirror drifts from rank 0's, as a one-line bug would make it: under dp its copy of another
+owner's pool grows one token late, replicated its prefix cache keeps nothing; ``checked``: a clean
+run with ``--check-state``.
 """
 
 import os
@@ -34,6 +37,21 @@ def inject(mode: str) -> None:
         return real(self, slots, tokens)
 
     ShardExecutor.decode = failing
+
+
+def plant_drift(dp: bool) -> None:
+    if dp:
+        from eprt.engine.dp_executor import DpShardExecutor
+
+        def late(self, states, owners, appended):
+            for r in [r for r in range(len(states)) if owners[r] != self.rank]:
+                st = states[r]
+                self.pools.pools[owners[r]].grow(st.key, st.length + len(appended[r]) - 1)
+                st.tokens.extend(appended[r])
+
+        DpShardExecutor._mirror = late
+    else:
+        ShardExecutor.cache = lambda self, slot: None
 
 
 def main() -> int:
@@ -75,6 +93,8 @@ def main() -> int:
             return perturbed, gather_rows
 
         startup._combine = corrupting
+    if mode == "drift" and os.environ.get("PMI_RANK") == "1":
+        plant_drift("dp" in sys.argv[3:])
     cfg = EngineConfig(
         model=path,
         device="cpu",
@@ -85,6 +105,7 @@ def main() -> int:
         dump_dir=os.environ.get("EPRT_DUMP_DIR", "eprt-dumps"),
         attention="dp" if "dp" in sys.argv[3:] else "auto",
         overlap="overlap" in sys.argv[3:],
+        check_state=mode in ("drift", "checked"),
     )
     with launch_engine(cfg) as engine:
         params = [SamplingParams(max_tokens=10) for i in range(3)]

@@ -155,3 +155,22 @@ def test_replay_finds_the_first_divergent_combine_of_a_corrupted_worker(ckpt, tm
     assert f"diverged at entry {fifth['i']} (collective #{fifth['collective']}): this rank's MoE partial" in said, said
     rc, said = replay(tmp_path, ckpt, 0)  # rank 0 computed right from what it received
     assert rc == 0, said
+
+
+@pytest.mark.parametrize("attention", [None, "dp"])
+def test_a_mirror_that_drifts_ends_the_job_naming_the_structure_and_the_step(ckpt, tmp_path, attention):
+    code, out, took = launch(ckpt, "drift", dump_dir=tmp_path, attention=attention)
+    assert code != 0 and "generated" not in out, out
+    structure = "blocks of rank 0's pool" if attention else "prefix cache"
+    assert "the ranks' mirrored state differs after step" in out and f"{structure} (rank 0 " in out, out
+    assert "; rank 1 " in out
+    recorded = [json.loads(line) for line in (tmp_path / "frames-rank-0.jsonl").read_text().splitlines()[1:]]
+    digests = [e for e in recorded if e["kind"] == "words"]
+    assert digests and structure in digests[-1]["labels"], digests[-1:]  # the flight recorder keeps them
+    assert took < 60
+
+
+@pytest.mark.parametrize("attention", [None, "dp"])
+def test_checked_state_agrees_on_a_clean_job(ckpt, attention):
+    code, out, _ = launch(ckpt, "checked", attention=attention)
+    assert code == 0 and "generated [10, 10, 10]" in out, out
