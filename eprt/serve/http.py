@@ -6,7 +6,8 @@ adapter routes. Every 4xx/5xx has an OpenAI error body (an unexpected exception 
 500); with an API key, every route but ``/health`` needs ``Authorization: Bearer <key>``
 (checked before routing).
 ``GuardedH11Protocol`` closes connections whose request headers do not arrive in time
-(uvicorn alone never does); bodies are read under a size limit and a deadline (body.py).
+(uvicorn alone never does), and never closes an idle keep-alive connection whose next request
+has arrived; bodies are read under a size limit and a deadline (body.py).
 A generation request submits to the engine, then waits for tokens woken by the engine
 thread; a client that leaves has its sequence cancelled. See docs/serving.md.
 """
@@ -17,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import select
 import socket
 import threading
 import time
@@ -51,6 +53,10 @@ GENERATION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # 
 ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 MODEL_ROUTE = "/v1/models/{model}"  # the metrics' route label of every /v1/models/<id>
 ROUTES = ("/health", "/metrics", "/openapi.json", "/v1/models", MODEL_ROUTE, *GENERATION_ROUTES, *ADAPTER_ROUTES)
+# Longer than the idle time of common clients' pools (httpx 5 s, aiohttp 15 s, Go and hyper 90 s),
+# so that the client, not the server, closes an idle connection: a server closing one races with
+# the client's next request on it, which then dies with a reset (docs/serving.md, "Keep-alive")
+KEEP_ALIVE_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class HttpSettings:
     served_model_name: str | None = None  # the model name clients see (default: the engine's)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     http_timeout_s: float = 30.0  # a request's headers, and then its body, must arrive within this
-    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    keep_alive_s: float = KEEP_ALIVE_S  # an idle keep-alive connection is closed after this
     backlog: int = 2048  # pending TCP connections the kernel queues for us
     media: MediaPolicy = MediaPolicy()  # where chat image parts may come from (--allowed-local-media-path)
     lora_dir: str | None = None  # the real path of --lora-modules-dir (None: no adapter loading at run time)
@@ -151,6 +157,25 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
+
+    def timeout_keep_alive_handler(self) -> None:
+        """Close the idle connection, unless its next request has begun to arrive: the event loop,
+        when busy, runs this timer after bytes came in but before reading them, and closing then
+        resets the connection under the client's request."""
+        if not self.transport.is_closing() and self._readable():
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            return  # data_received (or connection_lost at EOF) comes next and cancels that
+        super().timeout_keep_alive_handler()
+
+    def _readable(self) -> bool:
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
+        return bool(poll.poll(0))
 
     def send_400_response(self, msg: str) -> None:
         e = self._protocol_error
@@ -574,6 +599,7 @@ class HttpServer:
             access_log=False,
             backlog=s.backlog,
             timeout_keep_alive=s.keep_alive_s,
+            headers=[("keep-alive", f"timeout={int(s.keep_alive_s)}")],  # undici and others close before
             timeout_graceful_shutdown=5,
             server_header=False,
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,

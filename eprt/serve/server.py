@@ -12,7 +12,7 @@ import sys
 from eprt import env
 from eprt.serve.adapters import check_adapters_dir
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES
-from eprt.serve.http import HttpServer, HttpSettings, ServerState, check_api_key
+from eprt.serve.http import KEEP_ALIVE_S, HttpServer, HttpSettings, ServerState, check_api_key
 from eprt.serve.loop import EngineLoop, RankLost
 from eprt.serve.media import MediaPolicy
 
@@ -65,6 +65,14 @@ def add_arguments(parser) -> None:
         "connection is closed (slow clients); default 30",
     )
     parser.add_argument(
+        "--keep-alive-timeout",
+        type=_positive,
+        default=KEEP_ALIVE_S,
+        metavar="S",
+        help=f"close a keep-alive connection idle for S seconds (default {KEEP_ALIVE_S:g}: longer than "
+        "clients' pools keep idle connections, so that a client never sends on one the server is closing)",
+    )
+    parser.add_argument(
         "--health-stall-timeout",
         type=_positive,
         default=None,
@@ -115,6 +123,7 @@ def _settings(args) -> HttpSettings:
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         http_timeout_s=args.http_timeout,
+        keep_alive_s=args.keep_alive_timeout,
         media=MediaPolicy(args.allowed_local_media_path),
         lora_dir=check_adapters_dir(args.lora_modules_dir),
     )
