@@ -46,6 +46,10 @@ class EnvVar:
         except ValueError as e:
             raise ValueError(f"{self.name}={raw!r}: {e}") from None
 
+    def raw(self) -> str | None:
+        """The value as set, "" included (None: unset), for a setting where set-but-empty is an error."""
+        return os.environ.get(self.name)
+
 
 def _bool(s: str) -> bool:
     v = s.strip().lower()

@@ -243,7 +243,7 @@ def test_chunked_bodies_and_framing_errors():
 
 
 def test_pipelined_keep_alive_http10_and_get_with_a_body():
-    with running_server(FakeEngine()) as url:
+    with running_server(FakeEngine(), keep_alive_s=2.0) as url:  # the GET's connection: closed when idle
         three = exchange(url, request(BODY) + request(BODY) + request(BODY, CLOSE))
         assert statuses(three) == [200, 200, 200]
         stream = json.dumps({"prompt": "abc", "stream": True}).encode()

@@ -2,6 +2,7 @@
 eprt's adapter registry (the real engine's adapters: tests/test_lora.py)."""
 
 import json
+import os
 
 import httpx
 from fake_engine import FakeEngine
@@ -49,11 +50,17 @@ def adapter_dir(tmp_path, name):
 
 def test_load_pick_list_and_unload_an_adapter(tmp_path):
     engine = LoraFakeEngine()
-    with running_server(engine) as url, httpx.Client(base_url=url, timeout=20) as c:
+    with (
+        running_server(engine, lora_dir=os.path.realpath(tmp_path)) as url,
+        httpx.Client(base_url=url, timeout=20) as c,
+    ):
         r = c.post("/v1/completions", json={"prompt": "ab", "model": "french", "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
         assert "'french' is not served here" in r.json()["error"]["message"]
         bad = c.post("/v1/load_lora_adapter", json={"lora_name": "french", "lora_path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and "No such file or directory" in bad.json()["error"]["message"], bad.text
+        (tmp_path / "empty").mkdir()
+        bad = c.post("/v1/load_lora_adapter", json={"lora_name": "french", "lora_path": "empty"})
         assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"], bad.text
         ok = c.post("/v1/load_lora_adapter", json={"lora_name": "french", "lora_path": adapter_dir(tmp_path, "fr")})
         assert ok.status_code == 200 and "french" in ok.text
@@ -75,7 +82,10 @@ def test_load_pick_list_and_unload_an_adapter(tmp_path):
 
 def test_an_adapter_in_use_is_not_unloaded(tmp_path):
     engine = LoraFakeEngine()
-    with running_server(engine) as url, httpx.Client(base_url=url, timeout=20) as c:
+    with (
+        running_server(engine, lora_dir=os.path.realpath(tmp_path)) as url,
+        httpx.Client(base_url=url, timeout=20) as c,
+    ):
         c.post("/v1/load_lora_adapter", json={"lora_name": "fr", "lora_path": adapter_dir(tmp_path, "fr")})
         adapter = engine.adapters.begin("fr")  # a request in flight
         busy = c.post("/v1/unload_lora_adapter", json={"lora_name": "fr"})

@@ -262,11 +262,17 @@ class Engine:
 
     def serve_forever(self, stop: threading.Event, poll_s: float = 0.05) -> None:
         """Tick while there is work, sleep on the inbox while idle, until ``stop`` is set and
-        everything in flight is done."""
+        everything in flight is done. On going idle the expert-load counts are read once more:
+        step() reads them at most once a second, which would leave the last steps unshown."""
+        stepped = False  # steps ran since the counts were last read
         while not stop.is_set():
             if self.scheduler.in_flight():
                 self.step()
+                stepped = True
             else:
+                if stepped:
+                    self._refresh_expert_load(time.monotonic())
+                    stepped = False
                 self.scheduler.wait_for_work(poll_s)
         while self.scheduler.in_flight():
             self.step()

@@ -1,10 +1,13 @@
 """The HTTP side of ``eprt serve``: a FastAPI app on uvicorn, in a thread beside the engine loop.
 
-Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions``. Every 4xx/5xx has an OpenAI error body; with an API key,
-every route but ``/health`` needs ``Authorization: Bearer <key>`` (checked before routing).
+Routes: ``GET /health``, ``GET /metrics``, ``GET /openapi.json``, ``GET /v1/models``,
+``GET /v1/models/{model}``, ``POST /v1/completions``, ``POST /v1/chat/completions``, the LoRA
+adapter routes. Every 4xx/5xx has an OpenAI error body (an unexpected exception too: a JSON
+500); with an API key, every route but ``/health`` needs ``Authorization: Bearer <key>``
+(checked before routing).
 ``GuardedH11Protocol`` closes connections whose request headers do not arrive in time
-(uvicorn alone never does); bodies are read under a size limit and a deadline (body.py).
+(uvicorn alone never does), and never closes an idle keep-alive connection whose next request
+has arrived; bodies are read under a size limit and a deadline (body.py).
 A generation request submits to the engine, then waits for tokens woken by the engine
 thread; a client that leaves has its sequence cancelled. See docs/serving.md.
 """
@@ -15,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import select
 import socket
 import threading
 import time
@@ -34,7 +38,7 @@ from eprt import __version__
 from eprt.api import ENGINE_FAILED, RequestError
 from eprt.engine.adapters import UnknownAdapter
 from eprt.engine.choices import best_choices
-from eprt.serve import adapters, openai
+from eprt.serve import adapters, openai, schema
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES, ApiError, parse_json, read_body
 from eprt.serve.media import MediaPolicy
 from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -47,27 +51,37 @@ MAX_HEADER_BYTES = 64 << 10  # request line and headers; more is answered 431
 _CLIENT_CHECK_S = 0.25  # how often a waiting non-stream request checks that its client is still there
 GENERATION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> is chat
 ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-ROUTES = ("/health", "/metrics", "/v1/models", *GENERATION_ROUTES, *ADAPTER_ROUTES)
+MODEL_ROUTE = "/v1/models/{model}"  # the metrics' route label of every /v1/models/<id>
+ROUTES = ("/health", "/metrics", "/openapi.json", "/v1/models", MODEL_ROUTE, *GENERATION_ROUTES, *ADAPTER_ROUTES)
+# Longer than the idle time of common clients' pools (httpx 5 s, aiohttp 15 s, Go and hyper 90 s),
+# so that the client, not the server, closes an idle connection: a server closing one races with
+# the client's next request on it, which then dies with a reset (docs/serving.md, "Keep-alive")
+KEEP_ALIVE_S = 120.0
 
 
 @dataclass(frozen=True)
 class HttpSettings:
-    api_key: str | None = None  # None: no authentication (check_api_key refuses "")
+    api_key: str | None = None  # None: no authentication (an empty or blank key is refused here)
     served_model_name: str | None = None  # the model name clients see (default: the engine's)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     http_timeout_s: float = 30.0  # a request's headers, and then its body, must arrive within this
-    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    keep_alive_s: float = KEEP_ALIVE_S  # an idle keep-alive connection is closed after this
     backlog: int = 2048  # pending TCP connections the kernel queues for us
     media: MediaPolicy = MediaPolicy()  # where chat image parts may come from (--allowed-local-media-path)
+    lora_dir: str | None = None  # the real path of --lora-modules-dir (None: no adapter loading at run time)
+
+    def __post_init__(self):
+        check_api_key(self.api_key, "the API key")
 
 
-def check_api_key(key: str | None) -> str | None:
-    """``key`` itself, None for no key; ValueError for an empty or whitespace key (an unset
-    variable in ``--api-key "$KEY"`` must not turn authentication off)."""
+def check_api_key(key: str | None, source: str = "--api-key") -> str | None:
+    """``key`` itself, None for no key; ValueError naming ``source`` for an empty or whitespace
+    key (an unset variable in ``--api-key "$KEY"`` or ``EPRT_API_KEY=$KEY`` must not turn
+    authentication off)."""
     if key is not None and not key.strip():
         raise ValueError(
-            f"--api-key / EPRT_API_KEY is {key!r}: an empty key would turn authentication off; "
-            f"give a real key, or leave both unset to serve without one"
+            f"{source} is {key!r}: an empty key would turn authentication off; "
+            f"give a real key, or leave --api-key and EPRT_API_KEY unset to serve without one"
         )
     return key
 
@@ -79,6 +93,18 @@ def error_response(e: ApiError, headers: dict | None = None) -> JSONResponse:
     if e.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(body, status_code=e.status, headers=headers)
+
+
+def internal_error() -> JSONResponse:
+    """The answer to an unexpected exception (logged with its traceback where it was caught)."""
+    return error_response(ApiError(500, "internal server error (see the server log)", "server_error"))
+
+
+def route_label(path: str) -> str:
+    """The route of ``path`` for the metrics (one label for every model id; "other": no route)."""
+    if path.startswith("/v1/models/"):
+        return MODEL_ROUTE
+    return path if path in ROUTES else "other"
 
 
 def _raw_error(status: int, reason: str, message: str) -> bytes:
@@ -131,6 +157,25 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
+
+    def timeout_keep_alive_handler(self) -> None:
+        """Close the idle connection, unless its next request has begun to arrive: the event loop,
+        when busy, runs this timer after bytes came in but before reading them, and closing then
+        resets the connection under the client's request."""
+        if not self.transport.is_closing() and self._readable():
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            return  # data_received (or connection_lost at EOF) comes next and cancels that
+        super().timeout_keep_alive_handler()
+
+    def _readable(self) -> bool:
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
+        return bool(poll.poll(0))
 
     def send_400_response(self, msg: str) -> None:
         e = self._protocol_error
@@ -280,12 +325,14 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        info = scope["eprt"] = {"status": None, "ttft": None, "gone": False}
+        info = scope["eprt"] = {"status": None, "ttft": None, "gone": False, "sent": False}
         start = time.monotonic()
 
         async def send_and_note(message):
             if message["type"] == "http.response.start":
                 info["status"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                info["sent"] = True
             await send(message)
 
         metrics = self.state.metrics
@@ -300,11 +347,17 @@ class Guard:
                 await error_response(e)(scope, receive, send_and_note)
             else:
                 await self.app(scope, receive, send_and_note)
+        except Exception:  # the app's catch-all handler logged it, and answered if it still could
+            if info["status"] is None:  # raised outside the app (no handler saw it)
+                log.exception("%s failed", path)
+                await internal_error()(scope, receive, send_and_note)
+            elif not info["sent"]:
+                raise  # uvicorn closes the connection of an answer cut short
         finally:
             status = 499 if info["gone"] or info["status"] is None else info["status"]
             generated = status == 200 and path in GENERATION_ROUTES
             metrics.request_finished(
-                path if path in ROUTES else "other",
+                route_label(path),
                 status,
                 time.monotonic() - start if generated else None,
                 info["ttft"] if generated else None,
@@ -318,7 +371,8 @@ class Guard:
 
 def build_app(state: ServerState):
     """The ASGI application: the FastAPI routes inside the ``Guard`` middleware."""
-    app = FastAPI(title="eprt", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="eprt", version=__version__, docs_url=None, redoc_url=None)
+    app.openapi = lambda: _openapi(app, state)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
@@ -344,7 +398,12 @@ def build_app(state: ServerState):
             )
         )
 
-    @app.get("/health")
+    @app.exception_handler(Exception)
+    async def unexpected_error(request, exc: Exception):  # Starlette's would answer in plain text
+        log.error("%s failed", request.url.path, exc_info=exc)
+        return internal_error()
+
+    @app.get("/health", openapi_extra=schema.operation(schema.Health))
     async def health():
         h = state.loop.health()
         if h.ok:
@@ -356,39 +415,63 @@ def build_app(state: ServerState):
         )
         return JSONResponse({"status": h.status, **body}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", openapi_extra=schema.operation(None, text=True))
     async def metrics():
         data = await run_in_threadpool(state.metrics.render)
         return Response(data, media_type=METRICS_CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=schema.operation(schema.ModelList))
     async def models():
         return JSONResponse(openai.models_body(state.engine, state.created, state.model_name))
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        return await _adapter_call(state, request, adapters.load_adapter)
+    @app.get("/v1/models/{model:path}", openapi_extra=schema.operation(schema.ModelCard))
+    async def model(model: str):
+        cards = openai.models_body(state.engine, state.created, state.model_name)["data"]
+        card = next((c for c in cards if c["id"] == model), None)
+        if card is not None:
+            return JSONResponse(card)
+        e = ApiError(404, f"the model {model!r:.200} does not exist", param="model", code="model_not_found")
+        return error_response(e)
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/load_lora_adapter", openapi_extra=schema.operation(None, schema.LoadLoraAdapterRequest, text=True))
+    async def load_lora_adapter(request: Request):
+        return await _adapter_call(state, request, adapters.load_adapter, state.settings.lora_dir)
+
+    @app.post(
+        "/v1/unload_lora_adapter", openapi_extra=schema.operation(None, schema.UnloadLoraAdapterRequest, text=True)
+    )
     async def unload_lora_adapter(request: Request):
         return await _adapter_call(state, request, adapters.unload_adapter)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions", openapi_extra=schema.operation(schema.CompletionResponse, schema.CompletionRequest, True)
+    )
     async def completions(request: Request):
         return await _answer(state, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=schema.operation(schema.CompletionResponse, schema.ChatCompletionRequest, True),
+    )
     async def chat_completions(request: Request):
         return await _answer(state, request, chat=True)
 
     return Guard(app, state)
 
 
-async def _adapter_call(state: ServerState, request: Request, call):
-    """A LoRA adapter route: the JSON body to ``call`` (off the event loop: it reads files); text answer."""
+def _openapi(app: FastAPI, state: ServerState) -> dict:
+    if app.openapi_schema is None:
+        app.openapi_schema = schema.openapi(app, state.settings.api_key is not None)
+    return app.openapi_schema
+
+
+async def _adapter_call(state: ServerState, request: Request, call, *args):
+    """A LoRA adapter route: the JSON body to ``call(engine, body, *args)`` (off the event loop:
+    it reads files); text answer."""
     try:
         raw = await read_body(request, state.settings.max_body_bytes, state.settings.http_timeout_s)
-        return Response(await run_in_threadpool(call, state.engine, parse_json(raw)), media_type="text/plain")
+        answer = await run_in_threadpool(call, state.engine, parse_json(raw), *args)
+        return Response(answer, media_type="text/plain")
     except ApiError as e:
         return error_response(e)
 
@@ -408,7 +491,7 @@ async def _answer(state: ServerState, request: Request, chat: bool):
         return error_response(ApiError(400, str(e), param=getattr(e, "param", None)))
     except Exception:
         log.exception("%s failed", request.url.path)
-        return error_response(ApiError(500, "internal server error (see the server log)", "server_error"))
+        return internal_error()
 
 
 def _parse(raw: bytes, state: ServerState, chat: bool) -> openai.ApiRequest:
@@ -516,6 +599,7 @@ class HttpServer:
             access_log=False,
             backlog=s.backlog,
             timeout_keep_alive=s.keep_alive_s,
+            headers=[("keep-alive", f"timeout={int(s.keep_alive_s)}")],  # undici and others close before
             timeout_graceful_shutdown=5,
             server_header=False,
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,

@@ -10,8 +10,9 @@ import logging
 import sys
 
 from eprt import env
+from eprt.serve.adapters import check_adapters_dir
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES
-from eprt.serve.http import HttpServer, HttpSettings, ServerState, check_api_key
+from eprt.serve.http import KEEP_ALIVE_S, HttpServer, HttpSettings, ServerState, check_api_key
 from eprt.serve.loop import EngineLoop, RankLost
 from eprt.serve.media import MediaPolicy
 
@@ -41,7 +42,7 @@ def add_arguments(parser) -> None:
         metavar="KEY",
         default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health "
-        "(default: EPRT_API_KEY; an empty key is an error)",
+        "(default: EPRT_API_KEY; an empty or blank key, from either, is an error)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -64,6 +65,14 @@ def add_arguments(parser) -> None:
         "connection is closed (slow clients); default 30",
     )
     parser.add_argument(
+        "--keep-alive-timeout",
+        type=_positive,
+        default=KEEP_ALIVE_S,
+        metavar="S",
+        help=f"close a keep-alive connection idle for S seconds (default {KEEP_ALIVE_S:g}: longer than "
+        "clients' pools keep idle connections, so that a client never sends on one the server is closing)",
+    )
+    parser.add_argument(
         "--health-stall-timeout",
         type=_positive,
         default=None,
@@ -78,6 +87,13 @@ def add_arguments(parser) -> None:
         default=None,
         help="chat image parts may name file:// images under DIR (default: data: URLs only; http(s) never)",
     )
+    parser.add_argument(
+        "--lora-modules-dir",
+        metavar="DIR",
+        default=None,
+        help="/v1/load_lora_adapter may load adapters under DIR (regular files, symlinks resolved "
+        "inside it; default: no adapter loading at run time)",
+    )
     add_engine_arguments(parser)
 
 
@@ -85,23 +101,32 @@ def main(args) -> int:
     from eprt.engine.engine import launch_engine
 
     try:  # every rank checks: all leave together, before loading
-        api_key = check_api_key(args.api_key if args.api_key is not None else (env.API_KEY.get() or None))
+        settings = _settings(args)
     except ValueError as e:
         print(f"eprt serve: {e}", file=sys.stderr)
         return 2
+    stall_s = args.health_stall_timeout or min(HEALTH_STALL_S, env.COLLECTIVE_TIMEOUT.get())
+    with launch_engine(args) as engine:  # worker ranks never get past this line
+        return serve(engine, args.host, args.port, settings, stall_s)
+
+
+def _settings(args) -> HttpSettings:
+    """The HTTP settings of the command line; ValueError naming what is wrong."""
+    if args.api_key is not None:
+        api_key = check_api_key(args.api_key, "--api-key")
+    else:  # set but empty is refused, not taken as unset
+        api_key = check_api_key(env.API_KEY.raw(), env.API_KEY.name)
     if args.max_body_bytes < 1024:
-        print(f"eprt serve: --max-body-bytes must be >= 1024, got {args.max_body_bytes}", file=sys.stderr)
-        return 2
-    settings = HttpSettings(
+        raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    return HttpSettings(
         api_key=api_key,
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         http_timeout_s=args.http_timeout,
+        keep_alive_s=args.keep_alive_timeout,
         media=MediaPolicy(args.allowed_local_media_path),
+        lora_dir=check_adapters_dir(args.lora_modules_dir),
     )
-    stall_s = args.health_stall_timeout or min(HEALTH_STALL_S, env.COLLECTIVE_TIMEOUT.get())
-    with launch_engine(args) as engine:  # worker ranks never get past this line
-        return serve(engine, args.host, args.port, settings, stall_s)
 
 
 def _is_loopback(host: str) -> bool:
