@@ -413,6 +413,7 @@ class MpiTransport(Transport):
         sys.stderr.flush()
         time.sleep(ABORT_GRACE)  # MPI_Abort tears the job down before hydra forwards our stderr
         self._world.Abort(1)
+        os._exit(1)  # MPICH's MPI_Abort can return before the launcher's kill arrives: run nothing more
 
     def _require_worker(self, what: str) -> None:
         if self.rank == 0:
