@@ -35,6 +35,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the program itself (not a caller in-process): each rank under its supervisor
+        from eprt.comm.launcher import supervise
+
+        supervise()
     argv = sys.argv[1:] if argv is None else argv
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
     args = build_parser(chosen).parse_args(argv)

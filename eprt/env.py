@@ -105,6 +105,13 @@ CPU_EXPERTS = _register(
 KERNEL_DIR = _register(
     "EPRT_KERNEL_DIR", "", str, "directory of the .cu kernel sources (default: the checkout's or the wheel's kernels/)"
 )
+SUPERVISOR = _register(
+    "EPRT_SUPERVISOR",
+    True,
+    _bool,
+    "under a multi-rank launcher, run each rank under a supervisor process that keeps a kill -9 of one rank "
+    "from taking the others down before they report it (docs/launch.md)",
+)
 
 
 def describe() -> str:

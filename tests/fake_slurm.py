@@ -52,25 +52,22 @@ class Step:
         say(f"started {ntasks} tasks: pids {self.tasks}")
 
     def _find_tasks(self) -> list:
+        """The processes the launcher started (the proxy's children; a task may start more)."""
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            found = [
-                p
-                for p in descendants(self.proc.pid)
-                if "hydra_pmi_proxy" not in cmdline(p) and "mpiexec" not in cmdline(p)
-            ]
+            proxies = [p for p in descendants(self.proc.pid) if "hydra_pmi_proxy" in cmdline(p)]
+            found = [p for proxy in proxies for p in descendants(proxy) if _parent(p) == proxy]
             if len(found) >= self.ntasks:
                 return found[: self.ntasks]
             time.sleep(0.05)
         raise SystemExit("fake-slurm: the tasks did not start")
 
     def signal_tasks(self, sig: signal.Signals, why: str) -> None:
+        """``sig`` to every process of the step, as slurmstepd does (proctrack/cgroup: every pid
+        of the step; proctrack/pgid: each task's process group): here each task's group."""
         say(f"{why}: {sig.name} to the tasks")
         for pid in self.tasks:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+            _signal_group(pid, sig)
 
 
 def srun(argv: list) -> int:
@@ -140,11 +137,27 @@ def scancel(argv: list) -> int:
     signum = signal.Signals["SIG" + sig.removeprefix("SIG")]
     say(f"scancel --signal={sig}: {signum.name} to the tasks {tasks} (not the batch step)")
     for pid in tasks:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
+        _signal_group(pid, signum)
     return 0
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to the process group ``pid`` leads (as mpiexec's tasks do), else to ``pid`` alone."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -15,6 +16,7 @@ import time
 import numpy as np
 
 from eprt import env
+from eprt.comm.links import DIED, Links, NoLinks
 from eprt.comm.transport import (
     DEFAULT_FRAME_WORDS,
     STARTUP_ERROR_BYTES,
@@ -40,9 +42,12 @@ REDUCE_SCATTER_MIN_BYTES = 1 << 20  # MoE partials from this size on 3+ ranks: r
 
 class MpiTransport(Transport):
     """The transport over ``comm`` (COMM_WORLD by default); construct it on every rank in the
-    same order (it duplicates communicators, a collective)."""
+    same order (it duplicates communicators and opens the links, collectives). ``links``: open
+    rank 0's link to every worker (``eprt.comm.links``), which names a dead rank at once."""
 
-    def __init__(self, comm=None, frame_words: int = DEFAULT_FRAME_WORDS, timeout: float | None = None):
+    def __init__(
+        self, comm=None, frame_words: int = DEFAULT_FRAME_WORDS, timeout: float | None = None, links: bool = True
+    ):
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -57,9 +62,10 @@ class MpiTransport(Transport):
         self.any_thread = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
         self._inflight = False  # a wait was left by an exception: the comms are unusable
         self._waiting_on = "nothing"  # what the current (or last) wait is for, for the hang report
-        self._failed: WorkerFailed | None = None
-        if self.rank == 0:
-            atexit.register(self._at_exit)  # a rank 0 that dies of an exception still frees the workers
+        self._links = NoLinks()
+        atexit.register(self._at_exit)  # a rank 0 that dies of an exception still frees the workers
+        if links and self.size > 1:
+            self._links = Links(self.rank, self.size, self.allgather_text, self._poke if self.rank == 0 else None)
 
     # -- the hooks of Transport ----------------------------------------------------------------
     def _send_frame(self, out: np.ndarray, n: int) -> None:
@@ -153,6 +159,8 @@ class MpiTransport(Transport):
             return super().startup_barrier(error)
         failures = [(r, text) for r, text in enumerate(self.allgather_text(error or "")) if text]
         if failures:
+            self._workers_told = True  # every rank raises StartupFailed and leaves: nobody to tell
+            self._links.close()
             raise StartupFailed(failures)
 
     def allgather_text(self, text: str) -> list[str]:
@@ -202,6 +210,7 @@ class MpiTransport(Transport):
             if self._root_notice() is not None:
                 req.Test()
                 return
+            self._check_root_alive()
             time.sleep(BUSY_SLEEP_MAX)
         self._abort(
             f"eprt: rank {self.rank} failed: {text}\neprt: rank {self.rank}: rank 0 did not "
@@ -215,7 +224,7 @@ class MpiTransport(Transport):
             return
         self.closed = True
         atexit.unregister(self._at_exit)
-        if self.rank == 0 and (not self._shutdown_sent or self._failed or self._inflight):
+        if self.rank == 0 and (not self._workers_told or self._failed or self._inflight):
             why = reason or "rank 0 stopped without SHUTDOWN"
             if self._failed is not None and str(self._failed) not in why:
                 why = f"{why} ({self._failed})"
@@ -223,6 +232,11 @@ class MpiTransport(Transport):
         elif not self._inflight:
             for c in (self._ctl, self._moe, self._err):
                 c.Free()
+        self._links.close()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._links.close()  # the workers leave now: their links close in order
 
     # -- waiting, the watchdog and the error channel ------------------------------------------------
     def _bcast(self, buf: np.ndarray, what: str, idle: bool = False) -> None:
@@ -273,6 +287,7 @@ class MpiTransport(Transport):
             reason = self._root_notice()
             if reason is not None:
                 raise RootDown(f"rank 0 is going down: {reason}")
+            self._check_root_alive()
             self._answer_status_ask()
             return
         if self._failed is not None:
@@ -282,9 +297,27 @@ class MpiTransport(Transport):
             src = status.Get_source()
             text = self._recv_text(src, TAG_WORKER_ERROR, status)
             print(f"eprt: rank {src} failed: {text}", file=sys.stderr, flush=True)
-            self._failed = WorkerFailed(src, text)
-            self.dump_frames(f"rank {src} failed: {text}")
-            raise self._failed
+            self._fail(src, text)
+        if self._links.lost:  # (the links said so on stderr)
+            self._fail(self._links.lost[0], DIED)
+
+    def _fail(self, rank: int, text: str) -> None:
+        self._failed = WorkerFailed(rank, text)
+        self.dump_frames(f"rank {rank} failed: {text}")
+        raise self._failed
+
+    def _check_root_alive(self) -> None:
+        """A worker whose link to rank 0 closed without a goodbye (rank 0 died: the links said so)
+        ends the job: nobody is left to send it a command or a notice."""
+        if self._links.lost:
+            self._abort(f"eprt: rank {self.rank}: rank 0 is gone; aborting the job")
+
+    def _poke(self, peer: int) -> None:
+        """Rank 0's links found ``peer`` dead (on their thread): a wait in the transport sees it at its
+        next poll; a main thread waiting elsewhere (eprt serve idle) is woken by SIGUSR1, the signal
+        that MPICH's launcher sends for a dead rank too, when a handler for it is installed."""
+        if callable(signal.getsignal(signal.SIGUSR1)):
+            os.kill(os.getpid(), signal.SIGUSR1)
 
     def _answer_status_ask(self) -> None:
         status = self._MPI.Status()
@@ -326,6 +359,8 @@ class MpiTransport(Transport):
         return answers
 
     def unresponsive_ranks(self, wait_s: float = STATUS_GRACE) -> list[int]:
+        if self._links.lost:
+            return sorted(self._links.lost)
         return [rank for rank, text in self.hang_report(wait_s).items() if text is None]
 
     def abort(self, message: str) -> None:
@@ -344,7 +379,8 @@ class MpiTransport(Transport):
 
     def _notify_workers(self, reason: str) -> None:
         data = np.frombuffer(reason.encode("utf-8", "replace"), np.uint8)
-        reqs = [self._err.Isend(data, dest=k, tag=TAG_ROOT_DOWN) for k in range(1, self.size)]
+        alive = [k for k in range(1, self.size) if k not in self._links.lost]
+        reqs = [self._err.Isend(data, dest=k, tag=TAG_ROOT_DOWN) for k in alive]
         self.stats.mpi_calls += len(reqs)
         deadline = time.monotonic() + self.timeout
         while not self._MPI.Request.Testall(reqs):
@@ -372,16 +408,22 @@ class MpiTransport(Transport):
         )
 
     def _abort(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        self._links.close()  # an abort is no death: the other ranks must not report one
+        sys.stderr.write(message + "\n")  # one write: the links' thread prints too
+        sys.stderr.flush()
         time.sleep(ABORT_GRACE)  # MPI_Abort tears the job down before hydra forwards our stderr
         self._world.Abort(1)
+        os._exit(1)  # MPICH's MPI_Abort can return before the launcher's kill arrives: run nothing more
 
     def _require_worker(self, what: str) -> None:
         if self.rank == 0:
             raise RuntimeError(f"{what} is for worker ranks")
 
     def _at_exit(self) -> None:
-        self.close("rank 0 exited without closing its transport")
+        if self.rank == 0:
+            self.close("rank 0 exited without closing its transport")
+        else:
+            self._links.close()  # an exit is no death
 
 
 def _offsets(sizes: list[int]) -> list[int]:

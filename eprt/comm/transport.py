@@ -101,7 +101,8 @@ class Transport:
         self.dump_dir: str | None = None  # where dump_frames writes; None: nowhere
         self._out = np.zeros(frame_words, np.uint32)  # word 0: count, then the pending words
         self._n = 1
-        self._shutdown_sent = False
+        self._workers_told = False  # SHUTDOWN sent, or every rank knows the job ends: close tells nobody
+        self._failed: WorkerFailed | None = None  # rank 0: the worker failure this transport raised
         self.closed = False
         self.any_thread = True  # whether collectives may run on another thread than MPI's (MpiTransport)
         # rank 0: an overdue collective raises CollectiveTimeout (the caller answers its clients,
@@ -158,7 +159,7 @@ class Transport:
         """Send SHUTDOWN (the last command of every run) and flush it."""
         self.send(Shutdown())
         self.flush()
-        self._shutdown_sent = True
+        self._workers_told = True
 
     # -- everyone ------------------------------------------------------------------------------
     def allsum(self, partial: np.ndarray) -> np.ndarray:
@@ -262,8 +263,19 @@ class Transport:
 
     def unresponsive_ranks(self, wait_s: float = 2.0) -> list[int]:
         """Rank 0: the worker ranks that do not answer within ``wait_s`` (dead, stopped, or stuck
-        outside the transport)."""
+        outside the transport); the ranks known dead, at once, when there are any."""
         return []
+
+    @property
+    def failed(self) -> WorkerFailed | None:
+        """Rank 0: the worker failure already raised (the job is ending), else None."""
+        return self._failed
+
+    def check_peers(self) -> None:
+        """Rank 0, between waits (e.g. when told a rank died): raise WorkerFailed naming a worker
+        that reported an error or died, if any did."""
+        self._require_root("check_peers")
+        self._check_channel()
 
     def abort(self, message: str) -> None:
         """End the whole job now, non-zero, after printing ``message``."""

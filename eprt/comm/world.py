@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from eprt import env
+from eprt.comm.launcher import launcher_task_count, launcher_world_size
 from eprt.comm.transport import DEFAULT_FRAME_WORDS, LocalTransport, StartupFailed, Transport
 
-LAUNCHER_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
+__all__ = ["WorldSizeMismatch", "check_world_size", "launcher_task_count", "launcher_world_size", "open_transport"]
 
 
 class WorldSizeMismatch(StartupFailed):
@@ -15,24 +15,6 @@ class WorldSizeMismatch(StartupFailed):
     def __init__(self, message: str):
         RuntimeError.__init__(self, message)
         self.failures = []
-
-
-def launcher_task_count() -> tuple[str, int] | None:
-    """(variable, task count) the MPI launcher announced, None when not launched by one. These
-    are the launchers' own variables, not eprt settings: MPICH/Hydra and Intel MPI (and Slurm's
-    PMI-2) set PMI_SIZE, Open MPI OMPI_COMM_WORLD_SIZE, MVAPICH2 MV2_COMM_WORLD_SIZE, and
-    ``srun`` the step's task count (with ``--mpi=pmix`` it is the only one set). The first set
-    one wins: an mpiexec inside a SLURM step sets PMI_SIZE, while SLURM_STEP_NUM_TASKS there
-    counts the step's tasks (mpiexec's proxies), not the MPI ranks."""
-    return env.launcher_int(LAUNCHER_SIZE_VARIABLES, "a task count", 1)
-
-
-def launcher_world_size() -> int:
-    """The world size the MPI launcher announced (1 when not launched by one), read without
-    importing mpi4py so a single-rank run never loads MPI. In a batch script outside ``srun``
-    the step has one task, so a plain ``eprt`` there runs as a world of one."""
-    found = launcher_task_count()
-    return 1 if found is None else found[1]
 
 
 def check_world_size(mpi_size: int) -> None:

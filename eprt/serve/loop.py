@@ -1,6 +1,7 @@
 """The engine's scheduler loop on the main thread (MPI stays there; clients run on other
 threads): the first SIGINT/SIGTERM finishes what is in flight, a second raises
-KeyboardInterrupt, SIGUSR1 (hydra: a rank died) raises ``RankLost``; ``health()`` reports a
+KeyboardInterrupt, SIGUSR1 (a rank died: the transport's links or MPICH's launcher say so) raises
+the transport's ``WorkerFailed`` naming it, else ``RankLost``; ``health()`` reports a
 failed loop or one stalled with work pending (docs/serving.md).
 """
 
@@ -101,4 +102,9 @@ class EngineLoop:
 
     def _on_rank_lost(self, signum, frame) -> None:
         transport = getattr(self.engine, "transport", None)
-        raise RankLost(transport.unresponsive_ranks() if transport is not None else [])
+        if transport is None:
+            raise RankLost([])
+        if transport.failed is not None:
+            return  # a second notice of a failure already raised
+        transport.check_peers()  # a rank whose link closed (or that reported an error), named
+        raise RankLost(transport.unresponsive_ranks())

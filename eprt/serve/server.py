@@ -167,7 +167,8 @@ def serve(engine, host: str, port: int, settings: HttpSettings | None = None, st
         loop.stop.set()
         if not state.wait_idle(SHUTDOWN_GRACE_S):
             log.warning("some answers were still being written after %.0fs; closing anyway", SHUTDOWN_GRACE_S)
-        http.stop()
+        if failure is None or not _aborts(engine):
+            http.stop()  # (an aborting job answers 503, /health too, until it is gone)
     if failure is not None:
         return _engine_failed(engine, failure)
     print("eprt serve: stopped", file=sys.stderr, flush=True)
@@ -181,11 +182,16 @@ def _failed_rank(failure: BaseException) -> str:
     return f"rank 0 failed: {type(failure).__name__}: {failure}"
 
 
+def _aborts(engine) -> bool:
+    """Whether an engine failure ends the job with an MPI abort (more than one rank)."""
+    transport = getattr(engine, "transport", None)
+    return transport is not None and transport.size > 1
+
+
 def _engine_failed(engine, failure: BaseException) -> int:
     """Every client has had its error; name the failed rank and end the whole job."""
     message = f"eprt serve: {_failed_rank(failure)}; every request in flight was answered with an error; exiting"
-    transport = getattr(engine, "transport", None)
-    if transport is not None and transport.size > 1:
-        transport.abort(message)  # prints it; a dead or stopped rank cannot finalize MPI: end the job
+    if _aborts(engine):
+        engine.transport.abort(message)  # prints it; a dead or stopped rank cannot finalize MPI: end the job
     print(message, file=sys.stderr, flush=True)
     return EXIT_ENGINE_FAILED
