@@ -210,7 +210,7 @@ PROMPT = Prefill(0, 0, 3, (1, 2, 3))
         (frames(Prefill(0, 0, 1, (1, 2, 3)), PrefillNext(0, 2, (3,))), "chunk starts at 2 but the slot holds 1"),
         (frames(PrefillNext(1, 0, (1,))), "PREFILL_NEXT for empty slot 1"),
         (frames(Release(3)), "RELEASE for empty slot 3"),
-        ([("frame", np.array([0, 0xFFFFFFE3], np.uint32))], "unknown reserved command word 0xFFFFFFE3"),
+        ([("frame", np.array([0, 0xFFFFFFE5], np.uint32))], "unknown reserved command word 0xFFFFFFE5"),
         ([("frame", np.array([4, 7], np.uint32))], "slot 4 out of range (max_slots=4)"),
         (frames(PROMPT, Verify((0,), (4,), ((5, 6),)), DecodeBatch((0,), (7,))), "awaits its ACCEPT"),
         (frames(PROMPT, Verify((0,), (4,), ((5, 6),)), Accept((0,), (3,))), "3 drafts accepted, the VERIFY sent 2"),
