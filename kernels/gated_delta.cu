@@ -8,8 +8,10 @@
 //   gated_delta_rule: q, k [B, T, Hk, dk] bf16, v [B, T, Hv, dv] bf16, g, beta [B, T, Hv] f32,
 //                     state [S, Hv, dk, dv] f32 (in place) -> out [B, T, Hv, dv] bf16; q, k L2-normalized,
 //                     q scaled by dk^-1/2; per token S = e^g S; S += k (beta (v - k^T S))^T; o = q^T S.
-//                     One block per (value head, sequence), thread j holds column j of S in registers:
-//                     the recurrent form, token after token (not the chunked tensor-core form)
+//                     The columns of S are independent: one block per (value head, sequence, group
+//                     of DELTA_COLS columns); a column's dk rows live in the registers of DELTA_SPLIT
+//                     adjacent threads (DK 128: two threads of 64 rows; their dot products meet by a
+//                     shuffle). The recurrent form, token after token (not the chunked tensor-core form)
 //   gated_rms_norm:   x, gate [R, D] bf16, w [D] bf16 -> rms_norm(x) * w * silu(gate) bf16
 //   sigmoid_mul_bf16: out = x * sigmoid(gate), x, gate, out [n] bf16
 #include "common.cuh"
@@ -67,22 +69,29 @@ extern "C" __global__ void delta_rule_gates(const bf16* __restrict__ b, const bf
     }
 }
 
+#define DELTA_COLS 128  // state columns per block
+#define DELTA_SPLIT(DK) ((DK) > 64 ? 2 : 1)  // threads per column: at most 64 state rows each
+#define DELTA_THREADS(DK) (DELTA_COLS * DELTA_SPLIT(DK))
+
 template <int DK>
 __device__ void gated_delta_rule_t(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                    const float* __restrict__ g, const float* __restrict__ beta,
                                    float* __restrict__ state, const int* __restrict__ slots, bf16* __restrict__ out,
                                    int T, int Hk, int Hv, int dk, int dv) {
+    constexpr int SPLIT = DELTA_SPLIT(DK), ROWS = DK / SPLIT;
     extern __shared__ float smem[];  // q [dk] | k [dk] of the current token
     __shared__ float scratch[WARP_SIZE];
     float* qs = smem;
     float* ks = smem + dk;
-    const int h = blockIdx.x, b = blockIdx.y, j = threadIdx.x;
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int j = blockIdx.z * DELTA_COLS + threadIdx.x / SPLIT;  // this thread's state column
+    const int r0 = (threadIdx.x % SPLIT) * ROWS;                  // and its rows [r0, r0 + ROWS)
     const int kh = h / (Hv / Hk);
-    const bool col = j < dv;  // this thread holds state column j
-    float S[DK];
+    const bool col = j < dv;
+    float S[ROWS];
     float* st = state + ((long long)slots[b] * Hv + h) * dk * dv + j;
 #pragma unroll
-    for (int i = 0; i < DK; ++i) S[i] = col && i < dk ? st[(long long)i * dv] : 0.0f;
+    for (int i = 0; i < ROWS; ++i) S[i] = col && r0 + i < dk ? st[(long long)(r0 + i) * dv] : 0.0f;
     const float q_scale = rsqrtf((float)dk);
     for (int t = 0; t < T; ++t) {
         const long long row = (long long)b * T + t;
@@ -96,42 +105,44 @@ __device__ void gated_delta_rule_t(const bf16* __restrict__ q, const bf16* __res
         }
         const float nq = rsqrtf(block_sum(sq, scratch) + 1e-6f) * q_scale;  // (block_sum syncs: qs, ks ready)
         const float nk = rsqrtf(block_sum(sk, scratch) + 1e-6f);
-        if (col) {
-            const long long gh = row * Hv + h;
-            const float decay = __expf(g[gh]);
-            float kv = 0.0f;
+        const long long gh = row * Hv + h;
+        const float decay = __expf(g[gh]);
+        float kv = 0.0f;
 #pragma unroll
-            for (int i = 0; i < DK; ++i) {
-                S[i] *= decay;
-                kv += i < dk ? S[i] * ks[i] : 0.0f;
-            }
-            const float delta = (to_f32(v[gh * dv + j]) - kv * nk) * beta[gh];
-            float o = 0.0f;
-#pragma unroll
-            for (int i = 0; i < DK; ++i) {
-                if (i < dk) {
-                    S[i] += ks[i] * nk * delta;
-                    o += S[i] * qs[i];
-                }
-            }
-            out[gh * dv + j] = __float2bfloat16(o * nq);
+        for (int i = 0; i < ROWS; ++i) {
+            S[i] *= decay;
+            kv += r0 + i < dk ? S[i] * ks[r0 + i] : 0.0f;
         }
+        if (SPLIT > 1) kv += __shfl_xor_sync(FULL_MASK, kv, 1);  // every lane: whole warps run here
+        const float delta = col ? (to_f32(v[gh * dv + j]) - kv * nk) * beta[gh] : 0.0f;
+        float o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            if (r0 + i < dk) {
+                S[i] += ks[r0 + i] * nk * delta;
+                o += S[i] * qs[r0 + i];
+            }
+        }
+        if (SPLIT > 1) o += __shfl_xor_sync(FULL_MASK, o, 1);
+        if (col && r0 == 0) out[gh * dv + j] = __float2bfloat16(o * nq);
         __syncthreads();  // the next token overwrites qs and ks
     }
 #pragma unroll
-    for (int i = 0; i < DK; ++i)
-        if (col && i < dk) st[(long long)i * dv] = S[i];
+    for (int i = 0; i < ROWS; ++i)
+        if (col && r0 + i < dk) st[(long long)(r0 + i) * dv] = S[i];
 }
 
-#define DELTA_ENTRY(DK)                                                                                        \
-    extern "C" __global__ void gated_delta_rule_dk##DK(const bf16* q, const bf16* k, const bf16* v, const float* g, \
-                                                       const float* beta, float* state, const int* slots,         \
-                                                       bf16* out, int T, int Hk, int Hv, int dk, int dv) {       \
-        gated_delta_rule_t<DK>(q, k, v, g, beta, state, slots, out, T, Hk, Hv, dk, dv);                         \
+// THREADS = DELTA_THREADS(DK), spelled out: __launch_bounds__ takes it as a plain number
+#define DELTA_ENTRY(DK, THREADS)                                                                                \
+    static_assert(THREADS == DELTA_THREADS(DK), "DELTA_ENTRY's block size");                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                    \
+        gated_delta_rule_dk##DK(const bf16* q, const bf16* k, const bf16* v, const float* g, const float* beta, \
+                                float* state, const int* slots, bf16* out, int T, int Hk, int Hv, int dk, int dv) { \
+        gated_delta_rule_t<DK>(q, k, v, g, beta, state, slots, out, T, Hk, Hv, dk, dv);                        \
     }
-DELTA_ENTRY(32)
-DELTA_ENTRY(64)
-DELTA_ENTRY(128)
+DELTA_ENTRY(32, 128)
+DELTA_ENTRY(64, 128)
+DELTA_ENTRY(128, 256)
 
 extern "C" __global__ void gated_rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                           const bf16* __restrict__ gate, bf16* __restrict__ out, int D, float eps) {

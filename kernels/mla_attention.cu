@@ -98,6 +98,7 @@ __device__ void mla_attend(const bf16* __restrict__ q, const bf16* __restrict__ 
             const float p = lane < nk ? __expf(s - m_new) : 0.0f;
             s_s[h * MLA_CHUNK + lane] = p;
             const float sum = warp_sum(p);
+            __syncwarp();  // every lane has read m_s[h] and l_s[h] before lane 0 rewrites them (shuffles order no memory)
             if (lane == 0) {
                 const float alpha = __expf(m_old - m_new);  // 0 on the first chunk (m_old = -inf)
                 m_s[h] = m_new;

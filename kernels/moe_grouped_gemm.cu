@@ -12,6 +12,7 @@
 
 #define GG_THREADS 128
 #define GG_WARPS (GG_THREADS / WARP_SIZE)
+// __launch_bounds__(GG_THREADS, 1): without the minimum, ptxas spilled moe_down (sm_90) and moe_down_fp8 (sm_80)
 
 // h[p, u] = silu(x[tok_p] . w_gate_up[e, u]) * (x[tok_p] . w_gate_up[e, I + u]) for the rows p
 // of expert e, tok_p = sorted_slot[p] / k. x [T, D]; w_gate_up [El, 2I, D]; h [P, I]. Units: I.
@@ -64,24 +65,29 @@ __device__ void down(const bf16* __restrict__ h, const int* __restrict__ offsets
             dot_two_rows(w, n0, n1, xr, mt, I, a0, a1);
 #pragma unroll
             for (int m = 0; m < GG_MT; ++m) {
-                if (m < mt && lane == m) {
+                if (m < mt && lane == m) {  // one 8-byte store (n0 even, D a multiple of 8): no spill
                     float* yr = y + (long long)(start + m0 + m) * D;
-                    yr[n0] = a0[m];
-                    if (n1 != n0) yr[n1] = a1[m];
+                    if (n1 != n0) {
+                        float2 pair;
+                        pair.x = a0[m];
+                        pair.y = a1[m];
+                        *reinterpret_cast<float2*>(yr + n0) = pair;
+                    } else
+                        yr[n0] = a0[m];
                 }
             }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_gate_up_silu(
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) moe_gate_up_silu(
     const bf16* __restrict__ x, const int* __restrict__ sorted_slot, const int* __restrict__ offsets,
     const bf16* __restrict__ w_gate_up, bf16* __restrict__ h, int D, int I, int k, int units_per_warp) {
     const Bf16Rows w{w_gate_up + (long long)blockIdx.y * 2 * I * D, D};
     gate_up_silu(x, sorted_slot, offsets, w, h, D, I, k, units_per_warp);
 }
 
-extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_down(
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) moe_down(
     const bf16* __restrict__ h, const int* __restrict__ offsets, const bf16* __restrict__ w_down,
     float* __restrict__ y, int D, int I, int units_per_warp) {
     const Bf16Rows w{w_down + (long long)blockIdx.y * D * I, I};
@@ -90,7 +96,7 @@ extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_down(
 
 // FP8 experts: w_gate_up [El, 2I, D] bytes with scale [El, 2 * ceil(I / bn), ceil(D / bk)] (gate and up
 // blocked separately); w_down [El, D, I] bytes with scale [El, ceil(D / bn), ceil(I / bk)].
-extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_gate_up_silu_fp8(
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) moe_gate_up_silu_fp8(
     const bf16* __restrict__ x, const int* __restrict__ sorted_slot, const int* __restrict__ offsets,
     const unsigned char* __restrict__ w_gate_up, const float* __restrict__ scale, bf16* __restrict__ h, int D, int I,
     int k, int units_per_warp, int block_n, int block_k) {
@@ -99,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_gate_up_silu_fp8(
     gate_up_silu(x, sorted_slot, offsets, w, h, D, I, k, units_per_warp);
 }
 
-extern "C" __global__ void __launch_bounds__(GG_THREADS) moe_down_fp8(
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) moe_down_fp8(
     const bf16* __restrict__ h, const int* __restrict__ offsets, const unsigned char* __restrict__ w_down,
     const float* __restrict__ scale, float* __restrict__ y, int D, int I, int units_per_warp, int block_n,
     int block_k) {

@@ -219,23 +219,24 @@ __device__ void prefill_block(const bf16* q, const bf16* k_cache, const bf16* v_
 }
 
 // One decode and one prefill entry point per cap on the group size G (the host picks the
-// smallest cap >= G; the cap sizes the per-thread register arrays).
+// smallest cap >= G; the cap sizes the per-thread register arrays). The bounds name one block
+// per SM at least: without the minimum, ptxas capped the split g16 kernel at 128 registers and spilled.
 #define ATTENTION_ENTRIES(MAXG)                                                                  \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_decode_g##MAXG(        \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1) attention_decode_g##MAXG(        \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables,       \
         const int* context_lens, bf16* out, int H, int Hk, int Dh, int block_size,              \
         int max_blocks, float scale) {                                                           \
         decode_block<MAXG>(q, k_cache, v_cache, block_tables, context_lens, out, H, Hk, Dh,     \
                            block_size, max_blocks, scale);                                       \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_decode_split_g##MAXG(  \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1) attention_decode_split_g##MAXG(  \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables,       \
         const int* context_lens, float* part_acc, float* part_ml, int H, int Hk, int Dh,        \
         int block_size, int max_blocks, int split_keys, float scale) {                           \
         decode_split_block<MAXG>(q, k_cache, v_cache, block_tables, context_lens, part_acc,     \
                                  part_ml, H, Hk, Dh, block_size, max_blocks, split_keys, scale); \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill_g##MAXG(       \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1) attention_prefill_g##MAXG(       \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_table,        \
         int start_pos, bf16* out, int H, int Hk, int Dh, int block_size, float scale) {         \
         prefill_block<MAXG>(q, k_cache, v_cache, block_table, start_pos, out, H, Hk, Dh,        \

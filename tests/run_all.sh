@@ -20,19 +20,15 @@ python3 -m pytest -q -p no:cacheprovider --ignore=tests/mpi tests
 echo "== CPU experts on the NumPy path (EPRT_CPU_EXPERTS=numpy)"
 EPRT_CPU_EXPERTS=numpy python3 -m pytest -q -p no:cacheprovider tests/test_model_parity.py tests/test_eplb.py tests/test_lora.py
 
-# The GPU tests once more, on cusim (tests/cusim): the real kernels/*.cu and CupyOps on the CPU.
-# Where a GPU is usable the run above already ran them on it.
+# The GPU stages once more, on cusim (tests/cusim: the real kernels/*.cu and CupyOps on the CPU), as the
+# dry run of the prepared GPU session itself: benchmarks/gpu_prepare.sh carries the checkpoints and wheels
+# (printing the folder's size), benchmarks/gpu_session.sh --cusim runs every GPU test, expert parallelism
+# at 2 and 3 ranks, the combine and decode benchmarks, in a venv that refuses what the GPU image lacks.
+# Where a GPU is usable the run above already ran the GPU tests on it.
 if command -v g++ >/dev/null; then
-  echo "== GPU tests on the CPU CUDA simulator (cusim)"
-  PYTHONPATH=tests python3 -m pytest -q -p no:cacheprovider -p cusim.plugin -m gpu \
-    tests/test_cupy_ops.py tests/test_cupy_ops_shapes.py tests/test_gpu_end_to_end.py \
-    tests/test_cupy_ops_deepseek.py tests/test_cupy_ops_fp8.py tests/test_gpu_fp8_model.py tests/test_cupy_hybrid_ops.py \
-    tests/test_cupy_sampling.py tests/test_gpu_vision.py tests/test_cupy_lora.py
-  for n in 2 3; do
-    echo "== GPU expert parallelism on cusim at mpiexec -n $n"
-    PYTHONPATH=tests mpiexec -n "$n" python3 -m pytest -q -p no:cacheprovider -p cusim.plugin --with-mpi -m gpu \
-      tests/mpi/test_gpu_expert_parallel_mpi.py
-  done
+  echo "== the GPU session's dry run on the CPU CUDA simulator (cusim)"
+  bash benchmarks/gpu_prepare.sh
+  OUT="$(mktemp -d)" bash benchmarks/gpu_session.sh --cusim
 else
   echo "== skipped: GPU tests on cusim (no g++ here)"
 fi

@@ -59,13 +59,14 @@ def test_delta_rule_gates(ops):
         np.testing.assert_allclose(g.to_host(got_part), want_part, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("T", [1, 9])
-def test_gated_delta_rule_chunk_and_steps(ops, T):
+# dk 128: two threads per state column (their halves meet by a shuffle); dv 200: two column groups
+@pytest.mark.parametrize("T, dk, dv", [(1, 16, 12), (9, 16, 12), (2, 64, 40), (3, 128, 200)])
+def test_gated_delta_rule_chunk_and_steps(ops, T, dk, dv):
     import cupy
 
     g, c = ops
     rng = np.random.default_rng(T)
-    Hk, Hv, dk, dv, S = 2, 4, 16, 12, 3
+    Hk, Hv, S = 2, 4, 3
     q, k = (bf16(rng.standard_normal((T, Hk, dk))) for _ in range(2))
     v = bf16(rng.standard_normal((T, Hv, dv)))
     gate = -rng.uniform(0, 0.5, (T, Hv)).astype(np.float32)

@@ -20,15 +20,19 @@ BIGGER = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=512,
 
 
 def resident_weight_bytes(path: str, rank: int, world: int) -> int:
-    """Device bytes the loaded model holds (weights and its rope table), measured by the allocator."""
+    """Device bytes the loaded model holds (weights and its rope table): the growth of the bytes
+    CuPy's pool has in use. (Not the device's free memory: the pool keeps freed blocks and the
+    next load reuses them, so on the H200 the second load showed 0 bytes.)"""
     import cupy
 
     from eprt.ops.cupy_ops import CupyOps
 
+    pool = cupy.get_default_memory_pool()
     gc.collect()
-    free = cupy.cuda.runtime.memGetInfo()[0]
+    cupy.cuda.get_current_stream().synchronize()
+    before = pool.used_bytes()
     loaded = load_model(path, CupyOps(), max_len=8, rank=rank, world=world)
-    used = free - cupy.cuda.runtime.memGetInfo()[0]
+    used = pool.used_bytes() - before
     del loaded
     gc.collect()
     return used

@@ -1,42 +1,127 @@
-"""The MoE combine on the device: an NCCL all-gather of every rank's float32 partial, then the
-rank-ordered sum on the device, the same float operations as the host path, so the same bits
-on every rank (docs/design.md, "The MoE combine"). Host staging stays the fallback.
+"""The MoE combine of GPU ranks, chosen once at start-up (docs/gpu.md, "MPI with device buffers"):
+an NCCL all-gather of every rank's float32 partial, then the rank-ordered sum on the device (the
+float operations of the host path, so the same bits on every rank), or, where NCCL cannot run
+(not on every rank, or ranks sharing a GPU, which NCCL refuses), the partials through pinned host
+memory and the transport's host sum.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 
+from eprt.comm.cuda_staging import Staging
+from eprt.ops.device import device_key
+
+log = logging.getLogger("eprt.engine")
+
 NCCL_FLOAT32 = 7  # ncclFloat32 in nccl.h
+NCCL_UNIQUE_ID_BYTES = 128
 POLL_S = 1e-5
+COMBINES = ("auto", "nccl", "host")
+
+
+def nccl_importable() -> bool:
+    try:
+        from cupy.cuda import nccl
+
+        return bool(nccl.available) if hasattr(nccl, "available") else True
+    except Exception:  # no NCCL in this CuPy build, or no libnccl
+        return False
 
 
 def nccl_communicator(transport):
-    """An NCCL communicator over the transport's ranks, its unique id sent by rank 0 over MPI."""
+    """An NCCL communicator over the transport's ranks: rank 0's unique id (CuPy 14: 128 bytes)
+    reaches every rank in the start-up exchange, and each makes its one communicator from it."""
     from cupy.cuda import nccl
 
-    uid = nccl.get_unique_id() if transport.rank == 0 else ()
-    text = bytes((x + 256) % 256 for x in uid).hex()  # the id's 128 chars, as hex
-    rank0 = transport.allgather_text(text)[0]
-    comm_id = tuple(b - 256 if b > 127 else b for b in bytes.fromhex(rank0))
-    return nccl.NcclCommunicator(transport.size, comm_id, transport.rank)
+    mine = _id_bytes(nccl.get_unique_id()) if transport.rank == 0 else b""
+    uid = bytes.fromhex(transport.allgather_text(mine.hex())[0])
+    if len(uid) != NCCL_UNIQUE_ID_BYTES:
+        raise RuntimeError(f"NCCL unique id from rank 0 has {len(uid)} bytes, expected {NCCL_UNIQUE_ID_BYTES}")
+    return nccl.NcclCommunicator(transport.size, uid, transport.rank)
+
+
+def _id_bytes(uid) -> bytes:
+    """CuPy 14 gives bytes; older CuPy a tuple of signed chars."""
+    return uid if isinstance(uid, bytes) else bytes(b % 256 for b in uid)
+
+
+def shared_devices(keys: list[str]) -> list[tuple[int, int]]:
+    """(first rank, rank) for every rank whose device (``device_key``) an earlier rank has."""
+    first: dict[str, int] = {}
+    pairs = []
+    for rank, key in enumerate(keys):
+        if key in first:
+            pairs.append((first[key], rank))
+        first.setdefault(key, rank)
+    return pairs
+
+
+def choose_combine(transport, ops, choice: str):
+    """(combine, gather_rows) for GPU ranks (``choice``: EPRT_COMBINE), logged. ``auto`` takes NCCL
+    when every rank's CuPy has it and no two ranks share a GPU; ``nccl`` where that does not hold
+    is an error naming why. Every rank decides the same from the same gathered facts."""
+    if choice not in COMBINES:
+        raise ValueError(f"EPRT_COMBINE must be one of {', '.join(COMBINES)}, got {choice!r}")
+    every = [json.loads(t) for t in transport.allgather_text(json.dumps([nccl_importable(), device_key()]))]
+    why = ""
+    if choice != "host":
+        lacking = [r for r, (usable, _) in enumerate(every) if not usable]
+        shared = shared_devices([key for _, key in every])
+        if lacking:
+            why = f"NCCL is not usable on rank(s) {', '.join(map(str, lacking))} (cupy.cuda.nccl)"
+        elif shared:
+            r, s = shared[0]
+            why = f"ranks {r} and {s} share GPU {every[s][1]} (NCCL refuses duplicate GPUs)"
+        else:
+            log.info("MoE combine: NCCL all-gather and a rank-ordered sum on the device")
+            device = DeviceCombine(transport, ops, nccl_communicator(transport))
+            return device, device.gather_rows
+        if choice == "nccl":
+            raise ValueError(f"EPRT_COMBINE=nccl, but {why}; use EPRT_COMBINE=auto or host")
+    log.info("MoE combine: through pinned host memory (EPRT_COMBINE=%s%s)", choice, f": {why}" if why else "")
+    host = HostCombine(transport)
+    return host, host.gather_rows
+
+
+class HostCombine:
+    """The combine through reused pinned host buffers and ``Transport.allsum`` (any MPI); the
+    host waits for every layer's partial (``blocks_host``)."""
+
+    blocks_host = True
+
+    def __init__(self, transport):
+        self.transport, self.staging = transport, Staging()
+
+    def __call__(self, partial):
+        return self.staging.to_device(self.transport.allsum(self.staging.send_buffer(partial)))
+
+    def gather_rows(self, rows, counts: list[int]):
+        return self.staging.to_device(self.transport.allgather_rows(self.staging.send_buffer(rows), counts))
 
 
 class DeviceCombine:
     """``combine(partial)`` for the model: partial [T, D] float32 on the device -> the sum over
     ranks [T, D], identical on every rank. ``comm`` has NCCL's ``allGather(send_ptr, recv_ptr,
-    count, datatype, stream_ptr)``."""
+    count, datatype, stream_ptr)``. Nothing waits per layer: the all-gather is ordered on the
+    stream before the sums that read it. The host's next wait on the stream (``ops``' host-wait
+    hook: at the latest the step's readback) first polls an event recorded after the last
+    collective, watching the error channel, so a hung collective still meets the watchdog."""
+
+    blocks_host = False
 
     def __init__(self, transport, ops, comm):
         self.transport, self.ops, self.comm = transport, ops, comm
+        self._event = None  # recorded after the last collective not yet seen complete
+        ops.add_host_wait(self.settle)
 
     def __call__(self, partial):
         cupy, t = self.ops.xp, self.transport
         partial = cupy.ascontiguousarray(partial)
         gathered = cupy.empty((t.size,) + partial.shape, dtype=cupy.float32)  # [P, T, D]
-        stream = cupy.cuda.get_current_stream()
-        self.comm.allGather(partial.data.ptr, gathered.data.ptr, partial.size, NCCL_FLOAT32, stream.ptr)
-        self._wait(stream)
+        self._all_gather(partial, gathered)
         out = gathered[0]
         for r in range(1, t.size):  # in rank order, as the host path sums
             out = self.ops.add(out, gathered[r])
@@ -57,21 +142,28 @@ class DeviceCombine:
         send = cupy.zeros((most, width), dtype=cupy.float32)  # [max(counts), D]
         send[: rows.shape[0]] = rows
         gathered = cupy.empty((t.size, most, width), dtype=cupy.float32)  # [P, max(counts), D]
-        stream = cupy.cuda.get_current_stream()
-        self.comm.allGather(send.data.ptr, gathered.data.ptr, send.size, NCCL_FLOAT32, stream.ptr)
-        self._wait(stream)
+        self._all_gather(send, gathered)
         t.stats.allsums += 1
         t.stats.allsum_bytes += send.nbytes
         return cupy.concatenate([gathered[r, :c] for r, c in enumerate(counts)])  # [sum(counts), D]
 
-    def _wait(self, stream) -> None:
-        """Wait for the all-gather, watching the error channel; past the collective timeout the
-        transport's watchdog reports the hang (an NCCL collective cannot be cancelled)."""
-        if not hasattr(stream, "done"):
-            stream.synchronize()
+    def _all_gather(self, send, gathered) -> None:
+        cupy = self.ops.xp
+        stream = cupy.cuda.get_current_stream()
+        self.comm.allGather(send.data.ptr, gathered.data.ptr, send.size, NCCL_FLOAT32, stream.ptr)
+        if self._event is None:
+            self._event = cupy.cuda.Event(disable_timing=True)
+        self._event.record(stream)  # covers the earlier collectives too (stream order)
+
+    def settle(self) -> None:
+        """Wait until the collectives enqueued so far have completed, watching the error
+        channel; past the collective timeout the transport's watchdog reports the hang (an NCCL
+        collective cannot be cancelled)."""
+        event, self._event = self._event, None
+        if event is None:
             return
         deadline = time.monotonic() + getattr(self.transport, "timeout", float("inf"))
-        while not stream.done:
+        while not event.done:
             self.transport._check_channel()
             if time.monotonic() > deadline:
                 self.transport._watchdog("the MoE combine (NCCL)")

@@ -7,7 +7,10 @@ On the CPU backend the pass runs on one helper thread (NumPy lets go of the GIL 
 MoE combines included: MPI is called from that thread only while the main thread plans or waits,
 never from both at once. A step without rows for the host sampler has too little to plan to pay
 for the hand-off, and runs inline. On a GPU the launches return at once, so the pass runs inline
-and the wait is the readback of the sampled tokens.
+and the wait is the readback of the sampled tokens; but where its MoE combines go through the host
+(``blocks_host``: ranks that share a GPU, or no NCCL) the host waits in every layer, and the pass
+runs on the helper thread as on the CPU. The helper thread computes on the rank's device
+(``Ops.bind_thread``: CUDA's current device is per thread, and a new one starts on GPU 0).
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ from eprt.comm.protocol import DecodeBatch, DecodeBatchWords
 class DecodeOverlap:
     def __init__(self, executor, transport):
         self.executor, self.transport = executor, transport
-        self.launched = executor.ops.name != "cpu"  # the pass returns once launched (a GPU)
+        combine = getattr(getattr(executor, "model", None), "combine", None)
+        # the pass returns once launched: a GPU whose combines do not wait on the host
+        self.launched = executor.ops.name != "cpu" and not getattr(combine, "blocks_host", False)
         self.threaded = not self.launched and transport.any_thread
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="eprt-forward") if self.threaded else None
+        self._pool = None
+        if self.threaded:
+            bind = executor.ops.bind_thread  # the rank's device on the helper thread
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="eprt-forward", initializer=bind)
         self._running = None  # the running step: its Future (threaded) or its logits
         self._plan: tuple | None = None  # (rows, the sampling plan of those rows)
         self._next: DecodeBatchWords | None = None  # the next step's frame, encoded ahead for these slots

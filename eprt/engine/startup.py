@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from eprt import env
-from eprt.comm.device_combine import DeviceCombine, nccl_communicator
+from eprt.comm.device_combine import choose_combine
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
@@ -201,45 +201,14 @@ def _check_identities(transport: Transport, mine: tuple[str, str]) -> int:
 
 def _combine(transport: Transport, ops: Ops):
     """The MoE combine for this backend and EPLB's row gather (``gather_rows(rows, counts)``: every
-    rank's rows in rank order), chosen once and logged: on GPUs an NCCL all-gather with the
-    rank-ordered sum on the device (``EPRT_COMBINE`` auto or nccl), else the partials go through
-    reused pinned host buffers and the transport's host sum (correct with any MPI)."""
+    rank's rows in rank order), chosen once and logged: on GPUs ``device_combine.choose_combine``
+    (NCCL on the device, or pinned host buffers where NCCL cannot run: EPRT_COMBINE), else the
+    transport's host sum."""
     if transport.size == 1:
         return (lambda partial: partial), (lambda rows, counts: rows)
     if ops.name == "cpu":
         return transport.allsum, transport.allgather_rows
-    choice = env.COMBINE.get()
-    if choice not in ("auto", "nccl", "host"):
-        raise ValueError(f"EPRT_COMBINE must be auto, nccl or host, got {choice!r}")
-    if choice != "host":
-        usable = _nccl_importable()
-        if all(json.loads(t) for t in transport.allgather_text(json.dumps(usable))):  # every rank, or none
-            log.info("MoE combine: NCCL all-gather and a rank-ordered sum on the device")
-            device = DeviceCombine(transport, ops, nccl_communicator(transport))
-            return device, device.gather_rows
-        if choice == "nccl":
-            raise ValueError("EPRT_COMBINE=nccl but NCCL is not usable on every rank (cupy.cuda.nccl)")
-    log.info("MoE combine: through pinned host memory (EPRT_COMBINE=%s)", choice)
-    from eprt.comm.cuda_staging import Staging
-
-    staging = Staging()
-
-    def combine(partial):
-        return staging.to_device(transport.allsum(staging.send_buffer(partial)))
-
-    def gather_rows(rows, counts):
-        return staging.to_device(transport.allgather_rows(staging.send_buffer(rows), counts))
-
-    return combine, gather_rows
-
-
-def _nccl_importable() -> bool:
-    try:
-        from cupy.cuda import nccl
-
-        return bool(nccl.available) if hasattr(nccl, "available") else True
-    except Exception:  # no NCCL in this CuPy build, or no libnccl
-        return False
+    return choose_combine(transport, ops, env.COMBINE.get())
 
 
 def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, model_len: int, sharers: int = 1) -> int:

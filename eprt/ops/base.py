@@ -129,6 +129,10 @@ class Ops:
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on the CPU)."""
 
+    def bind_thread(self) -> None:
+        """Make the calling thread compute on this backend's device (a thread that launches GPU
+        work calls it first: CUDA's current device is per thread; no-op on the CPU)."""
+
     def warm_up(self) -> None:
         """Prepare everything the forward pass needs (the GPU backend compiles its kernels)."""
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from eprt.ops.base import GroupedRouting, Ops
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from eprt.ops.kernel_loader import KERNELS, get_kernel, get_module
+from eprt.ops.kernel_loader import KERNELS, LAUNCH, get_kernel, get_module
 from eprt.ops.lora_ops import LoraRows
 
 # cuBLAS / CUDA library enum values (stable ABI: cublas_api.h, library_types.h).
@@ -91,12 +91,24 @@ def _require(op: str, ok: bool, message: str) -> None:
         raise ValueError(f"{op}: {message}")
 
 
-def _threads(n: int, cap: int = 1024) -> int:
-    """A block size: n rounded up to whole warps, at least one warp, at most cap."""
-    return max(32, min(cap, (n + 31) // 32 * 32))
+def _threads(n: int, name: str) -> int:
+    """A block size for kernel ``name``: n rounded up to whole warps, at least one warp, at most
+    its largest launch (``kernel_loader.LAUNCH``, which the kernels' resource budgets are held to)."""
+    return max(32, min(LAUNCH[name].threads, (n + 31) // 32 * 32))
+
+
+def _block(name: str) -> int:
+    """The fixed block size of kernel ``name`` (its ``kernel_loader.LAUNCH`` entry)."""
+    return LAUNCH[name].threads
 
 
 def _launch(file: str, name: str, grid: tuple, block: int, args: tuple, smem: int = 0) -> None:
+    most = LAUNCH[name]
+    if block > most.threads or (most.smem is not None and smem > most.smem):
+        raise RuntimeError(
+            f"{name}: a launch of {block} threads and {smem} bytes of dynamic shared memory exceeds its entry "
+            f"in kernel_loader.LAUNCH ({most}), which its compiled resource budget is checked against"
+        )
     kernel = get_kernel(file, name)
     if smem > _SMEM_DEFAULT:  # opt in to the larger carve-out (sm_80+); callers check the limit
         kernel.max_dynamic_shared_size_bytes = smem
@@ -186,6 +198,8 @@ class CupyOps(Ops):
         self.xp = cupy
         self.moe_impl, self.decode_split, self.split_keys = moe_impl, decode_split, split_keys
         rt, dev = cupy.cuda.runtime, cupy.cuda.Device().id
+        self.device = dev  # the current device of the thread that made the backend
+        self._host_waits: list = []  # called before the host waits on the stream (add_host_wait)
         self.sm_count = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev)
         self.smem_limit = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)  # bytes
 
@@ -254,8 +268,22 @@ class CupyOps(Ops):
             return cupy.ascontiguousarray(host, dtype=cupy.int32)
         return cupy.asarray(np.ascontiguousarray(host, dtype=np.int32))
 
+    def add_host_wait(self, fn) -> None:
+        """Call ``fn()`` before each wait of the host on the stream (the NCCL combine polls its
+        last collective there, watching for a hang: eprt/comm/device_combine.py)."""
+        self._host_waits.append(fn)
+
+    def _host(self, a) -> np.ndarray:
+        """``a`` copied to the host: a wait on the stream."""
+        for fn in self._host_waits:
+            fn()
+        return cupy.asnumpy(a)
+
+    def bind_thread(self) -> None:
+        cupy.cuda.runtime.setDevice(self.device)
+
     def to_host(self, a) -> np.ndarray:
-        h = cupy.asnumpy(a)
+        h = self._host(a)
         if h.dtype == np.uint16:
             return bf16_bits_to_f32(h)
         return h.astype(np.float32) if h.dtype.kind == "f" else h
@@ -267,6 +295,8 @@ class CupyOps(Ops):
         return cupy.zeros(shape, dtype=dtypes[dtype])
 
     def synchronize(self) -> None:
+        for fn in self._host_waits:
+            fn()
         cupy.cuda.get_current_stream().synchronize()
 
     def warm_up(self) -> None:
@@ -293,7 +323,7 @@ class CupyOps(Ops):
                 "rms_norm.cu",
                 "rms_norm",
                 (x.size // D,),
-                _threads(D // 4, 512),
+                _threads(D // 4, "rms_norm"),
                 (x, weight, out, np.int32(D), np.float32(eps)),
             )
         return out
@@ -310,7 +340,7 @@ class CupyOps(Ops):
                 "rms_norm.cu",
                 kernel,
                 (T,),
-                _threads(D // 4, 512),
+                _threads(D // 4, kernel),
                 (x, residual, weight, out, s, np.int32(D), np.float32(eps)),
             )
         return out, s
@@ -372,7 +402,7 @@ class CupyOps(Ops):
                 "rope.cu",
                 kernel,
                 (T,),
-                _threads(H * Dh // 2, 256),
+                _threads(H * Dh // 2, kernel),
                 (x, positions, cos_sin, out, np.int32(H), np.int32(Dh)),
             )
         return out
@@ -392,7 +422,7 @@ class CupyOps(Ops):
                 "kv_write.cu",
                 "kv_write",
                 (T,),
-                _threads(Hk * Dh // 8, 256),
+                _threads(Hk * Dh // 8, "kv_write"),
                 (k_cache, v_cache, k, v, slot_mapping, np.int32(Hk * Dh)),
             )
 
@@ -690,7 +720,7 @@ class CupyOps(Ops):
                 "mla_attention.cu",
                 "mla_latent_write",
                 (T,),
-                _threads(L // 8, 256),
+                _threads(L // 8, "mla_latent_write"),
                 (latent_cache, x, slot_mapping, np.int32(L)),
             )
 
@@ -776,7 +806,7 @@ class CupyOps(Ops):
             return y
         xa = cupy.empty((T, R), dtype=_F32)  # [T, R]
         args = (x, a, rows.index, xa, np.int32(K), np.int32(R), np.int64(a.strides[0] // 4))
-        _launch("lora.cu", "lora_shrink", (T,), _threads(32 * R, 256), args)
+        _launch("lora.cu", "lora_shrink", (T,), _threads(32 * R, "lora_shrink"), args)
         args = (xa, b, rows.index, y, np.int64(T * N), np.int32(N), np.int32(R), np.int64(b.strides[0] // 4))
         _launch("lora.cu", "lora_expand", (min(-(-T * N // 256), 65536),), 256, args)
         return y
@@ -792,8 +822,8 @@ class CupyOps(Ops):
         base_weights = weights.copy()
         base_weights[self.index(adapted)] = 0.0  # their pairs come from the loop below
         out = self.moe_experts(x, base_weights, ids, w_gate_up, w_down, expert_start)  # [T, D] f32
-        local = cupy.asnumpy(ids)[adapted] - expert_start  # [A, k]
-        host_weights = cupy.asnumpy(weights)[adapted]  # [A, k]
+        local = self._host(ids)[adapted] - expert_start  # [A, k]
+        host_weights = self._host(weights)[adapted]  # [A, k]
         for e in np.unique(local[(local >= 0) & (local < El)]).tolist():
             which, choice = np.nonzero(local == e)  # pairs routed to expert e (a token at most once)
             tokens = adapted[which]
@@ -857,7 +887,7 @@ class CupyOps(Ops):
             "moe_combine.cu",
             "moe_combine",
             (T,),
-            _threads(D, 256),
+            _threads(D, "moe_combine"),
             (y, weights, slot_pos, out, np.int32(D), np.int32(k)),
         )
         return out
@@ -901,7 +931,7 @@ class CupyOps(Ops):
     def _experts_gathered(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
         El, I2, D = w_gate_up.shape
         I = I2 // 2
-        offs = cupy.asnumpy(offsets)  # host sync: GEMM sizes
+        offs = self._host(offsets)  # host sync: GEMM sizes
         P = int(offs[-1])
         y = cupy.empty((P, D), dtype=_F32)  # [P, D]
         if P == 0:
@@ -912,7 +942,7 @@ class CupyOps(Ops):
             "moe_permute.cu",
             "moe_gather_rows",
             (P,),
-            _threads(D // 8, 256),
+            _threads(D // 8, "moe_gather_rows"),
             (x, sorted_slot, xs, np.int32(D), np.int32(k)),
         )
         busy = [(e, int(offs[e]), int(offs[e + 1] - offs[e])) for e in range(El) if offs[e + 1] > offs[e]]
@@ -936,7 +966,7 @@ class CupyOps(Ops):
         if B:
             kernel = "argmax_f32" if logits.dtype == _F32 else "argmax_bf16"
             _launch("argmax.cu", kernel, (B,), 1024, (logits, out, np.int32(V)))
-        return cupy.asnumpy(out).astype(np.int64)
+        return self._host(out).astype(np.int64)
 
     # ---- logits processing (kernels/sampling.cu) ---------------------------------------------
     def gather_logits(self, logits, rows: np.ndarray):
@@ -985,7 +1015,7 @@ class CupyOps(Ops):
             floats = [cupy.asarray(np.ascontiguousarray(a, dtype=np.float32).reshape(m)) for a in (inv_temp, min_p)]
             u = cupy.asarray(np.ascontiguousarray(uniforms, dtype=np.float64).reshape(m))
             _launch("sampling.cu", "sample_tokens", (m,), _SAMPLE_THREADS, (x, *floats, u, out, np.int32(V)))
-        return cupy.asnumpy(out).astype(np.int64)
+        return self._host(out).astype(np.int64)
 
     # ---- hybrid linear-attention models (kernels/gated_delta.cu) ---------------------------
     def _conv(self, op, x, weight, conv_state, slots, B: int, T: int):
@@ -1030,11 +1060,7 @@ class CupyOps(Ops):
         _check(op, "v", v, _BF16, (B * T, None, None))
         Hv, dv = v.shape[1:]
         _require(op, Hv % Hk == 0, f"value heads {Hv} are not a multiple of key heads {Hk}")
-        _require(
-            op,
-            dk <= _DELTA_DK_CAPS[-1] and dv <= 1024,
-            f"head dims dk={dk} (max {_DELTA_DK_CAPS[-1]}), dv={dv} (max 1024)",
-        )
+        _require(op, dk <= _DELTA_DK_CAPS[-1], f"key head dim dk={dk} exceeds the kernels' {_DELTA_DK_CAPS[-1]}")
         _check(op, "g", g, _F32, (B * T, Hv))
         _check(op, "beta", beta, _F32, (B * T, Hv))
         _check(op, "delta_state", delta_state, _F32, (None, Hv, dk, dv))
@@ -1043,7 +1069,10 @@ class CupyOps(Ops):
         if out.size:
             args = (q, k, v, g, beta, delta_state, slots, out, *map(np.int32, (T, Hk, Hv, dk, dv)))
             cap = next(c for c in _DELTA_DK_CAPS if dk <= c)
-            _launch("gated_delta.cu", f"gated_delta_rule_dk{cap}", (Hv, B), _threads(dv), args, smem=2 * dk * 4)
+            name, split = f"gated_delta_rule_dk{cap}", 2 if cap > 64 else 1  # DELTA_SPLIT: threads per column
+            cols = _block(name) // split  # DELTA_COLS state columns per block
+            block = _threads(split * min(dv, cols), name)
+            _launch("gated_delta.cu", name, (Hv, B, -(-dv // cols)), block, args, smem=2 * dk * 4)
         return out
 
     def gated_delta_rule_chunked(self, q, k, v, g, beta, delta_state, slot):
@@ -1062,7 +1091,7 @@ class CupyOps(Ops):
         out = cupy.empty_like(x)
         if x.size:
             args = (x, weight, gate, out, np.int32(D), np.float32(eps))
-            _launch("gated_delta.cu", "gated_rms_norm", (R,), _threads(D, 256), args)
+            _launch("gated_delta.cu", "gated_rms_norm", (R,), _threads(D, "gated_rms_norm"), args)
         return out
 
     def sigmoid_mul(self, x, gate):

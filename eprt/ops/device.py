@@ -102,6 +102,14 @@ def get_ops(device: str | None = None) -> Ops:
     return CupyOps()
 
 
+def device_key() -> str:
+    """Which GPU this thread's current device is: the host and its PCI bus id, the same text on
+    every rank that shares the GPU (whatever CUDA_VISIBLE_DEVICES numbers it)."""
+    import cupy
+
+    return f"{socket.gethostname()}:{cupy.cuda.Device().pci_bus_id}"
+
+
 def compute_identity(ops: Ops) -> tuple[str, str]:
     """(how this rank computes, which device it computes on). Ranks whose first part differs
     may round differently; ranks with equal second parts share one GPU. The first part names
@@ -128,7 +136,7 @@ def compute_identity(ops: Ops) -> tuple[str, str]:
             f"cuda: {name} (sm_{props['major']}{props['minor']}, {props['multiProcessorCount']} SMs), "
             f"CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, CuPy {cupy.__version__}"
         )
-        where = f"{host}:{dev.pci_bus_id}"
+        where = device_key()
     return f"{what}, arithmetic {arithmetic_fingerprint(ops)}", where
 
 
@@ -178,7 +186,8 @@ def pool_blocks(
 def kv_pool_blocks(bytes_per_block: int, gpu_memory_utilization: float, sharers: int = 1) -> int:
     """How many KV blocks of ``bytes_per_block`` to allocate on the current GPU, shared by
     ``sharers`` ranks; measure once every rank on it has loaded its weights. Memory CuPy's
-    pool holds but does not use counts as free."""
+    pool holds but does not use counts as free (the device sees it taken until the pool frees
+    it, and the KV allocation reuses it first)."""
     import cupy
 
     cupy.cuda.get_current_stream().synchronize()

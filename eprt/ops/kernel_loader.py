@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from eprt import env
@@ -43,6 +44,59 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "gated_delta.cu": tuple(f"causal_conv1d_k{k}" for k in (2, 3, 4))
     + tuple(f"gated_delta_rule_dk{d}" for d in (32, 64, 128))
     + ("delta_rule_gates", "gated_rms_norm", "sigmoid_mul_bf16"),
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The largest launch ``CupyOps`` makes of one entry point: ``threads`` per block (its block
+    sizes are capped here) and ``smem``, the most dynamic shared memory it asks for (None: up to
+    the device's opt-in limit, checked by the host per call). ``tests/test_kernels_compile.py``
+    holds every compiled kernel to it (registers x threads within the SM's register file, no
+    spills, static shared memory), so host and kernels cannot drift apart; docs/gpu.md has the table."""
+
+    threads: int
+    smem: int | None = 0
+
+
+def _each(names, threads: int, smem: int | None = 0) -> dict[str, Launch]:
+    return {name: Launch(threads, smem) for name in names}
+
+
+OPT_IN = None  # dynamic shared memory up to the device's opt-in limit
+LAUNCH: dict[str, Launch] = {
+    **_each(KERNELS["rms_norm.cu"], 512),
+    **_each(KERNELS["rope.cu"], 256),
+    **_each(KERNELS["kv_write.cu"], 256),
+    **_each([k for k in KERNELS["paged_attention.cu"] if k != "attention_split_combine"], 128, OPT_IN),
+    "attention_split_combine": Launch(128),
+    **_each(KERNELS["router.cu"], 128, OPT_IN),
+    "moe_permute": Launch(1024, OPT_IN),  # 32 warps at most
+    "moe_gather_rows": Launch(256),
+    **_each(KERNELS["moe_grouped_gemm.cu"], 128),
+    "fp8_linear": Launch(128),
+    "fp8_dequant": Launch(256),
+    "moe_combine": Launch(256),
+    "silu_and_mul": Launch(256),
+    **_each(KERNELS["elementwise.cu"], 256),
+    "mla_latent_write": Launch(256),
+    "mla_attention": Launch(128, OPT_IN),
+    "mla_attention_split": Launch(128, OPT_IN),
+    **_each(KERNELS["argmax.cu"], 1024),
+    "gather_rows_bf16": Launch(1024),
+    "gather_rows_f32": Launch(1024),
+    "mask_tokens": Launch(1024),
+    "edit_tokens": Launch(256),
+    "sample_tokens": Launch(256),  # SAMPLE_THREADS
+    "count_experts": Launch(256),
+    **_each(KERNELS["lora.cu"], 256),
+    **_each([f"causal_conv1d_k{k}" for k in (2, 3, 4)], 128),
+    "gated_delta_rule_dk32": Launch(128, 2 * 32 * 4),  # DELTA_THREADS; q | k of one token in float32
+    "gated_delta_rule_dk64": Launch(128, 2 * 64 * 4),
+    "gated_delta_rule_dk128": Launch(256, 2 * 128 * 4),  # two threads per state column
+    "delta_rule_gates": Launch(256),
+    "gated_rms_norm": Launch(256),
+    "sigmoid_mul_bf16": Launch(256),
 }
 
 COMPILE_OPTIONS = ("--std=c++17",)

@@ -11,15 +11,27 @@ passes, and its arrays are "device" arrays that behave as strictly as CuPy's:
   (NaN floats, -1 ints: an output element a kernel forgot to write shows up), and is fenced
   by 0xFF canaries that are checked after each launch and GEMM touching it;
 - kernel arguments are checked against the kernel's C signature (scalar dtypes, pointee
-  dtypes, device pointers), and launch shapes against CUDA's limits.
+  dtypes, device pointers), and launch shapes against CUDA's limits;
+- device pointers (``a.data.ptr``) are not host addresses: host code that reads device memory
+  through one (``ctypes.from_address(a.data.ptr)``) faults, as on a GPU;
+- the current device is per host thread (0 in a new thread, as in CUDA), every allocation
+  remembers its device, and a launch, GEMM, copy or collective on another thread's device is
+  an error (``CUSIM_DEVICES`` or ``set_device_count`` gives more than one device);
+- freed memory stays in CuPy's pool (``get_default_memory_pool()``): the device's free memory
+  (``runtime.memGetInfo``) comes back only at ``free_all_blocks()``, and new allocations reuse
+  the pool's blocks first;
+- ``cupy.cuda.nccl`` is an NCCL stand-in with CuPy 14's signatures (``fake_nccl.py``).
 
-Device properties are those of an H100/H200-class GPU (132 SMs, 227 KiB opt-in shared memory).
+Device properties are those of the H200 the project measured (132 SMs, 227 KiB opt-in shared memory).
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import os
 import sys
+import threading
 import types
 import weakref
 from pathlib import Path
@@ -27,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from . import build as _build
+from . import fake_nccl
 
 PAD = 256
 FILL = 0xFF  # fresh memory: NaN floats, -1 ints
@@ -34,22 +47,108 @@ GUARD = 0xFE  # the canaries around each allocation (differ from FILL: -1 / NaN 
 SM_COUNT = 132
 SMEM_OPTIN = 232448
 MEMORY_TOTAL = 4 << 30
+POOL_ROUND = 512  # CuPy's pool rounds every allocation up to a multiple of 512 bytes
+# A device pointer is the host address of the simulated memory plus this: an address no host
+# mapping has (bit 47 set: non-canonical on x86-64), so a host read through it faults.
+DEVICE_OFFSET = 1 << 47
+# The H200's limits (the project's first-contact probe); the SM's register file and the block's.
+DEVICE_PROPERTIES = {
+    "major": 9,
+    "minor": 0,
+    "multiProcessorCount": SM_COUNT,
+    "regsPerBlock": 65536,
+    "regsPerMultiprocessor": 65536,
+    "sharedMemPerBlock": 49152,
+    "sharedMemPerBlockOptin": SMEM_OPTIN,
+    "sharedMemPerMultiprocessor": 233472,
+    "maxThreadsPerBlock": 1024,
+    "l2CacheSize": 62914560,
+    "totalGlobalMem": MEMORY_TOTAL,
+    "warpSize": 32,
+}
 
 _live: dict[int, weakref.ref[_Allocation]] = {}
+_device_count = int(os.environ.get("CUSIM_DEVICES", "1"))
+
+
+def set_device_count(n: int) -> None:
+    """How many devices cusim shows (CUSIM_DEVICES, default 1: the H200 machine)."""
+    global _device_count
+    if n < 1:
+        raise ValueError(f"cusim needs at least one device, got {n}")
+    _device_count = n
+
+
+class _DevicePool:
+    """CuPy's memory pool on one device: blocks in use, and freed blocks it keeps (still taken
+    from the device's point of view) until ``free_all_blocks``; a new allocation takes the
+    smallest kept block that fits (splitting it) before asking the device for more."""
+
+    def __init__(self):
+        self.used = 0
+        self.cached: list[int] = []  # sizes of the kept blocks, sorted
+
+    def acquire(self, n: int, device: int) -> None:
+        i = bisect.bisect_left(self.cached, n)
+        if i < len(self.cached):
+            rest = self.cached.pop(i) - n
+            if rest:
+                bisect.insort(self.cached, rest)
+        elif self.used + sum(self.cached) + n > MEMORY_TOTAL:
+            self.cached.clear()  # CuPy frees its kept blocks and retries before failing
+            if self.used + n > MEMORY_TOTAL:
+                raise OutOfMemoryError(f"Out of memory allocating {n:,} bytes on device {device}")
+        self.used += n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        bisect.insort(self.cached, n)
+
+
+_pools: dict[int, _DevicePool] = {}
+
+
+def _pool_of(device: int) -> _DevicePool:
+    return _pools.setdefault(device, _DevicePool())
+
+
+def _freed(ptr: int, device: int, rounded: int) -> None:
+    _live.pop(ptr, None)
+    if rounded:
+        _pool_of(device).release(rounded)
+
+
+class OutOfMemoryError(MemoryError):
+    pass
 
 
 class _Allocation:
-    """nbytes of fenced, aligned host memory standing in for a device allocation."""
+    """nbytes of fenced, aligned host memory standing in for a device allocation on the
+    calling thread's current device."""
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
+        self.device = runtime.getDevice()
+        rounded = -(-nbytes // POOL_ROUND) * POOL_ROUND
+        _pool_of(self.device).acquire(rounded, self.device)
         self.root = np.full(nbytes + 3 * PAD, GUARD, np.uint8)
         base = self.root.__array_interface__["data"][0]
         self.offset = PAD + (-(base + PAD)) % PAD
         self.root[self.offset : self.offset + nbytes] = FILL
-        self.ptr = base + self.offset
+        self.ptr = base + self.offset  # the host address; device pointers are ptr + DEVICE_OFFSET
         _live[self.ptr] = weakref.ref(self)
-        weakref.finalize(self, _live.pop, self.ptr, None)
+        weakref.finalize(self, _freed, self.ptr, self.device, rounded)
+
+    def on_current_device(self, who: str) -> None:
+        """The caller's thread runs on this allocation's device (CUDA's current device is per
+        host thread: a thread that never set it runs on device 0)."""
+        current = runtime.getDevice()
+        if current != self.device:
+            raise _build.LaunchError(
+                f"{who}: a {self.nbytes}-byte allocation of device {self.device} used from thread "
+                f"{threading.current_thread().name!r}, whose current device is {current} (a thread that "
+                f"never called cupy.cuda.Device(n).use() runs on device 0)"
+            )
 
     def buffer(self) -> np.ndarray:
         return self.root[self.offset : self.offset + self.nbytes]
@@ -64,14 +163,24 @@ class _Allocation:
         return self.ptr <= ptr and ptr + nbytes <= self.ptr + self.nbytes
 
 
+def host_address(device_ptr: int, who: str) -> int:
+    """The host address cusim keeps device pointer ``device_ptr``'s bytes at (cusim itself
+    plays the device; host code must not do this)."""
+    if device_ptr < DEVICE_OFFSET:
+        raise _build.LaunchError(f"{who}: {device_ptr:#x} is a host address, not a device pointer")
+    return device_ptr - DEVICE_OFFSET
+
+
 def _find(ptr: int, nbytes: int, who: str) -> _Allocation:
+    """The allocation holding device range [ptr, ptr + nbytes), on the caller's current device."""
+    host = host_address(ptr, who)
     for ref in list(_live.values()):
         a = ref()
-        if a is not None and a.contains(ptr, nbytes):
+        if a is not None and a.contains(host, nbytes):
+            a.on_current_device(who)
             return a
     raise _build.LaunchError(
-        f"{who}: [{ptr:#x}, +{nbytes}) is not inside one device allocation "
-        f"(a host pointer, or a range running past the end)"
+        f"{who}: [{ptr:#x}, +{nbytes}) is not inside one device allocation (a range running past the end, or freed)"
     )
 
 
@@ -98,7 +207,8 @@ class ndarray:
     itemsize = property(lambda self: self._a.itemsize)
     strides = property(lambda self: self._a.strides)
     flags = property(lambda self: self._a.flags)
-    data = property(lambda self: _Ptr(self._a.__array_interface__["data"][0]))
+    data = property(lambda self: _Ptr(self._a.__array_interface__["data"][0] + DEVICE_OFFSET))
+    device = property(lambda self: Device(self._alloc.device))
     T = property(lambda self: ndarray(self._a.T, self._alloc))
 
     @property
@@ -205,6 +315,7 @@ class ndarray:
 
 def _binary(op):
     def method(self, other):
+        self._alloc.on_current_device("a device array operation")
         return _result(op(self._a, _operand(other)))
 
     return method
@@ -260,6 +371,7 @@ def _operand(v):
     """A device array's data, or a scalar; host arrays are refused as CuPy refuses them."""
     _flush()  # array operations run after earlier copies on the stream
     if isinstance(v, ndarray):
+        v._alloc.on_current_device("a device array operation")
         return v._a
     if isinstance(v, np.ndarray) and v.ndim > 0:
         raise TypeError(
@@ -413,52 +525,58 @@ class _Runtime:
     cudaDevAttrMultiProcessorCount = 16
     cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
     memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice = 1, 2, 3
-    _device = 0
+    _local = threading.local()  # the current device, per host thread as in CUDA
 
     def getDeviceCount(self):
-        return 1
+        return _device_count
 
     def getDevice(self):
-        return self._device
+        return getattr(self._local, "device", 0)
 
     def setDevice(self, device):
-        if device != 0:
-            raise RuntimeError(f"cusim has one device, got setDevice({device})")
-        self._device = device
+        if not 0 <= device < _device_count:
+            raise RuntimeError(f"cudaErrorInvalidDevice: cusim has {_device_count} device(s), got setDevice({device})")
+        self._local.device = device
+
+    def _check(self, device):
+        if not 0 <= device < _device_count:
+            raise RuntimeError(f"cudaErrorInvalidDevice: device {device} of {_device_count}")
 
     def deviceGetAttribute(self, attr, device):
+        self._check(device)
         return {16: SM_COUNT, 97: SMEM_OPTIN}[attr]
 
     def getDeviceProperties(self, device):
-        return {
-            "name": b"cusim (CUDA simulated on the CPU)",
-            "major": 9,
-            "minor": 0,
-            "multiProcessorCount": SM_COUNT,
-            "sharedMemPerBlockOptin": SMEM_OPTIN,
-            "totalGlobalMem": MEMORY_TOTAL,
-        }
+        self._check(device)
+        return {"name": b"cusim (CUDA simulated on the CPU)", **DEVICE_PROPERTIES}
 
     def runtimeGetVersion(self):
         return 13000
 
     def memGetInfo(self):
-        used = sum(a.nbytes for a in (r() for r in _live.values()) if a is not None)
-        return max(MEMORY_TOTAL - used, 0), MEMORY_TOTAL
+        """(free, total) bytes of the current device: the pool's kept blocks are not free."""
+        pool = _pool_of(self.getDevice())
+        return max(MEMORY_TOTAL - pool.used - sum(pool.cached), 0), MEMORY_TOTAL
+
+    def streamSynchronize(self, stream):
+        _flush()
 
     def memcpyAsync(self, dst, src, nbytes, kind, stream):
         """Queued on the stream: the bytes move at the next synchronize (or stream-ordered
         work), reading ``src`` then, and ``dst`` holds garbage (0xFF) until then."""
         who = "memcpyAsync"
-        if kind == self.memcpyDeviceToHost:
-            _find(src, nbytes, who)
-        elif kind == self.memcpyHostToDevice:
-            _find(dst, nbytes, who)
-        elif kind == self.memcpyDeviceToDevice:
-            _find(src, nbytes, who)
-            _find(dst, nbytes, who)
-        else:
+        if kind not in (self.memcpyDeviceToHost, self.memcpyHostToDevice, self.memcpyDeviceToDevice):
             raise ValueError(f"memcpyAsync: unsupported kind {kind}")
+        if kind in (self.memcpyDeviceToHost, self.memcpyDeviceToDevice):
+            _find(src, nbytes, who + " src")
+            src = host_address(src, who)
+        elif src >= DEVICE_OFFSET:
+            raise _build.LaunchError(f"{who}: src {src:#x} is a device pointer, but kind is host to device")
+        if kind in (self.memcpyHostToDevice, self.memcpyDeviceToDevice):
+            _find(dst, nbytes, who + " dst")
+            dst = host_address(dst, who)
+        elif dst >= DEVICE_OFFSET:
+            raise _build.LaunchError(f"{who}: dst {dst:#x} is a device pointer, but kind is device to host")
         ctypes.memset(dst, FILL, nbytes)
         _pending.append(lambda: ctypes.memmove(dst, src, nbytes))
 
@@ -478,17 +596,50 @@ class _Stream:
     def synchronize(self):
         _flush()
 
+    @property
+    def done(self):
+        _flush()  # the simulated device finishes queued work when asked
+        return True
+
+
+class Event:
+    """cupy.cuda.Event: recorded on the stream; done once the work before it has run (cusim
+    runs queued work when asked, so a poll of ``done`` always ends)."""
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.recorded = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    @property
+    def done(self):
+        _flush()
+        return True
+
+    def synchronize(self):
+        _flush()
+
 
 class Device:
     def __init__(self, device=None):
         self.id = runtime.getDevice() if device is None else int(device)
-        self.pci_bus_id = f"0000:{self.id:02x}:00.0"
+        runtime._check(self.id)
+        self.pci_bus_id = f"0000:{self.id + 1:02x}:00.0"
 
     def use(self):
         runtime.setDevice(self.id)
 
     def synchronize(self):
         _flush()
+
+    def __enter__(self):
+        self._previous = runtime.getDevice()
+        runtime.setDevice(self.id)
+        return self
+
+    def __exit__(self, *exc):
+        runtime.setDevice(self._previous)
 
 
 class PinnedMemory(bytearray):
@@ -518,8 +669,9 @@ class RawKernel:
                     f"{name}: argument {i} ({p.name}) must be a device array, "
                     f"got {type(a).__module__}.{type(a).__name__}"
                 )
+            a._alloc.on_current_device(f"{name}: argument {i} ({p.name})")
             touched.append(a._alloc)
-            return a.data.ptr, a.dtype
+            return a._a.__array_interface__["data"][0], a.dtype  # the launcher gets host addresses
 
         _flush()  # earlier copies on the stream complete before the kernel runs
         limit = self.max_dynamic_shared_size_bytes
@@ -550,14 +702,19 @@ class RawModule:
 
 
 class _MemoryPool:
-    def free_bytes(self):
-        return 0
-
-    def free_all_blocks(self):
-        pass
+    """cupy.get_default_memory_pool(), for the current device."""
 
     def used_bytes(self):
-        return runtime.memGetInfo()[1] - runtime.memGetInfo()[0]
+        return _pool_of(runtime.getDevice()).used
+
+    def free_bytes(self):
+        return sum(_pool_of(runtime.getDevice()).cached)
+
+    def total_bytes(self):
+        return self.used_bytes() + self.free_bytes()
+
+    def free_all_blocks(self, stream=None):
+        _pool_of(runtime.getDevice()).cached.clear()
 
 
 runtime = _Runtime()
@@ -586,7 +743,7 @@ def _col_major(ptr, rows, cols, ld, kind, who) -> np.ndarray:
     count = ld * (cols - 1) + rows
     size = 4 if kind is np.float32 else 2
     _find(ptr, count * size, who)
-    flat = _read(ptr, count, kind)
+    flat = _read(host_address(ptr, who), count, kind)
     return flat[np.arange(rows)[:, None] + ld * np.arange(cols)[None, :]]
 
 
@@ -620,7 +777,9 @@ def gemmEx(
     size = 4 if kinds[2] is np.float32 else 2
     count = ldc * (n - 1) + m
     alloc = _find(C, count * size, who + " C")
-    dst = np.ctypeslib.as_array(((ctypes.c_float if size == 4 else ctypes.c_uint16) * count).from_address(C))
+    dst = np.ctypeslib.as_array(
+        ((ctypes.c_float if size == 4 else ctypes.c_uint16) * count).from_address(host_address(C, who))
+    )
     dst[np.arange(m)[:, None] + ldc * np.arange(n)[None, :]] = c if size == 4 else _f32_to_bf16(c)
     alloc.check(who)
 
@@ -676,7 +835,10 @@ def install() -> None:
     cuda = types.ModuleType("cupy.cuda")
     cuda.runtime = runtime
     cuda.Device = Device
+    cuda.Event = Event
     cuda.Stream = _Stream
+    cuda.nccl = fake_nccl
+    cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     cuda.get_current_stream = lambda: _stream
     cuda.alloc_pinned_memory = lambda n: PinnedMemory(n)
     cuda.get_cuda_path = lambda: None
@@ -725,6 +887,7 @@ def install() -> None:
         {
             "cupy": cupy,
             "cupy.cuda": cuda,
+            "cupy.cuda.nccl": fake_nccl,
             "cupy_backends": backends,
             "cupy_backends.cuda": backends_cuda,
             "cupy_backends.cuda.libs": libs,

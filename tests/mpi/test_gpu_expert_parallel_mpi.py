@@ -5,11 +5,12 @@ it on cusim, the CPU CUDA simulator: tests/cusim/README.md):
 
 Each rank runs its experts' kernels on its GPU and the partial MoE outputs are summed through
 pinned host buffers (eprt/comm/cuda_staging.py), or on the device after an NCCL all-gather
-(eprt/comm/device_combine.py; here with an MPI stand-in for NCCL). The tokens must equal a
-single-rank CuPy run.
+(eprt/comm/device_combine.py). The tokens must equal a single-rank CuPy run. On cusim the ranks
+get a device each for the NCCL tests (cusim's NCCL, tests/cusim/fake_nccl.py); on a GPU machine
+whose ranks share one GPU (NCCL refuses that) those tests use ``MpiNccl``, an MPI stand-in.
 """
 
-import ctypes
+import logging
 import os
 import tempfile
 
@@ -63,76 +64,125 @@ def assert_tokens_equal_single_rank(multi_cfg: EngineConfig, single_cfg: EngineC
 
 
 class MpiNccl:
-    """A stand-in for NCCL's communicator on the simulator: its allGather done over MPI on the
-    device memory (host memory under cusim), in rank order as NCCL lays it out."""
+    """NCCL's allGather over MPI, for ranks that share a GPU: the device data reaches the host
+    through the runtime's copies (in stream order), never through a host read of a device pointer."""
 
     def allGather(self, send_ptr, recv_ptr, count, datatype, stream_ptr):  # noqa: N802 - NCCL's name
+        import cupy
+
         from eprt.comm.device_combine import NCCL_FLOAT32
 
         assert datatype == NCCL_FLOAT32
-        mine = np.ctypeslib.as_array((ctypes.c_float * count).from_address(send_ptr)).copy()
-        every = np.empty(count * COMM.size, np.float32)
+        rt = cupy.cuda.runtime
+        mine, every = np.empty(count, np.float32), np.empty(count * COMM.size, np.float32)
+        rt.memcpyAsync(mine.ctypes.data, send_ptr, mine.nbytes, rt.memcpyDeviceToHost, stream_ptr)
+        rt.streamSynchronize(stream_ptr)
         COMM.Allgather(mine, every)
-        np.ctypeslib.as_array((ctypes.c_float * (count * COMM.size)).from_address(recv_ptr))[:] = every
+        rt.memcpyAsync(recv_ptr, every.ctypes.data, every.nbytes, rt.memcpyHostToDevice, stream_ptr)
+        rt.streamSynchronize(stream_ptr)  # `every` goes when this returns
+
+
+def on_cusim() -> bool:
+    import cupy
+
+    return bool(getattr(cupy, "__cusim__", False))
+
+
+def shared_gpu() -> bool:
+    """Whether this job's ranks share a GPU (on cusim: as many devices as there are ranks)."""
+    from eprt.comm.device_combine import shared_devices
+    from eprt.ops.device import device_key
+
+    return bool(shared_devices(COMM.allgather(device_key())))
+
+
+@pytest.fixture
+def nccl_job(monkeypatch):
+    """NCCL for this job: on cusim a device per rank and cusim's NCCL; on a GPU machine the real
+    one, or MpiNccl where the ranks share a GPU. Yields the name of what runs."""
+    from eprt.comm import device_combine
+    from eprt.ops.device import bind_local_gpu
+
+    if on_cusim():
+        from cusim import fake_cupy
+
+        fake_cupy.set_device_count(COMM.size)
+        bind_local_gpu()
+        yield "cusim's NCCL"
+        fake_cupy.runtime.setDevice(0)
+        fake_cupy.set_device_count(1)
+        return
+    bind_local_gpu()
+    if shared_gpu():
+        monkeypatch.setattr(device_combine, "nccl_communicator", lambda transport: MpiNccl())
+        monkeypatch.setattr(device_combine, "device_key", lambda: f"MpiNccl rank {COMM.rank}")
+        yield "MpiNccl (the ranks share a GPU)"
+        return
+    yield "NCCL"
+
+
+def closed(t) -> None:
+    if t.rank == 0:
+        t.shutdown()
+    else:
+        t.recv_frame()
+    t.close()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_device_combine_is_the_host_sum_bitwise_on_every_rank():
+def test_device_combine_is_the_host_sum_bitwise_on_every_rank(nccl_job, monkeypatch):
     import cupy
 
     from eprt.comm.device_combine import DeviceCombine
     from eprt.comm.mpi_transport import MpiTransport
+    from eprt.engine import startup
     from eprt.ops.cupy_ops import CupyOps
 
+    monkeypatch.setenv("EPRT_COMBINE", "nccl")
     g = np.random.default_rng(100 + COMM.rank)
     partial = (g.standard_normal((7, 33)) * 10.0 ** g.uniform(-4, 4, (7, 33))).astype(np.float32)  # [T, D]
     t = MpiTransport(timeout=60)
     host = t.allsum(partial)
     ops = CupyOps()
-    device = ops.to_host(DeviceCombine(t, ops, MpiNccl())(cupy.asarray(partial)))
+    combine, _ = startup._combine(t, ops)
+    assert isinstance(combine, DeviceCombine), nccl_job
+    device = ops.to_host(combine(cupy.asarray(partial)))
     every = np.empty((COMM.size,) + device.shape, np.float32)
     COMM.Allgather(device, every)
-    if t.rank == 0:
-        t.shutdown()
-    else:
-        t.recv_frame()
-    t.close()
+    closed(t)
     assert np.array_equal(device.view(np.uint32), host.view(np.uint32))
     assert all(np.array_equal(every[r].view(np.uint32), device.view(np.uint32)) for r in range(COMM.size))
 
 
 @pytest.mark.mpi(min_size=2)
-def test_device_gather_rows_is_every_ranks_rows_in_rank_order():
+def test_device_gather_rows_is_every_ranks_rows_in_rank_order(nccl_job, monkeypatch):
     """EPLB's combine on the device: uneven counts (rank 1 sends none), the padding dropped."""
     import cupy
 
     from eprt.comm.device_combine import DeviceCombine
     from eprt.comm.mpi_transport import MpiTransport
+    from eprt.engine import startup
     from eprt.ops.cupy_ops import CupyOps
 
+    monkeypatch.setenv("EPRT_COMBINE", "nccl")
     counts = [3 + 2 * r if r != 1 else 0 for r in range(COMM.size)]
     rows = np.random.default_rng(7 + COMM.rank).standard_normal((counts[COMM.rank], 5)).astype(np.float32)
     t = MpiTransport(timeout=60)
     host = t.allgather_rows(rows, counts)
     ops = CupyOps()
-    device = ops.to_host(DeviceCombine(t, ops, MpiNccl()).gather_rows(cupy.asarray(rows), counts))
-    if t.rank == 0:
-        t.shutdown()
-    else:
-        t.recv_frame()
-    t.close()
+    combine, gather_rows = startup._combine(t, ops)
+    assert isinstance(combine, DeviceCombine), nccl_job
+    device = ops.to_host(gather_rows(cupy.asarray(rows), counts))
+    closed(t)
     assert device.shape == (sum(counts), 5) and np.array_equal(device, host)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_cuda_eplb_tokens_with_the_device_combine_equal_single_rank(monkeypatch):
-    """EPLB with redundant slots and its row gather through the device combine (NCCL's stand-in)."""
-    from eprt.engine import startup
+def test_cuda_eplb_tokens_with_the_device_combine_equal_single_rank(nccl_job, monkeypatch):
+    """EPLB with redundant slots and its row gather through the device combine."""
     from eprt.engine.config import EplbConfig
 
     monkeypatch.setenv("EPRT_COMBINE", "nccl")
-    monkeypatch.setattr(startup, "_nccl_importable", lambda: True)
-    monkeypatch.setattr(startup, "nccl_communicator", lambda transport: MpiNccl())
     path = shared_checkpoint("qwen2_moe")
     eplb = EplbConfig(num_redundant_experts=3)
     cfg = EngineConfig(model=path, device="cuda", max_batch=4, block_size=16, max_model_len=96, eplb=eplb)
@@ -141,10 +191,84 @@ def test_cuda_eplb_tokens_with_the_device_combine_equal_single_rank(monkeypatch)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_cuda_tokens_with_the_device_combine_equal_single_rank(monkeypatch):
-    from eprt.engine import startup
-
+def test_cuda_tokens_with_the_device_combine_equal_single_rank(nccl_job, monkeypatch):
     monkeypatch.setenv("EPRT_COMBINE", "nccl")
-    monkeypatch.setattr(startup, "_nccl_importable", lambda: True)
-    monkeypatch.setattr(startup, "nccl_communicator", lambda transport: MpiNccl())
     test_cuda_tokens_equal_single_rank("qwen2_moe")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_nccl_communicator_takes_rank0s_unique_id_as_bytes(nccl_job):
+    """CuPy 14's NcclCommunicator takes the 128-byte id (a tuple is a TypeError), one per id."""
+    from eprt.comm.device_combine import nccl_communicator
+    from eprt.comm.mpi_transport import MpiTransport
+
+    t = MpiTransport(timeout=60)
+    try:
+        comm = nccl_communicator(t)
+        if nccl_job != "MpiNccl (the ranks share a GPU)":
+            assert comm.size() == COMM.size and comm.rank_id() == COMM.rank
+    finally:
+        closed(t)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_combine_goes_through_the_host_when_ranks_share_a_gpu(monkeypatch):
+    """NCCL refuses two ranks on one GPU (ncclInvalidUsage): ``auto`` takes the host path and
+    says why; an explicit ``nccl`` is a start-up error naming the ranks."""
+    from eprt.comm.device_combine import DeviceCombine
+    from eprt.comm.mpi_transport import MpiTransport
+    from eprt.engine import startup
+    from eprt.ops.cupy_ops import CupyOps
+
+    if not shared_gpu():
+        pytest.skip("this job's ranks have a GPU each")
+    t = MpiTransport(timeout=60)
+    try:
+        ops = CupyOps()
+        monkeypatch.setenv("EPRT_COMBINE", "auto")
+        lines, log = [], logging.getLogger("eprt.engine")
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        log.addHandler(handler)
+        level, log.level = log.level, logging.INFO
+        try:
+            combine, _ = startup._combine(t, ops)
+        finally:
+            log.removeHandler(handler)
+            log.setLevel(level)
+        monkeypatch.setenv("EPRT_COMBINE", "nccl")
+        with pytest.raises(ValueError, match=r"EPRT_COMBINE=nccl, but ranks 0 and 1 share GPU"):
+            startup._combine(t, ops)  # (a collective: before any assertion that one rank alone could fail)
+    finally:
+        closed(t)
+    assert not isinstance(combine, DeviceCombine) and combine.blocks_host
+    said = any("share GPU" in line and "NCCL refuses duplicate GPUs" in line for line in lines)
+    assert said or COMM.rank != 0, lines  # the workers' log may be quiet (--log-all-ranks off)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cusim_nccl_refuses_a_reused_unique_id_and_a_shared_gpu():
+    """cusim's NCCL as the H200 showed the real one: a second communicator from one id hung
+    (refused here), and ranks on one GPU get ncclInvalidUsage on every rank."""
+    if not on_cusim():
+        pytest.skip("the real NCCL hangs on a reused id; cusim's stand-in is checked here")
+    from cupy.cuda import nccl
+    from cusim import fake_cupy
+
+    uid = COMM.bcast(nccl.get_unique_id() if COMM.rank == 0 else None, root=0)
+    with pytest.raises(nccl.NcclError, match="Duplicate GPU detected : rank 0 and rank 1"):
+        nccl.NcclCommunicator(COMM.size, uid, COMM.rank)  # every rank on device 0
+    with pytest.raises(TypeError, match=r"expected bytes, got tuple"):
+        nccl.NcclCommunicator(COMM.size, tuple(uid), COMM.rank)
+    fake_cupy.set_device_count(COMM.size)
+    try:
+        fake_cupy.runtime.setDevice(COMM.rank)
+        uid = COMM.bcast(nccl.get_unique_id() if COMM.rank == 0 else None, root=0)
+        comm = nccl.NcclCommunicator(COMM.size, uid, COMM.rank)
+        assert comm.size() == COMM.size
+        with pytest.raises(nccl.NcclError, match="already made a communicator"):
+            nccl.NcclCommunicator(COMM.size, uid, COMM.rank)
+        comm.destroy()
+    finally:
+        fake_cupy.runtime.setDevice(0)
+        fake_cupy.set_device_count(1)

@@ -1,0 +1,212 @@
+"""``cupy.cuda.nccl`` on cusim: CuPy 14's NCCL binding, signatures and refusals included.
+
+What the real one does and this one checks (the H200's first contact, docs/gpu.md):
+- ``get_unique_id()`` returns ``bytes`` of length 128; ``NcclCommunicator(ndev, commId, rank)``
+  takes exactly that (a tuple id is CuPy 14's ``TypeError``);
+- a unique id makes one communicator per process: a second one from the same id hangs NCCL,
+  so it is refused here, loudly;
+- two ranks of one communicator on the same GPU: ``ncclInvalidUsage`` (duplicate GPU), on
+  every rank;
+- collectives take raw device pointers, counts, an NCCL datatype and a stream pointer, all as
+  ints; they are ordered on the stream (the result lands at the next synchronize or
+  stream-ordered work) and run on the communicator's device only.
+
+The ranks of a communicator are MPI processes (mpi4py, the job's COMM_WORLD; ``ndev`` must be
+its size); a communicator of one rank needs no MPI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+
+import numpy as np
+
+NCCL_UNIQUE_ID_BYTES = 128
+NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64 = 0, 1, 2, 3, 4, 5
+NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
+_DTYPES = {
+    NCCL_INT8: np.int8,
+    NCCL_UINT8: np.uint8,
+    NCCL_INT32: np.int32,
+    NCCL_UINT32: np.uint32,
+    NCCL_INT64: np.int64,
+    NCCL_UINT64: np.uint64,
+    NCCL_FLOAT16: np.float16,
+    NCCL_FLOAT32: np.float32,
+    NCCL_FLOAT64: np.float64,
+    NCCL_BFLOAT16: np.uint16,  # moved, not reduced, here
+}
+available = True
+_used_ids: set[bytes] = set()  # ids this process made a communicator from
+
+
+class NcclError(RuntimeError):
+    pass
+
+
+def get_version() -> int:
+    return 22809
+
+
+def get_unique_id() -> bytes:
+    return os.urandom(NCCL_UNIQUE_ID_BYTES)
+
+
+def _int(value, what: str) -> int:
+    """Cython's conversion of an ``intptr_t`` / ``size_t`` / ``int`` argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what}: an integer is required, got {type(value).__name__}")
+    return int(value)
+
+
+class NcclCommunicator:
+    def __init__(self, ndev, commId, rank):  # noqa: N803 - CuPy's parameter names
+        from . import fake_cupy
+
+        ndev, rank = _int(ndev, "ndev"), _int(rank, "rank")
+        if type(commId) is not bytes:
+            raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(commId).__name__})")
+        if len(commId) != NCCL_UNIQUE_ID_BYTES:
+            raise NcclError(f"ncclInvalidArgument: a unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(commId)}")
+        if not 0 <= rank < ndev:
+            raise NcclError(f"ncclInvalidArgument: rank {rank} of {ndev}")
+        if commId in _used_ids:
+            raise NcclError(
+                "cusim: this unique id already made a communicator in this process; a second "
+                "ncclCommInitRank from the same id hangs a real NCCL (get a new id for each communicator)"
+            )
+        _used_ids.add(commId)
+        self._device = fake_cupy.runtime.getDevice()
+        self._ndev, self._rank = ndev, rank
+        where = f"{socket.gethostname()}:{fake_cupy.Device(self._device).pci_bus_id}"
+        self._mpi = None
+        every = [(commId, rank, where)]
+        if ndev > 1:
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_size() != ndev:
+                raise NcclError(f"cusim's NCCL: ndev {ndev} must be the MPI job's size {MPI.COMM_WORLD.Get_size()}")
+            self._mpi = MPI.COMM_WORLD.Split(0, rank)  # ordered by NCCL rank
+            every = self._mpi.allgather((commId, rank, where))
+        if any(c != commId for c, _, _ in every) or sorted(r for _, r, _ in every) != list(range(ndev)):
+            raise NcclError("cusim: the ranks passed different unique ids or ranks (a real NCCL hangs)")
+        seen: dict[str, int] = {}
+        for _, r, w in every:
+            if w in seen:
+                raise NcclError(
+                    f"ncclInvalidUsage: Duplicate GPU detected : rank {seen[w]} and rank {r} both on CUDA device {w}"
+                )
+            seen[w] = r
+
+    # -- queries
+    def device_id(self) -> int:
+        return self._device
+
+    def rank_id(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._ndev
+
+    def check_async_error(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        if self._mpi is not None:
+            self._mpi.Free()
+            self._mpi = None
+
+    abort = destroy
+
+    # -- collectives
+    def _buffer(self, ptr, count: int, datatype, who: str) -> np.ndarray:
+        """A host view of device range ``ptr`` [count] of ``datatype`` (cusim plays the device)."""
+        from . import fake_cupy
+
+        if _int(datatype, "datatype") not in _DTYPES:
+            raise NcclError(f"ncclInvalidArgument: {who}: datatype {datatype}")
+        dtype = np.dtype(_DTYPES[datatype])
+        current = fake_cupy.runtime.getDevice()
+        if current != self._device:
+            raise NcclError(
+                f"{who}: the communicator is on device {self._device}, the calling thread's current device is {current}"
+            )
+        nbytes = count * dtype.itemsize
+        if nbytes:
+            fake_cupy._find(_int(ptr, who), nbytes, f"nccl {who}")
+        host = fake_cupy.host_address(_int(ptr, who), who)
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(host)).view(dtype) if nbytes else None
+
+    def _deliver(self, recv: np.ndarray | None, values: np.ndarray) -> None:
+        """The result lands in stream order: garbage until the next synchronize."""
+        from . import fake_cupy
+
+        if recv is None:
+            return
+        recv.view(np.uint8)[:] = fake_cupy.FILL
+        fake_cupy._pending.append(lambda: recv.__setitem__(slice(None), values))
+
+    def _start(self, stream) -> None:
+        from . import fake_cupy
+
+        _int(stream, "stream")
+        fake_cupy._flush()  # the work before it on the stream has run
+
+    def _gathered(self, mine: np.ndarray) -> np.ndarray:
+        if self._mpi is None:
+            return mine.copy()
+        every = np.empty(mine.size * self._ndev, mine.dtype)
+        self._mpi.Allgather(mine, every)
+        return every
+
+    def _reduced(self, mine: np.ndarray, op) -> np.ndarray:
+        if mine.dtype in (np.float16, np.uint16):
+            raise NcclError("cusim's NCCL reduces integer, float32 and float64 data only")
+        parts = self._gathered(mine).reshape(self._ndev, -1)
+        ops = {NCCL_SUM: np.sum, NCCL_PROD: np.prod, NCCL_MAX: np.max, NCCL_MIN: np.min}
+        if op == NCCL_AVG:
+            return (parts.sum(axis=0) / self._ndev).astype(mine.dtype)
+        if op not in ops:
+            raise NcclError(f"ncclInvalidArgument: reduction op {op}")
+        return ops[op](parts, axis=0).astype(mine.dtype)
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):  # noqa: N802 - CuPy's names
+        count = _int(count, "count")
+        self._start(stream)
+        mine = self._buffer(sendbuf, count, datatype, "allGather sendbuf")
+        recv = self._buffer(recvbuf, count * self._ndev, datatype, "allGather recvbuf")
+        self._deliver(recv, self._gathered(mine.copy()) if count else None)
+
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
+        count = _int(count, "count")
+        self._start(stream)
+        mine = self._buffer(sendbuf, count, datatype, "allReduce sendbuf")
+        recv = self._buffer(recvbuf, count, datatype, "allReduce recvbuf")
+        self._deliver(recv, self._reduced(mine.copy(), _int(op, "op")) if count else None)
+
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
+        count = _int(recvcount, "recvcount")
+        self._start(stream)
+        mine = self._buffer(sendbuf, count * self._ndev, datatype, "reduceScatter sendbuf")
+        recv = self._buffer(recvbuf, count, datatype, "reduceScatter recvbuf")
+        if count:
+            self._deliver(
+                recv, self._reduced(mine.copy(), _int(op, "op"))[self._rank * count : (self._rank + 1) * count]
+            )
+
+    def broadcast(self, sendbuf, recvbuf, count, datatype, root, stream):
+        count, root = _int(count, "count"), _int(root, "root")
+        self._start(stream)
+        send = self._buffer(sendbuf, count, datatype, "broadcast sendbuf") if self._rank == root else None
+        recv = self._buffer(recvbuf, count, datatype, "broadcast recvbuf")
+        if count:
+            data = send.copy() if send is not None else np.empty(count, recv.dtype)
+            if self._mpi is not None:
+                self._mpi.Bcast(data, root=root)
+            self._deliver(recv, data)
+
+    def bcast(self, buff, count, datatype, root, stream):
+        self.broadcast(buff, buff, count, datatype, root, stream)
