@@ -207,8 +207,8 @@ def choose_slots(placement: Placement, replicas: np.ndarray, layer: int, ids: np
     replicas, each part to the replica whose rank has the fewest rows so far (ties: the lower replica),
     u = min(replicas, n // min_rows, ceil(n / mean rows per rank)), at least 1: an expert is split only
     when it holds more than a rank's share, so each split costs one more read of its matrices, and only
-    into parts of at least ``min_rows`` rows, so a backend whose per-row result changes below that group
-    size (NumPy's GEMV path) computes the same bits as with one copy. replicas [L, E, M]: slots, -1 pads."""
+    into parts of at least ``min_rows`` rows (ops.moe_split_rows: a backend whose row bits depend on the
+    group never splits), so every row gets the bits of one copy of the expert. replicas [L, E, M]: slots, -1 pads."""
     flat = ids.reshape(-1).astype(np.int64)  # [N = T*k]
     table = replicas[layer]  # [E, M]
     count = np.bincount(flat, minlength=placement.num_experts)  # [E] rows of each expert
@@ -265,7 +265,9 @@ class ExpertSlots:
         the ranks all-gather them (variable length, rank by rank), every rank puts each row back at its
         (token, choice) and adds a token's k rows in choice order, as ``moe_experts`` does."""
         T, k = ids.shape
-        slots = choose_slots(self.placement, self.replicas, layer, np.asarray(ops.to_host(ids)), ops.moe_split_rows)
+        slots = choose_slots(
+            self.placement, self.replicas, layer, np.asarray(ops.to_host(ids)), ops.moe_split_rows(w_gate_up)
+        )
         owner = self.placement.slot_rank[slots.reshape(-1)]  # [T*k] the rank computing each (token, choice)
         order = np.argsort(owner, kind="stable")  # [T*k] rank by rank, each in (token, choice) order
         counts = np.bincount(owner, minlength=self.placement.world)  # [W] rows each rank computes

@@ -79,8 +79,12 @@ class Ops:
     name = "abstract"
     xp: Any = None  # the array module (numpy or cupy)
     kv_itemsize = 4  # bytes per KV cache element (float32; the GPU backend stores bf16)
-    moe_split_rows = 1  # EPLB splits an expert's rows over replicas only in parts of at least this many
     fp8_resident = False  # True: FP8 checkpoint weights stay FP8 in memory (weight_fp8); else dequantized at load
+
+    def moe_split_rows(self, w_gate_up) -> int:
+        """EPLB splits an expert's rows over its replicas only in parts of at least this many rows of
+        experts stored as ``w_gate_up`` (a backend whose row bits depend on the group keeps them whole)."""
+        return 1
 
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray) -> Array:

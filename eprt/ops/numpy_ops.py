@@ -22,6 +22,7 @@ def _softmax_last(x: np.ndarray) -> np.ndarray:
 FEW_QUERY_ROWS = 16  # query rows per kv head (a verify step's) up to which attention scores run as K @ q^T
 DECODE_GATHER_BYTES = 64 << 20  # padded K+V copy of one decode attention gather
 EXPERT_ROWS_AS_GEMV = 16  # NumPy's products: an expert with at most this many rows runs a GEMV per row
+UNSPLIT = 1 << 62  # moe_split_rows that no expert's row count reaches
 MOE_TOKENS_ONE_BY_ONE = 5  # up to this many tokens, moe_experts may run them one by one
 EXPERT_PATHS = ("auto", "numba", "numpy")  # EPRT_CPU_EXPERTS
 
@@ -75,7 +76,6 @@ def _solve_unit_lower(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class NumpyOps(Ops):
     name = "cpu"
-    moe_split_rows = EXPERT_ROWS_AS_GEMV + 1  # NumPy's products: a row's bits differ between GEMVs and a GEMM
     xp = np
     act_dtype = np.float32
     kv_itemsize = 4  # bytes per KV cache element (float32)
@@ -377,6 +377,12 @@ class NumpyOps(Ops):
         if self.experts == "numba" and gate_up.shape[1] % 16 == 0 and down.shape[1] % 16 == 0:
             return self.kernels.panels(gate_up), self.kernels.panels(down)
         return self.weight(gate_up), self.weight(down)
+
+    def moe_split_rows(self, w_gate_up):
+        """Panels (the compiled kernel) give a row the same bits in a group of any size; NumPy's products
+        do not (GEMV up to EXPERT_ROWS_AS_GEMV rows, then a GEMM whose row bits depend on the group's size
+        and a row's place in it), so their groups are never split."""
+        return 1 if w_gate_up.ndim == 4 else UNSPLIT
 
     def take_experts(self, gate_up, down, source):
         if gate_up.ndim == 4:  # panels: indexing keeps their layout
