@@ -1,4 +1,5 @@
-"""Train eprt's built-in default model (a small Qwen3-MoE) on the docstrings of Python's standard library.
+"""Train eprt's built-in default model (a small Qwen3-MoE) on the docstrings of Python's standard library
+and on chat exchanges made of them (each assistant turn ended by <eos>, as eprt's byte tokenizer renders a chat).
 
     python scripts/train_default_model.py --out eprt/model/default_model   # train and ship (torch, 2 CPU threads)
     python scripts/train_default_model.py --out /tmp/rerun                  # retrain; compare with the shipped loss
@@ -15,14 +16,20 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
 
-BYTE_VOCAB, EOS = 258, 257  # eprt.model.tokenizer.ByteTokenizer: bytes 0..255, <bos>=256, <eos>=257
-SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "eprt", "model", "default_model")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's eprt: the chat template the model is trained on is the one it serves with
+from eprt.model.tokenizer import ByteTokenizer  # noqa: E402
+
+TOKENIZER = ByteTokenizer()
+BYTE_VOCAB, EOS = ByteTokenizer.vocab_size, ByteTokenizer.EOS  # bytes 0..255, <bos>=256, <eos>=257
+SHIPPED_DIR = os.path.join(ROOT, "eprt", "model", "default_model")
 SKIPPED_DIRS = {
     "test",
     "tests",
@@ -37,8 +44,11 @@ SKIPPED_DIRS = {
     "tkinter",
 }
 HELD_OUT_EVERY = 10  # module i is held out when i % 10 == 0 (sorted module order)
-CHAT_EVERY = 4  # every 4th function/class docstring also becomes a chat exchange
+QUESTIONS = ("What does {} do?", "What is {}?", "Explain {}.", "Tell me about {}.", "How do I use {}?", "{}?")
+MAX_REPLY = 160  # characters: a docstring whose first sentence is longer makes no chat exchange
 SAMPLE_PROMPTS = ("Hello, experts", "Return the", "The socket module")  # greedy: bfloat16 must not change them
+CHAT_PROMPTS = ("What does json.dumps do?", "Hello!", "Explain the socket module.", "How do I sort a list?")
+CHAT_REPLY_LIMIT = 256  # tokens: a greedy chat reply must end its turn (<eos>) within this
 TOLERANCE = 0.02  # nats per byte: a rerun's held-out loss against the shipped one
 
 ARCHITECTURE = dict(
@@ -119,26 +129,42 @@ def docstrings(tree: ast.Module, module: str) -> list[tuple[str, str]]:
     return found
 
 
-def chat_exchange(qualname: str, doc: str) -> str:
-    """The byte tokenizer's chat template (user turn, then assistant) answered by the docstring's summary."""
-    summary = reflow(doc).split("\n\n")[0][:400]
-    return f"<|user|>\nWhat does {qualname} do?\n<|assistant|>\n{summary}"
+def first_sentence(doc: str) -> str:
+    """The docstring's summary paragraph up to its first sentence end (all of it if none)."""
+    summary = reflow(doc).split("\n\n")[0].strip()
+    m = re.match(r"(.+?[.!?])(?:\s|$)", summary, re.S)
+    return m.group(1) if m else summary
 
 
-def module_documents(path: str, root: str) -> list[str]:
+def chat_exchange(subject: str, doc: str, i: int) -> list[int] | None:
+    """A question about ``subject`` (the i-th of QUESTIONS, in turn) answered by the docstring's first
+    sentence, rendered by the byte tokenizer's chat template: its assistant turn ends with <eos>.
+    None if that sentence is longer than MAX_REPLY."""
+    reply = first_sentence(doc)
+    if not reply or len(reply) > MAX_REPLY:
+        return None
+    chat = [
+        {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)].format(subject)},
+        {"role": "assistant", "content": reply},
+    ]
+    return TOKENIZER.apply_chat_template(chat, add_generation_prompt=False, tokenize=True)
+
+
+def module_documents(path: str, root: str) -> list[list[int]]:
+    """Each docstring as UTF-8 bytes followed by <eos>, then its chat exchange (when it makes one)."""
     module = os.path.relpath(path, root)[:-3].replace(os.sep, ".").removesuffix(".__init__")
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     docs = []
     for i, (qualname, doc) in enumerate(docstrings(tree, module)):
-        docs.append(reflow(doc))
-        if qualname != module and i % CHAT_EVERY == 0:
-            docs.append(chat_exchange(qualname, doc))
-    return docs
+        docs.append([*reflow(doc).encode("utf-8"), EOS])
+        subject = f"the {module} module" if qualname == module else qualname
+        docs.append(chat_exchange(subject, doc, i))
+    return [d for d in docs if d]
 
 
 def corpus(root: str) -> tuple[list[int], list[int], str]:
-    """(training ids, held-out ids, sha256 of both): documents as UTF-8 bytes, each followed by <eos>."""
+    """(training ids, held-out ids, sha256 of both): documents and chat exchanges, each ending with <eos>."""
     train, held_out = [], []
     for i, path in enumerate(stdlib_files(root)):
         try:
@@ -147,8 +173,7 @@ def corpus(root: str) -> tuple[list[int], list[int], str]:
             continue
         ids = train if i % HELD_OUT_EVERY else held_out
         for doc in docs:
-            ids.extend(doc.encode("utf-8"))
-            ids.append(EOS)
+            ids.extend(doc)
     digest = hashlib.sha256(repr((train, held_out)).encode()).hexdigest()
     return train, held_out, digest
 
@@ -225,10 +250,11 @@ def held_out_loss(model, ids: list[int], context: int) -> float:
     return total / (n * context)
 
 
-def greedy(model, prompt: str, max_tokens: int = 48) -> list[int]:
+def greedy(model, prompt: list[int], max_tokens: int = 48) -> list[int]:
+    """Greedy continuation; it stops at <eos> (config.json's eos_token_id), which it includes."""
     import torch
 
-    ids = torch.tensor([list(prompt.encode("utf-8"))])  # [1, T]
+    ids = torch.tensor([prompt])  # [1, T]
     model.eval()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens)
@@ -261,14 +287,6 @@ def save(model, out_dir: str, record: dict) -> None:
         f.write("\n")
 
 
-def shipped_loss(model_dir: str, held_out: list[int], context: int) -> float:
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return held_out_loss(model, held_out, context)
-
-
 def shipped_record() -> dict:
     path = os.path.join(SHIPPED_DIR, "training.json")
     if not os.path.isfile(path):
@@ -281,10 +299,82 @@ def bits(nats: float) -> str:
     return f"{nats:.4f} nats/byte ({nats / math.log(2):.3f} bits/byte)"
 
 
+def chat_prompt(question: str) -> list[int]:
+    return TOKENIZER.apply_chat_template([{"role": "user", "content": question}], tokenize=True)
+
+
+def samples(model) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of SAMPLE_PROMPTS (48 each) and of the chat replies to CHAT_PROMPTS (up to <eos>)."""
+    texts = [greedy(model, list(p.encode("utf-8"))) for p in SAMPLE_PROMPTS]
+    return texts, [greedy(model, chat_prompt(q), CHAT_REPLY_LIMIT) for q in CHAT_PROMPTS]
+
+
+def chat_turns(replies: list[list[int]]) -> tuple[dict, bool]:
+    """({question: tokens of the reply with its <eos>, or None if it did not end}, whether all ended)."""
+    turns = {q: len(r) if r[-1:] == [EOS] else None for q, r in zip(CHAT_PROMPTS, replies)}
+    for q, r in zip(CHAT_PROMPTS, replies):
+        ending = f"ends its turn after {len(r)} tokens" if turns[q] else f"did NOT end in {CHAT_REPLY_LIMIT} tokens"
+        print(f"chat {q!r}: {TOKENIZER.decode(r)!r} {ending}")
+    return turns, all(turns.values())
+
+
+def check_shipped(shipped: dict, held_out: list[int], context: int) -> int:
+    """0 if the shipped weights give the recorded held-out loss and end every sample chat's turn."""
+    import torch
+    import transformers
+
+    if not shipped:
+        print(f"no shipped model in {SHIPPED_DIR}", file=sys.stderr)
+        return 2
+    model = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED_DIR, dtype=torch.float32)
+    loss = held_out_loss(model, held_out, context)
+    print(f"shipped weights: held-out loss {bits(loss)}; recorded {bits(shipped['held_out_loss'])}")
+    _, ended = chat_turns(samples(model)[1])
+    return 0 if abs(loss - shipped["held_out_loss"]) <= TOLERANCE and ended else 1
+
+
+def train_and_save(settings: TrainSettings, corpus_ids: tuple, out_dir: str) -> tuple[float, bool]:
+    """Train, round to bfloat16, evaluate and save; (held-out loss, every sample chat ended its turn)."""
+    import torch
+
+    train_ids, held_out, digest = corpus_ids
+    model = new_model(settings)
+    start = time.time()
+    train(model, train_ids, settings)
+    seconds = time.time() - start
+    float32_samples = samples(model)
+    round_to_bfloat16(model)
+    bfloat16_samples = samples(model)
+    same = bfloat16_samples == float32_samples
+    print(
+        f"greedy tokens of {len(SAMPLE_PROMPTS)} prompts (48 each) and {len(CHAT_PROMPTS)} chat replies "
+        f"with bfloat16 weights: {'identical to' if same else 'DIFFERENT from'} float32"
+    )
+    turns, ended = chat_turns(bfloat16_samples[1])
+    loss = held_out_loss(model, held_out, settings.context)
+    print(f"trained in {seconds:.0f} s on {settings.threads} threads; held-out loss {bits(loss)}")
+    record = dict(
+        held_out_loss=round(loss, 5),
+        bfloat16_greedy_same_as_float32=same,
+        chat_reply_tokens=turns,
+        train_seconds=round(seconds),
+        corpus_sha256=digest,
+        python=sys.version.split()[0],
+        torch=torch.__version__,
+        settings=dataclasses.asdict(settings),
+        training_bytes=len(train_ids),
+        held_out_bytes=len(held_out),
+    )
+    save(model, out_dir, record)
+    return loss, ended
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="directory to write the trained model to")
-    ap.add_argument("--check", action="store_true", help="only evaluate the shipped weights' held-out loss")
+    ap.add_argument(
+        "--check", action="store_true", help="only evaluate the shipped weights (held-out loss, chat turns ending)"
+    )
     ap.add_argument("--steps", type=int, default=TrainSettings.steps)
     ap.add_argument("--threads", type=int, default=TrainSettings.threads)
     args = ap.parse_args(argv)
@@ -294,58 +384,28 @@ def main(argv=None) -> int:
 
     settings = TrainSettings(steps=args.steps, threads=args.threads)
     torch.set_num_threads(settings.threads)
-    train_ids, held_out, digest = corpus(sysconfig.get_paths()["stdlib"])
+    corpus_ids = corpus(sysconfig.get_paths()["stdlib"])
+    train_ids, held_out, digest = corpus_ids
     print(
         f"corpus: {len(train_ids)} training bytes, {len(held_out)} held-out bytes, sha256 {digest[:16]} "
         f"(Python {sys.version.split()[0]})"
     )
     shipped = shipped_record()
-    if shipped.get("corpus_sha256") not in (None, digest):
-        print(
-            f"note: the shipped model was trained on a different corpus (Python {shipped['python']}); "
-            "losses are not comparable"
-        )
+    comparable = shipped.get("corpus_sha256") in (None, digest)
+    if not comparable:
+        print(f"note: the shipped model was trained on a different corpus (Python {shipped['python']}); ", end="")
+        print("losses are not comparable")
     if args.check:
-        if not shipped:
-            print(f"no shipped model in {SHIPPED_DIR}", file=sys.stderr)
-            return 2
-        loss = shipped_loss(SHIPPED_DIR, held_out, settings.context)
-        print(f"shipped weights: held-out loss {bits(loss)}; recorded {bits(shipped['held_out_loss'])}")
-        return 0 if abs(loss - shipped["held_out_loss"]) <= TOLERANCE else 1
-
-    model = new_model(settings)
-    start = time.time()
-    train(model, train_ids, settings)
-    seconds = time.time() - start
-    float32_tokens = [greedy(model, p) for p in SAMPLE_PROMPTS]
-    round_to_bfloat16(model)
-    same = [greedy(model, p) for p in SAMPLE_PROMPTS] == float32_tokens
-    print(
-        f"greedy tokens of {len(SAMPLE_PROMPTS)} prompts (48 each) with bfloat16 weights: "
-        f"{'identical to' if same else 'DIFFERENT from'} float32"
-    )
-    loss = held_out_loss(model, held_out, settings.context)
-    print(f"trained in {seconds:.0f} s on {settings.threads} threads; held-out loss {bits(loss)}")
-    record = dict(
-        held_out_loss=round(loss, 5),
-        bfloat16_greedy_same_as_float32=same,
-        train_seconds=round(seconds),
-        corpus_sha256=digest,
-        python=sys.version.split()[0],
-        torch=torch.__version__,
-        settings=dataclasses.asdict(settings),
-        training_bytes=len(train_ids),
-        held_out_bytes=len(held_out),
-    )
-    save(model, args.out, record)
-    if shipped and os.path.realpath(args.out) != os.path.realpath(SHIPPED_DIR):
+        return check_shipped(shipped, held_out, settings.context)
+    loss, ended = train_and_save(settings, corpus_ids, args.out)
+    if shipped and comparable and os.path.realpath(args.out) != os.path.realpath(SHIPPED_DIR):
         diff = loss - shipped["held_out_loss"]
         print(
             f"shipped held-out loss {bits(shipped['held_out_loss'])}; difference {diff:+.4f} nats/byte "
             f"(tolerance {TOLERANCE})"
         )
-        return 0 if abs(diff) <= TOLERANCE else 1
-    return 0
+        return 0 if abs(diff) <= TOLERANCE and ended else 1
+    return 0 if ended else 1
 
 
 if __name__ == "__main__":
