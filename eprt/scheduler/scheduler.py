@@ -12,7 +12,7 @@ import threading
 from collections import deque
 
 from eprt.api import GenerationRequest, RequestError
-from eprt.scheduler import guards, pools, speculation
+from eprt.scheduler import guards, pools, speculation, thinking
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig, validate_request
 from eprt.scheduler.effects import (
@@ -330,6 +330,10 @@ class Scheduler:
             self._finish(seq, ERROR, error=token.reason)
             return
         token = int(token)
+        if seq.think is not None:
+            token = self._think(seq, token)
+            if token is None:
+                return
         seq.token_ids.append(token)
         if guards.is_stop_token(seq, token, self.config.eos_token_ids):
             self._finish(seq, STOP)
@@ -341,6 +345,17 @@ class Scheduler:
         reason = guards.limit_verdict(seq, self.config.max_model_len)
         if reason is not None:
             self._finish(seq, reason)
+
+    def _think(self, seq: Sequence, token: int) -> int | None:
+        """The token seq keeps inside or around its thinking block (docs/scenarios.md, "Thinking
+        blocks"); None for an EOS discarded inside it, whose step gives its position back so the
+        next step computes it again."""
+        kept = thinking.take(seq.think, token, self.config.eos_token_ids, seq.params.ignore_eos)
+        if kept is None:
+            seq.len -= 1
+        elif seq.think.forced and seq.guard is None:
+            seq.guard = thinking.GUARD_THINKING_BUDGET
+        return kept
 
     # -- end of tick -------------------------------------------------------------------------
     def _end_of_tick(self) -> None:
@@ -405,7 +420,7 @@ class Scheduler:
             self._waiting.extend(seq.forks)
             seq.forks = []
         seq.state = SeqState.FINISHED
-        seq.finish_reason, seq.guard, seq.error = reason, guard, error
+        seq.finish_reason, seq.guard, seq.error = reason, guard or seq.guard, error
         if seq.slot < 0:  # holds nothing: tell the client now
             self._notify(seq)
 
