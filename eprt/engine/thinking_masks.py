@@ -2,9 +2,9 @@
 bits of a row's next token. Inside a block EOS ids are masked (the scheduler would discard one) and,
 once the budget is spent, only the end token is left, so the token sampled is the one the scheduler
 keeps and logprobs, penalties and grammars see it. A structured-output grammar applies outside
-blocks only: suspended inside one, and at a row's first token the start token is allowed beside
-it, so a model may think before its constrained answer (as vLLM applies a guide after the
-reasoning). V vocabulary, W = ceil(V / 32) words (``RowMasks``' layout).
+blocks only: suspended inside one, and at the first token of a row whose prompt holds no
+delimiter the start token is allowed beside it, so a model may think before its constrained
+answer (as vLLM applies a guide after the reasoning). V vocabulary, W = ceil(V / 32) words (``RowMasks``' layout).
 """
 
 from __future__ import annotations
@@ -35,9 +35,15 @@ def block_bits(seq, vocab_size: int, eos_ids) -> np.ndarray:
     return np.packbits(padded, bitorder="little").view("<u4").copy()
 
 
+def may_open(seq) -> bool:
+    """Whether a guided row may open a thinking block: at its first token, when its prompt holds
+    no delimiter (a template that closed the block, thinking off, leaves it none)."""
+    return seq.think is not None and not seq.think.seen and seq.num_generated == 0
+
+
 def grammar_bits(seq, bits: np.ndarray) -> np.ndarray:
-    """A grammar's bits [W] for a row outside a block: with the start token too at its first token."""
-    if seq.think is not None and seq.num_generated == 0:
+    """A grammar's bits [W] for a row outside a block: with the start token too when ``may_open``."""
+    if may_open(seq):
         bits = bits.copy()
         _bit(bits, seq.think.spec.start)
     return bits
@@ -45,7 +51,7 @@ def grammar_bits(seq, bits: np.ndarray) -> np.ndarray:
 
 def skips_grammar(seq, token) -> bool:
     """Whether a guided row's token is no grammar text: it opened a thinking block."""
-    return seq.think is not None and token == seq.think.spec.start and seq.num_generated == 0
+    return may_open(seq) and token == seq.think.spec.start
 
 
 def row_bits(seqs: list, guided: list, vocab_size: int, eos_ids) -> dict:

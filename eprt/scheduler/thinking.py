@@ -27,6 +27,7 @@ class ThinkState:
     count: int = 0  # generated tokens inside blocks
     discarded: int = 0  # EOS answers discarded inside a block (each gave its step's position back)
     forced: int = 0  # blocks the budget ended
+    seen: bool = False  # the prompt holds a delimiter (a template that opened or closed the block)
 
     @property
     def must_end(self) -> bool:
@@ -42,7 +43,7 @@ def begin(spec: Thinking | None, prompt) -> ThinkState | None:
     ends = (spec.end, *spec.also_ends)
     for token in reversed(prompt):
         if token == spec.start or token in ends:
-            return ThinkState(spec, inside=token == spec.start)
+            return ThinkState(spec, inside=token == spec.start, seen=True)
     return ThinkState(spec, inside=False)
 
 

@@ -38,12 +38,13 @@ from eprt import __version__
 from eprt.api import ENGINE_FAILED, RequestError
 from eprt.engine.adapters import UnknownAdapter
 from eprt.engine.choices import best_choices
-from eprt.serve import adapters, openai, schema
+from eprt.serve import adapters, chat_output, openai, schema
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES, ApiError, parse_json, read_body
 from eprt.serve.media import MediaPolicy
 from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eprt.serve.metrics import ServerMetrics
 from eprt.serve.stream import LiveRequest
+from eprt.serve.tool_calls import ToolSettings
 
 log = logging.getLogger("eprt.serve")
 
@@ -69,6 +70,8 @@ class HttpSettings:
     backlog: int = 2048  # pending TCP connections the kernel queues for us
     media: MediaPolicy = MediaPolicy()  # where chat image parts may come from (--allowed-local-media-path)
     lora_dir: str | None = None  # the real path of --lora-modules-dir (None: no adapter loading at run time)
+    reasoning_parser: str | None = None  # --reasoning-parser (auto, none, a name; None: none)
+    tools: ToolSettings = ToolSettings()  # --enable-auto-tool-choice, --tool-call-parser
 
     def __post_init__(self):
         check_api_key(self.api_key, "the API key")
@@ -235,6 +238,8 @@ class ServerState:
     def __init__(self, engine, loop, settings: HttpSettings):
         self.engine, self.loop, self.settings = engine, loop, settings
         self.model_name = settings.served_model_name or engine.model_name
+        # the reasoning parser and tool settings, for this model (ValueError: start-up error)
+        self.chat_features = chat_output.ChatFeatures.resolve(engine, settings.reasoning_parser, settings.tools)
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
         self._busy = 0  # generation requests being answered
@@ -270,10 +275,11 @@ class Generation:
         self.waker = Waker(asyncio.get_running_loop())
         state.begin()
         try:
+            engine, stops, output = state.engine, api.stop_strings, api.output
             if api.request.params.choices == 1:
-                self.lives = [LiveRequest(state.engine, api.request, api.stop_strings, notify=self.waker)]
+                self.lives = [LiveRequest(engine, api.request, stops, notify=self.waker, output=output)]
             else:  # several choices sharing one prefill
-                self.lives = LiveRequest.choices(state.engine, api.request, api.stop_strings, notify=self.waker)
+                self.lives = LiveRequest.choices(engine, api.request, stops, notify=self.waker, output=output)
             self.live = self.lives[0]
         except BaseException:
             state.end()
@@ -495,7 +501,9 @@ async def _answer(state: ServerState, request: Request, chat: bool):
 
 
 def _parse(raw: bytes, state: ServerState, chat: bool) -> openai.ApiRequest:
-    return openai.parse_request(parse_json(raw), state.engine, chat, state.model_name, state.settings.media)
+    return openai.parse_request(
+        parse_json(raw), state.engine, chat, state.model_name, state.settings.media, state.chat_features
+    )
 
 
 async def _generate(state: ServerState, request: Request, chat: bool):
@@ -530,14 +538,27 @@ async def _complete(request: Request, gen: Generation):
     failed = next((r for r in results if r.finish_reason == "error"), None)
     if failed is not None:
         return error_response(gen.error(failed))
+    outputs = {r.index: live.text for r, live in zip(results, lives)} if gen.api.output is not None else None
     params = gen.api.request.params
     if params.best_of is not None:
         results = best_choices(results, params.n)
-    return JSONResponse(openai.choices_body(gen.api, results))
+    return JSONResponse(openai.choices_body(gen.api, results, outputs))
 
 
 def _event(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _pieces(api: openai.ApiRequest, live: LiveRequest, text: str, records, index: int) -> list:
+    """The chunks of what one pump brought: its text, or a chat message's deltas (reasoning,
+    content, tool calls); the tokens' logprobs ride on the first."""
+    if api.output is None:
+        return [_event(openai.chunk(api, text, records=records, index=index))] if text or records else []
+    deltas = live.text.deltas() or ([{}] if records else [])
+    return [
+        _event(openai.chunk(api, records=records if k == 0 else None, index=index, delta=d))
+        for k, d in enumerate(deltas)
+    ]
 
 
 async def _events(gen: Generation):
@@ -557,16 +578,15 @@ async def _events(gen: Generation):
                 if echo_due[i] and (live.token_ids or live.finished()):
                     echo_due[i] = False
                     yield _event(openai.echo_chunk(api, live.request_prompt, live.handle.prompt_logprobs, i))
-                records = live.take_logprobs()
-                if delta or records:
-                    yield _event(openai.chunk(api, delta, records=records, index=i))
+                for piece in _pieces(api, live, delta, live.take_logprobs(), i):
+                    yield piece
                 if live.finished():
                     results[i], tail = live.result()
-                    records = live.take_logprobs()
-                    if tail or records:
-                        yield _event(openai.chunk(api, tail, records=records, index=i))
+                    for piece in _pieces(api, live, tail, live.take_logprobs(), i):
+                        yield piece
                     if results[i].finish_reason != "error":
-                        yield _event(openai.chunk(api, finish_reason=results[i].finish_reason, index=i))
+                        reason = chat_output.finish_reason(results[i].finish_reason, api.output and live.text)
+                        yield _event(openai.chunk(api, finish_reason=reason, index=i))
             if all(r is not None for r in results):
                 break
             await gen.waker.wait(1.0)

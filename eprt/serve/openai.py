@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from eprt.api import GenerationRequest, GenerationResult, SamplingParams
+from eprt.serve import chat_output
 from eprt.serve.adapters import model_entries, pick_model
 from eprt.serve.guided import GUIDED_FIELDS, compile_guide, parse_guide
 from eprt.serve.media import MediaPolicy, image_part_bytes, image_text
@@ -34,6 +35,8 @@ from eprt.serve.params import (
     parse_options,
     parse_token_ids,
 )
+from eprt.serve.reasoning import BUDGET_FIELDS
+from eprt.serve.tool_calls import TOOL_FIELDS, message_fields
 
 log = logging.getLogger("eprt.serve")
 MAX_CHARS_PER_TOKEN = 32  # text longer than max_model_len * this cannot fit the context: refused untokenized
@@ -47,11 +50,8 @@ def _set(v) -> bool:
 # vLLM's fields of both routes (chat-only ones in CHAT_UNSUPPORTED, completions-only ones below)
 UNSUPPORTED = {
     "suffix": (_set, "suffix is not supported"),
-    "tools": (_set, "tools are not supported"),
-    "tool_choice": (lambda v: v not in (None, "none", "auto"), "tool_choice needs tools, which are not supported"),
-    "functions": (_set, "functions are not supported"),
-    "function_call": (lambda v: v not in (None, "none", "auto"), "function_call is not supported"),
-    "parallel_tool_calls": (lambda v: False, ""),
+    "functions": (_set, "functions (OpenAI's deprecated form) are not supported: send tools"),
+    "function_call": (lambda v: v not in (None, "none", "auto"), "function_call is not supported: send tool_choice"),
     "audio": (_set, "audio output is not supported"),
     "modalities": (lambda v: v not in (None, ["text"]), 'only modalities ["text"] are supported'),
     "prediction": (_set, "prediction (predicted outputs) is not supported"),
@@ -83,13 +83,22 @@ CHAT_UNSUPPORTED = {
     "continue_final_message": (_set, "continue_final_message is not supported"),
     "documents": (_set, "documents are not supported"),
     "chat_template": (_set, "chat_template is not supported: the model's own template is used"),
-    "chat_template_kwargs": (_set, "chat_template_kwargs is not supported"),
+}
+# chat's fields that completions refuse (parallel_tool_calls: accepted, no effect)
+COMPLETION_UNSUPPORTED = {
+    "tools": (_set, "tools need /v1/chat/completions"),
+    "tool_choice": (lambda v: v not in (None, "none"), "tool_choice needs tools, on /v1/chat/completions"),
+    **{
+        name: (lambda v: v is not None, f"{name} needs /v1/chat/completions (its thinking block)")
+        for name in BUDGET_FIELDS
+    },
 }
 # accepted and honoured (PROCESSING: eprt.serve.params), or accepted without effect on the output
 # (metadata OpenAI and vLLM also only record)
 HONOURED = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
 HONOURED |= {"timeout", "echo", "top_logprobs", "return_token_ids", "request_id", *PROCESSING}
 HONOURED |= {"n", "best_of", "response_format", "structured_outputs", *GUIDED_FIELDS}
+HONOURED |= {*TOOL_FIELDS, *BUDGET_FIELDS, "chat_template_kwargs"}
 NO_EFFECT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -184,6 +193,7 @@ class ApiRequest:
     echo: bool = False  # completions: the prompt's text (and logprobs) lead the answer
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (None: not reported)
     tokenizer: Any = None  # token strings of logprobs (None: "token_id:<id>")
+    output: Any = None  # chat: each choice's ChatOutput factory (reasoning, tool calls); None: plain text
     streamed_chars: dict = field(default_factory=dict)  # choice -> text_offset of its next streamed token
 
     def __post_init__(self):
@@ -230,18 +240,24 @@ def _message(m, i: int, on_image=None) -> dict:
                 kinds = '{"type": "text", "text": ...}' + (' or {"type": "image_url", ...}' if on_image else "")
                 raise FieldError("messages", f"{where}.content: only {kinds} parts are supported")
         content = "".join(texts)
+    extra = message_fields(m, where)  # tool calls and results, earlier reasoning
+    if content is None and "tool_calls" in extra:
+        return {"role": role, "content": None, **extra}
     if not isinstance(content, str):
         raise FieldError("messages", f"{where}.content must be a string or a list of text parts, got {content!r}")
     try:
         check_text(content, "messages")
     except FieldError as e:
         raise FieldError("messages", f"{where}.content: {e}") from None
-    return {"role": role, "content": content}
+    return {"role": role, "content": content, **extra}
 
 
-def _chat_prompt(messages, engine, media: MediaPolicy | None = None, images: list | None = None) -> list:
+def _chat_prompt(
+    messages, engine, media: MediaPolicy | None = None, images: list | None = None, template_args: dict | None = None
+) -> list:
     """The prompt ids of a chat; ``images``: a list that collects the bytes of its image parts in
-    order (None: image parts are refused)."""
+    order (None: image parts are refused); ``template_args``: the template's other variables (tools,
+    chat_template_kwargs)."""
     if not isinstance(messages, list) or not messages:
         raise FieldError("messages", "messages must be a non-empty list of {role, content} objects")
 
@@ -255,7 +271,7 @@ def _chat_prompt(messages, engine, media: MediaPolicy | None = None, images: lis
             "messages", "this model has no tokenizer (so no chat template): use /v1/completions with token ids"
         )
     try:
-        text = engine.tokenizer.apply_chat_template(msgs)
+        text = engine.tokenizer.apply_chat_template(msgs, **(template_args or {}))
     except _template_errors() as e:  # no template, or one that refuses these messages
         raise FieldError("messages", f"the chat template cannot render these messages: {e}") from None
     return encode_prompt(engine.tokenizer, text, "messages")
@@ -272,11 +288,17 @@ def _template_errors() -> tuple:
 
 
 def parse_request(
-    body, engine, chat: bool, model_name: str | None = None, media: MediaPolicy | None = None
+    body,
+    engine,
+    chat: bool,
+    model_name: str | None = None,
+    media: MediaPolicy | None = None,
+    features: chat_output.ChatFeatures | None = None,
 ) -> ApiRequest:
     """Validate one request body of /v1/chat/completions (chat) or /v1/completions;
     ``model_name``: the name clients use (``--served-model-name``), else the engine's;
-    ``media``: where image parts may come from (data: URLs only by default)."""
+    ``media``: where image parts may come from (data: URLs only by default); ``features``: the
+    server's reasoning parser and tool settings."""
     if not isinstance(body, dict):
         raise FieldError("body", f"the request body must be a JSON object, got {type(body).__name__}")
     model_name = model_name or engine.model_name
@@ -286,7 +308,10 @@ def parse_request(
     adapter = pick_model(engine, model, model_name)
     _check_size(body, chat, engine.max_model_len)
     _check_types(body, chat)
-    for name, (unsupported, message) in {**UNSUPPORTED, **(CHAT_UNSUPPORTED if chat else {})}.items():
+    for name, (unsupported, message) in {
+        **UNSUPPORTED,
+        **(CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED),
+    }.items():
         if unsupported(body.get(name)):
             raise FieldError(name, message)
     known = HONOURED | NO_EFFECT | set(UNSUPPORTED) | ({"messages", "max_completion_tokens"} if chat else {"prompt"})
@@ -298,9 +323,11 @@ def parse_request(
     if not isinstance(options, dict):
         raise FieldError("stream_options", "stream_options must be an object")
     include_usage = _flag(options, "include_usage")
+    setup = chat_output.prepare(body, features) if chat else None
     if chat:
         images: list = []
-        prompt_ids, image_rows = _chat_prompt(body.get("messages"), engine, media, images), None
+        prompt_ids = _chat_prompt(body.get("messages"), engine, media, images, setup.template_args)
+        image_rows = None
         if images:  # expanded to the placeholders of each image (and encoded) before the context is sized
             expanded = GenerationRequest(prompt_ids, images=images)
             engine.images.apply(expanded)
@@ -321,6 +348,11 @@ def parse_request(
     guide, guide_field = parse_guide(body)
     compile_guide(engine, guide, guide_field)
     params = dataclasses.replace(fit_to_context(parse_choices(body, opts.params, stream), room), guide=guide)
+    if setup is not None:  # tool_choice required / named: a guide of their own; the thinking block
+        tool_guide = setup.guide()
+        params = chat_output.replace_guide(params, tool_guide, guide_field)
+        compile_guide(engine, tool_guide, "tools")
+        params.thinking = setup.thinking
     echo = not chat and _flag(body, "echo")
     shown = params.prompt_logprobs  # vLLM's prompt_logprobs field, reported as such
     if echo and params.logprobs is not None:  # the prompt's logprobs lead the completion's
@@ -335,6 +367,7 @@ def parse_request(
     )
     api.request.request_id = api.id
     api.echo, api.prompt_logprobs, api.tokenizer = echo, shown, engine.tokenizer
+    api.output = None if setup is None else setup.output(prompt_ids)
     return api
 
 
@@ -346,12 +379,16 @@ def usage(result) -> dict:
     results = result if isinstance(result, list) else [result]
     result = results[0]
     prompt, completion = len(result.prompt_ids), sum(len(r.token_ids) for r in results)
-    return {
+    counts = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
+    thought = [r.reasoning_tokens for r in results if r.reasoning_tokens is not None]
+    if thought:  # the tokens inside the choices' thinking blocks (a reasoning parser is on)
+        counts["completion_tokens_details"] = {"reasoning_tokens": sum(thought)}
+    return counts
 
 
 def _envelope(api: ApiRequest, obj: str, choices: list) -> dict:
@@ -370,11 +407,12 @@ def response_body(api: ApiRequest, result: GenerationResult) -> dict:
     return choices_body(api, [result])
 
 
-def choices_body(api: ApiRequest, results: list) -> dict:
+def choices_body(api: ApiRequest, results: list, outputs: dict | None = None) -> dict:
     """The whole answer of a non-streaming request, one choice per result (``result.index``).
     ``token_ids`` (an eprt extension) lists the generated ids, so a model without a tokenizer
-    still shows what it generated."""
-    choices = [_choice(api, result) for result in results]
+    still shows what it generated; ``outputs``: each choice's ChatOutput by index (reasoning,
+    tool calls)."""
+    choices = [_choice(api, result, (outputs or {}).get(result.index)) for result in results]
     body = _envelope(api, "chat.completion" if api.chat else "text_completion", choices)
     if api.prompt_logprobs is not None:
         shown = vllm_prompt_logprobs(api, results[0])
@@ -387,14 +425,14 @@ def choices_body(api: ApiRequest, results: list) -> dict:
     return body
 
 
-def _choice(api: ApiRequest, result: GenerationResult) -> dict:
+def _choice(api: ApiRequest, result: GenerationResult, output=None) -> dict:
     records = None if result.logprobs is None else result.logprobs[: len(result.token_ids)]
     if api.chat:
         choice = {
             "index": result.index,
-            "message": {"role": "assistant", "content": result.text},
+            "message": {"role": "assistant", "content": result.text} if output is None else output.message(),
             "logprobs": None if records is None else chat_logprobs(api, records),
-            "finish_reason": result.finish_reason,
+            "finish_reason": chat_output.finish_reason(result.finish_reason, output),
         }
     else:
         echoed, echoed_ids = prompt_text(api, result), list(result.prompt_ids) + list(result.token_ids)
@@ -489,12 +527,15 @@ def chunk(
     records=None,
     ids=None,
     index: int = 0,
+    delta: dict | None = None,
 ) -> dict:
     """One streamed chunk of choice ``index``: new text, or (with finish_reason) its last one;
     ``records``: the TokenLogprobs of the tokens it brings (logprobs asked for; None entries,
-    the first echoed prompt token, take their id from ``ids``)."""
+    the first echoed prompt token, take their id from ``ids``); ``delta``: a chat delta's
+    fields instead of text (reasoning, tool calls: eprt/serve/chat_output.py)."""
     if api.chat:
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        if delta is None:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
         shown = None if records is None else chat_logprobs(api, records)
         choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
     else:

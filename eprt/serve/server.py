@@ -10,11 +10,14 @@ import logging
 import sys
 
 from eprt import env
+from eprt.serve import reasoning
 from eprt.serve.adapters import check_adapters_dir
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES
 from eprt.serve.http import KEEP_ALIVE_S, HttpServer, HttpSettings, ServerState, check_api_key
 from eprt.serve.loop import EngineLoop, RankLost
 from eprt.serve.media import MediaPolicy
+from eprt.serve.tool_calls import ToolSettings
+from eprt.serve.tool_formats import TOOL_PARSERS
 
 log = logging.getLogger("eprt.serve")
 
@@ -94,6 +97,19 @@ def add_arguments(parser) -> None:
         help="/v1/load_lora_adapter may load adapters under DIR (regular files, symlinks resolved "
         "inside it; default: no adapter loading at run time)",
     )
+    reasoning.add_arguments(parser)
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default with tools): the model calls tools as it likes, its calls parsed '
+        "by --tool-call-parser",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        default=None,
+        help=f"the model's tool-call format: {', '.join(TOOL_PARSERS)} (vLLM's names)",
+    )
     add_engine_arguments(parser)
 
 
@@ -126,7 +142,14 @@ def _settings(args) -> HttpSettings:
         keep_alive_s=args.keep_alive_timeout,
         media=MediaPolicy(args.allowed_local_media_path),
         lora_dir=check_adapters_dir(args.lora_modules_dir),
+        reasoning_parser=_reasoning_name(args.reasoning_parser),
+        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
     )
+
+
+def _reasoning_name(name: str) -> str:
+    reasoning.check_name(name)
+    return name
 
 
 def _is_loopback(host: str) -> bool:
@@ -141,7 +164,11 @@ def serve(engine, host: str, port: int, settings: HttpSettings | None = None, st
     the calling thread runs the engine loop."""
     settings = settings or HttpSettings()
     loop = EngineLoop(engine, stall_s)
-    state = ServerState(engine, loop, settings)
+    try:
+        state = ServerState(engine, loop, settings)
+    except ValueError as e:  # a reasoning or tool-call parser this model cannot have
+        print(f"eprt serve: {e}", file=sys.stderr)
+        return 2
     try:
         http = HttpServer(state, host, port)
     except OSError as e:

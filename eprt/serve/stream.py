@@ -35,6 +35,11 @@ class TextStream:
         self.text = ""
         self.stopped = False
 
+    @property
+    def shown(self) -> str:
+        """The text handed out so far (all of it once finished)."""
+        return self.text[: self._sent]
+
     def feed(self, token_id: int) -> str:
         """Add one generated id; return the new text that is safe to show."""
         if self.stopped or self._tok is None or token_id in self._hidden:
@@ -91,7 +96,9 @@ class TextStream:
 class LiveRequest:
     """A submitted request whose tokens are consumed, as they come, on the caller's thread."""
 
-    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None, submit: bool = True):
+    def __init__(
+        self, engine, request: GenerationRequest, stop_strings=(), notify=None, submit: bool = True, output=None
+    ):
         tok = engine.tokenizer
         if stop_strings and tok is None:
             raise FieldError(
@@ -102,7 +109,8 @@ class LiveRequest:
         request.stream = True
         request.on_token = self._put
         hidden = set(request.params.stop_token_ids) | set(tok.eos_token_ids if tok else ())
-        self.text = TextStream(tok, stop_strings, hidden)
+        # the text of its tokens: plain, or a chat message's reasoning, content and tool calls
+        self.text = (output or TextStream)(tok, stop_strings, hidden)
         self.token_ids: list = []  # every id consumed so far, hidden ones included
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
@@ -117,10 +125,11 @@ class LiveRequest:
         self.handle = engine.submit(request, on_finish=lambda result: self._put(_END)) if submit else None
 
     @classmethod
-    def choices(cls, engine, request: GenerationRequest, stop_strings=(), notify=None) -> list:
+    def choices(cls, engine, request: GenerationRequest, stop_strings=(), notify=None, output=None) -> list:
         """One LiveRequest per choice of a request (``params.choices``: n, or best_of), submitted
         together so they share the prompt's prefill (``engine.submit_choices``)."""
-        lives = [cls(engine, request, stop_strings, notify, submit=False) for _ in range(request.params.choices)]
+        count = request.params.choices
+        lives = [cls(engine, request, stop_strings, notify, submit=False, output=output) for _ in range(count)]
         request.on_token = None
         handles = engine.submit_choices(
             request,
