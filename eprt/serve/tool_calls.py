@@ -123,6 +123,7 @@ def _choice(value, schemas: dict) -> str:
 
 def parse_tools(body: dict, settings: ToolSettings) -> ToolRequest | None:
     """The request's ToolRequest (None without tools); FieldError names a bad field."""
+    settings = settings or ToolSettings()
     tools, value = body.get("tools"), body.get("tool_choice")
     if tools is None or tools == []:
         if value not in (None, "none"):
