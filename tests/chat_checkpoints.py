@@ -182,7 +182,7 @@ def _byte_of(char: str) -> int:
 def build_chat_checkpoint(checkpoint, root: str, family: str) -> str:
     """``root``/``family``: the tiny qwen3_moe checkpoint (VOCAB tokens, EOS <|im_end|>), its
     files linked, plus the byte-level tokenizer and ``family``'s chat template."""
-    base = os.path.abspath(checkpoint("qwen3_moe", vocab_size=VOCAB, eos_token_id=EOS))
+    base = os.path.abspath(checkpoint("qwen3_moe", vocab_size=VOCAB, eos_token_id=EOS, max_position_embeddings=2048))
     out = os.path.join(root, family)
     if os.path.isfile(os.path.join(out, "chat_template.jinja")):
         return out
