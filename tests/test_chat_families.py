@@ -8,6 +8,8 @@ Streamed deltas must add up to the non-streamed answer."""
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 from chat_checkpoints import TAGS, build_chat_checkpoint
@@ -218,3 +220,43 @@ def test_a_tool_result_renders_through_the_familys_template(family):
     )
     prompt = "".join(next(iter(entry.values()))["decoded_token"] for entry in answer.model_extra["prompt_logprobs"][1:])
     assert "sunny, 21 C" in prompt and "Paris" in prompt and "get_weather" in prompt
+
+
+PROMPT = (
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"  # the block opened, as Qwen3's template does
+)
+
+
+def test_generate_json_and_run_records_split_reasoning(checkpoint, tmp_path):
+    """``eprt generate --json`` and ``eprt run`` records: ``reasoning_tokens``, ``reasoning`` (the
+    block's text) and ``text`` (the rest); the reasoning parser chosen from the template."""
+    from tokenizers import Tokenizer
+
+    model = build_chat_checkpoint(checkpoint, str(tmp_path), "qwen3")
+    tok = Tokenizer.from_file(f"{model}/tokenizer.json")
+    cli = [sys.executable, "-m", "eprt.cli"]
+    flags = ["--model", model, "--device", "cpu", "--max-batch", "2"]
+    out = subprocess.run(
+        [*cli, "generate", *flags, "--prompt", PROMPT, "--max-tokens", "9", "--max-thinking-tokens", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    (rec,) = [json.loads(line) for line in out.stdout.splitlines()]
+    ids = rec["token_ids"]
+    assert rec["reasoning_tokens"] == 4 and ids[4] == 259
+    assert rec["reasoning"] == tok.decode(ids[:4]) and rec["text"] == tok.decode([t for t in ids[5:] if t != 257])
+    lines = tmp_path / "in.jsonl"
+    lines.write_text(json.dumps({"id": "a", "prompt": PROMPT, "max_tokens": 9, "thinking_token_budget": 4}) + "\n")
+    subprocess.run(
+        [*cli, "run", *flags, "--input", str(lines), "--output", str(tmp_path / "out.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    (row,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert {k: row[k] for k in ("token_ids", "reasoning_tokens", "reasoning", "text")} == {
+        k: rec[k] for k in ("token_ids", "reasoning_tokens", "reasoning", "text")
+    }

@@ -14,6 +14,8 @@ import numpy as np
 
 from eprt.api import STOPPED, GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import add_engine_arguments, launch_engine
+from eprt.serve import reasoning
+from eprt.serve.chat_output import split
 from eprt.serve.media import read_local_image
 from eprt.serve.params import check_text
 
@@ -117,10 +119,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--adapter", default=None, metavar="NAME", help="generate with the LoRA adapter NAME of --lora-modules"
     )
+    reasoning.add_arguments(parser)
+    parser.add_argument(
+        "--max-thinking-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N tokens inside the thinking block, then its end is forced (needs a reasoning parser)",
+    )
     add_engine_arguments(parser)
 
 
-def _requests(args, tokenizer) -> list:
+def _thinking(args, tokenizer):
+    """The prompts' thinking block (--reasoning-parser) with --max-thinking-tokens; RequestError for
+    a budget without one."""
+    try:
+        parser = reasoning.resolve(args.reasoning_parser, tokenizer) if tokenizer is not None else None
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    if parser is None:
+        if args.max_thinking_tokens is not None:
+            raise RequestError("--max-thinking-tokens needs the model's thinking block: give --reasoning-parser")
+        return None
+    return parser.thinking(args.max_thinking_tokens)
+
+
+def _requests(args, tokenizer, thinking=None) -> list:
     if not args.prompts:
         raise RequestError("give at least one --prompt or --prompt-ids")
     params = SamplingParams(
@@ -141,6 +165,7 @@ def _requests(args, tokenizer) -> list:
         min_tokens=args.min_tokens,
     )
     params.validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
+    params.thinking = thinking
     reqs = []
     for kind, value in args.prompts:
         if kind == "text":
@@ -161,6 +186,15 @@ def _requests(args, tokenizer) -> list:
             raise RequestError(f"--image names prompt {index}, but there are {len(reqs)} prompts")
         reqs[index].images = (reqs[index].images or []) + [read_local_image(path, "--image", "--image")]
     return reqs
+
+
+def _record(res, engine, thinking) -> dict:
+    """``--json``'s object of a result: with a thinking block, its text split into reasoning and text."""
+    record = res.to_json()
+    if thinking is not None and res.finish_reason != "error":
+        eos = engine.tokenizer.eos_token_ids
+        record["reasoning"], record["text"] = split(engine.tokenizer, res.prompt_ids, res.token_ids, thinking, eos)
+    return record
 
 
 class Drain:
@@ -194,7 +228,8 @@ def main(args) -> int:
         drain = Drain(engine)
         drain.install()
         try:
-            reqs = _requests(args, engine.tokenizer)
+            thinking = _thinking(args, engine.tokenizer)
+            reqs = _requests(args, engine.tokenizer, thinking)
             per_prompt = engine.generate_choices(reqs)
         except (RequestError, OSError) as e:
             print(f"eprt generate: {e}", file=sys.stderr)
@@ -211,7 +246,7 @@ def main(args) -> int:
         for res in results:
             failed += res.finish_reason == "error"
             if args.json:
-                print(json.dumps(res.to_json()), flush=True)
+                print(json.dumps(_record(res, engine, thinking)), flush=True)
             elif res.finish_reason == "error":
                 print(f"eprt generate: {res.error}", file=sys.stderr, flush=True)
                 print(flush=True)  # one output line per prompt, an empty one for a failure

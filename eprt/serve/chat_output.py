@@ -214,6 +214,16 @@ class ChatOutput:
         return bool(self._sent_args) or bool(self._parsed().calls)
 
 
+def split(tokenizer, prompt, token_ids, spec: Thinking, hidden_ids=()) -> tuple[str, str]:
+    """(reasoning, content): the texts of a finished answer's tokens inside and outside its
+    thinking blocks (``eprt run`` records, ``eprt generate --json``)."""
+    out = ChatOutput(tokenizer, (), hidden_ids, prompt=prompt, spec=spec)
+    for token in token_ids:
+        out.feed(token)
+    out.finish()
+    return out.reasoning, out.text
+
+
 def finish_reason(reason: str, output) -> str:
     return "tool_calls" if reason == "stop" and output is not None and output.called else reason
 

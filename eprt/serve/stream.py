@@ -212,9 +212,9 @@ class LiveChoices:
     """The choices of one request (n, best_of) seen as one: pumped, finished and cancelled
     together; ``results()`` gives the n returned (best_of: the most likely, ranked)."""
 
-    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None):
+    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None, output=None):
         self.params = request.params
-        self.lives = LiveRequest.choices(engine, request, stop_strings, notify)
+        self.lives = LiveRequest.choices(engine, request, stop_strings, notify, output)
 
     @property
     def token_ids(self) -> list:
