@@ -172,3 +172,29 @@ def test_a_tool_result_fed_back_renders_through_the_template(client, server, tok
     assert tokenizer.decode([first] + prompt_ids, skip_special_tokens=False) == expected
     assert '<tool_response>\n{"temp": 21, "sky": "clear"}\n</tool_response>' in expected
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>' in expected
+
+
+def test_each_choice_calls_on_its_own(client):
+    kw = dict(max_tokens=300, n=2, temperature=1.0, seed=7, extra_body={"max_thinking_tokens": 2})
+    answer = chat(client, tools=TOOLS, tool_choice="required", **kw)
+    assert [c.index for c in answer.choices] == [0, 1]
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_refusals_name_the_field(client):
+    cases = [
+        lambda: client.completions.create(model="tiny", prompt="hi", extra_body={"tools": TOOLS}),
+        lambda: client.completions.create(model="tiny", prompt="hi", extra_body={"max_thinking_tokens": 3}),
+        lambda: chat(client, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+        lambda: chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}),
+        lambda: chat(client, extra_body={"thinking_token_budget": -1}),
+    ]
+    params = []
+    for call in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        params.append(e.value.body["param"])
+    assert params == ["tools", "max_thinking_tokens", "response_format", "tool_choice", "thinking_token_budget"]

@@ -119,14 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--adapter", default=None, metavar="NAME", help="generate with the LoRA adapter NAME of --lora-modules"
     )
-    reasoning.add_arguments(parser)
-    parser.add_argument(
-        "--max-thinking-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="at most N tokens inside the thinking block, then its end is forced (needs a reasoning parser)",
-    )
+    reasoning.add_arguments(parser, budget=True)
     add_engine_arguments(parser)
 
 

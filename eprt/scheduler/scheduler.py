@@ -331,7 +331,7 @@ class Scheduler:
             return
         token = int(token)
         if seq.think is not None:
-            token = self._think(seq, token)
+            token = thinking.keep(seq, token, self.config.eos_token_ids)
             if token is None:
                 return
         seq.token_ids.append(token)
@@ -345,17 +345,6 @@ class Scheduler:
         reason = guards.limit_verdict(seq, self.config.max_model_len)
         if reason is not None:
             self._finish(seq, reason)
-
-    def _think(self, seq: Sequence, token: int) -> int | None:
-        """The token seq keeps inside or around its thinking block (docs/scenarios.md, "Thinking
-        blocks"); None for an EOS discarded inside it, whose step gives its position back so the
-        next step computes it again."""
-        kept = thinking.take(seq.think, token, self.config.eos_token_ids, seq.params.ignore_eos)
-        if kept is None:
-            seq.len -= 1
-        elif seq.think.forced and seq.guard is None:
-            seq.guard = thinking.GUARD_THINKING_BUDGET
-        return kept
 
     # -- end of tick -------------------------------------------------------------------------
     def _end_of_tick(self) -> None:

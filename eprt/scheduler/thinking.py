@@ -66,6 +66,18 @@ def take(state: ThinkState, token: int, eos_ids, ignore_eos: bool = False) -> in
     return token
 
 
+def keep(seq, token: int, eos_ids) -> int | None:
+    """The token the scheduler keeps for seq inside or around its thinking block (``take``); None
+    for an EOS discarded inside it, whose step gives its position back (``len`` down by one) so the
+    next step computes it again. A forced end records the guard ``thinking_budget``."""
+    kept = take(seq.think, token, eos_ids, seq.params.ignore_eos)
+    if kept is None:
+        seq.len -= 1
+    elif seq.think.forced and seq.guard is None:
+        seq.guard = GUARD_THINKING_BUDGET
+    return kept
+
+
 def constrained(seq) -> bool:
     """Whether the model must constrain seq's next token (EOS masked inside a block, the end
     forced): such a row is sampled with a mask and never rides in a verify step."""

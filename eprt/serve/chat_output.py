@@ -14,9 +14,10 @@ import functools
 import uuid
 from dataclasses import dataclass
 
-from eprt.api import Guide, Thinking
+from eprt.api import Thinking
 from eprt.scheduler import thinking
 from eprt.serve import reasoning
+from eprt.serve.guided import compile_guide
 from eprt.serve.params import FieldError
 from eprt.serve.stream import TextStream
 from eprt.serve.tool_calls import ToolRequest, ToolSettings, parse_tools
@@ -50,8 +51,16 @@ class ChatSetup:
     tools: ToolRequest | None = None
     thinking: Thinking | None = None
 
-    def guide(self) -> Guide | None:
-        return None if self.tools is None else self.tools.guide()
+    def apply(self, params, engine, guide_field: str | None):
+        """``params`` with the thinking block and the guide of tool_choice required or named (compiled
+        now: a 400 naming tools if it does not); FieldError when the request constrains its output
+        otherwise too."""
+        guide = None if self.tools is None else self.tools.guide()
+        if guide is not None:
+            if params.guide is not None:
+                raise FieldError(guide_field, f"{guide_field} and tool_choice both constrain the output; give one")
+            compile_guide(engine, guide, "tools")
+        return dataclasses.replace(params, guide=guide or params.guide, thinking=self.thinking)
 
     def output(self, prompt: list):
         """The factory of each choice's ChatOutput (LiveRequest's ``output``), None for plain text."""
@@ -226,14 +235,3 @@ def split(tokenizer, prompt, token_ids, spec: Thinking, hidden_ids=()) -> tuple[
 
 def finish_reason(reason: str, output) -> str:
     return "tool_calls" if reason == "stop" and output is not None and output.called else reason
-
-
-def replace_guide(params, guide: Guide | None, guide_field: str | None):
-    """``params`` with the tools' guide; FieldError when the request constrains its output otherwise too."""
-    if guide is None:
-        return params
-    if params.guide is not None:
-        raise FieldError(
-            guide_field or "tool_choice", f"{guide_field} and tool_choice both constrain the output; give one"
-        )
-    return dataclasses.replace(params, guide=guide)

@@ -308,10 +308,8 @@ def parse_request(
     adapter = pick_model(engine, model, model_name)
     _check_size(body, chat, engine.max_model_len)
     _check_types(body, chat)
-    for name, (unsupported, message) in {
-        **UNSUPPORTED,
-        **(CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED),
-    }.items():
+    refused = {**UNSUPPORTED, **(CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED)}
+    for name, (unsupported, message) in refused.items():
         if unsupported(body.get(name)):
             raise FieldError(name, message)
     known = HONOURED | NO_EFFECT | set(UNSUPPORTED) | ({"messages", "max_completion_tokens"} if chat else {"prompt"})
@@ -326,8 +324,7 @@ def parse_request(
     setup = chat_output.prepare(body, features) if chat else None
     if chat:
         images: list = []
-        prompt_ids = _chat_prompt(body.get("messages"), engine, media, images, setup.template_args)
-        image_rows = None
+        prompt_ids, image_rows = _chat_prompt(body.get("messages"), engine, media, images, setup.template_args), None
         if images:  # expanded to the placeholders of each image (and encoded) before the context is sized
             expanded = GenerationRequest(prompt_ids, images=images)
             engine.images.apply(expanded)
@@ -349,10 +346,7 @@ def parse_request(
     compile_guide(engine, guide, guide_field)
     params = dataclasses.replace(fit_to_context(parse_choices(body, opts.params, stream), room), guide=guide)
     if setup is not None:  # tool_choice required / named: a guide of their own; the thinking block
-        tool_guide = setup.guide()
-        params = chat_output.replace_guide(params, tool_guide, guide_field)
-        compile_guide(engine, tool_guide, "tools")
-        params.thinking = setup.thinking
+        params = setup.apply(params, engine, guide_field)
     echo = not chat and _flag(body, "echo")
     shown = params.prompt_logprobs  # vLLM's prompt_logprobs field, reported as such
     if echo and params.logprobs is not None:  # the prompt's logprobs lead the completion's

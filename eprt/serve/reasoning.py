@@ -57,7 +57,16 @@ class ReasoningParser:
         return Thinking(self.start, self.end, budget, self.also_ends)
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser, budget: bool = False) -> None:
+    """--reasoning-parser, and with ``budget`` --max-thinking-tokens (eprt generate's prompts)."""
+    if budget:
+        parser.add_argument(
+            "--max-thinking-tokens",
+            type=int,
+            default=None,
+            metavar="N",
+            help="at most N tokens inside the thinking block, then its end is forced (needs a reasoning parser)",
+        )
     parser.add_argument(
         "--reasoning-parser",
         default="auto",

@@ -10,14 +10,13 @@ import logging
 import sys
 
 from eprt import env
-from eprt.serve import reasoning
+from eprt.serve import reasoning, tool_calls
 from eprt.serve.adapters import check_adapters_dir
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES
 from eprt.serve.http import KEEP_ALIVE_S, HttpServer, HttpSettings, ServerState, check_api_key
 from eprt.serve.loop import EngineLoop, RankLost
 from eprt.serve.media import MediaPolicy
 from eprt.serve.tool_calls import ToolSettings
-from eprt.serve.tool_formats import TOOL_PARSERS
 
 log = logging.getLogger("eprt.serve")
 
@@ -98,18 +97,7 @@ def add_arguments(parser) -> None:
         "inside it; default: no adapter loading at run time)",
     )
     reasoning.add_arguments(parser)
-    parser.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='tool_choice "auto" (the default with tools): the model calls tools as it likes, its calls parsed '
-        "by --tool-call-parser",
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        metavar="NAME",
-        default=None,
-        help=f"the model's tool-call format: {', '.join(TOOL_PARSERS)} (vLLM's names)",
-    )
+    tool_calls.add_arguments(parser)
     add_engine_arguments(parser)
 
 

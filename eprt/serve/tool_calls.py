@@ -23,6 +23,21 @@ MAX_TOOLS = 128
 ANY_OBJECT = {"type": "object"}
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default with tools): the model calls tools as it likes, its calls parsed '
+        "by --tool-call-parser",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        default=None,
+        help=f"the model's tool-call format: {', '.join(TOOL_PARSERS)} (vLLM's names)",
+    )
+
+
 @dataclass(frozen=True)
 class ToolSettings:
     """The server's flags: ``--enable-auto-tool-choice`` and ``--tool-call-parser``."""
