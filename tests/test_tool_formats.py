@@ -7,6 +7,8 @@ import json
 
 import pytest
 from chat_checkpoints import TEMPLATES
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eprt.serve import reasoning
 from eprt.serve.chat_output import ChatFeatures, ChatOutput, prepare
@@ -202,3 +204,17 @@ def test_chat_output_splits_on_the_scheduler_rules():
         kimi.feed(t)
     kimi.finish()
     assert kimi.message()["reasoning"] == "H" and kimi.text == "<|tool_calls_section_begin|>"  # (no call in it)
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+@settings(max_examples=150, deadline=None)
+@given(cut=st.integers(0, 400), noise=st.text(alphabet='{}[]":,\\ \nabtrue0<>/=', max_size=30), at=st.integers(0, 400))
+def test_any_output_parses_without_raising(name, cut, noise, at):
+    """A model may write anything: a malformed call is content or a call cut short, never an exception."""
+    text = OUTPUTS[name].replace("ARGS", json.dumps(ARGS))
+    text = text[:at] + noise + text[at:cut]
+    for final in (False, True):
+        out = TOOL_PARSERS[name](TYPES).parse(text, final)
+        assert isinstance(out.content, str) and all(isinstance(c.arguments, str) for c in out.calls)
+    for fmt in (RequiredFormat(), NamedFormat("f")):
+        fmt.parse(noise + text, True)

@@ -76,6 +76,14 @@ def value_end(text: str, i: int, final: bool) -> int | None:
     return j if j < len(text) or final else None
 
 
+def loads(text: str):
+    """``text``'s JSON value, None when it is not JSON (a model's output may be anything)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
 def object_fields(text: str, i: int, final: bool) -> tuple[dict, int | None]:
     """The top-level fields of the JSON object at ``text[i]`` as {key: (value start, value end or
     None while incomplete)}, and the object's end (None while incomplete)."""
@@ -97,7 +105,10 @@ def object_fields(text: str, i: int, final: bool) -> tuple[dict, int | None]:
             break
         start = skip_ws(text, colon + 1)
         end = value_end(text, start, final)
-        fields[json.loads(text[j:key_end])] = (start, end)
+        key = loads(text[j:key_end])
+        if not isinstance(key, str):
+            break
+        fields[key] = (start, end)
         if end is None:
             break
         j = skip_ws(text, end)
@@ -110,7 +121,7 @@ def json_call(text: str, i: int, final: bool, name_key: str = "name", args_keys=
     fields, end = object_fields(text, i, final)
     name = None
     if name_key in fields and fields[name_key][1] is not None:
-        name = json.loads(text[slice(*fields[name_key])])
+        name = loads(text[slice(*fields[name_key])])
         if not isinstance(name, str):
             return None, None
     key = next((k for k in args_keys if k in fields), None)
@@ -120,7 +131,8 @@ def json_call(text: str, i: int, final: bool, name_key: str = "name", args_keys=
         if text[start : start + 1] == "{":
             args = text[start:stop] if stop is not None else text[start:].rstrip(WS)
         elif stop is not None:  # arguments sent as a JSON string holding the object
-            args = json.loads(text[start:stop]) if text[start] == '"' else text[start:stop]
+            args = loads(text[start:stop]) if text[start] == '"' else text[start:stop]
+            args = args if isinstance(args, str) else text[start:stop]
     if end is not None and name is None:
         return None, None
     return Call(name, args or ("{}" if end is not None else ""), end is not None), end
