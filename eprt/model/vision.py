@@ -82,8 +82,9 @@ class ImageProcessorConfig:
 
 
 def decode_image(data: bytes, limits: ImageLimits, where: str = "image") -> np.ndarray:
-    """PNG / JPEG / WebP bytes -> RGB uint8 [H, W, 3]; RequestError naming the problem otherwise."""
-    from PIL import Image, UnidentifiedImageError
+    """PNG / JPEG / WebP bytes -> RGB uint8 [H, W, 3] of the picture as viewers show it (its EXIF
+    orientation applied, transparency on white: ``to_rgb``); RequestError naming the problem otherwise."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not data:
         raise RequestError(f"{where}: empty image data")
@@ -110,9 +111,25 @@ def decode_image(data: bytes, limits: ImageLimits, where: str = "image") -> np.n
         raise RequestError(f"{where}: image is {w}x{h}; its aspect ratio must be at most 200")
     try:
         img.load()
-        return np.asarray(img.convert("RGB"), dtype=np.uint8)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise RequestError(f"{where}: cannot decode the {img.format} image ({e})") from None
+    try:
+        img = ImageOps.exif_transpose(img)
+    except Exception as e:  # noqa: BLE001 - any malformed EXIF block fails this image alone
+        raise RequestError(f"{where}: cannot apply the {img.format} image's EXIF orientation ({e})") from None
+    return np.asarray(to_rgb(img), dtype=np.uint8)
+
+
+def to_rgb(img):
+    """A decoded PIL image as RGB the way transformers' image processors convert it: transparency
+    (an alpha band or a transparent palette / grey colour) composited onto white, as viewers and
+    vLLM show it, instead of dropped."""
+    from PIL import Image
+
+    if "A" not in img.getbands() and img.info.get("transparency") is None:
+        return img.convert("RGB")
+    rgba = img.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
