@@ -161,7 +161,7 @@ def build_checkpoint(arch: str, path: str, dtype: str = "float32", seed: int = 0
 
 
 VL_IMAGE, VL_VIDEO, VL_START, VL_END = 250, 251, 248, 249  # qwen3_vl_moe's special token ids in the tiny vocabulary
-VL_PREPROCESSOR = dict(  # Qwen2VLImageProcessor fields; at most 64 x 64 pixels: 16 placeholders an image
+VL_PREPROCESSOR = dict(  # Qwen2VLImageProcessor fields; build_vl_checkpoint sets patch_size and size
     image_processor_type="Qwen2VLImageProcessor",
     patch_size=8,
     temporal_patch_size=2,
@@ -314,11 +314,6 @@ def vl_reference(path: str, prompt: list, images=(), steps: int = 10) -> tuple:
             **kw,
         )
     return prompt, out.sequences[0, len(prompt) :].tolist(), out.logits[0][0].float().numpy()
-
-
-def vl_reference_greedy(path: str, prompt: list, images=(), steps: int = 10) -> list:
-    """transformers' greedy tokens (vl_reference) of a prompt with one placeholder per image."""
-    return vl_reference(path, prompt, images, steps)[1]
 
 
 def png_bytes(

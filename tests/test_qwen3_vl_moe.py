@@ -210,6 +210,14 @@ def test_decoding_matches_transformers_load_and_processor(vl, name):
     np.testing.assert_allclose(mine, ref["pixel_values"].numpy(), atol=1e-5)
 
 
+def test_an_unreadable_exif_block_is_ignored():
+    """A picture whose EXIF block is not even a TIFF header decodes to its pixels as stored."""
+    plain = Image.open(io.BytesIO(png(48, 30, 20)))
+    buf = io.BytesIO()
+    plain.save(buf, format="PNG", exif=b"Exif\0\0\0\0\0")
+    np.testing.assert_array_equal(decode_image(buf.getvalue(), ImageLimits()), np.asarray(plain))
+
+
 def test_rope_positions_match_get_rope_index(vl):
     model = load_vl_reference(vl).model
     prompt, imgs = CASES["two images"]

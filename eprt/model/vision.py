@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import struct
@@ -27,6 +28,7 @@ from eprt.model.mrope import image_positions, pack_vision_rows
 PREPROCESSOR_FILE = "preprocessor_config.json"
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+log = logging.getLogger("eprt.model")
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,8 @@ class ImageProcessorConfig:
 
 def decode_image(data: bytes, limits: ImageLimits, where: str = "image") -> np.ndarray:
     """PNG / JPEG / WebP bytes -> RGB uint8 [H, W, 3] of the picture as viewers show it (its EXIF
-    orientation applied, transparency on white: ``to_rgb``); RequestError naming the problem otherwise."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    orientation applied: ``upright``; transparency on white: ``to_rgb``); RequestError naming the problem otherwise."""
+    from PIL import Image, UnidentifiedImageError
 
     if not data:
         raise RequestError(f"{where}: empty image data")
@@ -113,11 +115,19 @@ def decode_image(data: bytes, limits: ImageLimits, where: str = "image") -> np.n
         img.load()
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise RequestError(f"{where}: cannot decode the {img.format} image ({e})") from None
+    return np.asarray(to_rgb(upright(img)), dtype=np.uint8)
+
+
+def upright(img):
+    """The image turned as its EXIF Orientation tag says (ImageOps.exif_transpose); an unreadable
+    EXIF block is ignored, as image viewers do: the pixels as stored."""
+    from PIL import ImageOps
+
     try:
-        img = ImageOps.exif_transpose(img)
-    except Exception as e:  # noqa: BLE001 - any malformed EXIF block fails this image alone
-        raise RequestError(f"{where}: cannot apply the {img.format} image's EXIF orientation ({e})") from None
-    return np.asarray(to_rgb(img), dtype=np.uint8)
+        return ImageOps.exif_transpose(img)
+    except Exception as e:  # noqa: BLE001 - whatever a malformed EXIF block raises, the pixels are fine
+        log.debug("unreadable EXIF block ignored: %s", e)
+        return img
 
 
 def to_rgb(img):
