@@ -200,18 +200,23 @@ def vl_checkpoint(root: str, name: str = "qwen3_vl_moe") -> str:
     return build_vl_checkpoint(os.path.join(root, name), **VL_VARIANTS[name])
 
 
-def build_vl_checkpoint(
-    path: str, seed: int = 0, text=None, vision=None, mrope_section=(2, 3, 3), scale: float = 1.0
-) -> str:
-    """A random qwen3_vl_moe checkpoint with its preprocessor_config.json (skipped if there): by
-    default a vision tower of depth 3 with deepstack at vision layers 0 and 1 and interleaved MRoPE
-    sections (2, 3, 3) of head_dim 16; ``text`` / ``vision``: config fields over those, ``scale``:
-    every weight multiplied by it. At most 64 x 64 pixels an image (patch 8: 16 placeholders)."""
-    import json
+_VL_VISION = dict(  # the vision tower of build_vl_checkpoint unless told otherwise
+    depth=3,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=2,
+    patch_size=8,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=64,
+    deepstack_visual_indexes=[0, 1],
+    initializer_range=0.1,
+)
 
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    import torch
+
+def _vl_config(text: dict | None, vision: dict | None, mrope_section):
+    """transformers' Qwen3VLMoeConfig of build_vl_checkpoint: qwen3_moe's tiny text model with
+    interleaved MRoPE, _VL_VISION, each with the given fields over them."""
     import transformers
 
     text_cfg = {k: v for k, v in {**_COMMON, **_ARCH["qwen3_moe"]}.items() if k not in ("rope_theta", "norm_topk_prob")}
@@ -219,21 +224,8 @@ def build_vl_checkpoint(
         rope_type="default", rope_theta=10000.0, mrope_section=list(mrope_section), mrope_interleaved=True
     )
     text_cfg.update(text or {})
-    vision_cfg = dict(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=48,
-        num_heads=2,
-        patch_size=8,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=text_cfg["hidden_size"],
-        num_position_embeddings=64,
-        deepstack_visual_indexes=[0, 1],
-        initializer_range=0.1,
-    )
-    vision_cfg.update(vision or {})
-    cfg = transformers.Qwen3VLMoeConfig(
+    vision_cfg = {**_VL_VISION, "out_hidden_size": text_cfg["hidden_size"], **(vision or {})}
+    return transformers.Qwen3VLMoeConfig(
         text_config=text_cfg,
         vision_config=vision_cfg,
         image_token_id=VL_IMAGE,
@@ -242,6 +234,23 @@ def build_vl_checkpoint(
         vision_end_token_id=VL_END,
         tie_word_embeddings=False,
     )
+
+
+def build_vl_checkpoint(
+    path: str, seed: int = 0, text=None, vision=None, mrope_section=(2, 3, 3), scale: float = 1.0
+) -> str:
+    """A random qwen3_vl_moe checkpoint with its preprocessor_config.json (skipped if there): by
+    default a vision tower of depth 3 with deepstack at vision layers 0 and 1 and interleaved MRoPE
+    sections (2, 3, 3) of head_dim 16; ``text`` / ``vision``: config fields over those, ``scale``:
+    every weight multiplied by it. At most 4 x 4 merged placeholders an image (64 x 64 pixels at patch 8)."""
+    import json
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import torch
+    import transformers
+
+    cfg = _vl_config(text, vision, mrope_section)
     torch.manual_seed(seed)
     model = transformers.Qwen3VLMoeForConditionalGeneration(cfg).eval()
     if scale != 1.0:
@@ -250,12 +259,9 @@ def build_vl_checkpoint(
                 p.mul_(scale)
     model.generation_config.pad_token_id = _COMMON["pad_token_id"]
     model.save_pretrained(path)
-    factor = vision_cfg["patch_size"] * vision_cfg["spatial_merge_size"]  # 4 x 4 merged placeholders at most
-    pre = dict(
-        VL_PREPROCESSOR,
-        patch_size=vision_cfg["patch_size"],
-        size={"shortest_edge": factor**2, "longest_edge": (4 * factor) ** 2},
-    )
+    patch = cfg.vision_config.patch_size
+    factor = patch * cfg.vision_config.spatial_merge_size  # pixels a merged placeholder side
+    pre = dict(VL_PREPROCESSOR, patch_size=patch, size={"shortest_edge": factor**2, "longest_edge": (4 * factor) ** 2})
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(pre, f, indent=1)
     return path
