@@ -38,16 +38,18 @@ class ByteTokenizer:
     def __init__(self, chat_template: bool = True):
         self.chat_template = chat_template
 
-    def encode(self, text: str) -> list:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list:
+        return list(text.encode("utf-8"))  # no special tokens to add
 
     def decode(self, ids: list) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list) -> str:
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat_template")
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
 
 
 @dataclass(eq=False)
@@ -153,6 +155,10 @@ class FakeEngine:
         with self._lock:
             for seq in list(self._waiting) + list(self._running):
                 self._finish(seq, "error", message)
+
+    @property
+    def generation_tokens(self) -> int:
+        return self._counts["generation_tokens"]
 
     def stats(self) -> dict:
         with self._lock:

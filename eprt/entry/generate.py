@@ -12,10 +12,11 @@ import sys
 
 import numpy as np
 
-from eprt.api import STOPPED, GenerationRequest, RequestError, SamplingParams
+from eprt.api import EXIT_BAD_INPUT, STOPPED, GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import add_engine_arguments, launch_engine
 from eprt.serve.media import read_local_image
 from eprt.serve.params import check_text
+from eprt.serve.progress import Progress
 
 
 def _ids(text: str) -> tuple:
@@ -120,10 +121,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def _requests(args, tokenizer) -> list:
+def check_args(args) -> None:
+    """The flags alone, before any rank loads the model; ValueError naming the flag."""
     if not args.prompts:
-        raise RequestError("give at least one --prompt or --prompt-ids")
-    params = SamplingParams(
+        raise ValueError("give at least one --prompt or --prompt-ids")
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None and not args.json:
+            raise ValueError(
+                f"{flag} is printed in the --json records only (plain text has no place for it): add --json"
+            )
+    _params(args).validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
+
+
+def _params(args) -> SamplingParams:
+    return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -140,7 +151,10 @@ def _requests(args, tokenizer) -> list:
         min_p=args.min_p,
         min_tokens=args.min_tokens,
     )
-    params.validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
+
+
+def _requests(args, tokenizer) -> list:
+    params = _params(args)
     reqs = []
     for kind, value in args.prompts:
         if kind == "text":
@@ -190,15 +204,21 @@ class Drain:
 
 
 def main(args) -> int:
+    check_args(args)  # every rank: bad flags leave before loading
     with launch_engine(args) as engine:  # worker ranks never get past this line
         drain = Drain(engine)
         drain.install()
         try:
             reqs = _requests(args, engine.tokenizer)
-            per_prompt = engine.generate_choices(reqs)
+            budget = sum(r.params.max_tokens * r.params.choices for r in reqs)
+            progress = Progress(
+                len(reqs), sys.stderr, "eprt generate", lambda: engine.generation_tokens, delay=1.0, budget=budget
+            )
+            per_prompt = engine.generate_choices(reqs, on_step=progress.set_done, strict=True)
+            progress.close()
         except (RequestError, OSError) as e:
             print(f"eprt generate: {e}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         results = [r for choices in per_prompt for r in choices]  # choice by choice, prompt by prompt
         not_run = sum(r.finish_reason == "error" and (r.error or "").startswith(STOPPED) for r in results)
         if not_run:
