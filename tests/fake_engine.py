@@ -20,6 +20,7 @@ predictable so that tests can assert exact outputs:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -57,6 +58,7 @@ class _Seq:
     request: GenerationRequest
     submitted: float
     on_finish: object = None  # called with the result once the request ends
+    index: int = 0  # which choice of its request
     generated: list = field(default_factory=list)
     cached: int = 0
     result: GenerationResult | None = None
@@ -115,6 +117,18 @@ class FakeEngine:
     # ---- the contract ---------------------------------------------------------------------
 
     def submit(self, req: GenerationRequest, on_finish=None) -> FakeHandle:
+        return self._enqueue(req, on_finish)
+
+    def submit_choices(self, req: GenerationRequest, on_finish=None, on_tokens: list | None = None) -> list:
+        """Each choice (n, best_of) as a sequence of its own (the fake shares no prefill and has
+        no logprobs, so best_of keeps the first n); choice k streams to ``on_tokens[k]``."""
+        handles = []
+        for k in range(req.params.choices):
+            one = dataclasses.replace(req, on_token=req.on_token if on_tokens is None else on_tokens[k])
+            handles.append(self._enqueue(one, on_finish, index=k))
+        return handles
+
+    def _enqueue(self, req: GenerationRequest, on_finish=None, index: int = 0) -> FakeHandle:
         req.params.validate(self.vocab_size)
         if not req.prompt_ids:
             raise RequestError("the prompt is empty")
@@ -124,10 +138,11 @@ class FakeEngine:
             raise RequestError(
                 f"the prompt has {len(req.prompt_ids)} tokens but the context holds {self.max_model_len}"
             )
-        seq = _Seq(req, time.monotonic(), on_finish)
+        seq = _Seq(req, time.monotonic(), on_finish, index=index)
         with self._lock:
             self._waiting.append(seq)
-            self.submitted.append(req)
+            if index == 0:  # a request of several choices is listed once
+                self.submitted.append(req)
         self._wake.set()
         return FakeHandle(self, seq)
 
@@ -220,7 +235,14 @@ class FakeEngine:
         self._counts["requests_finished"] += 1
         text = self.tokenizer.decode(seq.generated) if self.tokenizer else ""
         seq.result = GenerationResult(
-            seq.request.request_id, list(seq.request.prompt_ids), list(seq.generated), reason, seq.cached, text, error
+            seq.request.request_id,
+            list(seq.request.prompt_ids),
+            list(seq.generated),
+            reason,
+            seq.cached,
+            text,
+            error,
+            index=seq.index,
         )
         seq.done.set()
         if seq.on_finish is not None:
