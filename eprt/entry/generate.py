@@ -18,6 +18,8 @@ from eprt.serve.media import read_local_image
 from eprt.serve.params import check_text
 from eprt.serve.progress import Progress
 
+PROGRESS_DELAY_S = 1.0  # a generation done sooner shows no progress
+
 
 def _ids(text: str) -> tuple:
     try:
@@ -177,6 +179,13 @@ def _requests(args, tokenizer) -> list:
     return reqs
 
 
+def _progress(engine, reqs: list) -> Progress:
+    """The live progress of ``reqs`` on stderr (the results go to stdout)."""
+    budget = sum(r.params.max_tokens * r.params.choices for r in reqs)
+    tokens = lambda: engine.generation_tokens  # noqa: E731
+    return Progress(len(reqs), sys.stderr, "eprt generate", tokens, PROGRESS_DELAY_S, budget=budget)
+
+
 class Drain:
     """Rank 0's SIGTERM/SIGINT handler: the first asks the engine to stop admitting (running
     prompts finish), a second abandons the run (KeyboardInterrupt)."""
@@ -210,10 +219,7 @@ def main(args) -> int:
         drain.install()
         try:
             reqs = _requests(args, engine.tokenizer)
-            budget = sum(r.params.max_tokens * r.params.choices for r in reqs)
-            progress = Progress(
-                len(reqs), sys.stderr, "eprt generate", lambda: engine.generation_tokens, delay=1.0, budget=budget
-            )
+            progress = _progress(engine, reqs)
             per_prompt = engine.generate_choices(reqs, on_step=progress.set_done, strict=True)
             progress.close()
         except (RequestError, OSError) as e:

@@ -122,10 +122,17 @@ def add_arguments(parser) -> None:
 WEB_STACK = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "jinja2")  # install_requires (setup.cfg)
 
 
+def _spec(name: str):
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a broken install, or a module blocked in sys.modules
+        return None
+
+
 def check_web_stack() -> None:
     """ValueError with the one-line install hint when a package of the HTTP server is missing
     (they install with eprt; a trimmed environment may lack them)."""
-    missing = [name for name in WEB_STACK if importlib.util.find_spec(name) is None]
+    missing = [name for name in WEB_STACK if _spec(name) is None]
     if missing:
         raise ValueError(f"the HTTP server needs {', '.join(missing)}: pip install 'eprt[serve]'")
 
