@@ -236,23 +236,8 @@ class Engine:
             best_choices(res, req.params.n) if req.params.best_of is not None else res for req, res in zip(reqs, out)
         ]
 
-    def _submit_all(self, reqs: list, strict: bool) -> tuple:
-        """(handles [(i, [Handle])], results with the refused requests' error results in place)."""
-        handles, results = [], [None] * len(reqs)
-        for i, req in enumerate(reqs):
-            try:
-                handles.append((i, self.submit_choices(req)))
-            except RequestError as e:
-                if strict:
-                    for _, hs in handles:
-                        for h in hs:
-                            h.cancel()
-                    raise RequestError(f"prompt {i}: {e}" if len(reqs) > 1 else str(e)) from None
-                results[i] = [GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))]
-        return handles, results
-
     def _run_choices(self, reqs: list, on_step=None, strict: bool = False) -> list:
-        handles, results = self._submit_all(reqs, strict)
+        handles, results = _submit_all(self, reqs, strict)
         dropped: set = set()
         while not all(h.done() for _, hs in handles for h in hs):
             if self._stop_requested:
@@ -379,6 +364,23 @@ class Engine:
         self._refresh_expert_load(time.monotonic())
         log.info("shutdown: %s", self.stats_line())
         _close(self.transport, self.config)
+
+
+def _submit_all(engine: Engine, reqs: list, strict: bool) -> tuple:
+    """(handles [(i, [Handle])], results with each refused request's error result in its place);
+    ``strict``: the first refused request cancels those submitted and raises its RequestError."""
+    handles, results = [], [None] * len(reqs)
+    for i, req in enumerate(reqs):
+        try:
+            handles.append((i, engine.submit_choices(req)))
+        except RequestError as e:
+            if strict:
+                for _, hs in handles:
+                    for h in hs:
+                        h.cancel()
+                raise RequestError(f"prompt {i}: {e}" if len(reqs) > 1 else str(e)) from None
+            results[i] = [GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))]
+    return handles, results
 
 
 def _precheck(transport, check) -> None:

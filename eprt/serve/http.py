@@ -430,17 +430,7 @@ def build_app(state: ServerState):
     async def unload_lora_adapter(request: Request):
         return await _body_call(state, request, adapters.unload_adapter, text=True)
 
-    @app.post("/tokenize", openapi_extra=schema.operation(schema.TokenizeResponse, schema.TokenizeRequest))
-    async def tokenize_route(request: Request):
-        return await _body_call(state, request, tokenize.tokenize_body, state.model_name)
-
-    @app.post("/detokenize", openapi_extra=schema.operation(schema.DetokenizeResponse, schema.DetokenizeRequest))
-    async def detokenize_route(request: Request):
-        return await _body_call(state, request, tokenize.detokenize_body, state.model_name)
-
-    @app.get("/version", openapi_extra=schema.operation(schema.Version))
-    async def version():
-        return JSONResponse(tokenize.version_body())
+    _add_utility_routes(app, state)
 
     @app.post(
         "/v1/completions", openapi_extra=schema.operation(schema.CompletionResponse, schema.CompletionRequest, True)
@@ -456,6 +446,22 @@ def build_app(state: ServerState):
         return await _answer(state, request, chat=True)
 
     return Guard(app, state)
+
+
+def _add_utility_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's /tokenize, /detokenize and /version (eprt.serve.tokenize)."""
+
+    @app.post("/tokenize", openapi_extra=schema.operation(schema.TokenizeResponse, schema.TokenizeRequest))
+    async def tokenize_route(request: Request):
+        return await _body_call(state, request, tokenize.tokenize_body, state.model_name)
+
+    @app.post("/detokenize", openapi_extra=schema.operation(schema.DetokenizeResponse, schema.DetokenizeRequest))
+    async def detokenize_route(request: Request):
+        return await _body_call(state, request, tokenize.detokenize_body, state.model_name)
+
+    @app.get("/version", openapi_extra=schema.operation(schema.Version))
+    async def version():
+        return JSONResponse(tokenize.version_body())
 
 
 def _openapi(app: FastAPI, state: ServerState) -> dict:

@@ -95,6 +95,12 @@ def add_arguments(parser) -> None:
         f"S seconds (default {HEALTH_STALL_S:g}, at most EPRT_COLLECTIVE_TIMEOUT): a rank may "
         "be stopped or dead; the watchdog ends the job at EPRT_COLLECTIVE_TIMEOUT",
     )
+    _add_request_arguments(parser)
+    add_engine_arguments(parser)
+
+
+def _add_request_arguments(parser) -> None:
+    """The flags about what requests may ask for."""
     parser.add_argument(
         "--default-max-tokens",
         type=int,
@@ -116,7 +122,6 @@ def add_arguments(parser) -> None:
         help="/v1/load_lora_adapter may load adapters under DIR (regular files, symlinks resolved "
         "inside it; default: no adapter loading at run time)",
     )
-    add_engine_arguments(parser)
 
 
 WEB_STACK = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "jinja2")  # install_requires (setup.cfg)
