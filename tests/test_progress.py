@@ -63,6 +63,30 @@ def test_the_bar_shows_live_tokens_and_their_rate_redrawn_in_place(monkeypatch):
     assert stream.getvalue().endswith("\n")
 
 
+def test_a_log_line_clears_the_bar_which_comes_back_below_it(monkeypatch):
+    from eprt.comm.logging import setup_logging
+
+    now = [0.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    stream = Tty()
+    log = setup_logging(0, level="INFO", stream=stream)
+    try:
+        p = Progress(4, stream, "eprt run", tokens=lambda: 0, mode="bar")
+        p.tick()
+        log.info("running 4, waiting 0")
+        now[0] = 0.1  # within the interval: redrawn anyway, below the record
+        p.tick()
+        p.close()
+        log.info("after")
+    finally:
+        setup_logging(0)
+    bar = "eprt run 0/4 [....................]   0% | 0 tokens | 0 tokens/s | 0:00<?"
+    assert stream.getvalue() == (
+        f"\r\x1b[K{bar}\r\x1b[K[rank 0] INFO eprt: running 4, waiting 0\n"
+        f"\r\x1b[K{bar}\r\x1b[K{bar}\n[rank 0] INFO eprt: after\n"
+    )
+
+
 def test_plain_lines_every_interval_and_a_final_one(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])

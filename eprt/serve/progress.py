@@ -7,11 +7,13 @@ time left.
 when stderr is a terminal and writes a plain line every five seconds otherwise (a log file, a pipe,
 and the ranks of ``mpiexec``, whose output reaches the terminal through a pipe); ``bar`` and
 ``lines`` force either, ``off`` shows nothing. Nothing goes to stdout: ``--json`` and output files
-never see it.
+never see it. While the bar is drawn, a log line written to the same stream first clears it; the
+bar is redrawn below at the next tick.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from collections.abc import Callable
@@ -76,6 +78,19 @@ class Progress:
         self.done = 0
         self.failed = 0
         self.finished_tokens = 0  # generated tokens of the finished requests
+        self._on_line = False  # the bar is the cursor's line (a log record must clear it first)
+        # the eprt log's handlers writing to this stream clear the bar before each record
+        handlers = logging.getLogger("eprt").handlers if self.mode == "bar" else []
+        self._handlers = [h for h in handlers if getattr(h, "stream", None) is stream]
+        for h in self._handlers:
+            h.addFilter(self._before_log)
+
+    def _before_log(self, record: logging.LogRecord) -> bool:
+        if self._on_line:
+            self._stream.write("\r\x1b[K")
+            self._on_line = False
+            self._last = -float("inf")  # redrawn below the record at the next tick
+        return True
 
     @property
     def tokens(self) -> int:
@@ -106,6 +121,7 @@ class Progress:
         if self.mode == "bar":
             width = shutil.get_terminal_size((100, 24)).columns - 1  # one line that never wraps
             self._stream.write("\r\x1b[K" + self.bar_line(now)[:width])
+            self._on_line = True
         else:
             self._stream.write(self.line(now) + "\n")
         self._stream.flush()
@@ -140,9 +156,12 @@ class Progress:
 
     def close(self, final: bool = False) -> None:
         """Show the final state (when something was shown, or ``final``), ending the terminal line."""
+        for h in self._handlers:
+            h.removeFilter(self._before_log)
         if self.mode == "off" or not (self.shown or final):
             return
         self._show(time.monotonic())
         if self.mode == "bar":
             self._stream.write("\n")
+            self._on_line = False
             self._stream.flush()
