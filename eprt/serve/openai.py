@@ -217,9 +217,9 @@ def _completion_prompts(prompt, engine) -> list:
     prompt), or a list of strings and/or token-id lists (a batch, as OpenAI and vLLM take)."""
     if isinstance(prompt, str):
         return [encode_prompt(engine.tokenizer, prompt, "prompt")]
-    if not isinstance(prompt, list) or not any(isinstance(p, (str, list)) for p in prompt):
-        if not isinstance(prompt, list):
-            raise FieldError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not isinstance(prompt, list):
+        raise FieldError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not any(isinstance(p, (str, list)) for p in prompt):
         return [parse_token_ids(prompt, "prompt", engine.vocab_size)]
     if len(prompt) > MAX_PROMPTS:
         raise FieldError("prompt", f"prompt is a list of {len(prompt)} prompts; at most {MAX_PROMPTS} are accepted")
