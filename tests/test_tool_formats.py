@@ -206,6 +206,23 @@ def test_chat_output_splits_on_the_scheduler_rules():
     assert kimi.message()["reasoning"] == "H" and kimi.text == "<|tool_calls_section_begin|>"  # (no call in it)
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_ends_the_reasoning_or_the_content_with_include_stop_str_in_output(include):
+    """vLLM's include_stop_str_in_output holds in both channels: the stop string that matched ends
+    the text it stopped (the reasoning's, or the content's), or is cut with what follows."""
+    spec = reasoning.ReasoningParser("qwen3", 1, 2).thinking()
+    in_reasoning = ChatOutput(_Tok(), ["IJ"], (), include, prompt=[1], spec=spec)  # (IJ: tokens 9, 10)
+    for t in (8, 9, 10, 11, 2, 12):
+        in_reasoning.feed(t)
+    in_reasoning.finish()
+    assert in_reasoning.stopped and in_reasoning.message()["reasoning"] == ("HIJ" if include else "H")
+    in_content = ChatOutput(_Tok(), ["IJ"], (), include, prompt=[1], spec=spec)
+    for t in (8, 2, 9, 10, 11):
+        in_content.feed(t)
+    in_content.finish()
+    assert in_content.message()["reasoning"] == "H" and in_content.text == ("IJ" if include else "")
+
+
 @pytest.mark.parametrize("name", sorted(OUTPUTS))
 @settings(max_examples=150, deadline=None)
 @given(cut=st.integers(0, 400), noise=st.text(alphabet='{}[]":,\\ \nabtrue0<>/=', max_size=30), at=st.integers(0, 400))

@@ -12,12 +12,15 @@ import sys
 
 import numpy as np
 
-from eprt.api import STOPPED, GenerationRequest, RequestError, SamplingParams
+from eprt.api import EXIT_BAD_INPUT, STOPPED, GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import add_engine_arguments, launch_engine
 from eprt.serve import reasoning
 from eprt.serve.chat_output import split
 from eprt.serve.media import read_local_image
 from eprt.serve.params import check_text
+from eprt.serve.progress import Progress
+
+PROGRESS_DELAY_S = 1.0  # a generation done sooner shows no progress
 
 
 def _ids(text: str) -> tuple:
@@ -54,24 +57,7 @@ def _load_embeds(path: str) -> np.ndarray:
     return rows.astype(np.float32)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--prompt",
-        dest="prompts",
-        action="append",
-        type=lambda s: ("text", s),
-        default=[],
-        metavar="TEXT",
-        help="a text prompt (repeatable; needs the model's tokenizer)",
-    )
-    parser.add_argument(
-        "--prompt-ids",
-        dest="prompts",
-        action="append",
-        type=_ids,
-        metavar="1,2,3",
-        help="a prompt as token ids (repeatable, keeps its place among --prompt)",
-    )
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -93,6 +79,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--min-tokens", type=int, default=0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prompt",
+        dest="prompts",
+        action="append",
+        type=lambda s: ("text", s),
+        default=[],
+        metavar="TEXT",
+        help="a text prompt (repeatable; needs the model's tokenizer)",
+    )
+    parser.add_argument(
+        "--prompt-ids",
+        dest="prompts",
+        action="append",
+        type=_ids,
+        metavar="1,2,3",
+        help="a prompt as token ids (repeatable, keeps its place among --prompt)",
+    )
+    _add_sampling_arguments(parser)
     parser.add_argument(
         "--image-embeds",
         action="append",
@@ -137,10 +144,23 @@ def _thinking(args, tokenizer):
     return parser.thinking(args.max_thinking_tokens)
 
 
-def _requests(args, tokenizer, thinking=None) -> list:
+def check_args(args) -> None:
+    """The flags alone, before any rank loads the model; ValueError naming the flag."""
     if not args.prompts:
-        raise RequestError("give at least one --prompt or --prompt-ids")
-    params = SamplingParams(
+        raise ValueError("give at least one --prompt or --prompt-ids")
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None and not args.json:
+            raise ValueError(
+                f"{flag} is printed in the --json records only (plain text has no place for it): add --json"
+            )
+    _params(args).validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
+    reasoning.check_name(args.reasoning_parser)
+    if args.max_thinking_tokens is not None and args.max_thinking_tokens < 0:
+        raise ValueError(f"--max-thinking-tokens must be >= 0, got {args.max_thinking_tokens}")
+
+
+def _params(args) -> SamplingParams:
+    return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -157,7 +177,10 @@ def _requests(args, tokenizer, thinking=None) -> list:
         min_p=args.min_p,
         min_tokens=args.min_tokens,
     )
-    params.validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
+
+
+def _requests(args, tokenizer, thinking=None) -> list:
+    params = _params(args)
     params.thinking = thinking
     reqs = []
     for kind, value in args.prompts:
@@ -190,6 +213,13 @@ def _record(res, engine, thinking) -> dict:
     return record
 
 
+def _progress(engine, reqs: list) -> Progress:
+    """The live progress of ``reqs`` on stderr (the results go to stdout)."""
+    budget = sum(r.params.max_tokens * r.params.choices for r in reqs)
+    tokens = lambda: engine.generation_tokens  # noqa: E731
+    return Progress(len(reqs), sys.stderr, "eprt generate", tokens, PROGRESS_DELAY_S, budget=budget)
+
+
 class Drain:
     """Rank 0's SIGTERM/SIGINT handler: the first asks the engine to stop admitting (running
     prompts finish), a second abandons the run (KeyboardInterrupt)."""
@@ -217,16 +247,19 @@ class Drain:
 
 
 def main(args) -> int:
+    check_args(args)  # every rank: bad flags leave before loading
     with launch_engine(args) as engine:  # worker ranks never get past this line
         drain = Drain(engine)
         drain.install()
         try:
             thinking = _thinking(args, engine.tokenizer)
             reqs = _requests(args, engine.tokenizer, thinking)
-            per_prompt = engine.generate_choices(reqs)
+            progress = _progress(engine, reqs)
+            per_prompt = engine.generate_choices(reqs, on_step=progress.set_done, strict=True)
+            progress.close()
         except (RequestError, OSError) as e:
             print(f"eprt generate: {e}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         results = [r for choices in per_prompt for r in choices]  # choice by choice, prompt by prompt
         not_run = sum(r.finish_reason == "error" and (r.error or "").startswith(STOPPED) for r in results)
         if not_run:

@@ -19,6 +19,7 @@ from functools import partial
 
 from eprt.api import (
     ENGINE_FAILED,
+    EXIT_BAD_INPUT,
     EngineClosed,
     GenerationRequest,
     JobFailure,
@@ -42,6 +43,8 @@ from eprt.serve.params import (
     parse_choices,
     parse_options,
     parse_token_ids,
+    parse_truncation,
+    truncate_prompt,
 )
 from eprt.serve.progress import Progress
 from eprt.serve.stream import LiveChoices, LiveRequest
@@ -62,6 +65,7 @@ LINE_FIELDS = frozenset(
         "stop",
         "timeout",
         "model",
+        "truncate_prompt_tokens",
     }
     | {"n", "best_of", "response_format", "structured_outputs"}
     | set(GUIDED_FIELDS)
@@ -99,16 +103,39 @@ def main(args) -> int:
     from eprt.engine.engine import launch_engine
     from eprt.engine.expert_load import write_stats
 
-    with launch_engine(args) as engine:  # worker ranks never get past this line
+    def check() -> None:  # before any rank loads the model
+        check_files(args.input, args.output)
+        reasoning.check_name(args.reasoning_parser)
+
+    with launch_engine(args, precheck=check) as engine:  # worker ranks never get past this line
         try:
             parser = reasoning.resolve(args.reasoning_parser, engine.tokenizer) if engine.tokenizer else None
-        except ValueError as e:
+        except ValueError as e:  # the named format's delimiters are not tokens of this model
             print(f"eprt run: {e}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         code = run_batch(engine, args.input, args.output, in_flight=max(64, 4 * args.max_batch), reasoning=parser)
         if args.stats_out:
             write_stats(args.stats_out, engine.expert_load(refresh=True), engine.model_name, engine.transport.size)
         return code
+
+
+def check_files(input_path: str, output_path: str) -> None:
+    """Before the model loads: the input can be read, and the output written and not being written
+    by another ``eprt run``; OSError or ValueError naming the file otherwise. Creates nothing."""
+    try:
+        with open(input_path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise type(e)(f"--input {input_path}: {e.strerror or e}") from None
+    if os.path.isdir(output_path):
+        raise IsADirectoryError(f"--output {output_path} is a directory")
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--output {output_path}: its directory {folder} does not exist")
+    if os.path.exists(output_path):
+        os.close(lock_output(output_path))  # OutputLocked now rather than after loading
+    elif not os.access(folder, os.W_OK):
+        raise PermissionError(f"--output {output_path}: cannot create a file in {folder}")
 
 
 @dataclass
@@ -236,8 +263,9 @@ def lock_output(path: str) -> int:
 
 
 def build_request(line: Line, engine, parser=None) -> tuple:
-    """A line's GenerationRequest and stop strings; FieldError names what is wrong. ``parser``: the
-    model's thinking block (--reasoning-parser), counted and split from the text, with the line's budget."""
+    """A line's GenerationRequest and its RequestOptions (stop strings); FieldError names what is
+    wrong. ``parser``: the model's thinking block (--reasoning-parser), counted and split from the
+    text, with the line's budget."""
     obj = line.obj
     unknown = sorted(set(obj) - LINE_FIELDS)
     if unknown:
@@ -248,6 +276,7 @@ def build_request(line: Line, engine, parser=None) -> tuple:
         prompt_ids = encode_prompt(engine.tokenizer, obj["prompt"], "prompt")
     else:
         prompt_ids = parse_token_ids(obj["prompt_ids"], "prompt_ids", engine.vocab_size)
+    prompt_ids = truncate_prompt(prompt_ids, parse_truncation(obj, engine.max_model_len, "images" in obj))
     rows = None
     if "images" in obj:  # expanded to each image's placeholders (and encoded) before the context is sized
         req = GenerationRequest(prompt_ids, images=line_images(obj["images"]))
@@ -269,7 +298,7 @@ def build_request(line: Line, engine, parser=None) -> tuple:
     req = GenerationRequest(
         prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s, image_embeds=rows, adapter=adapter
     )
-    return req, opts.stop_strings
+    return req, opts
 
 
 def line_images(value) -> list:
@@ -338,6 +367,7 @@ class BatchWriter:
                 self._finish(live.pop(req), req, req in dropped)
             if engine_gone or (not live and (exhausted or loop.stop.is_set())):
                 return  # what is still live when the engine is gone never finishes
+            self.progress.tick()
             if not done:
                 time.sleep(_POLL_S)
 
@@ -357,13 +387,14 @@ class BatchWriter:
 
     def _finish_choices(self, line: Line, req: LiveChoices) -> None:
         """A line of several choices: one record with the first one's fields and ``choices``."""
-        results = req.results()
+        pairs = req.ranked()  # (result, its LiveRequest)
+        results = [result for result, _ in pairs]
         failure = next((r for r in results if is_engine_failure(r)), None)
         if failure is not None:
             self.engine_failures += 1
             self.engine_failure = failure.error
             return  # not the line's fault: runs again next time
-        records = [_with_reasoning(r.to_json(), req.lives[r.index].text) for r in results]
+        records = [_with_reasoning(r.to_json(), live.text) for r, live in pairs]
         record = {**records[0], "choices": [rec | {"index": r.index} for rec, r in zip(records, results)]}
         failed = any(r.finish_reason == "error" for r in results)
         self._write(line, record, failed=failed, tokens=sum(len(r.token_ids) for r in results))
@@ -374,11 +405,13 @@ class BatchWriter:
         error (only a JobFailure, shared state, is not the line's)."""
         if line.error is None:
             try:
-                request, stops = build_request(line, self.engine, self.reasoning)
+                request, opts = build_request(line, self.engine, self.reasoning)
                 several = request.params.choices > 1
                 thinking = request.params.thinking  # the text split into reasoning and text
                 output = None if thinking is None else partial(ChatOutput, prompt=request.prompt_ids, spec=thinking)
-                live[(LiveChoices if several else LiveRequest)(self.engine, request, stops, output=output)] = line
+                kind = LiveChoices if several else LiveRequest
+                submitted = kind(self.engine, request, opts.stop_strings, include_stop=opts.include_stop, output=output)
+                live[submitted] = line
                 return True
             except EngineClosed:
                 return False  # not the line's fault: it stays unfinished
@@ -436,7 +469,7 @@ def run_batch(
         lock = lock_output(output_path)
     except OSError as e:
         print(f"eprt run: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return _run_locked(engine, input_path, output_path, in_flight, progress_stream, reasoning)
     finally:
@@ -449,9 +482,9 @@ def _run_locked(engine, input_path: str, output_path: str, in_flight: int, progr
         todo = plan(lines, finished_keys(output_path))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         print(f"eprt run: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     start = time.monotonic()
-    progress = Progress(len(todo), progress_stream)
+    progress = Progress(len(todo), progress_stream, "eprt run", tokens=lambda: engine.generation_tokens)
     loop = EngineLoop(engine)
     engine_error: BaseException | None = None
     with open(output_path, "a", encoding="utf-8") as out:
@@ -465,7 +498,7 @@ def _run_locked(engine, input_path: str, output_path: str, in_flight: int, progr
         finally:
             loop.stop.set()
             thread.join()
-            progress.close()
+            progress.close(final=True)
     if writer.error is not None:
         raise writer.error
     skipped = len(lines) - len(todo)

@@ -110,13 +110,25 @@ class ChatOutput:
     """One choice's generated tokens as a chat message; LiveRequest feeds it as its TextStream."""
 
     def __init__(
-        self, tokenizer, stop_strings=(), hidden_ids=(), *, prompt=(), spec=None, fmt=None, parallel=True, keep=False
+        self,
+        tokenizer,
+        stop_strings=(),
+        hidden_ids=(),
+        include_stop: bool = False,
+        *,
+        prompt=(),
+        spec=None,
+        fmt=None,
+        parallel=True,
+        keep=False,
     ):
+        """TextStream's arguments (``include_stop``: a matched stop string ends the text it stops,
+        include_stop_str_in_output), then the prompt (a thinking block may open in it), the thinking
+        block, the tool-call format, parallel_tool_calls, and ``keep``: special tokens kept in the content."""
         self._state = thinking.begin(spec, prompt)
-        self._reasoning = TextStream(tokenizer, stop_strings, hidden_ids)
-        self._content = TextStream(
-            _KeepSpecial(tokenizer) if keep and tokenizer else tokenizer, stop_strings, hidden_ids
-        )
+        self._reasoning = TextStream(tokenizer, stop_strings, hidden_ids, include_stop)
+        content_tok = _KeepSpecial(tokenizer) if keep and tokenizer else tokenizer
+        self._content = TextStream(content_tok, stop_strings, hidden_ids, include_stop)
         self._fmt, self._parallel = fmt, parallel
         self._final = False
         self._sent = {"reasoning": 0, "content": 0}
