@@ -14,7 +14,7 @@ from eprt.serve import reasoning
 from eprt.serve.chat_output import ChatFeatures, ChatOutput, prepare
 from eprt.serve.params import FieldError
 from eprt.serve.tool_calls import NamedFormat, RequiredFormat, ToolSettings, message_fields, parse_tools
-from eprt.serve.tool_formats import TOOL_PARSERS
+from eprt.serve.tool_formats import TOOL_PARSERS, Call
 
 TYPES = {"get_weather": {"city": "string", "days": "integer", "hot": "boolean"}}
 ARGS = {"city": 'Pa "ris"', "days": 3, "hot": False}
@@ -221,6 +221,14 @@ def test_a_stop_string_ends_the_reasoning_or_the_content_with_include_stop_str_i
         in_content.feed(t)
     in_content.finish()
     assert in_content.message()["reasoning"] == "H" and in_content.text == ("IJ" if include else "")
+
+
+def test_a_call_closed_by_the_end_of_the_text_after_a_stray_close_tag_ends_the_parse():
+    """Found by the test below: a call that the text's end closes (no end position) made the parse
+    look for the next call from the start again, after a stray close tag: a loop without end."""
+    text = "a</tool_call><tool_call><function=x>"
+    assert TOOL_PARSERS["qwen3_coder"]({}).parse(text, True).calls == [Call("x", "{}", True)]
+    assert TOOL_PARSERS["qwen3_coder"]({}).parse(text, False).calls == [Call("x", "{", False)]
 
 
 @pytest.mark.parametrize("name", sorted(OUTPUTS))

@@ -203,7 +203,7 @@ class HermesFormat:
                     out.calls.append(call)
                 return out
             out.calls.append(call)
-            close = text.find(self.close, end)
+            close = -1 if end is None else text.find(self.close, end)  # (end None: closed by the text's end)
             pos = len(text) if close < 0 else close + len(self.close)
 
     def body(self, text: str, i: int, final: bool) -> tuple:
