@@ -43,6 +43,7 @@ class DpShardExecutor(ShardExecutor):
         prefix_cache: bool = True,
         image_token_id: int | None = None,
         lora=None,
+        prefill_tokens: int = 0,
     ):
         if model.cfg.is_hybrid:
             raise ValueError(
@@ -52,8 +53,17 @@ class DpShardExecutor(ShardExecutor):
         self.rank = exchange.transport.rank
         if len(pool_sizes) != exchange.transport.size:
             raise ValueError(f"{len(pool_sizes)} pool sizes for a world of {exchange.transport.size} ranks")
-        super().__init__(model, pool_sizes[self.rank], block_size, max_slots, prefix_cache, image_token_id, lora=lora)
-        self.pools = OwnerPools(pool_sizes, block_size, prefix_cache)
+        super().__init__(
+            model,
+            pool_sizes[self.rank],
+            block_size,
+            max_slots,
+            prefix_cache,
+            image_token_id,
+            lora=lora,
+            prefill_tokens=prefill_tokens,
+        )
+        self.pools = OwnerPools(pool_sizes, block_size, prefix_cache, window=self.window)
         self.pools.pools[self.rank] = self.blocks  # this rank's own pool: the blocks its KV lives in
         self.owners = np.full(max_slots, -1, dtype=np.int64)  # [slots] owner rank of each occupied slot
         self._pending: dict[int, tuple] = {}  # slot -> (owner, prompt_hidden) named by OWNER, for its next PREFILL
@@ -135,7 +145,7 @@ class DpShardExecutor(ShardExecutor):
             if owner != self.rank:
                 tokens, end = [int(t) for t in c.tokens], c.chunk_start + c.chunk_len
                 st = self.slots.check_chunk(c.slot, tokens, c.chunk_start, c.chunk_len)
-                self.pools.pools[owner].grow(st.key, end)
+                self.pools.pools[owner].grow(st.key, end, first=c.chunk_start)
                 others.append((st, tokens[c.chunk_start : end]))
         kept = np.fromiter((self.prompt_hidden.get(c.slot, False) for c in chunks), dtype=bool, count=len(chunks))
         if self.rank == 0 and keep_hidden != bool(kept.any()):
@@ -235,7 +245,7 @@ class DpShardExecutor(ShardExecutor):
         and its blocks grown to hold them in its owner's pool."""
         for r in np.flatnonzero(owners != self.rank).tolist():
             st = states[r]
-            self.pools.pools[owners[r]].grow(st.key, st.length + len(appended[r]))
+            self.pools.pools[owners[r]].grow(st.key, st.length + len(appended[r]), first=st.length)
             st.tokens.extend(appended[r])
 
     def _exchange_lora(self, adapters: list, repeats=None) -> None:

@@ -105,6 +105,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
                 prefix_cache=cfg.prefix_cache,
                 image_token_id=cfg.image_token_id,
                 lora=_lora_slots(cfg, ops, loaded),
+                prefill_tokens=cfg.prefill_tokens(device),
             )
         )
     else:
@@ -117,6 +118,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
                 prefix_cache=cfg.prefix_cache,
                 image_token_id=cfg.image_token_id,
                 lora=_lora_slots(cfg, ops, loaded),
+                prefill_tokens=cfg.prefill_tokens(device),
             )
         )
     log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
