@@ -235,6 +235,7 @@ def test_mxfp4_tensors_are_checked(gptoss, tmp_path):
     from eprt.model.safetensors_io import CheckpointError
 
     src = gptoss("mxfp4")
+
     def nan_scale(a):
         a[2, 0, 0] = 255
         return a.contiguous()
