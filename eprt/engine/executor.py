@@ -405,16 +405,18 @@ class ShardExecutor:
             raise ExecutorError(f"a prefill group names a slot twice: slots {named}")
         ids, positions, maps, parts, rows, masks, wmaps, wparts = [], [], [], [], [], [], [], []
         offset, states = 0, []
-        for c in chunks:
-            tokens = [int(t) for t in c.tokens]
-            if self.slots.get(c.slot) is None:  # first chunk on a worker: allocate exactly as rank 0 did
+        for c in chunks:  # first chunks on a worker: allocate exactly as rank 0 did, before any chunk grows
+            if self.slots.get(c.slot) is None:  # (rank 0 admitted them before running the group)
                 adapter = self._pending_adapter.pop(c.slot, -1)
+                tokens = [int(t) for t in c.tokens]
                 cached = self.allocate(c.slot, tokens, adapter, vision_rows=c.vision_rows, max_hit=c.chunk_start)
                 if cached != c.chunk_start:
                     raise ExecutorError(
                         f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
                         f"rank 0 sent chunk_start={c.chunk_start}"
                     )
+        for c in chunks:
+            tokens = [int(t) for t in c.tokens]
             st = self.slots.check_chunk(c.slot, tokens, c.chunk_start, c.chunk_len)
             end = c.chunk_start + c.chunk_len
             self.blocks.grow(st.key, end, first=c.chunk_start)
