@@ -18,6 +18,9 @@ MAX_CHOICES = 64  # n and best_of: choices of one prompt
 MAX_LOGPROBS = 20  # top alternatives reported per token at most (OpenAI's top_logprobs limit, vLLM's default)
 
 
+EXIT_BAD_INPUT = 2  # every command's exit status for input it cannot take: flags, files, a request, a checkpoint
+
+
 class RequestError(ValueError):
     """A request that cannot be served as given; the message names the problem."""
 
@@ -101,7 +104,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
+    top_k: int = 0  # 0 means no top-k cut (-1 too, vLLM's "off": made 0)
     seed: int | None = None  # per-request seed; None draws from the engine's generator
     stop_token_ids: tuple = ()  # extra stop ids besides the model's EOS ids
     ignore_eos: bool = False
@@ -120,13 +123,17 @@ class SamplingParams:
     logprobs: int | None = None  # log-probabilities of each generated token and its top-N alternatives
     prompt_logprobs: int | None = None  # ... of each prompt token (from the second) and its top-N
 
+    def __post_init__(self):
+        if is_int(self.top_k) and self.top_k == -1:  # vLLM's way of saying "no top-k cut"
+            self.top_k = 0
+
     def validate(self, vocab_size: int) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             RANGES[name].check(name, getattr(self, name))
         if not is_int(self.top_k) or self.top_k < 0:
-            raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+            raise RequestError(f"top_k must be -1 or 0 (no cut) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise RequestError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (tuple, list)):

@@ -12,10 +12,13 @@ import sys
 
 import numpy as np
 
-from eprt.api import STOPPED, GenerationRequest, RequestError, SamplingParams
+from eprt.api import EXIT_BAD_INPUT, STOPPED, GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import add_engine_arguments, launch_engine
 from eprt.serve.media import read_local_image
 from eprt.serve.params import check_text
+from eprt.serve.progress import Progress
+
+PROGRESS_DELAY_S = 1.0  # a generation done sooner shows no progress
 
 
 def _ids(text: str) -> tuple:
@@ -120,10 +123,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def _requests(args, tokenizer) -> list:
+def check_args(args) -> None:
+    """The flags alone, before any rank loads the model; ValueError naming the flag."""
     if not args.prompts:
-        raise RequestError("give at least one --prompt or --prompt-ids")
-    params = SamplingParams(
+        raise ValueError("give at least one --prompt or --prompt-ids")
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None and not args.json:
+            raise ValueError(
+                f"{flag} is printed in the --json records only (plain text has no place for it): add --json"
+            )
+    _params(args).validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
+
+
+def _params(args) -> SamplingParams:
+    return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -140,7 +153,10 @@ def _requests(args, tokenizer) -> list:
         min_p=args.min_p,
         min_tokens=args.min_tokens,
     )
-    params.validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
+
+
+def _requests(args, tokenizer) -> list:
+    params = _params(args)
     reqs = []
     for kind, value in args.prompts:
         if kind == "text":
@@ -161,6 +177,13 @@ def _requests(args, tokenizer) -> list:
             raise RequestError(f"--image names prompt {index}, but there are {len(reqs)} prompts")
         reqs[index].images = (reqs[index].images or []) + [read_local_image(path, "--image", "--image")]
     return reqs
+
+
+def _progress(engine, reqs: list) -> Progress:
+    """The live progress of ``reqs`` on stderr (the results go to stdout)."""
+    budget = sum(r.params.max_tokens * r.params.choices for r in reqs)
+    tokens = lambda: engine.generation_tokens  # noqa: E731
+    return Progress(len(reqs), sys.stderr, "eprt generate", tokens, PROGRESS_DELAY_S, budget=budget)
 
 
 class Drain:
@@ -190,15 +213,18 @@ class Drain:
 
 
 def main(args) -> int:
+    check_args(args)  # every rank: bad flags leave before loading
     with launch_engine(args) as engine:  # worker ranks never get past this line
         drain = Drain(engine)
         drain.install()
         try:
             reqs = _requests(args, engine.tokenizer)
-            per_prompt = engine.generate_choices(reqs)
+            progress = _progress(engine, reqs)
+            per_prompt = engine.generate_choices(reqs, on_step=progress.set_done, strict=True)
+            progress.close()
         except (RequestError, OSError) as e:
             print(f"eprt generate: {e}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         results = [r for choices in per_prompt for r in choices]  # choice by choice, prompt by prompt
         not_run = sum(r.finish_reason == "error" and (r.error or "").startswith(STOPPED) for r in results)
         if not_run:

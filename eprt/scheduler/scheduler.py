@@ -49,6 +49,7 @@ class Scheduler:
         self.tick = 0
         self.free_blocks: int | None = None  # num_free_blocks() as read at the last plan
         self.preemptions = 0
+        self.generated_tokens = 0  # tokens accepted so far, counted as they are generated (any thread reads it)
         self._fx = EffectRunner(model, tracer)
         self.drafting = speculation.DraftPolicy()  # the verify lane's (when speculation is on)
         self._inbox = Inbox()
@@ -154,6 +155,7 @@ class Scheduler:
             "queued": len(self._inbox) + len(self._waiting),
             "running": len(self._live),
             "preemptions": self.preemptions,
+            "generation_tokens": self.generated_tokens,
         }
 
     def step(self) -> bool:
@@ -331,6 +333,7 @@ class Scheduler:
             return
         token = int(token)
         seq.token_ids.append(token)
+        self.generated_tokens += 1
         if guards.is_stop_token(seq, token, self.config.eos_token_ids):
             self._finish(seq, STOP)
             return

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from eprt.api import (
     ENGINE_FAILED,
+    EXIT_BAD_INPUT,
     EngineClosed,
     GenerationRequest,
     JobFailure,
@@ -39,6 +40,8 @@ from eprt.serve.params import (
     parse_choices,
     parse_options,
     parse_token_ids,
+    parse_truncation,
+    truncate_prompt,
 )
 from eprt.serve.progress import Progress
 from eprt.serve.stream import LiveChoices, LiveRequest
@@ -59,6 +62,7 @@ LINE_FIELDS = frozenset(
         "stop",
         "timeout",
         "model",
+        "truncate_prompt_tokens",
     }
     | {"n", "best_of", "response_format", "structured_outputs"}
     | set(GUIDED_FIELDS)
@@ -94,11 +98,31 @@ def main(args) -> int:
     from eprt.engine.engine import launch_engine
     from eprt.engine.expert_load import write_stats
 
-    with launch_engine(args) as engine:  # worker ranks never get past this line
+    check = lambda: check_files(args.input, args.output)  # noqa: E731 - before any rank loads the model
+    with launch_engine(args, precheck=check) as engine:  # worker ranks never get past this line
         code = run_batch(engine, args.input, args.output, in_flight=max(64, 4 * args.max_batch))
         if args.stats_out:
             write_stats(args.stats_out, engine.expert_load(refresh=True), engine.model_name, engine.transport.size)
         return code
+
+
+def check_files(input_path: str, output_path: str) -> None:
+    """Before the model loads: the input can be read, and the output written and not being written
+    by another ``eprt run``; OSError or ValueError naming the file otherwise. Creates nothing."""
+    try:
+        with open(input_path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise type(e)(f"--input {input_path}: {e.strerror or e}") from None
+    if os.path.isdir(output_path):
+        raise IsADirectoryError(f"--output {output_path} is a directory")
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--output {output_path}: its directory {folder} does not exist")
+    if os.path.exists(output_path):
+        os.close(lock_output(output_path))  # OutputLocked now rather than after loading
+    elif not os.access(folder, os.W_OK):
+        raise PermissionError(f"--output {output_path}: cannot create a file in {folder}")
 
 
 @dataclass
@@ -219,7 +243,7 @@ def lock_output(path: str) -> int:
 
 
 def build_request(line: Line, engine) -> tuple:
-    """A line's GenerationRequest and stop strings; FieldError names what is wrong."""
+    """A line's GenerationRequest and its RequestOptions (stop strings); FieldError names what is wrong."""
     obj = line.obj
     unknown = sorted(set(obj) - LINE_FIELDS)
     if unknown:
@@ -230,6 +254,7 @@ def build_request(line: Line, engine) -> tuple:
         prompt_ids = encode_prompt(engine.tokenizer, obj["prompt"], "prompt")
     else:
         prompt_ids = parse_token_ids(obj["prompt_ids"], "prompt_ids", engine.vocab_size)
+    prompt_ids = truncate_prompt(prompt_ids, parse_truncation(obj, engine.max_model_len, "images" in obj))
     rows = None
     if "images" in obj:  # expanded to each image's placeholders (and encoded) before the context is sized
         req = GenerationRequest(prompt_ids, images=line_images(obj["images"]))
@@ -250,7 +275,7 @@ def build_request(line: Line, engine) -> tuple:
     req = GenerationRequest(
         prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s, image_embeds=rows, adapter=adapter
     )
-    return req, opts.stop_strings
+    return req, opts
 
 
 def line_images(value) -> list:
@@ -318,6 +343,7 @@ class BatchWriter:
                 self._finish(live.pop(req), req, req in dropped)
             if engine_gone or (not live and (exhausted or loop.stop.is_set())):
                 return  # what is still live when the engine is gone never finishes
+            self.progress.tick()
             if not done:
                 time.sleep(_POLL_S)
 
@@ -351,9 +377,10 @@ class BatchWriter:
         error (only a JobFailure, shared state, is not the line's)."""
         if line.error is None:
             try:
-                request, stops = build_request(line, self.engine)
+                request, opts = build_request(line, self.engine)
                 several = request.params.choices > 1
-                live[(LiveChoices if several else LiveRequest)(self.engine, request, stops)] = line
+                kind = LiveChoices if several else LiveRequest
+                live[kind(self.engine, request, opts.stop_strings, include_stop=opts.include_stop)] = line
                 return True
             except EngineClosed:
                 return False  # not the line's fault: it stays unfinished
@@ -408,7 +435,7 @@ def run_batch(engine, input_path: str, output_path: str, in_flight: int = 64, pr
         lock = lock_output(output_path)
     except OSError as e:
         print(f"eprt run: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return _run_locked(engine, input_path, output_path, in_flight, progress_stream)
     finally:
@@ -421,9 +448,9 @@ def _run_locked(engine, input_path: str, output_path: str, in_flight: int, progr
         todo = plan(lines, finished_keys(output_path))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         print(f"eprt run: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     start = time.monotonic()
-    progress = Progress(len(todo), progress_stream)
+    progress = Progress(len(todo), progress_stream, "eprt run", tokens=lambda: engine.generation_tokens)
     loop = EngineLoop(engine)
     engine_error: BaseException | None = None
     with open(output_path, "a", encoding="utf-8") as out:
@@ -437,7 +464,7 @@ def _run_locked(engine, input_path: str, output_path: str, in_flight: int, progr
         finally:
             loop.stop.set()
             thread.join()
-            progress.close()
+            progress.close(final=True)
     if writer.error is not None:
         raise writer.error
     skipped = len(lines) - len(todo)

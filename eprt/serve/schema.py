@@ -57,13 +57,19 @@ class _Processing(BaseModel):
     user: StrictStr | None = None
     request_id: StrictStr | None = None
     return_token_ids: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = Field(
+        None, description="vLLM: the matched stop string ends the text"
+    )
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None, ge=-1, description="vLLM: keep the prompt's last k tokens (-1: max_model_len)"
+    )
 
 
 class CompletionRequest(_Processing, CompletionBody):
     """POST /v1/completions."""
 
-    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds] = Field(
-        description="text or token ids; a list of prompts must hold exactly one"
+    prompt: StrictStr | TokenIds | list[StrictStr | TokenIds] = Field(
+        description="text or token ids, or a list of prompts (choice k of prompt p is choice p * n + k)"
     )
     echo: StrictBool = False
     logprobs: StrictInt | None = Logprobs
@@ -157,8 +163,42 @@ class Health(BaseModel):
     status: str
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): exactly one of prompt or messages."""
+
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = Field(None, description="default: true for prompt, false for messages")
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr | None = None
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Version(BaseModel):
+    version: str
+
+
 MODELS = (CompletionRequest, ChatCompletionRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
 MODELS += (ErrorResponse, ModelList, ModelCard, CompletionResponse, Health)
+MODELS += (TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse, Version)
 
 
 def _ref(model: type[BaseModel]) -> dict:
