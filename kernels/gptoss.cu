@@ -68,8 +68,9 @@ extern "C" __global__ void router_topk_softmax_f32(const float* logits, float* w
 // (window 0: 0): tables [R, MB] with row stride table_stride (0: one table for every row, a prefill);
 // caches [NB, BS, Hk, Dh]. softmax over the scores and sinks[h] (fp32, denominator only). grid (R, Hk):
 // one block per row and KV head, its G = H / Hk query heads. out [R, H, Dh] bf16. Dynamic shared
-// memory: G * Dh + G * SA_CHUNK + 3 * G floats and SA_CHUNK long longs.
-extern "C" __global__ void __launch_bounds__(SA_THREADS) attention_sinks(
+// memory: G * Dh + G * SA_CHUNK + 3 * G floats and SA_CHUNK long longs. __launch_bounds__(.., 1): without
+// the minimum ptxas spilled 8 bytes on sm_80.
+extern "C" __global__ void __launch_bounds__(SA_THREADS, 1) attention_sinks(
     const bf16* __restrict__ q, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const int* __restrict__ tables, int table_stride, const int* __restrict__ lens, const float* __restrict__ sinks,
     bf16* __restrict__ out, int H, int Hk, int Dh, int BS, int window, float scale) {
