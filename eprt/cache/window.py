@@ -46,6 +46,25 @@ class WindowSpec:
         if self.prefill_tokens < 0:
             raise ValueError(f"WindowSpec.prefill_tokens must be >= 0, got {self.prefill_tokens}")
 
+    def span(self, tokens: int, block_size: int) -> int:
+        """The most window blocks a step of ``tokens`` positions holds: X / block_size + 1 +
+        ceil((tokens - 1) / block_size), X the window rounded up to whole blocks."""
+        return -(-self.tokens // block_size) + 1 + -(-(max(1, tokens) - 1) // block_size)
+
+    def longest(self, blocks: int, block_size: int) -> int:
+        """The longest sequence a pool of ``blocks`` holds with its window's blocks: L // block_size + 1
+        for the full layers plus what the window reserves, a prompt of P tokens min(span(its chunk),
+        P // block_size + 1) while it is prefilled (a prompt shorter than a chunk: as many again),
+        a decoding sequence span(decode_tokens)."""
+        whole = blocks // 2 * block_size - 1  # prompts prefilled in one chunk
+        chunk = self.prefill_tokens
+        prompts = (
+            whole
+            if not chunk or whole < chunk
+            else max(chunk - 1, (blocks - self.span(chunk, block_size)) * block_size - 1)
+        )
+        return min(prompts, (blocks - self.span(self.decode_tokens, block_size)) * block_size - 1)
+
 
 class WindowGroup:
     """The sliding layers' tables of one block manager (``BlockManager.window``), drawing on its pool
@@ -69,7 +88,7 @@ class WindowGroup:
 
     def span(self, tokens: int) -> int:
         """The most blocks a step of ``tokens`` positions holds."""
-        return self.reach + 1 + -(-(max(1, tokens) - 1) // self.bs)
+        return self.spec.span(tokens, self.bs)
 
     def credits(self, prompt_len: int, cached: int) -> int:
         """What a prompt of ``prompt_len`` tokens with ``cached`` of them hit reserves while it prefills."""

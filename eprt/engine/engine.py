@@ -438,6 +438,7 @@ def launch_engine(args_or_config, transport=None, precheck=None):
         "vocab_size": model_cfg.vocab_size,
         "rope_len": loaded.model.max_len,
         "mtp": executor.mtp,  # the MTP layer (VERIFY_MTP) is loaded
+        "prefill_tokens": cfg.prefill_tokens(ops.name),  # bounds what a windowed-KV sequence reserves
     }
     log.info(
         "rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, KV %d bytes/token (%s), "
