@@ -44,9 +44,7 @@ def gptoss_checkpoint(variant):
 
 
 def engine_config(path, **kw):
-    return EngineConfig(
-        model=path, device="cpu", max_batch=4, block_size=4, max_model_len=96, max_prefill_tokens=6, **kw
-    )
+    return EngineConfig(**{**dict(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=96), **kw})
 
 
 def run_waves(cfg):
@@ -66,7 +64,7 @@ def run_waves(cfg):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_tokens_equal_transformers(variant, attention):
     path, want = gptoss_checkpoint(variant)
-    out = run_waves(engine_config(path, attention=attention, check_state=True))
+    out = run_waves(engine_config(path, attention=attention, check_state=True, max_prefill_tokens=6))
     if COMM.rank == 0:
         assert [r.token_ids for r in out] == want
         assert out[1].cached_tokens == 20  # the system prompt's blocks and the window's before position 20
@@ -85,3 +83,13 @@ def test_ngram_speculation_gives_transformers_tokens(attention, monkeypatch):
     if COMM.rank == 0:
         assert [r.token_ids for r in out] == want
         assert sum(r.accepted_tokens for r in out) > 0
+
+
+@pytest.mark.mpi(min_size=1)
+def test_whole_prompts_equal_transformers():
+    """--max-prefill-tokens 0: with windowed KV a tick still prefills in one pass (at most 16384 tokens),
+    its window blocks taken after its admissions on every rank (--check-state)."""
+    path, want = gptoss_checkpoint("bf16")
+    out = run_waves(engine_config(path, check_state=True, max_prefill_tokens=0))
+    if COMM.rank == 0:
+        assert [r.token_ids for r in out] == want
