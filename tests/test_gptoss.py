@@ -254,3 +254,28 @@ def test_mxfp4_tensors_are_checked(gptoss, tmp_path):
                 (out / f).write_text(open(os.path.join(src, f)).read())
         with pytest.raises(CheckpointError, match=match):
             load_model(str(out), NumpyOps(), max_len=64)
+
+
+@pytest.mark.parametrize("path", ["numba", "numpy"])
+def test_mxfp4_experts_on_each_cpu_path_equal_the_dequantized_reference(path):
+    """The compiled path decodes MXFP4 as it sums (mxfp4_cpu); NumPy's dequantizes one expert at a time;
+    both equal the float32 experts of the dequantized weights, biases and clamps included."""
+    from eprt.ops.numpy_ops import numba_available
+
+    if path == "numba" and not numba_available():
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(0)
+    El, D, I = 3, 64, 32
+    blocks = [rng.integers(0, 256, (El, n, k // 32, 16), dtype=np.uint8) for n, k in ((2 * I, D), (D, I))]
+    scales = [rng.integers(120, 126, (El, n, k // 32), dtype=np.uint8) for n, k in ((2 * I, D), (D, I))]
+    x = rng.standard_normal((5, D)).astype(np.float32)
+    ids = np.asarray([[3, 4], [2, 4], [3, 2], [4, 0], [2, 2]], np.int32)  # expert_start 2: 0 is another rank's
+    w = rng.random((5, 2)).astype(np.float32)
+    biases = (rng.standard_normal((El, 2 * I)).astype(np.float32), rng.standard_normal((El, D)).astype(np.float32))
+    ops = NumpyOps(path)
+    stacks = ops.mxfp4_expert_weights(blocks[0], scales[0], blocks[1], scales[1])
+    got = ops.moe_experts_swiglu(x, w, ids, *stacks, *biases, 2, 1.702, 0.5)
+    dense = [dequantize_mxfp4(b, s) for b, s in zip(blocks, scales)]
+    want = NumpyOps("numpy").moe_experts_swiglu(x, w, ids, *dense, *biases, 2, 1.702, 0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want[3]).max() > 0 and not np.array_equal(want[3], want[1])  # (row 3: one local choice)

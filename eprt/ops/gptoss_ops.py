@@ -76,7 +76,7 @@ class GptOssOps:
         )
 
     def swiglu_expert_weights(self, gate_up, down) -> tuple:
-        return self._float32(gate_up), self._float32(down)
+        return self.expert_weights(gate_up, down)  # NumpyOps' layout: panels on the compiled path
 
     # ---- attention with sinks ---------------------------------------------------------
     def attention_sinks_prefill(self, q, k_cache, v_cache, block_table, start_pos, scale, sinks, window):
@@ -135,23 +135,33 @@ class GptOssOps:
     def moe_experts_swiglu(self, x, weights, ids, w_gate_up, w_down, b_gate_up, b_down, expert_start, alpha, limit):
         T, D = x.shape
         k = ids.shape[1]
-        El = w_gate_up.shape[0]
-        local = (ids - expert_start).reshape(-1)  # [T*k]
+        local = (ids - expert_start).reshape(-1)  # [T*k] local expert of each (token, choice)
+        order = np.argsort(local, kind="stable")  # grouped by expert, tokens in order
+        bounds = np.searchsorted(local[order], np.arange(w_gate_up.shape[0] + 1))  # [El+1] group edges
+        picks = order[bounds[0] : bounds[-1]]  # (token, choice) slots routed to this rank, by expert
+        bounds = bounds - bounds[0]
+        expert = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))  # [n] each row's local expert
         ys = np.zeros((T * k, D), dtype=np.float32)  # one row per (token, choice)
-        for e in np.unique(local[(local >= 0) & (local < El)]).tolist():
-            picks = np.flatnonzero(local == e)  # (token, choice) slots routed to local expert e
-            xs = x[picks // k]  # [n, D]
-            h = _expert_product(xs, _expert_matrix(w_gate_up, e)) + b_gate_up[e]  # [n, 2I]
-            ys[picks] = _expert_product(clamped_swiglu(h, alpha, limit), _expert_matrix(w_down, e)) + b_down[e]
+        if len(picks):
+            h = self._swiglu_products(x[picks // k], w_gate_up, bounds) + b_gate_up[expert]  # [n, 2I]
+            ys[picks] = self._swiglu_products(clamped_swiglu(h, alpha, limit), w_down, bounds) + b_down[expert]
         ys *= np.asarray(weights, dtype=np.float32).reshape(-1, 1)
         return ys.reshape(T, k, D).sum(axis=1)  # [T, D]
 
+    def _swiglu_products(self, xs, w, bounds):
+        """[n, N]: rows bounds[e] .. bounds[e + 1] of xs [n, K] through expert e of w: MXFP4 decoded as it
+        is summed (the compiled path) or one expert at a time into float32; else NumpyOps' products."""
+        if not isinstance(w, Mxfp4Weight):
+            return self.expert_products(xs, w, bounds)
+        if self.experts == "numba":
+            from eprt.ops import mxfp4_cpu
 
-def _expert_matrix(w, e: int) -> np.ndarray:
-    """Expert e's matrix [N, K] in float32: an MXFP4 stack's dequantized here, one expert at a time."""
-    if isinstance(w, Mxfp4Weight):
-        return dequantize_mxfp4(w.blocks[e], w.scales[e])
-    return w[e]
+            return mxfp4_cpu.expert_rows(xs, w.blocks, w.scales, bounds)
+        out = np.empty((len(xs), w.shape[1]), dtype=np.float32)
+        for e in np.flatnonzero(np.diff(bounds)).tolist():
+            rows = slice(int(bounds[e]), int(bounds[e + 1]))
+            out[rows] = _expert_product(xs[rows], dequantize_mxfp4(w.blocks[e], w.scales[e]))
+        return out
 
 
 def _expert_product(xs: np.ndarray, w: np.ndarray) -> np.ndarray:
