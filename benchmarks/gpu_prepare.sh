@@ -56,6 +56,7 @@ for name in VL_VARIANTS:
     vl_checkpoint(root, name)  # test_gpu_vision
 for variant, mxfp4 in (("bf16", False), ("mxfp4", True)):  # test_cupy_gptoss
     build_gptoss_checkpoint(os.path.join(root, f"gpt_oss-{variant}"), dtype="bfloat16", mxfp4=mxfp4)
+build_gptoss_checkpoint(os.path.join(root, "gpt_oss-7experts-mxfp4"), "bfloat16", mxfp4=True, num_local_experts=7)
 peft_adapter(checkpoint("qwen3_moe", dtype="bfloat16"), os.path.join(root, "lora-qwen3-bf16-attn"), seed=5, r=8,
              lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # test_cupy_lora  # fmt: skip
 per_expert_adapter(checkpoint("mixtral", dtype="bfloat16"), os.path.join(root, "lora-mixtral-bf16-per-expert"),
