@@ -127,16 +127,7 @@ class DpShardExecutor(ShardExecutor):
         named = [c.slot for c in chunks]
         if len(set(named)) != len(named):
             raise ExecutorError(f"a prefill group names a slot twice: slots {named}")
-        for c in chunks:
-            if self.slots.get(c.slot) is None:  # first chunk: allocate in the owner's pool, exactly as rank 0 did
-                tokens = [int(t) for t in c.tokens]
-                adapter = self._pending_adapter.pop(c.slot, -1)
-                cached = self.allocate(c.slot, tokens, adapter, vision_rows=c.vision_rows, max_hit=c.chunk_start)
-                if cached != c.chunk_start:
-                    raise ExecutorError(
-                        f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
-                        f"rank 0 sent chunk_start={c.chunk_start}"
-                    )
+        self._allocate_new(chunks)  # first chunks: in the owner's pool, exactly as rank 0 did
         owners = self.owners[np.asarray(named, dtype=np.int64)]  # [G] each chunk's owner
         self.exchange.begin(np.repeat(owners, [c.chunk_len for c in chunks]))  # [N] each token's owner
         self._exchange_lora([self.slots.get(c.slot).adapter for c in chunks], [c.chunk_len for c in chunks])

@@ -20,6 +20,7 @@ from eprt.cache.window import WindowSpec
 from eprt.comm.protocol import MAX_DRAFTS, Prefill
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.engine.state_check import check_state
+from eprt.engine.window_tables import WindowTables, prefill_window
 from eprt.model.kv_cache import KVCache
 from eprt.model.moe_model import AttnBatch, MoEModel, PrefillPart
 from eprt.model.mrope import mrope_cos_sin, prompt_positions, split_vision_rows, vision_row_width
@@ -52,6 +53,18 @@ def window_spec(cfg, prefill_tokens: int) -> WindowSpec | None:
     if not cfg.windowed_kv:
         return None
     return WindowSpec(cfg.sliding_window, prefill_tokens=prefill_tokens, decode_tokens=1 + MAX_DRAFTS)
+
+
+def _table_cache(max_slots: int, window: WindowSpec | None) -> tuple:
+    """The decoding slots' cached block tables: [slots, MB] int32 of each slot's table, [slots] the
+    block-manager key each row was built for, [slots] the blocks in each row, and with windowed KV its
+    windows' (WindowTables)."""
+    return (
+        np.zeros((max_slots, 8), dtype=np.int32),
+        np.full(max_slots, -1, dtype=np.int64),
+        np.zeros(max_slots, dtype=np.int64),
+        None if window is None else WindowTables(max_slots),
+    )
 
 
 def vision_salt(rows: np.ndarray | None) -> bytes:
@@ -118,10 +131,8 @@ class ShardExecutor:
         image_token_id: int | None = None,
         snapshot_rows: int | None = None,
         lora=None,
-        prefill_tokens: int = 0,
+        prefill_tokens: int = 0,  # the largest prefill chunk (0: whole prompts): what a window reserves
     ):
-        """``prefill_tokens``: the engine's largest prefill chunk (0: whole prompts), which bounds what
-        a sequence's sliding-window KV reserves (eprt/cache/window.py)."""
         self.model, self.ops, self.cfg = model, model.ops, model.cfg
         self.lora = model.lora = lora  # LoraSlots (eprt/model/lora.py) or None: no adapters served
         self._pending_adapter: dict[int, int] = {}  # slot -> adapter id its next PREFILL uses (SLOT_ADAPTER)
@@ -168,11 +179,7 @@ class ShardExecutor:
         self.image_token_id = image_token_id if image_token_id is not None else model.cfg.image_token_id
         self.compute_logits = True  # workers turn this off: only rank 0 samples
         self.prefill_hidden = None  # [T, D] of the last prefill chunk, when asked to keep it
-        self._tables = np.zeros((max_slots, 8), dtype=np.int32)  # [slots, MB] block table of each decoding slot
-        self._table_key = np.full(max_slots, -1, dtype=np.int64)  # block-manager key each row was built for
-        self._table_len = np.zeros(max_slots, dtype=np.int64)  # blocks in each row
-        self._wtables = np.zeros((max_slots, 8), dtype=np.int32)  # [slots, MB] their windows' tables (windowed KV)
-        self._wfirst = np.zeros(max_slots, dtype=np.int64)  # the first block each row's window table holds
+        self._tables, self._table_key, self._table_len, self.wtables = _table_cache(max_slots, self.window)
 
     @property
     def hidden_size(self) -> int:
@@ -403,18 +410,9 @@ class ShardExecutor:
         named = [c.slot for c in chunks]
         if len(set(named)) != len(named):
             raise ExecutorError(f"a prefill group names a slot twice: slots {named}")
-        ids, positions, maps, parts, rows, masks, wmaps, wparts = [], [], [], [], [], [], [], []
+        ids, positions, maps, parts, rows, masks = [], [], [], [], [], []
         offset, states = 0, []
-        for c in chunks:  # first chunks on a worker: allocate exactly as rank 0 did, before any chunk grows
-            if self.slots.get(c.slot) is None:  # (rank 0 admitted them before running the group)
-                adapter = self._pending_adapter.pop(c.slot, -1)
-                tokens = [int(t) for t in c.tokens]
-                cached = self.allocate(c.slot, tokens, adapter, vision_rows=c.vision_rows, max_hit=c.chunk_start)
-                if cached != c.chunk_start:
-                    raise ExecutorError(
-                        f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
-                        f"rank 0 sent chunk_start={c.chunk_start}"
-                    )
+        self._allocate_new(chunks)
         for c in chunks:
             tokens = [int(t) for t in c.tokens]
             st = self.slots.check_chunk(c.slot, tokens, c.chunk_start, c.chunk_len)
@@ -422,10 +420,6 @@ class ShardExecutor:
             self.blocks.grow(st.key, end, first=c.chunk_start)
             pos = np.arange(c.chunk_start, end, dtype=np.int32)  # [T_i]
             table = np.asarray(self.blocks.block_table(st.key), dtype=np.int32)
-            if self.window is not None:
-                wtable = np.asarray(self.blocks.window.table(st.key), dtype=np.int32)
-                wmaps.append(self.kv.slots(wtable, pos))
-                wparts.append(PrefillPart(offset, c.chunk_len, wtable, c.chunk_start, c.slot))
             ids.append(np.asarray(tokens[c.chunk_start : end], dtype=np.int32))
             positions.append(pos)
             maps.append(self.kv.slots(table, pos))
@@ -441,9 +435,8 @@ class ShardExecutor:
             slot_mapping=np.concatenate(maps),
             state_slots=np.asarray(named, dtype=np.int32),
             parts=tuple(parts),
+            window=prefill_window(self.blocks.window, self.kv, [st.key for st, _ in states], parts),
         )
-        if wparts:  # the sliding layers' tables (windowed KV)
-            batch.window = AttnBatch(batch.positions, np.concatenate(wmaps), parts=tuple(wparts))
         self._lora_rows([st.adapter for st, new in states for _ in new])  # each token's adapter
         deepstack = None
         if self.cfg.mrope_section:  # 3-D positions and deepstack rows: one sequence per pass (prefill_group)
@@ -465,6 +458,21 @@ class ShardExecutor:
         last = np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32)  # [G]
         return self._output(h[self.ops.index(last)])
 
+    def _allocate_new(self, chunks: list) -> None:
+        """A prefill group's first chunks on a worker: each new sequence allocated exactly as rank 0 did
+        (its prefix hit must be its chunk_start), all before any chunk grows, as rank 0 admitted them
+        before it ran the group (a window's blocks are taken as chunks grow)."""
+        for c in chunks:
+            if self.slots.get(c.slot) is None:
+                adapter = self._pending_adapter.pop(c.slot, -1)
+                tokens = [int(t) for t in c.tokens]
+                cached = self.allocate(c.slot, tokens, adapter, vision_rows=c.vision_rows, max_hit=c.chunk_start)
+                if cached != c.chunk_start:
+                    raise ExecutorError(
+                        f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
+                        f"rank 0 sent chunk_start={c.chunk_start}"
+                    )
+
     def decode(self, slots: list, tokens: list):
         """Append tokens[r] to slots[r] and run one step. Returns logits [B, V] (or None)."""
         return self.decode_forward(self.decode_inputs(slots, tokens))
@@ -485,10 +493,8 @@ class ShardExecutor:
             context_lens=positions + 1,
             state_slots=np.asarray(slots, dtype=np.int32),
         )
-        if self.window is not None:
-            wt = self._wtables[np.asarray(slots, dtype=np.int64), : block_tables.shape[1]]  # [B, MB]
-            wmap = wt[np.arange(B), lengths // bs] * bs + (lengths % bs).astype(np.int32)
-            batch.window = AttnBatch(batch.positions, wmap, block_tables=wt, context_lens=batch.context_lens)
+        if self.wtables is not None:  # the sliding layers' tables (windowed KV)
+            batch.window = self.wtables.decode(batch, slots, lengths, bs)
         ids = np.asarray(tokens, dtype=np.int32)
         self._lora_rows([st.adapter for st in states])
         for st, tok in zip(states, tokens):  # the token's KV is stored by the forward pass
@@ -533,8 +539,8 @@ class ShardExecutor:
         positions = lengths[rows] + np.arange(len(rows)) - starts[rows]  # [N]
         block_tables = self._tables[np.asarray(slots, dtype=np.int64)[rows], : int(self._table_len[slots].max())]
         batch = self._verify_batch(block_tables, positions, lengths, counts, slots)
-        if self.window is not None:
-            wt = self._wtables[np.asarray(slots, dtype=np.int64)[rows], : block_tables.shape[1]]
+        if self.wtables is not None:
+            wt = self.wtables.rows(np.asarray(slots, dtype=np.int64)[rows], block_tables.shape[1])
             batch.window = self._verify_batch(wt, positions, lengths, counts, slots)
         ids = np.asarray([t for tok, d in zip(tokens, drafts) for t in (tok, *d)], dtype=np.int32)  # [N]
         self._lora_rows([st.adapter for st, d in zip(states, drafts) for _ in range(1 + len(d))])
@@ -748,8 +754,8 @@ class ShardExecutor:
         """[B] bool: the rows whose cached tables must come from the block manager again: the slot
         changed hands, the sequence needs a new block, or its window moves on (first query: lengths)."""
         stale = (self._table_key[rows] != keys) | (self._table_len[rows] < need)
-        if self.window is not None:
-            stale |= self.blocks.window.first_block(lengths) > self._wfirst[rows]
+        if self.wtables is not None:
+            stale |= self.wtables.moved(self.blocks.window, rows, lengths)
         return stale
 
     def _store_table(self, slot: int, key: int) -> None:
@@ -759,15 +765,11 @@ class ShardExecutor:
             grown = np.zeros((self._tables.shape[0], max(len(table), 2 * width)), dtype=np.int32)
             grown[:, :width] = self._tables
             self._tables = grown
-            self._wtables = np.concatenate([self._wtables, np.zeros_like(grown[:, width:])], axis=1)
         self._tables[slot, : len(table)] = table
         self._tables[slot, len(table) :] = 0
         self._table_key[slot], self._table_len[slot] = key, len(table)
-        if self.window is not None:  # (as long as the table: both grow to the same length)
-            wtable = self.blocks.window.table(key)
-            self._wtables[slot, : len(wtable)] = wtable
-            self._wtables[slot, len(wtable) :] = 0
-            self._wfirst[slot] = self.blocks.window.first_held(key)
+        if self.wtables is not None:
+            self.wtables.store(slot, self.blocks.window, key)
 
     def _mrope_chunk(self, key: int, start: int, end: int, rows, mask) -> tuple:
         """MRoPE prefill inputs of the chunk: (main rows [n, D], deepstack (mask, rows [K, n, D]) or
