@@ -32,7 +32,7 @@ ckpt="$work/ckpt"
 PYTHONPATH="$PWD/tests:$PWD" EPRT_TEST_CKPT_DIR="$ckpt" python3 - <<'EOF'
 import os
 
-from checkpoints import ARCHS, EXPERT_KEY, VL_VARIANTS, build_checkpoint, build_fp8_copy, vl_checkpoint
+from checkpoints import ARCHS, EXPERT_KEY, VL_VARIANTS, build_checkpoint, build_fp8_copy, build_gptoss_checkpoint, vl_checkpoint
 from lora_adapters import peft_adapter, per_expert_adapter
 
 root = os.environ["EPRT_TEST_CKPT_DIR"]
@@ -54,6 +54,9 @@ for arch, block in (("deepseek_v3", (16, 32)), ("qwen3_moe", (128, 128))):  # te
     build_fp8_copy(source, f"{source}-fp8-128x128", (128, 128))
 for name in VL_VARIANTS:
     vl_checkpoint(root, name)  # test_gpu_vision
+for variant, mxfp4 in (("bf16", False), ("mxfp4", True)):  # test_cupy_gptoss
+    build_gptoss_checkpoint(os.path.join(root, f"gpt_oss-{variant}"), dtype="bfloat16", mxfp4=mxfp4)
+build_gptoss_checkpoint(os.path.join(root, "gpt_oss-7experts-mxfp4"), "bfloat16", mxfp4=True, num_local_experts=7)
 peft_adapter(checkpoint("qwen3_moe", dtype="bfloat16"), os.path.join(root, "lora-qwen3-bf16-attn"), seed=5, r=8,
              lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # test_cupy_lora  # fmt: skip
 per_expert_adapter(checkpoint("mixtral", dtype="bfloat16"), os.path.join(root, "lora-mixtral-bf16-per-expert"),
