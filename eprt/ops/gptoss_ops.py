@@ -11,11 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MXFP4_BLOCK = 32  # weights per e8m0 scale
-# e2m1 code -> value (bit 3 the sign): the low nibble of a byte is the even element
-FP4_VALUES = np.asarray(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32
-)
+from eprt.ops.mxfp4_format import FP4_VALUES, MXFP4_BLOCK
+
 EXPERT_ROWS_AS_GEMV = 16  # an expert with at most this many rows runs a GEMV per row (bits independent of the group)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from eprt.ops.gptoss_ops import FP4_VALUES
+from eprt.ops.mxfp4_format import FP4_VALUES
 
 
 @njit(nogil=True, cache=True)
