@@ -6,11 +6,14 @@ from checkpoints import ARCHS, build_checkpoint
 
 @pytest.fixture(scope="session")
 def ckpt_root(tmp_path_factory):
+    """The test checkpoints' folder: $EPRT_TEST_CKPT_DIR, else one for the run (shared by the
+    pytest-xdist workers: each checkpoint is built once, by one of them; checkpoints.building)."""
     root = os.environ.get("EPRT_TEST_CKPT_DIR")
-    if root:
-        os.makedirs(root, exist_ok=True)
-        return root
-    return str(tmp_path_factory.mktemp("ckpt"))
+    if not root:
+        base = tmp_path_factory.getbasetemp()
+        root = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "ckpt")
+    os.makedirs(root, exist_ok=True)
+    return root
 
 
 @pytest.fixture(scope="session")
