@@ -156,20 +156,21 @@ def building(path: str, *more: str, done: str = "config.json"):
     lock_path = os.path.join(parent, f".{name}.lock")
     with open(lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if os.path.isfile(os.path.join(path, done)):  # built by the process that held the lock
+        if not os.path.isfile(os.path.join(path, done)):  # (else built by the process that held the lock)
+            work = tempfile.mkdtemp(prefix=f".{name}.", dir=parent)
+            try:
+                temps = [os.path.join(work, str(i)) for i in range(1 + len(more))]
+                for temp in temps:
+                    os.mkdir(temp)
+                yield temps
+                for temp, final in reversed(list(zip(temps, (path, *more)))):
+                    _move_into_place(temp, final)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        else:
             yield None
-            return
-        work = tempfile.mkdtemp(prefix=f".{name}.", dir=parent)
-        try:
-            temps = [os.path.join(work, str(i)) for i in range(1 + len(more))]
-            for temp in temps:
-                os.mkdir(temp)
-            yield temps
-            for temp, final in reversed(list(zip(temps, (path, *more)))):
-                _move_into_place(temp, final)
-            os.unlink(lock_path)  # (a waiter holding it finds path built; a newcomer sees it built)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):  # built: whoever holds or opens the lock finds it so
+            os.unlink(lock_path)
 
 
 def _move_into_place(temp: str, final: str) -> None:
