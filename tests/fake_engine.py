@@ -30,6 +30,7 @@ from eprt.api import GenerationRequest, GenerationResult, RequestError
 
 EOS = 256
 VOCAB = 260
+SPECIAL = {"<think>": 257, "</think>": 258}  # never generated: the echo holds bytes only
 BLOCK = 4
 
 
@@ -42,14 +43,24 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list:
         return list(text.encode("utf-8"))  # no special tokens to add
 
-    def decode(self, ids: list) -> str:
+    def decode(self, ids: list, skip_special_tokens: bool = True) -> str:  # (no special token has text)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
+    def token_id(self, text: str) -> int | None:
+        """The id of a special token (a reasoning parser's delimiters: ids no prompt text encodes to)."""
+        return SPECIAL.get(text)
+
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+        """``tools`` (their names) and ``kwargs`` (chat_template_kwargs) lead the text when given."""
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat_template")
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + (
-            "<assistant>" if add_generation_prompt else ""
+        head = "".join(f"<tool {t['function']['name']}>" for t in tools or ()) + "".join(
+            f"<{k}={v}>" for k, v in sorted(kwargs.items())
+        )
+        return (
+            head
+            + "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
+            + ("<assistant>" if add_generation_prompt else "")
         )
 
 

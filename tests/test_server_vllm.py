@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fake_engine import EOS, FakeEngine
-from test_server import events, running_server
+from test_server import events, running_server, streamed_text
 
 import eprt
 from eprt.serve.params import DEFAULT_CHAT_MAX_TOKENS
@@ -36,6 +36,14 @@ def engine():
 @pytest.fixture
 def client(engine):
     with running_server(engine) as url, httpx.Client(base_url=url, timeout=20) as c:
+        yield c
+
+
+@pytest.fixture
+def thinking_client(engine):
+    """A server with a reasoning parser (the fake tokenizer's <think> and </think>): a thinking
+    budget is honoured there."""
+    with running_server(engine, reasoning_parser="deepseek_r1") as url, httpx.Client(base_url=url, timeout=20) as c:
         yield c
 
 
@@ -148,6 +156,47 @@ def test_tokenize_detokenize_and_version(client):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_on_a_chat_with_a_reasoning_parser(thinking_client, stream):
+    """A chat answered through its reasoning / content split (issue 40) honours the flag too."""
+
+    def content(**kw) -> str:
+        body = {"messages": CHAT, "max_tokens": 30, "stop": ["i\n"], "stream": stream, **kw}
+        if not stream:
+            message = thinking_client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            assert message["reasoning"] is None  # (the fake never thinks)
+            return message["content"]
+        with thinking_client.stream("POST", "/v1/chat/completions", json=body) as r:
+            return streamed_text(events(r), chat=True)
+
+    assert content() == "<user>h"  # the fake echoes the prompt "<user>hi\n<assistant>"
+    assert content(include_stop_str_in_output=True) == "<user>hi\n"
+
+
+def test_tools_and_the_thinking_budget_with_a_list_of_prompts_are_refused(thinking_client, engine):
+    """A list of prompts is a completion: chat's tools and thinking budget are named as chat's."""
+    for field, value in (("tools", [TOOL]), ("tool_choice", "required"), ("max_thinking_tokens", 4)):
+        r = thinking_client.post("/v1/completions", json={"prompt": ["ab", "cd"], field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "/v1/chat/completions" in r.json()["error"]["message"]
+    assert engine.submitted == []
+
+
+def test_tokenize_renders_a_chat_with_its_tools_and_template_kwargs(client):
+    extra = {"tools": [TOOL], "chat_template_kwargs": {"enable_thinking": False}}
+    counted = client.post("/tokenize", json={"messages": CHAT, **extra}).json()
+    assert bytes(counted["tokens"]) == b"<tool f><enable_thinking=False><user>hi\n<assistant>"
+    chat = client.post("/v1/chat/completions", json={"messages": CHAT, "tool_choice": "none", "max_tokens": 1, **extra})
+    assert chat.json()["usage"]["prompt_tokens"] == counted["count"]
+    for body, param in (
+        ({"prompt": "a", "tools": [TOOL]}, "tools"),
+        ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": CHAT, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ):
+        r = client.post("/tokenize", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
 def test_a_chat_without_max_tokens_stops_at_the_default():
     engine = FakeEngine(max_model_len=2048)  # echoes the 700-byte message, which would take 700+ tokens
     messages = [{"role": "user", "content": "x" * 700}]
@@ -172,6 +221,7 @@ def test_a_chat_without_max_tokens_stops_at_the_default():
 # the fake engine can serve: the same fields on both routes, or {route: fields} for the routes that
 # take it.
 BOTH = ("completions", "chat")
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 SAMPLES = {
     "model": {"model": "fake-moe"},
     "prompt": {"completions": {"prompt": "ab"}},
@@ -210,7 +260,15 @@ SAMPLES = {
     "safety_identifier": {"safety_identifier": "s"},
     "return_token_ids": {"return_token_ids": True},
     "request_id": {"request_id": "r1"},
-    "parallel_tool_calls": {"parallel_tool_calls": False},
+    "parallel_tool_calls": {
+        "completions": {"parallel_tool_calls": False},
+        "chat": {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False},
+    },
+    "tools": {"chat": {"tools": [TOOL], "tool_choice": "none"}},
+    "tool_choice": {"chat": {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}},
+    "chat_template_kwargs": {"chat": {"chat_template_kwargs": {"enable_thinking": False}}},
+    "max_thinking_tokens": {"chat": {"max_thinking_tokens": 8}},
+    "thinking_token_budget": {"chat": {"thinking_token_budget": 8}},
     "n": {"n": 2},
     "best_of": {"n": 1, "best_of": 2},
     "response_format": {"response_format": {"type": "json_object"}},
@@ -230,7 +288,9 @@ REFUSED_VALUES = {
     "spaces_between_special_tokens": False,
     "add_generation_prompt": False,
     "chat_template": "{{ messages }}",
-    "chat_template_kwargs": {"enable_thinking": True},
+    "tools": [TOOL],
+    "max_thinking_tokens": 8,
+    "thinking_token_budget": 8,
 }
 
 
@@ -262,11 +322,13 @@ def _post(c, route: str, fields: dict):
     return c.post(f"/v1/{'chat/' if route == 'chat' else ''}completions", json={"max_tokens": 4, **base, **fields})
 
 
-def test_every_field_the_table_honours_is_accepted_and_every_refused_one_refused(client):
-    table = field_table()
-    accepted = {**table["honoured"], **table["no effect"]}
+def test_every_field_the_table_honours_is_accepted_and_every_refused_one_refused(thinking_client):
+    client, table = thinking_client, field_table()
+    honoured, no_effect = table["honoured"], table["no effect"]
+    accepted = {name: honoured.get(name, set()) | no_effect.get(name, set()) for name in {*honoured, *no_effect}}
     assert set(accepted) == set(SAMPLES), "a field in the table without a sample here, or the reverse"
-    assert not set(accepted) & set(table["refused"]) - {"echo"}, "a field both honoured and refused"  # echo: chat
+    pairs = lambda fields: {(name, route) for name, routes in fields.items() for route in routes}  # noqa: E731
+    assert not pairs(accepted) & pairs(table["refused"]), "a field both honoured and refused on a route"
     for name, sample in SAMPLES.items():
         per_route = sample if set(sample) <= set(BOTH) else dict.fromkeys(BOTH, sample)
         assert set(per_route) == accepted[name], name

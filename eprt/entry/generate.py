@@ -14,6 +14,8 @@ import numpy as np
 
 from eprt.api import EXIT_BAD_INPUT, STOPPED, GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import add_engine_arguments, launch_engine
+from eprt.serve import reasoning
+from eprt.serve.chat_output import split
 from eprt.serve.media import read_local_image
 from eprt.serve.params import check_text
 from eprt.serve.progress import Progress
@@ -55,24 +57,7 @@ def _load_embeds(path: str) -> np.ndarray:
     return rows.astype(np.float32)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--prompt",
-        dest="prompts",
-        action="append",
-        type=lambda s: ("text", s),
-        default=[],
-        metavar="TEXT",
-        help="a text prompt (repeatable; needs the model's tokenizer)",
-    )
-    parser.add_argument(
-        "--prompt-ids",
-        dest="prompts",
-        action="append",
-        type=_ids,
-        metavar="1,2,3",
-        help="a prompt as token ids (repeatable, keeps its place among --prompt)",
-    )
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -94,6 +79,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--min-tokens", type=int, default=0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prompt",
+        dest="prompts",
+        action="append",
+        type=lambda s: ("text", s),
+        default=[],
+        metavar="TEXT",
+        help="a text prompt (repeatable; needs the model's tokenizer)",
+    )
+    parser.add_argument(
+        "--prompt-ids",
+        dest="prompts",
+        action="append",
+        type=_ids,
+        metavar="1,2,3",
+        help="a prompt as token ids (repeatable, keeps its place among --prompt)",
+    )
+    _add_sampling_arguments(parser)
     parser.add_argument(
         "--image-embeds",
         action="append",
@@ -120,7 +126,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--adapter", default=None, metavar="NAME", help="generate with the LoRA adapter NAME of --lora-modules"
     )
+    reasoning.add_arguments(parser, budget=True)
     add_engine_arguments(parser)
+
+
+def _thinking(args, tokenizer):
+    """The prompts' thinking block (--reasoning-parser) with --max-thinking-tokens; RequestError for
+    a budget without one."""
+    try:
+        parser = reasoning.resolve(args.reasoning_parser, tokenizer) if tokenizer is not None else None
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    if parser is None or isinstance(parser, reasoning.HarmonyParser):  # (harmony: split by the server only)
+        if args.max_thinking_tokens is not None:
+            raise RequestError(
+                "--max-thinking-tokens needs the model's thinking block of delimiter tokens: give --reasoning-parser"
+            )
+        return None
+    return parser.thinking(args.max_thinking_tokens)
 
 
 def check_args(args) -> None:
@@ -133,6 +156,9 @@ def check_args(args) -> None:
                 f"{flag} is printed in the --json records only (plain text has no place for it): add --json"
             )
     _params(args).validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
+    reasoning.check_name(args.reasoning_parser)
+    if args.max_thinking_tokens is not None and args.max_thinking_tokens < 0:
+        raise ValueError(f"--max-thinking-tokens must be >= 0, got {args.max_thinking_tokens}")
 
 
 def _params(args) -> SamplingParams:
@@ -155,8 +181,9 @@ def _params(args) -> SamplingParams:
     )
 
 
-def _requests(args, tokenizer) -> list:
+def _requests(args, tokenizer, thinking=None) -> list:
     params = _params(args)
+    params.thinking = thinking
     reqs = []
     for kind, value in args.prompts:
         if kind == "text":
@@ -177,6 +204,15 @@ def _requests(args, tokenizer) -> list:
             raise RequestError(f"--image names prompt {index}, but there are {len(reqs)} prompts")
         reqs[index].images = (reqs[index].images or []) + [read_local_image(path, "--image", "--image")]
     return reqs
+
+
+def _record(res, engine, thinking) -> dict:
+    """``--json``'s object of a result: with a thinking block, its text split into reasoning and text."""
+    record = res.to_json()
+    if thinking is not None and res.finish_reason != "error":
+        eos = engine.tokenizer.eos_token_ids
+        record["reasoning"], record["text"] = split(engine.tokenizer, res.prompt_ids, res.token_ids, thinking, eos)
+    return record
 
 
 def _progress(engine, reqs: list) -> Progress:
@@ -218,7 +254,8 @@ def main(args) -> int:
         drain = Drain(engine)
         drain.install()
         try:
-            reqs = _requests(args, engine.tokenizer)
+            thinking = _thinking(args, engine.tokenizer)
+            reqs = _requests(args, engine.tokenizer, thinking)
             progress = _progress(engine, reqs)
             per_prompt = engine.generate_choices(reqs, on_step=progress.set_done, strict=True)
             progress.close()
@@ -237,7 +274,7 @@ def main(args) -> int:
         for res in results:
             failed += res.finish_reason == "error"
             if args.json:
-                print(json.dumps(res.to_json()), flush=True)
+                print(json.dumps(_record(res, engine, thinking)), flush=True)
             elif res.finish_reason == "error":
                 print(f"eprt generate: {res.error}", file=sys.stderr, flush=True)
                 print(flush=True)  # one output line per prompt, an empty one for a failure

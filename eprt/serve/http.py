@@ -36,8 +36,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from eprt import __version__
 from eprt.api import ENGINE_FAILED, RequestError
 from eprt.engine.adapters import UnknownAdapter
-from eprt.engine.choices import best_choices
-from eprt.serve import adapters, openai, schema, tokenize
+from eprt.engine.choices import ranked
+from eprt.serve import adapters, chat_output, openai, schema, tokenize
 from eprt.serve.body import ApiError, parse_json, read_body
 from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eprt.serve.metrics import ServerMetrics
@@ -205,6 +205,8 @@ class ServerState:
     def __init__(self, engine, loop, settings: HttpSettings):
         self.engine, self.loop, self.settings = engine, loop, settings
         self.model_name = settings.served_model_name or engine.model_name
+        # the reasoning parser and tool settings, for this model (ValueError: start-up error)
+        self.chat_features = chat_output.ChatFeatures.resolve(engine, settings.reasoning_parser, settings.tools)
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
         self._busy = 0  # generation requests being answered
@@ -256,10 +258,11 @@ class Generation:
 
     def _submit(self, request) -> list:
         engine, api = self.state.engine, self.api
+        # output: a chat's reasoning and tool calls (api.output), or plain text
+        kwargs = dict(notify=self.waker, include_stop=api.include_stop, output=api.output)
         if request.params.choices == 1:
-            return [LiveRequest(engine, request, api.stop_strings, notify=self.waker, include_stop=api.include_stop)]
-        # several choices sharing one prefill
-        return LiveRequest.choices(engine, request, api.stop_strings, notify=self.waker, include_stop=api.include_stop)
+            return [LiveRequest(engine, request, api.stop_strings, **kwargs)]
+        return LiveRequest.choices(engine, request, api.stop_strings, **kwargs)  # several sharing one prefill
 
     def grouped(self, results: list) -> list:
         """A result per live (in ``lives``' order) -> a list of them per prompt."""
@@ -504,7 +507,13 @@ async def _answer(state: ServerState, request: Request, chat: bool):
 def _parse(raw: bytes, state: ServerState, chat: bool) -> openai.ApiRequest:
     settings = state.settings
     return openai.parse_request(
-        parse_json(raw), state.engine, chat, state.model_name, settings.media, settings.chat_max_tokens
+        parse_json(raw),
+        state.engine,
+        chat,
+        state.model_name,
+        settings.media,
+        settings.chat_max_tokens,
+        state.chat_features,
     )
 
 
@@ -540,15 +549,28 @@ async def _complete(request: Request, gen: Generation):
     failed = next((r for r in results if r.finish_reason == "error"), None)
     if failed is not None:
         return error_response(gen.error(failed))
-    groups = gen.grouped(results)
+    texts = [live.text if gen.api.output is not None else None for live in lives]  # each choice's ChatOutput
     params = gen.api.request.params
-    if params.best_of is not None:
-        groups = [best_choices(results, params.n) for results in groups]
-    return JSONResponse(openai.batch_body(gen.api, groups))
+    groups = [ranked(pairs, params) for pairs in gen.grouped(list(zip(results, texts)))]
+    results_of = [[result for result, _ in pairs] for pairs in groups]
+    outputs = None if gen.api.output is None else [[text for _, text in pairs] for pairs in groups]
+    return JSONResponse(openai.batch_body(gen.api, results_of, outputs))
 
 
 def _event(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _pieces(api: openai.ApiRequest, live: LiveRequest, text: str, records, index: int) -> list:
+    """The chunks of what one pump brought: its text, or a chat message's deltas (reasoning,
+    content, tool calls); the tokens' logprobs ride on the first."""
+    if api.output is None:
+        return [_event(openai.chunk(api, text, records=records, index=index))] if text or records else []
+    deltas = live.text.deltas() or ([{}] if records else [])
+    return [
+        _event(openai.chunk(api, records=records if k == 0 else None, index=index, delta=d))
+        for k, d in enumerate(deltas)
+    ]
 
 
 async def _events(gen: Generation):
@@ -568,16 +590,15 @@ async def _events(gen: Generation):
                 if echo_due[i] and (live.token_ids or live.finished()):
                     echo_due[i] = False
                     yield _event(openai.echo_chunk(api, live.request_prompt, live.handle.prompt_logprobs, i))
-                records = live.take_logprobs()
-                if delta or records:
-                    yield _event(openai.chunk(api, delta, records=records, index=i))
+                for piece in _pieces(api, live, delta, live.take_logprobs(), i):
+                    yield piece
                 if live.finished():
                     results[i], tail = live.result()
-                    records = live.take_logprobs()
-                    if tail or records:
-                        yield _event(openai.chunk(api, tail, records=records, index=i))
+                    for piece in _pieces(api, live, tail, live.take_logprobs(), i):
+                        yield piece
                     if results[i].finish_reason != "error":
-                        yield _event(openai.chunk(api, finish_reason=results[i].finish_reason, index=i))
+                        reason = chat_output.finish_reason(results[i].finish_reason, api.output and live.text)
+                        yield _event(openai.chunk(api, finish_reason=reason, index=i))
             if all(r is not None for r in results):
                 break
             await gen.waker.wait(1.0)

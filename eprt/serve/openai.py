@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from eprt.api import GenerationRequest, GenerationResult, SamplingParams
+from eprt.serve import chat_output
 from eprt.serve.adapters import model_entries, pick_model
 from eprt.serve.guided import GUIDED_FIELDS, compile_guide, parse_guide
 from eprt.serve.media import MediaPolicy, image_part_bytes, image_text
@@ -37,6 +38,8 @@ from eprt.serve.params import (
     parse_truncation,
     truncate_prompt,
 )
+from eprt.serve.reasoning import BUDGET_FIELDS
+from eprt.serve.tool_calls import TOOL_FIELDS, message_fields
 
 log = logging.getLogger("eprt.serve")
 MAX_CHARS_PER_TOKEN = 32  # text longer than max_model_len * this cannot fit the context: refused untokenized
@@ -51,11 +54,8 @@ def _set(v) -> bool:
 # vLLM's fields of both routes (chat-only ones in CHAT_UNSUPPORTED, completions-only ones below)
 UNSUPPORTED = {
     "suffix": (_set, "suffix is not supported"),
-    "tools": (_set, "tools are not supported"),
-    "tool_choice": (lambda v: v not in (None, "none", "auto"), "tool_choice needs tools, which are not supported"),
-    "functions": (_set, "functions are not supported"),
-    "function_call": (lambda v: v not in (None, "none", "auto"), "function_call is not supported"),
-    "parallel_tool_calls": (lambda v: False, ""),
+    "functions": (_set, "functions (OpenAI's deprecated form) are not supported: send tools"),
+    "function_call": (lambda v: v not in (None, "none", "auto"), "function_call is not supported: send tool_choice"),
     "audio": (_set, "audio output is not supported"),
     "modalities": (lambda v: v not in (None, ["text"]), 'only modalities ["text"] are supported'),
     "prediction": (_set, "prediction (predicted outputs) is not supported"),
@@ -85,13 +85,22 @@ CHAT_UNSUPPORTED = {
     "continue_final_message": (_set, "continue_final_message is not supported"),
     "documents": (_set, "documents are not supported"),
     "chat_template": (_set, "chat_template is not supported: the model's own template is used"),
-    "chat_template_kwargs": (_set, "chat_template_kwargs is not supported"),
+}
+# chat's fields that completions refuse (parallel_tool_calls: accepted, no effect)
+COMPLETION_UNSUPPORTED = {
+    "tools": (_set, "tools need /v1/chat/completions"),
+    "tool_choice": (lambda v: v not in (None, "none"), "tool_choice needs tools, on /v1/chat/completions"),
+    **{
+        name: (lambda v: v is not None, f"{name} needs /v1/chat/completions (its thinking block)")
+        for name in BUDGET_FIELDS
+    },
 }
 # accepted and honoured (PROCESSING: eprt.serve.params), or accepted without effect on the output
 # (metadata OpenAI and vLLM also only record)
 HONOURED = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
 HONOURED |= {"timeout", "echo", "top_logprobs", "return_token_ids", "request_id", "truncate_prompt_tokens", *PROCESSING}
 HONOURED |= {"n", "best_of", "response_format", "structured_outputs", *GUIDED_FIELDS}
+HONOURED |= {*TOOL_FIELDS, *BUDGET_FIELDS, "chat_template_kwargs"}
 NO_EFFECT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -190,6 +199,7 @@ class ApiRequest:
     echo: bool = False  # completions: the prompt's text (and logprobs) lead the answer
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (None: not reported)
     tokenizer: Any = None  # token strings of logprobs (None: "token_id:<id>")
+    output: Any = None  # chat: each choice's ChatOutput factory (reasoning, tool calls); None: plain text
     streamed_chars: dict = field(default_factory=dict)  # choice -> text_offset of its next streamed token
     include_stop: bool = False  # include_stop_str_in_output: a matched stop string ends the text
     batch: list = field(default_factory=list)  # completions of several prompts: each one's request, in order
@@ -258,13 +268,16 @@ def _message(m, i: int, on_image=None) -> dict:
                 kinds = '{"type": "text", "text": ...}' + (' or {"type": "image_url", ...}' if on_image else "")
                 raise FieldError("messages", f"{where}.content: only {kinds} parts are supported")
         content = "".join(texts)
+    extra = message_fields(m, where)  # tool calls and results, earlier reasoning
+    if content is None and "tool_calls" in extra:
+        return {"role": role, "content": None, **extra}
     if not isinstance(content, str):
         raise FieldError("messages", f"{where}.content must be a string or a list of text parts, got {content!r}")
     try:
         check_text(content, "messages")
     except FieldError as e:
         raise FieldError("messages", f"{where}.content: {e}") from None
-    return {"role": role, "content": content}
+    return {"role": role, "content": content, **extra}
 
 
 def _chat_prompt(
@@ -274,9 +287,12 @@ def _chat_prompt(
     images: list | None = None,
     add_generation_prompt: bool = True,
     add_special_tokens: bool | None = None,
+    template_args: dict | None = None,
 ) -> list:
     """The prompt ids of a chat; ``images``: a list that collects the bytes of its image parts in
-    order (None: image parts are refused); the last two as vLLM's /tokenize takes them."""
+    order (None: image parts are refused); ``add_generation_prompt`` and ``add_special_tokens`` as
+    vLLM's /tokenize takes them; ``template_args``: the template's other variables (tools,
+    chat_template_kwargs)."""
     if not isinstance(messages, list) or not messages:
         raise FieldError("messages", "messages must be a non-empty list of {role, content} objects")
 
@@ -290,7 +306,9 @@ def _chat_prompt(
             "messages", "this model has no tokenizer (so no chat template): use /v1/completions with token ids"
         )
     try:
-        text = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        text = engine.tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=add_generation_prompt, **(template_args or {})
+        )
     except _template_errors() as e:  # no template, or one that refuses these messages
         raise FieldError("messages", f"the chat template cannot render these messages: {e}") from None
     return encode_prompt(engine.tokenizer, text, "messages", add_special_tokens)
@@ -319,7 +337,8 @@ def _check_body(body, engine, chat: bool, model_name: str | None) -> tuple:
     adapter = pick_model(engine, model, model_name)
     _check_size(body, chat, engine.max_model_len)
     _check_types(body, chat)
-    for name, (unsupported, message) in {**UNSUPPORTED, **(CHAT_UNSUPPORTED if chat else {})}.items():
+    refused = {**UNSUPPORTED, **(CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED)}
+    for name, (unsupported, message) in refused.items():
         if unsupported(body.get(name)):
             raise FieldError(name, message)
     known = HONOURED | NO_EFFECT | set(UNSUPPORTED) | ({"messages", "max_completion_tokens"} if chat else {"prompt"})
@@ -329,11 +348,12 @@ def _check_body(body, engine, chat: bool, model_name: str | None) -> tuple:
     return model, adapter
 
 
-def _chat_prompts(body: dict, engine, media: MediaPolicy | None) -> tuple:
-    """([the chat's prompt ids], its image rows or None): the messages through the chat template,
-    cut by truncate_prompt_tokens, each image expanded to its placeholders (and encoded)."""
+def _chat_prompts(body: dict, engine, media: MediaPolicy | None, template_args: dict) -> tuple:
+    """([the chat's prompt ids], its image rows or None): the messages through the chat template
+    (``template_args``: tools, chat_template_kwargs), cut by truncate_prompt_tokens, each image
+    expanded to its placeholders (and encoded)."""
     images: list = []
-    prompt_ids = _chat_prompt(body.get("messages"), engine, media, images)
+    prompt_ids = _chat_prompt(body.get("messages"), engine, media, images, template_args=template_args)
     prompt_ids = truncate_prompt(prompt_ids, parse_truncation(body, engine.max_model_len, bool(images)))
     if not images:
         return [prompt_ids], None
@@ -349,19 +369,22 @@ def parse_request(
     model_name: str | None = None,
     media: MediaPolicy | None = None,
     chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+    features: chat_output.ChatFeatures | None = None,
 ) -> ApiRequest:
     """Validate one request body of /v1/chat/completions (chat) or /v1/completions;
     ``model_name``: the name clients use (``--served-model-name``), else the engine's;
     ``media``: where image parts may come from (data: URLs only by default);
-    ``chat_max_tokens``: a chat's max_tokens when it sets none (0: the rest of the context)."""
+    ``chat_max_tokens``: a chat's max_tokens when it sets none (0: the rest of the context);
+    ``features``: the server's reasoning parser and tool settings."""
     model, adapter = _check_body(body, engine, chat, model_name)
     stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise FieldError("stream_options", "stream_options must be an object")
     include_usage = _flag(options, "include_usage")
+    setup = chat_output.prepare(body, features) if chat else None
     if chat:
-        prompts, image_rows = _chat_prompts(body, engine, media)
+        prompts, image_rows = _chat_prompts(body, engine, media, setup.template_args)
         default_max = chat_max_tokens or engine.max_model_len  # then cut to what the context leaves
         max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     else:
@@ -377,6 +400,8 @@ def parse_request(
     guide, guide_field = parse_guide(body)
     compile_guide(engine, guide, guide_field)
     params = dataclasses.replace(parse_choices(body, opts.params, stream), guide=guide)
+    if setup is not None:  # tool_choice required / named: a guide of their own; the thinking block
+        params = setup.apply(params, engine, guide_field)
     echo = not chat and _flag(body, "echo")
     shown = params.prompt_logprobs  # vLLM's prompt_logprobs field, reported as such
     if echo and params.logprobs is not None:  # the prompt's logprobs lead the completion's
@@ -392,6 +417,7 @@ def parse_request(
     for p, req in enumerate(requests):
         req.request_id = api.id if len(requests) == 1 else f"{api.id}-{p}"
     api.echo, api.prompt_logprobs, api.tokenizer = echo, shown, engine.tokenizer
+    api.output = None if setup is None else setup.output(requests[0].prompt_ids)  # (a chat: one prompt)
     return api
 
 
@@ -406,12 +432,16 @@ def usage(result) -> dict:
     groups = result if isinstance(result[0], list) else [result]
     prompt = sum(len(g[0].prompt_ids) for g in groups)
     completion = sum(len(r.token_ids) for g in groups for r in g)
-    return {
+    counts = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(g[0].cached_tokens for g in groups)},
     }
+    thought = [r.reasoning_tokens for g in groups for r in g if r.reasoning_tokens is not None]
+    if thought:  # the tokens inside the choices' thinking blocks (a reasoning parser is on)
+        counts["completion_tokens_details"] = {"reasoning_tokens": sum(thought)}
+    return counts
 
 
 def _envelope(api: ApiRequest, obj: str, choices: list) -> dict:
@@ -430,21 +460,24 @@ def response_body(api: ApiRequest, result: GenerationResult) -> dict:
     return choices_body(api, [result])
 
 
-def choices_body(api: ApiRequest, results: list) -> dict:
+def choices_body(api: ApiRequest, results: list, outputs: dict | None = None) -> dict:
     """The whole answer of a non-streaming request, one choice per result (``result.index``).
     ``token_ids`` (an eprt extension) lists the generated ids, so a model without a tokenizer
-    still shows what it generated."""
-    return batch_body(api, [results])
+    still shows what it generated; ``outputs``: each choice's ChatOutput, in order (reasoning, tool
+    calls; None: plain text)."""
+    return batch_body(api, [results], None if outputs is None else [outputs])
 
 
-def batch_body(api: ApiRequest, groups: list) -> dict:
-    """The whole answer to the prompts of a request (``groups``: each prompt's results, in order):
-    choice k of prompt p is choice ``p * n + k``, as in OpenAI's and vLLM's batched completions."""
+def batch_body(api: ApiRequest, groups: list, outputs: list | None = None) -> dict:
+    """The whole answer to the prompts of a request (``groups``: each prompt's results, in order;
+    ``outputs``: their ChatOutputs, alike): choice k of prompt p is choice ``p * n + k``, as in
+    OpenAI's and vLLM's batched completions."""
     choices, n = [], api.request.params.n
     for p, results in enumerate(groups):
         shown = None if api.prompt_logprobs is None else vllm_prompt_logprobs(api, results[0])
-        for result in results:
-            choices.append(_choice(api, dataclasses.replace(result, index=p * n + result.index)))
+        for k, result in enumerate(results):
+            output = None if outputs is None else outputs[p][k]
+            choices.append(_choice(api, dataclasses.replace(result, index=p * n + result.index), output))
             if shown is not None and not api.chat:
                 choices[-1]["prompt_logprobs"] = shown
     body = _envelope(api, "chat.completion" if api.chat else "text_completion", choices)
@@ -454,14 +487,14 @@ def batch_body(api: ApiRequest, groups: list) -> dict:
     return body
 
 
-def _choice(api: ApiRequest, result: GenerationResult) -> dict:
+def _choice(api: ApiRequest, result: GenerationResult, output=None) -> dict:
     records = None if result.logprobs is None else result.logprobs[: len(result.token_ids)]
     if api.chat:
         choice = {
             "index": result.index,
-            "message": {"role": "assistant", "content": result.text},
+            "message": {"role": "assistant", "content": result.text} if output is None else output.message(),
             "logprobs": None if records is None else chat_logprobs(api, records),
-            "finish_reason": result.finish_reason,
+            "finish_reason": chat_output.finish_reason(result.finish_reason, output),
         }
     else:
         echoed, echoed_ids = prompt_text(api, result), list(result.prompt_ids) + list(result.token_ids)
@@ -556,12 +589,15 @@ def chunk(
     records=None,
     ids=None,
     index: int = 0,
+    delta: dict | None = None,
 ) -> dict:
     """One streamed chunk of choice ``index``: new text, or (with finish_reason) its last one;
     ``records``: the TokenLogprobs of the tokens it brings (logprobs asked for; None entries,
-    the first echoed prompt token, take their id from ``ids``)."""
+    the first echoed prompt token, take their id from ``ids``); ``delta``: a chat delta's
+    fields instead of text (reasoning, tool calls: eprt/serve/chat_output.py)."""
     if api.chat:
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        if delta is None:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
         shown = None if records is None else chat_logprobs(api, records)
         choice = {"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}
     else:

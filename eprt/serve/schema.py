@@ -18,6 +18,7 @@ from pydantic.json_schema import models_json_schema
 from eprt.api import MAX_CHOICES, MAX_LOGPROBS
 from eprt.serve.openai import CHAT_ROLES, ChatCompletionBody, CompletionBody
 from eprt.serve.params import MAX_BAD_WORDS, MAX_STOPS, MAX_TOKEN_LIST
+from eprt.serve.tool_calls import MAX_TOOLS
 
 Logprobs = Field(None, ge=0, le=MAX_LOGPROBS)
 TokenIds = list[StrictInt]
@@ -90,10 +91,37 @@ class ImagePart(BaseModel):
     image_url: ImageUrl
 
 
+class FunctionCall(BaseModel):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = Field(description="the arguments object, as JSON text")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: StrictStr | list[TextPart | ImagePart]
+    content: StrictStr | list[TextPart | ImagePart] | None = Field(description="null: an assistant's tool calls alone")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls")
+    tool_call_id: StrictStr | None = Field(None, description="a tool message's call")
+    reasoning_content: StrictStr | None = Field(None, description="an assistant's reasoning (also: reasoning)")
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: Function
 
 
 class ChatCompletionRequest(_Processing, ChatCompletionBody):
@@ -102,6 +130,14 @@ class ChatCompletionRequest(_Processing, ChatCompletionBody):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Logprobs
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
+        None, description='or {"type": "function", "function": {"name": ...}}; "auto" needs --enable-auto-tool-choice'
+    )
+    parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="the chat template's variables")
+    max_thinking_tokens: StrictInt | None = Field(None, ge=0, description="needs --reasoning-parser")
+    thinking_token_budget: StrictInt | None = Field(None, ge=0, description="vLLM's name of max_thinking_tokens")
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -173,6 +209,8 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: StrictBool | None = Field(None, description="default: true for prompt, false for messages")
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="with messages: as a chat renders them")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="with messages: the template's variables")
 
 
 class TokenizeResponse(BaseModel):

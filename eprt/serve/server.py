@@ -13,12 +13,14 @@ import sys
 
 from eprt import env
 from eprt.api import EXIT_BAD_INPUT
+from eprt.serve import reasoning, tool_calls
 from eprt.serve.adapters import check_adapters_dir
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES
 from eprt.serve.loop import EngineLoop, RankLost
 from eprt.serve.media import MediaPolicy
 from eprt.serve.params import DEFAULT_CHAT_MAX_TOKENS
 from eprt.serve.settings import KEEP_ALIVE_S, HttpSettings, check_api_key
+from eprt.serve.tool_calls import ToolSettings
 
 log = logging.getLogger("eprt.serve")
 
@@ -122,6 +124,8 @@ def _add_request_arguments(parser) -> None:
         help="/v1/load_lora_adapter may load adapters under DIR (regular files, symlinks resolved "
         "inside it; default: no adapter loading at run time)",
     )
+    reasoning.add_arguments(parser)
+    tool_calls.add_arguments(parser)
 
 
 WEB_STACK = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "jinja2")  # install_requires (setup.cfg)
@@ -177,7 +181,14 @@ def _settings(args) -> HttpSettings:
         media=MediaPolicy(args.allowed_local_media_path),
         lora_dir=check_adapters_dir(args.lora_modules_dir),
         chat_max_tokens=args.default_max_tokens,
+        reasoning_parser=_reasoning_name(args.reasoning_parser),
+        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
     )
+
+
+def _reasoning_name(name: str) -> str:
+    reasoning.check_name(name)
+    return name
 
 
 def _is_loopback(host: str) -> bool:
@@ -194,7 +205,11 @@ def serve(engine, host: str, port: int, settings: HttpSettings | None = None, st
 
     settings = settings or HttpSettings()
     loop = EngineLoop(engine, stall_s)
-    state = ServerState(engine, loop, settings)
+    try:
+        state = ServerState(engine, loop, settings)
+    except ValueError as e:  # a reasoning or tool-call parser this model cannot have
+        print(f"eprt serve: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         http = HttpServer(state, host, port)
     except OSError as e:

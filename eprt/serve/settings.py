@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES
 from eprt.serve.media import MediaPolicy
 from eprt.serve.params import DEFAULT_CHAT_MAX_TOKENS
+from eprt.serve.tool_calls import ToolSettings
 
 # Longer than the idle time of common clients' pools (httpx 5 s, aiohttp 15 s, Go and hyper 90 s),
 # so that the client, not the server, closes an idle connection: a server closing one races with
@@ -26,6 +27,8 @@ class HttpSettings:
     media: MediaPolicy = MediaPolicy()  # where chat image parts may come from (--allowed-local-media-path)
     lora_dir: str | None = None  # the real path of --lora-modules-dir (None: no adapter loading at run time)
     chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # a chat's max_tokens when it sets none (0: the context's rest)
+    reasoning_parser: str | None = None  # --reasoning-parser (auto, none, a name; None: none)
+    tools: ToolSettings = ToolSettings()  # --enable-auto-tool-choice, --tool-call-parser
 
     def __post_init__(self):
         check_api_key(self.api_key, "the API key")

@@ -12,7 +12,9 @@ from eprt import __version__
 from eprt.api import is_int
 from eprt.serve import openai
 from eprt.serve.adapters import pick_model
+from eprt.serve.chat_output import template_kwargs
 from eprt.serve.params import FieldError, check_text, parse_token_ids
+from eprt.serve.tool_calls import ToolSettings, parse_tools
 
 log = logging.getLogger("eprt.serve")
 
@@ -56,16 +58,32 @@ def _warn_unknown(route: str, body: dict, known: set) -> None:
         log.warning("%s request: unknown fields ignored: %s", route, ", ".join(unknown))
 
 
+def _template_args(body: dict) -> dict:
+    """A chat's ``tools`` and ``chat_template_kwargs``, the template's variables as a chat request
+    gives them (so the count is the chat's prompt_tokens); FieldError naming a bad one."""
+    if "prompt" in body:
+        for name in ("tools", "chat_template_kwargs"):
+            if body.get(name) not in (None, {}, []):
+                raise FieldError(name, f"{name} goes with messages (a chat), not prompt")
+        return {}
+    args = template_kwargs(body)
+    tools = parse_tools({"tools": body.get("tools"), "tool_choice": "none"}, ToolSettings())
+    if tools is not None:
+        args["tools"] = tools.tools
+    return args
+
+
 def tokenize_body(engine, body, model_name: str) -> dict:
     """POST /tokenize: a ``prompt`` (add_special_tokens, default true) or chat ``messages`` through
-    the chat template as a chat request renders them (add_generation_prompt default true,
-    add_special_tokens default false), as vLLM's."""
+    the chat template as a chat request renders them (``tools`` and ``chat_template_kwargs`` too;
+    add_generation_prompt default true, add_special_tokens default false), as vLLM's."""
     _checked(body, engine, model_name)
     if ("prompt" in body) == ("messages" in body):
         raise FieldError("prompt", "give exactly one of prompt (text) or messages (a chat)")
-    for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "tools"):
+    for name in ("continue_final_message", "chat_template", "mm_processor_kwargs"):
         if body.get(name) not in (None, False, {}, []):
             raise FieldError(name, f"{name} is not supported by /tokenize")
+    template_args = _template_args(body)
     _warn_unknown("tokenize", body, TOKENIZE_FIELDS)
     tokenizer = engine.tokenizer
     if "prompt" in body:
@@ -77,7 +95,11 @@ def tokenize_body(engine, body, model_name: str) -> dict:
         generation = _flag(body, "add_generation_prompt", True)
         special = _flag(body, "add_special_tokens", False)
         ids = openai._chat_prompt(
-            body["messages"], engine, add_generation_prompt=generation, add_special_tokens=special
+            body["messages"],
+            engine,
+            add_generation_prompt=generation,
+            add_special_tokens=special,
+            template_args=template_args,
         )
     ids = [int(t) for t in ids]
     return {
