@@ -267,9 +267,15 @@ def build_gptoss_checkpoint(path: str, dtype: str = "float32", mxfp4: bool = Fal
     """A random gpt_oss checkpoint: biases (zero-initialized by transformers) and sinks random so that
     every one of them is tested. ``mxfp4``: the experts quantized to MXFP4 as the released checkpoints
     store them (``*_blocks`` / ``*_scales``, ``quantization_config.quant_method = "mxfp4"``), the rest
-    in ``dtype``; its transformers reference is ``load_reference`` (dequantized by transformers)."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
+    in ``dtype``; its transformers reference is ``load_reference`` (dequantized by transformers).
+    Built once across processes (``building``)."""
+    with building(path) as temp:
+        if temp is not None:
+            _save_gptoss_checkpoint(temp[0], dtype, mxfp4, seed, overrides)
+    return path
+
+
+def _save_gptoss_checkpoint(path: str, dtype: str, mxfp4: bool, seed: int, overrides: dict) -> None:
     import torch
     import transformers
 
@@ -287,7 +293,6 @@ def build_gptoss_checkpoint(path: str, dtype: str = "float32", mxfp4: bool = Fal
     model.save_pretrained(path)
     if mxfp4:
         _quantize_experts_mxfp4(path)
-    return path
 
 
 def _mxfp4(w):
