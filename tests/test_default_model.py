@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from checkpoints import load_reference
 
 from eprt.api import GenerationRequest, SamplingParams
@@ -59,6 +60,7 @@ def test_shipped_files_are_declared_package_data():
     assert sorted(listed) == sorted(f"default_model/{f}" for f in os.listdir(DEFAULT_MODEL_DIR))
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers():
     import torch
 
