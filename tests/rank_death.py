@@ -99,8 +99,13 @@ class Trial:
         return f"eprt serve: rank {self.victim} " in self.log
 
     def health_failed(self) -> bool:
-        """/health answered 503 after the kill (before the server went away)."""
-        return any(status == 503 for _, status in self.health)
+        """After the kill /health answered 503, or never said 200 again once the clients were told and
+        the server went away (on a loaded machine the job can end before a poll gets through)."""
+        told = max((self.after(c) for c in self.clients), default=0.0)
+        after = [(t, status) for t, status in self.health if t > 0]
+        if any(status == 503 for _, status in after):
+            return True
+        return bool(after) and after[-1][1] == "refused" and all(status != 200 for t, status in after if t > told)
 
     def summary(self) -> str:
         worst = max((self.after(c) for c in self.clients), default=0.0)
@@ -138,9 +143,11 @@ def run_trial(
         for c in clients[:streams]:
             assert c.started.wait(60), "a stream did not start:\n" + "".join(log)
         time.sleep(0.2)  # the non-stream requests are running too
+        killed_at = [time.monotonic() + 3600.0]  # /health polled from before the kill (times < 0 then)
+        poller = threading.Thread(target=_poll_health, args=(base, health, killed_at, stop), daemon=True)
+        poller.start()
         os.kill(rank_pid(job.pid, victim), sig)
-        killed_at = time.monotonic()
-        threading.Thread(target=_poll_health, args=(base, health, killed_at, stop), daemon=True).start()
+        killed_at[0] = time.monotonic()
         for t in threads:
             t.join(60)
         try:
@@ -149,8 +156,10 @@ def run_trial(
             code = None
         exited_at = time.monotonic()
         stop.set()
+        poller.join(5)  # its last request answered or refused
         time.sleep(0.05)  # the log's last lines
-        return Trial(victim, clients, killed_at, code, exited_at, list(health), "".join(log))
+        health = [(round(at - killed_at[0], 3), status) for at, status in health]
+        return Trial(victim, clients, killed_at[0], code, exited_at, health, "".join(log))
     finally:
         stop.set()
         _kill_tree(job)
@@ -197,16 +206,20 @@ def _request(base: str, client: Client, max_tokens: int) -> None:
     client.started.set()
 
 
-def _poll_health(base: str, health: list, since: float, stop: threading.Event) -> None:
-    while not stop.is_set():
-        try:
-            status = httpx.get(base + "/health", timeout=1).status_code
-        except httpx.HTTPError:
-            status = "refused"
-        health.append((round(time.monotonic() - since, 3), status))
-        if status == "refused":
-            return
-        time.sleep(0.01)
+def _poll_health(base: str, health: list, killed_at: list, stop: threading.Event) -> None:
+    """(time.monotonic() at the answer, status) until the server refuses or ``stop``; a request sent
+    before the kill is not taken for an answer after it."""
+    with httpx.Client(timeout=1) as client:
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                status = client.get(base + "/health").status_code
+            except httpx.HTTPError:
+                status = "refused"
+            health.append((max(time.monotonic(), killed_at[0]) if sent > killed_at[0] else sent, status))
+            if status == "refused":
+                return
+            time.sleep(0.01)
 
 
 def _kill_tree(job: subprocess.Popen) -> None:
