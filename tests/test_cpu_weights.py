@@ -1,0 +1,154 @@
+"""CPU weights at the checkpoint's precision (``--cpu-weights``, eprt/ops/cpu_weights.py) and on
+several threads: bf16 and FP8 resident weights give every architecture the logits (bit for bit)
+and tokens of the float32 path, with 1 and 2 threads; int8 weights (and activations) are the
+quantization they say, exactly, and close to float32."""
+
+import os
+
+import numpy as np
+import pytest
+from checkpoints import ARCHS, HYBRID_ARCHS, build_bf16_copy, build_fp8_copy, build_vl_checkpoint
+
+from eprt.engine.executor import ShardExecutor
+from eprt.model.loader import load_model
+from eprt.ops import cpu_threads, cpu_weights
+from eprt.ops.cpu_weights import ScaledPanels
+from eprt.ops.numpy_ops import NumpyOps, numba_available
+
+pytestmark = pytest.mark.skipif(not numba_available(), reason="resident bf16 / FP8 / int8 need numba (the cpu extra)")
+
+PROMPTS = [[5, 77, 3, 140, 9, 9, 31, 200, 17, 64, 2, 250, 11], [200, 100, 50, 25]]
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def resident(checkpoint, ckpt_root):
+    """arch, kind ("bf16", "fp8") -> a checkpoint of that precision."""
+
+    def make(arch, kind):
+        vl = arch == "qwen3_vl_moe"
+        source = build_vl_checkpoint(os.path.join(ckpt_root, arch)) if vl else checkpoint(arch)
+        if kind == "bf16":
+            return build_bf16_copy(source, f"{source}-bf16copy")
+        return build_fp8_copy(source, f"{source}-fp8-16x32", (16, 32))[0]
+
+    return make
+
+
+def greedy_logits(path, ops, steps=STEPS):
+    """Prefill each prompt, then batched greedy decode: logits [P, steps, V]."""
+    lm = load_model(path, ops, max_len=512)
+    ex = ShardExecutor(lm.model, 64, 4, 8, prefix_cache=False)
+    logits = []
+    for s, p in enumerate(PROMPTS):
+        ex.allocate(s, p)
+        logits.append([ex.prefill(s, p, 0, len(p))[0]])
+    for _ in range(steps - 1):
+        step = ex.decode([0, 1], [int(np.argmax(rows[-1])) for rows in logits])
+        for s in (0, 1):
+            logits[s].append(step[s])
+    return np.array(logits), lm
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("arch", [*ARCHS, *HYBRID_ARCHS, "qwen3_vl_moe"])
+def test_resident_weights_give_the_float32_bits(resident, arch, kind):
+    """The checkpoint's precision held (auto) on 2 threads: the logits of today's float32 upcast
+    on 1 thread, bit for bit, so the same tokens."""
+    path = resident(arch, kind)
+    want, _ = greedy_logits(path, NumpyOps("numba", weights="f32", threads=1))
+    ops = NumpyOps("numba", weights="auto", threads=2)
+    got, lm = greedy_logits(path, ops)
+    np.testing.assert_array_equal(got, want)
+    assert kind in ops.describe().rsplit("weights ", 1)[1].split("+")  # held at the checkpoint's precision
+    o = lm.model.w.layers[-1].o  # (fused experts stay float32 in the FP8 copies: it quantizes 2-D weights)
+    assert o.dtype == np.uint16 if kind == "bf16" else isinstance(o, ScaledPanels) and o.kind == "fp8"
+
+
+def test_float32_path_is_the_same_on_1_and_2_threads(checkpoint):
+    path = checkpoint("deepseek_v3")
+    one, _ = greedy_logits(path, NumpyOps("numba", weights="f32", threads=1))
+    two, _ = greedy_logits(path, NumpyOps("numba", weights="f32", threads=2))
+    np.testing.assert_array_equal(one, two)
+
+
+def int8_reference(x, p: ScaledPanels):
+    """The int8 kernel's arithmetic in NumPy: rows quantized per group (max |x| / 127, rint), exact
+    integer dot products per group, then acc += float32(dot) * (w scale * x scale), groups in order."""
+    w = p.data.swapaxes(-3, -2).reshape(-1, p.data.shape[-3] * 4).astype(np.int64)  # [N', K']
+    ws = p.scales.swapaxes(-1, -2).reshape(w.shape[0], -1)  # [N', G]
+    G = p.block
+    xp = np.pad(x, [(0, 0), (0, w.shape[1] - x.shape[1])])
+    out = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    for g in range(ws.shape[1]):
+        part = xp[:, g * G : (g + 1) * G]
+        top = np.abs(part).max(axis=1)  # [T]
+        inv = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), np.float32(0)).astype(np.float32)
+        q = np.rint(part * inv[:, None]).astype(np.int64)
+        dots = (q @ w[:, g * G : (g + 1) * G].T).astype(np.float32)  # exact: |dot| < 2^24
+        out += dots * (ws[None, :, g] * (top / np.float32(127))[:, None])
+    return out[:, : p.rows]
+
+
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("N, K", [(48, 96), (40, 70)])  # 40, 70: padded to 48 rows and whole groups
+def test_int8_products_are_the_quantization_they_say(group, N, K):
+    from eprt.ops import cpu_kernels
+
+    rng = np.random.default_rng(group + N)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    x = rng.standard_normal((9, K)).astype(np.float32)
+    p = cpu_weights.int8_panels(w, group)
+    assert p.shape == (N, K) and p.data.dtype == np.int8
+    scale = np.repeat(np.abs(np.pad(w, [(0, 0), (0, -K % group)])).reshape(N, -1, group).max(-1) / 127, group, 1)
+    assert np.all(np.abs(cpu_weights.int8_dequantized(p) - w) <= scale[:, :K] / 2 * (1 + 1e-6))
+    got = cpu_kernels.product(x, p, threads=1)
+    np.testing.assert_array_equal(got, int8_reference(x, p))
+    np.testing.assert_array_equal(cpu_kernels.product(x, p, threads=2), got)
+    np.testing.assert_array_equal(cpu_kernels.product(x[3:4], p), got[3:4])  # a row's bits alone
+    assert np.abs(got - x @ w.T).max() < 0.05 * np.abs(x @ w.T).max()
+
+
+def test_int8_rows_with_nan_give_nan():
+    from eprt.ops import cpu_kernels
+
+    p = cpu_weights.int8_panels(np.ones((16, 64), np.float32), 32)
+    x = np.ones((2, 64), np.float32)
+    x[1, 40] = np.nan
+    y = cpu_kernels.product(x, p)
+    assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
+
+
+def test_int8_model_is_close_to_float32(checkpoint):
+    path = checkpoint("qwen3_moe")
+    want, _ = greedy_logits(path, NumpyOps("numba", weights="f32", threads=1), steps=1)
+    ops = NumpyOps("numba", weights="int8", threads=2)
+    got, lm = greedy_logits(path, ops, steps=1)
+    assert "weights int8" in ops.describe()
+    assert isinstance(lm.model.w.lm_head, ScaledPanels)  # every linear, the 256-row head too
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    one, _ = greedy_logits(path, NumpyOps("numba", weights="int8", threads=1), steps=1)
+    np.testing.assert_array_equal(one, got)
+
+
+def test_precision_and_threads_are_checked(monkeypatch):
+    with pytest.raises(ValueError, match="--cpu-weights must be one of auto, f32, bf16, int8, got 'fp16'"):
+        NumpyOps("numba", weights="fp16")
+    with pytest.raises(ValueError, match="--cpu-weights bf16 needs the compiled kernels"):
+        NumpyOps("numpy", weights="bf16")
+    with pytest.raises(ValueError, match=r"--cpu-threads must be in \[1, "):
+        NumpyOps("numba", threads=10_000)
+    monkeypatch.setenv("EPRT_CPU_INT8_GROUP", "48")
+    with pytest.raises(ValueError, match=r"EPRT_CPU_INT8_GROUP must be one of \(32, 64\), got 48"):
+        NumpyOps("numba", weights="int8")
+
+
+def test_default_threads_share_the_node_among_its_ranks(monkeypatch):
+    cores = cpu_threads.node_cores()
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert cpu_threads.default_threads({})[0] == cores
+    assert cpu_threads.default_threads({"MPI_LOCALNRANKS": str(cores)})[0] == 1
+    assert cpu_threads.default_threads({"OMPI_COMM_WORLD_LOCAL_SIZE": str(2 * cores)})[0] == 1
+    monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2})  # bound by the launcher
+    assert cpu_threads.default_threads({"MPI_LOCALNRANKS": "4"}) == (3, "the 3 core(s) this rank is bound to")
