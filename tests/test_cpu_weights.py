@@ -21,6 +21,14 @@ PROMPTS = [[5, 77, 3, 140, 9, 9, 31, 200, 17, 64, 2, 250, 11], [200, 100, 50, 25
 STEPS = 5
 
 
+@pytest.fixture
+def shared(monkeypatch):
+    """Every product shared out over the threads asked for, however small (the test models' are)."""
+    from eprt.ops import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "THREAD_MIN_BYTES", 1)
+
+
 @pytest.fixture(scope="module")
 def resident(checkpoint, ckpt_root):
     """arch, kind ("bf16", "fp8") -> a checkpoint of that precision."""
@@ -52,7 +60,7 @@ def greedy_logits(path, ops, steps=STEPS):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 @pytest.mark.parametrize("arch", [*ARCHS, *HYBRID_ARCHS, "qwen3_vl_moe"])
-def test_resident_weights_give_the_float32_bits(resident, arch, kind):
+def test_resident_weights_give_the_float32_bits(resident, shared, arch, kind):
     """The checkpoint's precision held (auto) on 2 threads: the logits of today's float32 upcast
     on 1 thread, bit for bit, so the same tokens."""
     path = resident(arch, kind)
@@ -65,7 +73,7 @@ def test_resident_weights_give_the_float32_bits(resident, arch, kind):
     assert o.dtype == np.uint16 if kind == "bf16" else isinstance(o, ScaledPanels) and o.kind == "fp8"
 
 
-def test_float32_path_is_the_same_on_1_and_2_threads(checkpoint):
+def test_float32_path_is_the_same_on_1_and_2_threads(checkpoint, shared):
     path = checkpoint("deepseek_v3")
     one, _ = greedy_logits(path, NumpyOps("numba", weights="f32", threads=1))
     two, _ = greedy_logits(path, NumpyOps("numba", weights="f32", threads=2))
@@ -92,7 +100,7 @@ def int8_reference(x, p: ScaledPanels):
 
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("N, K", [(48, 96), (40, 70)])  # 40, 70: padded to 48 rows and whole groups
-def test_int8_products_are_the_quantization_they_say(group, N, K):
+def test_int8_products_are_the_quantization_they_say(shared, group, N, K):
     from eprt.ops import cpu_kernels
 
     rng = np.random.default_rng(group + N)
@@ -119,7 +127,7 @@ def test_int8_rows_with_nan_give_nan():
     assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
 
 
-def test_int8_model_is_close_to_float32(checkpoint):
+def test_int8_model_is_close_to_float32(checkpoint, shared):
     path = checkpoint("qwen3_moe")
     want, _ = greedy_logits(path, NumpyOps("numba", weights="f32", threads=1), steps=1)
     ops = NumpyOps("numba", weights="int8", threads=2)
@@ -152,3 +160,32 @@ def test_default_threads_share_the_node_among_its_ranks(monkeypatch):
     monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 8)
     monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2})  # bound by the launcher
     assert cpu_threads.default_threads({"MPI_LOCALNRANKS": "4"}) == (3, "the 3 core(s) this rank is bound to")
+
+
+def test_pool_threads_take_each_chunk_whole_and_once():
+    """cpu_pool: the caller and a helper take chunks from one counter until none is left; the call
+    returns when every chunk is done (a slow chunk gives the helper time to join)."""
+    import threading
+    import time
+
+    from eprt.ops.cpu_pool import ChunkPool, new_counters
+
+    pool, lock, taken = ChunkPool(), threading.Lock(), []
+
+    def chunk_work(chunks, counters):
+        while True:
+            with lock:
+                j = int(counters[0])
+                counters[0] += 1
+            if j >= chunks:
+                return
+            time.sleep(0.02)
+            taken.append((j, threading.current_thread().name))
+            with lock:
+                counters[1] += 1
+
+    for _ in range(3):
+        taken.clear()
+        pool.run(chunk_work, (8,), new_counters(), 8, 2)
+        assert sorted(j for j, _ in taken) == list(range(8))
+    assert {name for _, name in taken} == {threading.current_thread().name, "eprt-cpu"}

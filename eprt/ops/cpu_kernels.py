@@ -16,30 +16,34 @@ of seconds; numba caches the result.
 
 from __future__ import annotations
 
-import threading
-
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from eprt.ops import cpu_simd as simd
+from eprt.ops.cpu_pool import POOL, new_counters
 from eprt.ops.cpu_weights import LANES, ScaledPanels, unit_scales
 
 PANEL_PREFETCH_BYTES = 8192  # the first rows' pass over a panel asks for the weights this far ahead
+THREAD_MIN_BYTES = 1 << 18  # a product uses another thread per this many bytes of weights it reads
 KV_PREFETCH_POSITIONS = 8  # _decode_attention asks for the keys this many positions ahead
 VERSION = numba.__version__
-_THREADS = threading.local()  # .count: the numba threads last set on this thread (numba's setting is per thread)
+CHUNKS_PER_THREAD = 4  # a shared call is cut into this many chunks per thread (cpu_pool takes them)
 
 
-def _use_threads(threads: int) -> int:
-    """Make numba's parallel loops called from this thread run on ``threads`` threads; returns it."""
-    if getattr(_THREADS, "count", None) != threads:
-        numba.set_num_threads(threads)
-        _THREADS.count = threads
-    return threads
+def _threads(threads: int, weight_bytes: int) -> int:
+    """The threads worth using on a product reading ``weight_bytes`` of weights: at most one per
+    THREAD_MIN_BYTES (waking a thread for less costs more than it saves)."""
+    return max(1, min(threads, weight_bytes // THREAD_MIN_BYTES))
+
+
+def _shared(fn, args: tuple, units: int, threads: int) -> None:
+    """fn(*args, chunks, counters) over ``units`` panels or rows, on ``threads`` threads (cpu_pool)."""
+    chunks = 1 if threads <= 1 else min(units, CHUNKS_PER_THREAD * threads)
+    POOL.run(fn, (*args, chunks), new_counters(), chunks, threads)
 
 
 @intrinsic
@@ -260,38 +264,46 @@ def _fill_for(op, x, block, lo, hi):  # pragma: no cover - compiled
     return lambda op, x, block, lo, hi: None
 
 
-@njit(nogil=True, cache=True, parallel=True)
-def _linear(x, w, s, block, y, threads):  # pragma: no cover - compiled
-    """y = x @ w for panels w [C, ..] on ``threads`` threads, thread t computing panels [t C /
-    threads, (t + 1) C / threads) for every row: a row's bits do not depend on the thread count."""
-    T, C = x.shape[0], w.shape[0]
-    op = _operand(x, w, block)
-    for t in prange(threads):
-        _fill(op, x, block, t * T // threads, (t + 1) * T // threads)
-    for t in prange(threads):
-        _product(op, w, s, block, y, 0, T, t * C // threads, (t + 1) * C // threads)
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _grouped(x, w, s, block, y, experts, edges, threads):  # pragma: no cover - compiled
-    """y[lo:hi] = x[lo:hi] @ w[e] for each group (experts[i], edges[2i], edges[2i+1]), thread t
-    computing its share of every group's panels (``_linear``'s split)."""
-    T, C = x.shape[0], w.shape[1]
-    op = _operand(x, w, block)
-    for t in prange(threads):
-        _fill(op, x, block, t * T // threads, (t + 1) * T // threads)
-    for t in prange(threads):
-        for i in range(experts.shape[0]):
-            e, lo, hi = experts[i], edges[2 * i], edges[2 * i + 1]
-            _product(op, w[e], s[e], block, y, lo, hi, t * C // threads, (t + 1) * C // threads)
+@njit(nogil=True, cache=True)
+def _linear_chunks(op, w, s, block, y, chunks, counters):  # pragma: no cover - compiled
+    """y = op @ w for panels w [C, ..], in ``chunks`` chunks of panels taken one at a time
+    (``cpu_pool``): chunk j is panels [j C / chunks, (j + 1) C / chunks) for every row."""
+    C = w.shape[0]
+    j = simd.claim(counters, 0)
+    while j < chunks:
+        _product(op, w, s, block, y, 0, y.shape[0], j * C // chunks, (j + 1) * C // chunks)
+        simd.claim(counters, 1)
+        j = simd.claim(counters, 0)
 
 
 @njit(nogil=True, cache=True)
-def _silu_mul_rows(h, inter, a, lo, hi):  # pragma: no cover - compiled
-    """a[r] = silu(h[r, :I]) * h[r, I:2I] for rows lo..hi, as NumpyOps writes it, 16 columns at a
+def _grouped_chunks(op, w, s, block, y, experts, edges, chunks, counters):  # pragma: no cover - compiled
+    """y[lo:hi] = op[lo:hi] @ w[e] for each group (experts[i], edges[2i], edges[2i+1]), in
+    ``chunks`` chunks taken one at a time: chunk j is ``_linear_chunks``' panels of every group."""
+    C = w.shape[1]
+    j = simd.claim(counters, 0)
+    while j < chunks:
+        for i in range(experts.shape[0]):
+            e, lo, hi = experts[i], edges[2 * i], edges[2 * i + 1]
+            _product(op, w[e], s[e], block, y, lo, hi, j * C // chunks, (j + 1) * C // chunks)
+        simd.claim(counters, 1)
+        j = simd.claim(counters, 0)
+
+
+@njit(nogil=True, cache=True)
+def _operand_of(x, w, block):  # pragma: no cover - compiled
+    """What the products of x through panels like w read (int8: x's rows quantized)."""
+    op = _operand(x, w, block)
+    _fill(op, x, block, 0, x.shape[0])
+    return op
+
+
+@njit(nogil=True, cache=True)
+def _silu_mul_rows(h, inter, a):  # pragma: no cover - compiled
+    """a[r] = silu(h[r, :I]) * h[r, I:2I] for every row, as NumpyOps writes it, 16 columns at a
     time with cpu_simd.silu_mul's exp (within 1 ulp; NumPy's scalar exp is 10x slower here)."""
     one = np.float32(1.0)
-    for r in range(lo, hi):
+    for r in range(h.shape[0]):
         for j in range(0, inter - inter % 16, 16):
             simd.store(a, r, j, simd.silu_mul(simd.load(h, r, j), simd.load(h, r, inter + j)))
         for j in range(inter - inter % 16, inter):  # (I a multiple of 8: at most 8 columns)
@@ -300,25 +312,18 @@ def _silu_mul_rows(h, inter, a, lo, hi):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _ffn_grouped(xs, gate_up, down, inter, experts, edges, threads):  # pragma: no cover - compiled
+def _ffn_grouped(xs, gate_up, down, inter, experts, edges):  # pragma: no cover - compiled
     """Per group: ys[lo:hi] = (silu(g) * u) @ down[e], [g | u] = xs[lo:hi] @ gate_up[e] (each a
-    (panels, scales, block) triple), the two products split over threads as ``_grouped``, the
-    SiLU by rows."""
-    n = xs.shape[0]
-    h = np.empty((n, 16 * gate_up[0].shape[1]), np.float32)  # [n, 2I] (int8: padded to 16)
-    _grouped(xs, gate_up[0], gate_up[1], gate_up[2], h, experts, edges, threads)
-    a = np.empty((n, inter), np.float32)  # [n, I]
-    _silu_rows(h, inter, a, threads)
-    ys = np.empty((n, 16 * down[0].shape[1]), np.float32)  # [n, D] (int8: padded to 16)
-    _grouped(a, down[0], down[1], down[2], ys, experts, edges, threads)
+    (panels, scales, block) triple), on this thread (``moe`` shares the products out otherwise)."""
+    h = np.empty((xs.shape[0], 16 * gate_up[0].shape[1]), np.float32)  # [n, 2I] (int8: padded to 16)
+    op = _operand_of(xs, gate_up[0], gate_up[2])
+    _grouped_chunks(op, gate_up[0], gate_up[1], gate_up[2], h, experts, edges, 1, np.zeros(2, np.int64))
+    a = np.empty((xs.shape[0], inter), np.float32)  # [n, I]
+    _silu_mul_rows(h, inter, a)
+    ys = np.empty((xs.shape[0], 16 * down[0].shape[1]), np.float32)  # [n, D] (int8: padded to 16)
+    op = _operand_of(a, down[0], down[2])
+    _grouped_chunks(op, down[0], down[1], down[2], ys, experts, edges, 1, np.zeros(2, np.int64))
     return ys
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _silu_rows(h, inter, a, threads):  # pragma: no cover - compiled
-    n = h.shape[0]
-    for t in prange(threads):
-        _silu_mul_rows(h, inter, a, t * n // threads, (t + 1) * n // threads)
 
 
 @njit(nogil=True, cache=True)
@@ -353,23 +358,27 @@ def _group_rows(x, local, El):  # pragma: no cover - compiled
     return xs, place, chosen, edges
 
 
-@njit(nogil=True, cache=True, parallel=True)
-def _moe(x, local, weights, gate_up, down, inter, out, threads):  # pragma: no cover - compiled
+@njit(nogil=True, cache=True)
+def _weigh(ys, place, weights, out):  # pragma: no cover - compiled
+    """out[t] = sum over the k choices of token t in order of weights[t, j] * ys[place[t, j]] (0 where
+    place is -1: another rank's expert)."""
+    T, k = place.shape
+    for t in range(T):
+        for j in range(k):
+            i = place[t, j]
+            for d in range(out.shape[1]):
+                v = ys[i, d] * weights[t, j] if i >= 0 else np.float32(0.0)
+                out[t, d] = v if j == 0 else out[t, d] + v
+
+
+@njit(nogil=True, cache=True)
+def _moe(x, local, weights, gate_up, down, inter, out):  # pragma: no cover - compiled
     """out[t] = sum over the k choices of token t in order of weights[t, j] * ffn(x[t]) through expert
     local[t, j] (0 where it is outside [0, El): another rank's), as NumpyOps' grouped path computes
     it: the (token, choice) rows grouped by expert, tokens in order (``_ffn_grouped``), each
-    weighted, then added in choice order; tokens split over threads."""
+    weighted, then added in choice order; one call on this thread."""
     xs, place, chosen, edges = _group_rows(x, local, gate_up[0].shape[0])
-    ys = _ffn_grouped(xs, gate_up, down, inter, chosen, edges, threads)
-    T, k = local.shape
-    D = x.shape[1]
-    for c in prange(threads):
-        for t in range(c * T // threads, (c + 1) * T // threads):
-            for j in range(k):
-                i = place[t, j]
-                for d in range(D):
-                    v = ys[i, d] * weights[t, j] if i >= 0 else np.float32(0.0)
-                    out[t, d] = v if j == 0 else out[t, d] + v
+    _weigh(_ffn_grouped(xs, gate_up, down, inter, chosen, edges), place, weights, out)
 
 
 @njit(nogil=True, cache=True)
@@ -436,15 +445,18 @@ def _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, lo, hi):  # 
                 out[b, h, d] = acc[h, d] * norm[h]
 
 
-@njit(nogil=True, cache=True, parallel=True)
-def _decode_attention(q, k_cache, v_cache, tables, lens, scale, out, threads):  # pragma: no cover - compiled
-    """``_attend_rows`` of every row, the rows split over ``threads`` threads (each row is its own)."""
+@njit(nogil=True, cache=True)
+def _decode_attention(q, k_cache, v_cache, tables, lens, scale, out, chunks, counters):  # pragma: no cover - compiled
+    """``_attend_rows`` of every row, in ``chunks`` chunks of rows taken one at a time (each row is its own)."""
     B, Dh = q.shape[0], q.shape[2]
     NB, BS, Hk = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     keys = k_cache.reshape(NB * BS, Hk * Dh)  # [slot, Hk Dh]
     values = v_cache.reshape(NB * BS, Hk * Dh)
-    for t in prange(threads):
-        _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, t * B // threads, (t + 1) * B // threads)
+    j = simd.claim(counters, 0)
+    while j < chunks:
+        _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, j * B // chunks, (j + 1) * B // chunks)
+        simd.claim(counters, 1)
+        j = simd.claim(counters, 0)
 
 
 @njit(nogil=True, cache=True)
@@ -564,9 +576,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, lens, scale: float, thre
     out = np.empty(q.shape, dtype=np.float32)  # [B, H, Dh]
     tables = np.ascontiguousarray(block_tables, dtype=np.int64)
     lens = np.asarray(lens, np.int64)
-    _decode_attention(
-        np.ascontiguousarray(q), k_cache, v_cache, tables, lens, np.float32(scale), out, _use_threads(threads)
-    )
+    args = (np.ascontiguousarray(q), k_cache, v_cache, tables, lens, np.float32(scale), out)
+    _shared(_decode_attention, args, q.shape[0], threads)
     return out
 
 
@@ -588,6 +599,11 @@ def _triple(w) -> tuple:
     return w, unit_scales(w), max(w.shape[-2], 1)
 
 
+def _experts(w) -> int:
+    """El of an expert stack of resident weights."""
+    return w.shape[0]
+
+
 def _size(w) -> tuple:
     """(N, K) of the matrices of resident weights w (int8 panels are padded past them)."""
     return (w.rows, w.cols) if isinstance(w, ScaledPanels) else (LANES * w.shape[-3], w.shape[-2])
@@ -596,21 +612,40 @@ def _size(w) -> tuple:
 def moe(x, local, weights, gate_up, down, threads: int = 1) -> np.ndarray:
     """[T, D]: the MoE output of x[T, D] (float32) over each token's k choices local[T, k] (this
     rank's experts; others outside [0, El)) with routing weights[T, k] (float32), through gate/up
-    gate_up[El, 2I, D], SiLU and down down[El, D, I] (resident panels, ``cpu_weights``), in one call."""
+    gate_up[El, 2I, D], SiLU and down down[El, D, I] (resident panels, ``cpu_weights``): one call on
+    one thread, else the two products shared out (the same bits)."""
     out = np.empty(x.shape, dtype=np.float32)  # [T, D]
-    local = np.ascontiguousarray(local, dtype=np.int64)
+    x, local = np.ascontiguousarray(x), np.ascontiguousarray(local, dtype=np.int64)
     w = np.ascontiguousarray(weights, dtype=np.float32)
-    _moe(np.ascontiguousarray(x), local, w, _triple(gate_up), _triple(down), _size(down)[1], out, _use_threads(threads))
+    inter = _size(down)[1]
+    touched = min(local.size, _experts(gate_up))  # experts the tokens can reach, at most
+    threads = _threads(threads, touched * (gate_up.nbytes + down.nbytes) // max(1, _experts(gate_up)))
+    if threads == 1:
+        _moe(x, local, w, _triple(gate_up), _triple(down), inter, out)
+        return out
+    xs, place, chosen, edges = _group_rows(x, local, _experts(gate_up))
+    h = _grouped_product(xs, gate_up, chosen, edges, threads)  # [n, 2I]
+    a = np.empty((len(xs), inter), np.float32)  # [n, I]
+    _silu_mul_rows(h, inter, a)
+    _weigh(_grouped_product(a, down, chosen, edges, threads), place, w, out)
     return out
+
+
+def _grouped_product(x, w, experts, edges, threads: int) -> np.ndarray:
+    """y[n, 16 C]: rows edges[2i]..edges[2i+1] of x[n, K] through expert experts[i] of resident
+    weights w (int8: columns padded to 16); rows outside every group stay zero."""
+    data, scales, block = _triple(w)
+    y = np.zeros((x.shape[0], LANES * data.shape[1]), dtype=np.float32)
+    op = _operand_of(np.ascontiguousarray(x, dtype=np.float32), data, block)
+    _shared(_grouped_chunks, (op, data, scales, block, y, experts, edges), data.shape[1], threads)
+    return y
 
 
 def expert_rows(x: np.ndarray, w, experts: np.ndarray, edges: np.ndarray, threads: int = 1) -> np.ndarray:
     """y[n, N]: rows edges[2i]..edges[2i+1] of x[n, K] (float32) through expert experts[i] of
     w[El, N, K] (resident panels); rows outside every group stay zero."""
-    data, scales, block = _triple(w)
-    y = np.zeros((x.shape[0], LANES * data.shape[1]), dtype=np.float32)  # [n, N] (int8: padded to 16)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    _grouped(x, data, scales, block, y, experts.astype(np.int64), edges.astype(np.int64), _use_threads(threads))
+    threads = _threads(threads, len(experts) * w.nbytes // max(1, _experts(w)))
+    y = _grouped_product(x, w, experts.astype(np.int64), edges.astype(np.int64), threads)
     N = _size(w)[0]
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 
@@ -619,7 +654,8 @@ def product(x: np.ndarray, w, threads: int = 1) -> np.ndarray:
     """y[T, N] = x[T, K] @ w.T, w[N, K] resident panels (``cpu_weights``)."""
     data, scales, block = _triple(w)
     y = np.empty((x.shape[0], LANES * data.shape[0]), dtype=np.float32)  # [T, N] (int8: padded to 16)
-    _linear(np.ascontiguousarray(x, dtype=np.float32), data, scales, block, y, _use_threads(threads))
+    op = _operand_of(np.ascontiguousarray(x, dtype=np.float32), data, block)
+    _shared(_linear_chunks, (op, data, scales, block, y), data.shape[0], _threads(threads, w.nbytes))
     N = _size(w)[0]
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 

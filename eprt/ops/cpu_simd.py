@@ -293,3 +293,19 @@ def scaled(typingctx, acc, correction, scale):
         return builder.fmul(builder.sitofp(builder.sub(args[0], c), _VECTOR), args[2])
 
     return lanes(acc, correction, scale), codegen
+
+
+@intrinsic
+def claim(typingctx, counters, i):
+    """counters[i] += 1 atomically (sequentially consistent); returns the value before: the
+    number of the chunk of work this thread takes (or, on a done counter, counts one done)."""
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], ary, [index])
+        return builder.atomic_rmw("add", pointer, ir.Constant(ir.IntType(64), 1), "seq_cst")
+
+    if getattr(counters, "dtype", None) != types.int64:
+        return None
+    return types.int64(counters, i), codegen
