@@ -16,6 +16,8 @@ of seconds; numba caches the result.
 
 from __future__ import annotations
 
+import sys
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -26,6 +28,33 @@ from numba.extending import intrinsic, overload
 from eprt.ops import cpu_simd as simd
 from eprt.ops.cpu_pool import POOL, new_counters
 from eprt.ops.cpu_weights import LANES, ScaledPanels, unit_scales
+
+
+class _HideScipyLinalg:
+    """An import finder that refuses scipy.linalg (``_numba_array_math``)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "scipy.linalg" or name.startswith("scipy.linalg."):
+            raise ImportError("eprt: scipy.linalg hidden while numba's array math loads")
+        return None
+
+
+def _numba_array_math() -> None:
+    """Load numba's array-math lowering (which its first compile or cache load needs) without
+    scipy.linalg: numba imports it only to learn whether np.dot and np.linalg can compile, which no
+    kernel here uses, and that import was half of numba's 1.4 s first call on this machine (0.5 -
+    0.7 s). In this process numba's np.dot / np.linalg then need scipy already imported."""
+    if "numba.np.arraymath" in sys.modules or "scipy.linalg" in sys.modules:
+        return
+    sys.meta_path.insert(0, _HideScipyLinalg)
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        sys.meta_path.remove(_HideScipyLinalg)
+
+
+_numba_array_math()
 
 PANEL_PREFETCH_BYTES = 8192  # the first rows' pass over a panel asks for the weights this far ahead
 THREAD_MIN_BYTES = 1 << 18  # a product uses another thread per this many bytes of weights it reads
@@ -591,12 +620,18 @@ def bucket_sums(keys: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+_UNIT_SCALES: dict = {}  # leading shape -> cpu_weights.unit_scales of panels of that shape
+
+
 def _triple(w) -> tuple:
     """(panels, scales, k per scale) of resident weights w: float32 or bfloat16 panels (an
     ndarray [.., C, K, 16]: unit scales, one block) or ScaledPanels."""
     if isinstance(w, ScaledPanels):
         return w.data, w.scales, w.block
-    return w, unit_scales(w), max(w.shape[-2], 1)
+    scales = _UNIT_SCALES.get(w.shape[:-2])
+    if scales is None:
+        scales = _UNIT_SCALES.setdefault(w.shape[:-2], unit_scales(w))
+    return w, scales, max(w.shape[-2], 1)
 
 
 def _experts(w) -> int:
@@ -622,13 +657,18 @@ def moe(x, local, weights, gate_up, down, threads: int = 1) -> np.ndarray:
     threads = _threads(threads, touched * (gate_up.nbytes + down.nbytes) // max(1, _experts(gate_up)))
     if threads == 1:
         _moe(x, local, w, _triple(gate_up), _triple(down), inter, out)
-        return out
+    else:
+        _moe_shared(x, local, w, gate_up, down, inter, out, threads)
+    return out
+
+
+def _moe_shared(x, local, weights, gate_up, down, inter: int, out, threads: int) -> None:
+    """``_moe``'s steps with its two products shared out over ``threads`` threads (the same bits)."""
     xs, place, chosen, edges = _group_rows(x, local, _experts(gate_up))
     h = _grouped_product(xs, gate_up, chosen, edges, threads)  # [n, 2I]
     a = np.empty((len(xs), inter), np.float32)  # [n, I]
     _silu_mul_rows(h, inter, a)
-    _weigh(_grouped_product(a, down, chosen, edges, threads), place, w, out)
-    return out
+    _weigh(_grouped_product(a, down, chosen, edges, threads), place, weights, out)
 
 
 def _grouped_product(x, w, experts, edges, threads: int) -> np.ndarray:
@@ -677,9 +717,12 @@ def warm_products(kind: str, threads: int = 1) -> None:
     """Compile (or load from numba's cache) the products of weights of ``kind`` (f32, bf16, fp8, int8)."""
     gate_up, down = _sample_weights(kind, 32, 16, 1), _sample_weights(kind, 16, 16, 1)
     x = np.ones((5, 16), np.float32)  # [n, D]
-    product(x, down.take(0) if isinstance(down, ScaledPanels) else down[0], threads)
-    expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64), threads)
-    moe(x, np.zeros((5, 2), np.int64), np.ones((5, 2), np.float32), gate_up, down, threads)
+    product(x, down.take(0) if isinstance(down, ScaledPanels) else down[0])
+    expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
+    local, weights = np.zeros((5, 2), np.int64), np.ones((5, 2), np.float32)
+    moe(x, local, weights, gate_up, down)
+    if threads > 1:  # (the products above are too small to be shared out)
+        _moe_shared(x, local, weights, gate_up, down, 16, np.empty_like(x), threads)
 
 
 def warm_up(threads: int = 1) -> None:
@@ -692,3 +735,27 @@ def warm_up(threads: int = 1) -> None:
     cache = np.ones((2, 4, 1, 16), np.float32)  # [NB, BS, Hk, Dh]
     q = np.ones((1, 2, 16), np.float32)
     decode_attention(q, cache, cache, np.zeros((1, 2), np.int32), np.array([5]), 0.25, threads)
+
+
+def main(argv=None) -> int:
+    """``python -m eprt.ops.cpu_kernels``: compile every kernel for every weight kind into numba's
+    cache ahead of the first start (after installing; a start then only loads them), timing each."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(prog="python -m eprt.ops.cpu_kernels", description=main.__doc__)
+    ap.add_argument("--kinds", default="f32,bf16,fp8,int8", help="weight kinds to compile (f32,bf16,fp8,int8)")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    warm_up(threads=2)
+    print(f"kernels without weights: {time.perf_counter() - start:.1f} s", flush=True)
+    for kind in args.kinds.split(","):
+        t = time.perf_counter()
+        warm_products(kind, threads=2)
+        print(f"{kind} products: {time.perf_counter() - t:.1f} s", flush=True)
+    print(f"numba {VERSION}, cache in {_moe._cache._cache_path}: {time.perf_counter() - start:.1f} s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
