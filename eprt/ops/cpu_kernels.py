@@ -623,6 +623,11 @@ def bucket_sums(keys: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
 _UNIT_SCALES: dict = {}  # leading shape -> cpu_weights.unit_scales of panels of that shape
 
 
+def _operand_for_call(x, data, block):
+    """x itself for float panels; for int8 panels its rows quantized (``_operand_of``)."""
+    return _operand_of(x, data, block) if data.dtype == np.int8 else x
+
+
 def _triple(w) -> tuple:
     """(panels, scales, k per scale) of resident weights w: float32 or bfloat16 panels (an
     ndarray [.., C, K, 16]: unit scales, one block) or ScaledPanels."""
@@ -676,7 +681,7 @@ def _grouped_product(x, w, experts, edges, threads: int) -> np.ndarray:
     weights w (int8: columns padded to 16); rows outside every group stay zero."""
     data, scales, block = _triple(w)
     y = np.zeros((x.shape[0], LANES * data.shape[1]), dtype=np.float32)
-    op = _operand_of(np.ascontiguousarray(x, dtype=np.float32), data, block)
+    op = _operand_for_call(np.ascontiguousarray(x, dtype=np.float32), data, block)
     _shared(_grouped_chunks, (op, data, scales, block, y, experts, edges), data.shape[1], threads)
     return y
 
@@ -694,7 +699,7 @@ def product(x: np.ndarray, w, threads: int = 1) -> np.ndarray:
     """y[T, N] = x[T, K] @ w.T, w[N, K] resident panels (``cpu_weights``)."""
     data, scales, block = _triple(w)
     y = np.empty((x.shape[0], LANES * data.shape[0]), dtype=np.float32)  # [T, N] (int8: padded to 16)
-    op = _operand_of(np.ascontiguousarray(x, dtype=np.float32), data, block)
+    op = _operand_for_call(np.ascontiguousarray(x, dtype=np.float32), data, block)
     _shared(_linear_chunks, (op, data, scales, block, y), data.shape[0], _threads(threads, w.nbytes))
     N = _size(w)[0]
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
