@@ -306,6 +306,14 @@ def _linear_chunks(op, w, s, block, y, chunks, counters):  # pragma: no cover - 
 
 
 @njit(nogil=True, cache=True)
+def _linear_one(x, w, s, block, y):  # pragma: no cover - compiled
+    """y = x @ w for panels w [C, ..], every panel on this thread (int8: x's rows quantized first)."""
+    op = _operand(x, w, block)
+    _fill(op, x, block, 0, x.shape[0])
+    _product(op, w, s, block, y, 0, x.shape[0], 0, w.shape[0])
+
+
+@njit(nogil=True, cache=True)
 def _grouped_chunks(op, w, s, block, y, experts, edges, chunks, counters):  # pragma: no cover - compiled
     """y[lo:hi] = op[lo:hi] @ w[e] for each group (experts[i], edges[2i], edges[2i+1]), in
     ``chunks`` chunks taken one at a time: chunk j is ``_linear_chunks``' panels of every group."""
@@ -658,8 +666,9 @@ def moe(x, local, weights, gate_up, down, threads: int = 1) -> np.ndarray:
     x, local = np.ascontiguousarray(x), np.ascontiguousarray(local, dtype=np.int64)
     w = np.ascontiguousarray(weights, dtype=np.float32)
     inter = _size(down)[1]
-    touched = min(local.size, _experts(gate_up))  # experts the tokens can reach, at most
-    threads = _threads(threads, touched * (gate_up.nbytes + down.nbytes) // max(1, _experts(gate_up)))
+    if threads > 1:
+        touched = min(local.size, _experts(gate_up))  # experts the tokens can reach, at most
+        threads = _threads(threads, touched * (gate_up.nbytes + down.nbytes) // max(1, _experts(gate_up)))
     if threads == 1:
         _moe(x, local, w, _triple(gate_up), _triple(down), inter, out)
     else:
@@ -699,8 +708,13 @@ def product(x: np.ndarray, w, threads: int = 1) -> np.ndarray:
     """y[T, N] = x[T, K] @ w.T, w[N, K] resident panels (``cpu_weights``)."""
     data, scales, block = _triple(w)
     y = np.empty((x.shape[0], LANES * data.shape[0]), dtype=np.float32)  # [T, N] (int8: padded to 16)
-    op = _operand_for_call(np.ascontiguousarray(x, dtype=np.float32), data, block)
-    _shared(_linear_chunks, (op, data, scales, block, y), data.shape[0], _threads(threads, w.nbytes))
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    threads = _threads(threads, w.nbytes) if threads > 1 else 1
+    if threads == 1:
+        _linear_one(x, data, scales, block, y)
+    else:
+        op = _operand_for_call(x, data, block)
+        _shared(_linear_chunks, (op, data, scales, block, y), data.shape[0], threads)
     N = _size(w)[0]
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 
@@ -722,11 +736,15 @@ def warm_products(kind: str, threads: int = 1) -> None:
     """Compile (or load from numba's cache) the products of weights of ``kind`` (f32, bf16, fp8, int8)."""
     gate_up, down = _sample_weights(kind, 32, 16, 1), _sample_weights(kind, 16, 16, 1)
     x = np.ones((5, 16), np.float32)  # [n, D]
-    product(x, down.take(0) if isinstance(down, ScaledPanels) else down[0])
+    single = down.take(0) if isinstance(down, ScaledPanels) else down[0]
+    product(x, single)
+    if threads > 1:  # the shared-out products (those above are too small to be)
+        data, scales, block = _triple(single)
+        _linear_chunks(_operand_for_call(x, data, block), data, scales, block, np.empty_like(x), 1, new_counters())
     expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
     local, weights = np.zeros((5, 2), np.int64), np.ones((5, 2), np.float32)
     moe(x, local, weights, gate_up, down)
-    if threads > 1:  # (the products above are too small to be shared out)
+    if threads > 1:
         _moe_shared(x, local, weights, gate_up, down, 16, np.empty_like(x), threads)
 
 
