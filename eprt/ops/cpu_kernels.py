@@ -419,6 +419,25 @@ def _moe(x, local, weights, gate_up, down, inter, out):  # pragma: no cover - co
 
 
 @njit(nogil=True, cache=True)
+def _exp_rows(scores, n, norm):  # pragma: no cover - compiled
+    """scores[h, :n] = exp(scores[h, :n] - their max) (lanes up to the next 16 zeroed), norm[h] =
+    1 / their sum (16 lanes, then ``simd.total``)."""
+    minus_one = simd.splat(np.float32(-1.0))
+    for h in range(scores.shape[0]):
+        top = np.float32(-np.inf)
+        for s in range(n):
+            top = max(top, scores[h, s])
+        for s in range(0, n, 16):  # the lanes past n are set to 0 below
+            simd.store(scores, h, s, simd.exp(simd.add(simd.load(scores, h, s), simd.mul(simd.splat(top), minus_one))))
+        for s in range(n, n + (-n) % 16):
+            scores[h, s] = np.float32(0.0)
+        sum_p = simd.zeros()
+        for s in range(0, n, 16):
+            sum_p = simd.add(sum_p, simd.load(scores, h, s))
+        norm[h] = np.float32(1.0) / simd.total(sum_p)
+
+
+@njit(nogil=True, cache=True)
 def _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, lo, hi):  # pragma: no cover - compiled
     """out[b, h] = softmax((q[b, h] scale) . K) V for rows b in lo..hi over row b's lens[b]
     positions, read where its block table puts them (no gather) from keys / values [slot, Hk Dh],
@@ -433,7 +452,6 @@ def _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, lo, hi):  # 
         longest = max(longest, lens[b])
     scores = np.empty((H, longest + 16), np.float32)  # [H, S] padded to whole lanes
     norm = np.empty(H, np.float32)
-    minus_one = simd.splat(np.float32(-1.0))
     for b in range(lo, hi):
         n = lens[b]
         for h in range(H):
@@ -454,20 +472,8 @@ def _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, lo, hi):  # 
                 for d in range(0, Dh, 16):
                     v = simd.add(v, simd.mul(simd.load(query, h, d), simd.load(keys, row, col + d)))
                 scores[h, s] = simd.total(v)
+        _exp_rows(scores, n, norm)
         for h in range(H):
-            top = np.float32(-np.inf)
-            for s in range(n):
-                top = max(top, scores[h, s])
-            for s in range(0, n, 16):  # the lanes past n are set to 0 below
-                simd.store(
-                    scores, h, s, simd.exp(simd.add(simd.load(scores, h, s), simd.mul(simd.splat(top), minus_one)))
-                )
-            for s in range(n, n + (-n) % 16):
-                scores[h, s] = np.float32(0.0)
-            sum_p = simd.zeros()
-            for s in range(0, n, 16):
-                sum_p = simd.add(sum_p, simd.load(scores, h, s))
-            norm[h] = np.float32(1.0) / simd.total(sum_p)
             for d in range(0, Dh, 16):
                 simd.store(acc, h, d, simd.zeros())
         for s in range(n):

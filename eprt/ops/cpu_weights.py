@@ -21,12 +21,16 @@ quantized too, per row and group, symmetric int8).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from eprt import env
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+log = logging.getLogger("eprt.ops")
 
 LANES = 16  # output columns per panel
 PRECISIONS = ("auto", "f32", "bf16", "int8")  # --cpu-weights
@@ -136,3 +140,36 @@ def int8_dequantized(p: ScaledPanels) -> np.ndarray:
     q = p.data.swapaxes(-3, -2).reshape(*lead, C * LANES, Kq * 4).astype(np.float32)  # [.., N', K']
     scale = p.scales.swapaxes(-1, -2).reshape(*lead, C * LANES, -1)  # [.., N', G']
     return (q * np.repeat(scale, p.block, axis=-1))[..., : p.rows, : p.cols]
+
+
+class Packer:
+    """Packs one backend's weights at ``precision`` (auto: as stored) and notes the kinds it holds,
+    calling ``first(kind)`` (compile that kind's products) and logging the first of each kind."""
+
+    def __init__(self, precision: str, first: Callable[[str], None]):
+        self.precision, self.first = precision, first
+        self.group = int8_group() if precision == "int8" else 0
+        self.kinds: set = set()  # the kinds of weights packed so far (f32, bf16, fp8, int8)
+
+    def holds(self, kind: str) -> None:
+        if kind not in self.kinds:
+            self.kinds.add(kind)
+            self.first(kind)
+            why = "the checkpoint's" if self.precision == "auto" else "asked for"
+            log.info("cpu weights: %s resident (%s)", kind, why)
+
+    def pack(self, host: np.ndarray):
+        """host [.., N, K] (float32 or bf16 bits) as panels at this precision (int8: ScaledPanels)."""
+        if self.precision == "int8":
+            self.holds("int8")
+            return int8_panels(host, self.group)
+        packed = float_panels(host, self.precision)
+        self.holds("bf16" if packed.dtype == np.uint16 else "f32")
+        return packed
+
+    def fp8(self, raw: np.ndarray, scale: np.ndarray, block_n: int, block_k: int, part_rows: int) -> ScaledPanels:
+        self.holds("fp8")
+        return fp8_panels(raw, scale, block_n, block_k, part_rows)
+
+    def describe(self) -> str:
+        return "+".join(sorted(self.kinds)) or self.precision

@@ -103,12 +103,11 @@ class NumpyOps(Ops):
                 f"--cpu-weights {self.precision} needs the compiled kernels (pip install 'eprt[cpu]', "
                 f"EPRT_CPU_EXPERTS auto or numba); the NumPy path holds float32 weights"
             )
-        self.int8_group = cpu_weights.int8_group() if self.precision == "int8" else 0
         self.fp8_resident = self.precision == "auto" and self.experts == "numba"
-        self.threads, self.threads_why = cpu_threads.resolve_threads(threads)
-        self.blas = cpu_threads.set_blas_threads(self.threads)
+        self.threads, why = cpu_threads.resolve_threads(threads)
+        self.threads_text = f"{self.threads} thread(s) ({why}), {cpu_threads.set_blas_threads(self.threads)}"
         self._kernels = None  # eprt.ops.cpu_kernels once imported
-        self._resident: set = set()  # the kinds of weights loaded so far (f32, bf16, fp8, int8)
+        self.packer = cpu_weights.Packer(self.precision, lambda kind: self.kernels.warm_products(kind, self.threads))
 
     @property
     def kernels(self):
@@ -123,33 +122,12 @@ class NumpyOps(Ops):
         identity (the thread count is not part of it: it never changes a bit)."""
         if self.experts != "numba":
             return "experts NumPy, weights f32"
-        return f"experts numba {self.kernels.VERSION}, weights {'+'.join(sorted(self._resident)) or self.precision}"
-
-    def describe_threads(self) -> str:
-        return f"{self.threads} thread(s) ({self.threads_why}), {self.blas}"
+        return f"experts numba {self.kernels.VERSION}, weights {self.packer.describe()}"
 
     def warm_up(self) -> None:
-        log.info("cpu compute: %s", self.describe_threads())
+        log.info("cpu compute: %s", self.threads_text)
         if self.experts == "numba":
             self.kernels.warm_up(self.threads)
-
-    def _holds(self, kind: str) -> None:
-        """Note that weights of ``kind`` are resident (compiling their products the first time)."""
-        if kind not in self._resident:
-            self._resident.add(kind)
-            if self.experts == "numba":
-                self.kernels.warm_products(kind, self.threads)
-            why = "the checkpoint's" if self.precision == "auto" else "asked for"
-            log.info("cpu weights: %s resident (%s)", kind, why)
-
-    def _pack(self, host: np.ndarray):
-        """host [.., N, K] (float32 or bf16 bits) as the compiled products' panels at this precision."""
-        if self.precision == "int8":
-            self._holds("int8")
-            return cpu_weights.int8_panels(host, self.int8_group)
-        packed = cpu_weights.float_panels(host, self.precision)
-        self._holds("bf16" if packed.dtype == np.uint16 else "f32")
-        return packed
 
     # ---- data movement -------------------------------------------------------------
     _float32 = staticmethod(cpu_weights.float32)
@@ -198,13 +176,13 @@ class NumpyOps(Ops):
         from memory it streams one row near the machine's read rate and ran 32 rows 1.4 - 1.5x
         faster than OpenBLAS's GEMM here. Other matrices are stored as ``weight`` does (float32)."""
         if self.experts == "numba" and host.ndim == 2 and (host.shape[0] % 16 == 0 or self.precision == "int8"):
-            return self._pack(host)
+            return self.packer.pack(host)
         return self.weight(host)
 
     def tied_head(self, embed):
         """int8: a quantized copy of the table, the head being a linear layer like the others (the
         lookups keep the float32 table); otherwise the table, as today (float32, OpenBLAS)."""
-        return self._pack(np.asarray(embed)) if self.precision == "int8" and self.experts == "numba" else embed
+        return self.packer.pack(np.asarray(embed)) if self.precision == "int8" and self.experts == "numba" else embed
 
     def keeps_fp8(self, shape: tuple, block_k: int) -> bool:
         """FP8 panels need 16-row panels and k blocks of whole fours (the products' order)."""
@@ -213,8 +191,7 @@ class NumpyOps(Ops):
     def weight_fp8(self, raw, scale_inv, block_n, block_k, part_rows):
         """FP8 panels (``cpu_weights.fp8_panels``): each product decodes a weight and multiplies it by
         its block's scale in registers, the float32 weight of the load-time dequantization."""
-        self._holds("fp8")
-        return cpu_weights.fp8_panels(raw, scale_inv, block_n, block_k, part_rows)
+        return self.packer.fp8(raw, scale_inv, block_n, block_k, part_rows)
 
     def linear(self, x, w, bias=None):
         if _panelled(w, 2):  # [T, N]: panels, or OpenBLAS
@@ -439,7 +416,7 @@ class NumpyOps(Ops):
         ``weight`` stores them and run NumPy's products."""
         fits = gate_up.shape[1] % 16 == 0 and down.shape[1] % 16 == 0  # [El, 2I, D], [El, D, I]
         if self.experts == "numba" and (fits or self.precision == "int8"):
-            return self._pack(gate_up), self._pack(down)
+            return self.packer.pack(gate_up), self.packer.pack(down)
         return self.weight(gate_up), self.weight(down)
 
     def moe_split_rows(self, w_gate_up):
