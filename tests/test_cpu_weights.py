@@ -189,3 +189,22 @@ def test_pool_threads_take_each_chunk_whole_and_once():
         pool.run(chunk_work, (8,), new_counters(), 8, 2)
         assert sorted(j for j, _ in taken) == list(range(8))
     assert {name for _, name in taken} == {threading.current_thread().name, "eprt-cpu"}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "int8"])
+def test_expert_parallel_placements_keep_the_bits_of_resident_weights(resident, checkpoint, monkeypatch, kind):
+    """EPLB over 2 ranks with redundant slots and a switch in mid-decode (bf16 panels are indexed,
+    FP8 and int8 ones read again) gives the one-rank logits bit for bit at every precision."""
+    from test_eplb import balanced, contiguous, forward_logits, threaded_logits
+
+    if kind == "int8":
+        monkeypatch.setenv("EPRT_CPU_WEIGHTS", "int8")
+    path = checkpoint("qwen3_moe") if kind == "int8" else resident("qwen3_moe", kind)
+    want = forward_logits(path, 0, 1, lambda p: p, lambda c: None)
+    cfg = load_model(path, NumpyOps("numba", weights="f32"), 64).config
+    counts = np.random.default_rng(1).zipf(1.6, (cfg.num_layers, cfg.num_experts)) * 10
+    placed = balanced(counts, cfg.num_experts + 2, 2)
+    plain = contiguous(cfg.num_layers, cfg.num_experts, cfg.num_experts + 2, 2)
+    for start, switch in [(placed, None), (plain, (2, placed.table))]:
+        for rank_logits in threaded_logits(path, 2, start, switch):
+            assert np.array_equal(rank_logits, want), switch is not None
