@@ -113,7 +113,8 @@ CPU_THREADS = _register(
     "EPRT_CPU_THREADS",
     0,
     int,
-    "compute threads per rank on the CPU when --cpu-threads is not given (0: the node's cores / its ranks)",
+    "compute threads per rank on the CPU when --cpu-threads is not given (0: OMP_NUM_THREADS if set, else the "
+    "cores the rank is bound to, else the node's cores / its ranks)",
 )
 KERNEL_DIR = _register(
     "EPRT_KERNEL_DIR", "", str, "directory of the .cu kernel sources (default: the checkout's or the wheel's kernels/)"

@@ -157,6 +157,7 @@ def test_default_threads_share_the_node_among_its_ranks(monkeypatch):
     assert cpu_threads.default_threads({})[0] == cores
     assert cpu_threads.default_threads({"MPI_LOCALNRANKS": str(cores)})[0] == 1
     assert cpu_threads.default_threads({"OMPI_COMM_WORLD_LOCAL_SIZE": str(2 * cores)})[0] == 1
+    assert cpu_threads.resolve_threads(0, {"OMP_NUM_THREADS": "1", "MPI_LOCALNRANKS": "1"}) == (1, "OMP_NUM_THREADS")
     monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 8)
     monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2})  # bound by the launcher
     assert cpu_threads.default_threads({"MPI_LOCALNRANKS": "4"}) == (3, "the 3 core(s) this rank is bound to")

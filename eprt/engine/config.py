@@ -160,8 +160,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="CPU: compute threads per rank ($EPRT_CPU_THREADS; default: the cores this rank is bound to, "
-        "else the node's cores / its ranks); never changes a bit of the output",
+        help="CPU: compute threads per rank ($EPRT_CPU_THREADS; default: $OMP_NUM_THREADS, else the cores this "
+        "rank is bound to, else the node's cores / its ranks); never changes a bit of the output",
     )
     g.add_argument("--max-batch", type=int, default=32, help="sequence slots, i.e. max decode batch (32)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block ($EPRT_BLOCK_SIZE, 16)")

@@ -3,8 +3,9 @@
 A rank owns the cores of its node divided among the node's ranks: with no binding (its affinity
 mask is the whole node) that is cores // ranks on the node (the launcher's local size); when the
 launcher bound it to some cores (srun --cpus-per-task, mpirun --map-by ...:PE=n), the cores of its
-mask. The compiled kernels split panels and rows over that many threads (never k, so a row's bits
-do not depend on it) and OpenBLAS, which runs the few NumPy products left, is set to match.
+mask. OMP_NUM_THREADS, where a job script sets it, is the count asked for. The compiled kernels
+split panels and rows over that many threads (never k, so a row's bits do not depend on it) and
+OpenBLAS, which runs the few NumPy products left, is set to match.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def resolve_threads(requested: int | None, environ=None) -> tuple[int, str]:
     requested = env.CPU_THREADS.get() if requested is None else requested
     cores = node_cores()
     if requested == 0:
+        omp = env.launcher_int(("OMP_NUM_THREADS",), "a thread count", 1, environ)
+        if omp is not None:
+            return min(omp[1], cores), "OMP_NUM_THREADS"
         return default_threads(environ)
     if not 1 <= requested <= cores:
         raise ValueError(f"--cpu-threads must be in [1, {cores}] (this node's cores; 0: the default), got {requested}")
