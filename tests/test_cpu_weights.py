@@ -209,3 +209,30 @@ def test_expert_parallel_placements_keep_the_bits_of_resident_weights(resident, 
     for start, switch in [(placed, None), (plain, (2, placed.table))]:
         for rank_logits in threaded_logits(path, 2, start, switch):
             assert np.array_equal(rank_logits, want), switch is not None
+
+
+def test_pool_names_a_failed_helper():
+    import threading
+    import time
+
+    from eprt.ops.cpu_pool import ChunkPool, new_counters
+
+    pool, lock = ChunkPool(), threading.Lock()
+
+    def chunk_work(chunks, counters):
+        helper = threading.current_thread().name == "eprt-cpu"
+        while True:
+            with lock:
+                j = int(counters[0])
+                counters[0] += 1
+            if j >= chunks:
+                return
+            if helper:
+                raise MemoryError("planted")  # its chunk is never done
+            time.sleep(0.02)
+            with lock:
+                counters[1] += 1
+
+    with pytest.raises(RuntimeError, match="a compute thread failed: MemoryError"):
+        for _ in range(50):  # until the helper takes a chunk
+            pool.run(chunk_work, (4,), new_counters(), 4, 2)

@@ -22,7 +22,7 @@ class ChunkPool:
 
     def __init__(self):
         self._cond = threading.Condition()
-        self._job: tuple | None = None  # (generation, fn, args, helpers wanted)
+        self._job: tuple | None = None  # (generation, fn, args, helpers wanted, the helpers' errors)
         self._generation = 0
         self._threads: list = []
         self._one_call = threading.Lock()  # calls from several threads take turns
@@ -39,9 +39,12 @@ class ChunkPool:
             with self._cond:
                 while self._job is None or self._job[0] == seen:
                     self._cond.wait()
-                seen, fn, args, wanted = self._job
+                seen, fn, args, wanted, errors = self._job
             if index < wanted:
-                fn(*args)  # takes chunks until none is left (a late call finds none)
+                try:
+                    fn(*args)  # takes chunks until none is left (a late call finds none)
+                except BaseException as e:  # noqa: BLE001 - the caller raises it
+                    errors.append(e)
 
     def run(self, fn, args: tuple, counters: np.ndarray, chunks: int, threads: int) -> None:
         """fn(*args, counters) on this thread and up to ``threads`` - 1 helpers; fn takes chunks
@@ -53,12 +56,15 @@ class ChunkPool:
             return
         with self._one_call:
             self._grow(threads - 1)
+            errors: list = []
             with self._cond:
                 self._generation += 1
-                self._job = (self._generation, fn, args, threads - 1)
+                self._job = (self._generation, fn, args, threads - 1, errors)
                 self._cond.notify_all()
             fn(*args)
             while counters[1] < chunks:  # chunks a helper took and is still computing
+                if errors:
+                    raise RuntimeError(f"a compute thread failed: {errors[0]!r}") from errors[0]
                 time.sleep(0)
             with self._cond:
                 self._job = None
