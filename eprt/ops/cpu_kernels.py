@@ -56,7 +56,7 @@ def _numba_array_math() -> None:
 
 _numba_array_math()
 
-PANEL_PREFETCH_BYTES = 8192  # the first rows' pass over a panel asks for the weights this far ahead
+PANEL_PREFETCH_BYTES = 32768  # the first rows' pass over a panel asks for the weights this far ahead
 THREAD_MIN_BYTES = 1 << 18  # a product uses another thread per this many bytes of weights it reads
 KV_PREFETCH_POSITIONS = 8  # _decode_attention asks for the keys this many positions ahead
 VERSION = numba.__version__
