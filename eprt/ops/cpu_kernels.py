@@ -573,6 +573,27 @@ def _bucket_sums(keys, values, out):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
+def _kv_write(k_cache, v_cache, k, v, slots):  # pragma: no cover - compiled
+    """k_cache / v_cache [NB, BS, ..] at slot slots[t] = k[t] / v[t], slots below 0 skipped."""
+    BS = k_cache.shape[1]
+    for t in range(slots.shape[0]):
+        s = slots[t]
+        if s >= 0:
+            k_cache[s // BS, s % BS] = k[t]
+            v_cache[s // BS, s % BS] = v[t]
+
+
+@njit(nogil=True, cache=True)
+def _count_experts(ids, counts):  # pragma: no cover - compiled
+    """counts[e] += 1 for each id e of ids [T, k] in [0, len(counts))."""
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if 0 <= e < counts.shape[0]:
+                counts[e] += 1
+
+
+@njit(nogil=True, cache=True)
 def _rms_norm(x, weight, eps, y):  # pragma: no cover - compiled
     """y[t] = x[t] / sqrt(sum(x[t]^2) / D + eps) * weight, float32, NumpyOps.rms_norm's operations."""
     D = x.shape[1]
@@ -611,6 +632,17 @@ def rope(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray) -> np.ndarra
     y = np.empty(x.shape, dtype=np.float32)  # [T, H, Dh]
     _rope(np.ascontiguousarray(x), positions, cos_sin, y)
     return y
+
+
+def kv_write(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """NumpyOps.kv_write in one call (a row copy per token; the NumPy expression's index arrays cost
+    more than the copies at decode)."""
+    _kv_write(k_cache, v_cache, k, v, slot_mapping)
+
+
+def count_experts(ids, counts) -> None:
+    """NumpyOps.count_experts in one call."""
+    _count_experts(ids, counts)
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, lens, scale: float, threads: int = 1) -> np.ndarray:
@@ -762,6 +794,9 @@ def warm_up(threads: int = 1) -> None:
     rope(np.ones((2, 1, 8), np.float32), np.zeros(2, np.int32), np.ones((4, 8), np.float32))
     bucket_sums(np.zeros(3, np.int32), np.ones(3, np.float32), 2)
     cache = np.ones((2, 4, 1, 16), np.float32)  # [NB, BS, Hk, Dh]
+    rows = np.ones((2, 1, 16), np.float32)  # [T, Hk, Dh]
+    kv_write(cache, cache, rows, np.ones((2, 2, 16), np.float32)[:, :1], np.array([1, -1], np.int32))
+    count_experts(np.zeros((3, 2), np.int32), np.zeros(4, np.int32))
     q = np.ones((1, 2, 16), np.float32)
     decode_attention(q, cache, cache, np.zeros((1, 2), np.int32), np.array([5]), 0.25, threads)
 

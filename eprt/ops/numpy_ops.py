@@ -218,6 +218,8 @@ class NumpyOps(Ops):
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def kv_write(self, k_cache, v_cache, k, v, slot_mapping):
+        if self.experts == "numba" and k_cache.dtype == v_cache.dtype == k.dtype == v.dtype == np.float32:
+            return self.kernels.kv_write(k_cache, v_cache, k, v, slot_mapping)  # the same copies, one call
         nb, bs = k_cache.shape[:2]
         keep = slot_mapping >= 0  # negative: padding, skipped
         k_cache.reshape(nb * bs, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
@@ -350,7 +352,7 @@ class NumpyOps(Ops):
         probs = _softmax_last(logits.astype(np.float32, copy=True))  # [T, E]
         # stable sort on -p: ties go to the lower expert id, as torch.topk does on CPU
         ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k].astype(np.int32)  # [T, k]
-        weights = np.take_along_axis(probs, ids, axis=-1)  # [T, k]
+        weights = probs[np.arange(len(ids))[:, None], ids]  # [T, k] (take_along_axis, without its checks)
         if renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return weights.astype(np.float32), ids
@@ -377,6 +379,8 @@ class NumpyOps(Ops):
         return out + s / (1.0 + np.exp(-gate))  # [T, D]
 
     def count_experts(self, ids, counts):
+        if self.experts == "numba" and ids.ndim == 2:
+            return self.kernels.count_experts(ids, counts)  # the same counts, one call
         flat = ids.reshape(-1)  # [T*k]
         counts += np.bincount(flat[(flat >= 0) & (flat < len(counts))], minlength=len(counts)).astype(counts.dtype)
 
