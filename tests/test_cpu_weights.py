@@ -236,3 +236,32 @@ def test_pool_names_a_failed_helper():
     with pytest.raises(RuntimeError, match="a compute thread failed: MemoryError"):
         for _ in range(50):  # until the helper takes a chunk
             pool.run(chunk_work, (4,), new_counters(), 4, 2)
+
+
+def test_compiled_router_kv_write_and_counts_have_the_numpy_results():
+    """The numba path's router (shift and pick compiled, NumPy's exp), kv_write and count_experts give
+    the NumPy expressions' bits: ties to the lower id, NaN rows, padding slots."""
+    compiled, plain = NumpyOps("numba", threads=1), NumpyOps("numpy", threads=1)
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        T, E = int(rng.integers(1, 9)), int(rng.choice([2, 8, 16, 60, 128]))
+        k = int(rng.integers(1, min(E, 8) + 1))
+        x = (rng.standard_normal((T, E)) * rng.choice([0.01, 1, 30])).astype(np.float32)
+        x[:, : E // 2] = x[:, :1] if trial % 3 == 0 else x[:, : E // 2]  # ties
+        x[0, -1] = np.nan if trial % 10 == 0 else x[0, -1]
+        for renormalize in (True, False):
+            (w1, i1), (w2, i2) = compiled.router(x, k, renormalize), plain.router(x, k, renormalize)
+            np.testing.assert_array_equal(i1, i2)
+            np.testing.assert_array_equal(w1.view(np.int32), w2.view(np.int32))
+    caches = [np.zeros((4, 4, 2, 16), np.float32) for _ in range(4)]  # [NB, BS, Hk, Dh]
+    k, v = rng.standard_normal((2, 5, 2, 16)).astype(np.float32)
+    slots = np.array([3, -1, 9, 15, 0], np.int32)
+    compiled.kv_write(caches[0], caches[1], k, v, slots)
+    plain.kv_write(caches[2], caches[3], k, v, slots)
+    np.testing.assert_array_equal(caches[0], caches[2])
+    np.testing.assert_array_equal(caches[1], caches[3])
+    ids = rng.integers(-2, 10, (7, 2)).astype(np.int32)
+    counts = [np.zeros(8, np.int32), np.zeros(8, np.int32)]
+    compiled.count_experts(ids, counts[0])
+    plain.count_experts(ids, counts[1])
+    np.testing.assert_array_equal(counts[0], counts[1])

@@ -573,6 +573,46 @@ def _bucket_sums(keys, values, out):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
+def _shift_rows(logits, x):  # pragma: no cover - compiled
+    """x[t] = logits[t] - max(logits[t]) (NaN when the row holds one, as np.max gives)."""
+    for t in range(logits.shape[0]):
+        top = logits[t, 0]
+        for e in range(logits.shape[1]):
+            v = logits[t, e]
+            if v > top or v != v:
+                top = v if top == top else top
+        for e in range(logits.shape[1]):
+            x[t, e] = logits[t, e] - top
+
+
+@njit(nogil=True, cache=True)
+def _top_k_rows(probs, top_k, renormalize, weights, ids):  # pragma: no cover - compiled
+    """NumpyOps.router after its exp: probs[t] /= its sum (NumPy's pairwise sum), then the top_k of
+    each row as a stable argsort of -probs picks them (ties to the lower id, NaN last), their probs
+    (divided by their sum with ``renormalize``)."""
+    E = probs.shape[1]
+    taken = np.zeros(E, np.bool_)
+    for t in range(probs.shape[0]):
+        total = _pairwise_sum(probs[t], E)
+        for e in range(E):
+            probs[t, e] = probs[t, e] / total
+            taken[e] = False
+        for j in range(top_k):
+            best = -1
+            for e in range(E):
+                if not taken[e]:
+                    a, b = -probs[t, e], -probs[t, best] if best >= 0 else np.float32(0.0)
+                    if best < 0 or a < b or (b != b and a == a):
+                        best = e
+            taken[best] = True
+            ids[t, j], weights[t, j] = best, probs[t, best]
+        if renormalize:
+            total = _pairwise_sum(weights[t], top_k)
+            for j in range(top_k):
+                weights[t, j] = weights[t, j] / total
+
+
+@njit(nogil=True, cache=True)
 def _kv_write(k_cache, v_cache, k, v, slots):  # pragma: no cover - compiled
     """k_cache / v_cache [NB, BS, ..] at slot slots[t] = k[t] / v[t], slots below 0 skipped."""
     BS = k_cache.shape[1]
@@ -638,6 +678,17 @@ def kv_write(k_cache, v_cache, k, v, slot_mapping) -> None:
     """NumpyOps.kv_write in one call (a row copy per token; the NumPy expression's index arrays cost
     more than the copies at decode)."""
     _kv_write(k_cache, v_cache, k, v, slot_mapping)
+
+
+def router(logits, top_k: int, renormalize: bool) -> tuple:
+    """NumpyOps.router's (weights [T, k], ids [T, k]) with its bits in three calls: the shift and the
+    pick compiled, the exp NumPy's own (its vector exp's bits)."""
+    x = np.empty(logits.shape, np.float32)  # [T, E]
+    _shift_rows(np.ascontiguousarray(logits, dtype=np.float32), x)
+    np.exp(x, out=x)
+    weights, ids = np.empty((len(x), top_k), np.float32), np.empty((len(x), top_k), np.int32)
+    _top_k_rows(x, top_k, renormalize, weights, ids)
+    return weights, ids
 
 
 def count_experts(ids, counts) -> None:
@@ -797,6 +848,7 @@ def warm_up(threads: int = 1) -> None:
     rows = np.ones((2, 1, 16), np.float32)  # [T, Hk, Dh]
     kv_write(cache, cache, rows, np.ones((2, 2, 16), np.float32)[:, :1], np.array([1, -1], np.int32))
     count_experts(np.zeros((3, 2), np.int32), np.zeros(4, np.int32))
+    router(np.ones((2, 4), np.float32), 2, True)
     q = np.ones((1, 2, 16), np.float32)
     decode_attention(q, cache, cache, np.zeros((1, 2), np.int32), np.array([5]), 0.25, threads)
 
