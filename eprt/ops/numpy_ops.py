@@ -11,6 +11,7 @@ from eprt import env
 from eprt.ops import cpu_threads, cpu_weights, lora_ops
 from eprt.ops.base import Ops
 from eprt.ops.cpu_weights import ScaledPanels
+from eprt.ops.gptoss_ops import GptOssOps
 
 log = logging.getLogger("eprt.ops")
 
@@ -83,7 +84,7 @@ def _solve_unit_lower(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-class NumpyOps(Ops):
+class NumpyOps(GptOssOps, Ops):
     name = "cpu"
     xp = np
     act_dtype = np.float32
