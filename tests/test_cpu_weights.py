@@ -7,7 +7,14 @@ import os
 
 import numpy as np
 import pytest
-from checkpoints import ARCHS, HYBRID_ARCHS, build_bf16_copy, build_fp8_copy, build_vl_checkpoint
+from checkpoints import (
+    ARCHS,
+    HYBRID_ARCHS,
+    build_bf16_copy,
+    build_fp8_copy,
+    build_gptoss_checkpoint,
+    build_vl_checkpoint,
+)
 
 from eprt.engine.executor import ShardExecutor
 from eprt.model.loader import load_model
@@ -31,11 +38,19 @@ def shared(monkeypatch):
 
 @pytest.fixture(scope="module")
 def resident(checkpoint, ckpt_root):
-    """arch, kind ("bf16", "fp8") -> a checkpoint of that precision."""
+    """arch, kind ("bf16", "fp8"; gpt_oss: "mxfp4" too) -> a checkpoint of that precision."""
+
+    def source_of(arch):
+        if arch == "qwen3_vl_moe":
+            return build_vl_checkpoint(os.path.join(ckpt_root, arch))
+        if arch == "gpt_oss":  # (test_gptoss's float32 checkpoint)
+            return build_gptoss_checkpoint(os.path.join(ckpt_root, "gpt_oss-f32"), dtype="float32")
+        return checkpoint(arch)
 
     def make(arch, kind):
-        vl = arch == "qwen3_vl_moe"
-        source = build_vl_checkpoint(os.path.join(ckpt_root, arch)) if vl else checkpoint(arch)
+        if kind == "mxfp4":  # bf16, the experts MXFP4 as released (test_gptoss's)
+            return build_gptoss_checkpoint(os.path.join(ckpt_root, "gpt_oss-mxfp4"), dtype="bfloat16", mxfp4=True)
+        source = source_of(arch)
         if kind == "bf16":
             return build_bf16_copy(source, f"{source}-bf16copy")
         return build_fp8_copy(source, f"{source}-fp8-16x32", (16, 32))[0]
@@ -58,19 +73,36 @@ def greedy_logits(path, ops, steps=STEPS):
     return np.array(logits), lm
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp8"])
-@pytest.mark.parametrize("arch", [*ARCHS, *HYBRID_ARCHS, "qwen3_vl_moe"])
+RESIDENT = [(a, k) for a in (*ARCHS, *HYBRID_ARCHS, "qwen3_vl_moe", "gpt_oss") for k in ("bf16", "fp8")]
+
+
+@pytest.mark.parametrize("arch, kind", [*RESIDENT, ("gpt_oss", "mxfp4")])
 def test_resident_weights_give_the_float32_bits(resident, shared, arch, kind):
     """The checkpoint's precision held (auto) on 2 threads: the logits of today's float32 upcast
-    on 1 thread, bit for bit, so the same tokens."""
+    on 1 thread, bit for bit, so the same tokens. gpt-oss's MXFP4 experts are MXFP4 in both (kept
+    as stored under every --cpu-weights), its other matrices bf16 against float32."""
     path = resident(arch, kind)
     want, _ = greedy_logits(path, NumpyOps("numba", weights="f32", threads=1))
     ops = NumpyOps("numba", weights="auto", threads=2)
     got, lm = greedy_logits(path, ops)
     np.testing.assert_array_equal(got, want)
-    assert kind in ops.describe().rsplit("weights ", 1)[1].split("+")  # held at the checkpoint's precision
+    held = ops.describe().rsplit("weights ", 1)[1].split("+")
+    assert kind in held and ("bf16" in held) == (kind != "fp8")  # held at the checkpoint's precision
     o = lm.model.w.layers[-1].o  # (fused experts stay float32 in the FP8 copies: it quantizes 2-D weights)
-    assert o.dtype == np.uint16 if kind == "bf16" else isinstance(o, ScaledPanels) and o.kind == "fp8"
+    assert isinstance(o, ScaledPanels) and o.kind == "fp8" if kind == "fp8" else o.dtype == np.uint16
+
+
+@pytest.mark.parametrize("weights", ["f32", "bf16", "int8"])
+def test_gpt_oss_mxfp4_experts_stay_mxfp4_under_every_cpu_weights(ckpt_root, weights):
+    """--cpu-weights chooses the other matrices' precision; the MXFP4 experts are read as stored."""
+    from eprt.ops.gptoss_ops import Mxfp4Weight
+
+    path = build_gptoss_checkpoint(os.path.join(ckpt_root, "gpt_oss-mxfp4"), dtype="bfloat16", mxfp4=True)
+    ops = NumpyOps("numba", weights=weights, threads=1)
+    lm = load_model(path, ops, max_len=64)
+    layer = lm.model.w.layers[0]
+    assert isinstance(layer.w_gate_up, Mxfp4Weight) and isinstance(layer.w_down, Mxfp4Weight)
+    assert ops.describe().endswith(f"weights {'+'.join(sorted({weights, 'mxfp4'}))}")
 
 
 def test_float32_path_is_the_same_on_1_and_2_threads(checkpoint, shared):

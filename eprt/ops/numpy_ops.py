@@ -122,7 +122,7 @@ class NumpyOps(GptOssOps, Ops):
         """The expert path and the weights' precision, for the start-up log and the ranks' compute
         identity (the thread count is not part of it: it never changes a bit)."""
         if self.experts != "numba":
-            return "experts NumPy, weights f32"
+            return "experts NumPy, weights f32" + ("+mxfp4" if "mxfp4" in self.packer.kinds else "")
         return f"experts numba {self.kernels.VERSION}, weights {self.packer.describe()}"
 
     def warm_up(self) -> None:
