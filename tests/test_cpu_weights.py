@@ -297,3 +297,20 @@ def test_compiled_router_kv_write_and_counts_have_the_numpy_results():
     compiled.count_experts(ids, counts[0])
     plain.count_experts(ids, counts[1])
     np.testing.assert_array_equal(counts[0], counts[1])
+
+
+def test_mxfp4_experts_are_the_same_on_1_and_2_threads(shared):
+    """gpt-oss's MXFP4 products (mxfp4_cpu) share output columns out over threads: the same bits."""
+    from eprt.ops import mxfp4_cpu
+    from eprt.ops.gptoss_ops import dequantize_mxfp4
+
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, (3, 48, 4, 16), dtype=np.uint8)  # 3 experts [48, 128]
+    scales = rng.integers(120, 126, (3, 48, 4), dtype=np.uint8)
+    xs = rng.standard_normal((7, 128)).astype(np.float32)
+    bounds = np.asarray([0, 3, 3, 7])  # expert 1 has no rows
+    one = mxfp4_cpu.expert_rows(xs, blocks, scales, bounds, threads=1)
+    np.testing.assert_array_equal(mxfp4_cpu.expert_rows(xs, blocks, scales, bounds, threads=2), one)
+    dense = dequantize_mxfp4(blocks, scales)
+    want = np.concatenate([xs[:3] @ dense[0].T, xs[3:] @ dense[2].T])
+    np.testing.assert_allclose(one, want, rtol=1e-5, atol=1e-5)

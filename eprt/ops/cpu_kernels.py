@@ -63,13 +63,13 @@ VERSION = numba.__version__
 CHUNKS_PER_THREAD = 4  # a shared call is cut into this many chunks per thread (cpu_pool takes them)
 
 
-def _threads(threads: int, weight_bytes: int) -> int:
+def threads_for(threads: int, weight_bytes: int) -> int:
     """The threads worth using on a product reading ``weight_bytes`` of weights: at most one per
     THREAD_MIN_BYTES (waking a thread for less costs more than it saves)."""
     return max(1, min(threads, weight_bytes // THREAD_MIN_BYTES))
 
 
-def _shared(fn, args: tuple, units: int, threads: int) -> None:
+def share(fn, args: tuple, units: int, threads: int) -> None:
     """fn(*args, chunks, counters) over ``units`` panels or rows, on ``threads`` threads (cpu_pool)."""
     chunks = 1 if threads <= 1 else min(units, CHUNKS_PER_THREAD * threads)
     POOL.run(fn, (*args, chunks), new_counters(), chunks, threads)
@@ -703,7 +703,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, lens, scale: float, thre
     tables = np.ascontiguousarray(block_tables, dtype=np.int64)
     lens = np.asarray(lens, np.int64)
     args = (np.ascontiguousarray(q), k_cache, v_cache, tables, lens, np.float32(scale), out)
-    _shared(_decode_attention, args, q.shape[0], threads)
+    share(_decode_attention, args, q.shape[0], threads)
     return out
 
 
@@ -757,7 +757,7 @@ def moe(x, local, weights, gate_up, down, threads: int = 1) -> np.ndarray:
     inter = _size(down)[1]
     if threads > 1:
         touched = min(local.size, _experts(gate_up))  # experts the tokens can reach, at most
-        threads = _threads(threads, touched * (gate_up.nbytes + down.nbytes) // max(1, _experts(gate_up)))
+        threads = threads_for(threads, touched * (gate_up.nbytes + down.nbytes) // max(1, _experts(gate_up)))
     if threads == 1:
         _moe(x, local, w, _triple(gate_up), _triple(down), inter, out)
     else:
@@ -780,14 +780,14 @@ def _grouped_product(x, w, experts, edges, threads: int) -> np.ndarray:
     data, scales, block = _triple(w)
     y = np.zeros((x.shape[0], LANES * data.shape[1]), dtype=np.float32)
     op = _operand_for_call(np.ascontiguousarray(x, dtype=np.float32), data, block)
-    _shared(_grouped_chunks, (op, data, scales, block, y, experts, edges), data.shape[1], threads)
+    share(_grouped_chunks, (op, data, scales, block, y, experts, edges), data.shape[1], threads)
     return y
 
 
 def expert_rows(x: np.ndarray, w, experts: np.ndarray, edges: np.ndarray, threads: int = 1) -> np.ndarray:
     """y[n, N]: rows edges[2i]..edges[2i+1] of x[n, K] (float32) through expert experts[i] of
     w[El, N, K] (resident panels); rows outside every group stay zero."""
-    threads = _threads(threads, len(experts) * w.nbytes // max(1, _experts(w)))
+    threads = threads_for(threads, len(experts) * w.nbytes // max(1, _experts(w)))
     y = _grouped_product(x, w, experts.astype(np.int64), edges.astype(np.int64), threads)
     N = _size(w)[0]
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
@@ -798,12 +798,12 @@ def product(x: np.ndarray, w, threads: int = 1) -> np.ndarray:
     data, scales, block = _triple(w)
     y = np.empty((x.shape[0], LANES * data.shape[0]), dtype=np.float32)  # [T, N] (int8: padded to 16)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    threads = _threads(threads, w.nbytes) if threads > 1 else 1
+    threads = threads_for(threads, w.nbytes) if threads > 1 else 1
     if threads == 1:
         _linear_one(x, data, scales, block, y)
     else:
         op = _operand_for_call(x, data, block)
-        _shared(_linear_chunks, (op, data, scales, block, y), data.shape[0], threads)
+        share(_linear_chunks, (op, data, scales, block, y), data.shape[0], threads)
     N = _size(w)[0]
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 

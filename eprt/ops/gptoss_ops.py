@@ -156,7 +156,7 @@ class GptOssOps:
         if self.experts == "numba":
             from eprt.ops import mxfp4_cpu
 
-            return mxfp4_cpu.expert_rows(xs, w.blocks, w.scales, bounds)
+            return mxfp4_cpu.expert_rows(xs, w.blocks, w.scales, bounds, self.threads)
         out = np.empty((len(xs), w.shape[1]), dtype=np.float32)
         for e in np.flatnonzero(np.diff(bounds)).tolist():
             rows = slice(int(bounds[e]), int(bounds[e + 1]))
