@@ -173,7 +173,7 @@ class Packer:
         them 4 - 8x with the same values, int8 would round them again), logging the first."""
         if kind not in self.kinds:
             self.kinds.add(kind)
-            log.info("cpu weights: %s kept as stored (--cpu-weights %s: the other matrices)", kind, self.precision)
+            log.info("cpu weights: %s kept as stored (--cpu-weights %s applies to the rest)", kind, self.precision)
 
     def fp8(self, raw: np.ndarray, scale: np.ndarray, block_n: int, block_k: int, part_rows: int) -> ScaledPanels:
         self.holds("fp8")
