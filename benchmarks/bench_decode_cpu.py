@@ -188,16 +188,24 @@ def bench_transformers(path, prompts, n, repeats):
     return decode_seconds(run, n, repeats)
 
 
+def timed_both(fn) -> dict:
+    """{clock: seconds} of one call of fn, by every clock."""
+    start = {c: clock() for c, clock in CLOCKS.items()}
+    fn()
+    return {c: clock() - start[c] for c, clock in CLOCKS.items()}
+
+
 def bench_variants(path, prompts, n, max_batch, variants, repeats, between):
-    """{variant: decode seconds of each repeat}, {variant: token ids}: one engine per variant
-    (weights, threads), all open, a pair of each in turn per repeat, ``between()`` before each repeat."""
+    """{clock: {variant: decode seconds of each repeat}}, {variant: token ids}: one engine per
+    variant (weights, threads), all open, a pair of each in turn per repeat, timed by both clocks,
+    ``between()`` before each repeat."""
     import contextlib
 
     from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
     from eprt.ops.cpu_threads import set_blas_threads
 
-    seconds, tokens = {v: [] for v in variants}, {}
+    seconds, tokens = {c: {v: [] for v in variants} for c in CLOCKS}, {}
     with contextlib.ExitStack() as stack:
         runs = {}
         for v in variants:
@@ -228,8 +236,10 @@ def bench_variants(path, prompts, n, max_batch, variants, repeats, between):
         for _ in range(repeats):
             between()
             for v, run in runs.items():
-                first = timed(lambda run=run: run(1), VARIANT_CLOCK[0])
-                seconds[v].append(timed(lambda run=run: run(n), VARIANT_CLOCK[0]) - first)
+                first = timed_both(lambda run=run: run(1))
+                whole = timed_both(lambda run=run: run(n))
+                for c in CLOCKS:
+                    seconds[c][v].append(whole[c] - first[c])
     return seconds, tokens
 
 
@@ -247,6 +257,15 @@ def parse_variants(text: str) -> list:
 def spread(values) -> str:
     """median [min, max] of ratios."""
     return f"{np.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def report_threads(b, variants, wall) -> None:
+    """Under --clock cpu: each precision's wall-clock speed-up on more threads than one, per repeat
+    (CPU time adds the threads' work up, so only the wall clock shows what they gain)."""
+    for weights, threads in variants:
+        if threads > 1 and (weights, 1) in wall:
+            ratios = [one / more for one, more in zip(wall[(weights, 1)], wall[(weights, threads)])]
+            print(f"{b:5d} {weights}@{threads} vs {weights}@1, wall clock: {spread(ratios)}", flush=True)
 
 
 def report_batch(cfg, b, n, context, variants, seconds, passes) -> None:
@@ -289,7 +308,8 @@ def main() -> None:
         default="wall",
         help="time eprt's variants by the wall clock, or by this process's CPU time (all its threads: on a "
         "loaded machine the one-thread variants' work without the waits for a core, the machine's passes too; "
-        "not a throughput of several threads)",
+        "not a throughput of several threads: each precision's wall-clock speed-up on more threads is printed "
+        "after its table)",
     )
     args = ap.parse_args()
     VARIANT_CLOCK[0] = args.clock
@@ -324,10 +344,12 @@ def main() -> None:
         for v in variants:
             if v[0] != "int8" and tokens[v] != tokens[("f32", 1)]:
                 raise SystemExit(f"batch {b}: {v[0]}@{v[1]} gave other tokens than f32@1")
-        report_batch(cfg, b, n, args.prompt_len + n / 2, variants, seconds, passes)
+        report_batch(cfg, b, n, args.prompt_len + n / 2, variants, seconds[args.clock], passes)
+        if args.clock == "cpu":
+            report_threads(b, variants, seconds["wall"])
         if not args.no_hf:
             hf = b * (n - 1) / np.median(bench_transformers(path, prompts, n, args.repeats))
-            e_tps = b * (n - 1) / np.median(seconds[("f32", 1)])
+            e_tps = b * (n - 1) / np.median(seconds["wall"][("f32", 1)])
             print(f"{b:5d} {'hf f32':>8} {hf:9.1f}   (eprt f32@1 / transformers {e_tps / hf:.2f})", flush=True)
     print("tokens: f32 and bf16 identical at every thread count (checked)")
 
