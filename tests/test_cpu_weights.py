@@ -31,9 +31,9 @@ STEPS = 5
 @pytest.fixture
 def shared(monkeypatch):
     """Every product shared out over the threads asked for, however small (the test models' are)."""
-    from eprt.ops import cpu_kernels
+    from eprt.ops import cpu_pool
 
-    monkeypatch.setattr(cpu_kernels, "THREAD_MIN_BYTES", 1)
+    monkeypatch.setattr(cpu_pool, "THREAD_MIN_BYTES", 1)
 
 
 @pytest.fixture(scope="module")

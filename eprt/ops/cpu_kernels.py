@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from eprt.ops import cpu_simd as simd
-from eprt.ops.cpu_pool import POOL, new_counters
+from eprt.ops.cpu_pool import new_counters, share, threads_for
 from eprt.ops.cpu_weights import LANES, ScaledPanels, unit_scales
 
 
@@ -57,22 +57,8 @@ def _numba_array_math() -> None:
 _numba_array_math()
 
 PANEL_PREFETCH_BYTES = 32768  # the first rows' pass over a panel asks for the weights this far ahead
-THREAD_MIN_BYTES = 1 << 18  # a product uses another thread per this many bytes of weights it reads
 KV_PREFETCH_POSITIONS = 8  # _decode_attention asks for the keys this many positions ahead
 VERSION = numba.__version__
-CHUNKS_PER_THREAD = 4  # a shared call is cut into this many chunks per thread (cpu_pool takes them)
-
-
-def threads_for(threads: int, weight_bytes: int) -> int:
-    """The threads worth using on a product reading ``weight_bytes`` of weights: at most one per
-    THREAD_MIN_BYTES (waking a thread for less costs more than it saves)."""
-    return max(1, min(threads, weight_bytes // THREAD_MIN_BYTES))
-
-
-def share(fn, args: tuple, units: int, threads: int) -> None:
-    """fn(*args, chunks, counters) over ``units`` panels or rows, on ``threads`` threads (cpu_pool)."""
-    chunks = 1 if threads <= 1 else min(units, CHUNKS_PER_THREAD * threads)
-    POOL.run(fn, (*args, chunks), new_counters(), chunks, threads)
 
 
 @intrinsic
@@ -822,7 +808,13 @@ def _sample_weights(kind: str, N: int, K: int, experts: int):
 
 
 def warm_products(kind: str, threads: int = 1) -> None:
-    """Compile (or load from numba's cache) the products of weights of ``kind`` (f32, bf16, fp8, int8)."""
+    """Compile (or load from numba's cache) the products of weights of ``kind`` (f32, bf16, fp8, int8;
+    mxfp4: gpt-oss's experts, ``mxfp4_cpu``)."""
+    if kind == "mxfp4":
+        from eprt.ops import mxfp4_cpu
+
+        mxfp4_cpu.warm_up(threads)
+        return
     gate_up, down = _sample_weights(kind, 32, 16, 1), _sample_weights(kind, 16, 16, 1)
     x = np.ones((5, 16), np.float32)  # [n, D]
     single = down.take(0) if isinstance(down, ScaledPanels) else down[0]
@@ -860,7 +852,8 @@ def main(argv=None) -> int:
     import time
 
     ap = argparse.ArgumentParser(prog="python -m eprt.ops.cpu_kernels", description=main.__doc__)
-    ap.add_argument("--kinds", default="f32,bf16,fp8,int8", help="weight kinds to compile (f32,bf16,fp8,int8)")
+    kinds = "f32,bf16,fp8,int8,mxfp4"
+    ap.add_argument("--kinds", default=kinds, help=f"weight kinds to compile ({kinds})")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     warm_up(threads=2)

@@ -71,8 +71,23 @@ class ChunkPool:
 
 
 POOL = ChunkPool()
+THREAD_MIN_BYTES = 1 << 18  # a product uses another thread per this many bytes of weights it reads
+CHUNKS_PER_THREAD = 4  # a shared call is cut into this many chunks per thread
 
 
 def new_counters() -> np.ndarray:
     """[taken, done] for one call."""
     return np.zeros(2, np.int64)
+
+
+def threads_for(threads: int, weight_bytes: int) -> int:
+    """The threads worth using on a product reading ``weight_bytes`` of weights: at most one per
+    THREAD_MIN_BYTES (waking a thread for less costs more than it saves)."""
+    return max(1, min(threads, weight_bytes // THREAD_MIN_BYTES))
+
+
+def share(fn, args: tuple, units: int, threads: int) -> None:
+    """fn(*args, chunks, counters) over ``units`` panels or rows (CHUNKS_PER_THREAD chunks a thread),
+    on ``threads`` threads: the compiled kernels' shared-out calls."""
+    chunks = 1 if threads <= 1 else min(units, CHUNKS_PER_THREAD * threads)
+    POOL.run(fn, (*args, chunks), new_counters(), chunks, threads)

@@ -170,9 +170,11 @@ class Packer:
     def keeps(self, kind: str) -> None:
         """Notes weights held as the checkpoint stores them whatever ``precision`` says (gpt-oss's
         MXFP4 experts: 4.25 bits a weight, below every --cpu-weights choice; f32 or bf16 would widen
-        them 4 - 8x with the same values, int8 would round them again), logging the first."""
+        them 4 - 8x with the same values, int8 would round them again), calling ``first(kind)`` and
+        logging the first."""
         if kind not in self.kinds:
             self.kinds.add(kind)
+            self.first(kind)
             log.info("cpu weights: %s kept as stored (--cpu-weights %s applies to the rest)", kind, self.precision)
 
     def fp8(self, raw: np.ndarray, scale: np.ndarray, block_n: int, block_k: int, part_rows: int) -> ScaledPanels:

@@ -4,7 +4,7 @@ rank's MXFP4 experts never exist in float32 (NumpyOps' compiled path; without nu
 ``gptoss_ops`` dequantizes one expert at a time). Each output element is summed per 32-weight block,
 then scaled, in one order whatever the rows in the call: a row's bits do not depend on its group.
 On several threads (``--cpu-threads``) each takes whole ranges of output columns of every group
-(``cpu_kernels.share``), so neither do they depend on the thread count.
+(``cpu_pool.share``), so neither do they depend on the thread count.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from eprt.ops import cpu_kernels
 from eprt.ops import cpu_simd as simd
+from eprt.ops.cpu_pool import share, threads_for
 from eprt.ops.mxfp4_format import FP4_VALUES
 
 
@@ -65,9 +65,19 @@ def expert_rows(
     out = np.empty((len(xs), blocks.shape[1]), dtype=np.float32)
     xs = np.ascontiguousarray(xs, dtype=np.float32)
     read = len(experts) * (blocks[0].nbytes + scales[0].nbytes) if len(blocks) else 0
-    threads = cpu_kernels.threads_for(threads, read)
+    threads = threads_for(threads, read)
     if threads <= 1:
         _expert_rows(xs, blocks, scales, experts, edges, FP4_VALUES, out, 0, blocks.shape[1])
         return out
-    cpu_kernels.share(_expert_chunks, (xs, blocks, scales, experts, edges, FP4_VALUES, out), blocks.shape[1], threads)
+    share(_expert_chunks, (xs, blocks, scales, experts, edges, FP4_VALUES, out), blocks.shape[1], threads)
     return out
+
+
+def warm_up(threads: int = 1) -> None:
+    """Compile (or load from numba's cache) the MXFP4 products, on one thread and shared out."""
+    blocks, scales = np.zeros((1, 2, 1, 16), np.uint8), np.full((1, 2, 1), 127, np.uint8)
+    xs, bounds, out = np.ones((2, 32), np.float32), np.array([0, 2]), np.empty((2, 2), np.float32)
+    expert_rows(xs, blocks, scales, bounds)
+    if threads > 1:  # (too small above to be shared out)
+        edges, experts = np.array([0, 2], np.int64), np.zeros(1, np.int64)
+        _expert_chunks(xs, blocks, scales, experts, edges, FP4_VALUES, out, 1, np.zeros(2, np.int64))

@@ -108,7 +108,9 @@ class NumpyOps(GptOssOps, Ops):
         self.threads, why = cpu_threads.resolve_threads(threads)
         self.threads_text = f"{self.threads} thread(s) ({why}), {cpu_threads.set_blas_threads(self.threads)}"
         self._kernels = None  # eprt.ops.cpu_kernels once imported
-        self.packer = cpu_weights.Packer(self.precision, lambda kind: self.kernels.warm_products(kind, self.threads))
+        compiled = self.experts == "numba"  # compile each kind's products as its first weights load
+        warm = (lambda kind: self.kernels.warm_products(kind, self.threads)) if compiled else (lambda kind: None)
+        self.packer = cpu_weights.Packer(self.precision, warm)
 
     @property
     def kernels(self):
