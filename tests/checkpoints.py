@@ -590,16 +590,17 @@ def _save_fp8_copy(source: str, path: str, reference: str, block: tuple) -> None
 
 def build_bf16_copy(source: str, path: str) -> str:
     """A bfloat16 copy of checkpoint ``source`` at ``path`` (every floating tensor rounded to bf16;
-    the other files copied); skipped if there."""
-    import json
-    import shutil
+    the other files copied); skipped if there, built race-free (``building``)."""
+    with building(path) as temp:
+        if temp is not None:
+            _save_bf16_copy(source, temp[0])
+    return path
 
+
+def _save_bf16_copy(source: str, path: str) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    os.makedirs(path, exist_ok=True)
     for name in os.listdir(source):
         if name != "model.safetensors" and os.path.isfile(os.path.join(source, name)):
             shutil.copy(os.path.join(source, name), path)
@@ -610,7 +611,6 @@ def build_bf16_copy(source: str, path: str) -> str:
         config = json.load(f)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({**config, "dtype": "bfloat16"}, f, indent=1)
-    return path
 
 
 def reference_greedy(path, prompt, steps):
