@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
     paths = ["numba", "numpy"] if numba_available() else ["numpy"]
-    ops = {p: NumpyOps(p) for p in paths}
+    ops = {p: NumpyOps(p, threads=1) for p in paths}
     for o in ops.values():
         o.warm_up()
     rng = np.random.default_rng(0)

@@ -1,20 +1,27 @@
 """Decode throughput of eprt vs transformers ``generate`` on the same local MoE checkpoint,
-and eprt against this machine's roofline measured in the same run.
+eprt at each CPU weight precision and thread count against today's float32 on one thread, and
+each against this machine's roofline measured in the same run.
 
     python benchmarks/bench_decode_cpu.py [--dir /tmp/eprt-bench-moe] [--new-tokens 32] [--threads 1] [--repeats 3]
+        [--variants f32@1,bf16@1,int8@1,f32@2,bf16@2,int8@2] [--no-hf]
 
-Builds (once) a ~115M-parameter Qwen3-MoE with random weights, then for batch 1 and 32
-times prefill (1 new token) and prefill+decode (N new tokens) for both engines in the
-same process, and reports decode tokens/s = B * (N - 1) / (t_N - t_1) and the ratio, t_N - t_1
-the median of --repeats pairs (the machine is shared: one pair moves by 20%).
-Both run greedy with EOS ignored, on the CPU, with the same thread count.
+Builds (once) a ~115M-parameter Qwen3-MoE with random weights and its bfloat16 copy (the
+variants read that one: f32 is today's upcast at load, bf16 keeps it resident, int8 quantizes it
+at load; f32 and bf16 must give the same tokens, which is checked), then for batch 1 and 32
+times prefill (1 new token) and prefill+decode (N new tokens) and reports decode tokens/s =
+B * (N - 1) / (t_N - t_1). The variants' engines are open together and run in turn, a pair of
+each per repeat, so the machine's drifts hit them alike; tok/s is the median of --repeats pairs,
+the speed-up against f32@1 the median of the per-repeat ratios [min, max]. transformers (float32,
+--threads threads) runs after them.
 
 Roofline of a decode step: bytes it must read / single-row GEMV bandwidth at batch 1, and
-max(that, FLOPs / GEMM FLOP/s at M = B) at larger batches, both measured here (median
-pass of the faster weight layout, passes before each of eprt's pairs and after the last: the
-shared machine's load moves both, so they sample the same minutes) on weights larger than the
-last-level cache. Bytes: the weights the step touches (attention, router, the experts its B
-tokens choose, lm_head) and its KV; FLOPs: 2 per active weight per token, plus attention.
+max(that, FLOPs / GEMM FLOP/s at M = B) at larger batches, both measured here with OpenBLAS on
+as many threads as the variant (median pass of the faster weight layout, passes before each
+repeat and after the last: the shared machine's load moves both, so they sample the same
+minutes) on weights larger than the last-level cache. Bytes: the weights the step touches
+(attention, router, the experts its B tokens choose, lm_head) at the variant's bytes per weight
+(4, 2, int8 1 + 4 / group) and its float32 KV; FLOPs: 2 per active weight per token, plus
+attention (int8's dot products run on integer units: its bound is the bytes alone).
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ ROOFLINE_MATRICES = 12  # [4096, 1024] float32 weights, 16 MiB each: 192 MiB, pa
 
 def _pass_seconds(fn, reps: int = 4) -> list[float]:
     fn()
-    return [timed(fn) for _ in range(reps)]
+    return [timed(fn, VARIANT_CLOCK[0]) for _ in range(reps)]
 
 
 def measure_machine(batch: int) -> dict:
@@ -85,9 +92,13 @@ def measure_machine(batch: int) -> dict:
     }
 
 
-def record(passes: list, batch: int) -> None:
-    """Append one measure_machine to ``passes``."""
-    passes.append(measure_machine(batch))
+def record(passes: dict, batch: int) -> None:
+    """Append one measure_machine to ``passes[t]`` with OpenBLAS on t threads, for each t."""
+    from eprt.ops.cpu_threads import set_blas_threads
+
+    for threads, runs in passes.items():
+        set_blas_threads(threads)
+        runs.append(measure_machine(batch))
 
 
 def machine_rates(batch: int, passes) -> tuple[float, float]:
@@ -107,8 +118,9 @@ def roofline(batch: int, cost: tuple[float, float], bandwidth: float, flops: flo
     return batch / max(t_mem, t_flop), "memory" if t_mem >= t_flop else "FLOPs"
 
 
-def step_cost(cfg, batch: int, context: float) -> tuple[float, float]:
-    """(bytes, FLOPs) one decode step of ``batch`` rows at mean ``context`` must read/do (float32)."""
+def step_cost(cfg, batch: int, context: float, weight_bytes: float = 4.0) -> tuple[float, float]:
+    """(bytes, FLOPs) one decode step of ``batch`` rows at mean ``context`` must read/do, weights
+    of ``weight_bytes`` bytes each, float32 KV."""
     d, dh = cfg.hidden_size, cfg.head_dim
     attn = d * dh * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, o, k, v
     expert = 3 * d * cfg.moe_intermediate_size
@@ -122,13 +134,24 @@ def step_cost(cfg, batch: int, context: float) -> tuple[float, float]:
         active += attn + mlp_active + shared
     kv = 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * dh  # K and V elements read
     attn_flops = 4 * cfg.num_layers * batch * context * cfg.num_heads * dh
-    return 4.0 * (weights_read + kv), 2.0 * batch * active + attn_flops
+    return weight_bytes * weights_read + 4.0 * kv, 2.0 * batch * active + attn_flops
 
 
-def timed(fn) -> float:
-    t = time.perf_counter()
+def weight_bytes(weights: str) -> float:
+    """Bytes per weight resident at ``weights`` (int8: a float32 scale per group)."""
+    from eprt.ops.cpu_weights import int8_group
+
+    return {"f32": 4.0, "bf16": 2.0}.get(weights, 1.0 + 4.0 / int8_group())
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+VARIANT_CLOCK = ["wall"]  # --clock: how eprt's variants are timed
+
+
+def timed(fn, clock: str = "wall") -> float:
+    t = CLOCKS[clock]()
     fn()
-    return time.perf_counter() - t
+    return CLOCKS[clock]() - t
 
 
 def decode_seconds(run, n: int, repeats: int, between=lambda: None) -> list[float]:
@@ -165,21 +188,104 @@ def bench_transformers(path, prompts, n, repeats):
     return decode_seconds(run, n, repeats)
 
 
-def bench_eprt(path, prompts, n, max_batch, repeats, between):
+def timed_both(fn) -> dict:
+    """{clock: seconds} of one call of fn, by every clock."""
+    start = {c: clock() for c, clock in CLOCKS.items()}
+    fn()
+    return {c: clock() - start[c] for c, clock in CLOCKS.items()}
+
+
+def bench_variants(path, prompts, n, max_batch, variants, repeats, between):
+    """{clock: {variant: decode seconds of each repeat}}, {variant: token ids}: one engine per
+    variant (weights, threads), all open, a pair of each in turn per repeat, timed by both clocks,
+    ``between()`` before each repeat."""
+    import contextlib
+
     from eprt.api import GenerationRequest, SamplingParams
     from eprt.engine.engine import EngineConfig, launch_engine
+    from eprt.ops.cpu_threads import set_blas_threads
 
-    cfg = EngineConfig(model=path, device="cpu", max_batch=max_batch, max_model_len=256, prefix_cache=False)
-    with launch_engine(cfg) as engine:
+    seconds, tokens = {c: {v: [] for v in variants} for c in CLOCKS}, {}
+    with contextlib.ExitStack() as stack:
+        runs = {}
+        for v in variants:
+            weights, threads = v
+            cfg = EngineConfig(
+                model=path,
+                device="cpu",
+                max_batch=max_batch,
+                max_model_len=256,
+                prefix_cache=False,
+                cpu_weights=weights,
+                cpu_threads=threads,
+            )
+            engine = stack.enter_context(launch_engine(cfg))
 
-        def run(k):
-            reqs = [
-                GenerationRequest(prompt_ids=p, params=SamplingParams(max_tokens=k, ignore_eos=True)) for p in prompts
-            ]
-            res = engine.generate(reqs)
-            assert all(len(r.token_ids) == k for r in res)
+            def run(k, engine=engine, v=v):
+                set_blas_threads(v[1])
+                reqs = [
+                    GenerationRequest(prompt_ids=p, params=SamplingParams(max_tokens=k, ignore_eos=True))
+                    for p in prompts
+                ]
+                res = engine.generate(reqs)
+                assert all(len(r.token_ids) == k for r in res)
+                tokens[v] = [r.token_ids for r in res]
 
-        return decode_seconds(run, n, repeats, between)
+            runs[v] = run
+            run(2)  # warm-up
+        for _ in range(repeats):
+            between()
+            for v, run in runs.items():
+                first = timed_both(lambda run=run: run(1))
+                whole = timed_both(lambda run=run: run(n))
+                for c in CLOCKS:
+                    seconds[c][v].append(whole[c] - first[c])
+    return seconds, tokens
+
+
+def parse_variants(text: str) -> list:
+    """ "f32@1,bf16@2" -> [("f32", 1), ("bf16", 2)]; today's float32 on one thread comes first."""
+    variants = []
+    for part in text.split(","):
+        weights, _, threads = part.partition("@")
+        if weights not in ("f32", "bf16", "int8") or not threads.isdigit() or int(threads) < 1:
+            raise SystemExit(f"--variants: {part!r} is not WEIGHTS@THREADS (f32, bf16 or int8 @ 1, 2, ..)")
+        variants.append((weights, int(threads)))
+    return [("f32", 1)] + [v for v in variants if v != ("f32", 1)]
+
+
+def spread(values) -> str:
+    """median [min, max] of ratios."""
+    return f"{np.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def report_threads(b, variants, wall) -> None:
+    """Under --clock cpu: each precision's wall-clock speed-up on more threads than one, per repeat
+    (CPU time adds the threads' work up, so only the wall clock shows what they gain)."""
+    for weights, threads in variants:
+        if threads > 1 and (weights, 1) in wall:
+            ratios = [one / more for one, more in zip(wall[(weights, 1)], wall[(weights, threads)])]
+            print(f"{b:5d} {weights}@{threads} vs {weights}@1, wall clock: {spread(ratios)}", flush=True)
+
+
+def report_batch(cfg, b, n, context, variants, seconds, passes) -> None:
+    """One table row per variant: tok/s, speed-up against f32@1, roofline and its fraction."""
+    base = seconds[("f32", 1)]
+    for v in variants:
+        weights, threads = v
+        bw, flops = machine_rates(b, passes[threads])
+        cost = step_cost(cfg, b, context, weight_bytes(weights))
+        if weights == "int8":  # integer dot products: the measured float32 FLOP rate is no bound
+            roof, bound = b * bw / cost[0], "memory"
+        else:
+            roof, bound = roofline(b, cost, bw, flops)
+        tps = b * (n - 1) / np.median(seconds[v])
+        ratios = [f / s for f, s in zip(base, seconds[v])]
+        print(
+            f"{b:5d} {weights + '@' + str(threads):>8} {tps:9.1f} {spread(ratios):>19} {bw / 1e9:9.1f} "
+            f"{flops / 1e9:9.1f} {bound:>7} {roof:10.1f} {tps / roof:8.0%}",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -188,43 +294,64 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--threads", type=int, default=THREADS, help="BLAS/torch threads (default: all cores)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed pairs per engine and batch; the median counts")
+    ap.add_argument("--threads", type=int, default=THREADS, help="transformers' threads (default: all cores)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed pairs per variant and batch; the median counts")
+    ap.add_argument(
+        "--variants",
+        default="f32@1,bf16@1,int8@1,f32@2,bf16@2,int8@2",
+        help="eprt's CPU weights @ compute threads (f32@1, today's path, is always run and compared with)",
+    )
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="time eprt's variants by the wall clock, or by this process's CPU time (all its threads: on a "
+        "loaded machine the one-thread variants' work without the waits for a core, the machine's passes too; "
+        "not a throughput of several threads: each precision's wall-clock speed-up on more threads is printed "
+        "after its table)",
+    )
     args = ap.parse_args()
-    from checkpoints import build_checkpoint
+    VARIANT_CLOCK[0] = args.clock
+    from checkpoints import build_bf16_copy, build_checkpoint
 
     from eprt.model.config import load_config
 
     path = build_checkpoint("qwen3_moe", args.dir, **BENCH_MODEL)
+    bf16_path = build_bf16_copy(path, args.dir + "-bf16")
     cfg = load_config(path)
+    variants = parse_variants(args.variants)
     import torch
 
     torch.set_num_threads(THREADS)
     print(
-        f"model: {path} ({cfg.param_count() / 1e6:.0f}M parameters, {cfg.num_experts} experts, top-{cfg.top_k}); "
-        f"torch threads {torch.get_num_threads()}, new tokens {args.new_tokens}"
+        f"model: {path} ({cfg.param_count() / 1e6:.0f}M parameters, {cfg.num_experts} experts, top-{cfg.top_k}), "
+        f"eprt from its bf16 copy; torch threads {torch.get_num_threads()}, new tokens {args.new_tokens}, "
+        f"eprt timed by the {args.clock} clock"
     )
     rng = np.random.default_rng(0)
     print(
-        f"{'batch':>5} {'eprt tok/s':>11} {'hf tok/s':>9} {'eprt/hf':>8} {'GEMV GB/s':>10} {'GEMM GF/s':>10} "
-        f"{'bound':>7} {'roof tok/s':>11} {'eprt/roof':>10}"
+        f"{'batch':>5} {'eprt':>8} {'tok/s':>9} {'vs f32@1 [min, max]':>19} {'GEMV GB/s':>9} {'GEMM GF/s':>9} "
+        f"{'bound':>7} {'roof tok/s':>10} {'of roof':>8}"
     )
     for b in [int(x) for x in args.batches.split(",")]:
         prompts = rng.integers(3, cfg.vocab_size, size=(b, args.prompt_len)).tolist()
         n = args.new_tokens
-        passes = []  # the machine's passes before each eprt pair and after the last
-        eprt_seconds = bench_eprt(path, prompts, n, max(b, 1), args.repeats, functools.partial(record, passes, b))
-        passes.append(measure_machine(b))
-        hf_seconds = bench_transformers(path, prompts, n, args.repeats)
-        cost = step_cost(cfg, b, args.prompt_len + n / 2)
-        bw, flops = machine_rates(b, passes)
-        roof, bound = roofline(b, cost, bw, flops)
-        e_tps, h_tps = b * (n - 1) / np.median(eprt_seconds), b * (n - 1) / np.median(hf_seconds)
-        print(
-            f"{b:5d} {e_tps:11.1f} {h_tps:9.1f} {e_tps / h_tps:8.2f} {bw / 1e9:10.1f} {flops / 1e9:10.1f} "
-            f"{bound:>7} {roof:11.1f} {e_tps / roof:10.0%}",
-            flush=True,
-        )
+        passes = {t: [] for t in sorted({v[1] for v in variants})}  # the machine's passes per thread count
+        between = functools.partial(record, passes, b)
+        seconds, tokens = bench_variants(bf16_path, prompts, n, max(b, 1), variants, args.repeats, between)
+        between()
+        for v in variants:
+            if v[0] != "int8" and tokens[v] != tokens[("f32", 1)]:
+                raise SystemExit(f"batch {b}: {v[0]}@{v[1]} gave other tokens than f32@1")
+        report_batch(cfg, b, n, args.prompt_len + n / 2, variants, seconds[args.clock], passes)
+        if args.clock == "cpu":
+            report_threads(b, variants, seconds["wall"])
+        if not args.no_hf:
+            hf = b * (n - 1) / np.median(bench_transformers(path, prompts, n, args.repeats))
+            e_tps = b * (n - 1) / np.median(seconds["wall"][("f32", 1)])
+            print(f"{b:5d} {'hf f32':>8} {hf:9.1f}   (eprt f32@1 / transformers {e_tps / hf:.2f})", flush=True)
+    print("tokens: f32 and bf16 identical at every thread count (checked)")
 
 
 if __name__ == "__main__":

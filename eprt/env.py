@@ -102,6 +102,20 @@ CPU_EXPERTS = _register(
     str,
     "small CPU expert groups: numba (compiled kernel, the cpu extra), numpy (GEMV per row), auto (numba if found)",
 )
+CPU_WEIGHTS = _register(
+    "EPRT_CPU_WEIGHTS",
+    "auto",
+    str,
+    "CPU weights when --cpu-weights is not given: auto (the checkpoint's: bf16, FP8 or f32), f32, bf16, int8",
+)
+CPU_INT8_GROUP = _register("EPRT_CPU_INT8_GROUP", 32, int, "--cpu-weights int8: weights per scale along k (32 or 64)")
+CPU_THREADS = _register(
+    "EPRT_CPU_THREADS",
+    0,
+    int,
+    "compute threads per rank on the CPU when --cpu-threads is not given (0: OMP_NUM_THREADS if set, else the "
+    "cores the rank is bound to, else the node's cores / its ranks)",
+)
 KERNEL_DIR = _register(
     "EPRT_KERNEL_DIR", "", str, "directory of the .cu kernel sources (default: the checkout's or the wheel's kernels/)"
 )

@@ -588,6 +588,31 @@ def _save_fp8_copy(source: str, path: str, reference: str, block: tuple) -> None
             json.dump(cfg, f, indent=1)
 
 
+def build_bf16_copy(source: str, path: str) -> str:
+    """A bfloat16 copy of checkpoint ``source`` at ``path`` (every floating tensor rounded to bf16;
+    the other files copied); skipped if there, built race-free (``building``)."""
+    with building(path) as temp:
+        if temp is not None:
+            _save_bf16_copy(source, temp[0])
+    return path
+
+
+def _save_bf16_copy(source: str, path: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for name in os.listdir(source):
+        if name != "model.safetensors" and os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), path)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    bf16 = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()}
+    save_file(bf16, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**config, "dtype": "bfloat16"}, f, indent=1)
+
+
 def reference_greedy(path, prompt, steps):
     """transformers in float32, full forward per step: (tokens, logits of each step [steps, V])."""
     import numpy as np

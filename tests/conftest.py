@@ -4,6 +4,10 @@ import signal
 import pytest
 from checkpoints import ARCHS, build_checkpoint
 
+# One compute thread per process unless a test asks for more (tests/test_cpu_weights.py runs 1 and 2):
+# the suite shares a small machine, and the thread count never changes a bit.
+os.environ.setdefault("EPRT_CPU_THREADS", "1")
+
 
 @pytest.fixture(scope="session")
 def ckpt_root(tmp_path_factory):

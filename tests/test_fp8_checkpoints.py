@@ -47,9 +47,11 @@ def test_fp8_greedy_matches_transformers_on_the_dequantized_weights(fp8_pair, ar
 
 
 def test_fp8_weights_dequantize_exactly_to_the_reference(fp8_pair):
+    """--cpu-weights f32 dequantizes at load (auto keeps FP8 with its scales: tests/test_cpu_weights.py
+    shows its products have the bits of these weights)."""
     fp8, dequantized = fp8_pair("deepseek_v3", (16, 32))
-    got = load_model(fp8, NumpyOps(), 64).model.w.layers[1]
-    want = load_model(dequantized, NumpyOps(), 64).model.w.layers[1]
+    got = load_model(fp8, NumpyOps(weights="f32"), 64).model.w.layers[1]
+    want = load_model(dequantized, NumpyOps(weights="f32"), 64).model.w.layers[1]
     for name in ("w_gate_up", "w_down", "shared_gate_up", "q_a", "w_uk", "w_uv", "o", "router"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
 

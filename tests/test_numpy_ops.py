@@ -353,7 +353,7 @@ def test_numpy_path_runs_without_the_compiled_kernels():
 
 def test_expert_path_choice(monkeypatch):
     monkeypatch.setenv("EPRT_CPU_EXPERTS", "numpy")
-    assert NumpyOps().experts == "numpy" and NumpyOps().describe() == "experts NumPy"
+    assert NumpyOps().experts == "numpy" and NumpyOps().describe() == "experts NumPy, weights f32"
     monkeypatch.setenv("EPRT_CPU_EXPERTS", "auto")
     assert NumpyOps().experts == ("numba" if numba_available() else "numpy")
     with pytest.raises(ValueError, match="must be one of"):

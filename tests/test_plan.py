@@ -66,7 +66,7 @@ def _save_fused(path: str, out: str) -> None:
 def _check_weights_match_the_loader(path: str, ranks: int) -> None:
     fp32 = _plan(path, ranks=ranks, dtype="fp32")
     for rank in range(ranks):
-        loaded = load_model(path, NumpyOps(), 64, rank=rank, world=ranks)
+        loaded = load_model(path, NumpyOps(weights="f32"), 64, rank=rank, world=ranks)  # fp32: --cpu-weights f32
         w = fp32.weights[rank]
         assert (w.expert_start, w.expert_end) == (loaded.model.w.expert_start, loaded.model.w.expert_end)
         assert w.read_bytes == loaded.bytes_read, f"rank {rank} of {ranks}"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from eprt import env
 from eprt.engine.speculative import METHODS, SpeculativeConfig
+from eprt.ops.cpu_weights import PRECISIONS
 
 # Prompt tokens per prefill chunk by default: a long prompt shares the step with the decoding
 # sequences instead of stalling them (README, "Measured figures": 648 ms vs 92 ms worst gap).
@@ -51,6 +52,8 @@ class EplbConfig:
 class EngineConfig:
     model: str | None = None  # checkpoint directory; None: the built-in default model
     device: str = "auto"  # cpu | cuda | auto (cuda when usable)
+    cpu_weights: str | None = None  # CPU weights: auto (the checkpoint's) | f32 | bf16 | int8; None: EPRT_CPU_WEIGHTS
+    cpu_threads: int | None = None  # CPU threads per rank; 0: the node's cores / its ranks; None: EPRT_CPU_THREADS
     max_batch: int = 32  # sequence slots (decode batch size)
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # KV blocks per rank; 0: every slot can reach max_model_len, within memory
@@ -111,6 +114,10 @@ class EngineConfig:
             raise ValueError("--record-payloads with --attention dp: eprt replay rebuilds replicated attention only")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+        if self.cpu_weights is not None and self.cpu_weights not in PRECISIONS:
+            raise ValueError(f"--cpu-weights must be one of {', '.join(PRECISIONS)}, got {self.cpu_weights!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 0:
+            raise ValueError(f"--cpu-threads must be >= 0 (0: the node's cores / its ranks), got {self.cpu_threads}")
         self.eplb.validate()
 
     def speculative(self) -> SpeculativeConfig | None:
@@ -139,6 +146,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=["cpu", "cuda", "auto"],
         help="backend (default: $EPRT_DEVICE, else cuda when usable)",
+    )
+    g.add_argument(
+        "--cpu-weights",
+        default=None,
+        choices=PRECISIONS,
+        help="CPU: the weights' resident precision: auto (the checkpoint's: bf16, FP8 with its scales, else f32; "
+        "the same tokens as f32), f32, bf16, int8 (per-group int8 weights and activations; outputs differ) "
+        "($EPRT_CPU_WEIGHTS, auto)",
+    )
+    g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU: compute threads per rank ($EPRT_CPU_THREADS; default: $OMP_NUM_THREADS, else the cores this "
+        "rank is bound to, else the node's cores / its ranks); never changes a bit of the output",
     )
     g.add_argument("--max-batch", type=int, default=32, help="sequence slots, i.e. max decode batch (32)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block ($EPRT_BLOCK_SIZE, 16)")
@@ -293,6 +316,8 @@ def engine_config_from_args(args) -> EngineConfig:
     cfg = EngineConfig(
         model=args.model,
         device=args.device or env.DEVICE.get() or "auto",
+        cpu_weights=getattr(args, "cpu_weights", None),
+        cpu_threads=getattr(args, "cpu_threads", None),
         max_batch=args.max_batch,
         block_size=args.block_size if args.block_size is not None else env.BLOCK_SIZE.get(),
         num_blocks=args.num_blocks if args.num_blocks is not None else env.NUM_BLOCKS.get(),

@@ -430,6 +430,7 @@ def launch_engine(args_or_config, transport=None, precheck=None):
     transport.recorder.meta = {  # what eprt replay needs to rebuild this rank's executor
         "model": cfg.model,
         "backend": ops.name,
+        "cpu_weights": getattr(ops, "precision", None),  # the CPU weights' precision (int8 changes the bits)
         "num_blocks": executor.pool_blocks,  # KV blocks plus those recurrent-state snapshots take
         "block_size": cfg.block_size,
         "max_slots": cfg.max_batch,

@@ -60,7 +60,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     nodes = count_nodes(transport, cfg.eplb) if cfg.eplb.active else 1
 
     def load():
-        ops = get_ops(device)
+        ops = get_ops(device, cfg.cpu_weights, cfg.cpu_threads)
         ops.warm_up()
         if ops.describe():
             log.info("%s backend: %s", ops.name, ops.describe())

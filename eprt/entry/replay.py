@@ -113,7 +113,7 @@ def replay(directory: str, model_dir: str | None, rank: int) -> tuple[str, int]:
     world = h["size"]
     loaded = load_model(
         model_dir,
-        NumpyOps(),
+        NumpyOps(weights=h.get("cpu_weights") or "auto"),
         h["rope_len"],
         rank=rank,
         world=world,

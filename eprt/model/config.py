@@ -694,6 +694,8 @@ def _qwen3_vl_moe(raw: dict, generation_config: dict | None) -> ModelConfig:
             f"vision_config field 'deepstack_visual_indexes' must be a list of integers, got {deepstack!r}"
         )
     merged = {**text, "model_type": "qwen3_moe", "image_token_id": raw.get("image_token_id")}
+    if "quantization_config" in raw:  # FP8 releases put it at the top level
+        merged.setdefault("quantization_config", raw["quantization_config"])
     merged["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     rope = {k: v for k, v in spec.items() if k not in ("mrope_section", "mrope_interleaved")}
     merged.update(rope_parameters=rope, rope_scaling=None)

@@ -6,8 +6,9 @@ for the local range ``[expert_start, expert_end)``; a rank reads no other expert
 bytes. Checkpoints saved with fused expert tensors (``experts.gate_up_proj``
 ``[E, 2I, D]`` and ``experts.down_proj`` ``[E, D, I]``) are read too. Every tensor's
 shape is checked against the config and its values scanned for NaN/Inf as it is read.
-FP8 block-scaled weights (``X.weight`` F8_E4M3 with ``X.weight_scale_inv``) stay FP8 on a backend with
-``fp8_resident`` (the GPU), else are dequantized block-wise as read; MLA kv_b_proj is split into W_UK / W_UV.
+FP8 block-scaled weights (``X.weight`` F8_E4M3 with ``X.weight_scale_inv``) stay FP8 where the backend
+keeps them (``ops.keeps_fp8``: the GPU; the CPU under --cpu-weights auto, 16-row panels), else are
+dequantized block-wise as read; MLA kv_b_proj is split into W_UK / W_UV.
 Qwen3-Next: the Gated DeltaNet projections are regrouped from per-key-head to [q | k | v | z]
 and [b | a]; q_proj's per-head output gate is split off; (1 + w) norm weights get their 1 added.
 """
@@ -273,6 +274,9 @@ def _resident_fp8(src: TensorSource, ops, names: list, expected: tuple):
     backend that keeps them (``ops.fp8_resident``); None when any is not FP8 (then read dequantized)."""
     if not (ops.fp8_resident and isinstance(src, Fp8Source)) or any(name not in src for name in names):
         return None
+    q = src.quant
+    if len(expected) != 2 or not ops.keeps_fp8((len(names) * expected[0].size, expected[1].size), q.block_k):
+        return None
     parts = [src.read_fp8(name) for name in names]
     if any(p is None for p in parts):
         return None
@@ -280,7 +284,6 @@ def _resident_fp8(src: TensorSource, ops, names: list, expected: tuple):
         _check_shape(name, raw, expected)
         _check_fp8_finite(name, raw, scale)
     raw, scale = (np.concatenate([p[i] for p in parts]) for i in (0, 1))
-    q = src.quant
     return ops.weight_fp8(raw, scale, q.block_n, q.block_k, expected[0].size)
 
 
@@ -382,7 +385,7 @@ def load_weights(
     if cfg.tie_word_embeddings or "lm_head.weight" not in src:
         if not cfg.tie_word_embeddings:
             raise CheckpointError("checkpoint is missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
-        lm_head = embed
+        lm_head = ops.tied_head(embed)
     else:
         lm_head = W("lm_head.weight", "V", "D")
     N = lambda name, *shape: _norm_weight(src, cfg, ops, name, tuple(n[d] for d in shape))  # noqa: E731
@@ -606,6 +609,9 @@ def _resident_fp8_experts(src: TensorSource, cfg: ModelConfig, ops, prefix: str,
     if not (ops.fp8_resident and isinstance(src, Fp8Source)) or not ids or f"{prefix}.experts.gate_up_proj" in src:
         return None
     n, (g_name, u_name, d_name) = _dims(cfg), cfg.expert_names
+    I, D = cfg.moe_intermediate_size, cfg.hidden_size
+    if not (ops.keeps_fp8((2 * I, D), src.quant.block_k) and ops.keeps_fp8((D, I), src.quant.block_k)):
+        return None
     gate_up, down = [], []
     for e in ids:
         base = f"{prefix}.experts.{e}"

@@ -98,10 +98,20 @@ class Ops:
         on their own (gate | up stacked). ``linear`` and ``moe_experts`` accept the result."""
         raise NotImplementedError
 
+    def keeps_fp8(self, shape: tuple, block_k: int) -> bool:
+        """Whether an FP8 matrix (or stack) of matrices ``shape`` [N, K] in k blocks of ``block_k``
+        stays FP8 (``weight_fp8``); else the loader dequantizes it."""
+        return self.fp8_resident
+
     def linear_weight(self, host: np.ndarray) -> Array:
         """Upload a matrix [N, K] that only ``linear`` reads, in the layout it reads fastest; the
         default is ``weight``'s."""
         return self.weight(host)
+
+    def tied_head(self, embed: Array) -> Array:
+        """The lm_head of a model whose head is its embedding table ``embed`` (``weight``'s [V, D]);
+        the default is the table itself."""
+        return embed
 
     def expert_weights(self, gate_up: np.ndarray, down: np.ndarray) -> tuple:
         """Upload one layer's expert stacks, host gate_up[El, 2I, D] and down[El, D, I] (as for

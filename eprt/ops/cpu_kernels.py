@@ -1,27 +1,62 @@
 """Compiled CPU kernels (numba, the ``cpu`` extra): the matrix products (dense and experts),
-norms and rotations. Imported only when NumpyOps takes the numba path (importing numba takes
-about a second).
+decode attention, norms and rotations. Imported only when NumpyOps takes the numba path
+(importing numba takes about a second).
 
-Weights are read from panels (``panels``: 16 output columns' weights contiguous over k), four
+Weights are read from panels (``cpu_weights``: 16 output columns' weights contiguous over k, at
+the resident precision: float32, bfloat16, FP8 with block scales, int8 with group scales), four
 rows at a time against each panel with their sums in registers (``cpu_simd``), so a matrix
 streams once, in memory order, for all its rows. Element (r, n) of a product is summed over k in
 fours in one order whatever the rows in the call, with multiplies and adds rounded apart (no
-fused multiply-add), so a row's bits do not depend on its batch-mates. The first start compiles
-for tens of seconds; numba caches the result.
+fused multiply-add), so a row's bits do not depend on its batch-mates; bfloat16 and FP8 weights
+become the float32 weights of a load-time upcast in registers, so their products have the same
+bits as float32 panels. A call's threads split the panels (and decode attention's rows), never
+k, so a row's bits do not depend on the thread count either. The first start compiles for tens
+of seconds; numba caches the result.
 """
 
 from __future__ import annotations
+
+import sys
 
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from eprt.ops import cpu_simd as simd
+from eprt.ops.cpu_pool import new_counters, share, threads_for
+from eprt.ops.cpu_weights import LANES, ScaledPanels, unit_scales
 
-PANEL_PREFETCH_LINES = 128  # _panel_product asks for the weights this many 64-byte lines (8 KiB) ahead
+
+class _HideScipyLinalg:
+    """An import finder that refuses scipy.linalg (``_numba_array_math``)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "scipy.linalg" or name.startswith("scipy.linalg."):
+            raise ImportError("eprt: scipy.linalg hidden while numba's array math loads")
+        return None
+
+
+def _numba_array_math() -> None:
+    """Load numba's array-math lowering (which its first compile or cache load needs) without
+    scipy.linalg: numba imports it only to learn whether np.dot and np.linalg can compile, which no
+    kernel here uses, and that import was half of numba's 1.4 s first call on this machine (0.5 -
+    0.7 s). In this process numba's np.dot / np.linalg then need scipy already imported."""
+    if "numba.np.arraymath" in sys.modules or "scipy.linalg" in sys.modules:
+        return
+    sys.meta_path.insert(0, _HideScipyLinalg)
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        sys.meta_path.remove(_HideScipyLinalg)
+
+
+_numba_array_math()
+
+PANEL_PREFETCH_BYTES = 32768  # the first rows' pass over a panel asks for the weights this far ahead
 KV_PREFETCH_POSITIONS = 8  # _decode_attention asks for the keys this many positions ahead
 VERSION = numba.__version__
 
@@ -53,105 +88,273 @@ def _quad(acc, x, r, k, v0, v1, v2, v3):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _ahead(lines, i):  # pragma: no cover - compiled
-    """Ask for the four 64-byte lines lines[i : i + 4] (rows of a [n, 16] view) into L2, if there."""
+def _ahead(lines, i, step):  # pragma: no cover - compiled
+    """Ask for the 64-byte lines holding rows lines[i : i + 4] of a [n, 16] view into L2, if
+    there: one request per ``step`` rows (a line's rows: 1 float32, 2 bfloat16, 4 FP8)."""
     if i + 4 <= lines.shape[0]:
-        for j in range(i, i + 4):
+        for j in range(i, i + 4, step):
             _prefetch(lines, j, 0)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _four_rows(panel, k):  # pragma: no cover - compiled
-    """panel[k : k + 4] of a [K, 16] panel: four k's 16 weights, one line each."""
-    return simd.load(panel, k, 0), simd.load(panel, k + 1, 0), simd.load(panel, k + 2, 0), simd.load(panel, k + 3, 0)
+def _four_rows(panel, k, scale):  # pragma: no cover - compiled
+    """panel[k : k + 4] of a [K, 16] panel as float32 lanes (``simd.weights``)."""
+    return (
+        simd.weights(panel, k, scale),
+        simd.weights(panel, k + 1, scale),
+        simd.weights(panel, k + 2, scale),
+        simd.weights(panel, k + 3, scale),
+    )
 
 
 @njit(nogil=True, cache=True)
-def _panel_product(x, panels, y, lo, hi):  # pragma: no cover - compiled
-    """y[lo:hi, :16 C] = x[lo:hi] @ w, w[K, 16 C] stored as panels[C, K, 16] (``panels``): each
-    panel's K rows are contiguous, so the weights stream in memory order (the first rows' pass asks
-    for them PANEL_PREFETCH_LINES ahead), and four rows' sums of a panel stay in registers over the
-    whole of k. Every element is summed in one order (acc = 0, then acc += (x0 w0 + x1 w1) +
-    (x2 w2 + x3 w3) over k in fours, then the K % 4 rest one at a time), whatever rows share the
-    call."""
-    C, K = panels.shape[0], panels.shape[1]
+def _float_panel(x, p, s, block, y, lo, hi, n, lines, ahead, step):  # pragma: no cover - compiled
+    """y[lo:hi, n : n + 16] = x[lo:hi] @ panel p [K, 16] (float32, bfloat16 or FP8 with scales s
+    [K / block, 16] per ``block`` k's; float32 and bfloat16 have one block). Four rows' sums stay in
+    registers over the whole of k, every element summed in one order (acc = 0, then acc += (x0 w0
+    + x1 w1) + (x2 w2 + x3 w3) over k in fours, then the K % 4 rest one at a time) whatever rows or
+    threads share the call; the first rows' pass asks for the weights PANEL_PREFETCH_BYTES ahead."""
+    K = p.shape[0]
     K4 = K - K % 4
-    lines = panels.reshape(C * K, 16)  # [C K, 16] one 64-byte line per row of a panel
-    for c in range(C):
-        p, n, ahead = panels[c], 16 * c, c * K + PANEL_PREFETCH_LINES
-        r = lo
-        while r + 4 <= hi:  # four rows share each weight load
-            s0, s1, s2, s3 = simd.zeros(), simd.zeros(), simd.zeros(), simd.zeros()
-            for k in range(0, K4, 4):
+    r = lo
+    while r + 4 <= hi:  # four rows share each weight load
+        s0, s1, s2, s3 = simd.zeros(), simd.zeros(), simd.zeros(), simd.zeros()
+        for k0 in range(0, K4, block):
+            scale = simd.load(s, k0 // block, 0)
+            for k in range(k0, min(k0 + block, K4), 4):
                 if r == lo:  # the later rows find the panel in cache
-                    _ahead(lines, ahead + k)
-                v0, v1, v2, v3 = _four_rows(p, k)
+                    _ahead(lines, ahead + k, step)
+                v0, v1, v2, v3 = _four_rows(p, k, scale)
                 s0 = _quad(s0, x, r, k, v0, v1, v2, v3)
                 s1 = _quad(s1, x, r + 1, k, v0, v1, v2, v3)
                 s2 = _quad(s2, x, r + 2, k, v0, v1, v2, v3)
                 s3 = _quad(s3, x, r + 3, k, v0, v1, v2, v3)
-            for k in range(K4, K):
-                v = simd.load(p, k, 0)
-                s0 = simd.add(s0, simd.mul(simd.splat(x[r, k]), v))
-                s1 = simd.add(s1, simd.mul(simd.splat(x[r + 1, k]), v))
-                s2 = simd.add(s2, simd.mul(simd.splat(x[r + 2, k]), v))
-                s3 = simd.add(s3, simd.mul(simd.splat(x[r + 3, k]), v))
-            simd.store(y, r, n, s0)
-            simd.store(y, r + 1, n, s1)
-            simd.store(y, r + 2, n, s2)
-            simd.store(y, r + 3, n, s3)
-            r += 4
-        while r < hi:
-            s0 = simd.zeros()
-            for k in range(0, K4, 4):
+        for k in range(K4, K):
+            v = simd.weights(p, k, simd.load(s, k // block, 0))
+            s0 = simd.add(s0, simd.mul(simd.splat(x[r, k]), v))
+            s1 = simd.add(s1, simd.mul(simd.splat(x[r + 1, k]), v))
+            s2 = simd.add(s2, simd.mul(simd.splat(x[r + 2, k]), v))
+            s3 = simd.add(s3, simd.mul(simd.splat(x[r + 3, k]), v))
+        simd.store(y, r, n, s0)
+        simd.store(y, r + 1, n, s1)
+        simd.store(y, r + 2, n, s2)
+        simd.store(y, r + 3, n, s3)
+        r += 4
+    while r < hi:
+        s0 = simd.zeros()
+        for k0 in range(0, K4, block):
+            scale = simd.load(s, k0 // block, 0)
+            for k in range(k0, min(k0 + block, K4), 4):
                 if r == lo:
-                    _ahead(lines, ahead + k)
-                v0, v1, v2, v3 = _four_rows(p, k)
+                    _ahead(lines, ahead + k, step)
+                v0, v1, v2, v3 = _four_rows(p, k, scale)
                 s0 = _quad(s0, x, r, k, v0, v1, v2, v3)
-            for k in range(K4, K):
-                s0 = simd.add(s0, simd.mul(simd.splat(x[r, k]), simd.load(p, k, 0)))
-            simd.store(y, r, n, s0)
-            r += 1
+        for k in range(K4, K):
+            s0 = simd.add(s0, simd.mul(simd.splat(x[r, k]), simd.weights(p, k, simd.load(s, k // block, 0))))
+        simd.store(y, r, n, s0)
+        r += 1
 
 
 @njit(nogil=True, cache=True)
-def _grouped(x, panels, y, experts, edges):  # pragma: no cover - compiled
-    for i in range(experts.shape[0]):
-        lo, hi = edges[2 * i], edges[2 * i + 1]
-        if hi > lo:
-            _panel_product(x, panels[experts[i]], y, lo, hi)
+def _float_panels(x, w, s, block, y, lo, hi, c0, c1):  # pragma: no cover - compiled
+    """Panels c0..c1 of w [C, K, 16] (scales s [C, K / block, 16]) for rows lo..hi (``_float_panel``)."""
+    C, K = w.shape[0], w.shape[1]
+    lines = w.reshape(C * K, 16)  # [C K, 16] one k of a panel per row
+    step = 64 // (16 * w.itemsize)
+    for c in range(c0, c1):
+        _float_panel(x, w[c], s[c], block, y, lo, hi, 16 * c, lines, c * K + PANEL_PREFETCH_BYTES // 64 * step, step)
 
 
 @njit(nogil=True, cache=True)
-def _ffn_grouped(x, gate_up, down, y, experts, edges):  # pragma: no cover - compiled
-    """Per group: y[lo:hi] = (silu(g) * u) @ down[e], [g | u] = x[lo:hi] @ gate_up[e] (panels), with
-    _panel_product's products and SiLU as NumpyOps writes it, 16 columns at a time with
-    cpu_simd.silu_mul's exp (within 1 ulp; NumPy's scalar exp is 10x slower here)."""
-    inter = down.shape[2]
-    h = np.empty((x.shape[0], 2 * inter), np.float32)  # [n, 2I]
-    a = np.empty((x.shape[0], inter), np.float32)  # [n, I]
+def _q8_panels(xq, xs, xc, w, s, group, y, lo, hi, c0, c1):  # pragma: no cover - compiled
+    """y[lo:hi, 16 c : 16 c + 16] for panels c0..c1 of int8 w [C, K / 4, 16, 4] (scales s [C, K /
+    group, 16]) and rows quantized per group (xq [T, K / 4] four int8 per int32, xs [T, K / group]
+    their scales, xc 128 times their sums): per group, four rows' exact integer dot products
+    (``simd.dot4``), then acc += float32(dot) * (w scale * x scale), groups in order, whatever rows
+    or threads share the call."""
+    C, Kq = w.shape[0], w.shape[1]
+    per, groups = group // 4, w.shape[1] * 4 // group
+    lines = w.reshape(C * Kq, 64)  # [C K / 4, 64] one 64-byte line per quad of k
+    for c in range(c0, c1):
+        p, n, ahead = w[c], 16 * c, c * Kq + PANEL_PREFETCH_BYTES // 64
+        r = lo
+        while r < hi:
+            m = min(4, hi - r)  # rows in this pass: four share each weight line
+            f0, f1, f2, f3 = simd.zeros(), simd.zeros(), simd.zeros(), simd.zeros()
+            for g in range(groups):
+                a0, a1, a2, a3 = simd.izeros(), simd.izeros(), simd.izeros(), simd.izeros()
+                for q in range(g * per, g * per + per):
+                    if r == lo and ahead + q < lines.shape[0]:
+                        _prefetch(lines, ahead + q, 0)
+                    a0 = simd.dot4(a0, p, q, xq[r, q])
+                    if m == 4:
+                        a1 = simd.dot4(a1, p, q, xq[r + 1, q])
+                        a2 = simd.dot4(a2, p, q, xq[r + 2, q])
+                        a3 = simd.dot4(a3, p, q, xq[r + 3, q])
+                ws = simd.load(s[c], g, 0)
+                f0 = simd.add(f0, simd.scaled(a0, xc[r, g], simd.mul(ws, simd.splat(xs[r, g]))))
+                if m == 4:
+                    f1 = simd.add(f1, simd.scaled(a1, xc[r + 1, g], simd.mul(ws, simd.splat(xs[r + 1, g]))))
+                    f2 = simd.add(f2, simd.scaled(a2, xc[r + 2, g], simd.mul(ws, simd.splat(xs[r + 2, g]))))
+                    f3 = simd.add(f3, simd.scaled(a3, xc[r + 3, g], simd.mul(ws, simd.splat(xs[r + 3, g]))))
+            simd.store(y, r, n, f0)
+            if m == 4:
+                simd.store(y, r + 1, n, f1)
+                simd.store(y, r + 2, n, f2)
+                simd.store(y, r + 3, n, f3)
+                r += 4
+            else:
+                r += 1
+
+
+@njit(nogil=True, cache=True)
+def _quantize_rows(x, group, xq, xs, xc, lo, hi):  # pragma: no cover - compiled
+    """Rows lo..hi of x[T, K] as symmetric int8 per group of ``group`` along k (K padded with
+    zeros): xs[r, g] = max |x| / 127, q = rint(x 127 / max |x|) packed four to an int32 in xq[r],
+    xc[r, g] = 128 * sum(q) (``simd.dot4`` reads the weights as q + 128). A group holding NaN or
+    infinity gets a NaN scale, so its row's outputs are NaN as in float32."""
+    K = x.shape[1]
+    for r in range(lo, hi):
+        for g in range(xs.shape[1]):
+            k0 = g * group
+            top, bad = np.float32(0.0), False
+            for k in range(k0, min(k0 + group, K)):
+                v = abs(x[r, k])
+                bad = bad or not np.isfinite(v)
+                top = max(top, v)
+            xs[r, g] = np.float32(np.nan) if bad else top / np.float32(127.0)
+            inv = np.float32(127.0) / top if top > 0 and not bad else np.float32(0.0)
+            total = 0
+            for q in range(k0 // 4, (k0 + group) // 4):
+                word = 0
+                for j in range(4):
+                    k = 4 * q + j
+                    v = int(np.rint(x[r, k] * inv)) if k < K else 0
+                    total += v
+                    word |= (v & 255) << (8 * j)
+                xq[r, q] = np.int32(word - (1 << 32) if word >= (1 << 31) else word)
+            xc[r, g] = 128 * total
+
+
+def _product(op, w, s, block, y, lo, hi, c0, c1):  # pragma: no cover - typed by _product_for
+    """y[lo:hi, panels c0..c1] of the operand ``op`` (``_operand``) through one matrix's panels w."""
+
+
+@overload(_product)
+def _product_for(op, w, s, block, y, lo, hi, c0, c1):  # pragma: no cover - compiled
+    if w.dtype == types.int8:
+        return lambda op, w, s, block, y, lo, hi, c0, c1: _q8_panels(
+            op[0], op[1], op[2], w, s, block, y, lo, hi, c0, c1
+        )
+    return lambda op, w, s, block, y, lo, hi, c0, c1: _float_panels(op, w, s, block, y, lo, hi, c0, c1)
+
+
+def _operand(x, w, block):  # pragma: no cover - typed by _operand_for
+    """What the products of x[T, K] through panels like w read: x itself, or for int8 panels the
+    arrays its quantized rows go to (filled by ``_fill``)."""
+
+
+@overload(_operand)
+def _operand_for(x, w, block):  # pragma: no cover - compiled
+    if w.dtype == types.int8:
+
+        def arrays(x, w, block):
+            quads = w.shape[w.ndim - 3]  # [.., C, K / 4, 16, 4]
+            groups = quads * 4 // block
+            n = x.shape[0]
+            return np.empty((n, quads), np.int32), np.empty((n, groups), np.float32), np.empty((n, groups), np.int32)
+
+        return arrays
+    return lambda x, w, block: x
+
+
+def _fill(op, x, block, lo, hi):  # pragma: no cover - typed by _fill_for
+    """Rows lo..hi of the operand ``op`` from x (int8: quantized; float: nothing to do)."""
+
+
+@overload(_fill)
+def _fill_for(op, x, block, lo, hi):  # pragma: no cover - compiled
+    if isinstance(op, types.BaseTuple):
+        return lambda op, x, block, lo, hi: _quantize_rows(x, block, op[0], op[1], op[2], lo, hi)
+    return lambda op, x, block, lo, hi: None
+
+
+@njit(nogil=True, cache=True)
+def _linear_chunks(op, w, s, block, y, chunks, counters):  # pragma: no cover - compiled
+    """y = op @ w for panels w [C, ..], in ``chunks`` chunks of panels taken one at a time
+    (``cpu_pool``): chunk j is panels [j C / chunks, (j + 1) C / chunks) for every row."""
+    C = w.shape[0]
+    j = simd.claim(counters, 0)
+    while j < chunks:
+        _product(op, w, s, block, y, 0, y.shape[0], j * C // chunks, (j + 1) * C // chunks)
+        simd.claim(counters, 1)
+        j = simd.claim(counters, 0)
+
+
+@njit(nogil=True, cache=True)
+def _linear_one(x, w, s, block, y):  # pragma: no cover - compiled
+    """y = x @ w for panels w [C, ..], every panel on this thread (int8: x's rows quantized first)."""
+    op = _operand(x, w, block)
+    _fill(op, x, block, 0, x.shape[0])
+    _product(op, w, s, block, y, 0, x.shape[0], 0, w.shape[0])
+
+
+@njit(nogil=True, cache=True)
+def _grouped_chunks(op, w, s, block, y, experts, edges, chunks, counters):  # pragma: no cover - compiled
+    """y[lo:hi] = op[lo:hi] @ w[e] for each group (experts[i], edges[2i], edges[2i+1]), in
+    ``chunks`` chunks taken one at a time: chunk j is ``_linear_chunks``' panels of every group."""
+    C = w.shape[1]
+    j = simd.claim(counters, 0)
+    while j < chunks:
+        for i in range(experts.shape[0]):
+            e, lo, hi = experts[i], edges[2 * i], edges[2 * i + 1]
+            _product(op, w[e], s[e], block, y, lo, hi, j * C // chunks, (j + 1) * C // chunks)
+        simd.claim(counters, 1)
+        j = simd.claim(counters, 0)
+
+
+@njit(nogil=True, cache=True)
+def _operand_of(x, w, block):  # pragma: no cover - compiled
+    """What the products of x through panels like w read (int8: x's rows quantized)."""
+    op = _operand(x, w, block)
+    _fill(op, x, block, 0, x.shape[0])
+    return op
+
+
+@njit(nogil=True, cache=True)
+def _silu_mul_rows(h, inter, a):  # pragma: no cover - compiled
+    """a[r] = silu(h[r, :I]) * h[r, I:2I] for every row, as NumpyOps writes it, 16 columns at a
+    time with cpu_simd.silu_mul's exp (within 1 ulp; NumPy's scalar exp is 10x slower here)."""
     one = np.float32(1.0)
-    for i in range(experts.shape[0]):
-        lo, hi = edges[2 * i], edges[2 * i + 1]
-        if hi > lo:
-            _panel_product(x, gate_up[experts[i]], h, lo, hi)
-            for r in range(lo, hi):
-                for j in range(0, inter - inter % 16, 16):
-                    simd.store(a, r, j, simd.silu_mul(simd.load(h, r, j), simd.load(h, r, inter + j)))
-                for j in range(inter - inter % 16, inter):  # (I a multiple of 8: at most 8 columns)
-                    g = h[r, j]
-                    a[r, j] = g / (one + np.exp(-g)) * h[r, inter + j]
-            _panel_product(a, down[experts[i]], y, lo, hi)
+    for r in range(h.shape[0]):
+        for j in range(0, inter - inter % 16, 16):
+            simd.store(a, r, j, simd.silu_mul(simd.load(h, r, j), simd.load(h, r, inter + j)))
+        for j in range(inter - inter % 16, inter):  # (I a multiple of 8: at most 8 columns)
+            g = h[r, j]
+            a[r, j] = g / (one + np.exp(-g)) * h[r, inter + j]
 
 
 @njit(nogil=True, cache=True)
-def _moe(x, local, weights, gate_up, down, out):  # pragma: no cover - compiled
-    """out[t] = sum over the k choices of token t in order of weights[t, j] * ffn(x[t]) through expert
-    local[t, j] (0 where it is outside [0, El): another rank's), as NumpyOps' grouped path computes
-    it: the (token, choice) rows grouped by expert, tokens in order (``_ffn_grouped``), each
-    weighted, then added in choice order."""
+def _ffn_grouped(xs, gate_up, down, inter, experts, edges):  # pragma: no cover - compiled
+    """Per group: ys[lo:hi] = (silu(g) * u) @ down[e], [g | u] = xs[lo:hi] @ gate_up[e] (each a
+    (panels, scales, block) triple), on this thread (``moe`` shares the products out otherwise)."""
+    h = np.empty((xs.shape[0], 16 * gate_up[0].shape[1]), np.float32)  # [n, 2I] (int8: padded to 16)
+    op = _operand_of(xs, gate_up[0], gate_up[2])
+    _grouped_chunks(op, gate_up[0], gate_up[1], gate_up[2], h, experts, edges, 1, np.zeros(2, np.int64))
+    a = np.empty((xs.shape[0], inter), np.float32)  # [n, I]
+    _silu_mul_rows(h, inter, a)
+    ys = np.empty((xs.shape[0], 16 * down[0].shape[1]), np.float32)  # [n, D] (int8: padded to 16)
+    op = _operand_of(a, down[0], down[2])
+    _grouped_chunks(op, down[0], down[1], down[2], ys, experts, edges, 1, np.zeros(2, np.int64))
+    return ys
+
+
+@njit(nogil=True, cache=True)
+def _group_rows(x, local, El):  # pragma: no cover - compiled
+    """The (token, choice) rows of this rank's experts grouped by expert, tokens in order: (xs [n, D]
+    the rows, place [T, k] each row's index in xs or -1 (another rank's), the experts with rows,
+    edges [lo0, hi0, lo1, ..] their rows)."""
     T, k = local.shape
-    El, D = gate_up.shape[0], x.shape[1]
     counts = np.zeros(El + 1, np.int64)
     for t in range(T):
         for j in range(k):
@@ -160,10 +363,9 @@ def _moe(x, local, weights, gate_up, down, out):  # pragma: no cover - compiled
                 counts[e + 1] += 1
     for e in range(El):
         counts[e + 1] += counts[e]  # counts[e]: expert e's first row
-    n = counts[El]
-    place = np.empty((T, k), np.int64)  # each (token, choice) row's place in xs, -1 elsewhere
+    place = np.empty((T, k), np.int64)
     fill = counts[:El].copy()
-    xs = np.empty((n, D), np.float32)  # [n, D]
+    xs = np.empty((counts[El], x.shape[1]), np.float32)  # [n, D]
     for t in range(T):
         for j in range(k):
             e = local[t, j]
@@ -176,36 +378,67 @@ def _moe(x, local, weights, gate_up, down, out):  # pragma: no cover - compiled
     edges = np.empty(2 * len(chosen), np.int64)
     for i in range(len(chosen)):
         edges[2 * i], edges[2 * i + 1] = counts[chosen[i]], counts[chosen[i] + 1]
-    ys = np.empty((n, D), np.float32)  # [n, D]
-    _ffn_grouped(xs, gate_up, down, ys, chosen, edges)
+    return xs, place, chosen, edges
+
+
+@njit(nogil=True, cache=True)
+def _weigh(ys, place, weights, out):  # pragma: no cover - compiled
+    """out[t] = sum over the k choices of token t in order of weights[t, j] * ys[place[t, j]] (0 where
+    place is -1: another rank's expert)."""
+    T, k = place.shape
     for t in range(T):
         for j in range(k):
             i = place[t, j]
-            for d in range(D):
+            for d in range(out.shape[1]):
                 v = ys[i, d] * weights[t, j] if i >= 0 else np.float32(0.0)
                 out[t, d] = v if j == 0 else out[t, d] + v
 
 
 @njit(nogil=True, cache=True)
-def _decode_attention(q, k_cache, v_cache, tables, lens, scale, out):  # pragma: no cover - compiled
-    """out[b, h] = softmax((q[b, h] scale) . K) V over row b's lens[b] positions, read where its
-    block table puts them (no gather), GQA head h on kv head h // (H / Hk); Dh a multiple of 16.
-    Each position's keys and values (all heads, one contiguous row of the cache) are read once,
-    for every head, in position order."""
-    B, H, Dh = q.shape
-    NB, BS, Hk = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+def _moe(x, local, weights, gate_up, down, inter, out):  # pragma: no cover - compiled
+    """out[t] = sum over the k choices of token t in order of weights[t, j] * ffn(x[t]) through expert
+    local[t, j] (0 where it is outside [0, El): another rank's), as NumpyOps' grouped path computes
+    it: the (token, choice) rows grouped by expert, tokens in order (``_ffn_grouped``), each
+    weighted, then added in choice order; one call on this thread."""
+    xs, place, chosen, edges = _group_rows(x, local, gate_up[0].shape[0])
+    _weigh(_ffn_grouped(xs, gate_up, down, inter, chosen, edges), place, weights, out)
+
+
+@njit(nogil=True, cache=True)
+def _exp_rows(scores, n, norm):  # pragma: no cover - compiled
+    """scores[h, :n] = exp(scores[h, :n] - their max) (lanes up to the next 16 zeroed), norm[h] =
+    1 / their sum (16 lanes, then ``simd.total``)."""
+    minus_one = simd.splat(np.float32(-1.0))
+    for h in range(scores.shape[0]):
+        top = np.float32(-np.inf)
+        for s in range(n):
+            top = max(top, scores[h, s])
+        for s in range(0, n, 16):  # the lanes past n are set to 0 below
+            simd.store(scores, h, s, simd.exp(simd.add(simd.load(scores, h, s), simd.mul(simd.splat(top), minus_one))))
+        for s in range(n, n + (-n) % 16):
+            scores[h, s] = np.float32(0.0)
+        sum_p = simd.zeros()
+        for s in range(0, n, 16):
+            sum_p = simd.add(sum_p, simd.load(scores, h, s))
+        norm[h] = np.float32(1.0) / simd.total(sum_p)
+
+
+@njit(nogil=True, cache=True)
+def _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, lo, hi):  # pragma: no cover - compiled
+    """out[b, h] = softmax((q[b, h] scale) . K) V for rows b in lo..hi over row b's lens[b]
+    positions, read where its block table puts them (no gather) from keys / values [slot, Hk Dh],
+    GQA head h on kv head h // (H / Hk); Dh a multiple of 16. Each position's keys and values (all
+    heads, one contiguous row of the cache) are read once, for every head, in position order."""
+    H, Dh = q.shape[1], q.shape[2]
     group = H // Hk
-    keys = k_cache.reshape(NB * BS, Hk * Dh)  # [slot, Hk Dh]
-    values = v_cache.reshape(NB * BS, Hk * Dh)
     query = np.empty((H, Dh), np.float32)  # [H, Dh]
     acc = np.empty((H, Dh), np.float32)  # [H, Dh]
     longest = 0
-    for b in range(B):
+    for b in range(lo, hi):
         longest = max(longest, lens[b])
     scores = np.empty((H, longest + 16), np.float32)  # [H, S] padded to whole lanes
     norm = np.empty(H, np.float32)
-    minus_one = simd.splat(np.float32(-1.0))
-    for b in range(B):
+    for b in range(lo, hi):
         n = lens[b]
         for h in range(H):
             for d in range(Dh):
@@ -225,20 +458,8 @@ def _decode_attention(q, k_cache, v_cache, tables, lens, scale, out):  # pragma:
                 for d in range(0, Dh, 16):
                     v = simd.add(v, simd.mul(simd.load(query, h, d), simd.load(keys, row, col + d)))
                 scores[h, s] = simd.total(v)
+        _exp_rows(scores, n, norm)
         for h in range(H):
-            top = np.float32(-np.inf)
-            for s in range(n):
-                top = max(top, scores[h, s])
-            for s in range(0, n, 16):  # the lanes past n are set to 0 below
-                simd.store(
-                    scores, h, s, simd.exp(simd.add(simd.load(scores, h, s), simd.mul(simd.splat(top), minus_one)))
-                )
-            for s in range(n, n + (-n) % 16):
-                scores[h, s] = np.float32(0.0)
-            sum_p = simd.zeros()
-            for s in range(0, n, 16):
-                sum_p = simd.add(sum_p, simd.load(scores, h, s))
-            norm[h] = np.float32(1.0) / simd.total(sum_p)
             for d in range(0, Dh, 16):
                 simd.store(acc, h, d, simd.zeros())
         for s in range(n):
@@ -251,6 +472,20 @@ def _decode_attention(q, k_cache, v_cache, tables, lens, scale, out):  # pragma:
         for h in range(H):
             for d in range(Dh):
                 out[b, h, d] = acc[h, d] * norm[h]
+
+
+@njit(nogil=True, cache=True)
+def _decode_attention(q, k_cache, v_cache, tables, lens, scale, out, chunks, counters):  # pragma: no cover - compiled
+    """``_attend_rows`` of every row, in ``chunks`` chunks of rows taken one at a time (each row is its own)."""
+    B, Dh = q.shape[0], q.shape[2]
+    NB, BS, Hk = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    keys = k_cache.reshape(NB * BS, Hk * Dh)  # [slot, Hk Dh]
+    values = v_cache.reshape(NB * BS, Hk * Dh)
+    j = simd.claim(counters, 0)
+    while j < chunks:
+        _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, j * B // chunks, (j + 1) * B // chunks)
+        simd.claim(counters, 1)
+        j = simd.claim(counters, 0)
 
 
 @njit(nogil=True, cache=True)
@@ -324,6 +559,67 @@ def _bucket_sums(keys, values, out):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
+def _shift_rows(logits, x):  # pragma: no cover - compiled
+    """x[t] = logits[t] - max(logits[t]) (NaN when the row holds one, as np.max gives)."""
+    for t in range(logits.shape[0]):
+        top = logits[t, 0]
+        for e in range(logits.shape[1]):
+            v = logits[t, e]
+            if v > top or v != v:
+                top = v if top == top else top
+        for e in range(logits.shape[1]):
+            x[t, e] = logits[t, e] - top
+
+
+@njit(nogil=True, cache=True)
+def _top_k_rows(probs, top_k, renormalize, weights, ids):  # pragma: no cover - compiled
+    """NumpyOps.router after its exp: probs[t] /= its sum (NumPy's pairwise sum), then the top_k of
+    each row as a stable argsort of -probs picks them (ties to the lower id, NaN last), their probs
+    (divided by their sum with ``renormalize``)."""
+    E = probs.shape[1]
+    taken = np.zeros(E, np.bool_)
+    for t in range(probs.shape[0]):
+        total = _pairwise_sum(probs[t], E)
+        for e in range(E):
+            probs[t, e] = probs[t, e] / total
+            taken[e] = False
+        for j in range(top_k):
+            best = -1
+            for e in range(E):
+                if not taken[e]:
+                    a, b = -probs[t, e], -probs[t, best] if best >= 0 else np.float32(0.0)
+                    if best < 0 or a < b or (b != b and a == a):
+                        best = e
+            taken[best] = True
+            ids[t, j], weights[t, j] = best, probs[t, best]
+        if renormalize:
+            total = _pairwise_sum(weights[t], top_k)
+            for j in range(top_k):
+                weights[t, j] = weights[t, j] / total
+
+
+@njit(nogil=True, cache=True)
+def _kv_write(k_cache, v_cache, k, v, slots):  # pragma: no cover - compiled
+    """k_cache / v_cache [NB, BS, ..] at slot slots[t] = k[t] / v[t], slots below 0 skipped."""
+    BS = k_cache.shape[1]
+    for t in range(slots.shape[0]):
+        s = slots[t]
+        if s >= 0:
+            k_cache[s // BS, s % BS] = k[t]
+            v_cache[s // BS, s % BS] = v[t]
+
+
+@njit(nogil=True, cache=True)
+def _count_experts(ids, counts):  # pragma: no cover - compiled
+    """counts[e] += 1 for each id e of ids [T, k] in [0, len(counts))."""
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if 0 <= e < counts.shape[0]:
+                counts[e] += 1
+
+
+@njit(nogil=True, cache=True)
 def _rms_norm(x, weight, eps, y):  # pragma: no cover - compiled
     """y[t] = x[t] / sqrt(sum(x[t]^2) / D + eps) * weight, float32, NumpyOps.rms_norm's operations."""
     D = x.shape[1]
@@ -364,14 +660,36 @@ def rope(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray) -> np.ndarra
     return y
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, lens, scale: float) -> np.ndarray:
+def kv_write(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """NumpyOps.kv_write in one call (a row copy per token; the NumPy expression's index arrays cost
+    more than the copies at decode)."""
+    _kv_write(k_cache, v_cache, k, v, slot_mapping)
+
+
+def router(logits, top_k: int, renormalize: bool) -> tuple:
+    """NumpyOps.router's (weights [T, k], ids [T, k]) with its bits in three calls: the shift and the
+    pick compiled, the exp NumPy's own (its vector exp's bits)."""
+    x = np.empty(logits.shape, np.float32)  # [T, E]
+    _shift_rows(np.ascontiguousarray(logits, dtype=np.float32), x)
+    np.exp(x, out=x)
+    weights, ids = np.empty((len(x), top_k), np.float32), np.empty((len(x), top_k), np.int32)
+    _top_k_rows(x, top_k, renormalize, weights, ids)
+    return weights, ids
+
+
+def count_experts(ids, counts) -> None:
+    """NumpyOps.count_experts in one call."""
+    _count_experts(ids, counts)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, lens, scale: float, threads: int = 1) -> np.ndarray:
     """[B, H, Dh]: NumpyOps.attention_decode of q[B, H, Dh] over float32 caches [NB, BS, Hk, Dh]
     (Dh a multiple of 16), each row's positions read in place through block_tables[B, MB]."""
     out = np.empty(q.shape, dtype=np.float32)  # [B, H, Dh]
     tables = np.ascontiguousarray(block_tables, dtype=np.int64)
-    _decode_attention(
-        np.ascontiguousarray(q), k_cache, v_cache, tables, np.asarray(lens, np.int64), np.float32(scale), out
-    )
+    lens = np.asarray(lens, np.int64)
+    args = (np.ascontiguousarray(q), k_cache, v_cache, tables, lens, np.float32(scale), out)
+    share(_decode_attention, args, q.shape[0], threads)
     return out
 
 
@@ -385,48 +703,168 @@ def bucket_sums(keys: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def panels(w: np.ndarray) -> np.ndarray:
-    """[.., N / 16, K, 16]: w[.., N, K] (float32, N a multiple of 16) as the panels the expert
-    kernels read, panel c holding w[.., 16 c : 16 c + 16, :] transposed."""
-    *lead, N, K = w.shape
-    return np.ascontiguousarray(w.reshape(*lead, N // simd.LANES, simd.LANES, K).swapaxes(-1, -2))
+_UNIT_SCALES: dict = {}  # leading shape -> cpu_weights.unit_scales of panels of that shape
 
 
-def moe(x, local, weights, gate_up, down) -> np.ndarray:
+def _operand_for_call(x, data, block):
+    """x itself for float panels; for int8 panels its rows quantized (``_operand_of``)."""
+    return _operand_of(x, data, block) if data.dtype == np.int8 else x
+
+
+def _triple(w) -> tuple:
+    """(panels, scales, k per scale) of resident weights w: float32 or bfloat16 panels (an
+    ndarray [.., C, K, 16]: unit scales, one block) or ScaledPanels."""
+    if isinstance(w, ScaledPanels):
+        return w.data, w.scales, w.block
+    scales = _UNIT_SCALES.get(w.shape[:-2])
+    if scales is None:
+        scales = _UNIT_SCALES.setdefault(w.shape[:-2], unit_scales(w))
+    return w, scales, max(w.shape[-2], 1)
+
+
+def _experts(w) -> int:
+    """El of an expert stack of resident weights."""
+    return w.shape[0]
+
+
+def _size(w) -> tuple:
+    """(N, K) of the matrices of resident weights w (int8 panels are padded past them)."""
+    return (w.rows, w.cols) if isinstance(w, ScaledPanels) else (LANES * w.shape[-3], w.shape[-2])
+
+
+def moe(x, local, weights, gate_up, down, threads: int = 1) -> np.ndarray:
     """[T, D]: the MoE output of x[T, D] (float32) over each token's k choices local[T, k] (this
     rank's experts; others outside [0, El)) with routing weights[T, k] (float32), through gate/up
-    gate_up[El, 2I / 16, D, 16], SiLU and down down[El, D / 16, I, 16] (``panels``), in one call."""
-    out = np.empty((x.shape[0], 16 * down.shape[1]), dtype=np.float32)  # [T, D]
-    local = np.ascontiguousarray(local, dtype=np.int64)
-    _moe(np.ascontiguousarray(x), local, np.ascontiguousarray(weights, dtype=np.float32), gate_up, down, out)
+    gate_up[El, 2I, D], SiLU and down down[El, D, I] (resident panels, ``cpu_weights``): one call on
+    one thread, else the two products shared out (the same bits)."""
+    out = np.empty(x.shape, dtype=np.float32)  # [T, D]
+    x, local = np.ascontiguousarray(x), np.ascontiguousarray(local, dtype=np.int64)
+    w = np.ascontiguousarray(weights, dtype=np.float32)
+    inter = _size(down)[1]
+    if threads > 1:
+        touched = min(local.size, _experts(gate_up))  # experts the tokens can reach, at most
+        threads = threads_for(threads, touched * (gate_up.nbytes + down.nbytes) // max(1, _experts(gate_up)))
+    if threads == 1:
+        _moe(x, local, w, _triple(gate_up), _triple(down), inter, out)
+    else:
+        _moe_shared(x, local, w, gate_up, down, inter, out, threads)
     return out
 
 
-def expert_rows(x: np.ndarray, w: np.ndarray, experts: np.ndarray, edges: np.ndarray) -> np.ndarray:
+def _moe_shared(x, local, weights, gate_up, down, inter: int, out, threads: int) -> None:
+    """``_moe``'s steps with its two products shared out over ``threads`` threads (the same bits)."""
+    xs, place, chosen, edges = _group_rows(x, local, _experts(gate_up))
+    h = _grouped_product(xs, gate_up, chosen, edges, threads)  # [n, 2I]
+    a = np.empty((len(xs), inter), np.float32)  # [n, I]
+    _silu_mul_rows(h, inter, a)
+    _weigh(_grouped_product(a, down, chosen, edges, threads), place, weights, out)
+
+
+def _grouped_product(x, w, experts, edges, threads: int) -> np.ndarray:
+    """y[n, 16 C]: rows edges[2i]..edges[2i+1] of x[n, K] through expert experts[i] of resident
+    weights w (int8: columns padded to 16); rows outside every group stay zero."""
+    data, scales, block = _triple(w)
+    y = np.zeros((x.shape[0], LANES * data.shape[1]), dtype=np.float32)
+    op = _operand_for_call(np.ascontiguousarray(x, dtype=np.float32), data, block)
+    share(_grouped_chunks, (op, data, scales, block, y, experts, edges), data.shape[1], threads)
+    return y
+
+
+def expert_rows(x: np.ndarray, w, experts: np.ndarray, edges: np.ndarray, threads: int = 1) -> np.ndarray:
     """y[n, N]: rows edges[2i]..edges[2i+1] of x[n, K] (float32) through expert experts[i] of
-    w[El, N / 16, K, 16] (``panels``); rows outside every group stay zero."""
-    y = np.zeros((x.shape[0], 16 * w.shape[1]), dtype=np.float32)  # [n, N]
-    _grouped(np.ascontiguousarray(x), w, y, experts.astype(np.int64), edges.astype(np.int64))
-    return y
+    w[El, N, K] (resident panels); rows outside every group stay zero."""
+    threads = threads_for(threads, len(experts) * w.nbytes // max(1, _experts(w)))
+    y = _grouped_product(x, w, experts.astype(np.int64), edges.astype(np.int64), threads)
+    N = _size(w)[0]
+    return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 
 
-def product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """y[T, N] = x[T, K] @ w.T, w[N, K] stored as ``panels`` [N / 16, K, 16] (float32)."""
-    y = np.empty((x.shape[0], 16 * w.shape[0]), dtype=np.float32)  # [T, N]
-    _panel_product(np.ascontiguousarray(x, dtype=np.float32), w, y, 0, x.shape[0])
-    return y
+def product(x: np.ndarray, w, threads: int = 1) -> np.ndarray:
+    """y[T, N] = x[T, K] @ w.T, w[N, K] resident panels (``cpu_weights``)."""
+    data, scales, block = _triple(w)
+    y = np.empty((x.shape[0], LANES * data.shape[0]), dtype=np.float32)  # [T, N] (int8: padded to 16)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    threads = threads_for(threads, w.nbytes) if threads > 1 else 1
+    if threads == 1:
+        _linear_one(x, data, scales, block, y)
+    else:
+        op = _operand_for_call(x, data, block)
+        share(_linear_chunks, (op, data, scales, block, y), data.shape[0], threads)
+    N = _size(w)[0]
+    return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's cache) for the float32 shapes the ops pass."""
+def _sample_weights(kind: str, N: int, K: int, experts: int):
+    """Small resident weights [experts, N, K] of ``kind`` (f32, bf16, fp8, int8) for warm_up."""
+    from eprt.ops import cpu_weights
+
+    ones = np.ones((experts, N, K), np.float32)
+    if kind == "fp8":
+        raw = np.full((experts, N, K), 0x38, np.uint8)  # 1.0
+        return cpu_weights.fp8_panels(raw, np.ones((experts, -(-N // 16), 1), np.float32), 16, 16, N)
+    if kind == "int8":
+        return cpu_weights.int8_panels(ones, 32)
+    return cpu_weights.float_panels(ones, kind)
+
+
+def warm_products(kind: str, threads: int = 1) -> None:
+    """Compile (or load from numba's cache) the products of weights of ``kind`` (f32, bf16, fp8, int8;
+    mxfp4: gpt-oss's experts, ``mxfp4_cpu``)."""
+    if kind == "mxfp4":
+        from eprt.ops import mxfp4_cpu
+
+        mxfp4_cpu.warm_up(threads)
+        return
+    gate_up, down = _sample_weights(kind, 32, 16, 1), _sample_weights(kind, 16, 16, 1)
+    x = np.ones((5, 16), np.float32)  # [n, D]
+    single = down.take(0) if isinstance(down, ScaledPanels) else down[0]
+    product(x, single)
+    if threads > 1:  # the shared-out products (those above are too small to be)
+        data, scales, block = _triple(single)
+        _linear_chunks(_operand_for_call(x, data, block), data, scales, block, np.empty_like(x), 1, new_counters())
+    expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
+    local, weights = np.zeros((5, 2), np.int64), np.ones((5, 2), np.float32)
+    moe(x, local, weights, gate_up, down)
+    if threads > 1:
+        _moe_shared(x, local, weights, gate_up, down, 16, np.empty_like(x), threads)
+
+
+def warm_up(threads: int = 1) -> None:
+    """Compile (or load from numba's cache) the kernels that take no weights, for the float32
+    shapes the ops pass (the products: ``warm_products``, as weights of each kind are loaded)."""
     x = np.ones((5, 7), np.float32)  # [n, K]
     rms_norm(x, np.ones(7, np.float32), 1e-6)
     rope(np.ones((2, 1, 8), np.float32), np.zeros(2, np.int32), np.ones((4, 8), np.float32))
-    gate_up, down = panels(np.ones((1, 32, 16), np.float32)), panels(np.ones((1, 16, 16), np.float32))
-    x = np.ones((5, 16), np.float32)  # [n, D]
-    product(x, down[0])
-    expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
-    moe(x, np.zeros((5, 2), np.int64), np.ones((5, 2), np.float32), gate_up, down)
     bucket_sums(np.zeros(3, np.int32), np.ones(3, np.float32), 2)
     cache = np.ones((2, 4, 1, 16), np.float32)  # [NB, BS, Hk, Dh]
-    decode_attention(np.ones((1, 2, 16), np.float32), cache, cache, np.zeros((1, 2), np.int32), np.array([5]), 0.25)
+    rows = np.ones((2, 1, 16), np.float32)  # [T, Hk, Dh]
+    kv_write(cache, cache, rows, np.ones((2, 2, 16), np.float32)[:, :1], np.array([1, -1], np.int32))
+    count_experts(np.zeros((3, 2), np.int32), np.zeros(4, np.int32))
+    router(np.ones((2, 4), np.float32), 2, True)
+    q = np.ones((1, 2, 16), np.float32)
+    decode_attention(q, cache, cache, np.zeros((1, 2), np.int32), np.array([5]), 0.25, threads)
+
+
+def main(argv=None) -> int:
+    """``python -m eprt.ops.cpu_kernels``: compile every kernel for every weight kind into numba's
+    cache ahead of the first start (after installing; a start then only loads them), timing each."""
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(prog="python -m eprt.ops.cpu_kernels", description=main.__doc__)
+    kinds = "f32,bf16,fp8,int8,mxfp4"
+    ap.add_argument("--kinds", default=kinds, help=f"weight kinds to compile ({kinds})")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    warm_up(threads=2)
+    print(f"kernels without weights: {time.perf_counter() - start:.1f} s", flush=True)
+    for kind in args.kinds.split(","):
+        t = time.perf_counter()
+        warm_products(kind, threads=2)
+        print(f"{kind} products: {time.perf_counter() - t:.1f} s", flush=True)
+    print(f"numba {VERSION}, cache in {_moe._cache._cache_path}: {time.perf_counter() - start:.1f} s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,10 +1,14 @@
 """Sixteen float32 lanes for the compiled CPU kernels: a numba value type held as LLVM's
 <16 x float> (a register: one zmm with AVX-512, two ymm with AVX2, four NEON q registers) and
 the few operations the kernels use. Multiplies and adds stay apart (no fused multiply-add), as in
-NumPy's float32 expressions. Imported with cpu_kernels only (it needs numba)."""
+NumPy's float32 expressions. ``weights`` reads 16 weights of a panel at its resident precision
+(float32, bfloat16 bits, float8_e4m3fn bytes times their block scale) as float32 lanes; sixteen
+int32 lanes (``Ints``) hold the int8 kernel's dot products (``dot4``: VNNI where the CPU has it).
+Imported with cpu_kernels only (it needs numba)."""
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -14,6 +18,7 @@ from numba.extending import intrinsic, models, register_model
 LANES = 16
 _VECTOR = ir.VectorType(ir.FloatType(), LANES)
 _INTS = ir.VectorType(ir.IntType(32), LANES)
+VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))  # vpdpbusd on 16 int32 lanes
 
 
 class Lanes(types.Type):
@@ -21,7 +26,13 @@ class Lanes(types.Type):
         super().__init__(name=f"float32x{LANES}")
 
 
+class Ints(types.Type):
+    def __init__(self):
+        super().__init__(name=f"int32x{LANES}")
+
+
 lanes = Lanes()
+ints = Ints()
 
 
 @register_model(Lanes)
@@ -30,12 +41,18 @@ class _LanesModel(models.PrimitiveModel):
         super().__init__(dmm, fe_type, _VECTOR)
 
 
-def _pointer(context, builder, array_type, array, index, index_types):
-    """A <16 x float>* to array[index...] (a float32 array, C order along the last axis)."""
+@register_model(Ints)
+class _IntsModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _INTS)
+
+
+def _pointer(context, builder, array_type, array, index, index_types, vector=_VECTOR):
+    """A ``vector``* to array[index...] (C order along the last axis; float32 lanes by default)."""
     ary = context.make_array(array_type)(context, builder, array)
     index = [context.cast(builder, v, t, types.intp) for v, t in zip(index, index_types)]
     item = cgutils.get_item_pointer(context, builder, array_type, ary, index)
-    return builder.bitcast(item, _VECTOR.as_pointer())
+    return builder.bitcast(item, vector.as_pointer())
 
 
 @intrinsic
@@ -163,3 +180,132 @@ def total(typingctx, v):
         return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
     return types.float32(v), codegen
+
+
+def _int_constant(value: int):
+    return ir.Constant(_INTS, [value] * LANES)
+
+
+def _widen_bf16(builder, bits):
+    """<16 x i16> bfloat16 bits -> <16 x float>, exactly (the bits become the high halves)."""
+    return builder.bitcast(builder.shl(builder.zext(bits, _INTS), _int_constant(16)), _VECTOR)
+
+
+def _decode_e4m3(builder, raw):
+    """<16 x i8> float8_e4m3fn bytes -> <16 x float>, exactly and with normal numbers only (so a
+    denormals-are-zero mode cannot touch it): (m + 8 [e > 0]) 2^(max(e, 1) - 10), then the sign.
+    NaN bytes (0x7F, 0xFF) are refused at load and never reach it."""
+    v = builder.zext(raw, _INTS)
+    e = builder.and_(builder.lshr(v, _int_constant(3)), _int_constant(15))
+    normal = builder.icmp_signed("!=", e, _int_constant(0))
+    significand = builder.or_(
+        builder.and_(v, _int_constant(7)), builder.select(normal, _int_constant(8), _int_constant(0))
+    )
+    exponent = builder.select(normal, e, _int_constant(1))
+    power = builder.bitcast(builder.shl(builder.add(exponent, _int_constant(127 - 10)), _int_constant(23)), _VECTOR)
+    magnitude = builder.fmul(builder.sitofp(significand, _VECTOR), power)
+    sign = builder.shl(builder.and_(v, _int_constant(0x80)), _int_constant(24))
+    return builder.bitcast(builder.or_(builder.bitcast(magnitude, _INTS), sign), _VECTOR)
+
+
+@intrinsic
+def weights(typingctx, panel, k, scale):
+    """The 16 weights panel[k, :16] of a [K, 16] panel as float32 lanes: float32 as stored,
+    bfloat16 bits (uint16) widened, float8_e4m3fn bytes (uint8) decoded and multiplied by
+    ``scale`` (their block's lanes, the product today's load-time dequantization rounds the same
+    way); ``scale`` is ignored for the other two."""
+    width = {types.float32: None, types.uint16: 16, types.uint8: 8}.get(getattr(panel, "dtype", None), -1)
+    if width == -1:
+        return None
+
+    def codegen(context, builder, signature, args):
+        array_type, index_types = signature.args[0], (signature.args[1], types.intp)
+        index = (args[1], context.get_constant(types.intp, 0))
+        if width is None:
+            return builder.load(_pointer(context, builder, array_type, args[0], index, index_types), align=4)
+        vector = ir.VectorType(ir.IntType(width), LANES)
+        raw = builder.load(_pointer(context, builder, array_type, args[0], index, index_types, vector), align=1)
+        if width == 16:
+            return _widen_bf16(builder, raw)
+        return builder.fmul(_decode_e4m3(builder, raw), args[2])
+
+    return lanes(panel, k, scale), codegen
+
+
+@intrinsic
+def izeros(typingctx):
+    def codegen(context, builder, signature, args):
+        return _int_constant(0)
+
+    return ints(), codegen
+
+
+def _dot4_portable(builder, acc, w, x):
+    """acc + per lane the sum of the four products of unsigned bytes w and signed bytes x."""
+    wide = ir.VectorType(ir.IntType(32), 4 * LANES)
+    bytes_ = ir.VectorType(ir.IntType(8), 4 * LANES)
+    products = builder.mul(
+        builder.zext(builder.bitcast(w, bytes_), wide), builder.sext(builder.bitcast(x, bytes_), wide)
+    )
+    total = acc
+    for j in range(4):
+        part = builder.shuffle_vector(products, products, ir.Constant(_INTS, list(range(j, 4 * LANES, 4))))
+        total = builder.add(total, part)
+    return total
+
+
+@intrinsic
+def dot4(typingctx, acc, panel, q, x):
+    """acc + lane n's dot product of the four int8 weights panel[q, n, :4] (a [K / 4, 16, 4] int8
+    panel) with the four int8 activations packed in the int32 ``x``, the weights read as unsigned
+    bytes q + 128 (sign bit flipped), so the caller subtracts 128 times the activations' sum: one
+    vpdpbusd with AVX512-VNNI, else the same integers from portable vector code (exact either way)."""
+
+    def codegen(context, builder, signature, args):
+        zero = context.get_constant(types.intp, 0)
+        index_types = (signature.args[2], types.intp, types.intp)
+        pointer = _pointer(context, builder, signature.args[1], args[1], (args[2], zero, zero), index_types, _INTS)
+        w = builder.xor(builder.load(pointer, align=1), _int_constant(-0x7F7F7F80))  # 0x80808080: q + 128
+        value = context.cast(builder, args[3], signature.args[3], types.int32)
+        undef = ir.Constant(_INTS, ir.Undefined)
+        xs = builder.shuffle_vector(
+            builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0)), undef, _int_constant(0)
+        )
+        if not VNNI:
+            return _dot4_portable(builder, args[0], w, xs)
+        fnty = ir.FunctionType(_INTS, [_INTS, _INTS, _INTS])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(fn, [args[0], w, xs])
+
+    return ints(acc, panel, q, x), codegen
+
+
+@intrinsic
+def scaled(typingctx, acc, correction, scale):
+    """float32(acc - correction) * scale in every lane (``correction`` an int32, ``scale`` lanes)."""
+
+    def codegen(context, builder, signature, args):
+        value = context.cast(builder, args[1], signature.args[1], types.int32)
+        undef = ir.Constant(_INTS, ir.Undefined)
+        c = builder.shuffle_vector(
+            builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0)), undef, _int_constant(0)
+        )
+        return builder.fmul(builder.sitofp(builder.sub(args[0], c), _VECTOR), args[2])
+
+    return lanes(acc, correction, scale), codegen
+
+
+@intrinsic
+def claim(typingctx, counters, i):
+    """counters[i] += 1 atomically (sequentially consistent); returns the value before: the
+    number of the chunk of work this thread takes (or, on a done counter, counts one done)."""
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], ary, [index])
+        return builder.atomic_rmw("add", pointer, ir.Constant(ir.IntType(64), 1), "seq_cst")
+
+    if getattr(counters, "dtype", None) != types.int64:
+        return None
+    return types.int64(counters, i), codegen

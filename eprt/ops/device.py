@@ -90,12 +90,13 @@ def resolve_device(device: str | None) -> str:
     return device_choice(device)[0]
 
 
-def get_ops(device: str | None = None) -> Ops:
-    """The ops backend for ``device`` (cpu, cuda, auto or None: see ``resolve_device``)."""
+def get_ops(device: str | None = None, cpu_weights: str | None = None, cpu_threads: int | None = None) -> Ops:
+    """The ops backend for ``device`` (cpu, cuda, auto or None: see ``resolve_device``); on the CPU
+    with weights at ``cpu_weights`` on ``cpu_threads`` threads (None: their EPRT_ variables)."""
     if resolve_device(device) == "cpu":
         from eprt.ops.numpy_ops import NumpyOps
 
-        return NumpyOps()
+        return NumpyOps(weights=cpu_weights, threads=cpu_threads)
     bind_local_gpu()
     from eprt.ops.cupy_ops import CupyOps
 

@@ -64,9 +64,12 @@ def _softmax_with_sink(scores: np.ndarray, sinks: np.ndarray) -> np.ndarray:
 
 
 class GptOssOps:
-    """The NumPy reference of gpt-oss's ops (a mixin of ``NumpyOps``: ``weight``, ``_float32``)."""
+    """The NumPy reference of gpt-oss's ops (a mixin of ``NumpyOps``: ``expert_weights``,
+    ``expert_products``, ``packer``)."""
 
     def mxfp4_expert_weights(self, gate_up_blocks, gate_up_scales, down_blocks, down_scales) -> tuple:
+        """Kept MXFP4 under every --cpu-weights (``cpu_weights.Packer.keeps``)."""
+        self.packer.keeps("mxfp4")
         return (
             Mxfp4Weight(np.ascontiguousarray(gate_up_blocks), np.ascontiguousarray(gate_up_scales)),
             Mxfp4Weight(np.ascontiguousarray(down_blocks), np.ascontiguousarray(down_scales)),
@@ -153,7 +156,7 @@ class GptOssOps:
         if self.experts == "numba":
             from eprt.ops import mxfp4_cpu
 
-            return mxfp4_cpu.expert_rows(xs, w.blocks, w.scales, bounds)
+            return mxfp4_cpu.expert_rows(xs, w.blocks, w.scales, bounds, self.threads)
         out = np.empty((len(xs), w.shape[1]), dtype=np.float32)
         for e in np.flatnonzero(np.diff(bounds)).tolist():
             rows = slice(int(bounds[e]), int(bounds[e + 1]))

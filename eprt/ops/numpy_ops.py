@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import numpy as np
 
 from eprt import env
-from eprt.ops import lora_ops
+from eprt.ops import cpu_threads, cpu_weights, lora_ops
 from eprt.ops.base import Ops
-from eprt.ops.bf16 import bf16_bits_to_f32
+from eprt.ops.cpu_weights import ScaledPanels
 from eprt.ops.gptoss_ops import GptOssOps
+
+log = logging.getLogger("eprt.ops")
 
 
 def _softmax_last(x: np.ndarray) -> np.ndarray:
@@ -52,6 +55,12 @@ def cpu_path(choice: str | None = None) -> str:
     return "numba" if choice == "numba" or (choice == "auto" and numba_available()) else "numpy"
 
 
+def _panelled(w, ndim: int) -> bool:
+    """Whether w, a matrix (``ndim`` 2) or a stack of them (3), is held as the compiled products'
+    panels (``cpu_weights``: float32 / bf16 panels have one more dimension, or ScaledPanels)."""
+    return isinstance(w, ScaledPanels) or w.ndim == ndim + 1
+
+
 def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
@@ -81,12 +90,27 @@ class NumpyOps(GptOssOps, Ops):
     act_dtype = np.float32
     kv_itemsize = 4  # bytes per KV cache element (float32)
 
-    def __init__(self, experts: str | None = None):
+    def __init__(self, experts: str | None = None, weights: str | None = None, threads: int | None = None):
         """``experts``: how small expert groups run: "numba" (cpu_kernels, each expert's weights
         streamed once for all its rows), "numpy" (a GEMV per row) or "auto" (numba when it
-        imports); None reads EPRT_CPU_EXPERTS."""
+        imports); None reads EPRT_CPU_EXPERTS. ``weights``: the resident precision of the matrices
+        the compiled products read (``cpu_weights.PRECISIONS``; None: EPRT_CPU_WEIGHTS; the NumPy
+        path keeps float32). ``threads``: compute threads (None: EPRT_CPU_THREADS; 0: this rank's
+        share of the node's cores, ``cpu_threads``); OpenBLAS is set to as many."""
         self.experts = cpu_path(experts)
+        self.precision = cpu_weights.precision_choice(weights)
+        if self.precision in ("bf16", "int8") and self.experts != "numba":
+            raise ValueError(
+                f"--cpu-weights {self.precision} needs the compiled kernels (pip install 'eprt[cpu]', "
+                f"EPRT_CPU_EXPERTS auto or numba); the NumPy path holds float32 weights"
+            )
+        self.fp8_resident = self.precision == "auto" and self.experts == "numba"
+        self.threads, why = cpu_threads.resolve_threads(threads)
+        self.threads_text = f"{self.threads} thread(s) ({why}), {cpu_threads.set_blas_threads(self.threads)}"
         self._kernels = None  # eprt.ops.cpu_kernels once imported
+        compiled = self.experts == "numba"  # compile each kind's products as its first weights load
+        warm = (lambda kind: self.kernels.warm_products(kind, self.threads)) if compiled else (lambda kind: None)
+        self.packer = cpu_weights.Packer(self.precision, warm)
 
     @property
     def kernels(self):
@@ -97,17 +121,19 @@ class NumpyOps(GptOssOps, Ops):
         return self._kernels
 
     def describe(self) -> str:
-        """The expert path, for the start-up log and the ranks' compute identity."""
-        return f"experts numba {self.kernels.VERSION}" if self.experts == "numba" else "experts NumPy"
+        """The expert path and the weights' precision, for the start-up log and the ranks' compute
+        identity (the thread count is not part of it: it never changes a bit)."""
+        if self.experts != "numba":
+            return "experts NumPy, weights f32" + ("+mxfp4" if "mxfp4" in self.packer.kinds else "")
+        return f"experts numba {self.kernels.VERSION}, weights {self.packer.describe()}"
 
     def warm_up(self) -> None:
+        log.info("cpu compute: %s", self.threads_text)
         if self.experts == "numba":
-            self.kernels.warm_up()
+            self.kernels.warm_up(self.threads)
 
     # ---- data movement -------------------------------------------------------------
-    @staticmethod
-    def _float32(host: np.ndarray) -> np.ndarray:
-        return bf16_bits_to_f32(host) if host.dtype == np.uint16 else np.asarray(host, dtype=np.float32)
+    _float32 = staticmethod(cpu_weights.float32)
 
     def weight(self, host: np.ndarray) -> np.ndarray:
         """Same shape and values; a matrix (or stack of them) is stored input-major ([.., K, N]
@@ -147,17 +173,34 @@ class NumpyOps(GptOssOps, Ops):
 
     def linear_weight(self, host: np.ndarray) -> np.ndarray:
         """On the compiled path a matrix [N, K] with N a multiple of 16 is stored as panels
-        [N / 16, K, 16], as expert stacks are (``expert_weights``): ``linear`` runs every row count
-        through cpu_kernels.product, one summation order, so a row's bits do not depend on its
-        batch-mates; from memory it streams one row near the machine's read rate and ran 32 rows
-        1.4 - 1.5x faster than OpenBLAS's GEMM here. Other matrices are stored as ``weight`` does."""
-        w = self._float32(host)
-        if self.experts == "numba" and w.ndim == 2 and w.shape[0] % 16 == 0:
-            return self.kernels.panels(w)
-        return self.weight(w)
+        [N / 16, K, 16] at the resident precision (``cpu_weights``; int8: any N, padded), as expert
+        stacks are (``expert_weights``): ``linear`` runs every row count through
+        cpu_kernels.product, one summation order, so a row's bits do not depend on its batch-mates;
+        from memory it streams one row near the machine's read rate and ran 32 rows 1.4 - 1.5x
+        faster than OpenBLAS's GEMM here. Other matrices are stored as ``weight`` does (float32)."""
+        if self.experts == "numba" and host.ndim == 2 and (host.shape[0] % 16 == 0 or self.precision == "int8"):
+            return self.packer.pack(host)
+        return self.weight(host)
+
+    def tied_head(self, embed):
+        """int8: a quantized copy of the table, the head being a linear layer like the others (the
+        lookups keep the float32 table); otherwise the table, as today (float32, OpenBLAS)."""
+        return self.packer.pack(np.asarray(embed)) if self.precision == "int8" and self.experts == "numba" else embed
+
+    def keeps_fp8(self, shape: tuple, block_k: int) -> bool:
+        """FP8 panels need 16-row panels and k blocks of whole fours (the products' order)."""
+        return self.fp8_resident and shape[0] % 16 == 0 and block_k % 4 == 0
+
+    def weight_fp8(self, raw, scale_inv, block_n, block_k, part_rows):
+        """FP8 panels (``cpu_weights.fp8_panels``): each product decodes a weight and multiplies it by
+        its block's scale in registers, the float32 weight of the load-time dequantization."""
+        return self.packer.fp8(raw, scale_inv, block_n, block_k, part_rows)
 
     def linear(self, x, w, bias=None):
-        y = self.kernels.product(x, w) if w.ndim == 3 else x @ w.T  # [T, N]: panels, or OpenBLAS
+        if _panelled(w, 2):  # [T, N]: panels, or OpenBLAS
+            y = self.kernels.product(x, w, self.threads)
+        else:
+            y = x @ w.T
         if bias is not None:
             y += bias
         return y
@@ -178,6 +221,8 @@ class NumpyOps(GptOssOps, Ops):
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def kv_write(self, k_cache, v_cache, k, v, slot_mapping):
+        if self.experts == "numba" and k_cache.dtype == v_cache.dtype == k.dtype == v.dtype == np.float32:
+            return self.kernels.kv_write(k_cache, v_cache, k, v, slot_mapping)  # the same copies, one call
         nb, bs = k_cache.shape[:2]
         keep = slot_mapping >= 0  # negative: padding, skipped
         k_cache.reshape(nb * bs, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
@@ -216,7 +261,7 @@ class NumpyOps(GptOssOps, Ops):
     def attention_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
         B, H, Dh = q.shape
         if self._compiled_attention(q, k_cache, v_cache):  # in place, through the block tables
-            return self.kernels.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+            return self.kernels.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, self.threads)
         out = np.empty_like(q)  # [B, H, Dh]
         lens = np.asarray(context_lens)
         bs = k_cache.shape[1]
@@ -307,10 +352,12 @@ class NumpyOps(GptOssOps, Ops):
         return out
 
     def router(self, logits, top_k, renormalize):
+        if self.experts == "numba" and logits.ndim == 2 and logits.shape[1] >= top_k:  # the same bits, 3 calls
+            return self.kernels.router(logits, top_k, renormalize)
         probs = _softmax_last(logits.astype(np.float32, copy=True))  # [T, E]
         # stable sort on -p: ties go to the lower expert id, as torch.topk does on CPU
         ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k].astype(np.int32)  # [T, k]
-        weights = np.take_along_axis(probs, ids, axis=-1)  # [T, k]
+        weights = probs[np.arange(len(ids))[:, None], ids]  # [T, k] (take_along_axis, without its checks)
         if renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return weights.astype(np.float32), ids
@@ -337,14 +384,16 @@ class NumpyOps(GptOssOps, Ops):
         return out + s / (1.0 + np.exp(-gate))  # [T, D]
 
     def count_experts(self, ids, counts):
+        if self.experts == "numba" and ids.ndim == 2:
+            return self.kernels.count_experts(ids, counts)  # the same counts, one call
         flat = ids.reshape(-1)  # [T*k]
         counts += np.bincount(flat[(flat >= 0) & (flat < len(counts))], minlength=len(counts)).astype(counts.dtype)
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
         T, D = x.shape
         k = ids.shape[1]
-        if w_gate_up.ndim == 4:  # panels (expert_weights): grouping, every group's FFN and the sum, one call
-            return self.kernels.moe(x, ids - expert_start, weights, w_gate_up, w_down)  # [T, D]
+        if _panelled(w_gate_up, 3):  # panels (expert_weights): grouping, every group's FFN and the sum, one call
+            return self.kernels.moe(x, ids - expert_start, weights, w_gate_up, w_down, self.threads)  # [T, D]
         if T == 1:  # one token (decode at batch 1): its k experts in choice order, no grouping
             return self._moe_one_token(x, weights[0], ids[0] - expert_start, w_gate_up, w_down)
         if T <= MOE_TOKENS_ONE_BY_ONE and np.bincount(ids.ravel()).max() <= EXPERT_ROWS_AS_GEMV:
@@ -374,18 +423,20 @@ class NumpyOps(GptOssOps, Ops):
         in memory order and keep four rows' sums in registers, every row in the same order whatever
         its group (a row's bits do not depend on its batch-mates). Other stacks are stored as
         ``weight`` stores them and run NumPy's products."""
-        gate_up, down = self._float32(gate_up), self._float32(down)  # [El, 2I, D], [El, D, I]
-        if self.experts == "numba" and gate_up.shape[1] % 16 == 0 and down.shape[1] % 16 == 0:
-            return self.kernels.panels(gate_up), self.kernels.panels(down)
+        fits = gate_up.shape[1] % 16 == 0 and down.shape[1] % 16 == 0  # [El, 2I, D], [El, D, I]
+        if self.experts == "numba" and (fits or self.precision == "int8"):
+            return self.packer.pack(gate_up), self.packer.pack(down)
         return self.weight(gate_up), self.weight(down)
 
     def moe_split_rows(self, w_gate_up):
         """Panels (the compiled kernel) give a row the same bits in a group of any size; NumPy's products
         do not (GEMV up to EXPERT_ROWS_AS_GEMV rows, then a GEMM whose row bits depend on the group's size
         and a row's place in it), so their groups are never split."""
-        return 1 if w_gate_up.ndim == 4 else UNSPLIT
+        return 1 if _panelled(w_gate_up, 3) else UNSPLIT
 
     def take_experts(self, gate_up, down, source):
+        if isinstance(gate_up, ScaledPanels):
+            return gate_up.take(source), down.take(source)
         if gate_up.ndim == 4:  # panels: indexing keeps their layout
             return np.ascontiguousarray(gate_up[source]), np.ascontiguousarray(down[source])
         return self.weight(gate_up[source]), self.weight(down[source])  # restores the input-major layout
@@ -395,9 +446,9 @@ class NumpyOps(GptOssOps, Ops):
         panels: cpu_kernels.expert_rows, every group). Otherwise each row of an expert with at most
         EXPERT_ROWS_AS_GEMV rows runs a GEMV (the same bits whatever the group's size); more, one GEMM."""
         sizes = np.diff(bounds)  # [El]
-        if w.ndim == 4:
+        if _panelled(w, 3):
             chosen = np.flatnonzero(sizes)
-            return self.kernels.expert_rows(xs, w, chosen, _edges(bounds, chosen))  # [n, N]
+            return self.kernels.expert_rows(xs, w, chosen, _edges(bounds, chosen), self.threads)  # [n, N]
         y = np.empty((len(xs), w.shape[1]), dtype=np.float32)  # [n, N]
         for e in np.flatnonzero((sizes > 0) & (sizes <= EXPERT_ROWS_AS_GEMV)).tolist():
             wt = w[e].T  # [K, N]
