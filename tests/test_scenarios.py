@@ -14,6 +14,7 @@ from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.fake import RecordingModel
 from eprt.scheduler.scenario import ScenarioError, load, parse, run
 from eprt.scheduler.scheduler import Scheduler
+from eprt.scheduler.trace import TraceWriter
 
 SCENARIOS = pathlib.Path(__file__).parent / "scenarios"
 TOMLS = sorted(SCENARIOS.glob("*.toml"))
@@ -116,10 +117,9 @@ def test_a_prompt_larger_than_the_pool_fails_alone():
 # -- the client API, as the engine uses it ----------------------------------------------------
 def _scheduler(scripts, clock, **config):
     lines = []
-    model = RecordingModel(
-        lines.append, {k: (len(p), s) for k, (p, s) in scripts.items()}, num_slots=config.get("max_batch", 8)
-    )
-    return Scheduler(model, SchedulerConfig(vocab_size=64, eos_token_ids=(63,), **config), clock=clock), lines
+    model = RecordingModel({k: (len(p), s) for k, (p, s) in scripts.items()}, num_slots=config.get("max_batch", 8))
+    config = SchedulerConfig(vocab_size=64, eos_token_ids=(63,), **config)
+    return Scheduler(model, config, clock=clock, tracer=TraceWriter(lines.append)), lines
 
 
 def _req(prompt, max_tokens=8, **kw):
@@ -180,11 +180,15 @@ def test_close_with_cancel_ends_everything_in_flight():
         sched.step()
     assert (h1.result(timeout=0).finish_reason, len(h1.result().token_ids)) == ("stop", 3)
     assert (h2.result(timeout=0).finish_reason, h2.result().token_ids) == ("stop", [])
-    assert sched.is_shut_down  # no tracer: the effects run without fx lines
-    assert lines[-4:] == [
+    assert sched.is_shut_down
+    assert lines[-8:] == [
+        "fx apply EpShutdown",
         "ep_broadcast_cmd_for_seq(seq=0, cmd=0xffffffff)",
+        "fx apply Quiesce{stream=0}",
         "synchronize(stream=0)",
+        "fx apply Quiesce{stream=1}",
         "synchronize(stream=1)",
+        "fx teardown",
         "teardown()",
     ]
 

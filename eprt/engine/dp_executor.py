@@ -87,11 +87,12 @@ class DpShardExecutor(ShardExecutor):
     def _holds_kv(self, slot: int) -> bool:
         return self.owners[slot] == self.rank
 
-    def fork(self, slot: int, new_slot: int) -> None:
+    def fork_slots(self, slot: int, new_slot: int, length: int):
         """FORK: the copy lives with the original, in its owner's pool (every rank mirrors it; the
         owner copies the partial last block's KV)."""
-        super().fork(slot, new_slot)
+        copy = super().fork_slots(slot, new_slot, length)
         self.owners[new_slot] = self.owners[slot]
+        return copy
 
     def free(self, slot: int) -> int:
         blocks = super().free(slot)

@@ -28,7 +28,6 @@ from eprt.engine.adapters import AdapterRegistry, UnknownAdapter
 from eprt.engine.choices import best_choices
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
 from eprt.engine.dp_executor import DpShardExecutor
-from eprt.engine.dp_runner import DpModelRunner
 from eprt.engine.eplb import Rebalancer
 from eprt.engine.expert_load import imbalance
 from eprt.engine.images import EngineImages
@@ -155,7 +154,7 @@ class Engine:
         if guide is not None:
             if not isinstance(guide, Guide):
                 raise RequestError(f"guide must be an eprt.api.Guide, got {guide!r:.80}")
-            self.runner.guides.compiler.grammar(guide)
+            self.runner.sampler.guides.compiler.grammar(guide)
 
     def _with_text(self, result: GenerationResult) -> GenerationResult:
         """``result`` with its text decoded; a decoding that fails fails that request alone."""
@@ -343,9 +342,9 @@ class Engine:
             prompt_tokens_computed=self.runner.prompt_tokens_computed,
             decode_steps=self.runner.decode_steps,
             decode_rows=self.runner.decode_rows,
-            spec_proposed_tokens=self.runner.proposed_tokens,
-            spec_accepted_tokens=self.runner.accepted_tokens,
-            spec_verify_steps=self.runner.verify_steps,
+            spec_proposed_tokens=self.runner.drafts.proposed_tokens,
+            spec_accepted_tokens=self.runner.kv.accepted_tokens,
+            spec_verify_steps=self.runner.drafts.verify_steps,
             spec_mean_accepted_length=self.runner.mean_accepted_length(),
         )
         return out
@@ -435,7 +434,7 @@ def launch_engine(args_or_config, transport=None):
     dp = isinstance(executor, DpShardExecutor)
     if cfg.overlap and dp:
         log.info("--overlap is off under --attention dp (its decode steps run on each row's owner)")
-    runner = (DpModelRunner if dp else ModelRunner)(
+    runner = ModelRunner(
         executor,
         transport,
         seed=cfg.seed,
@@ -450,7 +449,7 @@ def launch_engine(args_or_config, transport=None):
             "with rows for the host sampler run on a helper thread" if runner.overlap.threaded else "are launched",
         )
     eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
-    runner.guides = GuidedRows(GrammarCompiler(loaded.tokenizer, model_cfg.vocab_size, eos))
+    runner.set_guides(GuidedRows(GrammarCompiler(loaded.tokenizer, model_cfg.vocab_size, eos)))
     sched_cfg = SchedulerConfig(
         vocab_size=model_cfg.vocab_size,
         eos_token_ids=tuple(
@@ -468,7 +467,7 @@ def launch_engine(args_or_config, transport=None):
         f"{sched_cfg.max_prefill_tokens} tokens" if sched_cfg.max_prefill_tokens else "whole prompts",
         cfg.max_batch,
     )
-    runner.eos_token_ids, runner.logprobs_mode = sched_cfg.eos_token_ids, cfg.logprobs_mode
+    runner.sampler.eos_token_ids, runner.sampler.logprobs_mode = sched_cfg.eos_token_ids, cfg.logprobs_mode
     engine = Engine(runner, Scheduler(runner, sched_cfg, clock=WallClock()), loaded, cfg, transport)
     if cfg.eplb.active:
         engine.eplb = Rebalancer(runner, cfg.eplb, model_cfg, world, started.nodes)

@@ -44,6 +44,12 @@ def snapshot_budget(cfg, num_blocks: int, block_size: int, itemsize: int, wanted
     return rows, -(-rows * per_row // per_block)
 
 
+def prefix_tokens(st, length: int) -> list:
+    """The first ``length`` tokens of a slot's sequence: its prompt's while they are (rank 0 plans a
+    prompt's forks and snapshots before the passes that store them), then its stored tokens."""
+    return list(st.prompt[:length]) if length <= len(st.prompt) else st.tokens[:length]
+
+
 def vision_salt(rows: np.ndarray | None) -> bytes:
     """Prefix-cache salt of a prompt's vision rows: image placeholders are one token id
     whatever the image, so KV after them depends on the rows too. Rank 0 hashes the
@@ -148,6 +154,9 @@ class ShardExecutor:
         if self.snapshots is not None:
             self.blocks.hit_filter = self.snapshots.usable_blocks
         self._salts: dict[int, bytes] = {}  # slot key -> prefix-cache salt (snapshot hashes)
+        # hybrid models: slot -> the snapshot row its recurrent state starts from (None: zeros), from its
+        # allocation to its first prefill pass (rank 0 allocates while planning, before earlier passes ran)
+        self._fresh: dict[int, int | None] = {}
         self._mrope: dict[int, tuple] = {}  # slot key -> (3-D prompt positions [3, P], rope delta): MRoPE models
         self.block_size = block_size
         self.slots = SlotTable(max_slots)
@@ -187,12 +196,21 @@ class ShardExecutor:
         if self.cfg.mrope_section:
             image_pos = None if vision_rows is None else split_vision_rows(self.cfg, vision_rows)[2]
             self._mrope[key] = prompt_positions(tokens, self.image_token_id, image_pos)
-        if self.state is not None and cached:  # the hit ends at a snapshot (hit_filter)
-            prefix = blocks.chain_hashes([int(t) for t in tokens[:cached]], adapter, salt)[-1]
-            self.state.restore(self.snapshots.lookup(prefix), slot)
-        elif self.state is not None:
-            self.state.reset(slot)
+        if self.state is not None:  # its state starts with its first prefill pass (``start_states``)
+            row = None
+            if cached:  # the hit ends at a snapshot (hit_filter)
+                prefix = blocks.chain_hashes([int(t) for t in tokens[:cached]], adapter, salt)[-1]
+                row = self.snapshots.lookup(prefix)
+            self._fresh[slot] = row
         return cached
+
+    def start_states(self, slots: list) -> None:
+        """A hybrid model's slots starting a sequence: their recurrent state from the snapshot their hit
+        restores, else zeros."""
+        for slot in slots:
+            if slot in self._fresh:
+                row = self._fresh.pop(slot)
+                self.state.reset(slot) if row is None else self.state.restore(row, slot)
 
     def _blocks_for_new(self, slot: int) -> BlockManager:
         """The block manager a sequence allocated into the empty ``slot`` keeps its blocks in."""
@@ -215,6 +233,7 @@ class ShardExecutor:
         self._salts.pop(key, None)
         self._mtp_rows.pop(key, None)
         self._mrope.pop(key, None)
+        self._fresh.pop(slot, None)
         if self.snapshots is not None:
             self.snapshots.forget(key)
         return blocks.free(key)
@@ -230,17 +249,30 @@ class ShardExecutor:
         st = self.slots.held(slot, "FORK")
         if not st.prefilled:
             raise SlotError(f"FORK slot {slot}: prefill incomplete ({st.length} of {len(st.prompt)} prompt tokens)")
+        self.fork_data(slot, new_slot, self.fork_slots(slot, new_slot, st.length))
+
+    def fork_slots(self, slot: int, new_slot: int, length: int) -> tuple[int, int] | None:
+        """FORK's accounting: ``new_slot`` holds the first ``length`` tokens of the sequence in ``slot``
+        (its prompt, which rank 0 forks while planning, before the prompt's last pass has run), its
+        full blocks shared and one new block. Returns the (source, copy) blocks ``fork_data`` copies."""
+        st = self.slots.held(slot, "FORK")
         if self.slots.get(new_slot) is not None:
             raise SlotError(f"FORK slot {slot} -> {new_slot}: target slot is occupied")
         key = self.slots.next_key
-        copy = self._blocks_of(slot).fork(st.key, key, st.length)
+        copy = self._blocks_of(slot).fork(st.key, key, length)
+        child = self.slots.occupy(new_slot, st.prompt, 0, st.adapter, st.vision_rows)
+        child.tokens.extend(prefix_tokens(st, length))
+        self._salts[key] = self._salts[st.key]
+        return copy
+
+    def fork_data(self, slot: int, new_slot: int, copy: tuple[int, int] | None) -> None:
+        """FORK's data, once the parent's pass has run: the partial block's KV, the MTP layer's held
+        rows and a hybrid model's recurrent state, copied to the fork."""
         if copy is not None and self._holds_kv(slot):
             self.kv.copy_block(*copy)
-        child = self.slots.occupy(new_slot, st.prompt, 0, st.adapter, st.vision_rows)
-        child.tokens.extend(st.tokens)
-        self._salts[key] = self._salts[st.key]
-        if st.key in self._mtp_rows:
-            self._mtp_rows[key] = self._mtp_rows[st.key].copy()
+        parent, child = self.slots.held(slot, "FORK"), self.slots.held(new_slot, "FORK")
+        if parent.key in self._mtp_rows:
+            self._mtp_rows[child.key] = self._mtp_rows[parent.key].copy()
         if self.state is not None:  # a hybrid model: the recurrent state at the prompt's end, copied
             self.state.move(slot, new_slot)
 
@@ -281,12 +313,26 @@ class ShardExecutor:
         st = self.slots.get(slot)
         return self.snapshots is not None and st is not None and st.length > 0 and st.length % self.block_size == 0
 
-    def checkpoint_words(self, slot: int) -> tuple[int, int, int, int]:
-        """DECODE_CKPT's fields for the slot's state now: (snapshot tokens, end block, session hash,
-        adapter id) as docs/protocol.md defines them."""
+    def checkpoint_words(self, slot: int, length: int | None = None) -> tuple[int, int, int, int]:
+        """DECODE_CKPT's fields for a snapshot of the slot's first ``length`` tokens (default: those
+        stored): (snapshot tokens, end block, session hash, adapter id) as docs/protocol.md defines them."""
         st = self.slots.held(slot, "DECODE_CKPT")
-        prefix = self.blocks.chain_hashes(st.tokens, st.adapter, self._salts[st.key])[-1]
-        return st.length, st.length // self.block_size, prefix_hash64(prefix), st.adapter & WORD64
+        length = st.length if length is None else length
+        return length, length // self.block_size, prefix_hash64(self._prefix(st, length)), st.adapter & WORD64
+
+    def _prefix(self, st, length: int) -> bytes:
+        return self.blocks.chain_hashes(prefix_tokens(st, length), st.adapter, self._salts[st.key])[-1]
+
+    def snapshot_row(self, slot: int, length: int) -> int:
+        """The snapshot row of the slot's first ``length`` tokens, taken in the index (its state is
+        written by ``save_snapshot``; rank 0 takes a prefill's rows while planning)."""
+        st = self.slots.held(slot, "DECODE_CKPT")
+        turn = length >= len(st.prompt) // self.block_size * self.block_size  # the prompt's end or decoded tokens
+        return self.snapshots.save(self._prefix(st, length), owner=st.key if turn else None)
+
+    def save_snapshot(self, slot: int, row: int) -> None:
+        """Write the slot's recurrent state into snapshot ``row`` (the pass that reached it has run)."""
+        self.state.save(slot, row)
 
     def checkpoint(self, slot: int, snapshot_tokens: int, end_block: int, session_hash: int, adapter_id: int) -> None:
         """DECODE_CKPT: save the slot's recurrent state, which ends the block-aligned prefix of its
@@ -309,14 +355,13 @@ class ShardExecutor:
                 f"DECODE_CKPT slot {slot}: end block {end_block} / adapter {adapter_id} do not match "
                 f"{snapshot_tokens // bs} / {st.adapter & WORD64} of the slot"
             )
-        prefix = self.blocks.chain_hashes(st.tokens, st.adapter, self._salts[st.key])[-1]
-        if prefix_hash64(prefix) != session_hash:
+        mine = prefix_hash64(self._prefix(st, snapshot_tokens))
+        if mine != session_hash:
             raise ExecutorError(
                 f"snapshot diverged on slot {slot}: rank 0 names prefix {session_hash:#018x}, "
-                f"this rank holds {prefix_hash64(prefix):#018x}"
+                f"this rank holds {mine:#018x}"
             )
-        turn = snapshot_tokens >= len(st.prompt) // bs * bs  # the prompt's end or decoded tokens
-        self.state.save(slot, self.snapshots.save(prefix, owner=st.key if turn else None))
+        self.save_snapshot(slot, self.snapshot_row(slot, snapshot_tokens))
 
     def shutdown(self) -> None:
         self.slots.open_verify = None  # a run that ends mid-verify frees its slots all the same
@@ -400,6 +445,7 @@ class ShardExecutor:
             masks.append(np.zeros(c.chunk_len, dtype=bool) if m is None else m)
             states.append((st, tokens[c.chunk_start : end]))
             offset += c.chunk_len
+        self.start_states(named)
         seen = [r for r in rows if r is not None]
         batch = AttnBatch(
             positions=np.concatenate(positions),  # [T]

@@ -1,96 +1,67 @@
 """The recording fake under dp attention: one KV pool per rank (``OwnerPools``, the real runner's
 owner choice), the OWNER frame ahead of each admission and the rows per rank of each decode step
-in the trace (docs/scenarios.md, "dp attention")."""
+(docs/scenarios.md, "dp attention")."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 
 from eprt.cache.owners import OwnerPools
-from eprt.comm.protocol import OWNER, RELEASE
-from eprt.scheduler.fake import FakeModelError, RecordingModel, seq_name
+from eprt.comm import protocol as P
+from eprt.scheduler.fake import FakeModelError, RecordingModel
+from eprt.scheduler.step import Admission, StepResult
 
 
 class DpRecordingModel(RecordingModel):
-    def __init__(
-        self,
-        emit: Callable[[str], None],
-        scripts: dict,
-        *,
-        rank_blocks: list,
-        num_slots: int = 8,
-        block_size: int = 16,
-        prefix_cache: bool = True,
-        drafts: dict | None = None,
-        failures: dict | None = None,
-    ):
-        super().__init__(
-            emit, scripts, num_slots=num_slots, num_blocks=1, block_size=block_size, drafts=drafts, failures=failures
-        )
+    pooled = True  # one KV pool per owner rank
+
+    def __init__(self, scripts: dict, *, rank_blocks: list, block_size: int = 16, prefix_cache: bool = True, **kw):
+        super().__init__(scripts, num_blocks=1, block_size=block_size, **kw)
         self.pools = OwnerPools(rank_blocks, block_size, prefix_cache)
         self.blocks = None  # every block lives in an owner's pool
         self.owner: dict = {}  # seq_id -> owner rank of its current admission
 
-    # -- KV memory, per owner rank -----------------------------------------------------------
+    # -- KV accounting, per owner rank ---------------------------------------------------------
     def num_free_blocks(self) -> int:
-        n = self.pools.num_free_blocks()
-        self.emit(f"num_free_blocks() -> {n}")
-        return n
+        return self.pools.num_free_blocks()
 
     def pool_of(self, seq) -> int:
         return self.owner[seq.seq_id]
 
     def free_blocks_in(self, pool: int) -> int:
-        n = self.pools.pools[pool].num_free_blocks()
-        self.emit(f"num_free_blocks(rank={pool}) -> {n}")
-        return n
+        return self.pools.pools[pool].num_free_blocks()
 
     def can_admit(self, seq) -> bool:
-        return self.pools.choose(seq.token_ids[: seq.num_prompt], seq.adapter) is not None
+        return None in self.slots and self.pools.choose(seq.token_ids[: seq.num_prompt], seq.adapter) is not None
 
-    def alloc_sequence(self, seq) -> int:
-        if None not in self.slots:
-            raise FakeModelError(f"alloc_sequence for s{seq.seq_id} with every slot occupied")
+    def admit(self, seq) -> Admission:
         prompt = seq.token_ids[: seq.num_prompt]
         owner = self.pools.choose(prompt, seq.adapter)
         if owner is None:
-            raise FakeModelError(f"alloc_sequence for s{seq.seq_id}: no rank has room for its prompt")
-        slot = self.slots.index(None)
-        self._frame(slot, OWNER, owner, 0)  # prompt_hidden 0: the fake computes no prompt logprobs
-        seq.cached = self.pools.pools[owner].allocate(seq.seq_id, prompt, seq.adapter)
-        self.slots[slot], self.owner[seq.seq_id] = seq.seq_id, owner
-        self.emit(f"alloc_sequence() -> slot {slot} on rank {owner}")
-        return slot
+            raise FakeModelError(f"admission of s{seq.seq_id}: no rank has room for its prompt")
+        slot = self._take_slot(seq)
+        cached = self.pools.pools[owner].allocate(seq.seq_id, prompt, seq.adapter)
+        self.owner[seq.seq_id] = owner
+        return Admission(slot, cached, owner)
 
-    def cache_sequence(self, seq) -> None:
-        self._check_slot(seq)
-        self._pool(seq).cache(seq.seq_id, seq.token_ids[: seq.len])
-        self.emit(f"cache_sequence({seq_name(seq)})")
-
-    def free_sequence(self, seq) -> int:
-        self._check_slot(seq)
-        n = self.pools.pools[self.owner.pop(seq.seq_id)].free(seq.seq_id)
-        self.slots[seq.slot] = None
-        self.emit(f"free_sequence({seq_name(seq)}, blocks={n})")
-        self._frame(seq.slot, RELEASE)
-        return n
+    def _free(self, seq) -> int:
+        return self.pools.pools[self.owner.pop(seq.seq_id)].free(seq.seq_id)
 
     def _pool(self, seq):
         return self.pools.pools[self.owner[seq.seq_id]]
 
-    # -- compute -----------------------------------------------------------------------------
-    def decode_batch(self, tokens, seqs: list, stream: int) -> None:
-        if len(tokens) != len(seqs) or not seqs:
-            raise FakeModelError(f"decode_batch with {len(tokens)} tokens for {len(seqs)} sequences")
-        for seq in seqs:
-            self._check_slot(seq)
-            if seq.len != len(seq.token_ids) - 1:
-                raise FakeModelError(f"decode of {seq_name(seq)} whose KV is not up to date")
-            self._pool(seq).grow(seq.seq_id, seq.len + 1)
-        self._batch_out = [self._answer(seq, seq.len) for seq in seqs]
-        names = ", ".join(f'"{seq_name(s)}"' for s in seqs)
-        counts = np.bincount([self.owner[s.seq_id] for s in seqs], minlength=len(self.pools)).tolist()
-        self.emit(f"decode_batch(tokens=[{', '.join(map(str, tokens))}], seqs=[{names}], stream={stream})")
-        self.emit(f"rows_per_rank({counts})")
+    def _fork_owner(self, seq, child) -> None:
+        self.owner[child.seq_id] = self.owner[seq.seq_id]
+
+    # -- execution ---------------------------------------------------------------------------
+    def _admission_frames(self, chunk, out: StepResult) -> None:
+        adm = chunk.admission
+        if adm is not None:  # prompt_hidden 0: the fake computes no prompt logprobs
+            out.frames.append((chunk, P.Owner(adm.slot, adm.owner, 0)))
+
+    def _decode(self, step, out: StepResult) -> list:
+        tokens = super()._decode(step, out)
+        counts = np.bincount([self.owner[r.seq.seq_id] for r in step.rows], minlength=len(self.pools)).tolist()
+        slots = tuple(r.slot for r in step.rows)
+        out.frames.append((step, P.DecodeDp(slots, tuple(int(t) for t in step.tokens), tuple(counts))))
+        return tokens

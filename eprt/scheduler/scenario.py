@@ -16,6 +16,7 @@ from eprt.scheduler.fake import RecordingModel
 from eprt.scheduler.fake_dp import DpRecordingModel
 from eprt.scheduler.scheduler import Scheduler
 from eprt.scheduler.sequence import RequestHandle
+from eprt.scheduler.trace import TraceWriter
 
 MAX_TICKS = 10_000
 
@@ -223,17 +224,6 @@ def load(path: str) -> Scenario:
 
 
 # -- running ---------------------------------------------------------------------------------
-class _Tracer:
-    def __init__(self, emit):
-        self.emit = emit
-
-    def tick(self, k: int) -> None:
-        self.emit(f"-- tick {k}")
-
-    def effect(self, line: str) -> None:
-        self.emit(line)
-
-
 def run(sc: Scenario) -> ScenarioRun:
     lines: list = [f"# scenario {sc.name}"]
     e = sc.engine
@@ -241,7 +231,6 @@ def run(sc: Scenario) -> ScenarioRun:
     failures = {r.id: r.fail_at for r in sc.requests if r.fail_at is not None}
     if e.rank_blocks is not None:
         model = DpRecordingModel(
-            lines.append,
             scripts,
             rank_blocks=e.rank_blocks,
             num_slots=e.max_batch,
@@ -252,7 +241,6 @@ def run(sc: Scenario) -> ScenarioRun:
         )
     else:
         model = RecordingModel(
-            lines.append,
             scripts,
             num_slots=e.max_batch,
             num_blocks=e.num_blocks,
@@ -271,7 +259,7 @@ def run(sc: Scenario) -> ScenarioRun:
         max_model_len=e.max_model_len,
         num_speculative_tokens=e.speculative_tokens,
     )
-    sched = Scheduler(model, config, clock=VirtualClock(), tracer=_Tracer(lines.append))
+    sched = Scheduler(model, config, clock=VirtualClock(), tracer=TraceWriter(lines.append))
     outcomes = {r.id: Outcome(r) for r in sc.requests}
     last_arrival = max(r.arrive_at_tick for r in sc.requests)
     while not sched.is_shut_down:
