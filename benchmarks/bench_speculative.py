@@ -221,7 +221,7 @@ class WrongDrafter:
 
     in_pass = False
 
-    def propose(self, token_ids, k: int) -> list:
+    def draft(self, seq, k: int) -> list:
         return [0] * k
 
 

@@ -12,9 +12,9 @@ from eprt.comm.transport import LocalTransport
 from eprt.comm.worker import _execute
 from eprt.engine.dp_executor import DpShardExecutor
 from eprt.engine.executor import ExecutorError
+from eprt.entry.scenario import ScenarioError, parse
 from eprt.model.loader import load_model
 from eprt.ops.numpy_ops import NumpyOps
-from eprt.scheduler.scenario import ScenarioError, parse
 
 
 def test_owner_and_decode_dp_round_trip():

@@ -1,5 +1,5 @@
 """Golden scenario traces, the ``eprt scenario`` command, and the scheduler's client API
-driven against the recording fake model."""
+run through the real runner and executor over the scripted token source."""
 
 import logging
 import pathlib
@@ -9,10 +9,10 @@ import pytest
 
 from eprt import cli
 from eprt.api import GenerationRequest, RequestError, SamplingParams
+from eprt.engine.scripted import ScriptedTokens, scripted_runner
+from eprt.entry.scenario import ScenarioError, load, parse, run
 from eprt.scheduler.clock import VirtualClock, WallClock
 from eprt.scheduler.config import SchedulerConfig
-from eprt.scheduler.fake import RecordingModel
-from eprt.scheduler.scenario import ScenarioError, load, parse, run
 from eprt.scheduler.scheduler import Scheduler
 from eprt.scheduler.trace import TraceWriter
 
@@ -96,7 +96,7 @@ def test_a_sequence_that_outgrows_the_whole_pool_ends_with_the_kv_capacity_guard
     assert res.lines[-1] == (
         'out s1: T10 T10 T10 T10 T10 Done(length, n=5, think=0, cached=0, acc=0, guard=Some("kv_capacity"))'
     )
-    assert res.model.blocks.num_free_blocks() == 2
+    assert res.runner.executor.blocks.num_free_blocks() == 2
 
 
 def test_a_prompt_larger_than_the_pool_fails_alone():
@@ -117,7 +117,8 @@ def test_a_prompt_larger_than_the_pool_fails_alone():
 # -- the client API, as the engine uses it ----------------------------------------------------
 def _scheduler(scripts, clock, **config):
     lines = []
-    model = RecordingModel({k: (len(p), s) for k, (p, s) in scripts.items()}, num_slots=config.get("max_batch", 8))
+    tokens = ScriptedTokens({k: (len(p), s) for k, (p, s) in scripts.items()})
+    model = scripted_runner(tokens, vocab_size=64, max_slots=config.get("max_batch", 8), block_size=16, num_blocks=1000)
     config = SchedulerConfig(vocab_size=64, eos_token_ids=(63,), **config)
     return Scheduler(model, config, clock=clock, tracer=TraceWriter(lines.append)), lines
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eprt.comm import protocol as P
-from eprt.engine import adapter_slots
 from eprt.engine.choices import choice_seed
 from eprt.engine.executor import vision_salt
 from eprt.engine.isolation import one_by_one
@@ -37,7 +36,7 @@ class AdmissionNote:
     """``Admission.record``: what the admission's frames need besides its slot."""
 
     prompt_hidden: bool  # its prefill returns every prompt position's hidden state (prompt logprobs)
-    lora_load: P.LoraLoad | None = None  # the adapter went into a LoRA slot now
+    adapter_frames: tuple = ()  # its adapter's LORA_LOAD (when it went into a LoRA slot now) and SLOT_ADAPTER
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ def wants_prompt_logprobs(seq) -> bool:
 class Accounts:
     def __init__(self, executor, pools, rng, adapters=None, guides=None):
         self.executor, self.pools, self._rng = executor, pools, rng
-        self.adapters = adapters  # eprt.engine.adapters.AdapterRegistry, or None: no adapters served
+        self.adapters = adapters  # the adapters part (eprt/engine/adapter_slots.py), or None: none served
         self.guides = guides  # eprt.engine.structured.GuidedRows (set by the engine)
         self.accepted_tokens = 0  # speculative drafts accepted, over every ACCEPT
 
@@ -99,7 +98,7 @@ class Accounts:
     def can_admit(self, seq) -> bool:
         if self.executor.slots.lowest_free() is None:
             return False  # every slot taken (by running sequences, forks, or this step's admissions)
-        if seq.adapter != -1 and not adapter_slots.can_place(self.adapters, self.executor, seq.adapter):
+        if seq.adapter != -1 and (self.adapters is None or not self.adapters.can_place(self.executor, seq.adapter)):
             return False  # every LoRA slot holds an adapter running sequences use
         return self.pools.has_room(seq, self.state_of(seq).salt, 0 if wants_prompt_logprobs(seq) else None)
 
@@ -112,13 +111,13 @@ class Accounts:
             raise RuntimeError("admission with every slot occupied")
         hidden = wants_prompt_logprobs(seq)
         owner = self.pools.place(seq, state.salt, slot, hidden)
-        load = None if seq.adapter == -1 else adapter_slots.acquire(self.adapters, self.executor, seq.adapter)
+        frames = () if seq.adapter == -1 else tuple(self.adapters.admit(self.executor, slot, seq.adapter))
         prompt = seq.token_ids[: seq.num_prompt]
         cached = self.executor.allocate(
             slot, prompt, seq.adapter, seq.image_embeds, state.salt, max_hit=0 if hidden else None
         )
         state.checkpoints = self.executor.prefill_checkpoints(slot)
-        return Admission(slot, cached, owner, AdmissionNote(hidden, load))
+        return Admission(slot, cached, owner, AdmissionNote(hidden, frames))
 
     def plan_chunk(self, seq, start: int, n: int) -> tuple:
         """The chunk's pieces: split where a hybrid model snapshots its state (the rows taken now)."""
@@ -179,4 +178,4 @@ class Accounts:
         """Empty the slots of adapters unregistered since the last tick (their LORA_UNLOADs)."""
         if self.adapters is None:
             return None
-        return adapter_slots.unload_orphans(self.adapters, self.executor) or None
+        return self.adapters.unload_orphans(self.executor) or None

@@ -24,6 +24,7 @@ from eprt.comm.recorder import Recorder
 from eprt.comm.transport import StartupFailed
 from eprt.comm.worker import run_worker
 from eprt.comm.world import open_transport
+from eprt.engine.adapter_slots import LoraAdapters
 from eprt.engine.adapters import AdapterRegistry, UnknownAdapter
 from eprt.engine.choices import best_choices
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
@@ -440,7 +441,7 @@ def launch_engine(args_or_config, transport=None):
         seed=cfg.seed,
         drafter=None if spec is None else spec.drafter(),
         batch_prefill=cfg.batch_prefill,
-        adapters=_adapter_registry(cfg, executor),
+        adapters=_adapters(cfg, executor),
         overlap=cfg.overlap and not dp,
     )
     if runner.overlap is not None:
@@ -482,7 +483,7 @@ def launch_engine(args_or_config, transport=None):
             transport.close("rank 0 failed")
 
 
-def _adapter_registry(cfg: EngineConfig, executor) -> AdapterRegistry | None:
+def _adapters(cfg: EngineConfig, executor) -> LoraAdapters | None:
     """Rank 0's adapters: --lora-modules registered (each checked by reading rank 0's share)."""
     if executor.lora is None:
         return None
@@ -490,7 +491,7 @@ def _adapter_registry(cfg: EngineConfig, executor) -> AdapterRegistry | None:
     for name, path in cfg.lora_modules:
         registry.register(name, path, check=False)  # every rank read it at start-up
         log.info("LoRA adapter %r from %s", name, path)
-    return registry
+    return LoraAdapters(registry)
 
 
 def _close(transport, cfg: EngineConfig) -> None:

@@ -114,7 +114,11 @@ class ShardExecutor:
         image_token_id: int | None = None,
         snapshot_rows: int | None = None,
         lora=None,
+        snapshot_pool: bool = True,
     ):
+        """``snapshot_rows``: a hybrid model's recurrent-state snapshots (default: one per slot), paid
+        for in KV blocks within 1/SNAPSHOT_POOL_SHARE of the pool, or, without ``snapshot_pool``,
+        exactly that many beside the ``num_blocks`` blocks."""
         self.model, self.ops, self.cfg = model, model.ops, model.cfg
         self.lora = model.lora = lora  # LoraSlots (eprt/model/lora.py) or None: no adapters served
         self._pending_adapter: dict[int, int] = {}  # slot -> adapter id its next PREFILL uses (SLOT_ADAPTER)
@@ -125,6 +129,8 @@ class ShardExecutor:
         if model.cfg.is_hybrid and prefix_cache:
             wanted = max_slots if snapshot_rows is None else snapshot_rows
             rows, reserved = snapshot_budget(model.cfg, num_blocks, block_size, model.ops.kv_itemsize, wanted)
+            if not snapshot_pool:
+                rows, reserved = wanted, 0
             if rows:
                 log.info(
                     "%s: %d recurrent-state snapshots of %d bytes for the prefix cache, in place of %d KV blocks",

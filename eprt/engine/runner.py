@@ -61,13 +61,16 @@ class ModelRunner:
         batch_prefill: bool = True,
         adapters=None,
         overlap: bool = False,
+        tokens=None,
     ):
+        """``tokens``: the token source (default: the sampler, ``RowSampler``; the scenarios' is
+        scripted, eprt/engine/scripted.py)."""
         self.executor = executor
         self.transport = transport  # eprt.comm.transport.Transport (LocalTransport on one rank)
         self.pools = (DpPools if getattr(executor, "dp", False) else SharedPool)(executor)
         self.kv = Accounts(executor, self.pools, np.random.default_rng(seed), adapters)  # seeds requests with none
-        self.sampler = RowSampler(executor.ops)
-        self.drafts = Speculation(executor, self.pools, self.sampler, drafter)
+        self.sampler = RowSampler(executor.ops, self.pools) if tokens is None else tokens  # the token source
+        self.drafts = Speculation(executor, self.sampler, drafter)
         # a tick's prefill chunks as one forward (not for hybrid models: a snapshot falls between a
         # chunk's pieces; not for MRoPE models, whose 3-D positions and deepstack rows are per sequence)
         self.batch_prefill = batch_prefill and not executor.cfg.is_hybrid and not executor.cfg.mrope_section
@@ -80,7 +83,7 @@ class ModelRunner:
     @property
     def adapters(self):
         """The LoRA adapter registry (eprt/engine/adapters.py), or None: no adapters served."""
-        return self.kv.adapters
+        return None if self.kv.adapters is None else self.kv.adapters.registry
 
     def set_guides(self, guides) -> None:
         """Structured outputs: the grammars' rows (eprt/engine/structured.GuidedRows)."""
@@ -152,20 +155,16 @@ class ModelRunner:
                 self.executor.fork_data(chunk.row.slot, fork.slot, fork.record)
             if chunk.last:
                 seqs = [chunk.row.seq] + [f.child for f in chunk.forks]
-                out.first[i] = self._sample(seqs, logits, [g] * len(seqs), [chunk.end] * len(seqs), out)
+                out.first[i] = self.sampler.draw(seqs, logits, [g] * len(seqs), [chunk.end] * len(seqs), out)
             self.prompt_tokens_computed += chunk.n
 
     def _admission_frames(self, chunk, frames: FrameWriter) -> None:
         """OWNER (dp attention), LORA_LOAD and SLOT_ADAPTER (an adapter) ahead of an admission's PREFILL."""
-        adm, seq = chunk.admission, chunk.row.seq
+        adm = chunk.admission
         if adm is None:
             return
-        for cmd in self.pools.owner_frames(adm):
+        for cmd in (*self.pools.owner_frames(adm), *adm.record.adapter_frames):
             frames.send(chunk, cmd)
-        if adm.record.lora_load is not None:
-            frames.send(chunk, adm.record.lora_load)
-        if seq.adapter != -1:
-            frames.send(chunk, P.SlotAdapter(adm.slot, self.executor.lora.slot_of(seq.adapter)))
 
     def _pieces(self, chunk, frames: FrameWriter, out: StepResult):
         """A hybrid model's chunk, a pass per piece, its state saved into each snapshot row taken
@@ -252,18 +251,10 @@ class ModelRunner:
             logits = self.executor.decode(*_decode_args(cmd))
         self.decode_steps += 1
         self.decode_rows += len(slots)
-        picked = self._sample(seqs, logits, slice(None), positions, out, plan)
+        picked = self.sampler.draw(seqs, logits, slice(None), positions, out, plan)
         if self.drafts.step_costs is not None:
             self.drafts.step_costs.decode_step(len(slots), self.drafts.clock() - started)
         return picked
-
-    def _sample(self, seqs: list, out_pass, index, positions: list, result: StepResult, plan=None) -> list:
-        """The tokens of rows ``seqs``: their pass's rows ``index`` (greedy rows under dp attention take
-        their owners' tokens)."""
-        plain = self.pools.plain_tokens(out_pass, index, seqs)
-        if plain is not None:
-            return plain
-        return self.sampler.sample(seqs, self.pools.logits(out_pass, index), positions, result, plan)
 
     # ---- between steps (the engine's) and shutdown ---------------------------------------------
     def switch_placement(self, epoch: int, table: np.ndarray) -> int:

@@ -1,10 +1,11 @@
-"""Rank 0's sampling of a pass's rows (a part of the runner; docs/design.md, "Sampling" and
-"Failure isolation"): plain greedy rows take one device argmax together; the others (sampled,
-processed, masked or asking for logprobs) come to the host in one copy and are sampled together,
-each with the uniform of its request's seed at the token's position. A row whose stage failed for
-its request alone answers a RowFailure; the others are what they would be without it. What the
-rows' requests get besides their tokens (logprobs, best_of's cumulative logprob) goes into the
-step's result.
+"""Rank 0's sampling of a pass's rows, the runner's token source (a part of the runner;
+docs/design.md, "Sampling" and "Failure isolation"): ``draw`` gives a pass's rows' tokens,
+``targets`` a verify step's token at each position. Plain greedy rows take one device argmax
+together; the others (sampled, processed, masked or asking for logprobs) come to the host in one
+copy and are sampled together, each with the uniform of its request's seed at the token's
+position. A row whose stage failed for its request alone answers a RowFailure; the others are
+what they would be without it. What the rows' requests get besides their tokens (logprobs,
+best_of's cumulative logprob) goes into the step's result.
 
 B rows, V vocabulary.
 """
@@ -50,12 +51,52 @@ def needs_host_sampler(params) -> bool:
 
 
 class RowSampler:
-    def __init__(self, ops):
-        self.ops = ops
+    def __init__(self, ops, pools):
+        self.ops, self.pools = ops, pools  # pools: where a pass's rows come back (eprt/engine/pools.py)
         self.guides = None  # structured outputs: eprt.engine.structured.GuidedRows (set by the engine)
         self.eos_token_ids: tuple = ()  # min_tokens holds these back (the engine sets the model's)
         self.logprobs_mode = "raw"  # raw | processed (eprt.engine.sampling.LOGPROB_MODES)
 
+    # ---- the token source ---------------------------------------------------------------------
+    def draw(self, seqs: list, out, index, positions: list, result, plan: SamplingPlan | None = None) -> list:
+        """The tokens of rows ``seqs``: rows ``index`` of a pass's output ``out`` (greedy rows under dp
+        attention take their owners' tokens); each row's token is at ``positions``."""
+        plain = self.pools.plain_tokens(out, index, seqs)
+        if plain is not None:
+            return plain
+        return self.sample(seqs, self.pools.logits(out, index), positions, result, plan)
+
+    def targets(self, rows: list, drafts: list, out) -> list[list]:
+        """A verify step's token at each position of each row (``rows``: the step's plan rows; a row's
+        positions follow its stored tokens): greedy rows' argmax (under dp attention, the owners'),
+        sampled rows drawn with the uniform of each position, as plain decoding draws them; a row
+        whose sampling failed has its RowFailure at every position (``isolation.per_row``)."""
+        seqs = [r.seq for r in rows]
+        starts = np.cumsum([0] + [len(d) + 1 for d in drafts])  # [B + 1] first position of each row
+        sampled = [r for r, s in enumerate(seqs) if s.params.temperature != 0.0]
+        flat = [0] * int(starts[-1])  # [N] the token each position emits if reached
+        if len(sampled) < len(seqs):
+            flat = self.pools.plain_tokens(out, slice(None), [])
+            if flat is None:
+                flat = self.greedy(self.pools.logits(out, slice(None)), list(range(int(starts[-1]))))
+
+        def draw(picked: list) -> list:  # each row's tokens at its positions
+            positions = [p for r in picked for p in range(starts[r], starts[r + 1])]
+            logits = self.ops.to_host(self.pools.logits(out, positions))  # [n, V]
+            params, uniforms = [], []
+            for r in picked:
+                for i in range(len(drafts[r]) + 1):
+                    params.append(seqs[r].params)
+                    uniforms.append(token_uniform(seqs[r].model_state.seed, rows[r].length + 1 + i))
+            got = sample_rows(logits, params, np.asarray(uniforms))  # [n]
+            ends = np.cumsum([0] + [len(drafts[r]) + 1 for r in picked])
+            return [got[ends[i] : ends[i + 1]] for i in range(len(picked))]
+
+        for r, got in zip(sampled, per_row(sampled, draw, "sampling") if sampled else ()):
+            flat[starts[r] : starts[r + 1]] = [got] * (len(drafts[r]) + 1) if isinstance(got, RowFailure) else got
+        return [flat[starts[r] : starts[r + 1]] for r in range(len(rows))]
+
+    # ---- sampling -------------------------------------------------------------------------------
     def sample(self, seqs: list, logits, positions: list, result, plan: SamplingPlan | None = None) -> list:
         """The tokens of rows ``seqs`` from their logits [B, V]; each row's token is at ``positions``
         (its uniform's counter). Logprobs and best_of's logprob go into ``result``."""

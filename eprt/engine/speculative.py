@@ -14,8 +14,6 @@ from typing import Protocol
 import numpy as np
 
 from eprt.comm import protocol as P
-from eprt.engine.isolation import per_row
-from eprt.engine.sampling import sample_rows, token_uniform
 from eprt.scheduler.interface import RowFailure
 from eprt.scheduler.speculation import StepCosts
 
@@ -25,9 +23,9 @@ METHODS = ("ngram", "mtp")  # --speculative-method
 class Drafter(Protocol):
     in_pass: bool  # True: the model drafts inside the verify step on every rank (VERIFY_MTP)
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens likely to follow ``token_ids`` (prompt and output so far); may be fewer.
-        A drafter ``in_pass`` returns ``k`` placeholders (IN_PASS): how many the step drafts."""
+    def draft(self, seq, k: int) -> list[int]:
+        """Up to ``k`` tokens likely to follow ``seq.token_ids`` (prompt and output so far); may be
+        fewer. A drafter ``in_pass`` returns ``k`` placeholders (IN_PASS): how many the step drafts."""
 
 
 IN_PASS = -1  # a draft the verify step itself computes (VERIFY_MTP), not yet known on rank 0
@@ -48,7 +46,11 @@ class NgramDrafter:
                 f"--prompt-lookup-min/--prompt-lookup-max must satisfy 1 <= min <= max, got {self.min_n}, {self.max_n}"
             )
 
+    def draft(self, seq, k: int) -> list[int]:
+        return self.propose(seq.token_ids, k)
+
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the most recent, longest earlier match of the suffix."""
         ids = np.asarray(token_ids, dtype=np.int64)  # [L]
         L = len(ids)
         # match[e]: the n tokens ending at e (e < L - 1) equal the last n, for n = 1, 2, ... in turn
@@ -73,7 +75,7 @@ class MtpDrafter:
 
     in_pass = True
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    def draft(self, seq, k: int) -> list[int]:
         return [IN_PASS] * k
 
 
@@ -133,8 +135,8 @@ class Speculation:
     uniform (as plain decoding would) and accept iff it equals the draft. So a sampled request
     emits exactly the tokens it would without speculation, with the same seed."""
 
-    def __init__(self, executor, pools, sampler, drafter: Drafter | None = None):
-        self.executor, self.pools, self.sampler = executor, pools, sampler
+    def __init__(self, executor, sampler, drafter: Drafter | None = None):
+        self.executor, self.sampler = executor, sampler  # sampler: the runner's token source
         self.drafter = drafter  # None: speculation off
         self.step_costs = None if drafter is None else StepCosts()  # what a draft position costs here
         if drafter is not None and drafter.in_pass:
@@ -146,7 +148,7 @@ class Speculation:
         """Up to ``k`` drafts (how many: the scheduler's speculation.DraftPolicy)."""
         if self.drafter is None or k < 1:
             return []
-        return self.drafter.propose(seq.token_ids, k)[:k]
+        return self.drafter.draft(seq, k)[:k]
 
     def draft_cost(self, rows: int) -> float | None:
         return None if self.step_costs is None else self.step_costs.draft_cost(rows)
@@ -187,49 +189,10 @@ class Speculation:
         self.verify_steps += 1
         self.verify_rows += sum(1 for d in drafts if d)
         self.proposed_tokens += sum(len(d) for d in drafts)
-        emitted = self._readback([r.seq for r in step.rows], drafts, out)
+        targets = self.sampler.targets(list(step.rows), drafts, out)
+        emitted = [accepted_run(d, t) for d, t in zip(drafts, targets)]
         if self.step_costs is not None:
             positions, seconds = catch_up  # a cost of the decode steps before, not of the drafts
             self.step_costs.verify_step(len(slots), sum(len(d) for d in drafts), self.clock() - started - seconds)
             self.step_costs.catch_up_step(len(slots), positions, seconds)
         return emitted
-
-    def _readback(self, seqs: list, drafts: list, out) -> list[list]:
-        """Per row, the tokens it emits (accepted drafts, then one more); a row whose sampling failed
-        ends with its RowFailure (``isolation.per_row``)."""
-        starts = np.cumsum([0] + [len(d) + 1 for d in drafts])  # [B + 1] first position of each row
-        sampled = [r for r, s in enumerate(seqs) if s.params.temperature != 0.0]
-        targets = [0] * int(starts[-1])  # [N] the token each position emits if reached
-        if len(sampled) < len(seqs):
-            targets = self._position_targets(out, int(starts[-1]))
-
-        def draw(rows: list) -> list:  # each row's tokens at its positions
-            positions = [p for r in rows for p in range(starts[r], starts[r + 1])]
-            logits = self.executor.ops.to_host(self.pools.logits(out, positions))  # [n, V]
-            flat = self._sample_positions(logits, seqs, drafts, rows)  # [n]
-            ends = np.cumsum([0] + [len(drafts[r]) + 1 for r in rows])
-            return [flat[ends[i] : ends[i + 1]] for i in range(len(rows))]
-
-        for r, got in zip(sampled, per_row(sampled, draw, "sampling") if sampled else ()):
-            targets[starts[r] : starts[r + 1]] = [got] * (len(drafts[r]) + 1) if isinstance(got, RowFailure) else got
-        return [accepted_run(d, targets[starts[r] : starts[r + 1]]) for r, d in enumerate(drafts)]
-
-    def _position_targets(self, out, n: int) -> list:
-        """The verify's greedy token at each of its n positions (under dp attention, the owners')."""
-        plain = self.pools.plain_tokens(out, slice(None), [])
-        if plain is not None:
-            return plain
-        return self.sampler.greedy(self.pools.logits(out, slice(None)), list(range(n)))
-
-    @staticmethod
-    def _sample_positions(logits: np.ndarray, seqs, drafts, sampled: list) -> list[int]:
-        """The sampled rows' tokens at each of their positions, logits[n, V] in row order: position i
-        of a row drawn with the uniform of its sequence index (``seq.len + 1 + i``), as plain
-        decoding draws it; one sample_rows call for them all."""
-        params, uniforms = [], []
-        for r in sampled:
-            seq = seqs[r]
-            for i in range(len(drafts[r]) + 1):
-                params.append(seq.params)
-                uniforms.append(token_uniform(seq.model_state.seed, seq.len + 1 + i))
-        return sample_rows(logits, params, np.asarray(uniforms))

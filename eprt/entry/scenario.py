@@ -1,5 +1,6 @@
-"""``eprt scenario FILE``: run a scheduler scenario against the recording fake model and
-print its trace (file format and trace: docs/scenarios.md)."""
+"""``eprt scenario FILE``: run a scheduler scenario through the real runner and executor over the
+scripted token source (``eprt/engine/scripted.py``) and print its trace (file format and trace:
+docs/scenarios.md)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from dataclasses import dataclass, field
 import tomllib
 
 from eprt.api import GenerationRequest, RequestError, SamplingParams, is_int
+from eprt.engine.runner import ModelRunner
+from eprt.engine.scripted import ScriptedTokens, scripted_runner
 from eprt.scheduler.clock import VirtualClock
 from eprt.scheduler.config import SchedulerConfig
-from eprt.scheduler.fake import RecordingModel
-from eprt.scheduler.fake_dp import DpRecordingModel
 from eprt.scheduler.scheduler import Scheduler
 from eprt.scheduler.sequence import RequestHandle
 from eprt.scheduler.trace import TraceWriter
@@ -52,10 +53,10 @@ class RequestSpec:
     cancel_at_tick: int | None = None
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
-    drafts: list | None = None  # the fake drafter's script (speculative_tokens > 0)
+    drafts: list | None = None  # the scripted drafter's script (speculative_tokens > 0)
     choices: list = field(default_factory=list)  # scripts of further choices (n > 1), forked after the prompt
     adapter: int = -1  # LoRA adapter id (-1: the base model)
-    fail_at: int | None = None  # the output index whose token the fake answers with a RowFailure
+    fail_at: int | None = None  # the output index whose token the token source answers with a RowFailure
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Outcome:
 class ScenarioRun:
     lines: list
     outcomes: list
-    model: RecordingModel
+    runner: ModelRunner  # the real runner it ran through (its executor: the KV accounting at the end)
 
     @property
     def trace(self) -> str:
@@ -224,32 +225,28 @@ def load(path: str) -> Scenario:
 
 
 # -- running ---------------------------------------------------------------------------------
-def run(sc: Scenario) -> ScenarioRun:
+def run(sc: Scenario, transport=None, after_step=None) -> ScenarioRun:
+    """``transport``: where the runner's frames go (default: a world of one); ``after_step(sched)``
+    is called after each scheduler step."""
     lines: list = [f"# scenario {sc.name}"]
     e = sc.engine
-    scripts = {r.id: (len(r.prompt), r.script) for r in sc.requests}
-    failures = {r.id: r.fail_at for r in sc.requests if r.fail_at is not None}
-    if e.rank_blocks is not None:
-        model = DpRecordingModel(
-            scripts,
-            rank_blocks=e.rank_blocks,
-            num_slots=e.max_batch,
-            block_size=e.block_size,
-            prefix_cache=e.prefix_cache,
-            drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
-            failures=failures,
-        )
-    else:
-        model = RecordingModel(
-            scripts,
-            num_slots=e.max_batch,
-            num_blocks=e.num_blocks,
-            block_size=e.block_size,
-            prefix_cache=e.prefix_cache,
-            snapshots=e.snapshots,
-            drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
-            failures=failures,
-        )
+    tokens = ScriptedTokens(
+        {r.id: (len(r.prompt), r.script) for r in sc.requests},
+        {r.id: r.fail_at for r in sc.requests if r.fail_at is not None},
+    )
+    runner = scripted_runner(
+        tokens,
+        vocab_size=e.vocab_size,
+        max_slots=e.max_batch,
+        block_size=e.block_size,
+        num_blocks=e.num_blocks,
+        prefix_cache=e.prefix_cache,
+        snapshots=e.snapshots,
+        rank_blocks=e.rank_blocks,
+        drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
+        transport=transport,
+        adapters=tuple(r.adapter for r in sc.requests if r.adapter != -1),
+    )
     config = SchedulerConfig(
         vocab_size=e.vocab_size,
         eos_token_ids=(e.eos,),
@@ -259,7 +256,7 @@ def run(sc: Scenario) -> ScenarioRun:
         max_model_len=e.max_model_len,
         num_speculative_tokens=e.speculative_tokens,
     )
-    sched = Scheduler(model, config, clock=VirtualClock(), tracer=TraceWriter(lines.append))
+    sched = Scheduler(runner, config, clock=VirtualClock(), tracer=TraceWriter(lines.append))
     outcomes = {r.id: Outcome(r) for r in sc.requests}
     last_arrival = max(r.arrive_at_tick for r in sc.requests)
     while not sched.is_shut_down:
@@ -276,11 +273,13 @@ def run(sc: Scenario) -> ScenarioRun:
         if tick >= last_arrival:
             sched.close()
         sched.step()
+        if after_step is not None:
+            after_step(sched)
     for r in sc.requests:
         lines.append(f"out s{r.id}: {_client_line(outcomes[r.id])}")
         for fork in outcomes[r.id].forks:
             lines.append(f"out s{fork.handle.seq_id}: {_client_line(fork)}")
-    return ScenarioRun(lines, [outcomes[r.id] for r in sc.requests], model)
+    return ScenarioRun(lines, [outcomes[r.id] for r in sc.requests], runner)
 
 
 def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None:
@@ -312,7 +311,7 @@ def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None
     out.handle = handles[0]
     for fork, handle in zip(out.forks, handles[1:]):
         fork.handle = handle
-        sched.model.scripts[handle.seq_id] = (len(r.prompt), list(fork.spec.script))
+        sched.model.sampler.scripts[handle.seq_id] = (len(r.prompt), list(fork.spec.script))
 
 
 def _client_line(out: Outcome) -> str:

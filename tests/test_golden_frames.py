@@ -1,0 +1,140 @@
+"""Every golden scenario through the real runner and executor (the scripted token source in place of
+the arithmetic and the draws: eprt/engine/scripted.py), its frames checked against docs/protocol.md:
+- the words the runner sent decode, command by command, by the declarations docs/protocol.md's
+  command table is checked against (tests/test_protocol.py), the stream ends with SHUTDOWN, and
+  every frame is the "Framing" section's (a count, then at most 511 words, or one overflow);
+- a worker replays the stream through the real worker loop (eprt/comm/worker.py) onto a real
+  executor of its own, without an error: every command fits its slot table and KV accounting
+  ("Slots": the worker checks every command before it changes anything, refuses anything but an
+  ACCEPT after a VERIFY, a FORK of an unprefilled slot, a PREFILL without its OWNER under dp...),
+  and after every step its mirrored state (the digests of --check-state: slots, blocks, prefix
+  cache, owners, snapshot rows) is rank 0's;
+- the frames the trace prints are exactly the stream's commands of the kinds the trace shows, each
+  slot's in stream order (the trace prints a batched prefill's OWNER frames with their chunks,
+  the stream sends them ahead of the run): the goldens' frame lines are the real frame writer's.
+"""
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from eprt.comm import protocol as P
+from eprt.comm.transport import LocalTransport
+from eprt.comm.worker import run_worker
+from eprt.engine.scripted import ScriptedTokens, scripted_runner
+from eprt.engine.state_check import state_digests
+from eprt.entry.scenario import load, run
+from eprt.scheduler.trace import SHOWN, frame_lines
+
+SCENARIOS = pathlib.Path(__file__).parent / "scenarios"
+TOMLS = sorted(SCENARIOS.glob("*.toml"))
+
+
+class Root(LocalTransport):
+    """Rank 0 of a world of two whose worker is replayed here: it keeps every frame it sends."""
+
+    def __init__(self):
+        super().__init__()
+        self.size = 2  # frames are sent (a world of one only counts them)
+        self.frames: list[np.ndarray] = []
+
+    def _send_frame(self, out, n):
+        assert n == out[0] and len(self.frames) >= 0
+        self.frames.append(out[1 : n + 1].copy())
+
+
+class Replay:
+    """The worker's side: hands back rank 0's frames; before frame i it records the worker
+    executor's digests (every command of the frames before i has run by then)."""
+
+    rank = 1
+
+    def __init__(self, frames, executor):
+        self.frames, self.executor = frames, executor
+        self.at = 0
+        self.digests: dict[int, dict] = {}  # frames consumed -> the worker's digests then
+        self.errors: list[str] = []
+
+    def recv_frame(self):
+        self.digests[self.at] = state_digests(self.executor)
+        frame = self.frames[self.at]
+        self.at += 1
+        return frame
+
+    def recv_rows(self, n, width):
+        raise AssertionError("no scenario sends vision rows")
+
+    def report_error(self, text):
+        self.errors.append(text)
+
+
+def blocks(lines: list) -> list[tuple]:
+    """Frame lines split into commands (each starts with its preamble's line)."""
+    out: list = []
+    for line in lines:
+        if line.startswith("ep_broadcast_cmd_for_seq"):
+            out.append([])
+        out[-1].append(line)
+    return [tuple(b) for b in out]
+
+
+def by_slot(commands: list[tuple]) -> dict:
+    """Each preamble slot word's commands, in order."""
+    out: dict = {}
+    for c in commands:
+        out.setdefault(c[0].split(",")[0], []).append(c)
+    return out
+
+
+def worker_executor(sc):
+    """The worker rank's executor: the scenario's, built alone (rank 1 under dp attention)."""
+    e = sc.engine
+    tokens = ScriptedTokens({r.id: (len(r.prompt), r.script) for r in sc.requests})
+    runner = scripted_runner(
+        tokens,
+        vocab_size=e.vocab_size,
+        max_slots=e.max_batch,
+        block_size=e.block_size,
+        num_blocks=e.num_blocks,
+        prefix_cache=e.prefix_cache,
+        snapshots=e.snapshots,
+        rank_blocks=e.rank_blocks,
+        rank=0 if e.rank_blocks is None else 1,
+        adapters=tuple(r.adapter for r in sc.requests if r.adapter != -1),
+    )
+    runner.executor.compute_logits = False  # a worker never samples
+    return runner.executor
+
+
+@pytest.mark.parametrize("path", TOMLS, ids=[p.stem for p in TOMLS])
+def test_golden_scenario_frames_follow_the_protocol_and_a_worker_mirrors_rank0(path):
+    sc = load(str(path))
+    root, steps = Root(), []
+
+    def after_step(sched):  # as --check-state does: the step's queued commands go out now
+        root.flush()
+        steps.append((len(root.frames), state_digests(sched.model.executor)))
+
+    result = run(sc, transport=root, after_step=after_step)
+    assert result.trace == path.with_suffix(".trace").read_text()  # the golden, through the real runner
+
+    # every frame: a count, then its words; the stream decodes by the declarations, SHUTDOWN last
+    assert all(0 < len(f) for f in root.frames)
+    commands = P.decode_all(np.concatenate(root.frames), max_slots=sc.engine.max_batch, vocab_size=sc.engine.vocab_size)
+    assert isinstance(commands[-1], P.Shutdown) and not any(isinstance(c, P.Shutdown) for c in commands[:-1])
+
+    # a worker replays it without an error and mirrors rank 0 after every step
+    replay = Replay(root.frames, worker_executor(sc))
+    assert run_worker(replay, replay.executor, sc.engine.max_batch, sc.engine.vocab_size) == 0, replay.errors
+    assert replay.at == len(root.frames)
+    for sent, digests in steps[:-1]:  # (the last step is the shutdown: every slot freed on both)
+        assert replay.digests[sent] == digests, f"the worker's state differs after {sent} frames"
+
+    # the trace's frame lines are the stream's commands of the kinds it shows, each slot's in stream order
+    traced = blocks([line for line in result.lines if line.startswith("ep_")])
+    sent = [tuple(frame_lines(c)) for c in commands if isinstance(c, SHOWN)]
+    assert sorted(traced) == sorted(sent)
+    assert by_slot(traced) == by_slot(sent)
+    dp_rows = [f"rows_per_rank({list(c.counts)})" for c in commands if isinstance(c, P.DecodeDp)]
+    assert [line for line in result.lines if line.startswith("rows_per_rank")] == dp_rows
