@@ -38,9 +38,9 @@ class Mutation:
 MUTATIONS = (
     Mutation(
         "dp mirror grows a token late",
-        "eprt/engine/dp_executor.py",
-        "grow(st.key, st.length + len(appended[r]))",
-        "grow(st.key, st.length + len(appended[r]) - 1)",
+        "eprt/engine/sequences.py",
+        "grow(st.key, st.length + len(new))",
+        "grow(st.key, st.length + len(new) - 1)",
         ("tests/mpi/test_dp_attention_mpi.py",),
         ranks=2,
     ),

@@ -70,14 +70,7 @@ class Executor(Protocol):
     def release(self, slot: int) -> None:
         """Free the sequence in ``slot``."""
 
-    def load_adapter(self, lora_slot: int, adapter_id: int, path: str) -> None:
-        """LORA_LOAD: read this rank's share of the adapter at ``path`` into ``lora_slot``."""
-
-    def unload_adapter(self, lora_slot: int) -> None:
-        """LORA_UNLOAD: empty ``lora_slot``."""
-
-    def set_slot_adapter(self, slot: int, lora_slot: int) -> None:
-        """SLOT_ADAPTER: the next PREFILL into the empty ``slot`` uses the adapter in ``lora_slot``."""
+    adapters: object  # its LoRA slots: ``load`` (LORA_LOAD), ``unload`` (LORA_UNLOAD), ``set_slot`` (SLOT_ADAPTER)
 
     def assign_owner(self, slot: int, owner: int, prompt_hidden: bool = False) -> None:
         """OWNER (dp attention, an executor whose ``dp`` is true): the next PREFILL into ``slot`` is

@@ -116,7 +116,8 @@ class Accounts:
         cached = self.executor.allocate(
             slot, prompt, seq.adapter, seq.image_embeds, state.salt, max_hit=0 if hidden else None
         )
-        state.checkpoints = self.executor.prefill_checkpoints(slot)
+        hybrid = self.executor.hybrid
+        state.checkpoints = () if hybrid is None else hybrid.prefill_points(self.executor.slots.get(slot))
         return Admission(slot, cached, owner, AdmissionNote(hidden, frames))
 
     def plan_chunk(self, seq, start: int, n: int) -> tuple:
@@ -127,7 +128,7 @@ class Accounts:
             snapshot, row = None, -1
             if stop in points:
                 snapshot = P.DecodeCkpt(seq.slot, *self.executor.checkpoint_words(seq.slot, stop))
-                row = self.executor.snapshot_row(seq.slot, stop)
+                row = self.executor.hybrid.row(self.executor.slots.get(seq.slot), stop)
             if stop > piece or snapshot is not None:
                 out.append(Piece(piece, stop - piece, snapshot, row))
             piece = stop
@@ -135,7 +136,7 @@ class Accounts:
 
     # ---- forks, releases, compaction ------------------------------------------------------
     def can_fork(self, seq) -> bool:
-        return self.executor.can_fork(seq.slot)
+        return self.executor.seqs.can_fork(seq.slot)
 
     def fork(self, seq, child) -> ForkRow:
         """A further choice of seq's prompt, forked when its last chunk is planned (its KV is copied
@@ -153,8 +154,7 @@ class Accounts:
         return ForkRow(child, slot, copy)
 
     def release(self, seq, finish: bool) -> int:
-        self.executor.cache(seq.slot)
-        return self.executor.free(seq.slot)
+        return self.executor.release(seq.slot)
 
     def compact(self, seq, new_slot: int) -> None:
         self.executor.compact(seq.slot, new_slot)
@@ -162,7 +162,8 @@ class Accounts:
     def checkpoint(self, seq) -> P.DecodeCkpt | None:
         """After a decoded token: a hybrid model snapshots at each block boundary decoding reaches,
         the latest replacing the sequence's previous one (its turn end survives)."""
-        if not self.executor.checkpoint_due(seq.slot):
+        hybrid = self.executor.hybrid
+        if hybrid is None or not hybrid.due(self.executor.slots.get(seq.slot)):
             return None
         words = self.executor.checkpoint_words(seq.slot)
         self.executor.checkpoint(seq.slot, *words)

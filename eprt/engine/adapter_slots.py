@@ -33,7 +33,7 @@ class LoraAdapters:
         commands = []
         if load:
             path = self.registry.path_of(adapter_id)
-            executor.load_adapter(lora_slot, adapter_id, path)
+            executor.adapters.load(lora_slot, adapter_id, path)
             commands.append(P.LoraLoad(lora_slot, adapter_id, path))
         self.registry.placed(lora_slot, adapter_id)
         return commands + [P.SlotAdapter(slot, lora_slot)]
@@ -42,7 +42,7 @@ class LoraAdapters:
         """Empty the LoRA slots of adapters unregistered since the last planning step; their LORA_UNLOADs."""
         commands = []
         for lora_slot in self.registry.orphans():
-            executor.unload_adapter(lora_slot)
+            executor.adapters.unload(lora_slot)
             commands.append(P.LoraUnload(lora_slot))
             self.registry.placed(lora_slot, -1)
         return commands

@@ -28,7 +28,6 @@ from eprt.engine.adapter_slots import LoraAdapters
 from eprt.engine.adapters import AdapterRegistry, UnknownAdapter
 from eprt.engine.choices import best_choices
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
-from eprt.engine.dp_executor import DpShardExecutor
 from eprt.engine.eplb import Rebalancer
 from eprt.engine.expert_load import imbalance
 from eprt.engine.images import EngineImages
@@ -432,7 +431,7 @@ def launch_engine(args_or_config, transport=None):
             f"--speculative-method {spec.method}: {model_cfg.model_type} keeps recurrent state, "
             "which cannot roll back rejected drafts"
         )
-    dp = isinstance(executor, DpShardExecutor)
+    dp = executor.dp
     if cfg.overlap and dp:
         log.info("--overlap is off under --attention dp (its decode steps run on each row's owner)")
     runner = ModelRunner(

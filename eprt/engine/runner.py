@@ -175,7 +175,7 @@ class ModelRunner:
                 logits = self._run_group([(chunk, piece.start, piece.n)], frames, out)
             if piece.snapshot is not None:
                 frames.send(chunk, piece.snapshot)
-                self.executor.save_snapshot(chunk.row.slot, piece.row)
+                self.executor.hybrid.save(chunk.row.slot, piece.row)
         return logits
 
     def _run_group(self, parts: list, frames: FrameWriter, out: StepResult):

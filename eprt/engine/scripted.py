@@ -16,7 +16,7 @@ import numpy as np
 from eprt.comm.transport import LocalTransport
 from eprt.engine.adapter_slots import LoraAdapters
 from eprt.engine.adapters import AdapterRegistry
-from eprt.engine.dp_executor import DpShardExecutor
+from eprt.engine.dp_executor import dp_executor
 from eprt.engine.executor import ShardExecutor
 from eprt.engine.runner import ModelRunner
 from eprt.model.config import LinearAttentionConfig, ModelConfig
@@ -190,7 +190,7 @@ def scripted_runner(
     part, lora = scripted_adapters(list(adapters))
     if rank_blocks is not None:
         exchange = ScriptedExchange(len(rank_blocks), rank)
-        executor = DpShardExecutor(model, list(rank_blocks), block_size, max_slots, exchange, prefix_cache, lora=lora)
+        executor = dp_executor(model, list(rank_blocks), block_size, max_slots, exchange, prefix_cache, lora=lora)
     else:
         executor = ShardExecutor(
             model, num_blocks, block_size, max_slots, prefix_cache, None, snapshots or None, lora, snapshot_pool=False

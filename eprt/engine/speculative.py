@@ -140,7 +140,7 @@ class Speculation:
         self.drafter = drafter  # None: speculation off
         self.step_costs = None if drafter is None else StepCosts()  # what a draft position costs here
         if drafter is not None and drafter.in_pass:
-            executor.step_clock = self.clock  # the MTP layer's catch-up, timed apart
+            executor.mtp_layer.step_clock = self.clock  # the MTP layer's catch-up, timed apart
         self.proposed_tokens = self.verify_steps = self.verify_rows = 0
 
     # ---- planning (the scheduler's queries) ---------------------------------------------------
@@ -177,7 +177,7 @@ class Speculation:
             frames.send(step, P.VerifyMtp(tuple(slots), tuple(tokens), counts))
             frames.flush()
             drafts, out = self.executor.verify_mtp(slots, tokens, list(counts))  # [N, V]
-            (rows, positions), seconds = self.executor.mtp_caught_up, self.executor.mtp_catch_up_seconds
+            (rows, positions), seconds = self.executor.mtp_layer.caught_up, self.executor.mtp_layer.catch_up_seconds
             # a row's first position is its first draft's pass, what a row drafting every step pays;
             # the rest are owed by the decode steps since its last verify (their share of the pass)
             beyond = positions - rows

@@ -17,7 +17,7 @@ from eprt.comm.device_combine import choose_combine
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
-from eprt.engine.dp_executor import DpShardExecutor
+from eprt.engine.dp_executor import dp_executor
 from eprt.engine.eplb import check_same_placement, count_nodes, initial_placement
 from eprt.engine.executor import ShardExecutor
 from eprt.model.kv_cache import KVCache
@@ -96,7 +96,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed))
     if dp:  # each rank's pool is its own: a sequence's KV lives on its owner only
         executor = step(
-            lambda: DpShardExecutor(
+            lambda: dp_executor(
                 loaded.model,
                 every,
                 cfg.block_size,

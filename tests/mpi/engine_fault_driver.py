@@ -41,17 +41,18 @@ def inject(mode: str) -> None:
 
 def plant_drift(dp: bool) -> None:
     if dp:
-        from eprt.engine.dp_executor import DpShardExecutor
+        from eprt.engine.sequences import Sequences
 
-        def late(self, states, owners, appended):
-            for r in [r for r in range(len(states)) if owners[r] != self.rank]:
-                st = states[r]
-                self.pools.pools[owners[r]].grow(st.key, st.length + len(appended[r]) - 1)
-                st.tokens.extend(appended[r])
+        def late(self, states, slots, appended):
+            for st, slot, new in zip(states, slots, appended):
+                self.blocks_of(slot).grow(st.key, st.length + len(new) - 1)
+                st.tokens.extend(new)
 
-        DpShardExecutor._mirror = late
+        Sequences.mirror = late
     else:
-        ShardExecutor.cache = lambda self, slot: None
+        from eprt.engine.sequences import Sequences
+
+        Sequences.cache = lambda self, slot, upto=None: None
 
 
 def main() -> int:
