@@ -53,7 +53,7 @@ MUTATIONS = (
     ),
     Mutation(
         "host combine sums ranks in reverse",
-        "eprt/comm/transport.py",
+        "eprt/comm/mpi_transport.py",
         "        out = gathered[0].copy()\n        for r in range(1, self.size):",
         "        out = gathered[self.size - 1].copy()\n        for r in range(self.size - 2, -1, -1):",
         ("tests/mpi/test_transport_mpi.py",),

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from eprt.comm import protocol as P
-from eprt.comm.transport import LocalTransport
+from eprt.comm.transport import LocalLink, Transport
 from eprt.comm.worker import run_worker
 from eprt.engine.scripted import ScriptedTokens, scripted_runner
 from eprt.engine.state_check import state_digests
@@ -31,17 +31,23 @@ SCENARIOS = pathlib.Path(__file__).parent / "scenarios"
 TOMLS = sorted(SCENARIOS.glob("*.toml"))
 
 
-class Root(LocalTransport):
-    """Rank 0 of a world of two whose worker is replayed here: it keeps every frame it sends."""
+class Sent(LocalLink):
+    """Rank 0's link in a world of two whose worker is replayed here: it keeps every frame sent."""
+
+    size = 2  # frames are sent (a world of one only counts them)
 
     def __init__(self):
-        super().__init__()
-        self.size = 2  # frames are sent (a world of one only counts them)
         self.frames: list[np.ndarray] = []
 
-    def _send_frame(self, out, n):
-        assert n == out[0] and len(self.frames) >= 0
+    def send_frame(self, out, n):
+        assert n == out[0]
         self.frames.append(out[1 : n + 1].copy())
+
+
+class Root(Transport):
+    def __init__(self):
+        super().__init__(Sent())
+        self.frames = self.link.frames
 
 
 class Replay:

@@ -94,35 +94,25 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     if agreed < blocks and not dp:
         log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)", rank, agreed, blocks)
     max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed))
-    if dp:  # each rank's pool is its own: a sequence's KV lives on its owner only
-        executor = step(
-            lambda: dp_executor(
-                loaded.model,
-                every,
-                cfg.block_size,
-                cfg.max_batch,
-                DpExchange(transport, ops.xp),
-                prefix_cache=cfg.prefix_cache,
-                image_token_id=cfg.image_token_id,
-                lora=_lora_slots(cfg, ops, loaded),
-            )
-        )
-    else:
-        executor = step(
-            lambda: ShardExecutor(
-                loaded.model,
-                agreed,
-                cfg.block_size,
-                cfg.max_batch,
-                prefix_cache=cfg.prefix_cache,
-                image_token_id=cfg.image_token_id,
-                lora=_lora_slots(cfg, ops, loaded),
-            )
-        )
+    executor = step(lambda: _executor(cfg, ops, loaded, transport, every if dp else agreed))
     log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
     if executor.lora is not None:  # every rank reads its share of each adapter once, so a bad one fails here
         step(lambda: [executor.lora.read(path) for _, path in cfg.lora_modules])
     return Started(ops, loaded, executor, max_model_len, nodes)
+
+
+def _executor(cfg: EngineConfig, ops, loaded: LoadedModel, transport: Transport, blocks) -> ShardExecutor:
+    """This rank's executor: ``blocks``, every rank's pool sizes under dp attention (each sequence's
+    KV lives on its owner only), else the one pool size every rank agreed on."""
+    lora = _lora_slots(cfg, ops, loaded)
+    if isinstance(blocks, list):
+        exchange = DpExchange(transport, ops.xp)
+        return dp_executor(
+            loaded.model, blocks, cfg.block_size, cfg.max_batch, exchange, cfg.prefix_cache, cfg.image_token_id, lora
+        )
+    return ShardExecutor(
+        loaded.model, blocks, cfg.block_size, cfg.max_batch, cfg.prefix_cache, cfg.image_token_id, lora=lora
+    )
 
 
 def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):

@@ -28,13 +28,13 @@ def inject(mode: str) -> None:
     real = ShardExecutor.decode
     steps = {"n": 0}
 
-    def failing(self, slots, tokens):
+    def failing(self, slots, tokens, *counts):
         steps["n"] += 1
         if steps["n"] == 4:
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("injected failure in decode step 4")
-        return real(self, slots, tokens)
+        return real(self, slots, tokens, *counts)
 
     ShardExecutor.decode = failing
 
