@@ -42,6 +42,7 @@ COMMANDS = [
     Verify(slots=(2, 0, 5), tokens=(3, 9, 1), drafts=((4, 5, 6, 7), (), (8,))),
     VerifyMtp(slots=(2, 0, 5), tokens=(3, 9, 1), counts=(4, 0, 1)),
     Accept(slots=(2, 0, 5), accepted=(4, 0, 1)),
+    p.Rollback(slot=3, n=1),
     DecodeCkpt(slot=2, snapshot_tokens=64, end_block=3, session_hash=0x123456789ABCDEF0, adapter_id=2**32 + 7),
     CheckState(step=123456),
     p.EplbPlacement(epoch=2, layers=2, slots=3, table=(0, 1, 2, 2, 1, 0)),

@@ -21,6 +21,7 @@ COMPACT = 0xFFFFFFE2
 CHECK_STATE = 0xFFFFFFE3
 PREFILL_NEXT = 0xFFFFFFE4
 ACCEPT = 0xFFFFFFE6
+ROLLBACK = 0xFFFFFFE7
 FORK = 0xFFFFFFE8
 EPLB_PLACEMENT = 0xFFFFFFEA
 LORA_LOAD = 0xFFFFFFEC
@@ -70,6 +71,15 @@ class Compact:
 
     slot: int
     new_slot: int
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """Drop the last ``n`` stored tokens of the sequence in ``slot`` (a token the scheduler discarded:
+    the step that stored its input runs again)."""
+
+    slot: int
+    n: int
 
 
 @dataclass(frozen=True)
@@ -249,6 +259,7 @@ Command = (
     | Verify
     | VerifyMtp
     | Accept
+    | Rollback
     | DecodeCkpt
     | EplbPlacement
     | LoraLoad
@@ -535,6 +546,10 @@ def _prefill_next_len(v: dict, r: _Reader) -> str | None:
     return None if v["chunk_len"] >= 1 else f"PREFILL_NEXT chunk of {v['chunk_len']} tokens (must be >= 1)"
 
 
+def _rollback_n(v: dict, r: _Reader) -> str | None:
+    return None if v["n"] >= 1 else f"ROLLBACK of {v['n']} tokens (must be >= 1)"
+
+
 def _eplb_size(v: dict, r: _Reader) -> str | None:
     if not 0 < v["layers"] * v["slots"] <= EPLB_TABLE_MAX:
         return f"EPLB_PLACEMENT of {v['layers']} x {v['slots']} slots (must be 1..{EPLB_TABLE_MAX} words)"
@@ -645,6 +660,17 @@ DECLARATIONS: tuple[Declaration, ...] = (
         "(below)",
         seq=None,
         refuse=_refuse_accept,
+    ),
+    Declaration(
+        Rollback,
+        "ROLLBACK",
+        (ROLLBACK,),
+        (Part("n", check=_rollback_n),),
+        lambda ex, c, t: ex.rollback(c.slot, c.n),
+        "a row's generated token was discarded (an EOS inside its thinking block, which the sampler masks: a "
+        "model that ignores the mask), at the end of the tick",
+        "drop the last `n` tokens the slot stored (generated ones only) and the tail blocks beyond what the "
+        "kept length needs; the next step stores and computes them again",
     ),
     Declaration(
         Fork,

@@ -175,6 +175,10 @@ class Accounts:
         self.executor.accept([r.slot for r in step.rows], accepted)
         self.accepted_tokens += sum(accepted)
 
+    def rollback(self, seq, n: int) -> None:
+        """A discarded token gives its step back: the sequence's last ``n`` stored tokens go."""
+        self.executor.rollback(seq.slot, n)
+
     def refresh_adapters(self) -> list | None:
         """Empty the slots of adapters unregistered since the last tick (their LORA_UNLOADs)."""
         if self.adapters is None:

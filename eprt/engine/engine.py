@@ -75,7 +75,7 @@ class Engine:
         self.vocab_size = loaded.config.vocab_size
         self.max_model_len = scheduler.config.max_model_len
         self._lock = threading.Lock()
-        self._counters = {"requests_finished": 0, "generation_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0}
+        self._counters = {"requests_finished": 0, "cached_tokens": 0, "prompt_tokens": 0}
         self._closed = False
         self._stop_requested = False
         self._expert_load = runner.executor.model.expert_load()  # [L, E], refreshed by the loop
@@ -86,6 +86,11 @@ class Engine:
         self.check_state = config.check_state and transport.size > 1 and runner.overlap is None
         self.images = EngineImages(config.model, loaded.config)
         self.images.preload()
+
+    @property
+    def generation_tokens(self) -> int:
+        """Tokens generated so far, counted as they are generated (any thread)."""
+        return self.scheduler.generated_tokens
 
     # ---- clients (any thread) ------------------------------------------------------------
     def submit(self, req: GenerationRequest, on_finish=None):
@@ -164,7 +169,6 @@ class Engine:
             with self._lock:
                 c = self._counters
                 c["requests_finished"] += 1
-                c["generation_tokens"] += len(result.token_ids)
                 if result.index == 0:  # the choices of one prompt count it once
                     c["cached_tokens"] += result.cached_tokens
                     c["prompt_tokens"] += len(result.prompt_ids)
@@ -209,21 +213,18 @@ class Engine:
             raise RequestError(f"request {several[0]} asks for several choices (n, best_of): use generate_choices")
         return [choices[0] for choices in self.generate_choices(reqs)]
 
-    def generate_choices(self, reqs: list) -> list:
+    def generate_choices(self, reqs: list, on_step=None, strict: bool = False) -> list:
         """Like ``generate``, one list of results per request: its ``params.n`` choices (with
-        best_of, the n of highest cumulative logprob; engine.choices.best_choices)."""
-        out = self._run_choices(reqs)
+        best_of, the n of highest cumulative logprob; engine.choices.best_choices).
+        ``on_step(done)``: called after each step with the number of requests done. ``strict``: a
+        request that cannot be served raises its RequestError (naming it) before any is run."""
+        out = self._run_choices(reqs, on_step, strict)
         return [
             best_choices(res, req.params.n) if req.params.best_of is not None else res for req, res in zip(reqs, out)
         ]
 
-    def _run_choices(self, reqs: list) -> list:
-        handles, results = [], [None] * len(reqs)
-        for i, req in enumerate(reqs):
-            try:
-                handles.append((i, self.submit_choices(req)))
-            except RequestError as e:
-                results[i] = [GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))]
+    def _run_choices(self, reqs: list, on_step=None, strict: bool = False) -> list:
+        handles, results = _submit_all(self, reqs, strict)
         dropped: set = set()
         while not all(h.done() for _, hs in handles for h in hs):
             if self._stop_requested:
@@ -233,6 +234,8 @@ class Engine:
                         for h in hs:
                             h.cancel()
             self.step()
+            if on_step is not None:
+                on_step(len(reqs) - len(handles) + sum(all(h.done() for h in hs) for _, hs in handles))
         for i, hs in handles:
             results[i] = [h.result() for h in hs]
             if i in dropped:
@@ -350,15 +353,33 @@ class Engine:
         close_transport(self.transport, self.config)
 
 
+def _submit_all(engine: Engine, reqs: list, strict: bool) -> tuple:
+    """(handles [(i, [Handle])], results with each refused request's error result in its place);
+    ``strict``: the first refused request cancels those submitted and raises its RequestError."""
+    handles, results = [], [None] * len(reqs)
+    for i, req in enumerate(reqs):
+        try:
+            handles.append((i, engine.submit_choices(req)))
+        except RequestError as e:
+            if strict:
+                for _, hs in handles:
+                    for h in hs:
+                        h.cancel()
+                raise RequestError(f"prompt {i}: {e}" if len(reqs) > 1 else str(e)) from None
+            results[i] = [GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))]
+    return handles, results
+
+
 @contextlib.contextmanager
-def launch_engine(args_or_config, transport=None):
+def launch_engine(args_or_config, transport=None, precheck=None):
     """Build the engine on every rank (eprt/engine/launch.py): rank 0 gets the Engine; a worker rank
-    serves the command stream and leaves with SystemExit (0 after SHUTDOWN, 1 after a failure).
-    ``transport`` defaults to the launcher's world (``open_transport()``)."""
+    serves the command stream and leaves with SystemExit (0 after SHUTDOWN, 1 after a failure, 2 when
+    the job could not start). ``transport`` defaults to the launcher's world (``open_transport()``);
+    ``precheck``: rank 0's check of its input, run before loading (``launch.precheck``)."""
     cfg = args_or_config if isinstance(args_or_config, EngineConfig) else engine_config_from_args(args_or_config)
     cfg.validate()
     transport, device = open_rank(cfg, transport)
-    started = start(cfg, device, transport)
+    started = start(cfg, device, transport, precheck)
     if transport.rank != 0:
         serve_worker(cfg, transport, started)  # (never returns)
     runner, sched_cfg = rank0_runner(cfg, device, transport, started)

@@ -299,6 +299,15 @@ class ShardExecutor:
             if dropped and self.mtp_layer is not None:
                 self.mtp_layer.accepted(st.key, st.length)
 
+    def rollback(self, slot: int, n: int) -> None:
+        """ROLLBACK: drop the slot's last ``n`` stored tokens (generated ones: a token the scheduler
+        discarded gives its step back) and the tail blocks beyond what the kept length needs."""
+        if self.hybrid is not None:
+            raise ExecutorError(f"ROLLBACK on {self.cfg.model_type}: a model with recurrent state cannot roll back")
+        st = self.seqs.rollback(slot, n)
+        if self.mtp_layer is not None:
+            self.mtp_layer.accepted(st.key, st.length)
+
     # ---- the job ---------------------------------------------------------------------------
     def switch_placement(self, epoch: int, table: np.ndarray) -> int:
         """EPLB_PLACEMENT (docs/eplb.md): hold the experts of ``table`` [layers, slots] from the next

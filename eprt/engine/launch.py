@@ -47,15 +47,16 @@ def open_rank(cfg: EngineConfig, transport=None) -> tuple:
     return transport, device
 
 
-def start(cfg: EngineConfig, device: str, transport) -> Started:
-    """This rank's backend, model and executor (``start_rank``); a worker leaves when any rank could
-    not start (rank 0 names them). What eprt replay needs to rebuild the executor goes into the
-    flight recorder."""
+def start(cfg: EngineConfig, device: str, transport, check=None) -> Started:
+    """This rank's backend, model and executor (``start_rank``), after rank 0's ``check`` of its input
+    (``precheck``); a worker leaves when any rank could not start (rank 0 names them). What eprt
+    replay needs to rebuild the executor goes into the flight recorder."""
     try:
+        precheck(transport, check)
         started = start_rank(cfg, device, transport)
     except StartupFailed:
         if transport.rank != 0:
-            sys.exit(1)  # rank 0 reports every failing rank
+            sys.exit(2)  # rank 0 reports every failing rank, and exits 2 (launchers OR the codes)
         raise
     ops, loaded, executor = started.ops, started.loaded, started.executor
     transport.recorder.meta = {  # what eprt replay needs to rebuild this rank's executor
@@ -87,6 +88,22 @@ def start(cfg: EngineConfig, device: str, transport) -> Started:
         loaded.bytes_read / 1e6,
     )
     return started
+
+
+def precheck(transport, check) -> None:
+    """Rank 0's ``check()`` of what only rank 0 reads (an input file), before any rank loads the
+    model: its ValueError or OSError leaves every rank at once (a world of one: raised as is)."""
+    if check is None:
+        return
+    error = None
+    if transport.rank == 0:
+        try:
+            check()
+        except (ValueError, OSError) as e:
+            if transport.size == 1:
+                raise
+            error = str(e)
+    transport.startup_barrier(error)
 
 
 def serve_worker(cfg: EngineConfig, transport, started: Started) -> NoReturn:

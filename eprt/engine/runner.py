@@ -69,7 +69,8 @@ class ModelRunner:
         self.transport = transport  # eprt.comm.transport.Transport (LocalTransport on one rank)
         self.pools = (DpPools if getattr(executor, "dp", False) else SharedPool)(executor)
         self.kv = Accounts(executor, self.pools, np.random.default_rng(seed), adapters)  # seeds requests with none
-        self.sampler = RowSampler(executor.ops, self.pools) if tokens is None else tokens  # the token source
+        vocab = executor.cfg.vocab_size
+        self.sampler = RowSampler(executor.ops, self.pools, vocab) if tokens is None else tokens  # the token source
         self.drafts = Speculation(executor, self.sampler, drafter)
         # a tick's prefill chunks as one forward (not for hybrid models: a snapshot falls between a
         # chunk's pieces; not for MRoPE models, whose 3-D positions and deepstack rows are per sequence)
@@ -103,6 +104,8 @@ class ModelRunner:
         if plan.accept is not None:
             accepted = tuple(n - 1 for n in plan.accept.kept)
             frames.send(plan.accept, P.Accept(tuple(r.slot for r in plan.accept.rows), accepted))
+        for item in plan.rollbacks:
+            frames.send(item, P.Rollback(item.row.slot, item.n))
         for item in plan.all_releases():
             frames.send(item, P.Release(item.row.slot))
         for group in self._groups(plan.chunks):

@@ -27,6 +27,8 @@ from eprt.engine.sampling import (
     sample_rows,
     token_uniform,
 )
+from eprt.engine.thinking_masks import row_bits, skips_grammar
+from eprt.scheduler import thinking
 from eprt.scheduler.interface import RowFailure
 
 
@@ -41,8 +43,9 @@ class SamplingPlan(NamedTuple):
 
 
 def host_sampled(seq) -> bool:
-    """Whether a row goes to the host sampler: ``needs_host_sampler`` or masked by its grammar."""
-    return needs_host_sampler(seq.params) or seq.model_state.matcher is not None
+    """Whether a row goes to the host sampler: ``needs_host_sampler``, masked by its grammar, or inside a
+    thinking block (its EOS masked, its end forced: eprt/engine/thinking_masks.py)."""
+    return needs_host_sampler(seq.params) or seq.model_state.matcher is not None or thinking.constrained(seq)
 
 
 def needs_host_sampler(params) -> bool:
@@ -51,8 +54,9 @@ def needs_host_sampler(params) -> bool:
 
 
 class RowSampler:
-    def __init__(self, ops, pools):
+    def __init__(self, ops, pools, vocab_size: int):
         self.ops, self.pools = ops, pools  # pools: where a pass's rows come back (eprt/engine/pools.py)
+        self.vocab_size = vocab_size
         self.guides = None  # structured outputs: eprt.engine.structured.GuidedRows (set by the engine)
         self.eos_token_ids: tuple = ()  # min_tokens holds these back (the engine sets the model's)
         self.logprobs_mode = "raw"  # raw | processed (eprt.engine.sampling.LOGPROB_MODES)
@@ -120,7 +124,8 @@ class RowSampler:
             slow = [i for i, s in enumerate(seqs) if host_sampled(s)]
         failed = {i: s.model_state.failure for i, s in enumerate(seqs) if s.model_state.failure is not None}
         guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None and i not in failed]
-        masks = None
+        guided = [i for i in guided if not thinking.constrained(seqs[i])]  # (suspended inside a thinking block)
+        kept = []
         if guided:  # every guided row is host-sampled
             matchers = [seqs[i].model_state.matcher for i in guided]
             allowed = per_row(matchers, self.guides.allowed, "the structured-output grammar")  # bits [W] each
@@ -128,9 +133,12 @@ class RowSampler:
             kept = [(i, a) for i, a in zip(guided, allowed) if not isinstance(a, RowFailure)]
             guided = [i for i, _ in kept]
         slow = [i for i in slow if i not in failed]
-        if guided:
-            at = np.arange(len(guided)) if len(guided) == len(slow) else [slow.index(i) for i in guided]
-            masks = RowMasks(np.asarray(at, dtype=np.int32), np.stack([a for _, a in kept]))
+        bits = row_bits(seqs, kept, self.vocab_size, self.eos_token_ids)  # grammars, thinking blocks
+        masked = [i for i in slow if i in bits]
+        masks = None
+        if masked:
+            at = np.asarray([slow.index(i) for i in masked], dtype=np.int32)
+            masks = RowMasks(at, np.stack([bits[i] for i in masked]))
         uniforms = np.array([token_uniform(seqs[i].model_state.seed, positions[i]) for i in slow])
         return SamplingPlan(guided, masks, slow, uniforms, failed)
 
@@ -149,7 +157,7 @@ class RowSampler:
 
     def _advance_grammars(self, seqs: list, guided: list, tokens: list) -> None:
         """The grammars of rows ``guided`` take their tokens; one that fails fails its row."""
-        rows = [i for i in guided if not isinstance(tokens[i], RowFailure)]
+        rows = [i for i in guided if not isinstance(tokens[i], RowFailure) and not skips_grammar(seqs[i], tokens[i])]
         done = one_by_one(
             rows,
             lambda i: self.guides.advance([seqs[i].model_state.matcher], [tokens[i]]),

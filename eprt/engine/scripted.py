@@ -138,6 +138,8 @@ class ScriptedTokens:
     def token(self, seq, position: int):
         prompt_len, script = self.scripts[seq.seq_id]
         i = position - prompt_len
+        if seq.think is not None:  # a discarded EOS took its entry: the step again answers the next one
+            i += seq.think.discarded
         if i < 0:
             raise ValueError(f"s{seq.seq_id}: asked for a token inside the prompt (position {position})")
         if self.failures.get(seq.seq_id) == i:

@@ -161,6 +161,20 @@ class Sequences:
             self.blocks_of(slot).grow(st.key, st.length + len(new))
             st.tokens.extend(new)
 
+    def rollback(self, slot: int, n: int):
+        """ROLLBACK's accounting: the slot's last ``n`` generated tokens dropped, its tail blocks beyond
+        what the kept length needs given back. Returns the slot's state."""
+        self.slots.settled("ROLLBACK")
+        st = self.slots.held(slot, "ROLLBACK")
+        if not 1 <= n <= st.length - len(st.prompt):
+            raise SlotError(
+                f"ROLLBACK slot {slot}: {n} tokens, but it holds {st.length - len(st.prompt)} generated ones"
+            )
+        del st.tokens[st.length - n :]
+        if self.blocks_of(slot).shrink(st.key, st.length) and self.pools.holds_kv(slot):
+            self.refresh(slot, st.key)
+        return st
+
     def accept(self, slots: list, accepted: list) -> list:
         """ACCEPT's accounting: each row keeps ``accepted[r]`` drafts, its tail blocks beyond what that
         length needs given back. Returns (slot, state, drafts dropped) per row."""

@@ -10,7 +10,8 @@ anything for a later call of the scheduler's: what a step computed is in its res
 
 A ``seq`` argument is the scheduler's ``Sequence``; the model may read ``seq_id``, ``slot``,
 ``token_ids``, ``num_prompt``, ``len``, ``params``, ``adapter``, ``choice``, ``image_embeds``,
-``prompt_ids``, ``output_ids`` and ``prompt_logprobs``, and writes none of it.
+``prompt_ids``, ``output_ids``, ``prompt_logprobs`` and ``think`` (its thinking block:
+``eprt/scheduler/thinking.py``), and writes none of it but ``model_state``, its own.
 
 A row's token in a result may be a ``RowFailure`` in its place: that request alone failed
 (docs/scenarios.md, "One run").

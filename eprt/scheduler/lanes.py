@@ -17,6 +17,7 @@ from eprt.scheduler.step import (
     Compaction,
     Decode,
     Release,
+    Rollback,
     Row,
     StepPlan,
     TickStart,
@@ -160,13 +161,24 @@ def plan_end(sched) -> StepPlan:
     accept, sched._acceptance = sched._acceptance, None
     if accept is not None:
         speculation.close_verify(sched, accept)
+    rollbacks = []
+    for seq in sched._rollbacks:  # (the row's len is back by one: thinking.keep)
+        sched.kv.rollback(seq, 1)
+        rollbacks.append(Rollback(Row(seq, seq.slot, seq.len + 1)))
+    sched._rollbacks = []
     _guards(sched)
     releases = []
     for seq in sorted((s for s in sched._live if s.finished), key=lambda s: s.slot):
         releases.append(Release(row(seq), finish=True, blocks=sched.kv.release(seq, finish=True)))
         sched._live.remove(seq)
         seq.slot = -1
-    return StepPlan(checkpoints=checkpoints, accept=accept, releases=tuple(releases), compactions=_compact(sched))
+    return StepPlan(
+        checkpoints=checkpoints,
+        accept=accept,
+        rollbacks=tuple(rollbacks),
+        releases=tuple(releases),
+        compactions=_compact(sched),
+    )
 
 
 def _guards(sched) -> None:

@@ -14,7 +14,7 @@ import threading
 from collections import deque
 
 from eprt.api import GenerationRequest, RequestError
-from eprt.scheduler import guards, lanes, speculation
+from eprt.scheduler import guards, lanes, speculation, thinking
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig, validate_request
 from eprt.scheduler.inbox import Inbox
@@ -37,6 +37,7 @@ class Scheduler:
         self.tick = 0
         self.free_blocks: int | None = None  # num_free_blocks() as read at the last plan
         self.preemptions = 0
+        self.generated_tokens = 0  # tokens accepted so far, counted as they are generated (any thread reads it)
         self.drafting = speculation.DraftPolicy()  # the verify lane's (when speculation is on)
         self._inbox = Inbox()
         self._waiting: deque[Sequence] = deque()  # drained or preempted, no slot; front first
@@ -49,6 +50,7 @@ class Scheduler:
         self._started = False
         self._checkpoints: list[Sequence] = []  # rows whose decoded token the end of the tick snapshots
         self._acceptance = None  # the verify step the end of the tick closes (step.Acceptance)
+        self._rollbacks: list[Sequence] = []  # rows whose token was discarded: their step's position goes back
         self.is_shut_down = False
 
     # -- client side (any thread) ------------------------------------------------------------
@@ -142,6 +144,7 @@ class Scheduler:
             "queued": len(self._inbox) + len(self._waiting),
             "running": len(self._live),
             "preemptions": self.preemptions,
+            "generation_tokens": self.generated_tokens,
         }
 
     def step(self) -> bool:
@@ -214,8 +217,14 @@ class Scheduler:
             self._finish(seq, ERROR, error=token.reason)
             return
         token = int(token)
+        if seq.think is not None:
+            token = thinking.keep(seq, token, self.config.eos_token_ids)
+            if token is None:  # an EOS inside its block: discarded, its step runs again
+                self._rollbacks.append(seq)
+                return
         self._record(seq, result)
         seq.token_ids.append(token)
+        self.generated_tokens += 1
         if guards.is_stop_token(seq, token, self.config.eos_token_ids):
             self._finish(seq, STOP)
             return
@@ -261,7 +270,7 @@ class Scheduler:
             self._waiting.extend(seq.forks)
             seq.forks = []
         seq.state = SeqState.FINISHED
-        seq.finish_reason, seq.guard, seq.error = reason, guard, error
+        seq.finish_reason, seq.guard, seq.error = reason, guard or seq.guard, error
         if seq.slot < 0:  # holds nothing: tell the client now
             self._notify(seq)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eprt.scheduler import pools
+from eprt.scheduler import pools, thinking
 from eprt.scheduler.step import Acceptance, Proposal, Row, Verification
 
 DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured, and its prior
@@ -290,8 +290,8 @@ def verifiable(params) -> bool:
 
 def plan_verify(sched, rows: list, events: list) -> Verification | None:
     """The step as a verify step when any row has drafts, else None (a decode step). ``events``:
-    as in ``plan_drafts``."""
-    if not all(verifiable(seq.params) for seq in rows):
+    as in ``plan_drafts``. A row inside a thinking block (its token masked) keeps it a decode step."""
+    if not all(verifiable(seq.params) and not thinking.constrained(seq) for seq in rows):
         return None
     drafts = plan_drafts(sched, rows, events)
     if not any(drafts):
@@ -312,7 +312,7 @@ def take_verify(sched, step: Verification, result) -> Acceptance:
         for token in tokens:
             n += 1
             sched._accept(seq, token, result, checkpoint=False)
-            if seq.finished:
+            if seq.finished or thinking.constrained(seq):  # (a block opened: its tokens need masks)
                 break
         kept.append(n)
     return Acceptance(step.rows, tuple(kept))

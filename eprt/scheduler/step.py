@@ -8,8 +8,9 @@ The KV accounting a plan implies (slots taken and freed, blocks, prefix-cache en
 rows) is done while it is planned, through the model's accounting calls (``interface.py``), so
 the plan already holds what that accounting answered (an admission's slot and prefix hit, the
 blocks a release freed); ``execute`` writes the plan's frames and runs its forward passes. A plan
-runs in the order of its fields: checkpoints, the ACCEPT, releases (the room events' preemptions
-and the end of tick's), prefill chunks, the decode or verify step, compactions, the shutdown.
+runs in the order of its fields: checkpoints, the ACCEPT, rollbacks, releases (the end of tick's,
+then the room events' preemptions), prefill chunks, the decode or verify step, compactions, the
+shutdown.
 """
 
 from __future__ import annotations
@@ -128,6 +129,15 @@ class Acceptance:
 
 
 @dataclass(frozen=True)
+class Rollback:
+    """A row whose generated token was discarded (an EOS inside its thinking block): its last ``n``
+    stored tokens go, and its next step stores and computes them again (ROLLBACK)."""
+
+    row: Row
+    n: int = 1
+
+
+@dataclass(frozen=True)
 class FreeBlocks:
     """A read of the free KV blocks while planning (``pool``: the owner rank under dp attention)."""
 
@@ -164,6 +174,7 @@ class StepPlan:
     start: TickStart | None = None
     checkpoints: tuple[Checkpoint, ...] = ()
     accept: Acceptance | None = None
+    rollbacks: tuple[Rollback, ...] = ()
     releases: tuple[Release, ...] = ()
     room: tuple[FreeBlocks | Release, ...] = ()  # the decode lane's reads and preemptions, in order
     chunks: tuple[Chunk, ...] = ()
@@ -179,8 +190,8 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return any(
-            (self.start, self.checkpoints, self.accept, self.releases, self.room, self.chunks, self.drafting)
-        ) or any((self.decode, self.verify, self.compactions, self.shutdown))
+            (self.start, self.checkpoints, self.accept, self.rollbacks, self.releases, self.room, self.chunks)
+        ) or any((self.drafting, self.decode, self.verify, self.compactions, self.shutdown))
 
 
 @dataclass
