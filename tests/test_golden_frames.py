@@ -22,7 +22,9 @@ import pytest
 from eprt.comm import protocol as P
 from eprt.comm.transport import LocalLink, Transport
 from eprt.comm.worker import run_worker
+from eprt.engine.accounting import Accounts
 from eprt.engine.scripted import ScriptedTokens, scripted_runner
+from eprt.engine.sequences import ExecutorError
 from eprt.engine.state_check import state_digests
 from eprt.entry.scenario import load, run
 from eprt.scheduler.trace import SHOWN, frame_lines
@@ -144,3 +146,13 @@ def test_golden_scenario_frames_follow_the_protocol_and_a_worker_mirrors_rank0(p
     assert by_slot(traced) == by_slot(sent)
     dp_rows = [f"rows_per_rank({list(c.counts)})" for c in commands if isinstance(c, P.DecodeDp)]
     assert [line for line in result.lines if line.startswith("rows_per_rank")] == dp_rows
+
+
+def test_a_plan_whose_row_length_drifts_from_the_slot_fails_the_step(monkeypatch):
+    """The slot table is the one record of a sequence's length: the scheduler's ``len`` is its
+    planning view, carried in the plan's rows and checked against the slot when a decode step
+    executes. thinking.toml's discarded EOS with its rollback left out of rank 0's accounting (the
+    scheduler's len went back, the slot's not) fails the next decode step, naming the row."""
+    monkeypatch.setattr(Accounts, "rollback", lambda self, seq, n: None)
+    with pytest.raises(ExecutorError, match=r"slot 0: the plan's row has length 5 but the slot holds 6 tokens"):
+        run(load(str(SCENARIOS / "thinking.toml")))

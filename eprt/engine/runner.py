@@ -111,8 +111,10 @@ class ModelRunner:
         for group in self._groups(plan.chunks):
             self._prefill(group, frames, out)
         if plan.decode is not None:
+            self.executor.seqs.check_lengths(plan.decode.rows)
             out.tokens = self._decode(plan.decode, frames, out)
         if plan.verify is not None:
+            self.executor.seqs.check_lengths(plan.verify.rows)
             out.emitted = self.drafts.verify(plan.verify, frames)
             self.decode_steps += 1
             self.decode_rows += len(plan.verify.rows)

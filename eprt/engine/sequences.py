@@ -161,6 +161,16 @@ class Sequences:
             self.blocks_of(slot).grow(st.key, st.length + len(new))
             st.tokens.extend(new)
 
+    def check_lengths(self, rows) -> None:
+        """Rank 0: each planned row's length (the scheduler's, ``Row.length``) is its slot's, the one
+        record of it: a scheduler that drifts from the slots fails the step naming the row."""
+        for row in rows:
+            st = self.slots.held(row.slot, "a planned row")
+            if st.length != row.length:
+                raise ExecutorError(
+                    f"slot {row.slot}: the plan's row has length {row.length} but the slot holds {st.length} tokens"
+                )
+
     def rollback(self, slot: int, n: int):
         """ROLLBACK's accounting: the slot's last ``n`` generated tokens dropped, its tail blocks beyond
         what the kept length needs given back. Returns the slot's state."""

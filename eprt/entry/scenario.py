@@ -155,28 +155,16 @@ def parse(doc: dict) -> Scenario:
     return Scenario(name, engine, requests)
 
 
+REQUEST_KEYS = frozenset(
+    "id prompt_len prompt script max_tokens mode arrive_at_tick timeout_ticks cancel_at_tick stop_token_ids "
+    "ignore_eos drafts choices adapter fail_at max_thinking_tokens".split()
+)
+
+
 def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
-    known = {
-        "id",
-        "prompt_len",
-        "prompt",
-        "script",
-        "max_tokens",
-        "mode",
-        "arrive_at_tick",
-        "timeout_ticks",
-        "cancel_at_tick",
-        "stop_token_ids",
-        "ignore_eos",
-        "drafts",
-        "choices",
-        "adapter",
-        "fail_at",
-        "max_thinking_tokens",
-    }
     where = f"request {r.get('id', '?')}"
-    if set(r) - known:
-        raise ScenarioError(f"{where}: unknown keys {sorted(set(r) - known)}")
+    if set(r) - REQUEST_KEYS:
+        raise ScenarioError(f"{where}: unknown keys {sorted(set(r) - REQUEST_KEYS)}")
     rid = _take(r, "id", int, None, where)
     if rid is None or rid < 0:
         raise ScenarioError(f"{where}: needs a non-negative integer id")
@@ -211,12 +199,17 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         fail_at=_take(r, "fail_at", int, None, where),
         max_thinking_tokens=_take(r, "max_thinking_tokens", int, None, where),
     )
+    _check_request(spec, engine, where)
+    return spec
+
+
+def _check_request(spec: RequestSpec, engine: EngineSpec, where: str) -> None:
     if spec.drafts is not None and not all(type(t) is int and 0 <= t < engine.vocab_size for t in spec.drafts):
         raise ScenarioError(f"{where}: drafts must be a list of token ids < {engine.vocab_size}")
     for c in spec.choices:
         if not isinstance(c, list) or not c or not all(type(t) is int and 0 <= t < engine.vocab_size for t in c):
             raise ScenarioError(f"{where}: choices must be non-empty scripts of token ids < {engine.vocab_size}")
-    if spec.choices and mode != "blocking":
+    if spec.choices and spec.mode != "blocking":
         raise ScenarioError(f'{where}: a request with choices must be mode = "blocking" (one stream per request)')
     if spec.fail_at is not None and spec.fail_at < 0:
         raise ScenarioError(f"{where}: fail_at must be an output index >= 0, got {spec.fail_at}")
@@ -226,7 +219,6 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         raise ScenarioError(f"{where}: arrive_at_tick must be >= 1")
     if spec.cancel_at_tick is not None and spec.cancel_at_tick < spec.arrive_at_tick:
         raise ScenarioError(f"{where}: cancel_at_tick comes before arrive_at_tick")
-    return spec
 
 
 def load(path: str) -> Scenario:
