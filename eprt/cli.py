@@ -14,8 +14,8 @@ import sys
 COMMANDS = {
     "generate": ("eprt.entry.generate", "generate text for one or more prompts (one batch)"),
     "scenario": ("eprt.entry.scenario", "run a scheduler scenario file and print its trace"),
-    "run": ("eprt.serve.batch", "offline batch generation from a JSONL file"),
-    "serve": ("eprt.serve.server", "OpenAI-compatible HTTP server on rank 0"),
+    "run": ("eprt.entry.run", "offline batch generation from a JSONL file"),
+    "serve": ("eprt.entry.serve", "OpenAI-compatible HTTP server on rank 0"),
     "replay": ("eprt.entry.replay", "rerun one rank's recorded command stream on one CPU and find where it diverges"),
     "stats": ("eprt.entry.stats", "expert-load statistics of eprt run --stats-out, optionally plotted"),
     "env": ("eprt.entry.envcmd", "list the EPRT_ environment variables"),
