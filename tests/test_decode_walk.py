@@ -55,8 +55,8 @@ def test_a_decode_step_walks_at_most_nine_files_and_docs_design_lists_them(monke
             seen.update(planning)
         return plan
 
-    def run(self, plan, inner=Scheduler._run):
-        inner(self, plan)
+    def update(self, plan, result, inner=Scheduler.update):
+        inner(self, plan, result)
         decoding["on"] = False
 
     spy(lanes, "_make_room", planning)
@@ -64,7 +64,7 @@ def test_a_decode_step_walks_at_most_nine_files_and_docs_design_lists_them(monke
     spy(RowSampler, "greedy", seen)
     spy(Scheduler, "_accept", seen)
     monkeypatch.setattr(lanes, "plan_decode", plan_decode)
-    monkeypatch.setattr(Scheduler, "_run", run)
+    monkeypatch.setattr(Scheduler, "update", update)
     with launch_engine(EngineConfig(device="cpu", max_batch=2)) as engine:
         engine.generate([GenerationRequest([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))] * 2)
     walk = seen | {COMBINE}

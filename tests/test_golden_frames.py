@@ -14,6 +14,7 @@ the arithmetic and the draws: eprt/engine/scripted.py), its frames checked again
   the stream sends them ahead of the run): the goldens' frame lines are the real frame writer's.
 """
 
+import dataclasses
 import pathlib
 
 import numpy as np
@@ -27,6 +28,8 @@ from eprt.engine.scripted import ScriptedTokens, scripted_runner
 from eprt.engine.sequences import ExecutorError
 from eprt.engine.state_check import state_digests
 from eprt.entry.scenario import load, run
+from eprt.scheduler.scheduler import Scheduler
+from eprt.scheduler.step import StepPlan, StepResult
 from eprt.scheduler.trace import SHOWN, frame_lines
 
 SCENARIOS = pathlib.Path(__file__).parent / "scenarios"
@@ -156,3 +159,27 @@ def test_a_plan_whose_row_length_drifts_from_the_slot_fails_the_step(monkeypatch
     monkeypatch.setattr(Accounts, "rollback", lambda self, seq, n: None)
     with pytest.raises(ExecutorError, match=r"slot 0: the plan's row has length 5 but the slot holds 6 tokens"):
         run(load(str(SCENARIOS / "thinking.toml")))
+
+
+def test_the_seed_scenario_driven_by_schedule_execute_update(monkeypatch):
+    """A tick driven from outside as vLLM v1's loop: ``plan = schedule()`` (frozen data),
+    ``result = model.execute(plan)``, ``update(plan, result)``; the seed trace comes out unchanged,
+    and ``update`` refuses a plan ``schedule`` did not return."""
+    plans = []
+
+    def step(sched):
+        if sched.is_shut_down:
+            return False
+        while (plan := sched.schedule()) is not None:
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                plan.decode = None
+            with pytest.raises(RuntimeError, match="the plan schedule"):
+                sched.update(StepPlan(), StepResult())
+            plans.append(plan)
+            sched.update(plan, sched.model.execute(plan))
+        return not sched.is_shut_down and (sched.in_flight() or sched._inbox.closed)
+
+    monkeypatch.setattr(Scheduler, "step", step)
+    path = SCENARIOS / "request_timeout.toml"
+    assert run(load(str(path))).trace == path.with_suffix(".trace").read_text()
+    assert plans[-1].shutdown and any(p.decode is not None for p in plans)

@@ -2,7 +2,8 @@
 
 Each tick is planned and run as steps (``step.py``): the tick's plan and prefill lane, its decode
 lane, its end; each step is planned here and in ``lanes.py`` (through the model's accounting
-calls), executed by the model and taken back here (``_take``). The semantics (admission,
+calls: ``schedule() -> StepPlan``), executed by the model (``execute(plan) -> StepResult``) and
+taken back here (``update(plan, result)``). The semantics (admission,
 preemption, chunked prefill, guards, the client API) are in docs/scenarios.md.
 """
 
@@ -52,6 +53,8 @@ class Scheduler:
         self._acceptance = None  # the verify step the end of the tick closes (step.Acceptance)
         self._rollbacks: list[Sequence] = []  # rows whose token was discarded: their step's position goes back
         self.is_shut_down = False
+        self._tick_plans = None  # the plans of the tick under way (a generator: each planned when asked)
+        self._planned: StepPlan | None = None  # the plan schedule() returned, until update takes it
 
     # -- client side (any thread) ------------------------------------------------------------
     def submit(
@@ -148,23 +151,48 @@ class Scheduler:
         }
 
     def step(self) -> bool:
-        """One tick. True while more ticks are needed (requests in flight, or the inbox
-        closed and the shutdown sequence still to run); False when idle or shut down."""
+        """One tick: each of its steps planned (``schedule``), executed by the model, its result taken
+        (``update``). True while more ticks are needed (requests in flight, or the inbox closed and the
+        shutdown sequence still to run); False when idle or shut down."""
         if self.is_shut_down:
             return False
-        self.tick += 1
+        try:
+            while (plan := self.schedule()) is not None:
+                self.update(plan, self.model.execute(plan))
+        except BaseException:  # (the engine fails its requests): the tick is abandoned, not resumed
+            self._tick_plans = self._planned = None
+            raise
+        return not self.is_shut_down and (self.in_flight() or self._inbox.closed)
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, of the tick under way or of a new one: the tick's start and its
+        prefill lane, its decode lane (a decode or a verify step) when it has rows, its end (the
+        shutdown instead, once the inbox is closed and nothing is in flight). None once the tick's
+        last step was taken (the next call starts a tick) or after the shutdown. Each plan goes to
+        the model's ``execute`` and its result to ``update`` before the next is asked for."""
+        if self._tick_plans is None:
+            if self.is_shut_down:
+                return None
+            self.tick += 1
+            self._tick_plans = self._plans()
+        self._planned = next(self._tick_plans, None)
+        if self._planned is None:
+            self._tick_plans = None
+        return self._planned
+
+    def _plans(self):
+        """The tick's plans, each planned once the one before was taken."""
         start = self._drain()
         self.free_blocks = start.free_blocks
         if self._inbox.closed and not self.in_flight():
-            self._run(StepPlan(start=start, shutdown=True))
             self.is_shut_down = True
-            return False
-        self._run(lanes.plan_prefill(self, start))
+            yield StepPlan(start=start, shutdown=True)
+            return
+        yield lanes.plan_prefill(self, start)
         decode = lanes.plan_decode(self)
         if decode:
-            self._run(decode)
-        self._run(lanes.plan_end(self))
-        return self.in_flight() or self._inbox.closed
+            yield decode
+        yield lanes.plan_end(self)
 
     def _drain(self) -> TickStart:
         """The tick's plan: drain what the inbox has room for (forks to come count), then read the free blocks."""
@@ -177,9 +205,12 @@ class Scheduler:
         adapters = tuple(s.adapter for s in drained)
         return TickStart(self.tick, adapters, self.kv.num_free_blocks(), startup, record)
 
-    def _run(self, plan: StepPlan) -> None:
-        """Execute a planned step, trace it, take its result."""
-        result = self.model.execute(plan)
+    def update(self, plan: StepPlan, result: StepResult) -> None:
+        """Take an executed step's result: its trace lines (the trace writer, from the plan and the
+        result), then its tokens, logprobs, accepted drafts and row failures."""
+        if plan is not self._planned:
+            raise RuntimeError("Scheduler.update takes the plan schedule() returned last, once")
+        self._planned = None
         if self.tracer is not None:
             self.tracer.write(plan, result)
         self._take(plan, result)
