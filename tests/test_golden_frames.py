@@ -14,6 +14,7 @@ the arithmetic and the draws: eprt/engine/scripted.py), its frames checked again
   the stream sends them ahead of the run): the goldens' frame lines are the real frame writer's.
 """
 
+import copy
 import dataclasses
 import pathlib
 
@@ -24,6 +25,7 @@ from eprt.comm import protocol as P
 from eprt.comm.transport import LocalLink, Transport
 from eprt.comm.worker import run_worker
 from eprt.engine.accounting import Accounts
+from eprt.engine.runner import ModelRunner
 from eprt.engine.scripted import ScriptedTokens, scripted_runner
 from eprt.engine.sequences import ExecutorError
 from eprt.engine.state_check import state_digests
@@ -183,3 +185,41 @@ def test_the_seed_scenario_driven_by_schedule_execute_update(monkeypatch):
     path = SCENARIOS / "request_timeout.toml"
     assert run(load(str(path))).trace == path.with_suffix(".trace").read_text()
     assert plans[-1].shutdown and any(p.decode is not None for p in plans)
+
+
+COUNTERS = {  # statistics read by the engine's stats, never by the scheduler's plans
+    "prompt_tokens_computed", "prefill_passes", "decode_steps", "decode_rows", "accepted_tokens",
+    "proposed_tokens", "verify_steps", "verify_rows",
+}  # fmt: skip
+
+
+def _kept(obj) -> dict:
+    """What ``obj`` holds: plain values and containers by value, other objects by identity."""
+    out = {}
+    for k, v in vars(obj).items():
+        if k in COUNTERS:
+            continue
+        plain = v is None or isinstance(v, (bool, int, float, str, bytes, tuple))
+        out[k] = v if plain else copy.copy(v) if isinstance(v, (list, dict, set)) else id(v)
+    return out
+
+
+@pytest.mark.parametrize("name", ["speculative", "thinking", "lora_adapters", "dp_preemption", "fork_choices"])
+def test_no_runner_method_keeps_state_for_a_later_scheduler_call(monkeypatch, name):
+    """A step's tokens, logprobs, frames and failures are in its StepResult: executing a plan leaves
+    the runner and its parts (the token source, speculation, the accounting, the pools) holding what
+    they held, but for their statistics counters."""
+    inner, checked = ModelRunner.execute, []
+
+    def execute(runner, plan):
+        parts = [runner, runner.sampler, runner.drafts, runner.kv, runner.pools]
+        before = [_kept(p) for p in parts]
+        result = inner(runner, plan)
+        assert [_kept(p) for p in parts] == before
+        checked.append(plan)
+        return result
+
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    path = SCENARIOS / f"{name}.toml"
+    assert run(load(str(path))).trace == path.with_suffix(".trace").read_text()
+    assert any(p.decode is not None or p.verify is not None for p in checked)
