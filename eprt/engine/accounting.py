@@ -121,8 +121,11 @@ class Accounts:
         return Admission(slot, cached, owner, AdmissionNote(hidden, frames))
 
     def plan_chunk(self, seq, start: int, n: int) -> tuple:
-        """The chunk's pieces: split where a hybrid model snapshots its state (the rows taken now)."""
+        """The chunk's blocks (a sliding window's taken now, in stream order: a fork after the prompt's
+        last chunk copies them) and its pieces: split where a hybrid model snapshots its state (the
+        rows taken now)."""
         end, piece, out = start + n, start, []
+        self.executor.seqs.grow(seq.slot, self.executor.slots.get(seq.slot), end, start)
         points = self.state_of(seq).checkpoints
         for stop in sorted({p for p in points if start < p <= end} | {end}):
             snapshot, row = None, -1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from eprt.cache.owners import OwnerPools
 from eprt.engine.block_pools import OwnerBlocks
-from eprt.engine.executor import ShardExecutor
+from eprt.engine.executor import ShardExecutor, window_spec
 from eprt.engine.passes import DpOutput, DpPasses
 from eprt.model.moe_model import MoEModel
 
@@ -26,9 +26,10 @@ def dp_executor(
     prefix_cache: bool = True,
     image_token_id: int | None = None,
     lora=None,
+    prefill_tokens: int = 0,
 ) -> ShardExecutor:
     """The executor of this rank (``exchange.transport.rank``) with one KV pool per rank of the world,
-    of ``pool_sizes`` blocks each."""
+    of ``pool_sizes`` blocks each; ``prefill_tokens``: the largest prefill chunk (``window_spec``)."""
     if model.cfg.is_hybrid:
         raise ValueError(
             f"--attention dp does not serve {model.cfg.model_type} (recurrent state per owner is not built); "
@@ -37,7 +38,8 @@ def dp_executor(
     rank, size = exchange.transport.rank, exchange.transport.size
     if len(pool_sizes) != size:
         raise ValueError(f"{len(pool_sizes)} pool sizes for a world of {size} ranks")
-    pools = OwnerBlocks(OwnerPools(pool_sizes, block_size, prefix_cache), rank, max_slots)
+    window = window_spec(model.cfg, prefill_tokens)
+    pools = OwnerBlocks(OwnerPools(pool_sizes, block_size, prefix_cache, window=window), rank, max_slots)
     executor = ShardExecutor(
         model,
         pool_sizes[rank],
@@ -46,6 +48,7 @@ def dp_executor(
         prefix_cache,
         image_token_id,
         lora=lora,
+        prefill_tokens=prefill_tokens,
         pools=pools,
         passes=lambda ex: DpPasses(ex, exchange),
     )

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from eprt.cache.block_manager import BlockManager
-from eprt.comm.protocol import Prefill
+from eprt.cache.window import WindowSpec
+from eprt.comm.protocol import MAX_DRAFTS, Prefill
 from eprt.comm.slots import SlotError
 from eprt.engine.block_pools import SharedBlocks
 from eprt.engine.mtp import MtpLayer
@@ -38,7 +39,7 @@ from eprt.model.mrope import vision_row_width
 from eprt.model.placement import switch_model_placement
 from eprt.model.recurrent_state import RecurrentState
 
-__all__ = ["ExecutorError", "PrefillChunk", "ShardExecutor", "prefix_tokens", "vision_salt"]
+__all__ = ["ExecutorError", "PrefillChunk", "ShardExecutor", "prefix_tokens", "vision_salt", "window_spec"]
 
 log = logging.getLogger("eprt.engine")
 
@@ -52,6 +53,15 @@ class PrefillChunk:
     chunk_start: int
     chunk_len: int
     vision_rows: np.ndarray | None = None  # float32 [rows, D] of the prompt's image placeholders
+
+
+def window_spec(cfg, prefill_tokens: int) -> WindowSpec | None:
+    """The sliding layers' window for the block manager (None without sliding-window layers): a
+    prefill chunk is at most ``prefill_tokens`` positions (0: a whole prompt), a decode or verify
+    row 1 + MAX_DRAFTS."""
+    if not cfg.windowed_kv:
+        return None
+    return WindowSpec(cfg.sliding_window, prefill_tokens=prefill_tokens, decode_tokens=1 + MAX_DRAFTS)
 
 
 def _snapshot_rows(model, num_blocks: int, block_size: int, max_slots: int, wanted, paid: bool) -> tuple:
@@ -92,22 +102,27 @@ class ShardExecutor:
         lora=None,
         snapshot_pool: bool = True,
         *,
+        prefill_tokens: int = 0,
         pools=None,
         passes=None,
     ):
         """``snapshot_rows``: a hybrid model's recurrent-state snapshots (default: one per slot), paid
         for in KV blocks within 1/SNAPSHOT_POOL_SHARE of the pool, or, without ``snapshot_pool``,
-        exactly that many beside the ``num_blocks`` blocks. ``pools``: where sequences' blocks live
-        (default: one pool of ``num_blocks``, ``block_pools.SharedBlocks``); ``passes(executor)``: the
-        forward passes (default: replicated attention's)."""
+        exactly that many beside the ``num_blocks`` blocks. ``prefill_tokens``: the largest prefill
+        chunk (0: whole prompts), what a sliding window reserves (``window_spec``). ``pools``: where
+        sequences' blocks live (default: one pool of ``num_blocks``, ``block_pools.SharedBlocks``);
+        ``passes(executor)``: the forward passes (default: replicated attention's)."""
         self.model, self.ops, self.cfg = model, model.ops, model.cfg
         self.pool_blocks, self.block_size = num_blocks, block_size  # as given: KV blocks plus what snapshots take
         rows, reserved = 0, 0
         if model.cfg.is_hybrid and prefix_cache and pools is None:
             rows, reserved = _snapshot_rows(model, num_blocks, block_size, max_slots, snapshot_rows, snapshot_pool)
             prefix_cache = bool(rows)
+        self.window = window_spec(model.cfg, prefill_tokens)
         if pools is None:
-            pools = SharedBlocks(BlockManager(num_blocks - reserved, block_size, prefix_cache=prefix_cache))
+            pools = SharedBlocks(
+                BlockManager(num_blocks - reserved, block_size, prefix_cache=prefix_cache, window=self.window)
+            )
         self.dp = pools.dp
         self.seqs = Sequences(max_slots, block_size, pools)
         self.slots, self.blocks = self.seqs.slots, pools.blocks  # the slot table; this rank's own pool
@@ -142,6 +157,7 @@ class ShardExecutor:
         the whole prompt of a request asking for prompt logprobs). ``salt``: ``vision_salt(vision_rows)``."""
         salt = vision_salt(vision_rows) if salt is None else salt
         st, cached = self.seqs.allocate(slot, tokens, adapter, vision_rows, salt, max_hit)
+        self._copy_blocks(slot, self.seqs.window_copies(slot))  # a hit's window: cached KV copied now
         self.vision.allocated(st.key, tokens, vision_rows)
         if self.hybrid is not None:  # its state starts with its first prefill pass
             self.hybrid.allocated(slot, st, cached)
@@ -173,20 +189,26 @@ class ShardExecutor:
             raise SlotError(f"FORK slot {slot}: prefill incomplete ({st.length} of {len(st.prompt)} prompt tokens)")
         self.fork_data(slot, new_slot, self.fork_slots(slot, new_slot, st.length))
 
-    def fork_slots(self, slot: int, new_slot: int, length: int) -> tuple[int, int] | None:
-        """FORK's accounting (``Sequences.fork``; rank 0 runs it while planning): (source, copy) blocks."""
+    def fork_slots(self, slot: int, new_slot: int, length: int) -> list:
+        """FORK's accounting (``Sequences.fork``; rank 0 runs it while planning): the (source, copy)
+        blocks whose KV ``fork_data`` copies."""
         return self.seqs.fork(slot, new_slot, length)
 
-    def fork_data(self, slot: int, new_slot: int, copy: tuple[int, int] | None) -> None:
-        """FORK's data, once the parent's pass has run: the partial block's KV, the MTP layer's held
-        rows and a hybrid model's recurrent state, copied to the fork."""
-        if copy is not None and self.seqs.pools.holds_kv(slot):
-            self.kv.copy_block(*copy)
+    def fork_data(self, slot: int, new_slot: int, copies: list) -> None:
+        """FORK's data, once the parent's pass has run: the partial block's KV (and with windowed KV
+        its window's), the MTP layer's held rows and a hybrid model's recurrent state, copied."""
+        self._copy_blocks(slot, copies)
         parent, child = self.slots.held(slot, "FORK"), self.slots.held(new_slot, "FORK")
         if self.mtp_layer is not None:
             self.mtp_layer.forked(parent.key, child.key)
         if self.hybrid is not None:  # a hybrid model: the recurrent state at the prompt's end, copied
             self.state.move(slot, new_slot)
+
+    def _copy_blocks(self, slot: int, copies: list) -> None:
+        """The KV block copies (source, destination) of the slot's sequence, where this rank holds its KV."""
+        if copies and self.seqs.pools.holds_kv(slot):
+            for src, dst in copies:
+                self.kv.copy_block(src, dst)
 
     def compact(self, slot: int, new_slot: int) -> None:
         self.seqs.move(slot, new_slot)

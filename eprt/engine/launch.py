@@ -21,7 +21,7 @@ from eprt.engine.adapter_slots import LoraAdapters
 from eprt.engine.adapters import AdapterRegistry
 from eprt.engine.config import EngineConfig
 from eprt.engine.runner import ModelRunner
-from eprt.engine.startup import Started, start_rank
+from eprt.engine.startup import Started, prefill_budget, start_rank
 from eprt.engine.structured import GrammarCompiler, GuidedRows
 from eprt.ops.device import bind_local_gpu, device_choice
 from eprt.scheduler.config import SchedulerConfig
@@ -70,6 +70,7 @@ def start(cfg: EngineConfig, device: str, transport, check=None) -> Started:
         "vocab_size": loaded.config.vocab_size,
         "rope_len": loaded.model.max_len,
         "mtp": executor.mtp,  # the MTP layer (VERIFY_MTP) is loaded
+        "prefill_tokens": prefill_budget(cfg, ops.name, loaded.config),  # bounds what a windowed-KV sequence reserves
     }
     log.info(
         "rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, KV %d bytes/token (%s), "
@@ -150,7 +151,7 @@ def rank0_runner(cfg: EngineConfig, device: str, transport, started: Started) ->
         vocab_size=model_cfg.vocab_size,
         eos_token_ids=eos,
         max_batch=cfg.max_batch,
-        max_prefill_tokens=cfg.prefill_tokens(device),
+        max_prefill_tokens=prefill_budget(cfg, device, model_cfg),
         block_size=cfg.block_size,
         max_model_len=started.max_model_len,
         num_speculative_tokens=0 if spec is None else spec.num_tokens,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eprt.engine.sequences import ExecutorError
+from eprt.engine.window_tables import prefill_window
 from eprt.model.moe_model import AttnBatch, PrefillPart
 
 
@@ -65,6 +66,7 @@ class Passes:
             slot_mapping=np.concatenate(maps),
             state_slots=np.asarray(named, dtype=np.int32),
             parts=tuple(parts),
+            window=prefill_window(ex.blocks.window, ex.kv, [st.key for st, _ in accounted], parts),
         )
         ex.adapters.rows([st.adapter for st, new in accounted for _ in new])  # each token's adapter
         h = self._prefill_forward(ids, batch, rows, masks, chunks[0], accounted[0][0])  # [T, D]
@@ -117,6 +119,8 @@ class Passes:
             context_lens=positions + 1,
             state_slots=np.asarray(slots, dtype=np.int32),
         )
+        if ex.seqs.wtables is not None:  # the sliding layers' tables (windowed KV)
+            batch.window = ex.seqs.wtables.decode(batch, slots, lengths, bs)
         ids = np.asarray(tokens, dtype=np.int32)
         ex.adapters.rows([st.adapter for st in states])
         for st, tok in zip(states, tokens):  # the token's KV is stored by the forward pass
@@ -158,15 +162,23 @@ class Passes:
         return self.output(h)
 
     def _verify_batch(self, slots: list, counts: np.ndarray, lengths: np.ndarray) -> AttnBatch:
-        """A verify pass's positions as decode rows; one sequence's as a causal chunk at its end."""
-        bs = self.ex.block_size
+        """A verify pass's positions as decode rows (with windowed KV, the sliding layers' too)."""
+        seqs = self.ex.seqs
         rows = np.repeat(np.arange(len(slots)), counts + 1)  # [N] the batch row of each position
         starts = np.cumsum(counts + 1) - counts - 1  # [B] where each row's positions begin
         positions = lengths[rows] + np.arange(len(rows)) - starts[rows]  # [N]
-        block_tables = self.ex.seqs.table_rows(slots, rows)
-        slot_mapping = block_tables[np.arange(len(rows)), positions // bs] * bs + (positions % bs).astype(np.int32)
-        if len(slots) == 1:  # one sequence: a causal chunk at its end, its KV gathered once (a prefill's pass)
-            table = self.ex.seqs.table_rows(slots, [0])[0]
+        batch = self._verify_rows(seqs.table_rows(slots, rows), positions, lengths, counts)
+        if seqs.wtables is not None:
+            batch.window = self._verify_rows(seqs.window_rows(slots, rows), positions, lengths, counts)
+        return batch
+
+    def _verify_rows(self, block_tables, positions, lengths, counts) -> AttnBatch:
+        """A verify batch over ``block_tables`` [N, MB] (a row per position; the one sequence's as a
+        causal chunk at its end)."""
+        bs = self.ex.block_size
+        slot_mapping = block_tables[np.arange(len(positions)), positions // bs] * bs + (positions % bs).astype(np.int32)
+        if len(counts) == 1:  # one sequence: a causal chunk at its end, its KV gathered once (a prefill's pass)
+            table = block_tables[0]
             return AttnBatch(positions.astype(np.int32), slot_mapping, block_table=table, start_pos=int(lengths[0]))
         return AttnBatch(
             positions=positions.astype(np.int32),

@@ -2,8 +2,9 @@
 slot's prompt and stored tokens, the one record on this rank of a sequence's length and tokens),
 the pool holding each sequence's blocks (``block_pools.py``), its prefix-cache salt, and the
 block-table rows the passes read (a cache of the block manager's tables, refreshed where a row
-changed hands or needs a new block). Every command's accounting goes through here, on rank 0
-while the step is planned and on a worker when the command arrives (docs/design.md, "One step").
+changed hands, needs a new block or its sliding window moved on: ``window_tables.py``). Every
+command's accounting goes through here, on rank 0 while the step is planned and on a worker when
+the command arrives (docs/design.md, "One step").
 B rows, MB blocks per row.
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 from eprt.api import JobFailure
 from eprt.cache.block_manager import BlockManager
 from eprt.comm.slots import SlotError, SlotTable
+from eprt.engine.window_tables import WindowTables
 
 
 class ExecutorError(JobFailure):
@@ -47,10 +49,12 @@ class Sequences:
         self._tables = np.zeros((max_slots, 8), dtype=np.int32)  # [slots, MB] block table of each slot
         self._table_key = np.full(max_slots, -1, dtype=np.int64)  # block-manager key each row was built for
         self._table_len = np.zeros(max_slots, dtype=np.int64)  # blocks in each row
+        self.wtables = None if pools.blocks.window is None else WindowTables(max_slots)  # windowed KV's rows
 
     # ---- occupancy ---------------------------------------------------------------------------
     def allocate(self, slot: int, tokens, adapter: int, vision_rows, salt: bytes, max_hit: int | None):
-        """Occupy the empty ``slot`` with a prompt, reserving its blocks; (its state, the prefix-cache hit)."""
+        """Occupy the empty ``slot`` with a prompt, reserving its blocks; (its state, the prefix-cache hit).
+        With windowed KV, a hit's window blocks are copies of cached ones (``window_copies``)."""
         if self.slots.get(slot) is not None:
             raise SlotError(f"slot {slot} is already occupied")
         key = self.slots.next_key
@@ -62,6 +66,12 @@ class Sequences:
 
     def blocks_of(self, slot: int) -> BlockManager:
         return self.pools.of(slot)
+
+    def window_copies(self, slot: int) -> list:
+        """The (source, destination) KV block copies the slot's pool's window asked for since the last
+        call (a prefix hit's or a fork's window blocks; none without windowed KV)."""
+        window = self.blocks_of(slot).window
+        return [] if window is None else window.pop_copies()
 
     def cache(self, slot: int, upto: int | None = None) -> None:
         """Offer the slot's full blocks among its first ``upto`` stored tokens to the prefix cache."""
@@ -76,10 +86,11 @@ class Sequences:
         self.pools.freed(slot)
         return key, blocks.free(key)
 
-    def fork(self, slot: int, new_slot: int, length: int) -> tuple[int, int] | None:
+    def fork(self, slot: int, new_slot: int, length: int) -> list:
         """FORK's accounting: ``new_slot`` holds the first ``length`` tokens of the sequence in ``slot``
         (its prompt, which rank 0 forks while planning, before the prompt's last pass has run), its
-        full blocks shared and one new block. Returns the (source, copy) blocks whose KV is copied."""
+        full blocks shared and one new block (with windowed KV, copies of its window's blocks).
+        Returns the (source, copy) blocks whose KV is copied once the parent's pass has run."""
         st = self.slots.held(slot, "FORK")
         if self.slots.get(new_slot) is not None:
             raise SlotError(f"FORK slot {slot} -> {new_slot}: target slot is occupied")
@@ -89,7 +100,7 @@ class Sequences:
         child.tokens.extend(prefix_tokens(st, length))
         self.salts[key] = self.salts[st.key]
         self.pools.forked(slot, new_slot)
-        return copy
+        return ([] if copy is None else [copy]) + self.window_copies(slot)
 
     def can_fork(self, slot: int) -> bool:
         """Whether FORK of ``slot`` can run now: a free slot and a free block in its pool."""
@@ -105,6 +116,11 @@ class Sequences:
         return blocks.chain_hashes(prefix_tokens(st, length), st.adapter, self.salts[st.key])[-1]
 
     # ---- a step's rows -----------------------------------------------------------------------
+    def grow(self, slot: int, st, new_len: int, first: int) -> bool:
+        """Room in the slot's pool for ``new_len`` tokens of ``st``, for a step whose first query is at
+        ``first`` (which moves a sliding window on; BlockManager.grow); True when a table changed."""
+        return self.blocks_of(slot).grow(st.key, new_len, first=first)
+
     def chunk(self, c, allocate) -> tuple:
         """A prefill chunk's accounting: its slot's first chunk on a worker allocates as rank 0 did
         (``allocate(chunk, adapter)`` gives the hit, which must be the chunk's start), then the chunk
@@ -119,18 +135,23 @@ class Sequences:
                 )
         st = self.slots.check_chunk(c.slot, tokens, c.chunk_start, c.chunk_len)
         end = c.chunk_start + c.chunk_len
-        self.blocks_of(c.slot).grow(st.key, end)
+        self.grow(c.slot, st, end, c.chunk_start)  # (on rank 0: done while planning, Accounts.plan_chunk)
         return st, tokens[c.chunk_start : end]
 
     def tables(self, slots: list, states: list, need: np.ndarray) -> np.ndarray:
         """Block tables [B, MB] (zero-padded) of rows ``slots`` whose KV this rank holds, with room
         for ``need[r]`` blocks each: a row goes back to the block manager (and grows) only where its
-        slot changed hands or it needs a new block."""
+        slot changed hands, it needs a new block or its window moves on (the step's first query at
+        each row's length)."""
         rows = np.asarray(slots, dtype=np.int64)  # [B]
         keys = np.fromiter((st.key for st in states), dtype=np.int64, count=len(states))
-        for r in np.flatnonzero((self._table_key[rows] != keys) | (self._table_len[rows] < need)):
+        lengths = np.fromiter((st.length for st in states), dtype=np.int64, count=len(states))
+        stale = (self._table_key[rows] != keys) | (self._table_len[rows] < need)
+        if self.wtables is not None:
+            stale |= self.wtables.moved(self.pools.blocks.window, rows, lengths)
+        for r in np.flatnonzero(stale):
             st = states[r]
-            self.blocks_of(int(rows[r])).grow(st.key, int(need[r] - 1) * self.block_size)
+            self.grow(int(rows[r]), st, int(need[r] - 1) * self.block_size, st.length)
             self._store_table(int(rows[r]), st.key)
         return self._tables[rows, : int(self._table_len[rows].max())]
 
@@ -138,6 +159,10 @@ class Sequences:
         """The cached block tables of ``slots[pick]`` (each row's index into ``slots``), as wide as the
         widest of ``slots``'. [len(pick), MB]"""
         return self._tables[np.asarray(slots, dtype=np.int64)[pick], : int(self._table_len[slots].max())]
+
+    def window_rows(self, slots: list, pick) -> np.ndarray:
+        """``table_rows``' windowed-KV counterpart: the sliding layers' tables of ``slots[pick]``."""
+        return self.wtables.rows(np.asarray(slots, dtype=np.int64)[pick], int(self._table_len[slots].max()))
 
     def refresh(self, slot: int, key: int) -> None:
         """The slot's row after its block table shrank (an ACCEPT's rollback)."""
@@ -153,12 +178,14 @@ class Sequences:
         self._tables[slot, : len(table)] = table
         self._tables[slot, len(table) :] = 0
         self._table_key[slot], self._table_len[slot] = key, len(table)
+        if self.wtables is not None:
+            self.wtables.store(slot, self.blocks_of(slot).window, key)
 
     def mirror(self, states: list, slots: list, appended: list) -> None:
         """Rows whose KV another rank holds (dp attention), as on their owner: each row's ``appended``
         tokens stored and its blocks grown to hold them in its owner's pool."""
         for st, slot, new in zip(states, slots, appended):
-            self.blocks_of(slot).grow(st.key, st.length + len(new))
+            self.grow(slot, st, st.length + len(new), st.length)
             st.tokens.extend(new)
 
     def check_lengths(self, rows) -> None:

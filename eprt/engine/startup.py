@@ -13,13 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from eprt import env
+from eprt.cache.window import WindowSpec
 from eprt.comm.device_combine import choose_combine
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
 from eprt.engine.dp_executor import dp_executor
 from eprt.engine.eplb import check_same_placement, count_nodes, initial_placement
-from eprt.engine.executor import ShardExecutor
+from eprt.engine.executor import ShardExecutor, window_spec
+from eprt.engine.runner import PREFILL_GROUP_TOKENS
 from eprt.model.kv_cache import KVCache
 from eprt.model.loader import LoadedModel, load_model
 from eprt.model.lora import LoraSlots
@@ -93,25 +95,31 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
         step(lambda: check_dp_features(cfg, loaded.config))
     if agreed < blocks and not dp:
         log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)", rank, agreed, blocks)
-    max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed))
-    executor = step(lambda: _executor(cfg, ops, loaded, transport, every if dp else agreed))
+    prefill_tokens = prefill_budget(cfg, device, loaded.config)
+    window = window_spec(loaded.config, prefill_tokens)
+    max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed, window))
+    executor = step(lambda: _executor(cfg, ops, loaded, transport, every if dp else agreed, prefill_tokens))
     log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
     if executor.lora is not None:  # every rank reads its share of each adapter once, so a bad one fails here
         step(lambda: [executor.lora.read(path) for _, path in cfg.lora_modules])
     return Started(ops, loaded, executor, max_model_len, nodes)
 
 
-def _executor(cfg: EngineConfig, ops, loaded: LoadedModel, transport: Transport, blocks) -> ShardExecutor:
+def _executor(
+    cfg: EngineConfig, ops, loaded: LoadedModel, transport: Transport, blocks, prefill_tokens: int
+) -> ShardExecutor:
     """This rank's executor: ``blocks``, every rank's pool sizes under dp attention (each sequence's
-    KV lives on its owner only), else the one pool size every rank agreed on."""
+    KV lives on its owner only), else the one pool size every rank agreed on; ``prefill_tokens``:
+    the largest prefill chunk (what a windowed-KV sequence reserves)."""
     lora = _lora_slots(cfg, ops, loaded)
+    model, bs, slots = loaded.model, cfg.block_size, cfg.max_batch
     if isinstance(blocks, list):
         exchange = DpExchange(transport, ops.xp)
         return dp_executor(
-            loaded.model, blocks, cfg.block_size, cfg.max_batch, exchange, cfg.prefix_cache, cfg.image_token_id, lora
+            model, blocks, bs, slots, exchange, cfg.prefix_cache, cfg.image_token_id, lora, prefill_tokens
         )
     return ShardExecutor(
-        loaded.model, blocks, cfg.block_size, cfg.max_batch, cfg.prefix_cache, cfg.image_token_id, lora=lora
+        model, blocks, bs, slots, cfg.prefix_cache, cfg.image_token_id, lora=lora, prefill_tokens=prefill_tokens
     )
 
 
@@ -201,12 +209,25 @@ def _combine(transport: Transport, ops: Ops):
     return choose_combine(transport, ops, env.COMBINE.get())
 
 
+def prefill_budget(cfg: EngineConfig, device: str, model_cfg) -> int:
+    """Prompt tokens a tick prefills: ``--max-prefill-tokens`` (by device; 0: whole prompts), with
+    windowed KV at most PREFILL_GROUP_TOKENS, which bounds the window blocks a prompt reserves while
+    it is prefilled (docs/design.md, "Sliding-window KV")."""
+    tokens = cfg.prefill_tokens(device)
+    if model_cfg.windowed_kv and not 0 < tokens <= PREFILL_GROUP_TOKENS:
+        return PREFILL_GROUP_TOKENS
+    return tokens
+
+
 def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, model_len: int, sharers: int = 1) -> int:
     """KV blocks this rank has room for (before the ranks agree on the smallest): ``--num-blocks``,
     else enough for every slot to reach the context length, within this rank's share of memory."""
     if cfg.num_blocks:
         return cfg.num_blocks
     wanted = cfg.max_batch * (model_len // cfg.block_size + 1)
+    window = window_spec(model_cfg, prefill_budget(cfg, ops.name, model_cfg))
+    if window is not None:  # and each slot's window (a prefill chunk's at most)
+        wanted += cfg.max_batch * window.span(max(window.prefill_tokens, window.decode_tokens), cfg.block_size)
     per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
     if cfg.speculative_method == "mtp":  # the MTP layer's KV: one more attention layer in every block
         per_block += per_block // model_cfg.num_attention_layers
@@ -218,10 +239,13 @@ def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, model_len: int, sharers: 
     return max(1, min(wanted, int(available * CPU_KV_MEMORY_FRACTION / sharers) // per_block))
 
 
-def _max_model_len(cfg: EngineConfig, model_len: int, blocks: int) -> int:
+def _max_model_len(cfg: EngineConfig, model_len: int, blocks: int, window: WindowSpec | None = None) -> int:
     """The context length: ``--max-model-len`` (refused when the pool cannot hold one such
-    sequence), else the model's, bounded by what one sequence can hold of the pool."""
+    sequence), else the model's, bounded by what one sequence can hold of the pool (with windowed
+    KV, its window's blocks too)."""
     pool_len = blocks * cfg.block_size - 1  # a sequence of L tokens holds L // block_size + 1 blocks
+    if window is not None:
+        pool_len = window.longest(blocks, cfg.block_size)
     if cfg.max_model_len is not None:
         if cfg.max_model_len > pool_len:
             raise ValueError(
