@@ -39,8 +39,8 @@ MUTATIONS = (
     Mutation(
         "dp mirror grows a token late",
         "eprt/engine/sequences.py",
-        "grow(st.key, st.length + len(new))",
-        "grow(st.key, st.length + len(new) - 1)",
+        "self.grow(slot, st, st.length + len(new), st.length)",
+        "self.grow(slot, st, st.length + len(new) - 1, st.length)",
         ("tests/mpi/test_dp_attention_mpi.py",),
         ranks=2,
     ),

@@ -157,7 +157,7 @@ class ShardExecutor:
         the whole prompt of a request asking for prompt logprobs). ``salt``: ``vision_salt(vision_rows)``."""
         salt = vision_salt(vision_rows) if salt is None else salt
         st, cached = self.seqs.allocate(slot, tokens, adapter, vision_rows, salt, max_hit)
-        self._copy_blocks(slot, self.seqs.window_copies(slot))  # a hit's window: cached KV copied now
+        _copy_blocks(self, slot, self.seqs.window_copies(slot))  # a hit's window: cached KV copied now
         self.vision.allocated(st.key, tokens, vision_rows)
         if self.hybrid is not None:  # its state starts with its first prefill pass
             self.hybrid.allocated(slot, st, cached)
@@ -197,18 +197,12 @@ class ShardExecutor:
     def fork_data(self, slot: int, new_slot: int, copies: list) -> None:
         """FORK's data, once the parent's pass has run: the partial block's KV (and with windowed KV
         its window's), the MTP layer's held rows and a hybrid model's recurrent state, copied."""
-        self._copy_blocks(slot, copies)
+        _copy_blocks(self, slot, copies)
         parent, child = self.slots.held(slot, "FORK"), self.slots.held(new_slot, "FORK")
         if self.mtp_layer is not None:
             self.mtp_layer.forked(parent.key, child.key)
         if self.hybrid is not None:  # a hybrid model: the recurrent state at the prompt's end, copied
             self.state.move(slot, new_slot)
-
-    def _copy_blocks(self, slot: int, copies: list) -> None:
-        """The KV block copies (source, destination) of the slot's sequence, where this rank holds its KV."""
-        if copies and self.seqs.pools.holds_kv(slot):
-            for src, dst in copies:
-                self.kv.copy_block(src, dst)
 
     def compact(self, slot: int, new_slot: int) -> None:
         self.seqs.move(slot, new_slot)
@@ -344,6 +338,13 @@ class ShardExecutor:
         self.slots.open_verify = None  # a run that ends mid-verify frees its slots all the same
         for slot in self.slots.occupied():
             self.free(slot)
+
+
+def _copy_blocks(ex: ShardExecutor, slot: int, copies: list) -> None:
+    """The KV block copies (source, destination) of the slot's sequence, where this rank holds its KV."""
+    if copies and ex.seqs.pools.holds_kv(slot):
+        for src, dst in copies:
+            ex.kv.copy_block(src, dst)
 
 
 @dataclass(frozen=True)
