@@ -26,10 +26,10 @@ from eprt.comm.transport import LocalLink, Transport
 from eprt.comm.worker import run_worker
 from eprt.engine.accounting import Accounts
 from eprt.engine.runner import ModelRunner
-from eprt.engine.scripted import ScriptedTokens, scripted_runner
+from eprt.engine.scripted import ScriptedTokens
 from eprt.engine.sequences import ExecutorError
 from eprt.engine.state_check import state_digests
-from eprt.entry.scenario import load, run
+from eprt.entry.scenario import load, run, scenario_runner
 from eprt.scheduler.scheduler import Scheduler
 from eprt.scheduler.step import StepPlan, StepResult
 from eprt.scheduler.trace import SHOWN, frame_lines
@@ -104,18 +104,7 @@ def worker_executor(sc):
     """The worker rank's executor: the scenario's, built alone (rank 1 under dp attention)."""
     e = sc.engine
     tokens = ScriptedTokens({r.id: (len(r.prompt), r.script) for r in sc.requests})
-    runner = scripted_runner(
-        tokens,
-        vocab_size=e.vocab_size,
-        max_slots=e.max_batch,
-        block_size=e.block_size,
-        num_blocks=e.num_blocks,
-        prefix_cache=e.prefix_cache,
-        snapshots=e.snapshots,
-        rank_blocks=e.rank_blocks,
-        rank=0 if e.rank_blocks is None else 1,
-        adapters=tuple(r.adapter for r in sc.requests if r.adapter != -1),
-    )
+    runner = scenario_runner(sc, tokens, rank=0 if e.rank_blocks is None else 1)
     runner.executor.compute_logits = False  # a worker never samples
     return runner.executor
 

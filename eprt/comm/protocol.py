@@ -560,8 +560,15 @@ def _flag(v: dict, r: _Reader) -> str | None:
     return None if v["prompt_hidden"] in (0, 1) else f"OWNER prompt_hidden {v['prompt_hidden']} (must be 0 or 1)"
 
 
+_ROWS = Part("n", "rows", doc="`n`", attr="slots")
 _SLOTS = Part("slots", "slots", "n", "`slots[n]`")
 _TOKENS = Part("tokens", "tokens", "n", "`tokens[n]`")
+
+
+def _draft_counts(doc: str, limit: Callable[[_Reader], int]) -> Part:
+    """A verify command's drafts per row, each at most ``limit``."""
+    return Part("counts", "words", "n", doc, _at_most("counts", limit, "{what} row with {v} drafts (at most {k})"))
+
 
 DECLARATIONS: tuple[Declaration, ...] = (
     Declaration(
@@ -578,7 +585,7 @@ DECLARATIONS: tuple[Declaration, ...] = (
         DecodeBatch,
         "DECODE_BATCH",
         (DECODE_BATCH,),
-        (Part("n", "rows", doc="`n`", attr="slots"), _SLOTS, _TOKENS),
+        (_ROWS, _SLOTS, _TOKENS),
         lambda ex, c, t: ex.decode(list(c.slots), list(c.tokens)),
         "every decode step",
         "one batched decode step; row r appends `tokens[r]` to `slots[r]`, rows in the order given",
@@ -644,7 +651,7 @@ DECLARATIONS: tuple[Declaration, ...] = (
         "ACCEPT",
         (ACCEPT,),
         (
-            Part("n", "rows", doc="`n`", attr="slots"),
+            _ROWS,
             _SLOTS,
             Part(
                 "accepted",
@@ -786,16 +793,10 @@ DECLARATIONS: tuple[Declaration, ...] = (
         "VERIFY_K2..K4",
         (VERIFY_K2, VERIFY_K3, VERIFY_K4),
         (
-            Part("n", "rows", doc="`n`", attr="slots"),
+            _ROWS,
             _SLOTS,
             _TOKENS,
-            Part(
-                "counts",
-                "words",
-                "n",
-                "`counts[n]` (each 0..K)",
-                _at_most("counts", _drafts_of_word, "{what} row with {v} drafts (at most {k})"),
-            ),
+            _draft_counts("`counts[n]` (each 0..K)", _drafts_of_word),
             Part("drafts", "drafts", doc="then the drafts row by row (`sum(counts)` words)"),
         ),
         lambda ex, c, t: ex.verify(list(c.slots), list(c.tokens), list(c.drafts)),
@@ -811,16 +812,10 @@ DECLARATIONS: tuple[Declaration, ...] = (
         "VERIFY_MTP",
         (VERIFY_MTP,),
         (
-            Part("n", "rows", doc="`n`", attr="slots"),
+            _ROWS,
             _SLOTS,
             _TOKENS,
-            Part(
-                "counts",
-                "words",
-                "n",
-                "`counts[n]` (each 0..4)",
-                _at_most("counts", lambda r: MAX_DRAFTS, "{what} row with {v} drafts (at most {k})"),
-            ),
+            _draft_counts("`counts[n]` (each 0..4)", lambda r: MAX_DRAFTS),
         ),
         lambda ex, c, t: ex.verify_mtp(list(c.slots), list(c.tokens), list(c.counts)),
         "a verify step under `--speculative-method mtp`",

@@ -231,6 +231,24 @@ def load(path: str) -> Scenario:
 
 
 # -- running ---------------------------------------------------------------------------------
+def scenario_runner(sc: Scenario, tokens: ScriptedTokens, **kw) -> ModelRunner:
+    """The real runner over the scripted token source, sized by the scenario's engine table (``kw``:
+    ``scripted_runner``'s other arguments)."""
+    e = sc.engine
+    return scripted_runner(
+        tokens,
+        vocab_size=e.vocab_size,
+        max_slots=e.max_batch,
+        block_size=e.block_size,
+        num_blocks=e.num_blocks,
+        prefix_cache=e.prefix_cache,
+        snapshots=e.snapshots,
+        rank_blocks=e.rank_blocks,
+        adapters=tuple(r.adapter for r in sc.requests if r.adapter != -1),
+        **kw,
+    )
+
+
 def run(sc: Scenario, transport=None, after_step=None) -> ScenarioRun:
     """``transport``: where the runner's frames go (default: a world of one); ``after_step(sched)``
     is called after each scheduler step."""
@@ -240,19 +258,8 @@ def run(sc: Scenario, transport=None, after_step=None) -> ScenarioRun:
         {r.id: (len(r.prompt), r.script) for r in sc.requests},
         {r.id: r.fail_at for r in sc.requests if r.fail_at is not None},
     )
-    runner = scripted_runner(
-        tokens,
-        vocab_size=e.vocab_size,
-        max_slots=e.max_batch,
-        block_size=e.block_size,
-        num_blocks=e.num_blocks,
-        prefix_cache=e.prefix_cache,
-        snapshots=e.snapshots,
-        rank_blocks=e.rank_blocks,
-        drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
-        transport=transport,
-        adapters=tuple(r.adapter for r in sc.requests if r.adapter != -1),
-    )
+    drafts = {r.id: r.drafts for r in sc.requests if r.drafts is not None}
+    runner = scenario_runner(sc, tokens, drafts=drafts, transport=transport)
     config = SchedulerConfig(
         vocab_size=e.vocab_size,
         eos_token_ids=(e.eos,),
