@@ -166,7 +166,8 @@ def test_a_failed_row_in_a_prefill_with_forks_fails_that_request(engine, monkeyp
         ids = engine.tokenizer.encode("aaaa")
         params = SamplingParams(max_tokens=6, n=3, **FORKED[what])
         out = engine.generate_choices([GenerationRequest(ids, params), *_good(engine)[:1]])
-    assert [r.finish_reason for r in out[0]] == ["error"] * 3 and out[1][0].finish_reason == "length"
+    assert [r.finish_reason for r in out[0]] == ["error"] * 3
+    assert out[1][0].finish_reason in ("stop", "length") and out[1][0].error is None  # the other request served
     assert all("planted failure" in r.error for r in out[0]), out[0]
     stats = engine.stats()
     assert stats["free_blocks"] == stats["total_blocks"] and stats["running"] == 0
