@@ -79,7 +79,6 @@ def child(args) -> None:
     from eprt.api import GenerationRequest, SamplingParams
     from eprt.comm.transport import Transport
     from eprt.engine.config import EplbConfig
-    from eprt.engine.dp_executor import DpShardExecutor
     from eprt.engine.engine import EngineConfig, launch_engine
     from eprt.engine.executor import ShardExecutor
     from eprt.engine.expert_load import write_stats
@@ -112,7 +111,7 @@ def child(args) -> None:
 
     for name in ("allsum", "allgather_rows", "scatter_sum_rows"):  # the combines (dp: the exchange's)
         setattr(Transport, name, timed(getattr(Transport, name), "combine", "combine_cpu"))
-    executor = DpShardExecutor if args.attention == "dp" else ShardExecutor  # (dp: one step, every rank)
+    executor = ShardExecutor  # (dp: one step, every rank)
     decode = executor.decode
 
     def step(self, *a):

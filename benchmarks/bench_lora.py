@@ -90,7 +90,7 @@ def time_decode(lm, adapters: list, distinct: int, steps: int, rank: int) -> flo
     lora = LoraSlots(lm.model.ops, cfg, 4, rank, 0, cfg.num_experts)
     ex = ShardExecutor(lm.model, 1024, 16, BATCH, prefix_cache=False, lora=lora)
     for s, path in enumerate(adapters):
-        ex.load_adapter(s, s + 1, path)
+        ex.adapters.load(s, s + 1, path)
     rng = np.random.default_rng(0)
     for row in range(BATCH):
         prompt = rng.integers(3, cfg.vocab_size, PROMPT_LEN).tolist()

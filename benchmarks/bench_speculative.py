@@ -102,7 +102,7 @@ class Batch:
 
     def __init__(self, engine, prompt: list, batch: int, n: int, temperature: float) -> None:
         self.engine, self.seconds, self.counts = engine, 0.0, [0] * batch
-        self.counters = (engine.runner.verify_rows, engine.runner.accepted_tokens)
+        self.counters = (engine.runner.drafts.verify_rows, engine.runner.kv.accepted_tokens)
         self.handles = [
             engine.submit(
                 GenerationRequest(
@@ -132,7 +132,7 @@ class Batch:
     def verified(self) -> tuple[int, int]:
         """Rows that had drafts verified, and drafts accepted, since the batch started."""
         runner = self.engine.runner
-        return runner.verify_rows - self.counters[0], runner.accepted_tokens - self.counters[1]
+        return runner.drafts.verify_rows - self.counters[0], runner.kv.accepted_tokens - self.counters[1]
 
 
 def lockstep(batches: list) -> list[float]:
@@ -174,7 +174,7 @@ def speedups(args) -> None:
         engines = {method: launch(stack, args, method, args.k) for method in (None, *methods)}
         if args.draft_cost is not None:  # the adaptive policy with this cost instead of the measured one
             for m in methods:
-                engines[m].runner.step_costs.draft_cost = lambda rows: args.draft_cost
+                engines[m].runner.drafts.step_costs.draft_cost = lambda rows: args.draft_cost
         for repeat in range(args.repeats):
             order = list(engines.items())[:: -1 if repeat % 2 else 1]  # which engine steps first alternates
             for name, (text, temperature) in WORKLOADS.items():
@@ -221,7 +221,7 @@ class WrongDrafter:
 
     in_pass = False
 
-    def propose(self, token_ids, k: int) -> list:
+    def draft(self, seq, k: int) -> list:
         return [0] * k
 
 
@@ -231,7 +231,7 @@ def step_costs(args) -> None:
         engines = {0: launch(stack, args, None, 1)}
         for k in range(1, 5):
             engines[k] = engine = launch(stack, args, "ngram", k)
-            engine.runner.drafter = WrongDrafter()
+            engine.runner.drafts.drafter = WrongDrafter()
             engine.scheduler.drafting = ForcedDrafts()
         prompt = encode(engines[0], WORKLOADS["sampled"][0])
         for _ in range(args.repeats):

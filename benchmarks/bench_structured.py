@@ -31,6 +31,7 @@ from bench_decode_cpu import THREADS  # noqa: F401  (sets the BLAS threads befor
 
 from eprt.api import GenerationRequest, Guide, SamplingParams  # noqa: E402
 from eprt.engine.engine import EngineConfig, launch_engine  # noqa: E402
+from eprt.engine.executor import ShardExecutor  # noqa: E402
 from eprt.engine.runner import ModelRunner  # noqa: E402
 from eprt.engine.structured import GuidedRows  # noqa: E402
 from eprt.model.tokenizer import ByteTokenizer  # noqa: E402
@@ -50,7 +51,7 @@ SCHEMAS = {
 
 
 class Meter:
-    """Wall time of each engine step and, within it, in the forward pass (decode_batch) and in
+    """Wall time of each engine step and, within it, in the forward pass (ShardExecutor.decode) and in
     the masks' methods."""
 
     def __init__(self, engine):
@@ -58,7 +59,7 @@ class Meter:
         self.steps: list[tuple[float, float, float]] = []  # (step, mask, forward) seconds
         self._time(GuidedRows, "allowed", "mask")
         self._time(GuidedRows, "advance", "mask")
-        self._time(ModelRunner, "decode_batch", "forward")
+        self._time(ShardExecutor, "decode", "forward")
         inner, meter = engine._step, self
 
         def step():
@@ -90,16 +91,16 @@ class Replay:
 
     def __init__(self):
         self.tokens: dict | None = None  # prompt -> the guided run's token ids
-        inner, replay = ModelRunner.argmax_batch, self
+        inner, replay = ModelRunner._decode, self
 
-        def argmax_batch(self, row: int = 0, n: int = 1, stream: int = 0) -> list[int]:
-            out = inner(self, row, n, stream)
+        def decode(self, step, frames, out) -> list[int]:
+            tokens = inner(self, step, frames, out)
             if replay.tokens is not None:
-                for i, seq in enumerate(self._rows[row : row + n]):
-                    out[i] = replay.tokens[tuple(seq.prompt_ids)][len(seq.output_ids)]
-            return out
+                for i, row in enumerate(step.rows):
+                    tokens[i] = replay.tokens[tuple(row.seq.prompt_ids)][len(row.seq.output_ids)]
+            return tokens
 
-        ModelRunner.argmax_batch = argmax_batch
+        ModelRunner._decode = decode
 
 
 def run(engine, meter: Meter, guide, steps: int, replay: Replay, tokens: dict | None = None):

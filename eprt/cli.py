@@ -1,7 +1,7 @@
 """The ``eprt`` command: one sub-command per entry point, each in its own module.
 
 Each sub-command module exposes ``add_arguments(parser)`` and ``main(args) -> int``;
-they are imported only when chosen, so ``eprt scenario`` never imports the model.
+they are imported only when chosen (``eprt env`` never imports the model).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 
 COMMANDS = {
     "generate": ("eprt.entry.generate", "generate text for one or more prompts (one batch)"),
-    "scenario": ("eprt.scheduler.scenario", "run a scheduler scenario file and print its trace"),
-    "run": ("eprt.serve.batch", "offline batch generation from a JSONL file"),
-    "serve": ("eprt.serve.server", "OpenAI-compatible HTTP server on rank 0"),
+    "scenario": ("eprt.entry.scenario", "run a scheduler scenario file and print its trace"),
+    "run": ("eprt.entry.run", "offline batch generation from a JSONL file"),
+    "serve": ("eprt.entry.serve", "OpenAI-compatible HTTP server on rank 0"),
     "replay": ("eprt.entry.replay", "rerun one rank's recorded command stream on one CPU and find where it diverges"),
     "stats": ("eprt.entry.stats", "expert-load statistics of eprt run --stats-out, optionally plotted"),
     "env": ("eprt.entry.envcmd", "list the EPRT_ environment variables"),

@@ -38,9 +38,9 @@ class Mutation:
 MUTATIONS = (
     Mutation(
         "dp mirror grows a token late",
-        "eprt/engine/dp_executor.py",
-        "grow(st.key, st.length + len(appended[r]), first=st.length)",
-        "grow(st.key, st.length + len(appended[r]) - 1, first=st.length)",
+        "eprt/engine/sequences.py",
+        "self.grow(slot, st, st.length + len(new), st.length)",
+        "self.grow(slot, st, st.length + len(new) - 1, st.length)",
         ("tests/mpi/test_dp_attention_mpi.py",),
         ranks=2,
     ),
@@ -53,7 +53,7 @@ MUTATIONS = (
     ),
     Mutation(
         "host combine sums ranks in reverse",
-        "eprt/comm/transport.py",
+        "eprt/comm/mpi_transport.py",
         "        out = gathered[0].copy()\n        for r in range(1, self.size):",
         "        out = gathered[self.size - 1].copy()\n        for r in range(self.size - 2, -1, -1):",
         ("tests/mpi/test_transport_mpi.py",),

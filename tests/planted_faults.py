@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 from eprt import cli
-from eprt.engine import sampling, speculative, structured
+from eprt.engine import sampler, sampling, structured
 from eprt.model.tokenizer import ByteTokenizer
 
 PLANTED_SEED = 4242
@@ -41,14 +41,14 @@ def plant(patch=None) -> None:
         return process(x, params, *args, **kwargs)
 
     patch(sampling, "process_logits", failing_process)
-    draw = speculative.sample_rows
+    draw = sampler.sample_rows  # the verify readback's draw (RowSampler.targets)
 
     def failing_draw(logits, params, uniforms):
         if any(p.seed == PLANTED_SEED for p in params):
             raise RuntimeError("planted failure in a verify step's sampling")
         return draw(logits, params, uniforms)
 
-    patch(speculative, "sample_rows", failing_draw)
+    patch(sampler, "sample_rows", failing_draw)
 
     marked: set = set()  # ids of the matchers of a planted guide
     matcher, allowed = structured.GrammarCompiler.matcher, structured.GuidedRows.allowed

@@ -78,7 +78,7 @@ def assert_cupy_follows_numpy(base: str, adapter: str) -> None:
         lm = load_model(base, get_ops(device), 64)
         lora = LoraSlots(lm.model.ops, lm.config, 2, 8, 0, lm.config.num_experts)
         ex = ShardExecutor(lm.model, 32, 16, 4, prefix_cache=False, lora=lora)
-        ex.load_adapter(1, 9, adapter)
+        ex.adapters.load(1, 9, adapter)
         for slot, (a, n) in enumerate(((-1, 6), (9, 6), (9, 7))):  # rows 0 and 1 differ only by the adapter
             ex.allocate(slot, prompt[:n], adapter=a)
             ex.prefill(slot, prompt[:n], 0, n)

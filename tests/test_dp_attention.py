@@ -10,11 +10,11 @@ from eprt.comm.dp_combine import DpExchange
 from eprt.comm.slots import SlotError
 from eprt.comm.transport import LocalTransport
 from eprt.comm.worker import _execute
-from eprt.engine.dp_executor import DpShardExecutor
+from eprt.engine.dp_executor import dp_executor
 from eprt.engine.executor import ExecutorError
+from eprt.entry.scenario import ScenarioError, parse
 from eprt.model.loader import load_model
 from eprt.ops.numpy_ops import NumpyOps
-from eprt.scheduler.scenario import ScenarioError, parse
 
 
 def test_owner_and_decode_dp_round_trip():
@@ -58,7 +58,7 @@ def test_owner_choice_skips_a_full_rank():
 @pytest.fixture(scope="module")
 def executor(checkpoint):
     model = load_model(checkpoint("mixtral"), NumpyOps(), 64).model
-    return DpShardExecutor(model, [40], 4, 4, DpExchange(LocalTransport()))
+    return dp_executor(model, [40], 4, 4, DpExchange(LocalTransport()))
 
 
 def test_prefill_needs_an_owner_first(executor):
@@ -89,7 +89,7 @@ def test_replicated_worker_refuses_dp_frames():
 def test_hybrid_models_are_refused(checkpoint):
     model = load_model(checkpoint("qwen3_next"), NumpyOps(), 64).model
     with pytest.raises(ValueError, match="--attention dp does not serve qwen3_next"):
-        DpShardExecutor(model, [40], 4, 4, DpExchange(LocalTransport()))
+        dp_executor(model, [40], 4, 4, DpExchange(LocalTransport()))
 
 
 @pytest.mark.parametrize(

@@ -114,8 +114,8 @@ def _executor(path, max_loras=2, max_rank=8):
 def test_prefix_cache_never_shares_blocks_across_adapters(qwen):
     base, adapters = qwen
     ex = _executor(base)
-    ex.load_adapter(0, 1, adapters["attn"][0])
-    ex.load_adapter(1, 2, adapters["experts"][0])
+    ex.adapters.load(0, 1, adapters["attn"][0])
+    ex.adapters.load(1, 2, adapters["experts"][0])
     assert ex.allocate(0, PROMPT, adapter=1) == 0
     ex.prefill(0, PROMPT, 0, len(PROMPT))
     ex.release(0)
@@ -127,12 +127,12 @@ def test_prefix_cache_never_shares_blocks_across_adapters(qwen):
 def test_a_lora_slot_in_use_cannot_be_replaced(qwen):
     base, adapters = qwen
     ex = _executor(base)
-    ex.load_adapter(0, 1, adapters["attn"][0])
+    ex.adapters.load(0, 1, adapters["attn"][0])
     ex.allocate(0, PROMPT, adapter=1)
     with pytest.raises(P.ProtocolError, match="LoRA slot 0 holds adapter 1, in use by slot"):
-        ex.load_adapter(0, 2, adapters["experts"][0])
+        ex.adapters.load(0, 2, adapters["experts"][0])
     with pytest.raises(P.ProtocolError, match="LoRA slot 1 holds no adapter"):
-        ex.set_slot_adapter(1, 1)
+        ex.adapters.set_slot(1, 1)
 
 
 def test_adapter_rank_above_the_limit_and_unsupported_targets_are_named(qwen, tmp_path):

@@ -104,7 +104,7 @@ def test_verify_mtp_drafts_recursively_and_rolls_back(mtp_checkpoint):
     b.decode([0], [40])
     b.decode([0], [drafts[0][0]])
     assert a.slots.get(0).tokens == b.slots.get(0).tokens
-    held_a, held_b = a._mtp_rows[a.slots.get(0).key], b._mtp_rows[b.slots.get(0).key]
+    held_a, held_b = a.mtp_layer.held[a.slots.get(0).key], b.mtp_layer.held[b.slots.get(0).key]
     (start_a, rows_a), (start_b, rows_b) = (held_a.start, held_a.rows(a.ops)), (held_b.start, held_b.rows(b.ops))
     assert (start_a, len(rows_a), start_b, len(rows_b)) == (len(PROMPT), 2, len(PROMPT) - 1, 3)
     np.testing.assert_allclose(np.asarray(rows_a), np.asarray(rows_b[1:]), atol=1e-5)
@@ -123,19 +123,20 @@ def test_verify_mtp_leaves_a_row_without_drafts_its_held_rows(mtp_checkpoint):
     for ex in (a, b):
         ex.prefill(0, PROMPT, 0, len(PROMPT))
         ex.prefill(1, other, 0, len(other))
-    assert (a.mtp_caught_up, b.mtp_caught_up) == ((0, 0), (0, 0))
+    assert (a.mtp_layer.caught_up, b.mtp_layer.caught_up) == ((0, 0), (0, 0))
     for tokens in ([40, 50], [41, 51], [42, 52]):
         da, _ = a.verify_mtp([0, 1], tokens, [1, 0])  # row 1 never drafts here
         db, _ = b.verify_mtp([0, 1], tokens, [1, 1])
         assert da[0] == db[0] and da[1] == ()
-        assert (a.mtp_caught_up, b.mtp_caught_up) == ((1, 1), (2, 2))  # (rows, positions): one position each
+        # (rows, positions): one position each
+        assert (a.mtp_layer.caught_up, b.mtp_layer.caught_up) == ((1, 1), (2, 2))
         a.accept([0, 1], [0, 0])
         b.accept([0, 1], [0, 0])
-    held = a._mtp_rows[a.slots.get(1).key]
+    held = a.mtp_layer.held[a.slots.get(1).key]
     assert (held.start, held.end, len(held.chunks)) == (len(other) - 1, len(other) + 3, 4)  # the pieces, not joined
     da, _ = a.verify_mtp([0, 1], [43, 53], [2, 3])
     db, _ = b.verify_mtp([0, 1], [43, 53], [2, 3])
-    assert da == db and a.mtp_caught_up == (2, 1 + 4)  # row 1: the prompt's last position and 3 steps'
+    assert da == db and a.mtp_layer.caught_up == (2, 1 + 4)  # row 1: the prompt's last position and 3 steps'
 
 
 def engine_config(path, mtp: bool, **kw):
@@ -231,7 +232,7 @@ def test_worker_replaying_verify_mtp_keeps_rank_0_state_bitwise(mtp_checkpoint):
     for a, b in zip(rank0.kv.latent, worker.kv.latent):
         assert np.array_equal(a, b)
     assert rank0.blocks._block_of == worker.blocks._block_of
-    assert rank0._mtp_rows.keys() == worker._mtp_rows.keys() == set()
+    assert rank0.mtp_layer.held.keys() == worker.mtp_layer.held.keys() == set()
 
 
 def sampled_tokens(path, mtp: bool, seeds, position: int):

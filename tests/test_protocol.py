@@ -1,6 +1,8 @@
 """The broadcast protocol: exact words of every command, round trips, coalesced and
 arbitrarily split streams, and the errors a bad stream produces."""
 
+import pathlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -40,10 +42,18 @@ COMMANDS = [
     Verify(slots=(2, 0, 5), tokens=(3, 9, 1), drafts=((4, 5, 6, 7), (), (8,))),
     VerifyMtp(slots=(2, 0, 5), tokens=(3, 9, 1), counts=(4, 0, 1)),
     Accept(slots=(2, 0, 5), accepted=(4, 0, 1)),
+    p.Rollback(slot=3, n=1),
     DecodeCkpt(slot=2, snapshot_tokens=64, end_block=3, session_hash=0x123456789ABCDEF0, adapter_id=2**32 + 7),
     CheckState(step=123456),
+    p.EplbPlacement(epoch=2, layers=2, slots=3, table=(0, 1, 2, 2, 1, 0)),
+    p.LoraLoad(lora_slot=1, adapter_id=2**40 + 3, path="/adapters/é-α"),
+    p.LoraUnload(lora_slot=2),
+    p.SlotAdapter(slot=3, lora_slot=1),
+    p.Owner(slot=4, owner=2, prompt_hidden=1),
+    p.DecodeDp(slots=(0, 4, 1), tokens=(5, 6, 7), counts=(2, 0, 1)),
     Shutdown(),
 ]
+DOCS = pathlib.Path(__file__).parent.parent / "docs" / "protocol.md"
 
 
 def test_words_match_the_spec():
@@ -72,6 +82,20 @@ def test_words_match_the_spec():
 @pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: type(c).__name__)
 def test_every_command_round_trips(cmd):
     assert decode_all(encode(cmd)) == [cmd]
+
+
+def test_every_declared_command_is_exercised_and_has_one_declaration():
+    declared = [d.cls for d in p.DECLARATIONS]
+    assert len(set(declared)) == len(declared) and set(declared) == {type(c) for c in COMMANDS}
+    words = [w for d in p.DECLARATIONS for w in d.words]
+    assert len(set(words)) == len(words) and all(w >= p.RESERVED_BASE for w in words)
+    assert words == sorted(words)  # the table's order
+
+
+def test_docs_command_table_is_the_declarations():
+    """docs/protocol.md's command table is the declarations' (python -m eprt.comm.protocol prints it)."""
+    rows = [line for line in DOCS.read_text().splitlines() if line.startswith("| `")]
+    assert rows == p.doc_table().splitlines()[2:]
 
 
 def test_prefill_properties():

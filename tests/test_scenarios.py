@@ -1,5 +1,5 @@
 """Golden scenario traces, the ``eprt scenario`` command, and the scheduler's client API
-driven against the recording fake model."""
+run through the real runner and executor over the scripted token source."""
 
 import logging
 import pathlib
@@ -9,11 +9,12 @@ import pytest
 
 from eprt import cli
 from eprt.api import GenerationRequest, RequestError, SamplingParams
+from eprt.engine.scripted import ScriptedTokens, scripted_runner
+from eprt.entry.scenario import ScenarioError, load, parse, run
 from eprt.scheduler.clock import VirtualClock, WallClock
 from eprt.scheduler.config import SchedulerConfig
-from eprt.scheduler.fake import RecordingModel
-from eprt.scheduler.scenario import ScenarioError, load, parse, run
 from eprt.scheduler.scheduler import Scheduler
+from eprt.scheduler.trace import TraceWriter
 
 SCENARIOS = pathlib.Path(__file__).parent / "scenarios"
 TOMLS = sorted(SCENARIOS.glob("*.toml"))
@@ -103,7 +104,7 @@ def test_a_sequence_that_outgrows_the_whole_pool_ends_with_the_kv_capacity_guard
     assert res.lines[-1] == (
         'out s1: T10 T10 T10 T10 T10 Done(length, n=5, think=0, cached=0, acc=0, guard=Some("kv_capacity"))'
     )
-    assert res.model.blocks.num_free_blocks() == 2
+    assert res.runner.executor.blocks.num_free_blocks() == 2
 
 
 def test_a_prompt_larger_than_the_pool_fails_alone():
@@ -124,10 +125,10 @@ def test_a_prompt_larger_than_the_pool_fails_alone():
 # -- the client API, as the engine uses it ----------------------------------------------------
 def _scheduler(scripts, clock, **config):
     lines = []
-    model = RecordingModel(
-        lines.append, {k: (len(p), s) for k, (p, s) in scripts.items()}, num_slots=config.get("max_batch", 8)
-    )
-    return Scheduler(model, SchedulerConfig(vocab_size=64, eos_token_ids=(63,), **config), clock=clock), lines
+    tokens = ScriptedTokens({k: (len(p), s) for k, (p, s) in scripts.items()})
+    model = scripted_runner(tokens, vocab_size=64, max_slots=config.get("max_batch", 8), block_size=16, num_blocks=1000)
+    config = SchedulerConfig(vocab_size=64, eos_token_ids=(63,), **config)
+    return Scheduler(model, config, clock=clock, tracer=TraceWriter(lines.append)), lines
 
 
 def _req(prompt, max_tokens=8, **kw):
@@ -188,11 +189,15 @@ def test_close_with_cancel_ends_everything_in_flight():
         sched.step()
     assert (h1.result(timeout=0).finish_reason, len(h1.result().token_ids)) == ("stop", 3)
     assert (h2.result(timeout=0).finish_reason, h2.result().token_ids) == ("stop", [])
-    assert sched.is_shut_down  # no tracer: the effects run without fx lines
-    assert lines[-4:] == [
+    assert sched.is_shut_down
+    assert lines[-8:] == [
+        "fx apply EpShutdown",
         "ep_broadcast_cmd_for_seq(seq=0, cmd=0xffffffff)",
+        "fx apply Quiesce{stream=0}",
         "synchronize(stream=0)",
+        "fx apply Quiesce{stream=1}",
         "synchronize(stream=1)",
+        "fx teardown",
         "teardown()",
     ]
 

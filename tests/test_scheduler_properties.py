@@ -9,7 +9,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eprt.scheduler.scenario import EngineSpec, RequestSpec, Scenario, run
+from eprt.entry.scenario import EngineSpec, RequestSpec, Scenario, run
 
 EOS = 63
 STOP_ID = 40
@@ -137,9 +137,9 @@ def check_run(sc: Scenario, with_guards: bool) -> None:
     if not with_guards:
         forks = {str(f.handle.seq_id) for out in result.outcomes for f in out.forks if f.handle is not None}
         check_preempted_go_first(lines, forks)
-    model = result.model
-    assert model.blocks.num_free_blocks() == sc.engine.num_blocks  # cached blocks allowed
-    assert all(s is None for s in model.slots)
+    executor = result.runner.executor
+    assert executor.blocks.num_free_blocks() == sc.engine.num_blocks  # cached blocks allowed
+    assert executor.slots.occupied() == []
     limit = sc.engine.max_model_len
     every = [
         (out, fork) for parent in result.outcomes for out, fork in [(parent, False)] + [(f, True) for f in parent.forks]

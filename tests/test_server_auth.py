@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_server import ROOT
 
-from eprt.serve.server import _settings, add_arguments
+from eprt.entry.serve import _settings, add_arguments
 from eprt.serve.settings import HttpSettings
 
 

@@ -337,7 +337,7 @@ def test_sampled_batch_with_speculation_equals_plain_sampling():
     cfg = EngineConfig(device="cpu", max_batch=4, speculative_method="ngram", num_speculative_tokens=3)
     with launch_engine(cfg) as engine:
         spec = engine.generate(requests)
-        verify_rows = engine.runner.verify_rows
+        verify_rows = engine.runner.drafts.verify_rows
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert verify_rows > 0 and sum(r.accepted_tokens for r in spec) > 0
 
@@ -366,7 +366,7 @@ def test_greedy_rewrite_on_a_copying_checkpoint_accepts_long_drafts(copy_checkpo
     cfg = EngineConfig(model=path, device="cpu", speculative_method=method, num_speculative_tokens=4)
     with launch_engine(cfg) as engine:
         spec = engine.generate([request])[0]
-        rows = engine.runner.verify_rows
+        rows = engine.runner.drafts.verify_rows
     assert spec.token_ids == plain.token_ids
     assert (rows + spec.accepted_tokens) / rows >= 3.0  # mean accepted length: most of the 4 drafts
 
@@ -383,7 +383,7 @@ def test_adaptive_speculation_measures_step_costs_and_keeps_the_tokens(monkeypat
     cfg = EngineConfig(device="cpu", max_batch=4, speculative_method="ngram", num_speculative_tokens=4)
     with launch_engine(cfg) as engine:
         spec = engine.generate(requests) + engine.generate(requests[:1])
-        costs = engine.runner.step_costs
+        costs = engine.runner.drafts.step_costs
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain + plain[:1]]
     assert costs.decode  # decode steps were timed
     assert all(c >= 0.0 for c in (costs.draft_cost(b) for b in (1, 2, 3)) if c is not None)

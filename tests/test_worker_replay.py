@@ -24,8 +24,8 @@ class RecordingTransport(LocalTransport):
         self.frames, self.rows = [], []
 
     def flush(self):
-        if self._n > 1:
-            self.frames.append(self._out[1 : self._n].copy())
+        if self.queue.pending:
+            self.frames.append(self.queue.out[1 : self.queue.n].copy())
         super().flush()
 
     def send(self, cmd, vision_rows=None):

@@ -18,26 +18,34 @@ from eprt.comm.protocol import (
     Verify,
 )
 from eprt.comm.slots import SlotError, SlotTable
-from eprt.comm.transport import LocalTransport, RootDown
+from eprt.comm.transport import LocalLink, LocalTransport, RootDown, Transport
 from eprt.comm.worker import run_worker
 
 MAX_SLOTS = 4
 HIDDEN = 3
 
 
-class LoopbackRoot(LocalTransport):
-    """Rank 0 of a world of two whose worker is replayed in this process: it records what it sends."""
+class Loopback(LocalLink):
+    """A world of two whose worker is replayed in this process: it records what rank 0 sends."""
 
-    def __init__(self, frame_words=16):
-        super().__init__(frame_words)
-        self.size = 2  # so the frames are "sent" (a world of one sends nothing)
+    size = 2  # so the frames are "sent" (a world of one sends nothing)
+
+    def __init__(self):
         self.sent = []  # ("frame", words) and ("rows", array), in send order
 
-    def _send_frame(self, out, n):
+    def send_frame(self, out, n):
         self.sent.append(("frame", out[1 : n + 1].copy()))
 
-    def _send_rows(self, rows):
+    def send_rows(self, rows):
         self.sent.append(("rows", rows.copy()))
+
+
+class LoopbackRoot(Transport):
+    """Rank 0 of a world of two whose worker is replayed in this process."""
+
+    def __init__(self, frame_words=16):
+        super().__init__(Loopback(), frame_words)
+        self.sent = self.link.sent
 
 
 class ReplayTransport:

@@ -164,7 +164,7 @@ class DeviceCombine:
             return
         deadline = time.monotonic() + getattr(self.transport, "timeout", float("inf"))
         while not event.done:
-            self.transport._check_channel()
+            self.transport.link.check_channel()
             if time.monotonic() > deadline:
-                self.transport._watchdog("the MoE combine (NCCL)")
+                self.transport.link.watchdog("the MoE combine (NCCL)")
             time.sleep(POLL_S)

@@ -1,6 +1,11 @@
 """The transport: rank 0's command frames to the workers, the vision rows, the MoE combine and
 the error channel, over mpi4py with NumPy buffers (no pickle anywhere). Framing, waiting and
 failure rules: docs/protocol.md ("Framing", "Errors") and docs/design.md ("Failure handling").
+
+``Transport`` is what the rest of eprt calls: the frames (a part, ``FrameQueue``), the combine's
+checks and counters, the start-up exchange, closing; the world's link carries the words (a part:
+``LocalLink`` in a world of one, ``eprt.comm.mpi_transport.MpiLink`` over MPI, with its error
+channel). ``LocalTransport`` and ``MpiTransport`` are the transport on either link.
 """
 
 from __future__ import annotations
@@ -85,35 +90,106 @@ class CommStats:
         return CommStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
 
-class Transport:
-    """The API both world sizes share. Rank 0: ``send``, ``flush``, ``shutdown``. Workers:
-    ``recv_frame``, ``recv_rows``, ``report_error``. Everyone: ``startup_barrier``,
-    ``allsum``, ``close``."""
+class FrameQueue:
+    """Rank 0's queued words (word 0 of the buffer: their count), flushed as one frame."""
 
-    def __init__(self, rank: int, size: int, frame_words: int):
+    def __init__(self, frame_words: int):
+        self.out = np.zeros(frame_words, np.uint32)  # word 0: count, then the pending words
+        self.n = 1
+
+    @property
+    def pending(self) -> int:
+        return self.n - 1
+
+    def append(self, words: np.ndarray) -> None:
+        end = self.n + len(words)
+        if end > len(self.out):
+            grown = np.zeros(max(end, 2 * len(self.out)), np.uint32)
+            grown[: self.n] = self.out[: self.n]
+            self.out = grown
+        self.out[self.n : end] = words
+        self.n = end
+
+
+class LocalLink:
+    """A world of one rank: nobody to send to or hear from; no MPI at all."""
+
+    rank, size, any_thread, timeout = 0, 1, True, float("inf")
+
+    def bind(self, transport) -> None:
+        self.transport = transport
+
+    def send_frame(self, out: np.ndarray, n: int) -> None:
+        pass
+
+    def send_rows(self, rows: np.ndarray) -> None:
+        pass
+
+    def check_channel(self) -> None:
+        pass
+
+    def startup_barrier(self, error: str | None = None) -> None:
+        if error:
+            raise StartupFailed([(self.rank, error)])
+
+    def allgather_text(self, text: str) -> list[str]:
+        return [text]
+
+    def recv_frame(self) -> np.ndarray:
+        raise RuntimeError("recv_frame: this rank has no rank 0 to receive from")
+
+    def recv_rows(self, n: int, width: int) -> np.ndarray:
+        raise RuntimeError("recv_rows: this rank has no rank 0 to receive from")
+
+    def report_error(self, text: str) -> None:
+        raise RuntimeError("report_error is for worker ranks")
+
+    def close(self, reason: str | None = None) -> None:
+        self.transport.closed = True
+        self.transport.recorder.close()
+
+    def shut_down(self) -> None:
+        pass
+
+    def unresponsive_ranks(self, wait_s: float = 2.0) -> list[int]:
+        return []
+
+    def abort(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+class Transport:
+    """The API both world sizes share, on a link (``LocalLink``, ``MpiLink``). Rank 0: ``send``,
+    ``flush``, ``shutdown``. Workers: ``recv_frame``, ``recv_rows``, ``report_error``. Everyone:
+    ``startup_barrier``, ``allsum``, ``close``."""
+
+    def __init__(self, link, frame_words: int = DEFAULT_FRAME_WORDS):
         if frame_words < 16:
             raise ValueError(f"frame_words must be >= 16, got {frame_words}")
-        self.rank, self.size = rank, size
+        self.link = link
+        self.rank, self.size = link.rank, link.size
         self.stats = CommStats()
         self.frame_words = frame_words
         self.collectives = 0  # collectives this rank has started
-        self.recorder = Recorder(rank, size)  # the flight recorder (the engine may swap in one with payloads)
+        self.recorder = Recorder(self.rank, self.size)  # the flight recorder (the engine may swap in one with payloads)
         self.dump_dir: str | None = None  # where dump_frames writes; None: nowhere
-        self._out = np.zeros(frame_words, np.uint32)  # word 0: count, then the pending words
-        self._n = 1
-        self._workers_told = False  # SHUTDOWN sent, or every rank knows the job ends: close tells nobody
+        self.queue = FrameQueue(frame_words)
+        self.workers_told = False  # SHUTDOWN sent, or every rank knows the job ends: close tells nobody
         self._failed: WorkerFailed | None = None  # rank 0: the worker failure this transport raised
         self.closed = False
-        self.any_thread = True  # whether collectives may run on another thread than MPI's (MpiTransport)
+        self.any_thread = link.any_thread  # whether collectives may run on another thread than MPI's
+        self.timeout = link.timeout  # s a compute-time collective may take (EPRT_COLLECTIVE_TIMEOUT)
         # rank 0: an overdue collective raises CollectiveTimeout (the caller answers its clients,
         # then calls abort) instead of aborting the job at once
         self.watchdog_raises = False
+        link.bind(self)
 
     # -- rank 0 ------------------------------------------------------------------------------
     @property
     def pending_words(self) -> int:
         """Words queued by ``send`` and not yet flushed."""
-        return self._n - 1
+        return self.queue.pending
 
     def send(self, cmd: Command, vision_rows: np.ndarray | None = None) -> None:
         """Queue one command's words (``protocol.encode``); a PREFILL announcing vision rows is
@@ -128,30 +204,32 @@ class Transport:
             raise ValueError(
                 f"vision rows must be a 2-D float array [rows, hidden], got {vision_rows.shape} {vision_rows.dtype}"
             )
-        self._append(words)
+        self.send_words(words)
         if n:
             self.flush()
             rows = np.ascontiguousarray(vision_rows, np.float32)
             if self.size > 1:
-                self._send_rows(rows)
+                self.link.send_rows(rows)
             self.recorder.rows(rows, self.collectives, sent=True)
 
     def send_words(self, words: np.ndarray) -> None:
         """Queue one command's words as ``protocol`` encoded them (``DecodeBatchWords.fill``)."""
-        self._append(words)
+        _require_root(self, "send")
+        self.queue.append(words)
 
     def flush(self) -> None:
         """Send every pending word (no MPI call when none is pending)."""
-        self._require_root("flush")
-        self._check_channel()
-        n = self._n - 1
+        _require_root(self, "flush")
+        self.link.check_channel()
+        n = self.queue.pending
         if n == 0:
             return
-        self._out[0] = n
+        out = self.queue.out
+        out[0] = n
         if self.size > 1:
-            self._send_frame(self._out, n)
-        self.recorder.frame(self._out[1 : n + 1], self.collectives, sent=True)
-        self._n = 1
+            self.link.send_frame(out, n)
+        self.recorder.frame(out[1 : n + 1], self.collectives, sent=True)
+        self.queue.n = 1
         self.stats.frames += 1
         self.stats.words += n
 
@@ -159,60 +237,43 @@ class Transport:
         """Send SHUTDOWN (the last command of every run) and flush it."""
         self.send(Shutdown())
         self.flush()
-        self._workers_told = True
+        self.workers_told = True
+        self.link.shut_down()
 
     # -- everyone ------------------------------------------------------------------------------
     def allsum(self, partial: np.ndarray) -> np.ndarray:
         """The MoE combine: the sum over ranks of ``partial`` (float32, same shape everywhere),
-        bitwise identical on every rank. In a world of one it returns ``partial`` itself.
-        Rank 0 must have flushed the command of this forward pass: workers cannot join a pass
-        whose command they have not received."""
+        bitwise identical on every rank (``MpiLink.sum``). In a world of one it returns ``partial``
+        itself. Rank 0 must have flushed the command of this forward pass: workers cannot join a
+        pass whose command they have not received."""
         if not isinstance(partial, np.ndarray) or partial.dtype != np.float32:
             raise TypeError(f"allsum takes a float32 ndarray, got {getattr(partial, 'dtype', type(partial))}")
-        if self.rank == 0 and self.pending_words:
-            raise RuntimeError(
-                f"allsum with {self.pending_words} command words not flushed: the workers "
-                "have not been told to run this forward pass"
-            )
+        _require_flushed(self, "allsum")
         self.stats.allsums += 1
         if self.size == 1:
             self.recorder.combine(partial, partial, self.collectives)
             return partial
         self.stats.mpi_calls += 1
         self.stats.allsum_bytes += partial.nbytes
-        result = self._sum(np.ascontiguousarray(partial))
+        result = self.link.sum(np.ascontiguousarray(partial))
         self.recorder.combine(partial, result, self.collectives)
         return result
-
-    def _sum(self, partial: np.ndarray) -> np.ndarray:
-        """The rank-ordered sum, gathered everywhere: summing the gathered partials in rank
-        order does the same float operations on the same data on every rank, so the result
-        is bitwise identical everywhere. An MPI Allreduce does not promise that (its
-        reduction order may differ between ranks and algorithms), and a single differing bit
-        would let the ranks' KV drift apart. The price, P x the bytes of a reduce, is small
-        for decode-sized T (MpiTransport switches to a reduce-scatter for large partials)."""
-        gathered = self._gather(partial)  # [P, *partial.shape]
-        out = gathered[0].copy()
-        for r in range(1, self.size):
-            out += gathered[r]
-        return out
 
     # -- dp attention: the MoE exchange and the step's gather (docs/protocol.md, "dp attention") --
     def allgather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray:
         """Every rank's ``rows`` [counts[r], ...] (any dtype, the same trailing shape everywhere),
         concatenated in rank order, on every rank."""
-        self._dp_begin(rows, counts, "allgather_rows")
-        return rows if self.size == 1 else self._allgather_rows(np.ascontiguousarray(rows), counts)
+        _dp_begin(self, rows, counts, "allgather_rows")
+        return rows if self.size == 1 else self.link.allgather_rows(np.ascontiguousarray(rows), counts)
 
     def allgather_words(self, words: np.ndarray, labels: list | None = None) -> np.ndarray:
         """Every rank's ``words`` (uint64 [n], the same n everywhere) in rank order [P, n], on every
         rank: ``--check-state``'s digests, named by ``labels`` in the flight recorder (not a MoE
         exchange, so not counted as one)."""
         row = np.ascontiguousarray(words, np.uint64).reshape(1, -1)
-        if self.rank == 0 and self.pending_words:
-            raise RuntimeError(f"allgather_words with {self.pending_words} command words not flushed")
+        _require_flushed(self, "allgather_words")
         self.recorder.words(row[0], labels, self.collectives)
-        return row if self.size == 1 else self._allgather_rows(row, [1] * self.size)
+        return row if self.size == 1 else self.link.allgather_rows(row, [1] * self.size)
 
     def scatter_sum_rows(self, partial: np.ndarray, counts: list[int]) -> np.ndarray:
         """``partial``: float32 [sum(counts), D], block r (``counts[r]`` rows) meant for rank r.
@@ -220,35 +281,23 @@ class Transport:
         operations of ``allsum`` on those rows, so the same bits."""
         if partial.dtype != np.float32 or partial.shape[0] != sum(counts):
             raise TypeError(f"scatter_sum_rows takes float32 [{sum(counts)}, D], got {partial.dtype} {partial.shape}")
-        self._dp_begin(partial[: counts[self.rank]], counts, "scatter_sum_rows")
-        return partial if self.size == 1 else self._scatter_sum_rows(np.ascontiguousarray(partial), counts)
+        _dp_begin(self, partial[: counts[self.rank]], counts, "scatter_sum_rows")
+        return partial if self.size == 1 else self.link.scatter_sum_rows(np.ascontiguousarray(partial), counts)
 
     def gather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray | None:
         """Rank 0: every rank's ``rows`` [counts[r], ...] concatenated in rank order; None elsewhere."""
-        self._dp_begin(rows, counts, "gather_rows")
-        return rows if self.size == 1 else self._gather_rows(np.ascontiguousarray(rows), counts)
-
-    def _dp_begin(self, rows: np.ndarray, counts: list[int], what: str) -> None:
-        if len(counts) != self.size or rows.shape[0] != counts[self.rank]:
-            raise ValueError(
-                f"{what}: {rows.shape[0]} rows here, but the counts {list(counts)} name "
-                f"{counts[self.rank] if len(counts) == self.size else '?'} for rank {self.rank} of {self.size}"
-            )
-        if self.rank == 0 and self.pending_words:
-            raise RuntimeError(f"{what} with {self.pending_words} command words not flushed")
-        self.stats.allsums += 1
-        self.stats.allsum_bytes += rows.nbytes
+        _dp_begin(self, rows, counts, "gather_rows")
+        return rows if self.size == 1 else self.link.gather_rows(np.ascontiguousarray(rows), counts)
 
     def startup_barrier(self, error: str | None = None) -> None:
         """Every rank calls it once it has loaded its model, or failed to (``error``); waits
         without a time limit, then raises StartupFailed on every rank if any rank failed."""
-        if error:
-            raise StartupFailed([(self.rank, error)])
+        self.link.startup_barrier(error)
 
     def allgather_text(self, text: str) -> list[str]:
         """Every rank's ``text`` (at most STARTUP_ERROR_BYTES of UTF-8), in rank order, on
         every rank (start-up only: no time limit)."""
-        return [text]
+        return self.link.allgather_text(text)
 
     def dump_frames(self, reason: str, report: str = "") -> None:
         """Write the flight recorder to ``dump_dir`` (when set), saying so on stderr."""
@@ -258,29 +307,32 @@ class Transport:
 
     def close(self, reason: str | None = None) -> None:
         """Rank 0 leaving without a SHUTDOWN (an error) tells every worker to leave too."""
-        self.closed = True
-        self.recorder.close()
+        self.link.close(reason)
 
     def unresponsive_ranks(self, wait_s: float = 2.0) -> list[int]:
         """Rank 0: the worker ranks that do not answer within ``wait_s`` (dead, stopped, or stuck
         outside the transport); the ranks known dead, at once, when there are any."""
-        return []
+        return self.link.unresponsive_ranks(wait_s)
 
     @property
     def failed(self) -> WorkerFailed | None:
         """Rank 0: the worker failure already raised (the job is ending), else None."""
         return self._failed
 
+    def fail(self, failure: WorkerFailed) -> None:
+        """Rank 0: a worker failed; the job cannot continue (raises ``failure``)."""
+        self._failed = failure
+        raise failure
+
     def check_peers(self) -> None:
         """Rank 0, between waits (e.g. when told a rank died): raise WorkerFailed naming a worker
         that reported an error or died, if any did."""
-        self._require_root("check_peers")
-        self._check_channel()
+        _require_root(self, "check_peers")
+        self.link.check_channel()
 
     def abort(self, message: str) -> None:
         """End the whole job now, non-zero, after printing ``message``."""
-        print(message, file=sys.stderr, flush=True)
-        os._exit(1)
+        self.link.abort(message)
 
     def __enter__(self) -> Transport:
         return self
@@ -288,54 +340,48 @@ class Transport:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(None if exc is None else f"{type(exc).__name__}: {exc}")
 
-    # -- workers and hooks -----------------------------------------------------------------------
+    # -- workers -------------------------------------------------------------------------------
     def recv_frame(self) -> np.ndarray:
-        raise RuntimeError("recv_frame: this rank has no rank 0 to receive from")
+        """The words of rank 0's next frame; waits without a time limit (the server may idle)."""
+        return self.link.recv_frame()
 
     def recv_rows(self, n: int, width: int) -> np.ndarray:
-        raise RuntimeError("recv_rows: this rank has no rank 0 to receive from")
+        """The vision rows [n, width] announced by the last PREFILL."""
+        return self.link.recv_rows(n, width)
 
     def report_error(self, text: str) -> None:
-        raise RuntimeError("report_error is for worker ranks")
+        """Tell rank 0 this worker failed and wait until the job goes down."""
+        self.link.report_error(text)
 
-    def _append(self, words: np.ndarray) -> None:
-        self._require_root("send")
-        end = self._n + len(words)
-        if end > len(self._out):
-            grown = np.zeros(max(end, 2 * len(self._out)), np.uint32)
-            grown[: self._n] = self._out[: self._n]
-            self._out = grown
-        self._out[self._n : end] = words
-        self._n = end
 
-    def _require_root(self, what: str) -> None:
-        if self.rank != 0:
-            raise RuntimeError(f"{what}: only rank 0 sends commands (this is rank {self.rank})")
+def _require_root(transport: Transport, what: str) -> None:
+    if transport.rank != 0:
+        raise RuntimeError(f"{what}: only rank 0 sends commands (this is rank {transport.rank})")
 
-    def _check_channel(self) -> None:
-        pass
 
-    def _send_frame(self, out: np.ndarray, n: int) -> None:
-        pass  # a world of one: nobody to send to
+def _require_flushed(transport: Transport, what: str) -> None:
+    """Rank 0 may start a collective only with no words queued: the workers would not join it."""
+    if transport.rank == 0 and transport.pending_words:
+        raise RuntimeError(
+            f"{what} with {transport.pending_words} command words not flushed: the workers "
+            "have not been told to run this forward pass"
+        )
 
-    def _send_rows(self, rows: np.ndarray) -> None:
-        pass
 
-    def _gather(self, partial: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
-    def _allgather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray:
-        raise NotImplementedError
-
-    def _scatter_sum_rows(self, partial: np.ndarray, counts: list[int]) -> np.ndarray:
-        raise NotImplementedError
-
-    def _gather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray | None:
-        raise NotImplementedError
+def _dp_begin(transport: Transport, rows: np.ndarray, counts: list[int], what: str) -> None:
+    rank, size = transport.rank, transport.size
+    if len(counts) != size or rows.shape[0] != counts[rank]:
+        raise ValueError(
+            f"{what}: {rows.shape[0]} rows here, but the counts {list(counts)} name "
+            f"{counts[rank] if len(counts) == size else '?'} for rank {rank} of {size}"
+        )
+    _require_flushed(transport, what)
+    transport.stats.allsums += 1
+    transport.stats.allsum_bytes += rows.nbytes
 
 
 class LocalTransport(Transport):
     """A world of one rank: frames are only counted; no MPI at all."""
 
     def __init__(self, frame_words: int = DEFAULT_FRAME_WORDS):
-        super().__init__(0, 1, frame_words)
+        super().__init__(LocalLink(), frame_words)

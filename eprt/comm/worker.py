@@ -11,30 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from eprt.comm.protocol import (
-    Accept,
-    CheckState,
-    Command,
-    Compact,
-    Decode1,
-    DecodeBatch,
-    DecodeCkpt,
-    DecodeDp,
-    Decoder,
-    EplbPlacement,
-    Fork,
-    LoraLoad,
-    LoraUnload,
-    Owner,
-    Prefill,
-    PrefillNext,
-    ProtocolError,
-    Release,
-    Shutdown,
-    SlotAdapter,
-    Verify,
-    VerifyMtp,
-)
+from eprt.comm.protocol import Command, Decoder, Prefill, PrefillNext, ProtocolError, Shutdown, declaration
 from eprt.comm.transport import RootDown
 
 log = logging.getLogger(__name__)
@@ -93,14 +70,7 @@ class Executor(Protocol):
     def release(self, slot: int) -> None:
         """Free the sequence in ``slot``."""
 
-    def load_adapter(self, lora_slot: int, adapter_id: int, path: str) -> None:
-        """LORA_LOAD: read this rank's share of the adapter at ``path`` into ``lora_slot``."""
-
-    def unload_adapter(self, lora_slot: int) -> None:
-        """LORA_UNLOAD: empty ``lora_slot``."""
-
-    def set_slot_adapter(self, slot: int, lora_slot: int) -> None:
-        """SLOT_ADAPTER: the next PREFILL into the empty ``slot`` uses the adapter in ``lora_slot``."""
+    adapters: object  # its LoRA slots: ``load`` (LORA_LOAD), ``unload`` (LORA_UNLOAD), ``set_slot`` (SLOT_ADAPTER)
 
     def assign_owner(self, slot: int, owner: int, prompt_hidden: bool = False) -> None:
         """OWNER (dp attention, an executor whose ``dp`` is true): the next PREFILL into ``slot`` is
@@ -189,42 +159,11 @@ def _prefill(group: list, executor: Executor) -> None:
 
 
 def _execute(cmd: Command, transport: WorkerTransport, executor: Executor, decoder: Decoder) -> None:
-    if isinstance(cmd, Decode1):
-        executor.decode([cmd.slot], [cmd.token])
-    elif isinstance(cmd, DecodeBatch):
-        executor.decode(list(cmd.slots), list(cmd.tokens))
-    elif isinstance(cmd, Compact):
-        executor.compact(cmd.slot, cmd.new_slot)
-    elif isinstance(cmd, Fork):
-        executor.fork(cmd.slot, cmd.new_slot)
-    elif isinstance(cmd, Release):
-        executor.release(cmd.slot)
-    elif isinstance(cmd, Verify):
-        executor.verify(list(cmd.slots), list(cmd.tokens), list(cmd.drafts))
-    elif isinstance(cmd, VerifyMtp):
-        executor.verify_mtp(list(cmd.slots), list(cmd.tokens), list(cmd.counts))
-    elif isinstance(cmd, Accept):
-        executor.accept(list(cmd.slots), list(cmd.accepted))
-    elif isinstance(cmd, EplbPlacement):
-        executor.switch_placement(cmd.epoch, np.asarray(cmd.table, np.int64).reshape(cmd.layers, cmd.slots))
-    elif isinstance(cmd, (Owner, DecodeDp)) and not getattr(executor, "dp", False):
+    """Run one command as its declaration says (``protocol.DECLARATIONS``: the worker's dispatch)."""
+    spec = declaration(cmd)
+    if spec.dp_only and not getattr(executor, "dp", False):
+        where = cmd.slots if hasattr(cmd, "slots") else cmd.slot
         raise ProtocolError(
-            f"{type(cmd).__name__} (slot {cmd.slots if isinstance(cmd, DecodeDp) else cmd.slot}) "
-            "is for dp attention, but this rank runs replicated attention"
+            f"{type(cmd).__name__} (slot {where}) is for dp attention, but this rank runs replicated attention"
         )
-    elif isinstance(cmd, Owner):
-        executor.assign_owner(cmd.slot, cmd.owner, bool(cmd.prompt_hidden))
-    elif isinstance(cmd, DecodeDp):
-        executor.decode(list(cmd.slots), list(cmd.tokens), list(cmd.counts))
-    elif isinstance(cmd, DecodeCkpt):
-        executor.checkpoint(cmd.slot, cmd.snapshot_tokens, cmd.end_block, cmd.session_hash, cmd.adapter_id)
-    elif isinstance(cmd, LoraLoad):
-        executor.load_adapter(cmd.lora_slot, cmd.adapter_id, cmd.path)
-    elif isinstance(cmd, LoraUnload):
-        executor.unload_adapter(cmd.lora_slot)
-    elif isinstance(cmd, SlotAdapter):
-        executor.set_slot_adapter(cmd.slot, cmd.lora_slot)
-    elif isinstance(cmd, CheckState):
-        executor.check_state(cmd.step, transport)
-    else:
-        raise ProtocolError(f"no worker action for {cmd!r}")
+    spec.action(executor, cmd, transport)

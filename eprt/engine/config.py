@@ -135,6 +135,17 @@ class EngineConfig:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
+    _add_model_arguments(g)
+    _add_pool_arguments(g)
+    _add_step_arguments(g)
+    _add_debug_arguments(g)
+    _add_speculation_arguments(g)
+    _add_lora_arguments(g)
+    add_eplb_arguments(parser)
+
+
+def _add_model_arguments(g) -> None:
+    """The checkpoint, the device, the attention mode, how requests are seeded and logprobs taken."""
     g.add_argument(
         "--model",
         default=None,
@@ -163,54 +174,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU: compute threads per rank ($EPRT_CPU_THREADS; default: $OMP_NUM_THREADS, else the cores this "
         "rank is bound to, else the node's cores / its ranks); never changes a bit of the output",
     )
-    g.add_argument("--max-batch", type=int, default=32, help="sequence slots, i.e. max decode batch (32)")
-    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block ($EPRT_BLOCK_SIZE, 16)")
-    g.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV blocks per rank ($EPRT_NUM_BLOCKS; 0: every slot can reach --max-model-len, within memory)",
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="max prompt + generated tokens (default: the model's max_position_embeddings, bounded by the KV pool)",
-    )
-    g.add_argument(
-        "--max-prefill-tokens",
-        type=int,
-        default=None,
-        help=f"chunked prefill: prompt tokens per step (default {DEFAULT_PREFILL_TOKENS['cpu']} on the CPU, "
-        f"{DEFAULT_PREFILL_TOKENS['cuda']} on a GPU; 0: whole prompts)",
-    )
-    g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
-    g.add_argument(
-        "--batch-prefill",
-        choices=("on", "off"),
-        default="on",
-        help="run the prompts (and prompt chunks) admitted in one tick as one forward pass (default on)",
-    )
-    g.add_argument(
-        "--overlap",
-        choices=("on", "off"),
-        default="off",
-        help="rank 0 plans a decode step's sampling and encodes the next step's frame while the step's forward "
-        "pass runs (on a helper thread on the CPU); default off: not faster on the CPU as measured "
-        '(docs/design.md, "Overlap")',
-    )
-    g.add_argument(
-        "--check-state",
-        action="store_true",
-        help="after every step compare each rank's digests of the state it mirrors (slots, KV pools, prefix "
-        "cache, placement, snapshots) and end the job naming any that differ (also EPRT_CHECK_STATE=1)",
-    )
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory for weights plus KV pool (0.9)",
-    )
     g.add_argument(
         "--image-token-id",
         type=int,
@@ -237,6 +200,66 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="raw",
         help="logprobs from the model's logits (raw, vLLM's default) or after penalties, temperature and min-p",
     )
+
+
+def _add_pool_arguments(g) -> None:
+    """The sequence slots and the KV pool."""
+    g.add_argument("--max-batch", type=int, default=32, help="sequence slots, i.e. max decode batch (32)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block ($EPRT_BLOCK_SIZE, 16)")
+    g.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per rank ($EPRT_NUM_BLOCKS; 0: every slot can reach --max-model-len, within memory)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="max prompt + generated tokens (default: the model's max_position_embeddings, bounded by the KV pool)",
+    )
+    g.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help=f"chunked prefill: prompt tokens per step (default {DEFAULT_PREFILL_TOKENS['cpu']} on the CPU, "
+        f"{DEFAULT_PREFILL_TOKENS['cuda']} on a GPU; 0: whole prompts)",
+    )
+    g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory for weights plus KV pool (0.9)",
+    )
+
+
+def _add_step_arguments(g) -> None:
+    """How a step runs: batched prefill, the overlap."""
+    g.add_argument(
+        "--batch-prefill",
+        choices=("on", "off"),
+        default="on",
+        help="run the prompts (and prompt chunks) admitted in one tick as one forward pass (default on)",
+    )
+    g.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="off",
+        help="rank 0 plans a decode step's sampling and encodes the next step's frame while the step's forward "
+        "pass runs (on a helper thread on the CPU); default off: not faster on the CPU as measured "
+        '(docs/design.md, "Overlap")',
+    )
+
+
+def _add_debug_arguments(g) -> None:
+    """The state checks, logs and the flight recorder."""
+    g.add_argument(
+        "--check-state",
+        action="store_true",
+        help="after every step compare each rank's digests of the state it mirrors (slots, KV pools, prefix "
+        "cache, placement, snapshots) and end the job naming any that differ (also EPRT_CHECK_STATE=1)",
+    )
     g.add_argument("--log-all-ranks", action="store_true", help="log from every rank, not only rank 0")
     g.add_argument(
         "--dump-dir",
@@ -245,6 +268,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "($EPRT_DUMP_DIR, eprt-dumps)",
     )
     g.add_argument("--dump-frames", action="store_true", help="write the flight recorder at shutdown too")
+    g.add_argument(
+        "--record-payloads",
+        action="store_true",
+        help="record every frame, vision row and combine with its data under DUMP_DIR/payloads, for eprt replay",
+    )
+
+
+def _add_speculation_arguments(g) -> None:
     g.add_argument(
         "--speculative-method",
         default=None,
@@ -255,11 +286,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per sequence and step, 1..4 (3)")
     g.add_argument("--prompt-lookup-min", type=int, default=1, help="ngram: shortest suffix looked up (1)")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix looked up (4)")
-    g.add_argument(
-        "--record-payloads",
-        action="store_true",
-        help="record every frame, vision row and combine with its data under DUMP_DIR/payloads, for eprt replay",
-    )
+
+
+def _add_lora_arguments(g) -> None:
     g.add_argument(
         "--lora-modules",
         action="append",
@@ -270,7 +299,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-lora", action="store_true", help="LoRA slots for adapters loaded at run time")
     g.add_argument("--max-loras", type=int, default=4, help="LoRA adapter slots per rank (4)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank served (16)")
-    add_eplb_arguments(parser)
 
 
 def add_eplb_arguments(parser: argparse.ArgumentParser) -> None:

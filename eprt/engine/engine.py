@@ -10,35 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
-import sys
 import threading
 import time
 
 import numpy as np
 
 from eprt.api import ENGINE_FAILED, STOPPED, GenerationRequest, GenerationResult, Guide, RequestError
-from eprt.comm.logging import setup_logging
-from eprt.comm.recorder import Recorder
-from eprt.comm.transport import StartupFailed
-from eprt.comm.worker import run_worker
-from eprt.comm.world import open_transport
-from eprt.engine.adapters import AdapterRegistry, UnknownAdapter
+from eprt.engine.adapters import UnknownAdapter
 from eprt.engine.choices import best_choices
 from eprt.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args  # noqa: F401
-from eprt.engine.dp_executor import DpShardExecutor
-from eprt.engine.dp_runner import DpModelRunner
 from eprt.engine.eplb import Rebalancer
 from eprt.engine.expert_load import imbalance
 from eprt.engine.images import EngineImages
 from eprt.engine.isolation import one_by_one
+from eprt.engine.launch import close_transport, open_rank, rank0_runner, serve_worker, start
 from eprt.engine.runner import ModelRunner
-from eprt.engine.startup import prefill_budget, start_rank
-from eprt.engine.structured import GrammarCompiler, GuidedRows
-from eprt.ops.device import bind_local_gpu, device_choice
 from eprt.scheduler.clock import WallClock
-from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.interface import RowFailure
 from eprt.scheduler.scheduler import Scheduler
 
@@ -160,7 +147,7 @@ class Engine:
         if guide is not None:
             if not isinstance(guide, Guide):
                 raise RequestError(f"guide must be an eprt.api.Guide, got {guide!r:.80}")
-            self.runner.guides.compiler.grammar(guide)
+            self.runner.sampler.guides.compiler.grammar(guide)
 
     def _with_text(self, result: GenerationResult) -> GenerationResult:
         """``result`` with its text decoded; a decoding that fails fails that request alone."""
@@ -346,9 +333,9 @@ class Engine:
             prompt_tokens_computed=self.runner.prompt_tokens_computed,
             decode_steps=self.runner.decode_steps,
             decode_rows=self.runner.decode_rows,
-            spec_proposed_tokens=self.runner.proposed_tokens,
-            spec_accepted_tokens=self.runner.accepted_tokens,
-            spec_verify_steps=self.runner.verify_steps,
+            spec_proposed_tokens=self.runner.drafts.proposed_tokens,
+            spec_accepted_tokens=self.runner.kv.accepted_tokens,
+            spec_verify_steps=self.runner.drafts.verify_steps,
             spec_mean_accepted_length=self.runner.mean_accepted_length(),
         )
         return out
@@ -363,7 +350,7 @@ class Engine:
             pass
         self._refresh_expert_load(time.monotonic())
         log.info("shutdown: %s", self.stats_line())
-        _close(self.transport, self.config)
+        close_transport(self.transport, self.config)
 
 
 def _submit_all(engine: Engine, reqs: list, strict: bool) -> tuple:
@@ -383,135 +370,22 @@ def _submit_all(engine: Engine, reqs: list, strict: bool) -> tuple:
     return handles, results
 
 
-def _precheck(transport, check) -> None:
-    """Rank 0's ``check()`` of what only rank 0 reads (an input file), before any rank loads the
-    model: its ValueError or OSError leaves every rank at once (a world of one: raised as is)."""
-    if check is None:
-        return
-    error = None
-    if transport.rank == 0:
-        try:
-            check()
-        except (ValueError, OSError) as e:
-            if transport.size == 1:
-                raise
-            error = str(e)
-    transport.startup_barrier(error)
-
-
 @contextlib.contextmanager
 def launch_engine(args_or_config, transport=None, precheck=None):
-    """Build the engine on every rank. Rank 0 gets the Engine; a worker rank serves the
-    command stream and leaves with SystemExit (0 after SHUTDOWN, 1 after a failure, 2 when the
-    job could not start). ``transport`` defaults to the launcher's world (``open_transport()``);
-    ``precheck``: rank 0's check of its input, run before loading (``_precheck``)."""
+    """Build the engine on every rank (eprt/engine/launch.py): rank 0 gets the Engine; a worker rank
+    serves the command stream and leaves with SystemExit (0 after SHUTDOWN, 1 after a failure, 2 when
+    the job could not start). ``transport`` defaults to the launcher's world (``open_transport()``);
+    ``precheck``: rank 0's check of its input, run before loading (``launch.precheck``)."""
     cfg = args_or_config if isinstance(args_or_config, EngineConfig) else engine_config_from_args(args_or_config)
     cfg.validate()
-    device, why = device_choice(cfg.device)
-    if device == "cuda":
-        bind_local_gpu()  # before MPI initialises: a CUDA-aware MPI must see the right GPU
-    transport = open_transport() if transport is None else transport
-    rank, world = transport.rank, transport.size
-    setup_logging(rank, cfg.log_all_ranks or None)
-    log.info("device %s (%s)", device, why)
-    transport.dump_dir = cfg.dump_dir
-    if cfg.record_payloads:
-        transport.recorder = Recorder(rank, world, payload_dir=os.path.join(cfg.dump_dir, "payloads"))
-    signal.signal(signal.SIGUSR2, lambda signum, frame: transport.dump_frames("SIGUSR2"))
-    try:
-        _precheck(transport, precheck)
-        started = start_rank(cfg, device, transport)
-    except StartupFailed:
-        if rank != 0:
-            sys.exit(2)  # rank 0 reports every failing rank, and exits 2 (launchers OR the codes)
-        raise
-    ops, loaded, executor = started.ops, started.loaded, started.executor
-    model_cfg = loaded.config
-    transport.recorder.meta = {  # what eprt replay needs to rebuild this rank's executor
-        "model": cfg.model,
-        "backend": ops.name,
-        "cpu_weights": getattr(ops, "precision", None),  # the CPU weights' precision (int8 changes the bits)
-        "num_blocks": executor.pool_blocks,  # KV blocks plus those recurrent-state snapshots take
-        "block_size": cfg.block_size,
-        "max_slots": cfg.max_batch,
-        "prefix_cache": cfg.prefix_cache,
-        "image_token_id": executor.image_token_id,
-        "vocab_size": model_cfg.vocab_size,
-        "rope_len": loaded.model.max_len,
-        "mtp": executor.mtp,  # the MTP layer (VERIFY_MTP) is loaded
-        "prefill_tokens": prefill_budget(cfg, ops.name, model_cfg),  # bounds what a windowed-KV sequence reserves
-    }
-    log.info(
-        "rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, KV %d bytes/token (%s), "
-        "read %d tensors (%.1f MB)",
-        rank,
-        world,
-        loaded.name,
-        ops.name,
-        loaded.model.w.expert_start,
-        loaded.model.w.expert_end,
-        executor.blocks.num_blocks,
-        cfg.block_size,
-        executor.kv.allocated_bytes_per_token,
-        "MLA latent" if model_cfg.mla is not None else "K+V",
-        loaded.tensors_read,
-        loaded.bytes_read / 1e6,
-    )
-    if rank != 0:
-        # mpiexec and srun forward SIGINT/SIGTERM to every rank; only rank 0 decides when the
-        # job ends (it finishes what is in flight, then sends SHUTDOWN), so workers ignore them.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        executor.compute_logits = False
-        code = run_worker(transport, executor, cfg.max_batch, model_cfg.vocab_size)
-        _close(transport, cfg)
-        sys.exit(code)
-    spec = cfg.speculative()
-    if spec is not None and model_cfg.is_hybrid:
-        raise ValueError(
-            f"--speculative-method {spec.method}: {model_cfg.model_type} keeps recurrent state, "
-            "which cannot roll back rejected drafts"
-        )
-    dp = isinstance(executor, DpShardExecutor)
-    if cfg.overlap and dp:
-        log.info("--overlap is off under --attention dp (its decode steps run on each row's owner)")
-    runner = (DpModelRunner if dp else ModelRunner)(
-        executor,
-        transport,
-        seed=cfg.seed,
-        drafter=None if spec is None else spec.drafter(),
-        batch_prefill=cfg.batch_prefill,
-        adapters=_adapter_registry(cfg, executor),
-        overlap=cfg.overlap and not dp,
-    )
-    if runner.overlap is not None:
-        log.info(
-            "overlap: decode steps' forward passes %s while rank 0 plans their sampling",
-            "with rows for the host sampler run on a helper thread" if runner.overlap.threaded else "are launched",
-        )
-    eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
-    runner.guides = GuidedRows(GrammarCompiler(loaded.tokenizer, model_cfg.vocab_size, eos))
-    sched_cfg = SchedulerConfig(
-        vocab_size=model_cfg.vocab_size,
-        eos_token_ids=tuple(
-            loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
-        ),
-        max_batch=cfg.max_batch,
-        max_prefill_tokens=prefill_budget(cfg, device, model_cfg),
-        block_size=cfg.block_size,
-        max_model_len=started.max_model_len,
-        num_speculative_tokens=0 if spec is None else spec.num_tokens,
-    )
-    log.info(
-        "max_model_len %d, prefill chunks of %s, up to %d sequences",
-        started.max_model_len,
-        f"{sched_cfg.max_prefill_tokens} tokens" if sched_cfg.max_prefill_tokens else "whole prompts",
-        cfg.max_batch,
-    )
-    runner.eos_token_ids, runner.logprobs_mode = sched_cfg.eos_token_ids, cfg.logprobs_mode
-    engine = Engine(runner, Scheduler(runner, sched_cfg, clock=WallClock()), loaded, cfg, transport)
+    transport, device = open_rank(cfg, transport)
+    started = start(cfg, device, transport, precheck)
+    if transport.rank != 0:
+        serve_worker(cfg, transport, started)  # (never returns)
+    runner, sched_cfg = rank0_runner(cfg, device, transport, started)
+    engine = Engine(runner, Scheduler(runner, sched_cfg, clock=WallClock()), started.loaded, cfg, transport)
     if cfg.eplb.active:
-        engine.eplb = Rebalancer(runner, cfg.eplb, model_cfg, world, started.nodes)
+        engine.eplb = Rebalancer(runner, cfg.eplb, started.loaded.config, transport.size, started.nodes)
     ok = False
     try:
         yield engine
@@ -521,22 +395,3 @@ def launch_engine(args_or_config, transport=None, precheck=None):
             engine.shutdown()
         else:
             transport.close("rank 0 failed")
-
-
-def _adapter_registry(cfg: EngineConfig, executor) -> AdapterRegistry | None:
-    """Rank 0's adapters: --lora-modules registered (each checked by reading rank 0's share)."""
-    if executor.lora is None:
-        return None
-    registry = AdapterRegistry(cfg.max_loras, validate=executor.lora.read)
-    for name, path in cfg.lora_modules:
-        registry.register(name, path, check=False)  # every rank read it at start-up
-        log.info("LoRA adapter %r from %s", name, path)
-    return registry
-
-
-def _close(transport, cfg: EngineConfig) -> None:
-    """Close the transport after writing the flight recorder when asked to (with payloads, always:
-    the header is what eprt replay reads)."""
-    if cfg.dump_frames or cfg.record_payloads:
-        transport.dump_frames("shutdown")
-    transport.close()

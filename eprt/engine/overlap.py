@@ -1,5 +1,5 @@
 """``--overlap``: while a decode step's forward pass runs, rank 0 does the host work that does not
-need its logits: the step's sampling plan (``ModelRunner.sampling_plan``) and the next step's
+need its logits: the step's sampling plan (``RowSampler.plan``) and the next step's
 DECODE_BATCH, encoded for the same slots with placeholder tokens. The frames, their order and the
 scheduler's calls are those without it (docs/design.md, "Overlap").
 
@@ -35,16 +35,18 @@ class DecodeOverlap:
         self._plan: tuple | None = None  # (rows, the sampling plan of those rows)
         self._next: DecodeBatchWords | None = None  # the next step's frame, encoded ahead for these slots
 
-    def decode(self, slots: list, tokens: list, rows: list, sampling_plan, thread: bool) -> None:
-        """Send the step's DECODE_BATCH, launch its forward pass (on the helper thread when
-        ``thread`` and there is one), and while it runs make ``sampling_plan(rows)`` and encode the
-        next step's frame for the same slots."""
+    def decode(self, frames, item, slots: tuple, tokens: tuple, rows: list, sampling_plan, thread: bool) -> None:
+        """Send the step's DECODE_BATCH (through ``frames``, for the plan's ``item``), launch its forward
+        pass (on the helper thread when ``thread`` and there is one), and while it runs make
+        ``sampling_plan(rows)`` and encode the next step's frame for the same slots."""
         ahead, self._next = self._next, None
+        cmd = DecodeBatch(tuple(slots), tuple(tokens))
         if ahead is not None and ahead.slots == tuple(slots):
-            self.transport.send_words(ahead.fill(tokens))
+            frames.send_words(item, cmd, ahead.fill(tokens))
         else:
-            self.transport.send(DecodeBatch(tuple(slots), tuple(tokens)))
-        self.transport.flush()
+            frames.send(item, cmd)
+        frames.flush()
+        slots, tokens = list(slots), list(tokens)
         inputs = self.executor.decode_inputs(slots, tokens)
         thread = thread and self._pool is not None
         if thread:

@@ -14,8 +14,6 @@ from typing import Protocol
 import numpy as np
 
 from eprt.comm import protocol as P
-from eprt.engine.isolation import per_row
-from eprt.engine.sampling import sample_rows, token_uniform
 from eprt.scheduler.interface import RowFailure
 from eprt.scheduler.speculation import StepCosts
 
@@ -25,9 +23,9 @@ METHODS = ("ngram", "mtp")  # --speculative-method
 class Drafter(Protocol):
     in_pass: bool  # True: the model drafts inside the verify step on every rank (VERIFY_MTP)
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens likely to follow ``token_ids`` (prompt and output so far); may be fewer.
-        A drafter ``in_pass`` returns ``k`` placeholders (IN_PASS): how many the step drafts."""
+    def draft(self, seq, k: int) -> list[int]:
+        """Up to ``k`` tokens likely to follow ``seq.token_ids`` (prompt and output so far); may be
+        fewer. A drafter ``in_pass`` returns ``k`` placeholders (IN_PASS): how many the step drafts."""
 
 
 IN_PASS = -1  # a draft the verify step itself computes (VERIFY_MTP), not yet known on rank 0
@@ -48,7 +46,11 @@ class NgramDrafter:
                 f"--prompt-lookup-min/--prompt-lookup-max must satisfy 1 <= min <= max, got {self.min_n}, {self.max_n}"
             )
 
+    def draft(self, seq, k: int) -> list[int]:
+        return self.propose(seq.token_ids, k)
+
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the most recent, longest earlier match of the suffix."""
         ids = np.asarray(token_ids, dtype=np.int64)  # [L]
         L = len(ids)
         # match[e]: the n tokens ending at e (e < L - 1) equal the last n, for n = 1, 2, ... in turn
@@ -73,7 +75,7 @@ class MtpDrafter:
 
     in_pass = True
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    def draft(self, seq, k: int) -> list[int]:
         return [IN_PASS] * k
 
 
@@ -123,34 +125,30 @@ def rejection_sample(p: np.ndarray, q: np.ndarray, draft: int, u_accept: float, 
     return False, int(min(np.searchsorted(c, u_resample * c[-1], side="right"), len(p) - 1))
 
 
-class SpeculativeRunner:
-    """The runner's speculative calls (mixed into ``ModelRunner``): propose, one VERIFY forward
-    over every row's token and drafts, the readback of each row's emitted tokens, and the ACCEPT.
+class Speculation:
+    """The runner's speculative decoding (a part of the runner, ``ModelRunner.drafts``): the drafts
+    and measured costs the scheduler asks for while planning, and a verify step's execution: one
+    VERIFY (or VERIFY_MTP) forward over every row's token and drafts, then each row's emitted tokens.
 
     A deterministic drafter proposes a point mass q = 1 at the draft, for which rejection
     sampling reduces to: draw the target token at the draft's position with that position's
     uniform (as plain decoding would) and accept iff it equals the draft. So a sampled request
     emits exactly the tokens it would without speculation, with the same seed."""
 
-    drafter: Drafter | None = None
-    step_costs: StepCosts | None = None  # measured decode and verify step times (speculation on)
-    _step_start = 0.0  # verify_batch's start
-    _decode_start: float | None = None  # decode_batch's start, until its readback
-    _catch_up = (0, 0.0)  # positions beyond one per row of the last verify_batch's MTP catch-up pass, their seconds
-    proposed_tokens = 0
-    accepted_tokens = 0
-    verify_steps = 0
-    verify_rows = 0
+    def __init__(self, executor, sampler, drafter: Drafter | None = None):
+        self.executor, self.sampler = executor, sampler  # sampler: the runner's token source
+        self.drafter = drafter  # None: speculation off
+        self.step_costs = None if drafter is None else StepCosts()  # what a draft position costs here
+        if drafter is not None and drafter.in_pass:
+            executor.mtp_layer.step_clock = self.clock  # the MTP layer's catch-up, timed apart
+        self.proposed_tokens = self.verify_steps = self.verify_rows = 0
 
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per row that had drafts (accepted drafts + 1), over every verify step."""
-        return (self.verify_rows + self.accepted_tokens) / self.verify_rows if self.verify_rows else 0.0
-
+    # ---- planning (the scheduler's queries) ---------------------------------------------------
     def propose_drafts(self, seq, k: int) -> list[int]:
         """Up to ``k`` drafts (how many: the scheduler's speculation.DraftPolicy)."""
         if self.drafter is None or k < 1:
             return []
-        return self.drafter.propose(seq.token_ids, k)[:k]
+        return self.drafter.draft(seq, k)[:k]
 
     def draft_cost(self, rows: int) -> float | None:
         return None if self.step_costs is None else self.step_costs.draft_cost(rows)
@@ -161,90 +159,40 @@ class SpeculativeRunner:
     def catch_up_cost(self, rows: int) -> float:
         return 0.0 if self.step_costs is None else self.step_costs.catch_up_cost(rows)
 
-    def _step_clock(self) -> float:
+    def clock(self) -> float:
         """What steps are timed on: on the CPU this process's CPU time (a step's compute, what other
         work on a shared machine disturbs least), else the wall clock (the readback waits for the
         device)."""
         return time.process_time() if self.executor.ops.name == "cpu" else time.perf_counter()
 
-    def verify_batch(self, tokens, seqs, drafts, stream: int = 0) -> None:
-        slots = [s.slot for s in seqs]
-        drafts = [tuple(int(t) for t in d) for d in drafts]
-        self._step_start = self._step_clock()
+    # ---- execution ----------------------------------------------------------------------------
+    def verify(self, step, frames) -> list[list]:
+        """Run the verify step (its frame through ``frames``); per row the tokens it emits."""
+        slots, tokens = [r.slot for r in step.rows], [int(t) for t in step.tokens]
+        drafts = [tuple(int(t) for t in d) for d in step.drafts]
+        started = self.clock()
+        catch_up = (0, 0.0)  # positions beyond one per row of an MTP catch-up pass, their seconds
         if self.drafter is not None and self.drafter.in_pass:  # the MTP layer drafts on every rank
             counts = tuple(len(d) for d in drafts)
-            self.transport.send(P.VerifyMtp(tuple(slots), tuple(int(t) for t in tokens), counts))
-            self.transport.flush()
-            drafts, self._logits = self.executor.verify_mtp(slots, list(tokens), list(counts))  # [N, V]
-            (rows, positions), seconds = self.executor.mtp_caught_up, self.executor.mtp_catch_up_seconds
+            frames.send(step, P.VerifyMtp(tuple(slots), tuple(tokens), counts))
+            frames.flush()
+            drafts, out = self.executor.verify_mtp(slots, tokens, list(counts))  # [N, V]
+            (rows, positions), seconds = self.executor.mtp_layer.caught_up, self.executor.mtp_layer.catch_up_seconds
             # a row's first position is its first draft's pass, what a row drafting every step pays;
             # the rest are owed by the decode steps since its last verify (their share of the pass)
             beyond = positions - rows
-            self._catch_up = (beyond, seconds * beyond / positions if positions else 0.0)
+            catch_up = (beyond, seconds * beyond / positions if positions else 0.0)
         else:
-            self._catch_up = (0, 0.0)
-            self.transport.send(P.Verify(tuple(slots), tuple(int(t) for t in tokens), tuple(drafts)))
-            self.transport.flush()
-            self._logits = self.executor.verify(slots, list(tokens), drafts)  # [N, V]
-        self._rows = list(seqs)
-        self._drafts = drafts
+            frames.send(step, P.Verify(tuple(slots), tuple(tokens), tuple(drafts)))
+            frames.flush()
+            out = self.executor.verify(slots, tokens, drafts)  # [N, V]
         self.verify_steps += 1
         self.verify_rows += sum(1 for d in drafts if d)
-        self.decode_steps += 1
-        self.decode_rows += len(slots)
         self.proposed_tokens += sum(len(d) for d in drafts)
-
-    def verify_readback(self, stream: int = 0) -> list[list]:
-        """Per row of the last verify_batch, the tokens it emits (accepted drafts, then one more);
-        a row whose sampling failed ends with its RowFailure (``isolation.per_row``)."""
-        seqs, drafts = self._rows, self._drafts
-        starts = np.cumsum([0] + [len(d) + 1 for d in drafts])  # [B + 1] first position of each row
-        sampled = [r for r, s in enumerate(seqs) if s.params.temperature != 0.0]
-        targets = [0] * int(starts[-1])  # [N] the token each position emits if reached
-        if len(sampled) < len(seqs):
-            targets = self._position_targets()
-
-        def draw(rows: list) -> list:  # each row's tokens at its positions
-            positions = [p for r in rows for p in range(starts[r], starts[r + 1])]
-            flat = self._sample_positions(self._position_logits(positions), seqs, drafts, rows)  # [n]
-            ends = np.cumsum([0] + [len(drafts[r]) + 1 for r in rows])
-            return [flat[ends[i] : ends[i + 1]] for i in range(len(rows))]
-
-        for r, got in zip(sampled, per_row(sampled, draw, "sampling") if sampled else ()):
-            targets[starts[r] : starts[r + 1]] = [got] * (len(drafts[r]) + 1) if isinstance(got, RowFailure) else got
-        out = [accepted_run(d, targets[starts[r] : starts[r + 1]]) for r, d in enumerate(drafts)]
+        targets = self.sampler.targets(list(step.rows), drafts, out)
+        emitted = [accepted_run(d, t) for d, t in zip(drafts, targets)]
         if self.step_costs is not None:
-            positions, catch_up = self._catch_up  # a cost of the decode steps before, not of the drafts
-            seconds = self._step_clock() - self._step_start - catch_up
-            self.step_costs.verify_step(len(seqs), sum(len(d) for d in drafts), seconds)
-            self.step_costs.catch_up_step(len(seqs), positions, catch_up)
-        return out
-
-    def _position_targets(self) -> list:
-        """The last verify's greedy token at each position [N] (``ModelRunner._greedy``)."""
-        return self._greedy(self._logits, list(range(self._logits.shape[0])))
-
-    def _position_logits(self, positions: list) -> np.ndarray:
-        """The last verify's logits at ``positions``, on the host [n, V]."""
-        return self.executor.ops.to_host(self._logits)[positions]
-
-    @staticmethod
-    def _sample_positions(logits: np.ndarray, seqs, drafts, sampled: list) -> list[int]:
-        """The sampled rows' tokens at each of their positions, logits[n, V] in row order: position i
-        of a row drawn with the uniform of its sequence index (``seq.len + 1 + i``), as plain
-        decoding draws it; one sample_rows call for them all."""
-        params, uniforms = [], []
-        for r in sampled:
-            seq = seqs[r]
-            for i in range(len(drafts[r]) + 1):
-                params.append(seq.params)
-                uniforms.append(token_uniform(seq.model_state.seed, seq.len + 1 + i))
-        return sample_rows(logits, params, np.asarray(uniforms))
-
-    def accept_drafts(self, seqs, accepted: Sequence[int]) -> None:
-        """ACCEPT: row r keeps accepted[r] drafts; here and, with the next frame, on every worker."""
-        slots = tuple(s.slot for s in seqs)
-        accepted = tuple(int(a) for a in accepted)
-        self.executor.accept(list(slots), list(accepted))
-        self.transport.send(P.Accept(slots, accepted))
-        self.accepted_tokens += sum(accepted)
+            positions, seconds = catch_up  # a cost of the decode steps before, not of the drafts
+            self.step_costs.verify_step(len(slots), sum(len(d) for d in drafts), self.clock() - started - seconds)
+            self.step_costs.catch_up_step(len(slots), positions, seconds)
+        return emitted

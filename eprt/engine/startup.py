@@ -18,7 +18,7 @@ from eprt.comm.device_combine import choose_combine
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
-from eprt.engine.dp_executor import DpShardExecutor
+from eprt.engine.dp_executor import dp_executor
 from eprt.engine.eplb import check_same_placement, count_nodes, initial_placement
 from eprt.engine.executor import ShardExecutor, window_spec
 from eprt.engine.runner import PREFILL_GROUP_TOKENS
@@ -95,39 +95,32 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
         step(lambda: check_dp_features(cfg, loaded.config))
     if agreed < blocks and not dp:
         log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)", rank, agreed, blocks)
-    window = window_spec(loaded.config, prefill_budget(cfg, device, loaded.config))
+    prefill_tokens = prefill_budget(cfg, device, loaded.config)
+    window = window_spec(loaded.config, prefill_tokens)
     max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed, window))
-    if dp:  # each rank's pool is its own: a sequence's KV lives on its owner only
-        executor = step(
-            lambda: DpShardExecutor(
-                loaded.model,
-                every,
-                cfg.block_size,
-                cfg.max_batch,
-                DpExchange(transport, ops.xp),
-                prefix_cache=cfg.prefix_cache,
-                image_token_id=cfg.image_token_id,
-                lora=_lora_slots(cfg, ops, loaded),
-                prefill_tokens=prefill_budget(cfg, device, loaded.config),
-            )
-        )
-    else:
-        executor = step(
-            lambda: ShardExecutor(
-                loaded.model,
-                agreed,
-                cfg.block_size,
-                cfg.max_batch,
-                prefix_cache=cfg.prefix_cache,
-                image_token_id=cfg.image_token_id,
-                lora=_lora_slots(cfg, ops, loaded),
-                prefill_tokens=prefill_budget(cfg, device, loaded.config),
-            )
-        )
+    executor = step(lambda: _executor(cfg, ops, loaded, transport, every if dp else agreed, prefill_tokens))
     log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
     if executor.lora is not None:  # every rank reads its share of each adapter once, so a bad one fails here
         step(lambda: [executor.lora.read(path) for _, path in cfg.lora_modules])
     return Started(ops, loaded, executor, max_model_len, nodes)
+
+
+def _executor(
+    cfg: EngineConfig, ops, loaded: LoadedModel, transport: Transport, blocks, prefill_tokens: int
+) -> ShardExecutor:
+    """This rank's executor: ``blocks``, every rank's pool sizes under dp attention (each sequence's
+    KV lives on its owner only), else the one pool size every rank agreed on; ``prefill_tokens``:
+    the largest prefill chunk (what a windowed-KV sequence reserves)."""
+    lora = _lora_slots(cfg, ops, loaded)
+    model, bs, slots = loaded.model, cfg.block_size, cfg.max_batch
+    if isinstance(blocks, list):
+        exchange = DpExchange(transport, ops.xp)
+        return dp_executor(
+            model, blocks, bs, slots, exchange, cfg.prefix_cache, cfg.image_token_id, lora, prefill_tokens
+        )
+    return ShardExecutor(
+        model, blocks, bs, slots, cfg.prefix_cache, cfg.image_token_id, lora=lora, prefill_tokens=prefill_tokens
+    )
 
 
 def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
@@ -218,9 +211,8 @@ def _combine(transport: Transport, ops: Ops):
 
 def prefill_budget(cfg: EngineConfig, device: str, model_cfg) -> int:
     """Prompt tokens a tick prefills: ``--max-prefill-tokens`` (by device; 0: whole prompts), with
-    windowed KV at most PREFILL_GROUP_TOKENS, so that a tick's chunks run as one prefill pass: a
-    window's blocks are taken as its chunks grow, and every rank must take them after the tick's
-    admissions, as rank 0 does (docs/design.md, "Sliding-window KV")."""
+    windowed KV at most PREFILL_GROUP_TOKENS, which bounds the window blocks a prompt reserves while
+    it is prefilled (docs/design.md, "Sliding-window KV")."""
     tokens = cfg.prefill_tokens(device)
     if model_cfg.windowed_kv and not 0 < tokens <= PREFILL_GROUP_TOKENS:
         return PREFILL_GROUP_TOKENS

@@ -1,6 +1,6 @@
 """The sliding layers' side of the executor's forward passes (windowed KV: eprt/cache/window.py):
 their block tables and slots beside the full layers', as ``AttnBatch.window``. A decoding slot's
-window table is cached per slot like its full table (``ShardExecutor._tables``) and rebuilt when
+window table is cached per slot like its full table (``Sequences._tables``) and rebuilt when
 the block manager moved its window (``moved``)."""
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render(plan: Plan) -> str:
-    s, hw, kv = plan.settings, plan.hardware, plan.kv
+    s, hw = plan.settings, plan.hardware
     lines = [
         f"eprt plan: {plan.model} ({plan.model_type}, {count(plan.params)} parameters) on {plan.ranks} "
         f"rank(s), {plan.attention} attention, weights and KV in {s.dtype}",
@@ -137,6 +137,11 @@ def render(plan: Plan) -> str:
         "",
         f"weights per rank (checkpoint bytes from the {plan.weight_source})",
     ]
+    return "\n".join(lines + _weights(plan) + _kv(plan) + _wire(plan) + _bounds(plan))
+
+
+def _weights(plan: Plan) -> list[str]:
+    s, kv = plan.settings, plan.kv
     rows = [
         [
             str(w.rank),
@@ -151,39 +156,47 @@ def render(plan: Plan) -> str:
     ]
     slots = "experts" if not s.num_redundant_experts else f"slots (+{s.num_redundant_experts} redundant)"
     header = ["rank", slots, "read", "replicated", "experts", f"on device ({s.dtype})", "KV room (blocks)"]
-    lines += _table(header, rows)
-    lines += [
+    return _table(header, rows)
+
+
+def _kv(plan: Plan) -> list[str]:
+    s, kv = plan.settings, plan.kv
+    lines = [
         "",
         f"KV cache: {size(kv.bytes_per_token)} per token, {size(kv.bytes_per_block)} per block of {s.block_size}",
     ]
     if kv.problem:
-        lines.append(f"  DOES NOT FIT: {kv.problem}")
-    else:
-        lines.append(
-            f"  pool: {kv.blocks} blocks = {kv.blocks * s.block_size} tokens per rank (the smallest room over the "
-            f"ranks), max_model_len {kv.max_model_len}"
-        )
-        if plan.attention == "dp":
-            lines += [
-                f"  job capacity: {kv.tokens} tokens. Attention is dp: each sequence's KV lives on its owner rank",
-                "  and each rank keeps the pool its memory allows, so the ranks' pools add up. (The wire and the",
-                "  bounds below are replicated attention's; dp adds an all-gather of hidden states per MoE layer.)",
-            ]
-        else:
-            lines += [
-                f"  job capacity: {kv.tokens} tokens. Attention is replicated: every rank holds every sequence's KV,",
-                "  so the job holds what one rank's pool holds, whatever the number of ranks.",
-            ]
-    lines += ["", "bytes on the wire, the busiest rank (command frames + MoE combines)"]
+        return [*lines, f"  DOES NOT FIT: {kv.problem}"]
+    lines.append(
+        f"  pool: {kv.blocks} blocks = {kv.blocks * s.block_size} tokens per rank (the smallest room over the "
+        f"ranks), max_model_len {kv.max_model_len}"
+    )
+    if plan.attention == "dp":
+        return lines + [
+            f"  job capacity: {kv.tokens} tokens. Attention is dp: each sequence's KV lives on its owner rank",
+            "  and each rank keeps the pool its memory allows, so the ranks' pools add up. (The wire and the",
+            "  bounds below are replicated attention's; dp adds an all-gather of hidden states per MoE layer.)",
+        ]
+    return lines + [
+        f"  job capacity: {kv.tokens} tokens. Attention is replicated: every rank holds every sequence's KV,",
+        "  so the job holds what one rank's pool holds, whatever the number of ranks.",
+    ]
+
+
+def _wire(plan: Plan) -> list[str]:
     rows = [[f"decode step, batch {b}", size(w.frame_bytes), size(w.combine_bytes), w.combine]
             for b, w in zip(DECODE_BATCHES, plan.decode_wire)]  # fmt: skip
-    p = plan.prefill_wire
-    c = s.prefill_chunk
+    p, c = plan.prefill_wire, plan.settings.prefill_chunk
     rows.append([f"prefill token (chunks of {c})", size(p.frame_bytes / c), size(p.combine_bytes / c), p.combine])
-    lines += _table(["", "frames", "combine", "combine as"], rows)
-    lines += [
+    lines = ["", "bytes on the wire, the busiest rank (command frames + MoE combines)"]
+    return lines + _table(["", "frames", "combine", "combine as"], rows)
+
+
+def _bounds(plan: Plan) -> list[str]:
+    lines = [
         "",
-        f"decode step lower bounds (roofline; experts touched as under uniform routing; context {s.context} tokens)",
+        f"decode step lower bounds (roofline; experts touched as under uniform routing; context "
+        f"{plan.settings.context} tokens)",
     ]
     rows = [
         [
@@ -201,5 +214,4 @@ def render(plan: Plan) -> str:
         for d in plan.decode
     ]
     header = ["batch", "rank", "HBM read", "HBM", "wire", "link", "FLOPs", "compute", "bound", "binding"]
-    lines += _table(header, rows)
-    return "\n".join(lines)
+    return lines + _table(header, rows)

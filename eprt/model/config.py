@@ -535,6 +535,19 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
     _mxfp4(raw, model_type)  # refused where it is not gpt_oss
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
+    common = _common(raw, model_type, generation_config or {})
+    if model_type in (*DEEPSEEK_TYPES, "glm4_moe"):
+        return _deepseek_like(raw, model_type, common)
+    if model_type == "gpt_oss":
+        return _gpt_oss(raw, common)
+    if model_type in ("mixtral", "olmoe"):
+        return _every_layer_sparse(raw, model_type, common)
+    return _qwen_moe(raw, model_type, common)
+
+
+def _common(raw: dict, model_type: str, gen: dict) -> dict:
+    """The fields every architecture reads the same way: attention's shape, the vocabulary, the
+    experts, rope, FP8, the image token, MTP layers and the EOS ids."""
     hidden = _int(raw, "hidden_size")
     heads = _int(raw, "num_attention_heads")
     kv_heads = heads if model_type in DEEPSEEK_TYPES else _int(raw, "num_key_value_heads", default=heads)
@@ -542,8 +555,6 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
         raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     if raw.get("head_dim") is None and hidden < heads:
         raise ConfigError(f"hidden_size={hidden} < num_attention_heads={heads} and no head_dim is given")
-    head_dim = _int(raw, "head_dim", default=hidden // heads)
-    layers = _int(raw, "num_hidden_layers")
     experts = _int(raw, "num_experts", "num_local_experts", "n_routed_experts")
     vocab = _int(raw, "vocab_size")
     if vocab >= TOKEN_ID_LIMIT:
@@ -552,16 +563,14 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
     if top_k > experts:
         raise ConfigError(f"num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
     image_token = _first(raw, "image_token_id", "image_token_index")
-    eps = _positive_float(_first(raw, "rms_norm_eps", default=1e-6), "rms_norm_eps")
-
-    common = dict(
+    return dict(
         vocab_size=vocab,
         hidden_size=hidden,
-        num_layers=layers,
+        num_layers=_int(raw, "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=eps,
+        head_dim=_int(raw, "head_dim", default=hidden // heads),
+        rms_norm_eps=_positive_float(_first(raw, "rms_norm_eps", default=1e-6), "rms_norm_eps"),
         rope_theta=_rope_theta(raw),
         rope_scaling=_rope_scaling(raw),
         fp8=_fp8(raw),
@@ -571,19 +580,16 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
         top_k=top_k,
         image_token_id=None if image_token is None else _checked_int(image_token, "image_token_id", 0),
         mtp_layers=_int(raw, "num_nextn_predict_layers", default=0, minimum=0),  # DeepSeek's format, any family
+        eos_token_ids=_eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id")),
     )
-    gen = generation_config or {}
-    common["eos_token_ids"] = _eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id"))
 
-    if model_type in (*DEEPSEEK_TYPES, "glm4_moe"):
-        return _deepseek_like(raw, model_type, common)
-    if model_type == "gpt_oss":
-        return _gpt_oss(raw, common)
-    if model_type in ("mixtral", "olmoe"):  # every layer sparse; intermediate_size sizes the experts
-        intermediate = _int(raw, "intermediate_size")
-        common.update(
-            moe_intermediate_size=intermediate, intermediate_size=intermediate, sparse_layers=(True,) * layers
-        )
+
+def _every_layer_sparse(raw: dict, model_type: str, common: dict) -> ModelConfig:
+    """mixtral and olmoe: every layer sparse; intermediate_size sizes the experts."""
+    intermediate = _int(raw, "intermediate_size")
+    common.update(
+        moe_intermediate_size=intermediate, intermediate_size=intermediate, sparse_layers=(True,) * common["num_layers"]
+    )
     if model_type == "mixtral":
         return ModelConfig(
             model_type=model_type,
@@ -592,22 +598,24 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
             moe_prefix="block_sparse_moe",
             **common,
         )
-    if model_type == "olmoe":
-        clip = raw.get("clip_qkv")
-        return ModelConfig(
-            model_type=model_type,
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            qkv_bias=bool(raw.get("attention_bias", False)),
-            qk_norm="full",
-            clip_qkv=None if clip is None else _positive_float(clip, "clip_qkv"),
-            **common,
-        )
-    # qwen2_moe / qwen3_moe: dense layers by mlp_only_layers and decoder_sparse_step
+    clip = raw.get("clip_qkv")
+    return ModelConfig(
+        model_type=model_type,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        qk_norm="full",
+        clip_qkv=None if clip is None else _positive_float(clip, "clip_qkv"),
+        **common,
+    )
+
+
+def _qwen_moe(raw: dict, model_type: str, common: dict) -> ModelConfig:
+    """qwen2_moe, qwen3_moe and qwen3_next: dense layers by mlp_only_layers and decoder_sparse_step."""
     step = _int(raw, "decoder_sparse_step", default=1)
     dense = raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(is_int(i) for i in dense):
         raise ConfigError(f"config.json field 'mlp_only_layers' must be a list of layer indices, got {dense!r}")
-    sparse = tuple((i not in dense) and (i + 1) % step == 0 for i in range(layers))
+    sparse = tuple((i not in dense) and (i + 1) % step == 0 for i in range(common["num_layers"]))
     common.update(
         sparse_layers=sparse,
         moe_intermediate_size=_int(raw, "moe_intermediate_size"),

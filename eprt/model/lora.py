@@ -130,19 +130,9 @@ def load_lora(path: str, cfg: ModelConfig, expert_start: int, expert_end: int, m
     if not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
         raise LoraError(f"LoRA adapter {path!r}: no {ADAPTER_WEIGHTS}")
     src = SafetensorsCheckpoint(path)
-    modules: dict[str, dict] = {}
-    for name in src.keys():
-        stem = name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
-        m = re.match(r"(.*)\.lora_([AB])\.weight$", stem)
-        if m is None:
-            raise LoraError(f"adapter tensor {name!r} is not a LoRA factor (lora_A / lora_B weight)")
-        modules.setdefault(m.group(1), {})[m.group(2)] = name
-    if not modules:
-        raise LoraError(f"LoRA adapter {path!r}: {ADAPTER_WEIGHTS} holds no LoRA factors")
-    adapter = LoraAdapter(path, 0)
     parts: dict = {}  # (layer, target) -> {part: Factors}; gate / up merged below
     patterns = _patterns(cfg)
-    for key, ab in sorted(modules.items()):
+    for key, ab in sorted(_modules(path, src).items()):
         if set(ab) != {"A", "B"}:
             raise LoraError(f"adapter module {key!r} has lora_{''.join(ab)} but not both lora_A and lora_B")
         kind, m = next(((k, p.match(key)) for k, p in patterns if p.match(key)), (None, None))
@@ -152,32 +142,8 @@ def load_lora(path: str, cfg: ModelConfig, expert_start: int, expert_end: int, m
         if layer >= cfg.num_layers:
             raise LoraError(f"adapter module {key!r}: layer {layer} outside the model's {cfg.num_layers} layers")
         _check_target(cfg, key, kind, layer)
-        if kind == "fused":
-            target, f = _fused(cfg, key, src, ab, opts, expert_start, expert_end)
-            parts.setdefault((layer, target), {})["fused"] = f
-        elif kind == "expert":
-            e, proj = int(m.group(2)), cfg.expert_names.index(m.group(3))
-            if not 0 <= e < cfg.num_experts:
-                raise LoraError(f"adapter module {key!r}: expert {e} outside [0, {cfg.num_experts})")
-            if expert_start <= e < expert_end:
-                a, b = _copy(src, ab["A"]), _copy(src, ab["B"])
-                _check_ab(key, a, b)
-                target = "experts_down" if proj == 2 else "experts_gate_up"
-                f = Factors(a, b * np.float32(opts.scale(key, a.shape[0])))
-                parts.setdefault((layer, target), {})[(e, ("gate", "up", "down")[proj])] = f
-            else:  # another rank's expert: never read, its rank checked from the header
-                opts.scale(key, src.info(ab["A"]).shape[0])
-        else:
-            a, b = _copy(src, ab["A"]), _copy(src, ab["B"])
-            _check_ab(key, a, b)
-            proj = m.group(2)
-            f = Factors(a, b * np.float32(opts.scale(key, a.shape[0])))
-            if kind == "attention":
-                parts.setdefault((layer, proj), {})[proj] = f
-            else:
-                prefix = "mlp" if kind == "dense" else "shared"
-                target = f"{prefix}_down" if proj == "down" else f"{prefix}_gate_up"
-                parts.setdefault((layer, target), {})[proj] = f
+        _read_module(cfg, src, opts, (key, ab, kind, m, layer), parts, (expert_start, expert_end))
+    adapter = LoraAdapter(path, 0)
     for (layer, target), got in parts.items():
         f = _assemble(cfg, target, got, expert_start, expert_end)
         limit = max_rank * (2 if target in GATE_UP_TARGETS else 1)
@@ -190,6 +156,46 @@ def load_lora(path: str, cfg: ModelConfig, expert_start: int, expert_end: int, m
         adapter.rank = max(adapter.rank, f.rank)
     src.close()
     return adapter
+
+
+def _modules(path: str, src) -> dict[str, dict]:
+    """The adapter's modules: each one's lora_A and lora_B tensor names, by module key."""
+    modules: dict[str, dict] = {}
+    for name in src.keys():
+        stem = name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
+        m = re.match(r"(.*)\.lora_([AB])\.weight$", stem)
+        if m is None:
+            raise LoraError(f"adapter tensor {name!r} is not a LoRA factor (lora_A / lora_B weight)")
+        modules.setdefault(m.group(1), {})[m.group(2)] = name
+    if not modules:
+        raise LoraError(f"LoRA adapter {path!r}: {ADAPTER_WEIGHTS} holds no LoRA factors")
+    return modules
+
+
+def _read_module(cfg: ModelConfig, src, opts, module: tuple, parts: dict, experts: tuple) -> None:
+    """One module's factors into ``parts`` (an expert of another rank: only its rank checked)."""
+    key, ab, kind, m, layer = module
+    expert_start, expert_end = experts
+    if kind == "fused":
+        target, f = _fused(cfg, key, src, ab, opts, expert_start, expert_end)
+        parts.setdefault((layer, target), {})["fused"] = f
+        return
+    if kind == "expert":
+        e, proj = int(m.group(2)), cfg.expert_names.index(m.group(3))
+        if not 0 <= e < cfg.num_experts:
+            raise LoraError(f"adapter module {key!r}: expert {e} outside [0, {cfg.num_experts})")
+        if not expert_start <= e < expert_end:  # another rank's expert: never read, its rank checked from the header
+            opts.scale(key, src.info(ab["A"]).shape[0])
+            return
+        target, part = ("experts_down" if proj == 2 else "experts_gate_up"), (e, ("gate", "up", "down")[proj])
+    elif kind == "attention":
+        target = part = m.group(2)
+    else:
+        prefix, proj = ("mlp" if kind == "dense" else "shared"), m.group(2)
+        target, part = (f"{prefix}_down" if proj == "down" else f"{prefix}_gate_up"), proj
+    a, b = _copy(src, ab["A"]), _copy(src, ab["B"])
+    _check_ab(key, a, b)
+    parts.setdefault((layer, target), {})[part] = Factors(a, b * np.float32(opts.scale(key, a.shape[0])))
 
 
 def _check_target(cfg: ModelConfig, key: str, kind: str, layer: int) -> None:

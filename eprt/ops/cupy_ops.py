@@ -505,6 +505,17 @@ class CupyOps(GptOssCupy, Ops):
                 smem,
             )
             return out
+        tensors, dims = (q, k_cache, v_cache, block_tables, context_lens), (H, Hk, Dh, BS, MB, cap, smem)
+        self._attention_decode_split(tensors, dims, out, scale, splits, split_keys)
+        return out
+
+    @staticmethod
+    def _attention_decode_split(tensors, dims, out, scale, splits: int, split_keys: int) -> None:
+        """attention_decode with each context's keys in ``splits`` partitions of ``split_keys`` keys:
+        the partitions' partial sums, then their combine into ``out`` (``tensors``: q, the caches,
+        the block tables and the context lengths, checked; ``dims``: H, Hk, Dh, BS, MB, cap, smem)."""
+        q, k_cache, v_cache, block_tables, context_lens = tensors
+        (H, Hk, Dh, BS, MB, cap, smem), B = dims, q.shape[0]
         part_acc = cupy.empty((B, splits, H, Dh), dtype=_F32)  # [B, P, H, Dh]
         part_ml = cupy.empty((B, splits, H, 2), dtype=_F32)  # [B, P, H, (max, sum)]
         _launch(
@@ -537,7 +548,6 @@ class CupyOps(GptOssCupy, Ops):
             _ATTN_THREADS,
             (part_acc, part_ml, out, np.int32(H), np.int32(Dh), np.int32(splits)),
         )
-        return out
 
     def _decode_partitions(self, blocks: int, max_keys: int) -> tuple[int, int]:
         """(partitions per context, keys per partition) for a decode launch of ``blocks``

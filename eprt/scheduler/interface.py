@@ -1,22 +1,28 @@
-"""The model interface the scheduler drives, in two parts: the calls that do work
-(``ModelInterface``) and the calls that exist only for the trace (``TraceCalls``, no-ops
-that the recording fake overrides to print). Semantics and trace lines: docs/scenarios.md.
+"""The model interface the scheduler drives (vLLM v1's shape, kept deterministic): the scheduler
+plans a step (``eprt/scheduler/step.py``) through the model's accounting calls, the model
+executes it, ``execute(plan) -> StepResult``, and the scheduler takes the result. Semantics and
+trace lines: docs/scenarios.md.
+
+Accounting calls run while a step is planned and change only the KV and slot accounting (slots,
+blocks, the prefix cache, snapshot rows, adapter slots), in the order the plan will send their
+commands; ``execute`` then writes the plan's frames and runs its forward passes. No call keeps
+anything for a later call of the scheduler's: what a step computed is in its result.
 
 A ``seq`` argument is the scheduler's ``Sequence``; the model may read ``seq_id``, ``slot``,
-``token_ids``, ``num_prompt``, ``len``, ``params``, ``adapter``, ``image_embeds`` and ``think`` (its
-thinking block: ``eprt/scheduler/thinking.py``), may set
-``seq.cached`` in ``alloc_sequence``, may keep its own state in ``seq.model_state``, and writes
-``seq.logprobs`` / ``seq.prompt_logprobs`` (before the token they describe is accepted).
+``token_ids``, ``num_prompt``, ``len``, ``params``, ``adapter``, ``choice``, ``image_embeds``,
+``prompt_ids``, ``output_ids``, ``prompt_logprobs`` and ``think`` (its thinking block:
+``eprt/scheduler/thinking.py``), and writes none of it but ``model_state``, its own.
 
-A call that returns a row's next token (``argmax_on_device``, ``argmax_batch``, ``verify_readback``)
-may return a ``RowFailure`` in its place: that request alone failed (docs/scenarios.md, "One run").
+A row's token in a result may be a ``RowFailure`` in its place: that request alone failed
+(docs/scenarios.md, "One run").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
+
+from eprt.scheduler.step import Acceptance, Admission, ForkRow, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -33,103 +39,56 @@ class RowFailure:
 
 
 class ModelInterface(Protocol):
-    # -- KV memory: a sequence of length L holds L // block_size + 1 blocks ---------------------
+    # -- KV accounting, while a step is planned: a sequence of length L holds L // block_size + 1 blocks
     def num_free_blocks(self) -> int: ...
 
     def can_admit(self, seq) -> bool:
-        """Whether the blocks for seq's prompt (after prefix-cache reuse) are free now (untraced)."""
+        """Whether a slot and the blocks for seq's prompt (after prefix-cache reuse) are free now."""
 
-    def alloc_sequence(self, seq) -> int:
-        """Take the lowest free slot, reserve blocks for the prompt (reusing cached prefix
-        blocks; sets seq.cached) and return the slot."""
+    def admit(self, seq) -> Admission:
+        """Take the lowest free slot and the blocks of seq's prompt, reusing cached prefix blocks."""
 
-    def cache_sequence(self, seq) -> None:
-        """Insert the sequence's full KV blocks into the prefix cache (release path)."""
-
-    def free_sequence(self, seq) -> int:
-        """Free the slot and the sequence's blocks, and tell the workers (RELEASE); returns
-        how many blocks it held."""
+    def plan_chunk(self, seq, start: int, n: int) -> object:
+        """The prefill chunk [start, start + n) of the admitted seq is planned: the model's note of it
+        (a hybrid model's snapshots inside it, whose rows it takes now), or None."""
 
     def can_fork(self, seq) -> bool:
-        """Whether a further choice of the prefilled seq can fork off it now: a free slot and
-        a free block (untraced)."""
+        """Whether a further choice of seq (whose prompt's last chunk is planned) can fork off it now:
+        a free slot and a free block."""
 
-    def fork_sequence(self, seq, child) -> int:
-        """Take the lowest free slot for child, a further choice of the prefilled seq: it shares
-        seq's full KV blocks and copies the partial last one (FORK); returns the slot. The next
-        argmax_batch has one more row, the prompt's logits again, sampled for child."""
+    def fork(self, seq, child) -> ForkRow:
+        """Take the lowest free slot for child, sharing seq's full prompt blocks and one new block."""
 
-    def compact_sequence(self, seq, new_slot: int) -> None:
-        """Move the sequence from seq.slot to new_slot (COMPACT; KV stays in its blocks)."""
+    def release(self, seq, finish: bool) -> int:
+        """Insert seq's full blocks into the prefix cache, free its slot and blocks; ``finish``: the
+        sequence ended (else it was preempted and comes back). Returns how many blocks it held."""
 
-    # -- compute: each call sends the frame the workers need (PREFILL, DECODE_BATCH) --------
-    def prefill(self, seq, start: int, n: int, stream: int) -> None:
-        """Prefill seq.token_ids[start:start+n] (the scheduler then sets seq.len = start + n)."""
+    def compact(self, seq, new_slot: int) -> None:
+        """Move seq from seq.slot to the free new_slot (its KV stays in its blocks)."""
 
-    def argmax_on_device(self, row: int, stream: int) -> int:
-        """The next token from the last prefill (sampled per seq.params; greedy at T=0)."""
+    def checkpoint(self, seq) -> object:
+        """After a decoded token: a hybrid model's snapshot of seq's state where one is due (the
+        model's note of it), else None."""
 
-    def decode_batch(self, tokens: Seq[int], seqs: list, stream: int) -> None:
-        """One decode step: tokens[r] is appended to seqs[r] at position seqs[r].len."""
+    def accept(self, step: Acceptance) -> None:
+        """Close the last verify step: each row keeps what ``step.kept`` says, the rest rolls back."""
 
-    def argmax_batch(self, row: int, n: int, stream: int) -> list[int]:
-        """The next token of rows [row, row+n) of the last decode_batch."""
+    def refresh_adapters(self) -> object:
+        """Once per tick that drains requests: adapters unregistered since leave their slots (the
+        model's note of it, or None)."""
 
-    # -- shutdown ------------------------------------------------------------------------------
-    def ep_shutdown(self) -> None:
-        """Send SHUTDOWN to the workers."""
-
-    def synchronize(self, stream: int) -> None: ...
-
-    def teardown(self) -> None: ...
-
-
-class TraceCalls:
-    """The interface's trace-only calls: no-ops for a model without streams, adapters,
-    drafters or recurrent state."""
-
-    def bind_gpu_to_thread(self) -> None:
-        pass
-
-    def create_stream(self) -> int:
-        return 1
-
-    def create_event(self) -> int:
-        return 2
-
-    def adapter_id_for(self, adapter: int) -> int:
-        return adapter
-
-    def acquire_adapter_slot(self, adapter: int) -> None:
-        pass
-
-    def commit_ctx(self, seq, n: int, base: int, row: int) -> None:
-        pass
-
-    def decode_marconi_checkpoint(self, seq) -> None:
-        pass
+    # -- drafting (the verify lane), untraced queries --------------------------------------------
+    def propose_drafts(self, seq, k: int) -> list[int]: ...
 
     def draft_cost(self, rows: int) -> float | None:
-        """Untraced: a draft position's measured cost at this batch size, in decode rows (a decode
-        step's time over its rows); None: not measured (speculation.DRAFT_COST)."""
-        return None
+        """A draft position's measured cost at this batch size, in decode rows; None: not measured."""
 
     def verify_overhead(self, rows: int) -> float:
-        """Untraced: what a verify step costs at this batch size whatever its drafts, in decode
-        rows, as measured (speculation.StepCosts); 0: not measured."""
-        return 0.0
+        """What a verify step costs at this batch size whatever its drafts, in decode rows; 0: not measured."""
 
     def catch_up_cost(self, rows: int) -> float:
-        """Untraced: decode rows per position that an MTP drafter's catch-up costs at this batch
-        size, as measured (speculation.StepCosts); 0: not measured, or no such drafter."""
-        return 0.0
+        """Decode rows per position an MTP drafter's catch-up costs; 0: not measured, or no such drafter."""
 
-    # untraced hints of the prefill lane (docs/scenarios.md, "Prefill lane"): a model that runs a
-    # tick's prefill chunks as one forward learns them ahead; these defaults decline
-    def admit_ahead(self, seq) -> int | None:
-        """If ``can_admit(seq)``: hold what this tick's ``alloc_sequence(seq)`` will take and return
-        the cached length it will set; None otherwise (or when the model does not plan ahead)."""
-        return None
-
-    def plan_prefills(self, chunks: list) -> None:
-        """The (seq, start, n) chunks this tick's prefill lane will run, in order."""
+    # -- execution ---------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Write the plan's frames and run its forward passes; the tokens and what else they give."""

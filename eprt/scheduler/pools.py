@@ -1,25 +1,41 @@
 """KV pools as the scheduler sees them (docs/scenarios.md, "dp attention"): one shared pool under
-replicated attention; under dp attention one per owner rank, the model answering ``pool_of(seq)``
-and ``free_blocks_in(pool)``. A decode step that cannot grow preempts within the short pool only.
+replicated attention; under dp attention one per owner rank (``model.pooled``: here ``model`` is the
+KV accounting, ``interface.py``), the model answering ``pool_of(seq)`` and ``free_blocks_in(pool)``.
+A decode step that cannot grow preempts within the short pool only.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+from eprt.scheduler.step import FreeBlocks
+
+
+def reader(model, events: list):
+    """``read(pool)``: the model's free blocks in ``pool`` (None: the one shared pool), each read
+    recorded in ``events`` (the trace prints them)."""
+
+    def read(pool: int | None) -> int:
+        n = model.num_free_blocks() if pool is None else model.free_blocks_in(pool)
+        events.append(FreeBlocks(n, pool))
+        return n
+
+    return read
+
 
 def pooled(model) -> bool:
-    return hasattr(model, "pool_of")
+    return bool(getattr(model, "pooled", False))
 
 
-def short_pool(model, rows: list, block_size: int) -> int | None:
+def short_pool(model, rows: list, block_size: int, read) -> int | None:
     """The pool that cannot give each of its rows crossing a block boundary a new block (the lowest
-    such owner rank under dp attention; 0 for the one shared pool), or None when every row can grow."""
+    such owner rank under dp attention; 0 for the one shared pool), or None when every row can grow.
+    ``read(pool)``: the free blocks of ``pool`` (None: the one shared pool), as the trace records them."""
     crossing = [s for s in rows if (s.len + 1) % block_size == 0]
     if not pooled(model):
-        return None if not crossing or len(crossing) <= model.num_free_blocks() else 0
+        return None if not crossing or len(crossing) <= read(None) else 0
     need = Counter(model.pool_of(s) for s in crossing)
-    return next((pool for pool in sorted(need) if need[pool] > model.free_blocks_in(pool)), None)
+    return next((pool for pool in sorted(need) if need[pool] > read(pool)), None)
 
 
 def in_pool(model, seq, pool: int) -> bool:
@@ -32,10 +48,11 @@ def pool_key(model, seq) -> int:
     return model.pool_of(seq) if pooled(model) else 0
 
 
-def free_after_decode(model, rows: list, block_size: int) -> dict:
+def free_after_decode(model, rows: list, block_size: int, read) -> dict:
     """Blocks each pool has left once a decode step of ``rows`` has taken a new block for each row
-    crossing a block boundary: {pool: blocks}, {0: blocks} with one shared pool."""
+    crossing a block boundary: {pool: blocks}, {0: blocks} with one shared pool (``read``: as in
+    ``short_pool``)."""
     crossing = Counter(pool_key(model, s) for s in rows if (s.len + 1) % block_size == 0)
     if not pooled(model):
-        return {0: model.num_free_blocks() - crossing[0]}
-    return {pool: model.free_blocks_in(pool) - crossing[pool] for pool in sorted({model.pool_of(s) for s in rows})}
+        return {0: read(None) - crossing[0]}
+    return {pool: read(pool) - crossing[pool] for pool in sorted({model.pool_of(s) for s in rows})}

@@ -1,6 +1,9 @@
 """The rank-0 scheduler: continuous batching over the model interface (``interface.py``).
 
-Each tick is plan, prefill lane, decode lane, end of tick; the semantics (admission,
+Each tick is planned and run as steps (``step.py``): the tick's plan and prefill lane, its decode
+lane, its end; each step is planned here and in ``lanes.py`` (through the model's accounting
+calls: ``schedule() -> StepPlan``), executed by the model (``execute(plan) -> StepResult``) and
+taken back here (``update(plan, result)``). The semantics (admission,
 preemption, chunked prefill, guards, the client API) are in docs/scenarios.md.
 """
 
@@ -12,37 +15,23 @@ import threading
 from collections import deque
 
 from eprt.api import GenerationRequest, RequestError
-from eprt.scheduler import guards, pools, speculation, thinking
+from eprt.scheduler import guards, lanes, speculation, thinking
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig, validate_request
-from eprt.scheduler.effects import (
-    DEFAULT_STREAM,
-    CompactSlot,
-    Decode,
-    EffectRunner,
-    EpShutdown,
-    ForkSeq,
-    MarconiCheckpoint,
-    Quiesce,
-    ReleaseSeq,
-    Teardown,
-    Tracer,
-)
 from eprt.scheduler.inbox import Inbox
 from eprt.scheduler.interface import RowFailure
-from eprt.scheduler.sequence import ERROR, GUARD_KV_CAPACITY, LENGTH, STOP, RequestHandle, SeqState, Sequence
+from eprt.scheduler.sequence import ERROR, STOP, RequestHandle, SeqState, Sequence
+from eprt.scheduler.step import StepPlan, StepResult, TickStart
 
 log = logging.getLogger(__name__)
 
 
-def _chunk_len(left: int, budget: int | None) -> int:
-    """Prompt tokens of one prefill chunk: what is left of the prompt, within the tick's budget."""
-    return left if budget is None else min(left, budget)
-
-
 class Scheduler:
-    def __init__(self, model, config: SchedulerConfig, clock=None, tracer: Tracer | None = None):
-        self.model = model
+    def __init__(self, model, config: SchedulerConfig, clock=None, tracer=None):
+        """``model``: its ``kv`` (the KV accounting calls), ``drafts`` (the verify lane's queries) and
+        ``execute`` (``interface.py``). ``tracer``: the trace writer (``trace.TraceWriter``), given
+        each step's plan and result."""
+        self.model, self.kv, self.drafts = model, model.kv, model.drafts
         self.config = config
         self.clock = clock if clock is not None else WallClock()
         self.tracer = tracer
@@ -50,7 +39,6 @@ class Scheduler:
         self.free_blocks: int | None = None  # num_free_blocks() as read at the last plan
         self.preemptions = 0
         self.generated_tokens = 0  # tokens accepted so far, counted as they are generated (any thread reads it)
-        self._fx = EffectRunner(model, tracer)
         self.drafting = speculation.DraftPolicy()  # the verify lane's (when speculation is on)
         self._inbox = Inbox()
         self._waiting: deque[Sequence] = deque()  # drained or preempted, no slot; front first
@@ -61,8 +49,12 @@ class Scheduler:
         self._next_id = 1
         self._abort = False
         self._started = False
-        self._stream = DEFAULT_STREAM
+        self._checkpoints: list[Sequence] = []  # rows whose decoded token the end of the tick snapshots
+        self._acceptance = None  # the verify step the end of the tick closes (step.Acceptance)
+        self._rollbacks: list[Sequence] = []  # rows whose token was discarded: their step's position goes back
         self.is_shut_down = False
+        self._tick_plans = None  # the plans of the tick under way (a generator: each planned when asked)
+        self._planned: StepPlan | None = None  # the plan schedule() returned, until update takes it
 
     # -- client side (any thread) ------------------------------------------------------------
     def submit(
@@ -159,173 +151,97 @@ class Scheduler:
         }
 
     def step(self) -> bool:
-        """One tick. True while more ticks are needed (requests in flight, or the inbox
-        closed and the shutdown sequence still to run); False when idle or shut down."""
+        """One tick: each of its steps planned (``schedule``), executed by the model, its result taken
+        (``update``). True while more ticks are needed (requests in flight, or the inbox closed and the
+        shutdown sequence still to run); False when idle or shut down."""
         if self.is_shut_down:
             return False
-        if not self._started:
-            self._startup()
-        self.tick += 1
-        self._plan()
-        self.free_blocks = self.model.num_free_blocks()
-        if self.tracer is not None:
-            self.tracer.tick(self.tick)
+        try:
+            while (plan := self.schedule()) is not None:
+                self.update(plan, self.model.execute(plan))
+        except BaseException:  # (the engine fails its requests): the tick is abandoned, not resumed
+            self._tick_plans = self._planned = None
+            raise
+        return not self.is_shut_down and (self.in_flight() or self._inbox.closed)
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, of the tick under way or of a new one: the tick's start and its
+        prefill lane, its decode lane (a decode or a verify step) when it has rows, its end (the
+        shutdown instead, once the inbox is closed and nothing is in flight). None once the tick's
+        last step was taken (the next call starts a tick) or after the shutdown. Each plan goes to
+        the model's ``execute`` and its result to ``update`` before the next is asked for."""
+        if self._tick_plans is None:
+            if self.is_shut_down:
+                return None
+            self.tick += 1
+            self._tick_plans = self._plans()
+        self._planned = next(self._tick_plans, None)
+        if self._planned is None:
+            self._tick_plans = None
+        return self._planned
+
+    def _plans(self):
+        """The tick's plans, each planned once the one before was taken."""
+        start = self._drain()
+        self.free_blocks = start.free_blocks
         if self._inbox.closed and not self.in_flight():
-            self._shutdown()
-            return False
-        self._prefill_lane()
-        self._decode_lane()
-        self._end_of_tick()
-        return self.in_flight() or self._inbox.closed
+            self.is_shut_down = True
+            yield StepPlan(start=start, shutdown=True)
+            return
+        yield lanes.plan_prefill(self, start)
+        decode = lanes.plan_decode(self)
+        if decode:
+            yield decode
+        yield lanes.plan_end(self)
 
-    def _startup(self) -> None:
-        self.model.bind_gpu_to_thread()
-        self._stream = self.model.create_stream()
-        self.model.create_event()
-        self._started = True
-
-    def _plan(self) -> None:
-        held = sum(1 + len(s.forks) for s in itertools.chain(self._live, self._waiting))  # forks to come count
+    def _drain(self) -> TickStart:
+        """The tick's plan: drain what the inbox has room for (forks to come count), then read the free blocks."""
+        held = sum(1 + len(s.forks) for s in itertools.chain(self._live, self._waiting))
         room = self.config.max_batch - held
         drained = self._inbox.drain(room) if room > 0 else []
-        if not drained:
-            return
-        self.model.adapter_id_for(-1)  # the cohort's active adapter
-        for seq in drained:
-            seq.adapter = self.model.adapter_id_for(seq.adapter)
-            self._waiting.append(seq)
+        record = self.kv.refresh_adapters() if drained else None
+        self._waiting.extend(drained)
+        startup, self._started = not self._started, True
+        adapters = tuple(s.adapter for s in drained)
+        return TickStart(self.tick, adapters, self.kv.num_free_blocks(), startup, record)
 
-    # -- prefill lane ------------------------------------------------------------------------
-    def _prefill_lane(self) -> None:
-        budget = self.config.max_prefill_tokens or None  # None: unlimited
-        self.model.plan_prefills(self._lane_plan(budget))
-        for seq in [s for s in self._live if s.state is SeqState.PREFILLING]:
-            if budget == 0:
-                return
-            budget = self._prefill_chunk(seq, budget)
-        while self._waiting and budget != 0 and len(self._live) < self.config.max_batch:
-            seq = self._waiting[0]  # (a fork that found no slot may wait for one)
-            if not self.model.can_admit(seq):
-                if self._live:
-                    return  # wait for blocks to come back
-                self._waiting.popleft()  # nothing will ever free enough
-                self._finish(
-                    seq,
-                    ERROR,
-                    error=f"the prompt ({seq.num_prompt} tokens) needs more KV blocks than the whole pool holds",
-                )
-                continue
-            self._waiting.popleft()
-            self._admit(seq)
-            budget = self._prefill_chunk(seq, budget)
+    def update(self, plan: StepPlan, result: StepResult) -> None:
+        """Take an executed step's result: its trace lines (the trace writer, from the plan and the
+        result), then its tokens, logprobs, accepted drafts and row failures."""
+        if plan is not self._planned:
+            raise RuntimeError("Scheduler.update takes the plan schedule() returned last, once")
+        self._planned = None
+        if self.tracer is not None:
+            self.tracer.write(plan, result)
+        self._take(plan, result)
 
-    def _lane_plan(self, budget: int | None) -> list:
-        """The (seq, start, n) chunks the lane below will run, told to the model ahead (untraced)
-        so it may run them as one forward: the same choices, with ``admit_ahead`` answering
-        ``can_admit`` and holding the blocks. Stops early where the model cannot say (None)."""
-        plan, room = [], self.config.max_batch - len(self._live)  # admissions and forks the lane may make
-        for seq in [s for s in self._live if s.state is SeqState.PREFILLING]:
-            if budget == 0:
-                return plan
-            n = _chunk_len(seq.num_prompt - seq.len, budget)
-            plan.append((seq, seq.len, n))
-            budget = None if budget is None else budget - n
-            if seq.len + n == seq.num_prompt:  # its prompt ends: its further choices fork first
-                room -= len(seq.forks)
-        for seq in self._waiting:
-            cached = None if budget == 0 or room < 1 else self.model.admit_ahead(seq)
-            if cached is None:
-                break
-            n = _chunk_len(seq.num_prompt - cached, budget)
-            plan.append((seq, cached, n))
-            budget = None if budget is None else budget - n
-            room -= 1 + (len(seq.forks) if cached + n == seq.num_prompt else 0)
-        return plan
+    # -- taking a step's result ----------------------------------------------------------------
+    def _take(self, plan: StepPlan, result: StepResult) -> None:
+        for seq_id, records in result.prompt_logprobs.items():
+            seq = self._seq_of(plan, seq_id)
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None]  # the first token has no context
+            seq.prompt_logprobs.extend(records)
+        for i, chunk in enumerate(plan.chunks):
+            if chunk.last:
+                rows = [chunk.row.seq] + [f.child for f in chunk.forks]
+                for seq, token in zip(rows, result.first[i]):
+                    self._accept(seq, token, result, checkpoint=False)
+        if plan.decode is not None:
+            for row in plan.decode.rows:
+                row.seq.len += 1
+            for row, token in zip(plan.decode.rows, result.tokens):
+                self._accept(row.seq, token, result, checkpoint=True)
+        if plan.verify is not None:
+            self._acceptance = speculation.take_verify(self, plan.verify, result)
+        for release in plan.releases:
+            self._notify(release.row.seq)
 
-    def _admit(self, seq: Sequence) -> None:
-        seq.slot = self.model.alloc_sequence(seq)
-        seq.len = seq.cached
-        if seq.cached_tokens is None:
-            seq.cached_tokens = seq.cached
-        seq.admit_order = next(self._admissions)
-        seq.state = SeqState.PREFILLING
-        self._live.append(seq)
-        self.model.adapter_id_for(seq.adapter)
-        self.model.acquire_adapter_slot(seq.adapter)
+    @staticmethod
+    def _seq_of(plan: StepPlan, seq_id: int) -> Sequence:
+        return next(c.row.seq for c in plan.chunks if c.row.seq.seq_id == seq_id)
 
-    def _prefill_chunk(self, seq: Sequence, budget: int | None) -> int | None:
-        """Prefill one chunk of the prompt; returns the budget left."""
-        full, start = seq.num_prompt, seq.len
-        n = _chunk_len(full - start, budget)
-        self.model.prefill(seq, start, n, stream=DEFAULT_STREAM)
-        seq.len = start + n
-        if seq.len == full:
-            seq.state = SeqState.RUNNING
-            rows = [seq] + self._fork(seq)
-            if len(rows) == 1:
-                tokens = [self.model.argmax_on_device(row=0, stream=DEFAULT_STREAM)]
-            else:  # every choice samples its own first token from the prompt's logits
-                tokens = self.model.argmax_batch(row=0, n=len(rows), stream=DEFAULT_STREAM)
-            for s, token in zip(rows, tokens):
-                self._accept(s, token, checkpoint=False)
-        return None if budget is None else budget - n
-
-    def _fork(self, parent: Sequence) -> list:
-        """The parent's further choices, each forked into a slot of its own (FORK) while there is
-        a slot and a block; the rest queue at the front to prefill their prompt themselves."""
-        forked, children = [], parent.forks
-        parent.forks = []
-        for i, child in enumerate(children):
-            if len(self._live) >= self.config.max_batch or not self.model.can_fork(parent):
-                self._waiting.extendleft(reversed(children[i:]))
-                break
-            child.slot = self._fx.run(ForkSeq(parent, child))
-            child.len = child.cached = parent.len
-            child.cached_tokens = parent.cached_tokens
-            child.admit_order = next(self._admissions)
-            child.state = SeqState.RUNNING
-            self._live.append(child)
-            self.model.acquire_adapter_slot(child.adapter)
-            forked.append(child)
-        return forked
-
-    # -- decode lane -------------------------------------------------------------------------
-    def _decode_lane(self) -> None:
-        rows = self._make_room(sorted((s for s in self._live if s.state is SeqState.RUNNING), key=lambda s: s.slot))
-        if not rows:
-            return
-        if self.config.num_speculative_tokens and speculation.verify_lane(self, rows):
-            return
-        tokens = self._fx.run(Decode(tuple(rows)))
-        for seq, token in zip(rows, tokens):
-            self._accept(seq, token, checkpoint=True)
-
-    def _make_room(self, rows: list) -> list:
-        """Preempt until every row that crosses a block boundary can get its new block (within the
-        short pool: one per owner rank under dp attention, ``pools.py``)."""
-        while rows:
-            pool = pools.short_pool(self.model, rows, self.config.block_size)
-            if pool is None:
-                return rows
-            holders = [s for s in self._live if pools.in_pool(self.model, s, pool)]
-            victim = max((s for s in holders if not s.finished), key=lambda s: s.admit_order)
-            if len(holders) == 1:  # it has the whole pool and still cannot grow
-                self._finish(victim, LENGTH, guard=GUARD_KV_CAPACITY)
-            else:  # (if alone among finished ones: retry next tick)
-                self._preempt(victim)
-            rows = [s for s in rows if s is not victim]
-        return rows
-
-    def _preempt(self, seq: Sequence) -> None:
-        self._fx.run(ReleaseSeq(seq, cache=True, finish=False))
-        self.preemptions += 1
-        self._live.remove(seq)
-        seq.slot, seq.len = -1, 0
-        seq.num_prompt = len(seq.token_ids)
-        seq.state = SeqState.QUEUED
-        self._waiting.appendleft(seq)
-
-    def _accept(self, seq: Sequence, token: int | RowFailure, checkpoint: bool) -> None:
+    def _accept(self, seq: Sequence, token, result: StepResult, checkpoint: bool) -> None:
         """Take one generated token: keep it, apply the per-token guards, stream it. A RowFailure
         instead ends the sequence (``error``); its blocks go back at the end of the tick."""
         if isinstance(token, RowFailure):
@@ -334,61 +250,34 @@ class Scheduler:
         token = int(token)
         if seq.think is not None:
             token = thinking.keep(seq, token, self.config.eos_token_ids)
-            if token is None:
+            if token is None:  # an EOS inside its block: discarded, its step runs again
+                self._rollbacks.append(seq)
                 return
+        self._record(seq, result)
         seq.token_ids.append(token)
         self.generated_tokens += 1
         if guards.is_stop_token(seq, token, self.config.eos_token_ids):
             self._finish(seq, STOP)
             return
         if checkpoint:
-            self._fx.run(MarconiCheckpoint(seq))
+            self._checkpoints.append(seq)
         if seq.stream and seq.on_token is not None:
             self._call(seq, seq.on_token, token)
         reason = guards.limit_verdict(seq, self.config.max_model_len)
         if reason is not None:
             self._finish(seq, reason)
 
-    # -- end of tick -------------------------------------------------------------------------
-    def _end_of_tick(self) -> None:
-        self.clock.end_tick()
-        now = self.clock.now()
-
-        def verdict(seq: Sequence):
-            return guards.tick_verdict(seq, now, self._abort)
-
-        for seq in self._live:
-            if not seq.finished and verdict(seq) is not None:
-                self._finish(seq, *verdict(seq))
-        queued = [s for s in self._waiting if verdict(s) is not None]
-        self._waiting = deque(s for s in self._waiting if s not in queued)
-        queued += self._inbox.remove_if(lambda s: verdict(s) is not None)
-        while queued:
-            for seq in queued:  # never admitted (or preempted): no slot to free
-                self._finish(seq, *verdict(seq))
-            queued = [s for s in self._waiting if verdict(s) is not None]  # forks those ends let go
-            self._waiting = deque(s for s in self._waiting if s not in queued)
-        for seq in sorted((s for s in self._live if s.finished), key=lambda s: s.slot):
-            self._fx.run(ReleaseSeq(seq, cache=True, finish=True))
-            self._live.remove(seq)
-            seq.slot = -1
-            self._notify(seq)
-        self._compact()
-
-    def _compact(self) -> None:
-        survivors = sorted(self._live, key=lambda s: s.slot)
-        n = len(survivors)
-        targets = sorted(set(range(n)) - {s.slot for s in survivors})
-        for seq in survivors:
-            if seq.slot >= n:
-                target = targets.pop()
-                self._fx.run(CompactSlot(seq, target))
-                seq.slot = target
-
-    def _shutdown(self) -> None:
-        for fx in (EpShutdown(), Quiesce(DEFAULT_STREAM), Quiesce(self._stream), Teardown()):
-            self._fx.run(fx)
-        self.is_shut_down = True
+    @staticmethod
+    def _record(seq: Sequence, result: StepResult) -> None:
+        """The logprobs the step computed for seq's token (taken once: a verify row's tokens each have one)."""
+        records = result.logprobs.get(seq.seq_id)
+        if records:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(records.pop(0))
+        added = result.cumulative.pop(seq.seq_id, None)
+        if added is not None:
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + added
 
     def fail_all(self, message: str) -> None:
         """The engine broke (a worker failed, a model error): close the inbox and end every

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eprt.scheduler import pools, thinking
-from eprt.scheduler.effects import AcceptDrafts, Verify
+from eprt.scheduler.step import Acceptance, Proposal, Row, Verification
 
 DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured, and its prior
 PRIOR_SPREAD = 1.0  # the prior draft cost weighs as much as steps whose draft counts spread by this x the batch
@@ -243,29 +243,35 @@ def draft_limit(seq, num_tokens: int, max_model_len: int | None) -> int:
     return max(k, 0)
 
 
-def plan_drafts(sched, rows: list) -> list[tuple]:
+def plan_drafts(sched, rows: list, events: list) -> list[tuple]:
     """Each row's drafts, rows in slot order: as many as ``DraftPolicy`` finds worth it within
     ``draft_limit``, then cut so that their extra KV blocks fit in the blocks free after the
     decode step's own, in each row's pool under dp attention (a sequence near the end of its pool
-    speculates less; nothing is preempted for drafts)."""
-    cfg, model = sched.config, sched.model
-    cost = model.draft_cost(len(rows))
+    speculates less; nothing is preempted for drafts). ``events``: the proposals and the reads of
+    free blocks, in order (the trace prints them)."""
+    cfg, model, drafter = sched.config, sched.kv, sched.drafts
+    cost = drafter.draft_cost(len(rows))
     cost = DRAFT_COST if cost is None else cost
     sched.drafting.step()
-    overhead, catch_up = model.verify_overhead(len(rows)), model.catch_up_cost(len(rows))
+    overhead, catch_up = drafter.verify_overhead(len(rows)), drafter.catch_up_cost(len(rows))
     ks = []
     for seq in rows:
         k = draft_limit(seq, cfg.num_speculative_tokens, cfg.max_model_len)
         ks.append(sched.drafting.drafts(seq, k, cost, overhead / len(rows), catch_up) if k else 0)
     ks = sched.drafting.worth_a_verify(rows, ks, cost, overhead)
-    drafts = [tuple(model.propose_drafts(seq, k)[:k]) if k else () for seq, k in zip(rows, ks)]
+    drafts = []
+    for seq, k in zip(rows, ks):
+        proposed = tuple(drafter.propose_drafts(seq, k)[:k]) if k else ()
+        if k:
+            events.append(Proposal(Row(seq, seq.slot, seq.len), k, proposed))
+        drafts.append(proposed)
     bs = cfg.block_size
 
     def extra(seq, k: int) -> int:  # blocks beyond those a plain decode step of seq takes
         return (seq.len + k + 1) // bs - (seq.len + 1) // bs
 
     if any(drafts) and any(extra(seq, len(d)) for seq, d in zip(rows, drafts)):
-        room = pools.free_after_decode(model, rows, bs)  # pool -> blocks free after the decode step's own
+        room = pools.free_after_decode(model, rows, bs, pools.reader(model, events))  # pool -> blocks left
         for r, seq in enumerate(rows):
             d, pool = drafts[r], pools.pool_key(model, seq)
             while d and extra(seq, len(d)) > room[pool]:
@@ -282,26 +288,39 @@ def verifiable(params) -> bool:
     return params.guide is None and params.best_of is None and params.logprobs is None and not params.processes_logits
 
 
-def verify_lane(sched, rows: list) -> bool:
-    """Run the step as a verify step when any row has drafts (True), else leave it to the decode
-    lane (False). Each row's emitted tokens are taken one by one, exactly as decoded tokens, until
-    one finishes the sequence; the rest are dropped and their KV rolled back."""
+def plan_verify(sched, rows: list, events: list) -> Verification | None:
+    """The step as a verify step when any row has drafts, else None (a decode step). ``events``:
+    as in ``plan_drafts``. A row inside a thinking block (its token masked) keeps it a decode step."""
     if not all(verifiable(seq.params) and not thinking.constrained(seq) for seq in rows):
-        return False
-    drafts = plan_drafts(sched, rows)
+        return None
+    drafts = plan_drafts(sched, rows, events)
     if not any(drafts):
-        return False
-    emitted = sched._fx.run(Verify(tuple(rows), tuple(drafts)))
+        return None
+    at = tuple(Row(s, s.slot, s.len) for s in rows)
+    return Verification(at, tuple(s.token_ids[-1] for s in rows), tuple(drafts))
+
+
+def take_verify(sched, step: Verification, result) -> Acceptance:
+    """Each row's emitted tokens taken one by one, exactly as decoded tokens, until one finishes the
+    sequence; the rest are dropped (the Acceptance the end of the tick sends rolls their KV back)."""
     kept = []
-    for seq, d, tokens in zip(rows, drafts, emitted):
+    for row, d, tokens in zip(step.rows, step.drafts, result.emitted):
+        seq = row.seq
         if d:
             sched.drafting.verified(seq, len(d), len(tokens) - 1)
         n = 0
         for token in tokens:
             n += 1
-            sched._accept(seq, token, checkpoint=False)
+            sched._accept(seq, token, result, checkpoint=False)
             if seq.finished or thinking.constrained(seq):  # (a block opened: its tokens need masks)
                 break
         kept.append(n)
-    sched._fx.run(AcceptDrafts(tuple(rows), tuple(kept)))
-    return True
+    return Acceptance(step.rows, tuple(kept))
+
+
+def close_verify(sched, step: Acceptance) -> None:
+    """The verify step's ACCEPT: each row's KV holds its token and ``kept - 1`` drafts."""
+    sched.kv.accept(step)
+    for row, n in zip(step.rows, step.kept):
+        row.seq.len += n
+        row.seq.accepted_tokens = (row.seq.accepted_tokens or 0) + n - 1

@@ -363,6 +363,30 @@ def build_app(state: ServerState):
     """The ASGI application: the FastAPI routes inside the ``Guard`` middleware."""
     app = FastAPI(title="eprt", version=__version__, docs_url=None, redoc_url=None)
     app.openapi = lambda: _openapi(app, state)
+    _add_error_handlers(app)
+    _add_info_routes(app, state)
+    _add_adapter_routes(app, state)
+    _add_utility_routes(app, state)
+
+    @app.post(
+        "/v1/completions", openapi_extra=schema.operation(schema.CompletionResponse, schema.CompletionRequest, True)
+    )
+    async def completions(request: Request):
+        return await _answer(state, request, chat=False)
+
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=schema.operation(schema.CompletionResponse, schema.ChatCompletionRequest, True),
+    )
+    async def chat_completions(request: Request):
+        return await _answer(state, request, chat=True)
+
+    return Guard(app, state)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answered in the OpenAI error shape (404 / 405 naming the path, a validation
+    error naming its field, anything unexpected a logged 500)."""
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
@@ -392,6 +416,10 @@ def build_app(state: ServerState):
     async def unexpected_error(request, exc: Exception):  # Starlette's would answer in plain text
         log.error("%s failed", request.url.path, exc_info=exc)
         return internal_error()
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /metrics, /v1/models and one model's card."""
 
     @app.get("/health", openapi_extra=schema.operation(schema.Health))
     async def health():
@@ -423,6 +451,10 @@ def build_app(state: ServerState):
         e = ApiError(404, f"the model {model!r:.200} does not exist", param="model", code="model_not_found")
         return error_response(e)
 
+
+def _add_adapter_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (eprt.serve.adapters)."""
+
     @app.post("/v1/load_lora_adapter", openapi_extra=schema.operation(None, schema.LoadLoraAdapterRequest, text=True))
     async def load_lora_adapter(request: Request):
         return await _body_call(state, request, adapters.load_adapter, state.settings.lora_dir, text=True)
@@ -432,23 +464,6 @@ def build_app(state: ServerState):
     )
     async def unload_lora_adapter(request: Request):
         return await _body_call(state, request, adapters.unload_adapter, text=True)
-
-    _add_utility_routes(app, state)
-
-    @app.post(
-        "/v1/completions", openapi_extra=schema.operation(schema.CompletionResponse, schema.CompletionRequest, True)
-    )
-    async def completions(request: Request):
-        return await _answer(state, request, chat=False)
-
-    @app.post(
-        "/v1/chat/completions",
-        openapi_extra=schema.operation(schema.CompletionResponse, schema.ChatCompletionRequest, True),
-    )
-    async def chat_completions(request: Request):
-        return await _answer(state, request, chat=True)
-
-    return Guard(app, state)
 
 
 def _add_utility_routes(app: FastAPI, state: ServerState) -> None:

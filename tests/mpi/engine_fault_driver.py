@@ -28,30 +28,31 @@ def inject(mode: str) -> None:
     real = ShardExecutor.decode
     steps = {"n": 0}
 
-    def failing(self, slots, tokens):
+    def failing(self, slots, tokens, *counts):
         steps["n"] += 1
         if steps["n"] == 4:
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("injected failure in decode step 4")
-        return real(self, slots, tokens)
+        return real(self, slots, tokens, *counts)
 
     ShardExecutor.decode = failing
 
 
 def plant_drift(dp: bool) -> None:
     if dp:
-        from eprt.engine.dp_executor import DpShardExecutor
+        from eprt.engine.sequences import Sequences
 
-        def late(self, states, owners, appended):
-            for r in [r for r in range(len(states)) if owners[r] != self.rank]:
-                st = states[r]
-                self.pools.pools[owners[r]].grow(st.key, st.length + len(appended[r]) - 1)
-                st.tokens.extend(appended[r])
+        def late(self, states, slots, appended):
+            for st, slot, new in zip(states, slots, appended):
+                self.blocks_of(slot).grow(st.key, st.length + len(new) - 1)
+                st.tokens.extend(new)
 
-        DpShardExecutor._mirror = late
+        Sequences.mirror = late
     else:
-        ShardExecutor.cache = lambda self, slot: None
+        from eprt.engine.sequences import Sequences
+
+        Sequences.cache = lambda self, slot, upto=None: None
 
 
 def main() -> int:

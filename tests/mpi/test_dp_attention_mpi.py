@@ -123,12 +123,12 @@ def test_dp_choices_fork_on_the_owner_and_equal_single_rank(arch):
     def choices(engine):
         owners = []
 
-        def fork(seq, child, inner=engine.runner.fork_sequence):
-            slot = inner(seq, child)
-            owners.append(int(engine.runner.executor.owners[seq.slot]) == int(engine.runner.executor.owners[slot]))
-            return slot
+        def fork(seq, child, inner=engine.runner.kv.fork):
+            row = inner(seq, child)
+            owners.append(int(engine.runner.executor.owners[seq.slot]) == int(engine.runner.executor.owners[row.slot]))
+            return row
 
-        engine.runner.fork_sequence = fork
+        engine.runner.kv.fork = fork
         return engine.generate_choices(reqs()), owners
 
     cfg = engine_config(path, attention="dp")

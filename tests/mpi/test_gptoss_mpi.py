@@ -93,3 +93,22 @@ def test_whole_prompts_equal_transformers():
     out = run_waves(engine_config(path, check_state=True, max_prefill_tokens=0))
     if COMM.rank == 0:
         assert [r.token_ids for r in out] == want
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("attention", ["replicated", "dp"])
+def test_greedy_choices_fork_their_window(attention):
+    """n=3 greedy choices of prompts longer than the window, admitted in one tick: each FORK copies
+    the parent's window blocks once its last chunk's pass has written them, and every rank takes them
+    in the same order as rank 0, which plans the chunks, admissions and forks (--check-state): every
+    choice gives transformers' tokens."""
+    path, want = gptoss_checkpoint("bf16")
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, n=3, ignore_eos=True)
+    cfg = engine_config(path, attention=attention, check_state=True, max_prefill_tokens=16, max_batch=8)
+    try:
+        with launch_engine(cfg) as engine:
+            out = engine.generate_choices([GenerationRequest(p, params) for p in PROMPTS[2:4]])
+    except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        return
+    assert [[r.token_ids for r in choices] for choices in out] == [[want[2]] * 3, [want[3]] * 3]

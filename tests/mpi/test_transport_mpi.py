@@ -318,6 +318,6 @@ def test_startup_exchange_names_every_rank_that_failed():
     if t.rank != 0:
         deadline = time.monotonic() + 0.3
         while time.monotonic() < deadline and not notices:
-            notices += [n for n in [t._root_notice()] if n is not None]
+            notices += [n for n in [t.link.errors.root_notice()] if n is not None]
         t.close()
     assert notices == []

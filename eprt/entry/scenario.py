@@ -1,5 +1,6 @@
-"""``eprt scenario FILE``: run a scheduler scenario against the recording fake model and
-print its trace (file format and trace: docs/scenarios.md)."""
+"""``eprt scenario FILE``: run a scheduler scenario through the real runner and executor over the
+scripted token source (``eprt/engine/scripted.py``) and print its trace (file format and trace:
+docs/scenarios.md)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from dataclasses import dataclass, field
 import tomllib
 
 from eprt.api import GenerationRequest, RequestError, SamplingParams, Thinking, is_int
+from eprt.engine.runner import ModelRunner
+from eprt.engine.scripted import ScriptedTokens, scripted_runner
 from eprt.scheduler.clock import VirtualClock
 from eprt.scheduler.config import SchedulerConfig
-from eprt.scheduler.fake import RecordingModel
-from eprt.scheduler.fake_dp import DpRecordingModel
 from eprt.scheduler.scheduler import Scheduler
 from eprt.scheduler.sequence import RequestHandle
+from eprt.scheduler.trace import TraceWriter
 
 MAX_TICKS = 10_000
 
@@ -52,10 +54,10 @@ class RequestSpec:
     cancel_at_tick: int | None = None
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False
-    drafts: list | None = None  # the fake drafter's script (speculative_tokens > 0)
+    drafts: list | None = None  # the scripted drafter's script (speculative_tokens > 0)
     choices: list = field(default_factory=list)  # scripts of further choices (n > 1), forked after the prompt
     adapter: int = -1  # LoRA adapter id (-1: the base model)
-    fail_at: int | None = None  # the output index whose token the fake answers with a RowFailure
+    fail_at: int | None = None  # the output index whose token the token source answers with a RowFailure
     max_thinking_tokens: int | None = None  # the thinking budget (needs [engine] think)
 
 
@@ -83,7 +85,7 @@ class Outcome:
 class ScenarioRun:
     lines: list
     outcomes: list
-    model: RecordingModel
+    runner: ModelRunner  # the real runner it ran through (its executor: the KV accounting at the end)
 
     @property
     def trace(self) -> str:
@@ -153,28 +155,16 @@ def parse(doc: dict) -> Scenario:
     return Scenario(name, engine, requests)
 
 
+REQUEST_KEYS = frozenset(
+    "id prompt_len prompt script max_tokens mode arrive_at_tick timeout_ticks cancel_at_tick stop_token_ids "
+    "ignore_eos drafts choices adapter fail_at max_thinking_tokens".split()
+)
+
+
 def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
-    known = {
-        "id",
-        "prompt_len",
-        "prompt",
-        "script",
-        "max_tokens",
-        "mode",
-        "arrive_at_tick",
-        "timeout_ticks",
-        "cancel_at_tick",
-        "stop_token_ids",
-        "ignore_eos",
-        "drafts",
-        "choices",
-        "adapter",
-        "fail_at",
-        "max_thinking_tokens",
-    }
     where = f"request {r.get('id', '?')}"
-    if set(r) - known:
-        raise ScenarioError(f"{where}: unknown keys {sorted(set(r) - known)}")
+    if set(r) - REQUEST_KEYS:
+        raise ScenarioError(f"{where}: unknown keys {sorted(set(r) - REQUEST_KEYS)}")
     rid = _take(r, "id", int, None, where)
     if rid is None or rid < 0:
         raise ScenarioError(f"{where}: needs a non-negative integer id")
@@ -209,12 +199,17 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         fail_at=_take(r, "fail_at", int, None, where),
         max_thinking_tokens=_take(r, "max_thinking_tokens", int, None, where),
     )
+    _check_request(spec, engine, where)
+    return spec
+
+
+def _check_request(spec: RequestSpec, engine: EngineSpec, where: str) -> None:
     if spec.drafts is not None and not all(type(t) is int and 0 <= t < engine.vocab_size for t in spec.drafts):
         raise ScenarioError(f"{where}: drafts must be a list of token ids < {engine.vocab_size}")
     for c in spec.choices:
         if not isinstance(c, list) or not c or not all(type(t) is int and 0 <= t < engine.vocab_size for t in c):
             raise ScenarioError(f"{where}: choices must be non-empty scripts of token ids < {engine.vocab_size}")
-    if spec.choices and mode != "blocking":
+    if spec.choices and spec.mode != "blocking":
         raise ScenarioError(f'{where}: a request with choices must be mode = "blocking" (one stream per request)')
     if spec.fail_at is not None and spec.fail_at < 0:
         raise ScenarioError(f"{where}: fail_at must be an output index >= 0, got {spec.fail_at}")
@@ -224,7 +219,6 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         raise ScenarioError(f"{where}: arrive_at_tick must be >= 1")
     if spec.cancel_at_tick is not None and spec.cancel_at_tick < spec.arrive_at_tick:
         raise ScenarioError(f"{where}: cancel_at_tick comes before arrive_at_tick")
-    return spec
 
 
 def load(path: str) -> Scenario:
@@ -237,45 +231,35 @@ def load(path: str) -> Scenario:
 
 
 # -- running ---------------------------------------------------------------------------------
-class _Tracer:
-    def __init__(self, emit):
-        self.emit = emit
+def scenario_runner(sc: Scenario, tokens: ScriptedTokens, **kw) -> ModelRunner:
+    """The real runner over the scripted token source, sized by the scenario's engine table (``kw``:
+    ``scripted_runner``'s other arguments)."""
+    e = sc.engine
+    return scripted_runner(
+        tokens,
+        vocab_size=e.vocab_size,
+        max_slots=e.max_batch,
+        block_size=e.block_size,
+        num_blocks=e.num_blocks,
+        prefix_cache=e.prefix_cache,
+        snapshots=e.snapshots,
+        rank_blocks=e.rank_blocks,
+        adapters=tuple(r.adapter for r in sc.requests if r.adapter != -1),
+        **kw,
+    )
 
-    def tick(self, k: int) -> None:
-        self.emit(f"-- tick {k}")
 
-    def effect(self, line: str) -> None:
-        self.emit(line)
-
-
-def run(sc: Scenario) -> ScenarioRun:
+def run(sc: Scenario, transport=None, after_step=None) -> ScenarioRun:
+    """``transport``: where the runner's frames go (default: a world of one); ``after_step(sched)``
+    is called after each scheduler step."""
     lines: list = [f"# scenario {sc.name}"]
     e = sc.engine
-    scripts = {r.id: (len(r.prompt), r.script) for r in sc.requests}
-    failures = {r.id: r.fail_at for r in sc.requests if r.fail_at is not None}
-    if e.rank_blocks is not None:
-        model = DpRecordingModel(
-            lines.append,
-            scripts,
-            rank_blocks=e.rank_blocks,
-            num_slots=e.max_batch,
-            block_size=e.block_size,
-            prefix_cache=e.prefix_cache,
-            drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
-            failures=failures,
-        )
-    else:
-        model = RecordingModel(
-            lines.append,
-            scripts,
-            num_slots=e.max_batch,
-            num_blocks=e.num_blocks,
-            block_size=e.block_size,
-            prefix_cache=e.prefix_cache,
-            snapshots=e.snapshots,
-            drafts={r.id: r.drafts for r in sc.requests if r.drafts is not None},
-            failures=failures,
-        )
+    tokens = ScriptedTokens(
+        {r.id: (len(r.prompt), r.script) for r in sc.requests},
+        {r.id: r.fail_at for r in sc.requests if r.fail_at is not None},
+    )
+    drafts = {r.id: r.drafts for r in sc.requests if r.drafts is not None}
+    runner = scenario_runner(sc, tokens, drafts=drafts, transport=transport)
     config = SchedulerConfig(
         vocab_size=e.vocab_size,
         eos_token_ids=(e.eos,),
@@ -285,7 +269,7 @@ def run(sc: Scenario) -> ScenarioRun:
         max_model_len=e.max_model_len,
         num_speculative_tokens=e.speculative_tokens,
     )
-    sched = Scheduler(model, config, clock=VirtualClock(), tracer=_Tracer(lines.append))
+    sched = Scheduler(runner, config, clock=VirtualClock(), tracer=TraceWriter(lines.append))
     outcomes = {r.id: Outcome(r) for r in sc.requests}
     last_arrival = max(r.arrive_at_tick for r in sc.requests)
     while not sched.is_shut_down:
@@ -302,11 +286,13 @@ def run(sc: Scenario) -> ScenarioRun:
         if tick >= last_arrival:
             sched.close()
         sched.step()
+        if after_step is not None:
+            after_step(sched)
     for r in sc.requests:
         lines.append(f"out s{r.id}: {_client_line(outcomes[r.id])}")
         for fork in outcomes[r.id].forks:
             lines.append(f"out s{fork.handle.seq_id}: {_client_line(fork)}")
-    return ScenarioRun(lines, [outcomes[r.id] for r in sc.requests], model)
+    return ScenarioRun(lines, [outcomes[r.id] for r in sc.requests], runner)
 
 
 def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list, think: list | None) -> None:
@@ -339,7 +325,7 @@ def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list, think: 
     out.handle = handles[0]
     for fork, handle in zip(out.forks, handles[1:]):
         fork.handle = handle
-        sched.model.scripts[handle.seq_id] = (len(r.prompt), list(fork.spec.script))
+        sched.model.sampler.scripts[handle.seq_id] = (len(r.prompt), list(fork.spec.script))
 
 
 def _client_line(out: Outcome) -> str:
