@@ -501,6 +501,112 @@ def test_gemmex_follows_cublas_column_major_rules(transa, transb, c_type):
         )
 
 
+# ---- tensor cores: inline PTX with the fragment layouts of the PTX ISA ----------------------------
+TC_HEADER = '#include "tensor_core.cuh"\n'
+
+
+def tc_module(body: str):
+    return fake_cupy.RawModule(TC_HEADER + body, options=(f"-I{ROOT / 'kernels'}",))
+
+
+MMA_KERNEL = r"""
+// D [16, 8] = A [16, 16] (row-major) x B, B given as Bt [8, 16] ([n][k]), one warp, fragments
+// loaded as documented (layout 0), with a1 and a2 swapped (1), or through ldmatrix from shared
+// memory (2: A and Bt with ldmatrix, 3: B k-major [16][8] with ldmatrix.trans).
+extern "C" __global__ void mma16816(const __nv_bfloat16* A, const __nv_bfloat16* Bt, float* D, int layout) {
+    extern __shared__ __nv_bfloat16 s[];   // A | Bt | B, 16-byte rows
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+    const u32* a32 = reinterpret_cast<const u32*>(A);
+    const u32* b32 = reinterpret_cast<const u32*>(Bt);
+    u32 a[4] = {a32[g * 8 + t], a32[(g + 8) * 8 + t], a32[g * 8 + t + 4], a32[(g + 8) * 8 + t + 4]};
+    u32 b[2] = {b32[g * 8 + t], b32[g * 8 + t + 4]};
+    if (layout == 1) { u32 x = a[1]; a[1] = a[2]; a[2] = x; }
+    if (layout >= 2) {
+        for (int i = lane; i < 256; i += 32) s[i] = A[i];
+        for (int i = lane; i < 128; i += 32) { s[256 + i] = Bt[i]; s[384 + (i % 16) * 8 + i / 16] = Bt[i]; }
+        __syncwarp();
+        load_a(a, s, 16);
+        u32 unused[2];
+        if (layout == 2) load_b_nk(b, unused, s + 256, 16);   // rows 8-15 of the 16 read past Bt: ignored
+        else load_b_kn(b, unused, s + 384, 8);
+    }
+    float c[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+    mma_bf16(c, a, b);
+    D[g * 8 + 2 * t] = c[0]; D[g * 8 + 2 * t + 1] = c[1];
+    D[(g + 8) * 8 + 2 * t] = c[2]; D[(g + 8) * 8 + 2 * t + 1] = c[3];
+}
+"""
+
+
+@pytest.mark.parametrize("layout", [0, 2, 3])
+def test_mma_follows_the_ptx_fragment_layout(layout):
+    from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+    rng = np.random.default_rng(layout)
+    a, bt = f32_to_bf16_bits(rng.standard_normal((16, 16))), f32_to_bf16_bits(rng.standard_normal((8, 16)))
+    want = bf16_bits_to_f32(a).astype(np.float64) @ bf16_bits_to_f32(bt).astype(np.float64).T + 0.5
+    d = fake_cupy.zeros((16, 8), np.float32)
+    tc_module(MMA_KERNEL).get_function("mma16816")((1,), (32,), (dev(a), dev(bt), d, np.int32(layout)), shared_mem=2048)
+    np.testing.assert_allclose(d.get(), want, rtol=1e-6, atol=1e-5)
+
+
+def test_a_wrong_fragment_layout_computes_a_wrong_product():
+    # the same kernel with two A registers swapped (rows g+8 and columns 2t+8 exchanged): a GPU
+    # multiplies a permuted A, and so does cusim; the result must not pass for A x B
+    from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+    rng = np.random.default_rng(0)
+    a, bt = f32_to_bf16_bits(rng.standard_normal((16, 16))), f32_to_bf16_bits(rng.standard_normal((8, 16)))
+    af, bf = bf16_bits_to_f32(a).astype(np.float64), bf16_bits_to_f32(bt).astype(np.float64)
+    d = fake_cupy.zeros((16, 8), np.float32)
+    tc_module(MMA_KERNEL).get_function("mma16816")((1,), (32,), (dev(a), dev(bt), d, np.int32(1)), shared_mem=2048)
+    got = d.get()
+    assert np.abs(got - (af @ bf.T + 0.5)).max() > 0.5
+    swapped = af.copy()  # what the swap means: A[g+8][2t..] read for A[g][2t+8..] and back
+    swapped[:8, 8:], swapped[8:, :8] = af[8:, :8], af[:8, 8:]
+    np.testing.assert_allclose(got, swapped @ bf.T + 0.5, rtol=1e-6, atol=1e-5)
+
+
+def test_mma_needs_the_whole_warp_and_ldmatrix_shared_memory():
+    m = tc_module(r"""
+extern "C" __global__ void partial(float* out) {
+    if (threadIdx.x == 5) return;
+    u32 a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+    float c[4] = {0, 0, 0, 0};
+    mma_bf16(c, a, b);
+    out[threadIdx.x] = c[0];
+}
+extern "C" __global__ void global_ldsm(const __nv_bfloat16* x, float* out) {
+    u32 a[4];
+    load_a(a, x, 16);
+    out[threadIdx.x] = (float)a[0];
+}""")
+    out = fake_cupy.zeros(32, np.float32)
+    with pytest.raises(LaunchError, match="has exited"):
+        m.get_function("partial")((1,), (32,), (out,))
+    with pytest.raises(LaunchError, match="not a pointer into the dynamic shared memory"):
+        m.get_function("global_ldsm")((1,), (32,), (fake_cupy.zeros(256, np.uint16), out))
+
+
+def test_cp_async_lands_only_at_its_wait():
+    m = tc_module(r"""
+extern "C" __global__ void staged(const float* x, float* before, float* after) {
+    extern __shared__ float s[];
+    const int i = threadIdx.x;
+    s[4 * i] = -1.0f;
+    cp_async16(s + 4 * i, x + 4 * i, i % 2 == 0);   // odd threads: zero fill
+    cp_async_commit();
+    before[i] = s[4 * i];   // not waited for: still the old value
+    cp_async_wait<0>();
+    after[i] = s[4 * i];
+}""")
+    x = np.arange(128, dtype=np.float32) + 1
+    before, after = fake_cupy.zeros(32, np.float32), fake_cupy.zeros(32, np.float32)
+    m.get_function("staged")((1,), (32,), (dev(x), before, after), shared_mem=512)
+    np.testing.assert_array_equal(before.get(), -1)
+    np.testing.assert_array_equal(after.get(), np.where(np.arange(32) % 2 == 0, x[::4], 0))
+
+
 # ---- mutations of the real kernels: the GPU tests on cusim must notice each -----------------
 MUTATIONS = {
     "permute: no barrier between reading and advancing the expert cursor": (

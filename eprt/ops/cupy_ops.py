@@ -15,7 +15,7 @@ import numpy as np
 
 from eprt.ops.base import GroupedRouting, Ops
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from eprt.ops.kernel_loader import KERNELS, LAUNCH, get_kernel, get_module
+from eprt.ops.kernel_loader import KERNELS, LAUNCH, MOE_TC_SMEM, MOE_TC_SMEM_FP8, get_kernel, get_module
 from eprt.ops.lora_ops import LoraRows
 
 # cuBLAS / CUDA library enum values (stable ABI: cublas_api.h, library_types.h).
@@ -40,9 +40,10 @@ _ROUTER_WARPS = 4  # router.cu: ROUTER_WARPS
 _GG_WARPS = 4  # moe_grouped_gemm.cu: GG_WARPS
 _MLA_THREADS, _MLA_CHUNK = 128, 32  # mla_attention.cu: MLA_THREADS, MLA_CHUNK
 _MLA_MAX_HEADS = 16  # query heads per block of mla_attention (fewer when shared memory is short)
-MOE_IMPLS = ("auto", "grouped", "gathered")
+MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
+TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
+_TC_BM, _TC_UNITS, _TC_BN = 64, 64, 128  # moe_tc.cu: TC_BM rows, gate_up units and down columns per tile
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
-GATHERED_MIN_TOKENS = 256  # "auto": tokens per call from which cuBLAS per expert wins
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
 FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
 _FL_WARPS = 4  # fp8_linear.cu: FL_WARPS
@@ -186,7 +187,8 @@ class CupyOps(Ops):
     fp8_resident = True  # FP8 checkpoints stay FP8 on the device, dequantized inside the GEMMs
 
     def __init__(self, moe_impl: str = "auto", decode_split: str = "auto", split_keys: int = 512):
-        """``moe_impl``: expert GEMMs (see ``moe_experts``). ``decode_split``: split each decode
+        """``moe_impl``: expert GEMMs (``_moe_choice``: "grouped" CUDA cores, "tc" tensor cores,
+        "gathered" cuBLAS per expert after a host sync, "auto" by shape). ``decode_split``: split each decode
         context into partitions of ``split_keys`` keys ("auto": when there are fewer
         (sequence, KV head) blocks than two per SM, the case of small batches)."""
         if moe_impl not in MOE_IMPLS:
@@ -880,9 +882,8 @@ class CupyOps(Ops):
             (ids, np.int32(n), np.int32(expert_start), np.int32(El), offsets, sorted_slot, slot_pos),
             4 * (perm_warps + 1) * El,
         )
-        gathered = self.moe_impl == "gathered" or (self.moe_impl == "auto" and T >= GATHERED_MIN_TOKENS)
-        run = self._experts_gathered if gathered else self._experts_grouped
-        y = run(x, k, offsets, sorted_slot, w_gate_up, w_down)  # [P, D] fp32, sorted rows
+        run = {"grouped": self._experts_grouped, "tc": self._experts_tc, "gathered": self._experts_gathered}
+        y = run[self._moe_choice(n, w_gate_up)](x, k, offsets, sorted_slot, w_gate_up, w_down)  # [P, D] fp32
         _launch(
             "moe_combine.cu",
             "moe_combine",
@@ -891,6 +892,36 @@ class CupyOps(Ops):
             (y, weights, slot_pos, out, np.int32(D), np.int32(k)),
         )
         return out
+
+    def _moe_choice(self, slots: int, w_gate_up) -> str:
+        """The expert-GEMM implementation of a call with ``slots`` (token, choice) pairs: "auto" takes
+        the tensor-core GEMM from TC_MIN_SLOTS_PER_EXPERT slots per local expert (a prefill, a large
+        decode batch), else the CUDA-core kernel (decode's weight-bandwidth-bound products). FP8
+        weights take the tensor cores only with block_k a multiple of 32 and D, I multiples of 16."""
+        El, I2, D = w_gate_up.shape
+        tc_ok = not isinstance(w_gate_up, Fp8Weight) or (w_gate_up.block_k % 32 == 0 and D % 16 == 0 and I2 % 32 == 0)
+        if self.moe_impl == "auto":
+            return "tc" if tc_ok and slots >= TC_MIN_SLOTS_PER_EXPERT * El else "grouped"
+        return "grouped" if self.moe_impl == "tc" and not tc_ok else self.moe_impl
+
+    def _experts_tc(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
+        """Both expert GEMMs on tensor cores (moe_tc.cu), one launch each over every local expert."""
+        El, I2, D = w_gate_up.shape
+        I, n = I2 // 2, x.shape[0] * k
+        h = cupy.empty((n, I), dtype=_BF16)  # [P, I] (P <= T*k rows used)
+        y = cupy.empty((n, D), dtype=_F32)  # [P, D]
+        slots = (n + El * (_TC_BM - 1)) // _TC_BM  # at least the (expert, 64-row tile) pairs
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        suffix, smem = ("_fp8", MOE_TC_SMEM_FP8) if fp8 else ("", MOE_TC_SMEM)
+        gate_up = (w_gate_up.data, w_gate_up.scale) if fp8 else (w_gate_up,)
+        down = (w_down.data, w_down.scale) if fp8 else (w_down,)
+        blocks = lambda w: (np.int32(w.block_n), np.int32(w.block_k)) if fp8 else ()  # noqa: E731
+        dims = (np.int32(D), np.int32(I))
+        args = (x, sorted_slot, offsets, *gate_up, h, *dims, np.int32(k), np.int32(El), *blocks(w_gate_up))
+        _launch("moe_tc.cu", "moe_tc_gate_up" + suffix, (slots, -(-I // _TC_UNITS)), 128, args, smem)
+        args = (h, offsets, *down, y, *dims, np.int32(El), *blocks(w_down))
+        _launch("moe_tc.cu", "moe_tc_down" + suffix, (slots, -(-D // _TC_BN)), 128, args, smem)
+        return y
 
     def _units_per_warp(self, units: int, active_experts: int) -> int:
         """Spread the chosen experts' work over about 32 warps per SM."""

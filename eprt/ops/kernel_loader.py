@@ -25,6 +25,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "router.cu": ("router_topk_bf16", "router_topk_f32", "router_grouped_bf16", "router_grouped_f32"),
     "moe_permute.cu": ("moe_permute", "moe_gather_rows"),
     "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down", "moe_gate_up_silu_fp8", "moe_down_fp8"),
+    "moe_tc.cu": ("moe_tc_gate_up", "moe_tc_down", "moe_tc_gate_up_fp8", "moe_tc_down_fp8"),
     "fp8_linear.cu": ("fp8_linear", "fp8_dequant"),
     "moe_combine.cu": ("moe_combine",),
     "silu_and_mul.cu": ("silu_and_mul",),
@@ -64,6 +65,9 @@ def _each(names, threads: int, smem: int | None = 0) -> dict[str, Launch]:
 
 
 OPT_IN = None  # dynamic shared memory up to the device's opt-in limit
+# moe_tc.cu: 3 pipeline stages of an A tile [64, 40] bf16 and a B tile [128, 40] bf16 or [128, 48] fp8 bytes
+MOE_TC_SMEM = 3 * (64 * 40 * 2 + 128 * 40 * 2)
+MOE_TC_SMEM_FP8 = 3 * (64 * 40 * 2 + 128 * 48)
 LAUNCH: dict[str, Launch] = {
     **_each(KERNELS["rms_norm.cu"], 512),
     **_each(KERNELS["rope.cu"], 256),
@@ -74,6 +78,8 @@ LAUNCH: dict[str, Launch] = {
     "moe_permute": Launch(1024, OPT_IN),  # 32 warps at most
     "moe_gather_rows": Launch(256),
     **_each(KERNELS["moe_grouped_gemm.cu"], 128),
+    **_each(("moe_tc_gate_up", "moe_tc_down"), 128, MOE_TC_SMEM),
+    **_each(("moe_tc_gate_up_fp8", "moe_tc_down_fp8"), 128, MOE_TC_SMEM_FP8),
     "fp8_linear": Launch(128),
     "fp8_dequant": Launch(256),
     "moe_combine": Launch(256),
