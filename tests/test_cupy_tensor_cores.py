@@ -113,3 +113,92 @@ def test_moe_auto_takes_tensor_cores_by_shape():
     odd = Fp8Weight(np.zeros((8, 64, 32), np.uint8), None, 128, 16, 32)  # block_k 16: not a whole K step
     assert auto._moe_choice(4096, odd) == "grouped" and CupyOps(moe_impl="tc")._moe_choice(4096, odd) == "grouped"
     assert CupyOps(moe_impl="gathered")._moe_choice(4096, w) == "gathered"
+
+
+# ---- flash attention over the paged cache ---------------------------------------------------
+GQA_CASES = {
+    # Hk, G, Dh, BS, start_pos, T
+    "G 1: one row tile of 16 rows": (1, 1, 16, 16, 0, 16),
+    "150 keys over 3 key tiles, 600 rows, 10 row tiles": (2, 4, 128, 16, 0, 150),
+    "G 3, Dh 72 (padded to 80), blocks of 5, chunk at 37": (2, 3, 72, 5, 37, 33),
+    "Dh 256: 32-key tiles": (1, 8, 256, 16, 0, 40),
+    "Dh 64, blocks of 3, chunk at 100": (2, 6, 64, 3, 100, 20),
+}
+
+
+@pytest.mark.parametrize("case", list(GQA_CASES))
+def test_flash_attention_prefill_against_numpy(monkeypatch, case):
+    from eprt.ops.cupy_ops import CupyOps
+
+    hk, group, dh, bs, start, T = GQA_CASES[case]
+    rng = np.random.default_rng(dh + T)
+    g, c = CupyOps(decode_split="off"), NumpyOps()
+    kc, vc, tables = paged_kv(rng, [start + T], bs, hk, dh, spare_blocks=2)
+    q = bf16(rng.standard_normal((T, hk * group, dh)))
+    names = launched(monkeypatch)
+    got = g.attention_prefill(g.activation(q), g.activation(kc), g.activation(vc), g.index(tables[0]), start, dh**-0.5)
+    assert names == [f"flash_attention_d{next(d for d in (64, 128, 256) if dh <= d)}"]
+    close(g.to_host(got), c.attention_prefill(q, kc, vc, tables[0], start, dh**-0.5), "attention")
+
+
+def test_flash_attention_sliding_window():
+    # the kernel's window (the op contract has none yet): row t sees positions (qpos - 7, qpos]
+    from eprt.ops.cupy_ops import _FLASH_GQA, CupyOps
+
+    rng = np.random.default_rng(7)
+    hk, group, dh, bs, start, T, window = 2, 2, 32, 4, 30, 40, 7
+    g = CupyOps(decode_split="off")
+    kc, vc, tables = paged_kv(rng, [start + T], bs, hk, dh, spare_blocks=1)
+    q = bf16(rng.standard_normal((T, hk * group, dh)))
+    kg, vg = g.activation(kc), g.activation(vc)
+    got = g._flash(_FLASH_GQA[0], g.activation(q), kg, vg, g.index(tables[0]), start, 0.2, hk, dh, hk * dh, dh, window)
+    pos = np.arange(start + T)
+    keys = kc[tables[0][pos // bs], pos % bs]  # [P, Hk, Dh] in position order
+    values = vc[tables[0][pos // bs], pos % bs]
+    want = np.empty_like(q)
+    for t in range(T):
+        qpos = start + t
+        seen = slice(max(0, qpos - window + 1), qpos + 1)
+        for h in range(hk * group):
+            s = keys[seen, h // group] @ q[t, h] * 0.2
+            p = np.exp(s - s.max())
+            want[t, h] = p @ values[seen, h // group] / p.sum()
+    close(g.to_host(got), want, "attention")
+
+
+MLA_CASES = {
+    # H, C, R (L = C + R), BS, start_pos, T
+    "tiny model's dims (L 40, C 32), 4 heads": (4, 32, 8, 16, 0, 20),
+    "16 heads, C 64 split over two warps, chunk at 50": (16, 64, 8, 16, 50, 30),
+    "C 128, L 144, blocks of 7, 9 rows of 8 heads": (8, 128, 16, 7, 3, 9),
+}
+
+
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_flash_mla_prefill_against_numpy(monkeypatch, case):
+    from eprt.ops.cupy_ops import CupyOps
+
+    H, C, R, bs, start, T = MLA_CASES[case]
+    L = C + R
+    rng = np.random.default_rng(L + T)
+    g, c = CupyOps(decode_split="off"), NumpyOps()
+    nb = -(-(start + T) // bs) + 2
+    cache = bf16(rng.standard_normal((nb, bs, L)))
+    table = rng.permutation(nb).astype(np.int32)
+    q = bf16(rng.standard_normal((T, H, L)))
+    names = launched(monkeypatch)
+    got = g.mla_attention_prefill(g.activation(q), g.activation(cache), g.index(table), start, L**-0.5, C)
+    assert names == ["flash_mla"]
+    close(g.to_host(got), c.mla_attention_prefill(q, cache, table, start, L**-0.5, C), "attention")
+
+
+def test_few_rows_over_a_long_context_keep_the_split_decode_path(monkeypatch):
+    from eprt.ops.cupy_ops import CupyOps
+
+    rng = np.random.default_rng(3)
+    g = CupyOps(split_keys=128)  # auto: 4 rows x 2 KV heads cannot fill the GPU, 300 keys split in 3
+    kc, vc, tables = paged_kv(rng, [300], 16, 2, 16, spare_blocks=1)
+    q = bf16(rng.standard_normal((4, 16, 16)))
+    names = launched(monkeypatch)
+    g.attention_prefill(g.activation(q), g.activation(kc), g.activation(vc), g.index(tables[0]), 296, 0.25)
+    assert names == ["attention_decode_split_g8", "attention_split_combine"]
