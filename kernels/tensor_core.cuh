@@ -61,7 +61,10 @@ __device__ __forceinline__ void load_b_kn(u32 b0[2], u32 b1[2], const bf16* tile
     const int lane = threadIdx.x % WARP_SIZE;  // matrix m: k rows 8 * (m % 2), n columns 8 * (m / 2)
     u32 r[4];
     ldsm_x4_trans(r, tile + (lane % 8 + 8 * ((lane / 8) % 2)) * stride + 8 * (lane / 16));
-    b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
+    b0[0] = r[0];  // k 0-7 and 8-15 of n 0-7, then of n 8-15
+    b0[1] = r[1];
+    b1[0] = r[2];
+    b1[1] = r[3];
 }
 
 // Two floats as one register of bf16 (lo in the low half), round to nearest even.

@@ -14,7 +14,7 @@ import os
 import tempfile
 
 import pytest
-from checkpoints import ARCHS, EXPERT_KEY, build_checkpoint
+from checkpoints import ARCHS, DEEPSEEK_LIKE, EXPERT_KEY, build_checkpoint
 
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.comm.transport import LocalTransport
@@ -33,7 +33,7 @@ def shared_checkpoint(arch):
     if COMM.rank == 0:
         root = os.environ.get("EPRT_TEST_CKPT_DIR") or os.path.join(tempfile.gettempdir(), "eprt-mpi-ckpt")
         key = EXPERT_KEY.get(arch, "num_experts")
-        n = 9 if arch == "deepseek_v3" else 7  # uneven over 2 ranks (deepseek_v3: 3 expert groups)
+        n = 9 if arch in DEEPSEEK_LIKE else 7  # uneven over 2 ranks (grouped routing: 3 groups of 3)
         path = build_checkpoint(arch, os.path.join(root, f"{arch}-{n}experts-bf16"), dtype="bfloat16", **{key: n})
     return COMM.bcast(path, root=0)
 

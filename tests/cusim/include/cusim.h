@@ -105,6 +105,7 @@ struct Launch {
     size_t static_bytes = 0;
     std::string error;
     uint64_t rng = 0;
+    bool async_eager = false;   // cp.async copies land at issue (else at their wait), per launch
     volatile bool in_fiber = false;   // a fiber runs (not the scheduler): faults can leave it
 };
 
@@ -551,6 +552,7 @@ inline const char* cusim_launch(dim3 grid, dim3 block, size_t smem, uint64_t see
     for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[cusim::next_random() % i]);
     bool first = true;
     const int stickiness = cusim::pick_stickiness();
+    launch.async_eager = cusim::next_random() % 2;
     for (const uint3& b : order) {
         launch.block_idx = b;
         launch.static_smem.clear();

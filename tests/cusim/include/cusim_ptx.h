@@ -11,9 +11,11 @@
 //   cp.async.{ca|cg}.shared.global [dst], [src], size{, src_size}; cp.async.commit_group;
 //   cp.async.wait_group n; cp.async.wait_all     (sm_80+)
 //   mov.b32 / mov.u32 / mov.f32  d, a|immediate
-// cp.async copies land in shared memory only when a wait_group covers their group (until then
-// the destination keeps its old bytes), so a kernel that reads a tile before waiting for it
-// reads stale data here; the source is read at the wait. src_size < size zero-fills the rest.
+// A cp.async copy lands at the earliest or the latest moment a GPU allows, chosen per launch:
+// when issued, or only when a wait_group covers its group (until then the destination keeps its
+// old bytes, and the source is read at the wait). So a kernel that reads a tile before waiting
+// for it reads stale data in some launches, and one that refills a buffer other warps may still
+// be reading (a missing barrier) overwrites it in others. src_size < size zero-fills the rest.
 // mma and ldmatrix are warp collectives over all 32 lanes (a lane that exited, or lanes at
 // different instructions, is a launch error as for any collective). The fragments are placed
 // by the PTX ISA's tables ("Matrix fragments for mma.m16n8k16 / .m16n8k32"): lane l is in
@@ -362,7 +364,13 @@ inline void run_cp_async(const Statement& s, Operands& o) {
     const uint64_t dst = (uint32_t)o.get(s.groups[0][0]), src = o.get(s.groups[1][0]);
     if (dst % bytes || src % bytes) { fail("cp.async addresses must be aligned to the copy size"); return; }
     unsigned char* d = shared_pointer(dst, bytes);
-    if (d) t->copies.push_back(AsyncCopy{d, reinterpret_cast<const unsigned char*>(src), bytes, src_bytes, -1});
+    if (!d) return;
+    if (g->async_eager) {
+        std::memcpy(d, reinterpret_cast<const unsigned char*>(src), src_bytes);
+        std::memset(d + src_bytes, 0, bytes - src_bytes);
+    } else {
+        t->copies.push_back(AsyncCopy{d, reinterpret_cast<const unsigned char*>(src), bytes, src_bytes, -1});
+    }
 }
 
 inline void ptx(const char* text, std::initializer_list<PtxOperand> outs, std::initializer_list<PtxOperand> ins) {
