@@ -567,6 +567,56 @@ def test_a_wrong_fragment_layout_computes_a_wrong_product():
     np.testing.assert_allclose(got, swapped @ bf.T + 0.5, rtol=1e-6, atol=1e-5)
 
 
+def test_fp8_mma_and_conversions_follow_the_ptx_isa():
+    # m16n8k32 e4m3 (sm_89+): A [16, 32] and Bt [8, 32] bytes, fragments of 4 bytes per register
+    # (A: rows g, g+8, columns 4t.. and 16+4t..; B: column g, rows 4t.. and 16+4t..); and the
+    # hardware conversion e4m3x2 -> f16x2 (asm and intrinsic) against NumPy's decode
+    from eprt.model.safetensors_io import fp8_e4m3_to_f32
+
+    m = fake_cupy.RawModule(
+        r"""
+#include <cuda_fp8.h>
+typedef unsigned int u32;
+extern "C" __global__ void mma16832(const unsigned char* A, const unsigned char* Bt, float* D) {
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+    const u32* a32 = reinterpret_cast<const u32*>(A);
+    const u32* b32 = reinterpret_cast<const u32*>(Bt);
+    u32 a[4] = {a32[g * 8 + t], a32[(g + 8) * 8 + t], a32[g * 8 + t + 4], a32[(g + 8) * 8 + t + 4]};
+    u32 b[2] = {b32[g * 8 + t], b32[g * 8 + t + 4]};
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    D[g * 8 + 2 * t] = c[0]; D[g * 8 + 2 * t + 1] = c[1];
+    D[(g + 8) * 8 + 2 * t] = c[2]; D[(g + 8) * 8 + 2 * t + 1] = c[3];
+}
+extern "C" __global__ void cvt(const unsigned short* x, unsigned int* hw, unsigned int* intrinsic) {
+    const int i = threadIdx.x;
+    u32 h;
+    asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(x[i]));
+    hw[i] = h;
+    const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(x[i], __NV_E4M3);
+    intrinsic[i] = r.x | ((u32)r.y << 16);
+}"""
+    )
+    rng = np.random.default_rng(5)
+    a, bt = rng.integers(0, 256, (16, 32), dtype=np.uint8), rng.integers(0, 256, (8, 32), dtype=np.uint8)
+    a[(a & 0x7F) == 0x7F] = 0x38  # no NaN
+    bt[(bt & 0x7F) == 0x7F] = 0x38
+    d = fake_cupy.zeros((16, 8), np.float32)
+    m.get_function("mma16832")((1,), (32,), (dev(a), dev(bt), d))
+    want = fp8_e4m3_to_f32(a).astype(np.float64) @ fp8_e4m3_to_f32(bt).astype(np.float64).T
+    np.testing.assert_allclose(d.get(), want, rtol=0, atol=1e-6 * np.abs(want).max())  # fp32 sums of up to 1e5
+    pairs = np.arange(0, 65536, 257, dtype=np.uint16)  # both bytes of 255 pairs, NaN included
+    hw, intrinsic = fake_cupy.zeros(len(pairs), np.uint32), fake_cupy.zeros(len(pairs), np.uint32)
+    m.get_function("cvt")((1,), (len(pairs),), (dev(pairs), hw, intrinsic))
+    halves = np.stack([hw.get() & 0xFFFF, hw.get() >> 16], 1).astype(np.uint16).view(np.float16)
+    decoded = fp8_e4m3_to_f32(np.stack([pairs & 0xFF, pairs >> 8], 1).astype(np.uint8))
+    np.testing.assert_array_equal(halves.astype(np.float32), decoded)  # exact, NaN where NaN
+    np.testing.assert_array_equal(intrinsic.get(), hw.get())
+
+
 def test_mma_needs_the_whole_warp_and_ldmatrix_shared_memory():
     m = tc_module(r"""
 extern "C" __global__ void partial(float* out) {
