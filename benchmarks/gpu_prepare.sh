@@ -32,7 +32,7 @@ ckpt="$work/ckpt"
 PYTHONPATH="$PWD/tests:$PWD" EPRT_TEST_CKPT_DIR="$ckpt" python3 - <<'EOF'
 import os
 
-from checkpoints import ARCHS, EXPERT_KEY, build_checkpoint, build_fp8_copy, build_vl_checkpoint
+from checkpoints import ARCHS, EXPERT_KEY, VL_VARIANTS, build_checkpoint, build_fp8_copy, vl_checkpoint
 from lora_adapters import peft_adapter, per_expert_adapter
 
 root = os.environ["EPRT_TEST_CKPT_DIR"]
@@ -52,7 +52,8 @@ for arch, block in (("deepseek_v3", (16, 32)), ("qwen3_moe", (128, 128))):  # te
     build_fp8_copy(source, f"{source}-fp8-{block[0]}x{block[1]}", block)
     source = checkpoint(arch, dtype="bfloat16", **BIGGER)
     build_fp8_copy(source, f"{source}-fp8-128x128", (128, 128))
-build_vl_checkpoint(os.path.join(root, "qwen3_vl_moe"))  # test_gpu_vision
+for name in VL_VARIANTS:
+    vl_checkpoint(root, name)  # test_gpu_vision
 peft_adapter(checkpoint("qwen3_moe", dtype="bfloat16"), os.path.join(root, "lora-qwen3-bf16-attn"), seed=5, r=8,
              lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # test_cupy_lora  # fmt: skip
 per_expert_adapter(checkpoint("mixtral", dtype="bfloat16"), os.path.join(root, "lora-mixtral-bf16-per-expert"),

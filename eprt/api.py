@@ -18,6 +18,9 @@ MAX_CHOICES = 64  # n and best_of: choices of one prompt
 MAX_LOGPROBS = 20  # top alternatives reported per token at most (OpenAI's top_logprobs limit, vLLM's default)
 
 
+EXIT_BAD_INPUT = 2  # every command's exit status for input it cannot take: flags, files, a request, a checkpoint
+
+
 class RequestError(ValueError):
     """A request that cannot be served as given; the message names the problem."""
 
@@ -96,12 +99,34 @@ class Guide:
     spec: str = ""
 
 
+@dataclass(frozen=True)
+class Thinking:
+    """A model's thinking block and one request's budget in it (docs/scenarios.md, "Thinking
+    blocks"): ``start`` and ``end`` are the delimiters' token ids; ``also_ends`` are tokens that
+    end a block too but are output outside it (Kimi-K2's tool-call section); ``budget``: at most
+    this many tokens inside blocks, after which the ``end`` token is forced (None: no limit)."""
+
+    start: int
+    end: int
+    budget: int | None = None
+    also_ends: tuple = ()
+
+    def validate(self, vocab_size: int) -> None:
+        for name, t in (("start", self.start), ("end", self.end), *(("also_ends", a) for a in self.also_ends)):
+            if not (is_int(t) and 0 <= t < vocab_size):
+                raise RequestError(f"thinking {name} token {t!r} is outside the vocabulary [0, {vocab_size})")
+        if self.start == self.end:
+            raise RequestError(f"thinking start and end tokens must differ, got {self.start} for both")
+        if self.budget is not None and (not is_int(self.budget) or self.budget < 0):
+            raise RequestError(f"max_thinking_tokens must be a non-negative integer, got {self.budget!r}")
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
+    top_k: int = 0  # 0 means no top-k cut (-1 too, vLLM's "off": made 0)
     seed: int | None = None  # per-request seed; None draws from the engine's generator
     stop_token_ids: tuple = ()  # extra stop ids besides the model's EOS ids
     ignore_eos: bool = False
@@ -119,6 +144,11 @@ class SamplingParams:
     min_p: float = 0.0  # tokens below min_p * the top probability are cut (sampled rows)
     logprobs: int | None = None  # log-probabilities of each generated token and its top-N alternatives
     prompt_logprobs: int | None = None  # ... of each prompt token (from the second) and its top-N
+    thinking: Thinking | None = None  # the model's thinking block: its tokens counted, its budget enforced
+
+    def __post_init__(self):
+        if is_int(self.top_k) and self.top_k == -1:  # vLLM's way of saying "no top-k cut"
+            self.top_k = 0
 
     def validate(self, vocab_size: int) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -126,7 +156,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             RANGES[name].check(name, getattr(self, name))
         if not is_int(self.top_k) or self.top_k < 0:
-            raise RequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+            raise RequestError(f"top_k must be -1 or 0 (no cut) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise RequestError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (tuple, list)):
@@ -144,6 +174,10 @@ class SamplingParams:
             isinstance(guide, Guide) and guide.kind in GUIDE_KINDS and isinstance(guide.spec, str)
         ):
             raise RequestError(f"guide must be a Guide of kind {', '.join(GUIDE_KINDS)}, got {self.guide!r:.80}")
+        if self.thinking is not None:
+            if not isinstance(self.thinking, Thinking):
+                raise RequestError(f"thinking must be an eprt.api.Thinking, got {self.thinking!r:.80}")
+            self.thinking.validate(vocab_size)
 
         self._validate_processing(vocab_size)
 
@@ -240,6 +274,7 @@ class GenerationResult:
     cumulative_logprob: float | None = None  # sum of its tokens' logprobs, when asked for (best_of)
     logprobs: list | None = None  # [N] TokenLogprobs of the generated tokens, when asked for
     prompt_logprobs: list | None = None  # [T] None for the first prompt token, then TokenLogprobs
+    reasoning_tokens: int | None = None  # generated tokens inside thinking blocks (None: no thinking block known)
 
     def to_json(self) -> dict:
         d = {
@@ -263,6 +298,8 @@ class GenerationResult:
             d["logprobs"] = [lp.to_json() for lp in self.logprobs]
         if self.prompt_logprobs is not None:
             d["prompt_logprobs"] = [None if lp is None else lp.to_json() for lp in self.prompt_logprobs]
+        if self.reasoning_tokens is not None:
+            d["reasoning_tokens"] = self.reasoning_tokens
         return d
 
 

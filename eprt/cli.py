@@ -7,6 +7,7 @@ they are imported only when chosen, so ``eprt scenario`` never imports the model
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -23,15 +24,43 @@ COMMANDS = {
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The parser; sub-command arguments are added only for ``only`` (imports stay lazy)."""
+    """The parser; sub-command arguments are added only for ``only`` (imports stay lazy).
+    ``parser.commands`` maps each sub-command to its parser."""
     parser = argparse.ArgumentParser(prog="eprt", description="Expert-parallel MoE runtime")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    parser.commands = {}
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = parser.commands[name] = sub.add_parser(name, help=help_text, description=help_text)
         if name == only:
             importlib.import_module(module).add_arguments(p)
     return parser
+
+
+def unrecognized(extra: list, parser: argparse.ArgumentParser) -> str:
+    """argparse's message for arguments no flag takes, with the closest flag of ``parser`` for each
+    mistyped one ("--promt": did you mean --prompt?)."""
+    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    hints = []
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            hints += [f"{arg.split('=', 1)[0]}: did you mean {close[0]}?"] if close else []
+    return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line; a flag no sub-command takes shows that sub-command's usage (exit 2)."""
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(chosen)
+    if argv and not argv[0].startswith("-") and chosen is None:
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        if close:
+            parser.error(f"unknown command {argv[0]!r}: did you mean {close[0]!r}?")
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands[args.command].error(unrecognized(extra, parser.commands[args.command]))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,16 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         from eprt.comm.launcher import supervise
 
         supervise()
-    argv = sys.argv[1:] if argv is None else argv
-    chosen = argv[0] if argv and argv[0] in COMMANDS else None
-    args = build_parser(chosen).parse_args(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)  # argparse's errors exit 2 too
+    from eprt.api import EXIT_BAD_INPUT
     from eprt.comm.transport import StartupFailed
 
     try:
         return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
     except (ValueError, OSError, StartupFailed) as e:  # bad input (config, checkpoint, request,
         print(f"eprt {args.command}: error: {e}", file=sys.stderr)  # file) or a rank that could
-        return 2  # not start: no traceback
+        return EXIT_BAD_INPUT  # not start: no traceback
 
 
 if __name__ == "__main__":

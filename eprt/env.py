@@ -105,6 +105,22 @@ CPU_EXPERTS = _register(
 KERNEL_DIR = _register(
     "EPRT_KERNEL_DIR", "", str, "directory of the .cu kernel sources (default: the checkout's or the wheel's kernels/)"
 )
+
+
+def _progress(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("auto", "bar", "lines", "off"):
+        raise ValueError("expected auto, bar, lines or off")
+    return v
+
+
+PROGRESS = _register(
+    "EPRT_PROGRESS",
+    "auto",
+    _progress,
+    "eprt run / generate progress on stderr: bar (redrawn in place), lines (a line every 5 s), off; "
+    "auto: bar on a terminal, else lines (mpiexec's ranks write to a pipe: EPRT_PROGRESS=bar for the bar)",
+)
 SUPERVISOR = _register(
     "EPRT_SUPERVISOR",
     True,

@@ -161,7 +161,7 @@ def build_checkpoint(arch: str, path: str, dtype: str = "float32", seed: int = 0
 
 
 VL_IMAGE, VL_VIDEO, VL_START, VL_END = 250, 251, 248, 249  # qwen3_vl_moe's special token ids in the tiny vocabulary
-VL_PREPROCESSOR = dict(  # Qwen2VLImageProcessor fields; at most 64 x 64 pixels: 16 placeholders an image
+VL_PREPROCESSOR = dict(  # Qwen2VLImageProcessor fields; build_vl_checkpoint sets patch_size and size
     image_processor_type="Qwen2VLImageProcessor",
     patch_size=8,
     temporal_patch_size=2,
@@ -176,9 +176,73 @@ VL_PREPROCESSOR = dict(  # Qwen2VLImageProcessor fields; at most 64 x 64 pixels:
 )
 
 
-def build_vl_checkpoint(path: str, seed: int = 0) -> str:
-    """A random qwen3_vl_moe checkpoint (vision tower, deepstack at vision layers 0 and 1, interleaved
-    MRoPE sections (2, 3, 3) of head_dim 16) with its preprocessor_config.json; skipped if there."""
+VL_VARIANTS = {  # name (the directory under the checkpoint root) -> build_vl_checkpoint's overrides
+    # vision depth 3 (hidden 32: 2 heads of 16), patch 8, deepstack at vision layers 0 and 1, MRoPE (2, 3, 3)
+    "qwen3_vl_moe": {},
+    # issue 36's: vision depth 2, hidden 64 (2 heads of 32), patch 16, 256 position embeddings, deepstack
+    # at both vision layers, every weight x2
+    "qwen3_vl_moe-issue36": dict(
+        vision=dict(depth=2, hidden_size=64, intermediate_size=96, patch_size=16, num_position_embeddings=256),
+        scale=2.0,
+    ),
+    # small heads: text head_dim 8 (8 query / 2 KV heads, MRoPE (2, 1, 1)), vision heads of 8, patch 8,
+    # deepstack at vision layers 0, 2, 3 into all three language layers
+    "qwen3_vl_moe-small-heads": dict(
+        text=dict(head_dim=8, num_attention_heads=8, num_key_value_heads=2),
+        mrope_section=[2, 1, 1],
+        vision=dict(depth=4, hidden_size=16, intermediate_size=32, deepstack_visual_indexes=[0, 2, 3]),
+    ),
+}
+
+
+def vl_checkpoint(root: str, name: str = "qwen3_vl_moe") -> str:
+    """The VL_VARIANTS checkpoint ``name`` under ``root`` (built once)."""
+    return build_vl_checkpoint(os.path.join(root, name), **VL_VARIANTS[name])
+
+
+_VL_VISION = dict(  # the vision tower of build_vl_checkpoint unless told otherwise
+    depth=3,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=2,
+    patch_size=8,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=64,
+    deepstack_visual_indexes=[0, 1],
+    initializer_range=0.1,
+)
+
+
+def _vl_config(text: dict | None, vision: dict | None, mrope_section):
+    """transformers' Qwen3VLMoeConfig of build_vl_checkpoint: qwen3_moe's tiny text model with
+    interleaved MRoPE, _VL_VISION, each with the given fields over them."""
+    import transformers
+
+    text_cfg = {k: v for k, v in {**_COMMON, **_ARCH["qwen3_moe"]}.items() if k not in ("rope_theta", "norm_topk_prob")}
+    text_cfg["rope_parameters"] = dict(
+        rope_type="default", rope_theta=10000.0, mrope_section=list(mrope_section), mrope_interleaved=True
+    )
+    text_cfg.update(text or {})
+    vision_cfg = {**_VL_VISION, "out_hidden_size": text_cfg["hidden_size"], **(vision or {})}
+    return transformers.Qwen3VLMoeConfig(
+        text_config=text_cfg,
+        vision_config=vision_cfg,
+        image_token_id=VL_IMAGE,
+        video_token_id=VL_VIDEO,
+        vision_start_token_id=VL_START,
+        vision_end_token_id=VL_END,
+        tie_word_embeddings=False,
+    )
+
+
+def build_vl_checkpoint(
+    path: str, seed: int = 0, text=None, vision=None, mrope_section=(2, 3, 3), scale: float = 1.0
+) -> str:
+    """A random qwen3_vl_moe checkpoint with its preprocessor_config.json (skipped if there): by
+    default a vision tower of depth 3 with deepstack at vision layers 0 and 1 and interleaved MRoPE
+    sections (2, 3, 3) of head_dim 16; ``text`` / ``vision``: config fields over those, ``scale``:
+    every weight multiplied by it. At most 4 x 4 merged placeholders an image (64 x 64 pixels at patch 8)."""
     import json
 
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -186,38 +250,20 @@ def build_vl_checkpoint(path: str, seed: int = 0) -> str:
     import torch
     import transformers
 
-    text = {k: v for k, v in {**_COMMON, **_ARCH["qwen3_moe"]}.items() if k not in ("rope_theta", "norm_topk_prob")}
-    text["rope_parameters"] = dict(
-        rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3], mrope_interleaved=True
-    )
-    vision = dict(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=48,
-        num_heads=2,
-        patch_size=8,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=text["hidden_size"],
-        num_position_embeddings=64,
-        deepstack_visual_indexes=[0, 1],
-        initializer_range=0.1,
-    )
-    cfg = transformers.Qwen3VLMoeConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=VL_IMAGE,
-        video_token_id=VL_VIDEO,
-        vision_start_token_id=VL_START,
-        vision_end_token_id=VL_END,
-        tie_word_embeddings=False,
-    )
+    cfg = _vl_config(text, vision, mrope_section)
     torch.manual_seed(seed)
     model = transformers.Qwen3VLMoeForConditionalGeneration(cfg).eval()
+    if scale != 1.0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
     model.generation_config.pad_token_id = _COMMON["pad_token_id"]
     model.save_pretrained(path)
+    patch = cfg.vision_config.patch_size
+    factor = patch * cfg.vision_config.spatial_merge_size  # pixels a merged placeholder side
+    pre = dict(VL_PREPROCESSOR, patch_size=patch, size={"shortest_edge": factor**2, "longest_edge": (4 * factor) ** 2})
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
-        json.dump(VL_PREPROCESSOR, f, indent=1)
+        json.dump(pre, f, indent=1)
     return path
 
 
@@ -229,40 +275,73 @@ def load_vl_reference(path: str):
     return transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def vl_reference_greedy(path: str, prompt: list, images=(), steps: int = 10) -> list:
-    """transformers' greedy tokens for an expanded qwen3_vl_moe prompt, fed the pixel values of
-    eprt's own preprocessing (transformers' image processor needs torchvision)."""
+def hf_image_inputs(path: str, images) -> dict:
+    """transformers' own preprocessing of encoded images: its PIL image processor
+    (Qwen2VLImageProcessorPil: PIL + NumPy, no torchvision) built from the checkpoint's
+    preprocessor_config.json, given each picture as transformers' load_image opens it (EXIF
+    orientation applied); transparency is composited onto white by the processor's RGB conversion.
+    Returns pixel_values [N, F] and image_grid_thw [I, 3] tensors."""
+    import io
     import json
 
-    import numpy as np
+    from PIL import Image, ImageOps
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    with open(os.path.join(path, "preprocessor_config.json")) as f:
+        raw = json.load(f)
+    raw.pop("image_processor_type", None)
+    pictures = [ImageOps.exif_transpose(Image.open(io.BytesIO(b))) for b in images]
+    return dict(Qwen2VLImageProcessorPil(**raw)(images=pictures, return_tensors="pt"))
+
+
+def vl_reference(path: str, prompt: list, images=(), steps: int = 10) -> tuple:
+    """transformers end to end on a qwen3_vl_moe prompt with one VL_IMAGE placeholder per image:
+    (the prompt expanded as its processor does, each placeholder repeated grid_h * grid_w / merge**2
+    times; the greedy tokens; the first step's logits [V] as float32 NumPy)."""
     import torch
 
-    from eprt.model.vision import ImageLimits, ImageProcessorConfig, decode_image, preprocess
-
-    model, ids, kw = load_vl_reference(path), torch.tensor([prompt]), {}
+    model, kw, prompt = load_vl_reference(path), {}, list(prompt)
     if images:
-        with open(os.path.join(path, "preprocessor_config.json")) as f:
-            processor = ImageProcessorConfig.from_dict(json.load(f))
-        pixels = [preprocess(decode_image(b, ImageLimits()), processor) for b in images]
-        kw = dict(
-            pixel_values=torch.from_numpy(np.concatenate([p for p, _ in pixels])),
-            image_grid_thw=torch.tensor([[1, *g] for _, g in pixels]),
-            mm_token_type_ids=(ids == VL_IMAGE).int(),
-        )
+        kw = hf_image_inputs(path, images)
+        merge = model.config.vision_config.spatial_merge_size
+        counts = iter((kw["image_grid_thw"].prod(-1) // merge**2).tolist())
+        prompt = [t for tok in prompt for t in ([tok] * (next(counts) if tok == VL_IMAGE else 1))]
+    ids = torch.tensor([prompt])
+    if images:
+        kw["mm_token_type_ids"] = (ids == VL_IMAGE).int()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, do_sample=False, max_new_tokens=steps, min_new_tokens=steps, **kw)
-    return out[0, len(prompt) :].tolist()
+        out = model.generate(
+            input_ids=ids,
+            do_sample=False,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
+    return prompt, out.sequences[0, len(prompt) :].tolist(), out.logits[0][0].float().numpy()
 
 
-def png_bytes(seed: int, w: int, h: int) -> bytes:
-    """A w x h PNG of random pixels."""
+def png_bytes(
+    seed: int, w: int, h: int, alpha: bool = False, orientation: int | None = None, fmt: str = "PNG"
+) -> bytes:
+    """A w x h image of random pixels (PNG unless ``fmt`` says JPEG or WEBP); ``alpha``: RGBA with
+    random transparency; ``orientation``: an EXIF Orientation tag (6: viewers turn it 90 degrees
+    clockwise, so it shows h x w)."""
     import io
 
     import numpy as np
     from PIL import Image
 
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (h, w, 4 if alpha else 3), dtype=np.uint8))
+    kw = {}
+    if orientation is not None:
+        exif = img.getexif()
+        exif[0x0112] = orientation
+        kw["exif"] = exif
     buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    img.save(buf, format=fmt, **kw)
     return buf.getvalue()
 
 

@@ -20,6 +20,7 @@ predictable so that tests can assert exact outputs:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -29,6 +30,7 @@ from eprt.api import GenerationRequest, GenerationResult, RequestError
 
 EOS = 256
 VOCAB = 260
+SPECIAL = {"<think>": 257, "</think>": 258}  # never generated: the echo holds bytes only
 BLOCK = 4
 
 
@@ -38,16 +40,28 @@ class ByteTokenizer:
     def __init__(self, chat_template: bool = True):
         self.chat_template = chat_template
 
-    def encode(self, text: str) -> list:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list:
+        return list(text.encode("utf-8"))  # no special tokens to add
 
-    def decode(self, ids: list) -> str:
+    def decode(self, ids: list, skip_special_tokens: bool = True) -> str:  # (no special token has text)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list) -> str:
+    def token_id(self, text: str) -> int | None:
+        """The id of a special token (a reasoning parser's delimiters: ids no prompt text encodes to)."""
+        return SPECIAL.get(text)
+
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+        """``tools`` (their names) and ``kwargs`` (chat_template_kwargs) lead the text when given."""
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat_template")
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        head = "".join(f"<tool {t['function']['name']}>" for t in tools or ()) + "".join(
+            f"<{k}={v}>" for k, v in sorted(kwargs.items())
+        )
+        return (
+            head
+            + "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
+            + ("<assistant>" if add_generation_prompt else "")
+        )
 
 
 @dataclass(eq=False)
@@ -55,6 +69,7 @@ class _Seq:
     request: GenerationRequest
     submitted: float
     on_finish: object = None  # called with the result once the request ends
+    index: int = 0  # which choice of its request
     generated: list = field(default_factory=list)
     cached: int = 0
     result: GenerationResult | None = None
@@ -113,6 +128,18 @@ class FakeEngine:
     # ---- the contract ---------------------------------------------------------------------
 
     def submit(self, req: GenerationRequest, on_finish=None) -> FakeHandle:
+        return self._enqueue(req, on_finish)
+
+    def submit_choices(self, req: GenerationRequest, on_finish=None, on_tokens: list | None = None) -> list:
+        """Each choice (n, best_of) as a sequence of its own (the fake shares no prefill and has
+        no logprobs, so best_of keeps the first n); choice k streams to ``on_tokens[k]``."""
+        handles = []
+        for k in range(req.params.choices):
+            one = dataclasses.replace(req, on_token=req.on_token if on_tokens is None else on_tokens[k])
+            handles.append(self._enqueue(one, on_finish, index=k))
+        return handles
+
+    def _enqueue(self, req: GenerationRequest, on_finish=None, index: int = 0) -> FakeHandle:
         req.params.validate(self.vocab_size)
         if not req.prompt_ids:
             raise RequestError("the prompt is empty")
@@ -122,10 +149,11 @@ class FakeEngine:
             raise RequestError(
                 f"the prompt has {len(req.prompt_ids)} tokens but the context holds {self.max_model_len}"
             )
-        seq = _Seq(req, time.monotonic(), on_finish)
+        seq = _Seq(req, time.monotonic(), on_finish, index=index)
         with self._lock:
             self._waiting.append(seq)
-            self.submitted.append(req)
+            if index == 0:  # a request of several choices is listed once
+                self.submitted.append(req)
         self._wake.set()
         return FakeHandle(self, seq)
 
@@ -153,6 +181,10 @@ class FakeEngine:
         with self._lock:
             for seq in list(self._waiting) + list(self._running):
                 self._finish(seq, "error", message)
+
+    @property
+    def generation_tokens(self) -> int:
+        return self._counts["generation_tokens"]
 
     def stats(self) -> dict:
         with self._lock:
@@ -214,7 +246,14 @@ class FakeEngine:
         self._counts["requests_finished"] += 1
         text = self.tokenizer.decode(seq.generated) if self.tokenizer else ""
         seq.result = GenerationResult(
-            seq.request.request_id, list(seq.request.prompt_ids), list(seq.generated), reason, seq.cached, text, error
+            seq.request.request_id,
+            list(seq.request.prompt_ids),
+            list(seq.generated),
+            reason,
+            seq.cached,
+            text,
+            error,
+            index=seq.index,
         )
         seq.done.set()
         if seq.on_finish is not None:

@@ -40,6 +40,26 @@ def run(engine, inp: Path, out: Path, **kw) -> tuple:
     return run_batch(engine, str(inp), str(out), progress_stream=log, **kw), log.getvalue()
 
 
+def test_vllms_stop_string_and_truncation_fields_on_lines(tmp_path):
+    inp = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"id": "cut", "prompt": "hello world", "stop": ["wor"], "max_tokens": 20},
+            {"id": "kept", "prompt": "hello world", "stop": ["wor"], "include_stop_str_in_output": True},
+            {"id": "last2", "prompt_ids": [97, 98, 99, 100], "truncate_prompt_tokens": 2, "max_tokens": 2},
+            {"id": "bad", "prompt": "abc", "truncate_prompt_tokens": 0},
+            {"id": "any_k", "prompt": "abc", "top_k": -1, "max_tokens": 1},
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    assert run(FakeEngine(), inp, out)[0] == 0
+    records = {r["id"]: r for r in read_records(out)}
+    assert records["cut"]["text"] == "hello " and records["kept"]["text"] == "hello wor"
+    assert records["last2"]["prompt_ids"] == [99, 100] and records["last2"]["text"] == "cd"
+    assert "truncate_prompt_tokens must be -1 (max_model_len) or an integer in [1" in records["bad"]["error"]
+    assert records["any_k"]["text"] == "a"
+
+
 def test_mixed_good_and_bad_lines(tmp_path):
     inp = write_lines(
         tmp_path / "in.jsonl",

@@ -12,7 +12,7 @@ import pytest
 
 from eprt.api import GenerationRequest, RequestError, SamplingParams
 from eprt.cache.block_manager import BlockManager, OutOfBlocks
-from eprt.engine.choices import best_choices, choice_seed, token_logprobs
+from eprt.engine.choices import best_choices, choice_seed, ranked, token_logprobs
 from eprt.engine.engine import EngineConfig, launch_engine
 
 PROMPT = list(b"Once upon a time, there was a")  # 29 bytes: a partial last block at block size 16
@@ -148,6 +148,17 @@ def test_best_choices_ranks_errors_last():
     rs.append(GenerationResult(None, [1], [], "error", index=2))
     assert [r.token_ids for r in best_choices(rs, 2)] == [[2], [2]]
     assert [r.cumulative_logprob for r in best_choices(rs, 3)][:2] == [-1.0, -3.0]
+
+
+def test_ranked_keeps_each_choice_with_its_companion():
+    """best_of re-indexes the results it returns; each keeps what rode with it (the server's and
+    eprt run's ChatOutput of that choice), not the one at its new index."""
+    from eprt.api import GenerationResult
+
+    rs = [GenerationResult(None, [1], [i], "stop", index=i, cumulative_logprob=lp) for i, lp in enumerate([-3, -1, -2])]
+    pairs = ranked([(r, f"output of {r.token_ids[0]}") for r in rs], SamplingParams(n=2, best_of=3))
+    assert [(r.index, r.token_ids, out) for r, out in pairs] == [(0, [1], "output of 1"), (1, [2], "output of 2")]
+    assert ranked([(r, None) for r in rs], SamplingParams(n=3)) == [(r, None) for r in rs]  # no best_of: as given
 
 
 def test_eprt_generate_prints_one_json_line_per_choice():

@@ -358,9 +358,9 @@ def test_validate_request_names_bad_prompts_and_timeouts(prompt, timeout):
 def test_generate_flags_are_checked_before_the_engine_runs(flags):
     import argparse
 
-    from eprt.entry.generate import _requests, add_arguments
+    from eprt.entry.generate import add_arguments, check_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(RequestError, match=flags[0].removeprefix("--").replace("-", "_")):
-        _requests(parser.parse_args(["--prompt-ids", "1,2", *flags]), None)
+        check_args(parser.parse_args(["--prompt-ids", "1,2", *flags]))  # (since issue 36: before any rank loads)

@@ -172,3 +172,35 @@ def test_streamed_echo_leads_with_the_prompt_and_its_logprobs(client):
     assert text == PROMPT_TEXT + plain.text
     assert ids_of(" ".join(tokens)) == PROMPT + plain.model_extra["token_ids"]
     assert values[0] is None and all(v <= 0 for v in values[1:])
+
+
+def test_vllm_conventions_through_the_client(client, server):
+    """What vLLM users type (issue 36): a list of prompts with n (choice k of prompt p at p * n + k,
+    each as the prompt sent alone), top_k=-1, include_stop_str_in_output, truncate_prompt_tokens,
+    and the /tokenize, /detokenize and /version routes."""
+    import httpx
+
+    prompts = [PROMPT, PROMPT[3:], "t5 t6 t7"]
+    kw = dict(model="tiny", max_tokens=5, n=2, temperature=0.8, seed=9)
+    batch = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in batch.choices] == list(range(6))
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert [c.text for c in batch.choices] == [c.text for a in alone for c in a.choices]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert complete(client, extra_body={"top_k": -1}).text == complete(client).text  # greedy either way
+    plain = ids_of(complete(client, max_tokens=12).text)
+    stop = f"t{plain[2]}"
+    cut = complete(client, max_tokens=12, stop=[stop]).text
+    kept = complete(client, max_tokens=12, stop=[stop], extra_body={"include_stop_str_in_output": True}).text
+    assert kept == cut + stop and stop not in cut
+    short = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, extra_body={"truncate_prompt_tokens": 4}
+    )
+    last4 = client.completions.create(model="tiny", prompt=PROMPT[-4:], max_tokens=3)
+    assert short.usage.prompt_tokens == 4 and short.choices[0].text == last4.choices[0].text
+    r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "prompt": PROMPT_TEXT}).json()
+    assert r["tokens"][-len(PROMPT) :] == PROMPT and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    assert (
+        httpx.post(server.url + "/detokenize", json={"tokens": PROMPT}).json()["prompt"].split() == PROMPT_TEXT.split()
+    )
+    assert httpx.get(server.url + "/version").json()["version"]

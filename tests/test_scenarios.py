@@ -69,6 +69,14 @@ def test_cli_prints_the_conformance_trace(capsys):
             {"name": "x", "engine": {"eos": 64}, "request": [{"id": 1, "prompt_len": 2, "script": [1]}]},
             "eos 64 is outside",
         ),
+        (
+            {"name": "x", "engine": {"think": [4, 4]}, "request": [{"id": 1, "prompt_len": 2, "script": [1]}]},
+            "think must be \\[start, end\\]",
+        ),
+        (
+            {"name": "x", "request": [{"id": 1, "prompt_len": 2, "script": [1], "max_thinking_tokens": 3}]},
+            "needs \\[engine\\] think",
+        ),
     ],
 )
 def test_bad_scenarios_name_the_problem(doc, message):

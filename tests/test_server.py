@@ -26,9 +26,10 @@ from fake_engine import EOS, ByteTokenizer, FakeEngine
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eprt.serve.http import HttpServer, HttpSettings, ServerState
+from eprt.serve.http import HttpServer, ServerState
 from eprt.serve.loop import EngineLoop
 from eprt.serve.server import serve
+from eprt.serve.settings import HttpSettings
 from eprt.serve.stream import TextStream
 
 TESTS = Path(__file__).resolve().parent

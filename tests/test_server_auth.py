@@ -10,8 +10,8 @@ import sys
 import pytest
 from test_server import ROOT
 
-from eprt.serve.http import HttpSettings
 from eprt.serve.server import _settings, add_arguments
+from eprt.serve.settings import HttpSettings
 
 
 def _args(*argv):

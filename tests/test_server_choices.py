@@ -86,3 +86,17 @@ def test_bad_choice_counts_are_400_naming_the_field(url, extra, param):
     base, _ = url
     r = _post(base, {"prompt": PROMPT, "max_tokens": 2, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_a_list_of_prompts_gives_each_prompt_its_own_choices(url):
+    """vLLM's batched completions on the real engine: choice k of prompt p is choice p * n + k, the
+    same text as prompt p sent alone (same seed), and usage counts each prompt once."""
+    base, _ = url
+    prompts = [PROMPT, "The cat", [72, 105]]
+    common = {"max_tokens": 6, "temperature": 0.9, "seed": 5, "n": 2}
+    batch = _post(base, {**common, "prompt": prompts}).json()
+    assert [c["index"] for c in batch["choices"]] == list(range(6))
+    alone = [_post(base, {**common, "prompt": p}).json() for p in prompts]
+    assert [c["text"] for c in batch["choices"]] == [c["text"] for a in alone for c in a["choices"]]
+    assert batch["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert batch["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)

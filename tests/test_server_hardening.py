@@ -20,7 +20,7 @@ import pytest
 from fake_engine import FakeEngine
 from test_server import ROOT, TESTS, ServerProcess, complete, events, running_server
 
-from eprt.serve.http import check_api_key
+from eprt.serve.settings import check_api_key
 
 KEY = {"Authorization": "Bearer s3cret"}
 

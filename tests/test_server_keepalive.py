@@ -13,8 +13,9 @@ import httpx
 import pytest
 from fake_engine import FakeEngine
 
-from eprt.serve.http import KEEP_ALIVE_S, HttpServer, HttpSettings, ServerState
+from eprt.serve.http import HttpServer, ServerState
 from eprt.serve.loop import EngineLoop
+from eprt.serve.settings import KEEP_ALIVE_S, HttpSettings
 
 BODY = b'{"prompt": "ab", "max_tokens": 2}'
 REQUEST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)

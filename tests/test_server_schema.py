@@ -16,6 +16,8 @@ BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/load_lora_adapter": "LoadLoraAdapterRequest",
     "/v1/unload_lora_adapter": "UnloadLoraAdapterRequest",
+    "/tokenize": "TokenizeRequest",
+    "/detokenize": "DetokenizeRequest",
 }
 
 
@@ -34,7 +36,7 @@ def _schema(doc, name: str):
 
 def test_the_document_is_valid_openapi_and_lists_every_route(doc):
     validate(doc)
-    assert set(doc["paths"]) == {"/health", "/metrics", "/v1/models", "/v1/models/{model}", *BODIES}
+    assert set(doc["paths"]) == {"/health", "/metrics", "/v1/models", "/v1/models/{model}", "/version", *BODIES}
     for path, item in doc["paths"].items():
         for op in item.values():
             assert "422" not in op["responses"], path  # a bad request is a 400 with an OpenAI body
@@ -76,18 +78,31 @@ CHATS = [
     ({"messages": []}, 400),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400),
 ]
-
-
-ROUTES = [
-    ("/v1/completions", "CompletionRequest", COMPLETIONS),
-    ("/v1/chat/completions", "ChatCompletionRequest", CHATS),
+TOKENIZES = [
+    ({"prompt": "ab", "return_token_strs": True}, 200),
+    ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}, 200),
+    ({"prompt": 5}, 400),
+    ({"prompt": "ab", "add_special_tokens": "yes"}, 400),
+]
+DETOKENIZES = [
+    ({"tokens": [97, 98]}, 200),
+    ({"tokens": "ab"}, 400),
+    ({"tokens": [97, 1.5]}, 400),
 ]
 
 
-@pytest.mark.parametrize("path, name, cases", ROUTES)
-def test_the_schema_agrees_with_the_server_on_types(doc, path, name, cases):
+ROUTES = [
+    ("/v1/completions", "CompletionRequest", "CompletionResponse", COMPLETIONS),
+    ("/v1/chat/completions", "ChatCompletionRequest", "CompletionResponse", CHATS),
+    ("/tokenize", "TokenizeRequest", "TokenizeResponse", TOKENIZES),
+    ("/detokenize", "DetokenizeRequest", "DetokenizeResponse", DETOKENIZES),
+]
+
+
+@pytest.mark.parametrize("path, name, answer, cases", ROUTES)
+def test_the_schema_agrees_with_the_server_on_types(doc, path, name, answer, cases):
     validator = jsonschema.Draft202012Validator(_schema(doc, name))
-    answer = _schema(doc, "CompletionResponse")
+    answer = _schema(doc, answer)
     with running_server(FakeEngine()) as url, httpx.Client(base_url=url, timeout=20) as c:
         for body, status in cases:
             assert validator.is_valid(body) == (status == 200), body

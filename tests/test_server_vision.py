@@ -1,13 +1,13 @@
-"""``eprt serve`` of the tiny qwen3_vl_moe under ``mpiexec -n 2``: a chat request with a base64
-PNG answers the tokens ``eprt generate --image`` gives for the same picture, the same image
-again is a prefix-cache hit, and bad images get a 400 naming the problem while a good
-request streams on. The tokenizer reads token i as ``t<i>`` (the answer's text spells its ids)
-and names the vision tokens as Qwen3-VL does."""
+"""``eprt serve`` of issue 36's tiny qwen3_vl_moe (vl_checkpoint "qwen3_vl_moe-issue36") under
+``mpiexec -n 2``: a chat request with a base64 96 x 128 PNG (transparent, EXIF-rotated) answers
+transformers' greedy tokens for the same picture (its own PIL image processor and model), with
+its prompt token count; the same image again is a prefix-cache hit, and bad images get a 400
+naming the problem while a good request streams on. The tokenizer reads token i as ``t<i>``
+(the answer's text spells its ids) and names the vision tokens as Qwen3-VL does."""
 
 from __future__ import annotations
 
 import base64
-import json
 import os
 import signal
 import subprocess
@@ -16,9 +16,9 @@ import threading
 
 import httpx
 import pytest
-from checkpoints import VL_END, VL_IMAGE, VL_START, build_vl_checkpoint, png_bytes
+from checkpoints import VL_END, VL_IMAGE, VL_START, png_bytes, vl_checkpoint, vl_reference
 from test_qwen3_vl_moe import BAD
-from test_server import ROOT, ServerProcess
+from test_server import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -58,26 +58,23 @@ def chat_body(data: bytes, max_tokens: int = MAX_TOKENS, **kw) -> dict:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **kw}
 
 
-IMAGE = png_bytes(11, 48, 40)
+IMAGE = png_bytes(11, 96, 128, alpha=True, orientation=6)  # shown 128 x 96: 4 x 3 placeholders, no resize
+EOS = 2
 
 
 @pytest.fixture(scope="module")
 def model_dir(ckpt_root, tmp_path_factory):
-    ckpt = os.path.abspath(build_vl_checkpoint(os.path.join(ckpt_root, "qwen3_vl_moe")))
+    ckpt = os.path.abspath(vl_checkpoint(ckpt_root, "qwen3_vl_moe-issue36"))
     return _vl_model_dir(ckpt, str(tmp_path_factory.mktemp("vltok")))
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory):
-    """``eprt generate --image`` on one rank with the prompt the chat renders to."""
-    path = tmp_path_factory.mktemp("img") / "picture.png"
-    path.write_bytes(IMAGE)
+def reference(model_dir):
+    """transformers on the prompt the chat renders to: (expanded prompt, greedy tokens up to and
+    with the first end of sequence)."""
     prompt = [*TEXT_BEFORE, VL_START, VL_IMAGE, VL_END, *TEXT_AFTER]
-    cmd = [sys.executable, "-m", "eprt.cli", "generate", "--model", model_dir, *ENGINE_FLAGS, "--json"]
-    cmd += ["--max-tokens", str(MAX_TOKENS), "--prompt-ids", ",".join(map(str, prompt)), "--image", str(path)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.splitlines()[0])
+    expanded, tokens, _ = vl_reference(model_dir, prompt, [IMAGE], MAX_TOKENS)
+    return expanded, tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
 @pytest.fixture(scope="module")
@@ -99,15 +96,16 @@ def server(model_dir):
         srv.stop()
 
 
-def test_base64_png_chat_equals_generate_image_and_repeats_hit_the_cache(server, reference):
+def test_base64_png_chat_equals_transformers_and_repeats_hit_the_cache(server, reference):
+    prompt, tokens = reference
     with httpx.Client(base_url=server.url, timeout=120) as client:
-        first = client.post("/v1/chat/completions", json=chat_body(IMAGE))
+        first = client.post("/v1/chat/completions", json=chat_body(IMAGE, temperature=0))
         assert first.status_code == 200, first.text
-        again = client.post("/v1/chat/completions", json=chat_body(IMAGE)).json()
+        again = client.post("/v1/chat/completions", json=chat_body(IMAGE, temperature=0)).json()
     first = first.json()
-    eos = [2] if reference["finish_reason"] == "stop" else []
-    assert ids_of(first["choices"][0]["message"]["content"]) + eos == reference["token_ids"]
-    assert first["usage"]["prompt_tokens"] == len(reference["prompt_ids"])
+    stopped = first["choices"][0]["finish_reason"] == "stop"
+    assert ids_of(first["choices"][0]["message"]["content"]) + ([EOS] if stopped else []) == tokens
+    assert first["usage"]["prompt_tokens"] == len(prompt) == len(TEXT_BEFORE + TEXT_AFTER) + 2 + 12
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -47,3 +47,12 @@ def best_choices(results: list, n: int) -> list[GenerationResult]:
     for i, r in enumerate(ranked):
         r.index = i
     return ranked
+
+
+def ranked(pairs: list, params) -> list:
+    """(result, companion) pairs of one prompt's choices -> the pairs returned: all of them, or with
+    ``params.best_of`` the n most likely (``best_choices``), each result keeping its companion."""
+    if params.best_of is None:
+        return list(pairs)
+    companion = {id(result): other for result, other in pairs}
+    return [(result, companion[id(result)]) for result in best_choices([r for r, _ in pairs], params.n)]

@@ -88,7 +88,7 @@ class Engine:
         self.vocab_size = loaded.config.vocab_size
         self.max_model_len = scheduler.config.max_model_len
         self._lock = threading.Lock()
-        self._counters = {"requests_finished": 0, "generation_tokens": 0, "cached_tokens": 0, "prompt_tokens": 0}
+        self._counters = {"requests_finished": 0, "cached_tokens": 0, "prompt_tokens": 0}
         self._closed = False
         self._stop_requested = False
         self._expert_load = runner.executor.model.expert_load()  # [L, E], refreshed by the loop
@@ -99,6 +99,11 @@ class Engine:
         self.check_state = config.check_state and transport.size > 1 and runner.overlap is None
         self.images = EngineImages(config.model, loaded.config)
         self.images.preload()
+
+    @property
+    def generation_tokens(self) -> int:
+        """Tokens generated so far, counted as they are generated (any thread)."""
+        return self.scheduler.generated_tokens
 
     # ---- clients (any thread) ------------------------------------------------------------
     def submit(self, req: GenerationRequest, on_finish=None):
@@ -177,7 +182,6 @@ class Engine:
             with self._lock:
                 c = self._counters
                 c["requests_finished"] += 1
-                c["generation_tokens"] += len(result.token_ids)
                 if result.index == 0:  # the choices of one prompt count it once
                     c["cached_tokens"] += result.cached_tokens
                     c["prompt_tokens"] += len(result.prompt_ids)
@@ -222,21 +226,18 @@ class Engine:
             raise RequestError(f"request {several[0]} asks for several choices (n, best_of): use generate_choices")
         return [choices[0] for choices in self.generate_choices(reqs)]
 
-    def generate_choices(self, reqs: list) -> list:
+    def generate_choices(self, reqs: list, on_step=None, strict: bool = False) -> list:
         """Like ``generate``, one list of results per request: its ``params.n`` choices (with
-        best_of, the n of highest cumulative logprob; engine.choices.best_choices)."""
-        out = self._run_choices(reqs)
+        best_of, the n of highest cumulative logprob; engine.choices.best_choices).
+        ``on_step(done)``: called after each step with the number of requests done. ``strict``: a
+        request that cannot be served raises its RequestError (naming it) before any is run."""
+        out = self._run_choices(reqs, on_step, strict)
         return [
             best_choices(res, req.params.n) if req.params.best_of is not None else res for req, res in zip(reqs, out)
         ]
 
-    def _run_choices(self, reqs: list) -> list:
-        handles, results = [], [None] * len(reqs)
-        for i, req in enumerate(reqs):
-            try:
-                handles.append((i, self.submit_choices(req)))
-            except RequestError as e:
-                results[i] = [GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))]
+    def _run_choices(self, reqs: list, on_step=None, strict: bool = False) -> list:
+        handles, results = _submit_all(self, reqs, strict)
         dropped: set = set()
         while not all(h.done() for _, hs in handles for h in hs):
             if self._stop_requested:
@@ -246,6 +247,8 @@ class Engine:
                         for h in hs:
                             h.cancel()
             self.step()
+            if on_step is not None:
+                on_step(len(reqs) - len(handles) + sum(all(h.done() for h in hs) for _, hs in handles))
         for i, hs in handles:
             results[i] = [h.result() for h in hs]
             if i in dropped:
@@ -363,11 +366,45 @@ class Engine:
         _close(self.transport, self.config)
 
 
+def _submit_all(engine: Engine, reqs: list, strict: bool) -> tuple:
+    """(handles [(i, [Handle])], results with each refused request's error result in its place);
+    ``strict``: the first refused request cancels those submitted and raises its RequestError."""
+    handles, results = [], [None] * len(reqs)
+    for i, req in enumerate(reqs):
+        try:
+            handles.append((i, engine.submit_choices(req)))
+        except RequestError as e:
+            if strict:
+                for _, hs in handles:
+                    for h in hs:
+                        h.cancel()
+                raise RequestError(f"prompt {i}: {e}" if len(reqs) > 1 else str(e)) from None
+            results[i] = [GenerationResult(req.request_id, list(req.prompt_ids), [], "error", error=str(e))]
+    return handles, results
+
+
+def _precheck(transport, check) -> None:
+    """Rank 0's ``check()`` of what only rank 0 reads (an input file), before any rank loads the
+    model: its ValueError or OSError leaves every rank at once (a world of one: raised as is)."""
+    if check is None:
+        return
+    error = None
+    if transport.rank == 0:
+        try:
+            check()
+        except (ValueError, OSError) as e:
+            if transport.size == 1:
+                raise
+            error = str(e)
+    transport.startup_barrier(error)
+
+
 @contextlib.contextmanager
-def launch_engine(args_or_config, transport=None):
+def launch_engine(args_or_config, transport=None, precheck=None):
     """Build the engine on every rank. Rank 0 gets the Engine; a worker rank serves the
-    command stream and leaves with SystemExit (0 after SHUTDOWN, 1 after a failure).
-    ``transport`` defaults to the launcher's world (``open_transport()``)."""
+    command stream and leaves with SystemExit (0 after SHUTDOWN, 1 after a failure, 2 when the
+    job could not start). ``transport`` defaults to the launcher's world (``open_transport()``);
+    ``precheck``: rank 0's check of its input, run before loading (``_precheck``)."""
     cfg = args_or_config if isinstance(args_or_config, EngineConfig) else engine_config_from_args(args_or_config)
     cfg.validate()
     device, why = device_choice(cfg.device)
@@ -382,10 +419,11 @@ def launch_engine(args_or_config, transport=None):
         transport.recorder = Recorder(rank, world, payload_dir=os.path.join(cfg.dump_dir, "payloads"))
     signal.signal(signal.SIGUSR2, lambda signum, frame: transport.dump_frames("SIGUSR2"))
     try:
+        _precheck(transport, precheck)
         started = start_rank(cfg, device, transport)
     except StartupFailed:
         if rank != 0:
-            sys.exit(1)  # rank 0 reports every failing rank
+            sys.exit(2)  # rank 0 reports every failing rank, and exits 2 (launchers OR the codes)
         raise
     ops, loaded, executor = started.ops, started.loaded, started.executor
     model_cfg = loaded.config

@@ -33,6 +33,8 @@ from eprt.engine.sampling import (
 )
 from eprt.engine.speculative import Drafter, SpeculativeRunner
 from eprt.engine.structured import GuidedRows
+from eprt.engine.thinking_masks import row_bits, skips_grammar
+from eprt.scheduler import thinking
 from eprt.scheduler.interface import RowFailure, TraceCalls
 from eprt.scheduler.speculation import StepCosts
 
@@ -379,7 +381,8 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
             slow = [i for i, s in enumerate(seqs) if host_sampled(s)]
         failed = {i: s.model_state.failure for i, s in enumerate(seqs) if s.model_state.failure is not None}
         guided = [i for i, s in enumerate(seqs) if s.model_state.matcher is not None and i not in failed]
-        masks = None
+        guided = [i for i in guided if not thinking.constrained(seqs[i])]  # (suspended inside a thinking block)
+        kept = []
         if guided:  # every guided row is host-sampled
             matchers = [seqs[i].model_state.matcher for i in guided]
             allowed = per_row(matchers, self.guides.allowed, "the structured-output grammar")  # bits [W] each
@@ -387,9 +390,13 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
             kept = [(i, a) for i, a in zip(guided, allowed) if not isinstance(a, RowFailure)]
             guided = [i for i, _ in kept]
         slow = [i for i in slow if i not in failed]
-        if guided:
-            at = np.arange(len(guided)) if len(guided) == len(slow) else [slow.index(i) for i in guided]
-            masks = RowMasks(np.asarray(at, dtype=np.int32), np.stack([a for _, a in kept]))
+        bits = row_bits(seqs, kept, self.executor.cfg.vocab_size, self.eos_token_ids)  # grammars, thinking blocks
+        masked = [i for i in slow if i in bits]
+        masks = (
+            RowMasks(np.asarray([slow.index(i) for i in masked], dtype=np.int32), np.stack([bits[i] for i in masked]))
+            if masked
+            else None
+        )
         uniforms = np.array(
             [token_uniform(seqs[i].model_state.seed, self.executor.slots.get(seqs[i].slot).length) for i in slow]
         )
@@ -410,7 +417,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
 
     def _advance_grammars(self, seqs: list, guided: list, tokens: list) -> None:
         """The grammars of rows ``guided`` take their tokens; one that fails fails its row."""
-        rows = [i for i in guided if not isinstance(tokens[i], RowFailure)]
+        rows = [i for i in guided if not isinstance(tokens[i], RowFailure) and not skips_grammar(seqs[i], tokens[i])]
         done = one_by_one(
             rows,
             lambda i: self.guides.advance([seqs[i].model_state.matcher], [tokens[i]]),
@@ -523,7 +530,7 @@ class ModelRunner(SpeculativeRunner, TraceCalls):
 
 def host_sampled(seq) -> bool:
     """Whether a row goes to the host sampler: ``needs_host_sampler`` or masked by its grammar."""
-    return needs_host_sampler(seq.params) or seq.model_state.matcher is not None
+    return needs_host_sampler(seq.params) or seq.model_state.matcher is not None or thinking.constrained(seq)
 
 
 def needs_host_sampler(params) -> bool:

@@ -303,12 +303,7 @@ def plan_kv(
         usable = total * settings.gpu_memory_utilization
         if used > usable:
             rooms.append(None)
-            problem = problem or (
-                f"rank {w.rank}: its weights ({w.resident_bytes / _GIB:.2f} GiB) and the reserved "
-                f"{settings.reserved_gib:g} GiB exceed the {usable / _GIB:.2f} GiB usable of a "
-                f"{hardware.gpu_mem_gib:g} GiB GPU at gpu_memory_utilization={settings.gpu_memory_utilization:g}: "
-                f"use more ranks"
-            )
+            problem = problem or does_not_fit(w, cfg, settings, hardware, weights)
             continue
         try:
             rooms.append(min(pool_blocks(total - used, total, per_block, settings.gpu_memory_utilization), wanted))
@@ -329,6 +324,47 @@ def plan_kv(
         max_len = 0 if problem else min(model_len, pool_len)
     tokens = sum(rooms) * bs if attention == "dp" and not problem else blocks * bs
     return KVPlan(per_token, per_block, tuple(rooms), blocks, tokens, max_len, problem)
+
+
+def size(n: float) -> str:
+    """Bytes as GiB, MiB, KiB or B, two decimals."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def does_not_fit(w: RankWeights, cfg: ModelConfig, settings: Settings, hardware: Hardware, weights: tuple) -> str:
+    """Why rank ``w`` has no room left for KV, naming what does not fit and what would help: the
+    reserve alone, the weights every rank holds whatever the rank count, or the experts (then the
+    rank count at which each rank's share of them fits)."""
+    usable = hardware.gpu_mem_gib * _GIB * settings.gpu_memory_utilization
+    reserved = settings.reserved_gib * _GIB
+    gpu = (
+        f"the {size(usable)} usable of a {hardware.gpu_mem_gib:g} GiB GPU at "
+        f"gpu_memory_utilization={settings.gpu_memory_utilization:g}"
+    )
+    if reserved >= usable:
+        return (
+            f"rank {w.rank}: the reserved {settings.reserved_gib:g} GiB (--reserved-gib: CUDA context, activations) "
+            f"alone exceeds {gpu}: more ranks do not help; lower --reserved-gib or give the GPU's real --gpu-mem-gib"
+        )
+    head = (
+        f"rank {w.rank}: its weights ({size(w.resident_bytes)}: {size(w.replicated_bytes)} replicated, "
+        f"{size(w.expert_bytes)} experts) and the reserved {settings.reserved_gib:g} GiB "
+        f"exceed {gpu}"
+    )
+    room = usable - reserved - w.replicated_bytes  # what this rank's experts may take
+    slots = cfg.num_experts + settings.num_redundant_experts
+    per_expert = sum(r.expert_bytes for r in weights) / slots
+    if room < per_expert:
+        what = "the replicated weights (attention, embeddings, norms" + (", the LM head)" if w.lm_head_bytes else ")")
+        return (
+            f"{head}: {what}, which every rank holds, leave no room for even one expert: more ranks do not "
+            f"help; a GPU with more memory does"
+        )
+    ranks = -(-slots // int(room // per_expert))
+    return f"{head}: the experts do not fit: use at least {ranks} ranks (each then holds at most its share)"
 
 
 # -- wire ---------------------------------------------------------------------------------------

@@ -12,10 +12,15 @@ import sys
 
 import numpy as np
 
-from eprt.api import STOPPED, GenerationRequest, RequestError, SamplingParams
+from eprt.api import EXIT_BAD_INPUT, STOPPED, GenerationRequest, RequestError, SamplingParams
 from eprt.engine.engine import add_engine_arguments, launch_engine
+from eprt.serve import reasoning
+from eprt.serve.chat_output import split
 from eprt.serve.media import read_local_image
 from eprt.serve.params import check_text
+from eprt.serve.progress import Progress
+
+PROGRESS_DELAY_S = 1.0  # a generation done sooner shows no progress
 
 
 def _ids(text: str) -> tuple:
@@ -52,24 +57,7 @@ def _load_embeds(path: str) -> np.ndarray:
     return rows.astype(np.float32)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--prompt",
-        dest="prompts",
-        action="append",
-        type=lambda s: ("text", s),
-        default=[],
-        metavar="TEXT",
-        help="a text prompt (repeatable; needs the model's tokenizer)",
-    )
-    parser.add_argument(
-        "--prompt-ids",
-        dest="prompts",
-        action="append",
-        type=_ids,
-        metavar="1,2,3",
-        help="a prompt as token ids (repeatable, keeps its place among --prompt)",
-    )
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -91,6 +79,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--min-tokens", type=int, default=0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prompt",
+        dest="prompts",
+        action="append",
+        type=lambda s: ("text", s),
+        default=[],
+        metavar="TEXT",
+        help="a text prompt (repeatable; needs the model's tokenizer)",
+    )
+    parser.add_argument(
+        "--prompt-ids",
+        dest="prompts",
+        action="append",
+        type=_ids,
+        metavar="1,2,3",
+        help="a prompt as token ids (repeatable, keeps its place among --prompt)",
+    )
+    _add_sampling_arguments(parser)
     parser.add_argument(
         "--image-embeds",
         action="append",
@@ -117,13 +126,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--adapter", default=None, metavar="NAME", help="generate with the LoRA adapter NAME of --lora-modules"
     )
+    reasoning.add_arguments(parser, budget=True)
     add_engine_arguments(parser)
 
 
-def _requests(args, tokenizer) -> list:
+def _thinking(args, tokenizer):
+    """The prompts' thinking block (--reasoning-parser) with --max-thinking-tokens; RequestError for
+    a budget without one."""
+    try:
+        parser = reasoning.resolve(args.reasoning_parser, tokenizer) if tokenizer is not None else None
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    if parser is None:
+        if args.max_thinking_tokens is not None:
+            raise RequestError("--max-thinking-tokens needs the model's thinking block: give --reasoning-parser")
+        return None
+    return parser.thinking(args.max_thinking_tokens)
+
+
+def check_args(args) -> None:
+    """The flags alone, before any rank loads the model; ValueError naming the flag."""
     if not args.prompts:
-        raise RequestError("give at least one --prompt or --prompt-ids")
-    params = SamplingParams(
+        raise ValueError("give at least one --prompt or --prompt-ids")
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None and not args.json:
+            raise ValueError(
+                f"{flag} is printed in the --json records only (plain text has no place for it): add --json"
+            )
+    _params(args).validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
+    reasoning.check_name(args.reasoning_parser)
+    if args.max_thinking_tokens is not None and args.max_thinking_tokens < 0:
+        raise ValueError(f"--max-thinking-tokens must be >= 0, got {args.max_thinking_tokens}")
+
+
+def _params(args) -> SamplingParams:
+    return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -140,7 +177,11 @@ def _requests(args, tokenizer) -> list:
         min_p=args.min_p,
         min_tokens=args.min_tokens,
     )
-    params.validate(vocab_size=1)  # the flags alone; stop ids (none here) need the real vocabulary
+
+
+def _requests(args, tokenizer, thinking=None) -> list:
+    params = _params(args)
+    params.thinking = thinking
     reqs = []
     for kind, value in args.prompts:
         if kind == "text":
@@ -161,6 +202,22 @@ def _requests(args, tokenizer) -> list:
             raise RequestError(f"--image names prompt {index}, but there are {len(reqs)} prompts")
         reqs[index].images = (reqs[index].images or []) + [read_local_image(path, "--image", "--image")]
     return reqs
+
+
+def _record(res, engine, thinking) -> dict:
+    """``--json``'s object of a result: with a thinking block, its text split into reasoning and text."""
+    record = res.to_json()
+    if thinking is not None and res.finish_reason != "error":
+        eos = engine.tokenizer.eos_token_ids
+        record["reasoning"], record["text"] = split(engine.tokenizer, res.prompt_ids, res.token_ids, thinking, eos)
+    return record
+
+
+def _progress(engine, reqs: list) -> Progress:
+    """The live progress of ``reqs`` on stderr (the results go to stdout)."""
+    budget = sum(r.params.max_tokens * r.params.choices for r in reqs)
+    tokens = lambda: engine.generation_tokens  # noqa: E731
+    return Progress(len(reqs), sys.stderr, "eprt generate", tokens, PROGRESS_DELAY_S, budget=budget)
 
 
 class Drain:
@@ -190,15 +247,19 @@ class Drain:
 
 
 def main(args) -> int:
+    check_args(args)  # every rank: bad flags leave before loading
     with launch_engine(args) as engine:  # worker ranks never get past this line
         drain = Drain(engine)
         drain.install()
         try:
-            reqs = _requests(args, engine.tokenizer)
-            per_prompt = engine.generate_choices(reqs)
+            thinking = _thinking(args, engine.tokenizer)
+            reqs = _requests(args, engine.tokenizer, thinking)
+            progress = _progress(engine, reqs)
+            per_prompt = engine.generate_choices(reqs, on_step=progress.set_done, strict=True)
+            progress.close()
         except (RequestError, OSError) as e:
             print(f"eprt generate: {e}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         results = [r for choices in per_prompt for r in choices]  # choice by choice, prompt by prompt
         not_run = sum(r.finish_reason == "error" and (r.error or "").startswith(STOPPED) for r in results)
         if not_run:
@@ -211,7 +272,7 @@ def main(args) -> int:
         for res in results:
             failed += res.finish_reason == "error"
             if args.json:
-                print(json.dumps(res.to_json()), flush=True)
+                print(json.dumps(_record(res, engine, thinking)), flush=True)
             elif res.finish_reason == "error":
                 print(f"eprt generate: {res.error}", file=sys.stderr, flush=True)
                 print(flush=True)  # one output line per prompt, an empty one for a failure

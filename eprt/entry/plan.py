@@ -10,15 +10,21 @@ import json
 from dataclasses import asdict
 
 from eprt.engine.config import DEFAULT_PREFILL_TOKENS
-from eprt.entry.capacity import DECODE_BATCHES, Hardware, Plan, Settings, make_plan
+from eprt.entry.capacity import DECODE_BATCHES, Hardware, Plan, Settings, make_plan, size
 from eprt.model.config import load_config
+from eprt.model.default import DEFAULT_MODEL_DIR
 
 _HW = Hardware()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="Hugging Face MoE checkpoint directory")
-    parser.add_argument("--ranks", type=int, required=True, help="ranks (GPUs) the experts are split over")
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="Hugging Face MoE checkpoint directory (default: the built-in model)",
+    )
+    parser.add_argument("--ranks", type=int, default=1, help="ranks (GPUs) the experts are split over (default 1)")
     hw = parser.add_argument_group("hardware (defaults: an H200-class GPU)")
     hw.add_argument("--gpu-mem-gib", type=float, default=_HW.gpu_mem_gib, help=f"GPU memory, GiB ({_HW.gpu_mem_gib:g})")
     hw.add_argument("--hbm-tbps", type=float, default=_HW.hbm_tbps, help=f"HBM bandwidth, TB/s ({_HW.hbm_tbps:g})")
@@ -87,7 +93,8 @@ def main(args) -> int:
         num_redundant_experts=args.num_redundant_experts,
     )
     hardware = Hardware(args.gpu_mem_gib, args.hbm_tbps, args.link_gbps, args.tflops)
-    plan = make_plan(args.model, load_config(args.model), settings, hardware, args.attention)
+    model = args.model or DEFAULT_MODEL_DIR
+    plan = make_plan(model, load_config(model), settings, hardware, args.attention)
     print(json.dumps(to_json(plan), indent=1) if args.json else render(plan))
     return 0 if not plan.kv.problem else 1
 
@@ -102,13 +109,6 @@ def to_json(plan: Plan) -> dict:
     out["decode"] = dict(zip(map(str, DECODE_BATCHES), out["decode"]))
     out["fits"] = not plan.kv.problem
     return out
-
-
-def size(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def count(n: int) -> str:

@@ -119,17 +119,29 @@ class Tokenizer:
         """The ``tokenizer.json`` text of the underlying tokenizer (for grammar libraries)."""
         return self._tok.to_str()
 
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary string of one token (special ones included), None if there is none."""
         return self._tok.id_to_token(int(token_id)) if self._tok is not None else None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False):
+    def token_id(self, text: str) -> int | None:
+        """The id of the vocabulary string ``text`` (a special token's included), None if it is none."""
+        return self._tok.token_to_id(text) if self._tok is not None else None
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        tools: list | None = None,
+        **kwargs,
+    ):
         """The checkpoint's template rendered in a sandbox (templates are data from the checkpoint),
-        as a ``ChatPrompt`` (or its ids with ``tokenize=True``); a template's own
-        ``raise_exception(msg)`` becomes ValueError(msg)."""
+        as a ``ChatPrompt`` (or its ids with ``tokenize=True``); ``tools`` (OpenAI's function tools)
+        and ``kwargs`` (a request's ``chat_template_kwargs``: enable_thinking, ...) are the
+        template's variables too; a template's own ``raise_exception(msg)`` becomes ValueError(msg)."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         if self._compiled is None:
@@ -137,9 +149,9 @@ class Tokenizer:
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers drops None
         text = ChatPrompt(
             self._compiled.render(
-                **self.special_tokens,
+                **{**self.special_tokens, **kwargs},
                 messages=messages,
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
             )
@@ -161,11 +173,16 @@ class ByteTokenizer:
         """The text's bytes; the default model was built without BOS, so none is ever added."""
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False):
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    def token_id(self, text: str) -> int | None:
+        return None  # no named special tokens but BOS and EOS
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False, tools=None, **kwargs
+    ):
+        text = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages)
         text += "<|assistant|>\n" if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import struct
@@ -27,6 +28,7 @@ from eprt.model.mrope import image_positions, pack_vision_rows
 PREPROCESSOR_FILE = "preprocessor_config.json"
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+log = logging.getLogger("eprt.model")
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ class ImageProcessorConfig:
 
 
 def decode_image(data: bytes, limits: ImageLimits, where: str = "image") -> np.ndarray:
-    """PNG / JPEG / WebP bytes -> RGB uint8 [H, W, 3]; RequestError naming the problem otherwise."""
+    """PNG / JPEG / WebP bytes -> RGB uint8 [H, W, 3] of the picture as viewers show it (its EXIF
+    orientation applied: ``upright``; transparency on white: ``to_rgb``); RequestError naming the problem otherwise."""
     from PIL import Image, UnidentifiedImageError
 
     if not data:
@@ -110,9 +113,33 @@ def decode_image(data: bytes, limits: ImageLimits, where: str = "image") -> np.n
         raise RequestError(f"{where}: image is {w}x{h}; its aspect ratio must be at most 200")
     try:
         img.load()
-        return np.asarray(img.convert("RGB"), dtype=np.uint8)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise RequestError(f"{where}: cannot decode the {img.format} image ({e})") from None
+    return np.asarray(to_rgb(upright(img)), dtype=np.uint8)
+
+
+def upright(img):
+    """The image turned as its EXIF Orientation tag says (ImageOps.exif_transpose); an unreadable
+    EXIF block is ignored, as image viewers do: the pixels as stored."""
+    from PIL import ImageOps
+
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception as e:  # noqa: BLE001 - whatever a malformed EXIF block raises, the pixels are fine
+        log.debug("unreadable EXIF block ignored: %s", e)
+        return img
+
+
+def to_rgb(img):
+    """A decoded PIL image as RGB the way transformers' image processors convert it: transparency
+    (an alpha band or a transparent palette / grey colour) composited onto white, as viewers and
+    vLLM show it, instead of dropped."""
+    from PIL import Image
+
+    if "A" not in img.getbands() and img.info.get("transparency") is None:
+        return img.convert("RGB")
+    rgba = img.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

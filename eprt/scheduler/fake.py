@@ -57,6 +57,8 @@ class RecordingModel(TraceCalls):
     def _answer(self, seq, last_pos: int) -> int:
         prompt_len, script = self.scripts[seq.seq_id]
         i = last_pos + 1 - prompt_len
+        if seq.think is not None:  # a discarded EOS took its entry: the step again answers the next one
+            i += seq.think.discarded
         if i < 0:
             raise FakeModelError(f"s{seq.seq_id}: asked for a token inside the prompt (position {last_pos})")
         if self.failures.get(seq.seq_id) == i:

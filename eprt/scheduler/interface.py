@@ -3,7 +3,8 @@
 that the recording fake overrides to print). Semantics and trace lines: docs/scenarios.md.
 
 A ``seq`` argument is the scheduler's ``Sequence``; the model may read ``seq_id``, ``slot``,
-``token_ids``, ``num_prompt``, ``len``, ``params``, ``adapter`` and ``image_embeds``, may set
+``token_ids``, ``num_prompt``, ``len``, ``params``, ``adapter``, ``image_embeds`` and ``think`` (its
+thinking block: ``eprt/scheduler/thinking.py``), may set
 ``seq.cached`` in ``alloc_sequence``, may keep its own state in ``seq.model_state``, and writes
 ``seq.logprobs`` / ``seq.prompt_logprobs`` (before the token they describe is accepted).
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import tomllib
 
-from eprt.api import GenerationRequest, RequestError, SamplingParams, is_int
+from eprt.api import GenerationRequest, RequestError, SamplingParams, Thinking, is_int
 from eprt.scheduler.clock import VirtualClock
 from eprt.scheduler.config import SchedulerConfig
 from eprt.scheduler.fake import RecordingModel
@@ -37,6 +37,7 @@ class EngineSpec:
     snapshots: int = 0  # > 0: a hybrid model keeping this many recurrent-state snapshots
     speculative_tokens: int = 0  # > 0: the verify lane, up to this many drafts per step
     rank_blocks: list | None = None  # dp attention: the KV blocks of each rank's pool (num_blocks unused)
+    think: list | None = None  # [start, end]: the thinking block's delimiters (docs/scenarios.md)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class RequestSpec:
     choices: list = field(default_factory=list)  # scripts of further choices (n > 1), forked after the prompt
     adapter: int = -1  # LoRA adapter id (-1: the base model)
     fail_at: int | None = None  # the output index whose token the fake answers with a RowFailure
+    max_thinking_tokens: int | None = None  # the thinking budget (needs [engine] think)
 
 
 @dataclass
@@ -110,7 +112,7 @@ def parse(doc: dict) -> Scenario:
     fields = EngineSpec.__dataclass_fields__
     if set(eng) - set(fields):
         raise ScenarioError(f"[engine]: unknown keys {sorted(set(eng) - set(fields))}")
-    kinds = {"prefix_cache": bool, "rank_blocks": list}
+    kinds = {"prefix_cache": bool, "rank_blocks": list, "think": list}
     engine = EngineSpec(**{k: _take(eng, k, kinds.get(k, int), f.default, "[engine]") for k, f in fields.items()})
     if engine.rank_blocks is not None:
         if not engine.rank_blocks or not all(is_int(b) and b >= 1 for b in engine.rank_blocks):
@@ -121,6 +123,14 @@ def parse(doc: dict) -> Scenario:
             raise ScenarioError(
                 "[engine]: rank_blocks (dp attention) and snapshots (a hybrid model) do not go together"
             )
+    if engine.think is not None and (
+        len(engine.think) != 2
+        or not all(is_int(t) and 0 <= t < engine.vocab_size for t in engine.think)
+        or engine.think[0] == engine.think[1]
+    ):
+        raise ScenarioError(
+            f"[engine]: think must be [start, end], two different token ids < {engine.vocab_size}, got {engine.think}"
+        )
     for key in ("num_blocks", "block_size", "vocab_size", "max_batch"):
         if getattr(engine, key) < 1:
             raise ScenarioError(f"[engine]: {key} must be >= 1, got {getattr(engine, key)}")
@@ -160,6 +170,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         "choices",
         "adapter",
         "fail_at",
+        "max_thinking_tokens",
     }
     where = f"request {r.get('id', '?')}"
     if set(r) - known:
@@ -196,6 +207,7 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         choices=_take(r, "choices", list, [], where),
         adapter=_take(r, "adapter", int, -1, where),
         fail_at=_take(r, "fail_at", int, None, where),
+        max_thinking_tokens=_take(r, "max_thinking_tokens", int, None, where),
     )
     if spec.drafts is not None and not all(type(t) is int and 0 <= t < engine.vocab_size for t in spec.drafts):
         raise ScenarioError(f"{where}: drafts must be a list of token ids < {engine.vocab_size}")
@@ -206,6 +218,8 @@ def _parse_request(r: dict, engine: EngineSpec) -> RequestSpec:
         raise ScenarioError(f'{where}: a request with choices must be mode = "blocking" (one stream per request)')
     if spec.fail_at is not None and spec.fail_at < 0:
         raise ScenarioError(f"{where}: fail_at must be an output index >= 0, got {spec.fail_at}")
+    if spec.max_thinking_tokens is not None and (engine.think is None or spec.max_thinking_tokens < 0):
+        raise ScenarioError(f"{where}: max_thinking_tokens must be >= 0 and needs [engine] think = [start, end]")
     if spec.arrive_at_tick < 1:
         raise ScenarioError(f"{where}: arrive_at_tick must be >= 1")
     if spec.cancel_at_tick is not None and spec.cancel_at_tick < spec.arrive_at_tick:
@@ -281,7 +295,7 @@ def run(sc: Scenario) -> ScenarioRun:
         for r in sc.requests:
             out = outcomes[r.id]
             if r.arrive_at_tick == tick:
-                _submit(sched, r, out, lines)
+                _submit(sched, r, out, lines, e.think)
             if r.cancel_at_tick == tick and out.handle is not None:
                 for choice in [out] + out.forks:  # every choice
                     choice.handle.cancel()
@@ -295,7 +309,7 @@ def run(sc: Scenario) -> ScenarioRun:
     return ScenarioRun(lines, [outcomes[r.id] for r in sc.requests], model)
 
 
-def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None:
+def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list, think: list | None) -> None:
     out.forks = [Outcome(dataclasses.replace(r, script=script, choices=[])) for script in r.choices]
 
     def finished(result):
@@ -308,6 +322,7 @@ def _submit(sched: Scheduler, r: RequestSpec, out: Outcome, lines: list) -> None
         stop_token_ids=tuple(r.stop_token_ids),
         ignore_eos=r.ignore_eos,
         n=1 + len(r.choices),
+        thinking=None if think is None else Thinking(think[0], think[1], r.max_thinking_tokens),
     )
     request = GenerationRequest(
         prompt_ids=list(r.prompt),
@@ -334,13 +349,14 @@ def _client_line(out: Outcome) -> str:
     guard = out.handle.guard
     if out.spec.mode == "blocking":
         return (
-            f"Response(tokens=[{', '.join(map(str, res.token_ids))}], {res.finish_reason}, think=0, "
+            f"Response(tokens=[{', '.join(map(str, res.token_ids))}], {res.finish_reason}, "
+            f"think={res.reasoning_tokens or 0}, "
             f"cached={res.cached_tokens}, acc={res.accepted_tokens or 0}, logprobs=0)"
         )
     shown = "".join(f"T{t} " for t in out.streamed)
     g = "None" if guard is None else f'Some("{guard}")'
     return (
-        f"{shown}Done({res.finish_reason}, n={len(res.token_ids)}, think=0, "
+        f"{shown}Done({res.finish_reason}, n={len(res.token_ids)}, think={res.reasoning_tokens or 0}, "
         f"cached={res.cached_tokens}, acc={res.accepted_tokens or 0}, guard={g})"
     )
 

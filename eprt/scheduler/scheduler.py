@@ -12,7 +12,7 @@ import threading
 from collections import deque
 
 from eprt.api import GenerationRequest, RequestError
-from eprt.scheduler import guards, pools, speculation
+from eprt.scheduler import guards, pools, speculation, thinking
 from eprt.scheduler.clock import WallClock
 from eprt.scheduler.config import SchedulerConfig, validate_request
 from eprt.scheduler.effects import (
@@ -49,6 +49,7 @@ class Scheduler:
         self.tick = 0
         self.free_blocks: int | None = None  # num_free_blocks() as read at the last plan
         self.preemptions = 0
+        self.generated_tokens = 0  # tokens accepted so far, counted as they are generated (any thread reads it)
         self._fx = EffectRunner(model, tracer)
         self.drafting = speculation.DraftPolicy()  # the verify lane's (when speculation is on)
         self._inbox = Inbox()
@@ -154,6 +155,7 @@ class Scheduler:
             "queued": len(self._inbox) + len(self._waiting),
             "running": len(self._live),
             "preemptions": self.preemptions,
+            "generation_tokens": self.generated_tokens,
         }
 
     def step(self) -> bool:
@@ -330,7 +332,12 @@ class Scheduler:
             self._finish(seq, ERROR, error=token.reason)
             return
         token = int(token)
+        if seq.think is not None:
+            token = thinking.keep(seq, token, self.config.eos_token_ids)
+            if token is None:
+                return
         seq.token_ids.append(token)
+        self.generated_tokens += 1
         if guards.is_stop_token(seq, token, self.config.eos_token_ids):
             self._finish(seq, STOP)
             return
@@ -405,7 +412,7 @@ class Scheduler:
             self._waiting.extend(seq.forks)
             seq.forks = []
         seq.state = SeqState.FINISHED
-        seq.finish_reason, seq.guard, seq.error = reason, guard, error
+        seq.finish_reason, seq.guard, seq.error = reason, guard or seq.guard, error
         if seq.slot < 0:  # holds nothing: tell the client now
             self._notify(seq)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from eprt.api import GenerationResult, SamplingParams
+from eprt.scheduler import thinking
 
 # Finish reasons (docs/scenarios.md, "One run").
 STOP = "stop"  # EOS or a stop id, a client cancel, shutdown
@@ -62,6 +63,7 @@ class Sequence:
     admit_order: int = -1  # larger: admitted more recently
     accepted_tokens: int | None = None  # speculative drafts accepted (None: speculation off)
     draft_stats: object = None  # speculation.DraftStats: its acceptance estimate (speculation on)
+    think: thinking.ThinkState | None = field(init=False, default=None)  # its thinking block (read by the model)
     finish_reason: str | None = None
     guard: str | None = None
     error: str | None = None
@@ -73,6 +75,7 @@ class Sequence:
         self.prompt_ids = tuple(self.prompt_ids)
         self.token_ids = list(self.prompt_ids)
         self.num_prompt = len(self.prompt_ids)
+        self.think = thinking.begin(getattr(self.params, "thinking", None), self.prompt_ids)
 
     @property
     def output_ids(self) -> list:
@@ -104,6 +107,7 @@ class Sequence:
             cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            reasoning_tokens=None if self.think is None else self.think.count,
         )
         if self.finished:
             self._result = result

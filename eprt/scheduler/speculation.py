@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eprt.scheduler import pools
+from eprt.scheduler import pools, thinking
 from eprt.scheduler.effects import AcceptDrafts, Verify
 
 DRAFT_COST = 0.3  # a draft position's cost in decode rows (a decode step / its rows) until measured, and its prior
@@ -286,7 +286,7 @@ def verify_lane(sched, rows: list) -> bool:
     """Run the step as a verify step when any row has drafts (True), else leave it to the decode
     lane (False). Each row's emitted tokens are taken one by one, exactly as decoded tokens, until
     one finishes the sequence; the rest are dropped and their KV rolled back."""
-    if not all(verifiable(seq.params) for seq in rows):
+    if not all(verifiable(seq.params) and not thinking.constrained(seq) for seq in rows):
         return False
     drafts = plan_drafts(sched, rows)
     if not any(drafts):
@@ -300,7 +300,7 @@ def verify_lane(sched, rows: list) -> bool:
         for token in tokens:
             n += 1
             sched._accept(seq, token, checkpoint=False)
-            if seq.finished:
+            if seq.finished or thinking.constrained(seq):  # (a block opened: its tokens need masks)
                 break
         kept.append(n)
     sched._fx.run(AcceptDrafts(tuple(rows), tuple(kept)))

@@ -15,9 +15,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from eprt.api import (
     ENGINE_FAILED,
+    EXIT_BAD_INPUT,
     EngineClosed,
     GenerationRequest,
     JobFailure,
@@ -26,6 +28,8 @@ from eprt.api import (
     is_engine_failure,
     is_int,
 )
+from eprt.serve import reasoning
+from eprt.serve.chat_output import ChatOutput
 from eprt.serve.guided import GUIDED_FIELDS, compile_guide, parse_guide
 from eprt.serve.loop import EngineLoop
 from eprt.serve.media import MediaPolicy, image_bytes
@@ -39,6 +43,8 @@ from eprt.serve.params import (
     parse_choices,
     parse_options,
     parse_token_ids,
+    parse_truncation,
+    truncate_prompt,
 )
 from eprt.serve.progress import Progress
 from eprt.serve.stream import LiveChoices, LiveRequest
@@ -59,9 +65,11 @@ LINE_FIELDS = frozenset(
         "stop",
         "timeout",
         "model",
+        "truncate_prompt_tokens",
     }
     | {"n", "best_of", "response_format", "structured_outputs"}
     | set(GUIDED_FIELDS)
+    | set(reasoning.BUDGET_FIELDS)
     | set(PROCESSING)
 )
 _POLL_S = 0.01  # how long the writer sleeps when no request made progress
@@ -87,6 +95,7 @@ def add_arguments(parser) -> None:
         metavar="JSON",
         help="write the expert-load statistics (tokens per layer and expert) here at the end; see eprt stats",
     )
+    reasoning.add_arguments(parser)
     add_engine_arguments(parser)
 
 
@@ -94,11 +103,39 @@ def main(args) -> int:
     from eprt.engine.engine import launch_engine
     from eprt.engine.expert_load import write_stats
 
-    with launch_engine(args) as engine:  # worker ranks never get past this line
-        code = run_batch(engine, args.input, args.output, in_flight=max(64, 4 * args.max_batch))
+    def check() -> None:  # before any rank loads the model
+        check_files(args.input, args.output)
+        reasoning.check_name(args.reasoning_parser)
+
+    with launch_engine(args, precheck=check) as engine:  # worker ranks never get past this line
+        try:
+            parser = reasoning.resolve(args.reasoning_parser, engine.tokenizer) if engine.tokenizer else None
+        except ValueError as e:  # the named format's delimiters are not tokens of this model
+            print(f"eprt run: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        code = run_batch(engine, args.input, args.output, in_flight=max(64, 4 * args.max_batch), reasoning=parser)
         if args.stats_out:
             write_stats(args.stats_out, engine.expert_load(refresh=True), engine.model_name, engine.transport.size)
         return code
+
+
+def check_files(input_path: str, output_path: str) -> None:
+    """Before the model loads: the input can be read, and the output written and not being written
+    by another ``eprt run``; OSError or ValueError naming the file otherwise. Creates nothing."""
+    try:
+        with open(input_path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise type(e)(f"--input {input_path}: {e.strerror or e}") from None
+    if os.path.isdir(output_path):
+        raise IsADirectoryError(f"--output {output_path} is a directory")
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"--output {output_path}: its directory {folder} does not exist")
+    if os.path.exists(output_path):
+        os.close(lock_output(output_path))  # OutputLocked now rather than after loading
+    elif not os.access(folder, os.W_OK):
+        raise PermissionError(f"--output {output_path}: cannot create a file in {folder}")
 
 
 @dataclass
@@ -199,6 +236,13 @@ def finished_keys(path: str) -> set:
     return keys
 
 
+def _with_reasoning(record: dict, output) -> dict:
+    """A record with its thinking block's text as ``reasoning`` (its ``text`` is the rest)."""
+    if isinstance(output, ChatOutput):
+        record["reasoning"] = output.reasoning
+    return record
+
+
 class OutputLocked(OSError):
     """Another ``eprt run`` holds the output file."""
 
@@ -218,8 +262,10 @@ def lock_output(path: str) -> int:
     return fd
 
 
-def build_request(line: Line, engine) -> tuple:
-    """A line's GenerationRequest and stop strings; FieldError names what is wrong."""
+def build_request(line: Line, engine, parser=None) -> tuple:
+    """A line's GenerationRequest and its RequestOptions (stop strings); FieldError names what is
+    wrong. ``parser``: the model's thinking block (--reasoning-parser), counted and split from the
+    text, with the line's budget."""
     obj = line.obj
     unknown = sorted(set(obj) - LINE_FIELDS)
     if unknown:
@@ -230,6 +276,7 @@ def build_request(line: Line, engine) -> tuple:
         prompt_ids = encode_prompt(engine.tokenizer, obj["prompt"], "prompt")
     else:
         prompt_ids = parse_token_ids(obj["prompt_ids"], "prompt_ids", engine.vocab_size)
+    prompt_ids = truncate_prompt(prompt_ids, parse_truncation(obj, engine.max_model_len, "images" in obj))
     rows = None
     if "images" in obj:  # expanded to each image's placeholders (and encoded) before the context is sized
         req = GenerationRequest(prompt_ids, images=line_images(obj["images"]))
@@ -243,6 +290,7 @@ def build_request(line: Line, engine) -> tuple:
     guide, guide_field = parse_guide(obj)
     compile_guide(engine, guide, guide_field)
     params = dataclasses.replace(fit_to_context(parse_choices(obj, opts.params), room), guide=guide)
+    params.thinking = reasoning.request_thinking(obj, parser)
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise FieldError("model", f"model must be a string (the base model or a LoRA adapter name), got {model!r}")
@@ -250,7 +298,7 @@ def build_request(line: Line, engine) -> tuple:
     req = GenerationRequest(
         prompt_ids, params, request_id=request_id, timeout_s=opts.timeout_s, image_embeds=rows, adapter=adapter
     )
-    return req, opts.stop_strings
+    return req, opts
 
 
 def line_images(value) -> list:
@@ -273,8 +321,9 @@ class BatchWriter:
     have no token yet are cancelled, and running ones finish. What is cut short (cancelled, or
     ended by an engine failure) is not written, so a rerun answers it."""
 
-    def __init__(self, engine, lines: list, out, progress: Progress, in_flight: int):
+    def __init__(self, engine, lines: list, out, progress: Progress, in_flight: int, reasoning=None):
         self.engine, self.lines, self.out, self.progress = engine, lines, out, progress
+        self.reasoning = reasoning  # the model's thinking block (--reasoning-parser), None: none
         self.in_flight = in_flight
         self.unfinished = len(lines)  # lines with nothing written yet
         self.engine_failures = 0  # lines cut short by an engine failure (not written)
@@ -318,6 +367,7 @@ class BatchWriter:
                 self._finish(live.pop(req), req, req in dropped)
             if engine_gone or (not live and (exhausted or loop.stop.is_set())):
                 return  # what is still live when the engine is gone never finishes
+            self.progress.tick()
             if not done:
                 time.sleep(_POLL_S)
 
@@ -325,23 +375,27 @@ class BatchWriter:
         if dropped:
             return  # cancelled by the stop before its first token: runs again next time
         if isinstance(req, LiveChoices):
-            self._finish_choices(line, req.results())
+            self._finish_choices(line, req)
             return
         result, _ = req.result()
         if is_engine_failure(result):
             self.engine_failures += 1
             self.engine_failure = result.error
             return  # not the line's fault: runs again next time
-        self._write(line, result.to_json(), failed=result.finish_reason == "error", tokens=len(result.token_ids))
+        record = _with_reasoning(result.to_json(), req.text)
+        self._write(line, record, failed=result.finish_reason == "error", tokens=len(result.token_ids))
 
-    def _finish_choices(self, line: Line, results: list) -> None:
+    def _finish_choices(self, line: Line, req: LiveChoices) -> None:
         """A line of several choices: one record with the first one's fields and ``choices``."""
+        pairs = req.ranked()  # (result, its LiveRequest)
+        results = [result for result, _ in pairs]
         failure = next((r for r in results if is_engine_failure(r)), None)
         if failure is not None:
             self.engine_failures += 1
             self.engine_failure = failure.error
             return  # not the line's fault: runs again next time
-        record = {**results[0].to_json(), "choices": [r.to_json() | {"index": r.index} for r in results]}
+        records = [_with_reasoning(r.to_json(), live.text) for r, live in pairs]
+        record = {**records[0], "choices": [rec | {"index": r.index} for rec, r in zip(records, results)]}
         failed = any(r.finish_reason == "error" for r in results)
         self._write(line, record, failed=failed, tokens=sum(len(r.token_ids) for r in results))
 
@@ -351,9 +405,13 @@ class BatchWriter:
         error (only a JobFailure, shared state, is not the line's)."""
         if line.error is None:
             try:
-                request, stops = build_request(line, self.engine)
+                request, opts = build_request(line, self.engine, self.reasoning)
                 several = request.params.choices > 1
-                live[(LiveChoices if several else LiveRequest)(self.engine, request, stops)] = line
+                thinking = request.params.thinking  # the text split into reasoning and text
+                output = None if thinking is None else partial(ChatOutput, prompt=request.prompt_ids, spec=thinking)
+                kind = LiveChoices if several else LiveRequest
+                submitted = kind(self.engine, request, opts.stop_strings, include_stop=opts.include_stop, output=output)
+                live[submitted] = line
                 return True
             except EngineClosed:
                 return False  # not the line's fault: it stays unfinished
@@ -401,33 +459,36 @@ def plan(lines: list, done: set) -> list:
     return todo
 
 
-def run_batch(engine, input_path: str, output_path: str, in_flight: int = 64, progress_stream=None) -> int:
-    """Run every not-yet-finished line of ``input_path``; 0 unless the job itself failed or was cut short."""
+def run_batch(
+    engine, input_path: str, output_path: str, in_flight: int = 64, progress_stream=None, reasoning=None
+) -> int:
+    """Run every not-yet-finished line of ``input_path``; 0 unless the job itself failed or was cut short;
+    ``reasoning``: the model's ReasoningParser (records then split reasoning from text)."""
     progress_stream = progress_stream or sys.stderr
     try:
         lock = lock_output(output_path)
     except OSError as e:
         print(f"eprt run: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
-        return _run_locked(engine, input_path, output_path, in_flight, progress_stream)
+        return _run_locked(engine, input_path, output_path, in_flight, progress_stream, reasoning)
     finally:
         os.close(lock)
 
 
-def _run_locked(engine, input_path: str, output_path: str, in_flight: int, progress_stream) -> int:
+def _run_locked(engine, input_path: str, output_path: str, in_flight: int, progress_stream, reasoning) -> int:
     try:
         lines = read_lines(input_path)
         todo = plan(lines, finished_keys(output_path))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         print(f"eprt run: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     start = time.monotonic()
-    progress = Progress(len(todo), progress_stream)
+    progress = Progress(len(todo), progress_stream, "eprt run", tokens=lambda: engine.generation_tokens)
     loop = EngineLoop(engine)
     engine_error: BaseException | None = None
     with open(output_path, "a", encoding="utf-8") as out:
-        writer = BatchWriter(engine, todo, out, progress, in_flight)
+        writer = BatchWriter(engine, todo, out, progress, in_flight, reasoning)
         thread = threading.Thread(target=writer.run, args=(loop,), name="eprt-run-writer", daemon=True)
         thread.start()
         try:
@@ -437,7 +498,7 @@ def _run_locked(engine, input_path: str, output_path: str, in_flight: int, progr
         finally:
             loop.stop.set()
             thread.join()
-            progress.close()
+            progress.close(final=True)
     if writer.error is not None:
         raise writer.error
     skipped = len(lines) - len(todo)

@@ -2,9 +2,9 @@
 
 Routes: ``GET /health``, ``GET /metrics``, ``GET /openapi.json``, ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``POST /v1/completions``, ``POST /v1/chat/completions``, the LoRA
-adapter routes. Every 4xx/5xx has an OpenAI error body (an unexpected exception too: a JSON
-500); with an API key, every route but ``/health`` needs ``Authorization: Bearer <key>``
-(checked before routing).
+adapter routes, vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``. Every
+4xx/5xx has an OpenAI error body (an unexpected exception too: a JSON 500); with an API key,
+every route but ``/health`` needs ``Authorization: Bearer <key>`` (checked before routing).
 ``GuardedH11Protocol`` closes connections whose request headers do not arrive in time
 (uvicorn alone never does), and never closes an idle keep-alive connection whose next request
 has arrived; bodies are read under a size limit and a deadline (body.py).
@@ -22,7 +22,6 @@ import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import h11
 import uvicorn
@@ -37,12 +36,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from eprt import __version__
 from eprt.api import ENGINE_FAILED, RequestError
 from eprt.engine.adapters import UnknownAdapter
-from eprt.engine.choices import best_choices
-from eprt.serve import adapters, openai, schema
-from eprt.serve.body import DEFAULT_MAX_BODY_BYTES, ApiError, parse_json, read_body
-from eprt.serve.media import MediaPolicy
+from eprt.engine.choices import ranked
+from eprt.serve import adapters, chat_output, openai, schema, tokenize
+from eprt.serve.body import ApiError, parse_json, read_body
 from eprt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from eprt.serve.metrics import ServerMetrics
+from eprt.serve.settings import HttpSettings
 from eprt.serve.stream import LiveRequest
 
 log = logging.getLogger("eprt.serve")
@@ -52,38 +51,9 @@ _CLIENT_CHECK_S = 0.25  # how often a waiting non-stream request checks that its
 GENERATION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> is chat
 ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 MODEL_ROUTE = "/v1/models/{model}"  # the metrics' route label of every /v1/models/<id>
+UTILITY_ROUTES = ("/tokenize", "/detokenize", "/version")  # vLLM's, outside /v1 as there
 ROUTES = ("/health", "/metrics", "/openapi.json", "/v1/models", MODEL_ROUTE, *GENERATION_ROUTES, *ADAPTER_ROUTES)
-# Longer than the idle time of common clients' pools (httpx 5 s, aiohttp 15 s, Go and hyper 90 s),
-# so that the client, not the server, closes an idle connection: a server closing one races with
-# the client's next request on it, which then dies with a reset (docs/serving.md, "Keep-alive")
-KEEP_ALIVE_S = 120.0
-
-
-@dataclass(frozen=True)
-class HttpSettings:
-    api_key: str | None = None  # None: no authentication (an empty or blank key is refused here)
-    served_model_name: str | None = None  # the model name clients see (default: the engine's)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    http_timeout_s: float = 30.0  # a request's headers, and then its body, must arrive within this
-    keep_alive_s: float = KEEP_ALIVE_S  # an idle keep-alive connection is closed after this
-    backlog: int = 2048  # pending TCP connections the kernel queues for us
-    media: MediaPolicy = MediaPolicy()  # where chat image parts may come from (--allowed-local-media-path)
-    lora_dir: str | None = None  # the real path of --lora-modules-dir (None: no adapter loading at run time)
-
-    def __post_init__(self):
-        check_api_key(self.api_key, "the API key")
-
-
-def check_api_key(key: str | None, source: str = "--api-key") -> str | None:
-    """``key`` itself, None for no key; ValueError naming ``source`` for an empty or whitespace
-    key (an unset variable in ``--api-key "$KEY"`` or ``EPRT_API_KEY=$KEY`` must not turn
-    authentication off)."""
-    if key is not None and not key.strip():
-        raise ValueError(
-            f"{source} is {key!r}: an empty key would turn authentication off; "
-            f"give a real key, or leave --api-key and EPRT_API_KEY unset to serve without one"
-        )
-    return key
+ROUTES += UTILITY_ROUTES
 
 
 def error_response(e: ApiError, headers: dict | None = None) -> JSONResponse:
@@ -235,6 +205,8 @@ class ServerState:
     def __init__(self, engine, loop, settings: HttpSettings):
         self.engine, self.loop, self.settings = engine, loop, settings
         self.model_name = settings.served_model_name or engine.model_name
+        # the reasoning parser and tool settings, for this model (ValueError: start-up error)
+        self.chat_features = chat_output.ChatFeatures.resolve(engine, settings.reasoning_parser, settings.tools)
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
         self._busy = 0  # generation requests being answered
@@ -263,22 +235,40 @@ class ServerState:
 
 class Generation:
     """One submitted generation request: its tokens, its waker, and its end (``close``,
-    idempotent: cancels the sequence if still running, counts the request as answered)."""
+    idempotent: cancels the sequences still running, counts the request as answered). ``groups``:
+    each prompt's choices (one prompt, unless a completion sent a list); ``lives``: all of them,
+    choice k of prompt p at p * choices + k."""
 
     def __init__(self, state: ServerState, api: openai.ApiRequest, info: dict):
         self.state, self.api, self.info = state, api, info
         self.waker = Waker(asyncio.get_running_loop())
+        self.groups: list = []
         state.begin()
         try:
-            if api.request.params.choices == 1:
-                self.lives = [LiveRequest(state.engine, api.request, api.stop_strings, notify=self.waker)]
-            else:  # several choices sharing one prefill
-                self.lives = LiveRequest.choices(state.engine, api.request, api.stop_strings, notify=self.waker)
-            self.live = self.lives[0]
+            for request in api.requests:  # a prompt refused here ends the request: the others are cancelled
+                self.groups.append(self._submit(request))
         except BaseException:
+            for live in (live for group in self.groups for live in group):
+                live.cancel()
             state.end()
             raise
+        self.lives = [live for group in self.groups for live in group]
+        self.live = self.lives[0]
         self._closed = False
+
+    def _submit(self, request) -> list:
+        engine, api = self.state.engine, self.api
+        # output: a chat's reasoning and tool calls (api.output), or plain text
+        kwargs = dict(notify=self.waker, include_stop=api.include_stop, output=api.output)
+        if request.params.choices == 1:
+            return [LiveRequest(engine, request, api.stop_strings, **kwargs)]
+        return LiveRequest.choices(engine, request, api.stop_strings, **kwargs)  # several sharing one prefill
+
+    def grouped(self, results: list) -> list:
+        """A result per live (in ``lives``' order) -> a list of them per prompt."""
+        sizes = [len(group) for group in self.groups]
+        starts = [sum(sizes[:p]) for p in range(len(sizes))]
+        return [results[start : start + size] for start, size in zip(starts, sizes)]
 
     def close(self, complete: bool) -> None:
         if self._closed:
@@ -435,13 +425,15 @@ def build_app(state: ServerState):
 
     @app.post("/v1/load_lora_adapter", openapi_extra=schema.operation(None, schema.LoadLoraAdapterRequest, text=True))
     async def load_lora_adapter(request: Request):
-        return await _adapter_call(state, request, adapters.load_adapter, state.settings.lora_dir)
+        return await _body_call(state, request, adapters.load_adapter, state.settings.lora_dir, text=True)
 
     @app.post(
         "/v1/unload_lora_adapter", openapi_extra=schema.operation(None, schema.UnloadLoraAdapterRequest, text=True)
     )
     async def unload_lora_adapter(request: Request):
-        return await _adapter_call(state, request, adapters.unload_adapter)
+        return await _body_call(state, request, adapters.unload_adapter, text=True)
+
+    _add_utility_routes(app, state)
 
     @app.post(
         "/v1/completions", openapi_extra=schema.operation(schema.CompletionResponse, schema.CompletionRequest, True)
@@ -459,21 +451,39 @@ def build_app(state: ServerState):
     return Guard(app, state)
 
 
+def _add_utility_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's /tokenize, /detokenize and /version (eprt.serve.tokenize)."""
+
+    @app.post("/tokenize", openapi_extra=schema.operation(schema.TokenizeResponse, schema.TokenizeRequest))
+    async def tokenize_route(request: Request):
+        return await _body_call(state, request, tokenize.tokenize_body, state.model_name)
+
+    @app.post("/detokenize", openapi_extra=schema.operation(schema.DetokenizeResponse, schema.DetokenizeRequest))
+    async def detokenize_route(request: Request):
+        return await _body_call(state, request, tokenize.detokenize_body, state.model_name)
+
+    @app.get("/version", openapi_extra=schema.operation(schema.Version))
+    async def version():
+        return JSONResponse(tokenize.version_body())
+
+
 def _openapi(app: FastAPI, state: ServerState) -> dict:
     if app.openapi_schema is None:
         app.openapi_schema = schema.openapi(app, state.settings.api_key is not None)
     return app.openapi_schema
 
 
-async def _adapter_call(state: ServerState, request: Request, call, *args):
-    """A LoRA adapter route: the JSON body to ``call(engine, body, *args)`` (off the event loop:
-    it reads files); text answer."""
+async def _body_call(state: ServerState, request: Request, call, *args, text: bool = False):
+    """A route whose JSON body goes to ``call(engine, body, *args)``, off the event loop (it reads
+    files, or tokenizes); its answer as JSON (``text``: as plain text); a RequestError is a 400."""
     try:
         raw = await read_body(request, state.settings.max_body_bytes, state.settings.http_timeout_s)
         answer = await run_in_threadpool(call, state.engine, parse_json(raw), *args)
-        return Response(answer, media_type="text/plain")
+        return Response(answer, media_type="text/plain") if text else JSONResponse(answer)
     except ApiError as e:
         return error_response(e)
+    except RequestError as e:  # FieldError carries the field's name
+        return error_response(ApiError(400, str(e), param=getattr(e, "param", None)))
 
 
 async def _answer(state: ServerState, request: Request, chat: bool):
@@ -495,7 +505,16 @@ async def _answer(state: ServerState, request: Request, chat: bool):
 
 
 def _parse(raw: bytes, state: ServerState, chat: bool) -> openai.ApiRequest:
-    return openai.parse_request(parse_json(raw), state.engine, chat, state.model_name, state.settings.media)
+    settings = state.settings
+    return openai.parse_request(
+        parse_json(raw),
+        state.engine,
+        chat,
+        state.model_name,
+        settings.media,
+        settings.chat_max_tokens,
+        state.chat_features,
+    )
 
 
 async def _generate(state: ServerState, request: Request, chat: bool):
@@ -530,14 +549,28 @@ async def _complete(request: Request, gen: Generation):
     failed = next((r for r in results if r.finish_reason == "error"), None)
     if failed is not None:
         return error_response(gen.error(failed))
+    texts = [live.text if gen.api.output is not None else None for live in lives]  # each choice's ChatOutput
     params = gen.api.request.params
-    if params.best_of is not None:
-        results = best_choices(results, params.n)
-    return JSONResponse(openai.choices_body(gen.api, results))
+    groups = [ranked(pairs, params) for pairs in gen.grouped(list(zip(results, texts)))]
+    results_of = [[result for result, _ in pairs] for pairs in groups]
+    outputs = None if gen.api.output is None else [[text for _, text in pairs] for pairs in groups]
+    return JSONResponse(openai.batch_body(gen.api, results_of, outputs))
 
 
 def _event(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _pieces(api: openai.ApiRequest, live: LiveRequest, text: str, records, index: int) -> list:
+    """The chunks of what one pump brought: its text, or a chat message's deltas (reasoning,
+    content, tool calls); the tokens' logprobs ride on the first."""
+    if api.output is None:
+        return [_event(openai.chunk(api, text, records=records, index=index))] if text or records else []
+    deltas = live.text.deltas() or ([{}] if records else [])
+    return [
+        _event(openai.chunk(api, records=records if k == 0 else None, index=index, delta=d))
+        for k, d in enumerate(deltas)
+    ]
 
 
 async def _events(gen: Generation):
@@ -557,16 +590,15 @@ async def _events(gen: Generation):
                 if echo_due[i] and (live.token_ids or live.finished()):
                     echo_due[i] = False
                     yield _event(openai.echo_chunk(api, live.request_prompt, live.handle.prompt_logprobs, i))
-                records = live.take_logprobs()
-                if delta or records:
-                    yield _event(openai.chunk(api, delta, records=records, index=i))
+                for piece in _pieces(api, live, delta, live.take_logprobs(), i):
+                    yield piece
                 if live.finished():
                     results[i], tail = live.result()
-                    records = live.take_logprobs()
-                    if tail or records:
-                        yield _event(openai.chunk(api, tail, records=records, index=i))
+                    for piece in _pieces(api, live, tail, live.take_logprobs(), i):
+                        yield piece
                     if results[i].finish_reason != "error":
-                        yield _event(openai.chunk(api, finish_reason=results[i].finish_reason, index=i))
+                        reason = chat_output.finish_reason(results[i].finish_reason, api.output and live.text)
+                        yield _event(openai.chunk(api, finish_reason=reason, index=i))
             if all(r is not None for r in results):
                 break
             await gen.waker.wait(1.0)
@@ -575,7 +607,7 @@ async def _events(gen: Generation):
             e = gen.error(failed)
             yield _event(openai.error_body(str(e), e.kind, code=str(e.status)))
         elif api.include_usage:
-            yield _event(openai.usage_chunk(api, results))
+            yield _event(openai.usage_chunk(api, gen.grouped(results)))
         yield b"data: [DONE]\n\n"
         complete = True
     finally:

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from eprt.api import MAX_CHOICES, MAX_LOGPROBS, RANGES, RequestError, SamplingParams, is_int
 
 MAX_STOPS = 16  # stop strings and ids of one request (each string is searched for after every token)
+# max_tokens of a chat request that sets none (eprt serve --default-max-tokens; 0: the rest of the
+# context, vLLM's default): a model that never ends its turn then stops after this many tokens
+DEFAULT_CHAT_MAX_TOKENS = 512
 MAX_STOP_CHARS = 1024  # characters of all the stop strings of one request together
 
 
@@ -31,6 +34,7 @@ class RequestOptions:
     params: SamplingParams
     stop_strings: tuple  # text stop sequences, matched on the decoded output
     timeout_s: float | None  # per-request deadline in seconds, None for no deadline
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the matched stop string ends the text
 
 
 def _get_int(body: dict, name: str, default, minimum: int) -> int | None:
@@ -84,13 +88,15 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
-def encode_prompt(tokenizer, text, param: str) -> list:
-    """A non-empty text prompt -> its token ids; FieldError when that cannot be done."""
+def encode_prompt(tokenizer, text, param: str, add_special_tokens: bool | None = None) -> list:
+    """A non-empty text prompt -> its token ids (special tokens: the tokenizer's default for None);
+    FieldError when that cannot be done."""
     if not isinstance(text, str) or not text:
         raise FieldError(param, f"{param} must be a non-empty string, got {text!r}")
     if tokenizer is None:
         raise FieldError(param, f"this model has no tokenizer: send {param} as token ids")
-    ids = tokenizer.encode(check_text(text, param))
+    special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    ids = tokenizer.encode(check_text(text, param), **special)
     if not ids:
         raise FieldError(param, f"{param} {text[:40]!r} encodes to no tokens")
     return ids
@@ -135,7 +141,7 @@ def parse_stop(value, vocab_size: int) -> tuple:
     return tuple(strings), tuple(ids)
 
 
-# the logits processing and logprobs fields parse_options reads besides the basic ones
+# the logits processing, logprobs and stop-string fields parse_options reads besides the basic ones
 PROCESSING = (
     "presence_penalty",
     "frequency_penalty",
@@ -149,6 +155,7 @@ PROCESSING = (
     "stop_token_ids",
     "logprobs",
     "prompt_logprobs",
+    "include_stop_str_in_output",
 )
 MAX_BAD_WORDS = 128  # bad words of one request (each is matched against the output's tail every step)
 MAX_TOKEN_LIST = 4096  # entries of logit_bias / allowed_token_ids
@@ -248,7 +255,7 @@ def parse_options(
         max_tokens=max_tokens,
         temperature=_get_number(body, "temperature", 0.0),
         top_p=_get_number(body, "top_p", 1.0),
-        top_k=_get_int(body, "top_k", 0, minimum=0),
+        top_k=_get_int(body, "top_k", 0, minimum=-1),  # -1: vLLM's "no cut", as 0
         seed=_get_int(body, "seed", None, minimum=0),
         stop_token_ids=stop_ids,
         ignore_eos=_get_bool(body, "ignore_eos"),
@@ -267,7 +274,30 @@ def parse_options(
         raise FieldError(
             "min_tokens", f"min_tokens ({params.min_tokens}) must not exceed {max_tokens_field} ({params.max_tokens})"
         )
-    return RequestOptions(params, stop_strings, timeout)
+    return RequestOptions(params, stop_strings, timeout, _get_bool(body, "include_stop_str_in_output"))
+
+
+def parse_truncation(body: dict, max_model_len: int, images: bool = False) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: how many of the prompt's last tokens to keep (-1: as many
+    as the context holds, max_model_len); None: the prompt is not cut. A prompt with images is
+    never cut (its image placeholders must all stay)."""
+    v = body.get("truncate_prompt_tokens")
+    if v is None:
+        return None
+    if images:
+        raise FieldError("truncate_prompt_tokens", "truncate_prompt_tokens cannot cut a prompt with images")
+    if not is_int(v) or not (v == -1 or 1 <= v <= max_model_len):
+        raise FieldError(
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens must be -1 (max_model_len) or an integer in [1, max_model_len={max_model_len}], "
+            f"got {v!r}",
+        )
+    return max_model_len if v == -1 else v
+
+
+def truncate_prompt(prompt_ids: list, keep: int | None) -> list:
+    """The prompt's last ``keep`` tokens (left truncation, as vLLM's); all of it for None."""
+    return list(prompt_ids) if keep is None else list(prompt_ids)[-keep:]
 
 
 def context_room(prompt_ids: list, max_model_len: int, param: str) -> int:

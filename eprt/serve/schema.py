@@ -18,6 +18,7 @@ from pydantic.json_schema import models_json_schema
 from eprt.api import MAX_CHOICES, MAX_LOGPROBS
 from eprt.serve.openai import CHAT_ROLES, ChatCompletionBody, CompletionBody
 from eprt.serve.params import MAX_BAD_WORDS, MAX_STOPS, MAX_TOKEN_LIST
+from eprt.serve.tool_calls import MAX_TOOLS
 
 Logprobs = Field(None, ge=0, le=MAX_LOGPROBS)
 TokenIds = list[StrictInt]
@@ -57,13 +58,19 @@ class _Processing(BaseModel):
     user: StrictStr | None = None
     request_id: StrictStr | None = None
     return_token_ids: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = Field(
+        None, description="vLLM: the matched stop string ends the text"
+    )
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None, ge=-1, description="vLLM: keep the prompt's last k tokens (-1: max_model_len)"
+    )
 
 
 class CompletionRequest(_Processing, CompletionBody):
     """POST /v1/completions."""
 
-    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds] = Field(
-        description="text or token ids; a list of prompts must hold exactly one"
+    prompt: StrictStr | TokenIds | list[StrictStr | TokenIds] = Field(
+        description="text or token ids, or a list of prompts (choice k of prompt p is choice p * n + k)"
     )
     echo: StrictBool = False
     logprobs: StrictInt | None = Logprobs
@@ -84,10 +91,37 @@ class ImagePart(BaseModel):
     image_url: ImageUrl
 
 
+class FunctionCall(BaseModel):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = Field(description="the arguments object, as JSON text")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: StrictStr | list[TextPart | ImagePart]
+    content: StrictStr | list[TextPart | ImagePart] | None = Field(description="null: an assistant's tool calls alone")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls")
+    tool_call_id: StrictStr | None = Field(None, description="a tool message's call")
+    reasoning_content: StrictStr | None = Field(None, description="an assistant's reasoning (also: reasoning)")
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: Function
 
 
 class ChatCompletionRequest(_Processing, ChatCompletionBody):
@@ -96,6 +130,14 @@ class ChatCompletionRequest(_Processing, ChatCompletionBody):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Logprobs
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
+        None, description='or {"type": "function", "function": {"name": ...}}; "auto" needs --enable-auto-tool-choice'
+    )
+    parallel_tool_calls: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="the chat template's variables")
+    max_thinking_tokens: StrictInt | None = Field(None, ge=0, description="needs --reasoning-parser")
+    thinking_token_budget: StrictInt | None = Field(None, ge=0, description="vLLM's name of max_thinking_tokens")
 
 
 class LoadLoraAdapterRequest(BaseModel):
@@ -157,8 +199,44 @@ class Health(BaseModel):
     status: str
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): exactly one of prompt or messages."""
+
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = Field(None, description="default: true for prompt, false for messages")
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="with messages: as a chat renders them")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="with messages: the template's variables")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr | None = None
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Version(BaseModel):
+    version: str
+
+
 MODELS = (CompletionRequest, ChatCompletionRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
 MODELS += (ErrorResponse, ModelList, ModelCard, CompletionResponse, Health)
+MODELS += (TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse, Version)
 
 
 def _ref(model: type[BaseModel]) -> dict:

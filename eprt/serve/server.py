@@ -5,16 +5,22 @@ every request with an error naming the failed rank and exits non-zero (docs/serv
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import ipaddress
 import logging
 import sys
 
 from eprt import env
+from eprt.api import EXIT_BAD_INPUT
+from eprt.serve import reasoning, tool_calls
 from eprt.serve.adapters import check_adapters_dir
 from eprt.serve.body import DEFAULT_MAX_BODY_BYTES
-from eprt.serve.http import KEEP_ALIVE_S, HttpServer, HttpSettings, ServerState, check_api_key
 from eprt.serve.loop import EngineLoop, RankLost
 from eprt.serve.media import MediaPolicy
+from eprt.serve.params import DEFAULT_CHAT_MAX_TOKENS
+from eprt.serve.settings import KEEP_ALIVE_S, HttpSettings, check_api_key
+from eprt.serve.tool_calls import ToolSettings
 
 log = logging.getLogger("eprt.serve")
 
@@ -30,13 +36,23 @@ def _positive(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is an integer in [0, 65535], got {text!r}")
+    return value
+
+
 def add_arguments(parser) -> None:
     from eprt.engine.engine import add_engine_arguments
 
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: loopback only; 0.0.0.0 for every interface)"
     )
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument(
         "--api-key",
         metavar="KEY",
@@ -81,6 +97,20 @@ def add_arguments(parser) -> None:
         f"S seconds (default {HEALTH_STALL_S:g}, at most EPRT_COLLECTIVE_TIMEOUT): a rank may "
         "be stopped or dead; the watchdog ends the job at EPRT_COLLECTIVE_TIMEOUT",
     )
+    _add_request_arguments(parser)
+    add_engine_arguments(parser)
+
+
+def _add_request_arguments(parser) -> None:
+    """The flags about what requests may ask for."""
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_CHAT_MAX_TOKENS,
+        metavar="N",
+        help=f"max_tokens of a chat request that sets none (default {DEFAULT_CHAT_MAX_TOKENS}; 0: the rest of the "
+        "context, vLLM's default); completions keep OpenAI's 16",
+    )
     parser.add_argument(
         "--allowed-local-media-path",
         metavar="DIR",
@@ -94,17 +124,37 @@ def add_arguments(parser) -> None:
         help="/v1/load_lora_adapter may load adapters under DIR (regular files, symlinks resolved "
         "inside it; default: no adapter loading at run time)",
     )
-    add_engine_arguments(parser)
+    reasoning.add_arguments(parser)
+    tool_calls.add_arguments(parser)
+
+
+WEB_STACK = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "jinja2")  # install_requires (setup.cfg)
+
+
+def _spec(name: str):
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a broken install, or a module blocked in sys.modules
+        return None
+
+
+def check_web_stack() -> None:
+    """ValueError with the one-line install hint when a package of the HTTP server is missing
+    (they install with eprt; a trimmed environment may lack them)."""
+    missing = [name for name in WEB_STACK if _spec(name) is None]
+    if missing:
+        raise ValueError(f"the HTTP server needs {', '.join(missing)}: pip install 'eprt[serve]'")
 
 
 def main(args) -> int:
     from eprt.engine.engine import launch_engine
 
     try:  # every rank checks: all leave together, before loading
+        check_web_stack()
         settings = _settings(args)
     except ValueError as e:
         print(f"eprt serve: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     stall_s = args.health_stall_timeout or min(HEALTH_STALL_S, env.COLLECTIVE_TIMEOUT.get())
     with launch_engine(args) as engine:  # worker ranks never get past this line
         return serve(engine, args.host, args.port, settings, stall_s)
@@ -118,6 +168,10 @@ def _settings(args) -> HttpSettings:
         api_key = check_api_key(env.API_KEY.raw(), env.API_KEY.name)
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if args.default_max_tokens < 0:
+        raise ValueError(
+            f"--default-max-tokens must be >= 0 (0: the rest of the context), got {args.default_max_tokens}"
+        )
     return HttpSettings(
         api_key=api_key,
         served_model_name=args.served_model_name,
@@ -126,7 +180,15 @@ def _settings(args) -> HttpSettings:
         keep_alive_s=args.keep_alive_timeout,
         media=MediaPolicy(args.allowed_local_media_path),
         lora_dir=check_adapters_dir(args.lora_modules_dir),
+        chat_max_tokens=args.default_max_tokens,
+        reasoning_parser=_reasoning_name(args.reasoning_parser),
+        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
     )
+
+
+def _reasoning_name(name: str) -> str:
+    reasoning.check_name(name)
+    return name
 
 
 def _is_loopback(host: str) -> bool:
@@ -139,14 +201,20 @@ def _is_loopback(host: str) -> bool:
 def serve(engine, host: str, port: int, settings: HttpSettings | None = None, stall_s: float = 30.0) -> int:
     """Serve ``engine`` over HTTP until SIGINT/SIGTERM (0) or an engine failure (non-zero);
     the calling thread runs the engine loop."""
+    from eprt.serve.http import HttpServer, ServerState  # the web stack, once there is something to serve
+
     settings = settings or HttpSettings()
     loop = EngineLoop(engine, stall_s)
-    state = ServerState(engine, loop, settings)
+    try:
+        state = ServerState(engine, loop, settings)
+    except ValueError as e:  # a reasoning or tool-call parser this model cannot have
+        print(f"eprt serve: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         http = HttpServer(state, host, port)
     except OSError as e:
         print(f"eprt serve: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if settings.api_key is None and not _is_loopback(host):
         log.warning("listening on %s without --api-key: anyone who can reach this port can use it", host)
     http.start()

@@ -12,7 +12,7 @@ import queue
 import time
 
 from eprt.api import GenerationRequest
-from eprt.engine.choices import best_choices
+from eprt.engine.choices import ranked
 from eprt.engine.isolation import one_by_one
 from eprt.scheduler.interface import RowFailure
 from eprt.serve.params import FieldError
@@ -23,9 +23,10 @@ _END = object()  # queued by on_finish, after every token
 class TextStream:
     """Incremental detokenizer for one sequence. N generated ids."""
 
-    def __init__(self, tokenizer, stop_strings=(), hidden_ids=()):
+    def __init__(self, tokenizer, stop_strings=(), hidden_ids=(), include_stop: bool = False):
         self._tok = tokenizer
         self._stops = tuple(stop_strings)
+        self._include_stop = include_stop  # the matched stop string ends the text (vLLM's include_stop_str_in_output)
         self._longest = max((len(s) for s in self._stops), default=0)
         self._hidden = frozenset(hidden_ids)  # EOS / stop ids: generated but never shown
         self._ids: list = []  # [N] visible ids
@@ -34,6 +35,11 @@ class TextStream:
         self._sent = 0  # len(text) already handed out
         self.text = ""
         self.stopped = False
+
+    @property
+    def shown(self) -> str:
+        """The text handed out so far (all of it once finished)."""
+        return self.text[: self._sent]
 
     def feed(self, token_id: int) -> str:
         """Add one generated id; return the new text that is safe to show."""
@@ -68,9 +74,10 @@ class TextStream:
             return ""
         search_from = max(0, len(self.text) - self._longest + 1)
         self.text += delta
-        hits = [i for i in (self.text.find(s, search_from) for s in self._stops) if i >= 0]
+        hits = [(i, -len(s)) for s, i in ((s, self.text.find(s, search_from)) for s in self._stops) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, minus_len = min(hits)  # the first match; at one place, the longest stop string
+            self.text = self.text[: at - minus_len if self._include_stop else at]
             self.stopped = True
             safe = len(self.text)
         else:
@@ -91,7 +98,16 @@ class TextStream:
 class LiveRequest:
     """A submitted request whose tokens are consumed, as they come, on the caller's thread."""
 
-    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None, submit: bool = True):
+    def __init__(
+        self,
+        engine,
+        request: GenerationRequest,
+        stop_strings=(),
+        notify=None,
+        submit: bool = True,
+        include_stop: bool = False,
+        output=None,
+    ):
         tok = engine.tokenizer
         if stop_strings and tok is None:
             raise FieldError(
@@ -102,7 +118,8 @@ class LiveRequest:
         request.stream = True
         request.on_token = self._put
         hidden = set(request.params.stop_token_ids) | set(tok.eos_token_ids if tok else ())
-        self.text = TextStream(tok, stop_strings, hidden)
+        # the text of its tokens: plain, or a chat message's reasoning, content and tool calls
+        self.text = (output or TextStream)(tok, stop_strings, hidden, include_stop)
         self.token_ids: list = []  # every id consumed so far, hidden ones included
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
@@ -117,10 +134,15 @@ class LiveRequest:
         self.handle = engine.submit(request, on_finish=lambda result: self._put(_END)) if submit else None
 
     @classmethod
-    def choices(cls, engine, request: GenerationRequest, stop_strings=(), notify=None) -> list:
+    def choices(
+        cls, engine, request: GenerationRequest, stop_strings=(), notify=None, include_stop: bool = False, output=None
+    ) -> list:
         """One LiveRequest per choice of a request (``params.choices``: n, or best_of), submitted
         together so they share the prompt's prefill (``engine.submit_choices``)."""
-        lives = [cls(engine, request, stop_strings, notify, submit=False) for _ in range(request.params.choices)]
+        lives = [
+            cls(engine, request, stop_strings, notify, submit=False, include_stop=include_stop, output=output)
+            for _ in range(request.params.choices)
+        ]
         request.on_token = None
         handles = engine.submit_choices(
             request,
@@ -203,9 +225,11 @@ class LiveChoices:
     """The choices of one request (n, best_of) seen as one: pumped, finished and cancelled
     together; ``results()`` gives the n returned (best_of: the most likely, ranked)."""
 
-    def __init__(self, engine, request: GenerationRequest, stop_strings=(), notify=None):
+    def __init__(
+        self, engine, request: GenerationRequest, stop_strings=(), notify=None, include_stop: bool = False, output=None
+    ):
         self.params = request.params
-        self.lives = LiveRequest.choices(engine, request, stop_strings, notify)
+        self.lives = LiveRequest.choices(engine, request, stop_strings, notify, include_stop, output)
 
     @property
     def token_ids(self) -> list:
@@ -224,5 +248,8 @@ class LiveChoices:
             live.cancel()
 
     def results(self) -> list:
-        results = [live.result()[0] for live in self.lives]
-        return best_choices(results, self.params.n) if self.params.best_of is not None else results
+        return [result for result, _ in self.ranked()]
+
+    def ranked(self) -> list:
+        """(result, its LiveRequest) of each choice returned (best_of: the most likely, ranked)."""
+        return ranked([(live.result()[0], live) for live in self.lives], self.params)

@@ -1,0 +1,200 @@
+"""Tiny chat checkpoints for the reasoning and tool-calling tests: the random qwen3_moe checkpoint
+with 320 tokens, a byte-level tokenizer (ids 0..255 are the bytes, so any text, JSON included,
+can be written and structured outputs can constrain it) plus the chat families' tags as added
+tokens, and a chat template written for the tests in each family's format (Qwen3 with Hermes
+tool calls, DeepSeek-V3.1, GLM-4.5, Kimi-K2, Qwen3-Coder). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+VOCAB = 320
+TAGS = [
+    "<|im_start|>",
+    "<|im_end|>",  # 257: the EOS
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|im_system|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_middle|>",
+]
+EOS = 257
+SPECIAL = {"<|im_start|>", "<|im_end|>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "[gMASK]", "<sop>"}
+
+# Qwen3 (the thinking-2507 models' generation prefix opens the block; enable_thinking=false
+# writes an empty one) with Hermes tool calls
+QWEN3 = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{% if m.reasoning_content %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{{ m.content or '' }}
+{%- for tc in m.tool_calls or [] %}<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
+
+# DeepSeek-V3.1: `thinking` opens the block in the generation prefix, else closes it
+DEEPSEEK = """<｜begin▁of▁sentence｜>{%- for m in messages %}
+{%- if m.role == 'user' %}<｜User｜>{{ m.content }}
+{%- elif m.role == 'assistant' %}<｜Assistant｜></think>{{ m.content or '' }}
+{%- if m.tool_calls %}<｜tool▁calls▁begin｜>{% for tc in m.tool_calls %}
+<｜tool▁call▁begin｜>{{ tc.function.name }}<｜tool▁sep｜>{{ tc.function.arguments | tojson }}{% if true %}
+<｜tool▁call▁end｜>{% endif %}{% endfor %}
+<｜tool▁calls▁end｜>{% endif %}
+<｜end▁of▁sentence｜>
+{%- elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>
+{%- else %}{{ m.content }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<｜Assistant｜>{% if thinking is defined and thinking %}
+<think>{% else %}
+</think>{% endif %}{% endif %}"""
+
+# GLM-4.5: the model opens its own block (so the tests bias it); tool calls in arg_key/arg_value tags
+GLM45 = """[gMASK]<sop>{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|assistant|>{{ m.content or '' }}
+{%- for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}
+{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v if v is string else v | tojson }}</arg_value>
+{% endfor %}</tool_call>{% endfor %}
+{%- elif m.role == 'tool' %}<|observation|><tool_response>{{ m.content }}</tool_response>
+{%- else %}<|{{ m.role }}|>{{ m.content }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}
+<think></think>{% endif %}{% endif %}"""
+
+# Kimi-K2 (thinking): the block is opened in the prefix, the tool-call section may end it
+KIMI = """{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|im_assistant|>assistant<|im_middle|>{{ m.content or '' }}
+{%- if m.tool_calls %}<|tool_calls_section_begin|>{% for tc in m.tool_calls %}
+<|tool_call_begin|>{{ tc.id }}<|tool_call_argument_begin|>{{ tc.function.arguments | tojson }}{% if true %}
+<|tool_call_end|>{% endif %}{% endfor %}
+<|tool_calls_section_end|>{% endif %}
+<|im_end|>
+{%- elif m.role == 'tool' %}<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}
+{{ m.content }}<|im_end|>
+{%- else %}<|im_user|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|><think>{% endif %}"""
+
+# Qwen3-Coder: XML tool calls, no thinking block
+QWEN3_CODER = """{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content or '' }}
+{%- for tc in m.tool_calls or [] %}<tool_call>
+<function={{ tc.function.name }}>
+{% for k, v in tc.function.arguments.items() %}<parameter={{ k }}>
+{{ v if v is string else v | tojson }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+TEMPLATES = {"qwen3": QWEN3, "deepseek_v3": DEEPSEEK, "glm45": GLM45, "kimi_k2": KIMI, "qwen3_coder": QWEN3_CODER}
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE without merges: every byte one token (ids 0..255), the tags added after."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = pre_tokenizers.ByteLevel.alphabet()
+    order = sorted(chars, key=lambda c: _byte_of(c))
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(order)}, [], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(t, special=t in SPECIAL, normalized=False) for t in TAGS])
+    return tok
+
+
+def _byte_of(char: str) -> int:
+    """The byte a byte-level BPE character stands for (GPT-2's printable mapping)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    if ord(char) in printable:
+        return ord(char)
+    return sorted(set(range(256)) - set(printable))[ord(char) - 256]
+
+
+def build_chat_checkpoint(checkpoint, root: str, family: str) -> str:
+    """``root``/``family``: the tiny qwen3_moe checkpoint (VOCAB tokens, EOS <|im_end|>), its
+    files linked, plus the byte-level tokenizer and ``family``'s chat template."""
+    base = os.path.abspath(checkpoint("qwen3_moe", vocab_size=VOCAB, eos_token_id=EOS, max_position_embeddings=2048))
+    out = os.path.join(root, family)
+    if os.path.isfile(os.path.join(out, "chat_template.jinja")):
+        return out
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(base):
+        if not os.path.exists(os.path.join(out, name)):
+            os.symlink(os.path.join(base, name), os.path.join(out, name))
+    tok = byte_level_tokenizer()
+    assert tok.token_to_id("<|im_end|>") == EOS and tok.get_vocab_size() <= VOCAB
+    tok.save(os.path.join(out, "tokenizer.json"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "bos_token": None}, f)
+    with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+        f.write(TEMPLATES[family])
+    return out
