@@ -173,7 +173,7 @@ else skipped kernels "no nvcc"; fi
 
 gpu_files=(tests/test_cupy_*.py tests/test_gpu_*.py)
 if [ "$cusim" = 1 ]; then
-  stage gpu 600 python3 -m pytest "${pytest_args[@]}" "${gpu_args[@]}" "${gpu_files[@]}" --junitxml="$out/gpu.xml"
+  stage gpu 900 python3 -m pytest "${pytest_args[@]}" "${gpu_args[@]}" "${gpu_files[@]}" --junitxml="$out/gpu.xml"
 elif has cupy xdist pytest_timeout; then
   stage gpu 90 python3 -m pytest "${pytest_args[@]}" -n 12 "${gpu_files[@]}" --junitxml="$out/gpu.xml"
 else skipped gpu "missing:$missing"; fi

@@ -196,18 +196,36 @@ __device__ __forceinline__ void tile_mainloop(unsigned char* smem, const bf16* c
     cp_async_wait<0>();
 }
 
-// One tile of either GEMM; returns false when the slot has no tile. Sets the lane's source rows.
+// The block's tile (expert -1: its slot has none).
+__device__ __forceinline__ bool begin_tile(const int* __restrict__ offsets, int El, int K, TileJob& job) {
+    int tile;
+    find_tile(offsets, El, blockIdx.x, job.expert, tile);
+    if (job.expert < 0) return false;
+    job.row0 = offsets[job.expert] + tile * TC_BM;
+    job.rows = min(TC_BM, offsets[job.expert + 1] - job.row0);
+    job.K = K;
+    return true;
+}
+
+// The sorted row r of the tile's A operand: a token's row of x (gate_up) or the row of h (down).
+template <bool GATE_UP>
+__device__ __forceinline__ long long a_row(const TileJob& job, const int* __restrict__ sorted_slot, int k, int r) {
+    return GATE_UP ? (long long)(sorted_slot[job.row0 + min(r, job.rows - 1)] / k) : job.row0 + r;
+}
+
+// The scale row (of [scale rows, ceil(K / block_k)]) of weight row `row` (-1: 0) when rows
+// [i * part, (i + 1) * part) are blocked on their own.
+__device__ __forceinline__ int scale_row(int row, int part, int block_n) {
+    return row < 0 ? 0 : (row / part) * ((part + block_n - 1) / block_n) + (row % part) / block_n;
+}
+
+// One tile of either GEMM (expert -1: the slot has none). Sets the lane's source rows.
 template <bool FP8, bool GATE_UP>
 __device__ void tc_tile(const bf16* __restrict__ a, const int* __restrict__ sorted_slot, const int* __restrict__ offsets,
                         const unsigned char* __restrict__ w, const float* __restrict__ scale, int D, int I, int k, int El,
                         int block_n, int block_k, float acc[2][8][4], TileJob& job) {
     extern __shared__ __align__(16) unsigned char smem[];
-    int tile;
-    find_tile(offsets, El, blockIdx.x, job.expert, tile);
-    if (job.expert < 0) return;
-    job.row0 = offsets[job.expert] + tile * TC_BM;
-    job.rows = min(TC_BM, offsets[job.expert + 1] - job.row0);
-    job.K = GATE_UP ? D : I;
+    if (!begin_tile(offsets, El, GATE_UP ? D : I, job)) return;
     const int tid = threadIdx.x, N = GATE_UP ? 2 * I : D, part = GATE_UP ? I : D;
     const int elem = FP8 ? 1 : 2;
     const unsigned char* we = w + (long long)job.expert * N * job.K * elem;
@@ -215,8 +233,7 @@ __device__ void tc_tile(const bf16* __restrict__ a, const int* __restrict__ sort
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int r = tid / 4 + 32 * i;
-        const long long src = GATE_UP ? (long long)(sorted_slot[job.row0 + min(r, job.rows - 1)] / k) : job.row0 + r;
-        a_src[i] = r < job.rows ? a + src * job.K : nullptr;
+        a_src[i] = r < job.rows ? a + a_row<GATE_UP>(job, sorted_slot, k, r) * job.K : nullptr;
     }
     const unsigned char* b_src[4];
 #pragma unroll
@@ -232,21 +249,14 @@ __device__ void tc_tile(const bf16* __restrict__ a, const int* __restrict__ sort
         sc.scale = scale + (long long)job.expert * (N / part) * row_blocks * sc.k_blocks;
         const int warp = tid / WARP_SIZE, g = (tid % WARP_SIZE) / 4;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int row = weight_row<GATE_UP>((warp % 2) * 64 + i * 8 + g, blockIdx.y, D, I);
-            sc.srow[i] = row < 0 ? 0 : (row / part) * row_blocks + (row % part) / block_n;
-        }
+        for (int i = 0; i < 8; ++i)
+            sc.srow[i] = scale_row(weight_row<GATE_UP>((warp % 2) * 64 + i * 8 + g, blockIdx.y, D, I), part, block_n);
     }
     tile_mainloop<FP8>(smem, a_src, b_src, job.K, a, sc, acc);
 }
 
-template <bool FP8>
-__device__ void gate_up_tile(const bf16* x, const int* sorted_slot, const int* offsets, const unsigned char* w,
-                             const float* scale, bf16* __restrict__ h, int D, int I, int k, int El, int block_n, int block_k) {
-    float acc[2][8][4];
-    TileJob job;
-    tc_tile<FP8, true>(x, sorted_slot, offsets, w, scale, D, I, k, El, block_n, block_k, acc, job);
-    if (job.expert < 0) return;
+// h rows of the tile: silu(gate) * up, bf16 (units of N tile blockIdx.y).
+__device__ __forceinline__ void store_gate_up(const TileJob& job, const float acc[2][8][4], bf16* __restrict__ h, int I) {
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
@@ -266,13 +276,8 @@ __device__ void gate_up_tile(const bf16* x, const int* sorted_slot, const int* o
         }
 }
 
-template <bool FP8>
-__device__ void down_tile(const bf16* h, const int* offsets, const unsigned char* w, const float* scale,
-                          float* __restrict__ y, int D, int I, int El, int block_n, int block_k) {
-    float acc[2][8][4];
-    TileJob job;
-    tc_tile<FP8, false>(h, nullptr, offsets, w, scale, D, I, 1, El, block_n, block_k, acc, job);
-    if (job.expert < 0) return;
+// y rows of the tile, fp32 (columns of N tile blockIdx.y).
+__device__ __forceinline__ void store_down(const TileJob& job, const float acc[2][8][4], float* __restrict__ y, int D) {
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
@@ -287,6 +292,166 @@ __device__ void down_tile(const bf16* h, const int* offsets, const unsigned char
                 if (n < D) *reinterpret_cast<float2*>(yr + n) = make_float2(acc[mi][ni][2 * half], acc[mi][ni][2 * half + 1]);
             }
         }
+}
+
+template <bool FP8>
+__device__ void gate_up_tile(const bf16* x, const int* sorted_slot, const int* offsets, const unsigned char* w,
+                             const float* scale, bf16* __restrict__ h, int D, int I, int k, int El, int block_n, int block_k) {
+    float acc[2][8][4];
+    TileJob job;
+    tc_tile<FP8, true>(x, sorted_slot, offsets, w, scale, D, I, k, El, block_n, block_k, acc, job);
+    if (job.expert >= 0) store_gate_up(job, acc, h, I);
+}
+
+template <bool FP8>
+__device__ void down_tile(const bf16* h, const int* offsets, const unsigned char* w, const float* scale,
+                          float* __restrict__ y, int D, int I, int El, int block_n, int block_k) {
+    float acc[2][8][4];
+    TileJob job;
+    tc_tile<FP8, false>(h, nullptr, offsets, w, scale, D, I, 1, El, block_n, block_k, acc, job);
+    if (job.expert >= 0) store_down(job, acc, y, D);
+}
+
+// ---- W8A8: FP8 activations x FP8 weights on the FP8 tensor cores (sm_89+) ----------------------
+// The activations come quantized by fp8_quantize_rows, per row and group of block_k columns (the
+// weights' K block): q = e4m3(x / s), s = max |x| / 448 over the group. A tile step of 32 columns
+// lies in one K block (block_k a multiple of 32), so the step's mma sums over one scale pair: each
+// K block sums into its own accumulator, then adds into the tile's with both scales, s_row(A) x
+// s_block(W) (an n8 tile shares one weight scale row: block_n a multiple of 8, host-checked).
+#define Q8_LD (TC_BK + 16)  // fp8 bytes per shared row (48)
+#define Q8_STAGE ((TC_BM + TC_BN) * Q8_LD)
+
+// x [R, K] bf16 -> q [R, K] e4m3 bytes, scale [R, ceil(K / group)]; one warp per (row, group).
+extern "C" __global__ void __launch_bounds__(TC_THREADS) fp8_quantize_rows(const bf16* __restrict__ x,
+                                                                         unsigned char* __restrict__ q,
+                                                                         float* __restrict__ scale, int R, int K,
+                                                                         int group) {
+    const int groups = (K + group - 1) / group, lane = threadIdx.x % WARP_SIZE;
+    const long long item = (long long)blockIdx.x * (TC_THREADS / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (item >= (long long)R * groups) return;  // whole warps
+    const long long r = item / groups;
+    const int c0 = (int)(item % groups) * group, n = min(group, K - c0);
+    const bf16* xr = x + r * K + c0;
+    float amax = 0.0f;
+    for (int i = lane; i < n; i += WARP_SIZE) amax = fmaxf(amax, fabsf(to_f32(xr[i])));
+    amax = warp_max(amax);
+    const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    for (int i = lane; i < n; i += WARP_SIZE)
+        q[r * K + c0 + i] = __nv_cvt_float_to_fp8(to_f32(xr[i]) / s, __NV_SATFINITE, __NV_E4M3);
+    if (lane == 0) scale[item] = s;
+}
+
+// Copies of one 32-column step: A rows a_src (64 x 2 chunks of 16 bytes: one per thread), B rows b_src.
+__device__ __forceinline__ void q8_load_stage(unsigned char* s, const unsigned char* a_src,
+                                              const unsigned char* const b_src[2], int k0, int K, const void* any) {
+    const int tid = threadIdx.x, k = k0 + 16 * (tid % 2);
+    cp_async16(s + (tid / 2) * Q8_LD + 16 * (tid % 2), a_src && k < K ? (const void*)(a_src + k) : any, a_src && k < K);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+        cp_async16(s + (TC_BM + tid / 2 + 64 * i) * Q8_LD + 16 * (tid % 2), b_src[i] && k < K ? (const void*)(b_src[i] + k) : any,
+                   b_src[i] && k < K);
+}
+
+// blk[mi][ni] += the warp's 32 x 64 piece of one 32-column step, e4m3 x e4m3.
+__device__ __forceinline__ void q8_compute_stage(const unsigned char* s, float blk[2][8][4]) {
+    const int warp = threadIdx.x / WARP_SIZE, wm = warp / 2, wn = warp % 2, lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    u32 a[2][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+        const unsigned char* r0 = s + (wm * 32 + mi * 16 + g) * Q8_LD + 4 * t;
+        a[mi][0] = *reinterpret_cast<const u32*>(r0);
+        a[mi][1] = *reinterpret_cast<const u32*>(r0 + 8 * Q8_LD);
+        a[mi][2] = *reinterpret_cast<const u32*>(r0 + 16);
+        a[mi][3] = *reinterpret_cast<const u32*>(r0 + 8 * Q8_LD + 16);
+    }
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+        const unsigned char* rb = s + (TC_BM + wn * 64 + ni * 8 + g) * Q8_LD + 4 * t;
+        const u32 b[2] = {*reinterpret_cast<const u32*>(rb), *reinterpret_cast<const u32*>(rb + 16)};
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) mma_e4m3(blk[mi][ni], a[mi], b);
+    }
+}
+
+// Scales of the lane's accumulator rows (mi, half) and n8 tiles for one K block.
+struct Q8Scales {
+    const float* as;  // activation scales [rows, ceil(K / block_k)]
+    const float* ws;  // this expert's weight scales [scale rows, ceil(K / block_k)]
+    int a[2][2];      // offsets of the lane's rows' scales in as
+    int w[8];         // offsets of its n8 tiles' scale rows in ws
+};
+
+// acc += blk * s_a * s_w, blk = 0.
+__device__ __forceinline__ void q8_flush(float acc[2][8][4], float blk[2][8][4], const Q8Scales& sc, int kb) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float sa = sc.as[sc.a[mi][h] + kb];
+#pragma unroll
+            for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+                for (int c = 2 * h; c < 2 * h + 2; ++c) {
+                    acc[mi][ni][c] += blk[mi][ni][c] * (sa * sc.ws[sc.w[ni] + kb]);
+                    blk[mi][ni][c] = 0.0f;
+                }
+        }
+}
+
+template <bool GATE_UP>
+__device__ void q8_tile(const unsigned char* __restrict__ aq, const float* __restrict__ as,
+                        const int* __restrict__ sorted_slot, const int* __restrict__ offsets,
+                        const unsigned char* __restrict__ w, const float* __restrict__ ws, int D, int I, int k, int El,
+                        int block_n, int block_k, float acc[2][8][4], TileJob& job) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    if (!begin_tile(offsets, El, GATE_UP ? D : I, job)) return;
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, g = (tid % WARP_SIZE) / 4, N = GATE_UP ? 2 * I : D;
+    const int part = GATE_UP ? I : D, kbs = (job.K + block_k - 1) / block_k;
+    const unsigned char* we = w + (long long)job.expert * N * job.K;
+    const int ar = tid / 2;
+    const unsigned char* a_src = ar < job.rows ? aq + a_row<GATE_UP>(job, sorted_slot, k, ar) * job.K : nullptr;
+    const unsigned char* b_src[2];
+    Q8Scales sc;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int row = weight_row<GATE_UP>(tid / 2 + 64 * i, blockIdx.y, D, I);
+        b_src[i] = row >= 0 ? we + (long long)row * job.K : nullptr;
+    }
+    sc.as = as;
+    sc.ws = ws + (long long)job.expert * (N / part) * ((part + block_n - 1) / block_n) * kbs;
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni)
+        sc.w[ni] = scale_row(weight_row<GATE_UP>((warp % 2) * 64 + ni * 8, blockIdx.y, D, I), part, block_n) * kbs;
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            sc.a[mi][h] = (int)a_row<GATE_UP>(job, sorted_slot, k, min((warp / 2) * 32 + mi * 16 + g + 8 * h, job.rows - 1)) * kbs;
+    float blk[2][8][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = blk[mi][ni][c] = 0.0f;
+    const int steps = (job.K + TC_BK - 1) / TC_BK;
+#pragma unroll
+    for (int st = 0; st < TC_STAGES - 1; ++st) {
+        if (st < steps) q8_load_stage(smem + st * Q8_STAGE, a_src, b_src, st * TC_BK, job.K, aq);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < steps; ++kt) {
+        cp_async_wait<TC_STAGES - 2>();
+        __syncthreads();
+        const int next = kt + TC_STAGES - 1;
+        if (next < steps) q8_load_stage(smem + (next % TC_STAGES) * Q8_STAGE, a_src, b_src, next * TC_BK, job.K, aq);
+        cp_async_commit();
+        q8_compute_stage(smem + (kt % TC_STAGES) * Q8_STAGE, blk);
+        const int k_end = (kt + 1) * TC_BK;
+        if (k_end % block_k == 0 || kt == steps - 1) q8_flush(acc, blk, sc, kt * TC_BK / block_k);
+    }
+    cp_async_wait<0>();
 }
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) moe_tc_gate_up(
@@ -313,4 +478,25 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) moe_tc_down_fp8(
     const bf16* __restrict__ h, const int* __restrict__ offsets, const unsigned char* __restrict__ w_down,
     const float* __restrict__ scale, float* __restrict__ y, int D, int I, int El, int block_n, int block_k) {
     down_tile<true>(h, offsets, w_down, scale, y, D, I, El, block_n, block_k);
+}
+
+// W8A8 (sm_89+): xq / hq e4m3 activations with their scales from fp8_quantize_rows (group block_k).
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) moe_tc_gate_up_w8a8(
+    const unsigned char* __restrict__ xq, const float* __restrict__ xs, const int* __restrict__ sorted_slot,
+    const int* __restrict__ offsets, const unsigned char* __restrict__ w_gate_up, const float* __restrict__ scale,
+    bf16* __restrict__ h, int D, int I, int k, int El, int block_n, int block_k) {
+    float acc[2][8][4];
+    TileJob job;
+    q8_tile<true>(xq, xs, sorted_slot, offsets, w_gate_up, scale, D, I, k, El, block_n, block_k, acc, job);
+    if (job.expert >= 0) store_gate_up(job, acc, h, I);
+}
+
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) moe_tc_down_w8a8(
+    const unsigned char* __restrict__ hq, const float* __restrict__ hs, const int* __restrict__ offsets,
+    const unsigned char* __restrict__ w_down, const float* __restrict__ scale, float* __restrict__ y, int D, int I,
+    int El, int block_n, int block_k) {
+    float acc[2][8][4];
+    TileJob job;
+    q8_tile<false>(hq, hs, nullptr, offsets, w_down, scale, D, I, 1, El, block_n, block_k, acc, job);
+    if (job.expert >= 0) store_down(job, acc, y, D);
 }

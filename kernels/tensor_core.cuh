@@ -27,6 +27,22 @@ __device__ __forceinline__ void mma_bf16(float c[4], const u32 a[4], const u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// c += A * B with float8_e4m3 inputs (m16n8k32: 4 bytes per register; A rows g, g+8 at columns
+// 4t.. and 16+4t.., B column g at rows 4t.. and 16+4t..), fp32 accumulation. sm_89+ only: on older
+// devices it traps (the host launches the kernels that use it on sm_89+ only).
+__device__ __forceinline__ void mma_e4m3(float c[4], const u32 a[4], const u32 b[2]) {
+#if __CUDA_ARCH__ >= 890
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    (void)c, (void)a, (void)b;
+    __trap();
+#endif
+}
+
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, r[i] gets row g,
 // columns 2t and 2t+1 of it (.trans: column g, rows 2t and 2t+1).
 __device__ __forceinline__ void ldsm_x4(u32 r[4], const void* row) {

@@ -17,6 +17,7 @@ import pytest
 from test_cupy_ops import bf16, close, paged_kv
 from test_cupy_ops_fp8 import fp8_weight
 
+from eprt.model.safetensors_io import fp8_e4m3_to_f32
 from eprt.ops import device
 from eprt.ops.numpy_ops import NumpyOps
 
@@ -102,6 +103,88 @@ def test_moe_tc_fp8_against_numpy(monkeypatch, block):
     assert {"moe_tc_gate_up_fp8", "moe_tc_down_fp8"} <= set(names)
     want = c.moe_experts(x, w, ids, w_gu, w_d, start)
     close(got, want, "moe", scale=float(np.abs(want).max()))
+
+
+# ---- W8A8: FP8 activations on the FP8 tensor cores (opt-in, sm_89+) --------------------------------
+E4M3 = fp8_e4m3_to_f32(np.arange(127, dtype=np.uint8))  # the non-negative finite codes, increasing
+
+
+def e4m3_round(a: np.ndarray) -> np.ndarray:
+    """float32 onto e4m3 values, round to nearest even, saturating at 448 (the device's conversion)."""
+    mag = np.minimum(np.abs(a), np.float32(448))
+    i = np.clip(np.searchsorted(E4M3, mag), 1, 126)
+    lo, hi = E4M3[i - 1], E4M3[i]
+    up = (hi - mag < mag - lo) | ((hi - mag == mag - lo) & (i % 2 == 0))  # a tie goes to the even code
+    return np.sign(a) * np.where(up, hi, lo)
+
+
+def quantized(a: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 values [R, K], scales [R, groups]): per row and group, s = max |a| / 448 (1 when 0)."""
+    R, K = a.shape
+    a = a.astype(np.float32)
+    s = np.stack([np.abs(a[:, c : c + group]).max(axis=1) for c in range(0, K, group)], 1) / np.float32(448)
+    s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    return e4m3_round(a / np.repeat(s, group, axis=1)[:, :K]), s
+
+
+def w8a8_reference(x, weights, ids, w_gu, w_d, start, group):
+    """moe_experts with each projection's input quantized as the device does (h rounded to bf16 first)."""
+    q, s = quantized(x, group)
+    xd = q * np.repeat(s, group, axis=1)[:, : x.shape[1]]
+    out = np.zeros(x.shape, np.float64)
+    I = w_d.shape[2]
+    for t, j in zip(*np.nonzero((ids >= start) & (ids < start + w_d.shape[0]))):
+        e = ids[t, j] - start
+        gu = w_gu[e].astype(np.float64) @ xd[t]
+        h = bf16(gu[:I] / (1 + np.exp(-gu[:I])) * gu[I:])[None]
+        hq, hs = quantized(h, group)
+        out[t] += weights[t, j] * (w_d[e].astype(np.float64) @ (hq * np.repeat(hs, group, axis=1)[:, :I])[0])
+    return out
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)])
+def test_moe_w8a8_against_a_quantized_reference(monkeypatch, block):
+    import cupy
+
+    from eprt.ops.cupy_ops import CupyOps
+
+    rng = np.random.default_rng(block[1])
+    T, E, El, start, k, D, I = 40, 5, 3, 1, 2, 256, 96  # down's K = 96: one partial K block of 128
+    g, c = CupyOps(moe_impl="tc", fp8_mma="on"), NumpyOps()
+    raw_gu, s_gu, w_gu = fp8_weight(rng, (El,), 2 * I, D, block, parts=2)
+    raw_d, s_d, w_d = fp8_weight(rng, (El,), D, I, block)
+    x = bf16(rng.standard_normal((T, D)) / 32)  # gate values of a few units (the weights reach +-7)
+    w, ids = routing(rng, T, E, k)
+    names = launched(monkeypatch)
+    gu, dn = g.weight_fp8(raw_gu, s_gu, *block, I), g.weight_fp8(raw_d, s_d, *block, D)
+    got = g.to_host(g.moe_experts(g.activation(x), cupy.asarray(w), g.index(ids), gu, dn, start))
+    assert {"fp8_quantize_rows", "moe_tc_gate_up_w8a8", "moe_tc_down_w8a8"} <= set(names)
+    want = w8a8_reference(x, w, ids, w_gu, w_d, start, block[1])
+    close(got, want, "moe", scale=float(np.abs(want).max()))
+    exact = c.moe_experts(x, w, ids, w_gu, w_d, start)  # no activation quantization: ~3% of the scale apart
+    assert np.abs(got - exact).max() < 0.1 * np.abs(exact).max()
+
+
+def test_fp8_quantize_rows_rounds_as_documented():
+    from eprt.ops.cupy_ops import CupyOps
+
+    g = CupyOps()
+    x = bf16(np.random.default_rng(9).standard_normal((5, 200)) * np.array([[1e-3], [1], [30], [0], [500]]))
+    q, s = g._quantize_rows(g.activation(x), 64)  # 200 columns: groups of 64, 64, 64, 8
+    want_q, want_s = quantized(x, 64)
+    np.testing.assert_array_equal(g.to_host(s), want_s)
+    np.testing.assert_array_equal(fp8_e4m3_to_f32(g.to_host(q)), want_q)
+
+
+def test_w8a8_is_opt_in_and_needs_sm_89(monkeypatch):
+    from eprt.ops import cupy_ops
+
+    assert not cupy_ops.CupyOps().fp8_mma and cupy_ops.CupyOps(fp8_mma="on").fp8_mma  # cusim: sm_90
+    with pytest.raises(ValueError, match="fp8_mma must be one of"):
+        cupy_ops.CupyOps(fp8_mma="yes")
+    rt = cupy_ops.cupy.cuda.runtime
+    monkeypatch.setattr(rt, "deviceGetAttribute", lambda attr, dev: {75: 8, 76: 0}.get(attr, 132))  # an A100
+    assert not cupy_ops.CupyOps(fp8_mma="on").fp8_mma
 
 
 def test_moe_auto_takes_tensor_cores_by_shape():

@@ -15,7 +15,15 @@ import numpy as np
 
 from eprt.ops.base import GroupedRouting, Ops
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from eprt.ops.kernel_loader import KERNELS, LAUNCH, MOE_TC_SMEM, MOE_TC_SMEM_FP8, get_kernel, get_module
+from eprt.ops.kernel_loader import (
+    KERNELS,
+    LAUNCH,
+    MOE_TC_SMEM,
+    MOE_TC_SMEM_FP8,
+    MOE_TC_SMEM_W8A8,
+    get_kernel,
+    get_module,
+)
 from eprt.ops.lora_ops import LoraRows
 
 # cuBLAS / CUDA library enum values (stable ABI: cublas_api.h, library_types.h).
@@ -47,6 +55,7 @@ _FLASH_GQA = (("flash_attention_d64", 64, 64, 128), ("flash_attention_d128", 128
 _FLASH_GQA += (("flash_attention_d256", 256, 32, 128),)
 _FLASH_MLA = ("flash_mla", 512, 32, 256)  # DV (C) up to 512; DQK (L) as far as shared memory holds
 MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
+FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), activations quantized
 TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
 _TC_BM, _TC_UNITS, _TC_BN = 64, 64, 128  # moe_tc.cu: TC_BM rows, gate_up units and down columns per tile
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
@@ -192,17 +201,22 @@ class CupyOps(Ops):
     kv_itemsize = 2  # bytes per KV cache element (bf16)
     fp8_resident = True  # FP8 checkpoints stay FP8 on the device, dequantized inside the GEMMs
 
-    def __init__(self, moe_impl: str = "auto", decode_split: str = "auto", split_keys: int = 512):
+    def __init__(self, moe_impl: str = "auto", decode_split: str = "auto", split_keys: int = 512, fp8_mma: str = "off"):
         """``moe_impl``: expert GEMMs (``_moe_choice``: "grouped" CUDA cores, "tc" tensor cores,
         "gathered" cuBLAS per expert after a host sync, "auto" by shape). ``decode_split``: split each decode
         context into partitions of ``split_keys`` keys ("auto": when there are fewer
-        (sequence, KV head) blocks than two per SM, the case of small batches)."""
+        (sequence, KV head) blocks than two per SM, the case of small batches). ``fp8_mma`` "on":
+        FP8 experts on the tensor-core path run W8A8 on sm_89+ (the activations quantized to e4m3 per
+        row and K block, the FP8 tensor cores); "off" (the default) converts the weights to bf16 in
+        the tiles and keeps the activations bf16, closer to the reference's numbers."""
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         if decode_split not in DECODE_SPLITS:
             raise ValueError(f"decode_split must be one of {DECODE_SPLITS}, got {decode_split!r}")
         if split_keys < 1 or split_keys % _ATTN_CHUNK:
             raise ValueError(f"split_keys must be a positive multiple of {_ATTN_CHUNK}, got {split_keys}")
+        if fp8_mma not in FP8_MMAS:
+            raise ValueError(f"fp8_mma must be one of {FP8_MMAS}, got {fp8_mma!r}")
         self.xp = cupy
         self.moe_impl, self.decode_split, self.split_keys = moe_impl, decode_split, split_keys
         rt, dev = cupy.cuda.runtime, cupy.cuda.Device().id
@@ -210,6 +224,9 @@ class CupyOps(Ops):
         self._host_waits: list = []  # called before the host waits on the stream (add_host_wait)
         self.sm_count = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev)
         self.smem_limit = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)  # bytes
+        major = rt.deviceGetAttribute(rt.cudaDevAttrComputeCapabilityMajor, dev)
+        minor = rt.deviceGetAttribute(rt.cudaDevAttrComputeCapabilityMinor, dev)
+        self.fp8_mma = fp8_mma == "on" and (major, minor) >= (8, 9)  # FP8 tensor cores exist from sm_89
 
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray):
@@ -951,6 +968,8 @@ class CupyOps(Ops):
         y = cupy.empty((n, D), dtype=_F32)  # [P, D]
         slots = (n + El * (_TC_BM - 1)) // _TC_BM  # at least the (expert, 64-row tile) pairs
         fp8 = isinstance(w_gate_up, Fp8Weight)
+        if fp8 and self._w8a8(w_gate_up, w_down):
+            return self._experts_w8a8(x, k, offsets, sorted_slot, w_gate_up, w_down, h, y, slots)
         suffix, smem = ("_fp8", MOE_TC_SMEM_FP8) if fp8 else ("", MOE_TC_SMEM)
         gate_up = (w_gate_up.data, w_gate_up.scale) if fp8 else (w_gate_up,)
         down = (w_down.data, w_down.scale) if fp8 else (w_down,)
@@ -960,6 +979,55 @@ class CupyOps(Ops):
         _launch("moe_tc.cu", "moe_tc_gate_up" + suffix, (slots, -(-I // _TC_UNITS)), 128, args, smem)
         args = (h, offsets, *down, y, *dims, np.int32(El), *blocks(w_down))
         _launch("moe_tc.cu", "moe_tc_down" + suffix, (slots, -(-D // _TC_BN)), 128, args, smem)
+        return y
+
+    def _w8a8(self, w_gate_up: Fp8Weight, w_down: Fp8Weight) -> bool:
+        """Whether FP8 experts run on the FP8 tensor cores: asked for, sm_89+, and an n8 tile within
+        one weight scale row (block_n a multiple of 8) with the same K blocks for both projections."""
+        return (
+            self.fp8_mma
+            and w_gate_up.block_n % 8 == 0
+            and w_down.block_n % 8 == 0
+            and w_gate_up.block_k == w_down.block_k
+        )
+
+    def _quantize_rows(self, a, group: int):
+        """a [R, K] bf16 -> (e4m3 bytes [R, K], scales [R, ceil(K / group)] fp32): per row and group of
+        columns, q = e4m3(a / s) with s = max |a| / 448."""
+        R, K = a.shape
+        q = cupy.empty((R, K), dtype=_U8)
+        scale = cupy.empty((R, -(-K // group)), dtype=_F32)
+        if R:
+            items = R * scale.shape[1]
+            args = (a, q, scale, np.int32(R), np.int32(K), np.int32(group))
+            _launch("moe_tc.cu", "fp8_quantize_rows", (-(-items // 4),), 128, args)
+        return q, scale
+
+    def _experts_w8a8(self, x, k, offsets, sorted_slot, w_gate_up, w_down, h, y, slots):
+        """Both expert GEMMs as e4m3 x e4m3 on the FP8 tensor cores, each projection's input quantized first."""
+        El, I2, D = w_gate_up.shape
+        I, group = I2 // 2, w_gate_up.block_k
+        dims = (np.int32(D), np.int32(I))
+        xq, xs = self._quantize_rows(x, group)
+        blocks = (np.int32(w_gate_up.block_n), np.int32(group))
+        args = (
+            xq,
+            xs,
+            sorted_slot,
+            offsets,
+            w_gate_up.data,
+            w_gate_up.scale,
+            h,
+            *dims,
+            np.int32(k),
+            np.int32(El),
+            *blocks,
+        )
+        _launch("moe_tc.cu", "moe_tc_gate_up_w8a8", (slots, -(-I // _TC_UNITS)), 128, args, MOE_TC_SMEM_W8A8)
+        hq, hs = self._quantize_rows(h, group)
+        blocks = (np.int32(w_down.block_n), np.int32(group))
+        args = (hq, hs, offsets, w_down.data, w_down.scale, y, *dims, np.int32(El), *blocks)
+        _launch("moe_tc.cu", "moe_tc_down_w8a8", (slots, -(-D // _TC_BN)), 128, args, MOE_TC_SMEM_W8A8)
         return y
 
     def _units_per_warp(self, units: int, active_experts: int) -> int:

@@ -6,7 +6,7 @@ cusim at 1 and 2 ranks, tests/cusim/README.md):
 Every architecture generates on the CuPy backend with its experts split over the ranks, the
 prompts' prefill going through the tensor-core kernels (the grouped expert GEMM, flash
 attention or flash MLA: checked on every rank by the kernels it launched) and decode through
-the CUDA-core ones. Rank 0's tokens must follow the NumPy backend's up to the first difference,
+the CUDA-core ones (up to 2 ranks). Rank 0's tokens must follow the NumPy backend's up to the first difference,
 which must be a near-tie (the rule of tests/test_gpu_end_to_end.py, docs/gpu.md).
 """
 
@@ -14,7 +14,7 @@ import os
 import tempfile
 
 import pytest
-from checkpoints import ARCHS, DEEPSEEK_LIKE, EXPERT_KEY, build_checkpoint
+from checkpoints import ARCHS, build_checkpoint
 
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.comm.transport import LocalTransport
@@ -29,12 +29,12 @@ MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
 
 
 def shared_checkpoint(arch):
+    """tests/test_gpu_end_to_end.py's checkpoint (6 experts, bf16), built on rank 0 if missing: the one
+    benchmarks/gpu_prepare.sh carries to a GPU machine (which cannot build checkpoints)."""
     path = None
     if COMM.rank == 0:
         root = os.environ.get("EPRT_TEST_CKPT_DIR") or os.path.join(tempfile.gettempdir(), "eprt-mpi-ckpt")
-        key = EXPERT_KEY.get(arch, "num_experts")
-        n = 9 if arch in DEEPSEEK_LIKE else 7  # uneven over 2 ranks (grouped routing: 3 groups of 3)
-        path = build_checkpoint(arch, os.path.join(root, f"{arch}-{n}experts-bf16"), dtype="bfloat16", **{key: n})
+        path = build_checkpoint(arch, os.path.join(root, f"{arch}-bfloat16"), dtype="bfloat16")
     return COMM.bcast(path, root=0)
 
 
@@ -60,7 +60,8 @@ def test_tensor_core_prefill_tokens_follow_numpy(monkeypatch, arch):
         cuda = None
     attention = "flash_mla" if arch in MLA_ARCHS else "flash_attention_d64"
     assert {"moe_tc_gate_up", "moe_tc_down", attention} <= set(names), f"rank {COMM.rank}: {sorted(set(names))}"
-    assert "moe_gate_up_silu" in names, "decode's few rows per expert take the CUDA-core kernel"
+    if COMM.size <= 2:  # at 3 ranks, 3 sequences at top-3 give 9 slots for 2 local experts: tensor cores
+        assert "moe_gate_up_silu" in names, "decode's few rows per expert take the CUDA-core kernel"
     if COMM.rank == 0:
         monkeypatch.undo()
         cpu = generate(
