@@ -7,12 +7,14 @@
 #                never read them; build_fp8_copy counts the copy as built).
 #   wheels/      what the GPU image lacks, for cp312 manylinux x86_64: mpich (mpiexec and libmpi),
 #                mpi4py (4.x loads that libmpi at run time; the image's own build is unknown), pytest-mpi.
-# Prints the folder's size; it must stay under 40 MiB (the tree that travels: 64 MiB).
+# Prints the folder's size; the device tool carries at most 64 MiB with the working tree, so the
+# folder must stay under 64 MiB less the tracked tree and an 8 MiB margin (~49 MiB today).
 #   bash benchmarks/gpu_prepare.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 carry=${1:-.gpu-carry}
-limit=$((40 << 20))
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)  # bytes of the tracked tree
+limit=$(((64 << 20) - tree - (8 << 20)))
 wheels=(mpich==5.0.2 mpi4py==4.1.2 pytest-mpi==0.6)
 t0=$(date +%s)
 mkdir -p "$carry/wheels"
@@ -32,7 +34,7 @@ ckpt="$work/ckpt"
 PYTHONPATH="$PWD/tests:$PWD" EPRT_TEST_CKPT_DIR="$ckpt" python3 - <<'EOF'
 import os
 
-from checkpoints import ARCHS, EXPERT_KEY, VL_VARIANTS, build_checkpoint, build_fp8_copy, vl_checkpoint
+from checkpoints import ARCHS, EXPERT_KEY, VL_VARIANTS, build_checkpoint, build_fp8_copy, build_gptoss_checkpoint, vl_checkpoint
 from lora_adapters import peft_adapter, per_expert_adapter
 
 root = os.environ["EPRT_TEST_CKPT_DIR"]
@@ -54,6 +56,9 @@ for arch, block in (("deepseek_v3", (16, 32)), ("qwen3_moe", (128, 128))):  # te
     build_fp8_copy(source, f"{source}-fp8-128x128", (128, 128))
 for name in VL_VARIANTS:
     vl_checkpoint(root, name)  # test_gpu_vision
+for variant, mxfp4 in (("bf16", False), ("mxfp4", True)):  # test_cupy_gptoss
+    build_gptoss_checkpoint(os.path.join(root, f"gpt_oss-{variant}"), dtype="bfloat16", mxfp4=mxfp4)
+build_gptoss_checkpoint(os.path.join(root, "gpt_oss-7experts-mxfp4"), "bfloat16", mxfp4=True, num_local_experts=7)
 peft_adapter(checkpoint("qwen3_moe", dtype="bfloat16"), os.path.join(root, "lora-qwen3-bf16-attn"), seed=5, r=8,
              lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # test_cupy_lora  # fmt: skip
 per_expert_adapter(checkpoint("mixtral", dtype="bfloat16"), os.path.join(root, "lora-mixtral-bf16-per-expert"),
@@ -68,5 +73,5 @@ tar -C "$work" -czf "$carry/ckpt.tar.gz" ckpt
 ls "$ckpt" > "$carry/ckpt.list"
 size=$(du -sb "$carry" | cut -f1)
 echo "gpu_prepare: $carry holds $(ls "$ckpt" | wc -l) checkpoints ($(du -sh "$ckpt" | cut -f1) unpacked) and" \
-  "$(ls "$carry/wheels" | wc -l) wheels: $size bytes ($((size >> 20)) MiB of the 40 MiB allowed), in $(($(date +%s) - t0)) s"
-[ "$size" -lt "$limit" ] || { echo "gpu_prepare: $carry is over 40 MiB" >&2; exit 1; }
+  "$(ls "$carry/wheels" | wc -l) wheels: $size bytes ($((size >> 20)) MiB of the $((limit >> 20)) MiB allowed beside a tree of $((tree >> 20)) MiB), in $(($(date +%s) - t0)) s"
+[ "$size" -lt "$limit" ] || { echo "gpu_prepare: $carry is over $((limit >> 20)) MiB" >&2; exit 1; }

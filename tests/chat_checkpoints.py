@@ -158,7 +158,47 @@ QWEN3_CODER = """{%- for m in messages %}
 TEMPLATES = {"qwen3": QWEN3, "deepseek_v3": DEEPSEEK, "glm45": GLM45, "kimi_k2": KIMI, "qwen3_coder": QWEN3_CODER}
 
 
-def byte_level_tokenizer():
+HARMONY_TAGS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+HARMONY_EOS = ("<|return|>", "<|call|>")  # gpt-oss's generation_config ends its answers on both
+
+# gpt-oss's harmony format, written for the tests after the format's documentation (not the released
+# template): a system message, the developer message (instructions and the functions namespace), the
+# turns, an assistant's analysis as ``thinking``, its calls to functions.NAME, the tools' results
+HARMONY = """{%- set ns = namespace(tool=none) -%}
+<|start|>system<|message|>You are a tiny test model.
+Reasoning: {{ reasoning_effort | default('medium') }}
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+{%- if tools %}
+Calls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>
+{%- set lead = messages[0] if messages and messages[0].role in ('system', 'developer') else none %}
+{%- if lead or tools %}<|start|>developer<|message|>{% if lead %}# Instructions
+
+{{ lead.content }}
+
+{% endif %}{% if tools %}# Tools
+
+## functions
+
+namespace functions {
+{% for t in tools %}// {{ t.function.description }}
+type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
+{% endfor %}} // namespace functions{% endif %}<|end|>{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'assistant' and m.tool_calls %}
+{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}
+{%- for tc in m.tool_calls %}<|start|>assistant to=functions.{{ tc.function.name }}<|channel|>commentary json<|message|>
+{{- tc.function.arguments | tojson }}<|call|>{% set ns.tool = tc.function.name %}{% endfor %}
+{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'tool' %}<|start|>functions.{{ ns.tool }} to=assistant<|channel|>commentary<|message|>
+{{- m.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+
+def byte_level_tokenizer(tags=TAGS, special=SPECIAL):
     """A byte-level BPE without merges: every byte one token (ids 0..255), the tags added after."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -167,7 +207,7 @@ def byte_level_tokenizer():
     tok = Tokenizer(models.BPE({c: i for i, c in enumerate(order)}, [], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_tokens([AddedToken(t, special=t in SPECIAL, normalized=False) for t in TAGS])
+    tok.add_tokens([AddedToken(t, special=t in special, normalized=False) for t in tags])
     return tok
 
 
@@ -197,4 +237,23 @@ def build_chat_checkpoint(checkpoint, root: str, family: str) -> str:
         json.dump({"eos_token": "<|im_end|>", "bos_token": None}, f)
     with open(os.path.join(out, "chat_template.jinja"), "w") as f:
         f.write(TEMPLATES[family])
+    return out
+
+
+def build_harmony_checkpoint(root: str) -> str:
+    """``root``/gpt_oss-harmony: the tiny gpt_oss checkpoint (320 tokens, EOS <|return|> and <|call|>),
+    the byte-level tokenizer with harmony's tags (ids 256..262, all special) and the HARMONY template."""
+    from checkpoints import build_gptoss_checkpoint
+
+    out = os.path.join(root, "gpt_oss-harmony")
+    if os.path.isfile(os.path.join(out, "chat_template.jinja")):
+        return out
+    eos = [256 + HARMONY_TAGS.index(t) for t in HARMONY_EOS]
+    build_gptoss_checkpoint(out, "bfloat16", vocab_size=VOCAB, eos_token_id=eos, max_position_embeddings=1024)
+    tok = byte_level_tokenizer(HARMONY_TAGS, set(HARMONY_TAGS))
+    tok.save(os.path.join(out, "tokenizer.json"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|return|>", "bos_token": None}, f)
+    with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+        f.write(HARMONY)
     return out

@@ -176,6 +176,99 @@ VL_PREPROCESSOR = dict(  # Qwen2VLImageProcessor fields; build_vl_checkpoint set
 )
 
 
+GPT_OSS = dict(  # 4 layers, sliding (window 8) and full alternating; limit 0.6 so the clamps bite
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=32,  # a multiple of 32: MXFP4 blocks
+    num_local_experts=6,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    swiglu_limit=0.6,
+    max_position_embeddings=256,  # YaRN: 64 original positions x factor 4
+    initializer_range=0.1,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+    },
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+MXFP4_MODULES_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def build_gptoss_checkpoint(path: str, dtype: str = "float32", mxfp4: bool = False, seed: int = 0, **overrides) -> str:
+    """A random gpt_oss checkpoint: biases (zero-initialized by transformers) and sinks random so that
+    every one of them is tested. ``mxfp4``: the experts quantized to MXFP4 as the released checkpoints
+    store them (``*_blocks`` / ``*_scales``, ``quantization_config.quant_method = "mxfp4"``), the rest
+    in ``dtype``; its transformers reference is ``load_reference`` (dequantized by transformers)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model("gpt_oss", **{**GPT_OSS, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape) * 0.2)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape))
+    model = model.to(getattr(torch, dtype)).eval()
+    model.generation_config.pad_token_id = GPT_OSS["pad_token_id"]
+    model.save_pretrained(path)
+    if mxfp4:
+        _quantize_experts_mxfp4(path)
+    return path
+
+
+def _mxfp4(w):
+    """float [.., N, K] -> (blocks [.., N, K / 32, 16] uint8, scales [.., N, K / 32] uint8): per 32 weights
+    the e8m0 scale 2^ceil(log2(amax / 6)), each weight the nearest e2m1 value (low nibble first)."""
+    import numpy as np
+
+    values = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+    b = w.reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    amax = np.abs(b).max(axis=-1)
+    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), 0).astype(np.int32)
+    scaled = b / np.exp2(exp)[..., None]
+    code = np.abs(np.abs(scaled)[..., None] - values).argmin(axis=-1) + np.where(scaled < 0, 8, 0)
+    code = code.astype(np.uint8)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8)
+
+
+def _quantize_experts_mxfp4(path: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = {}
+    for name, t in load_file(file).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, K, N] -> output-major [E, N, K]
+            blocks, scales = _mxfp4(t.float().transpose(1, 2).contiguous().numpy())
+            tensors[name + "_blocks"], tensors[name + "_scales"] = map(torch.from_numpy, (blocks, scales))
+        else:
+            tensors[name] = t
+    save_file(tensors, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_MODULES_NOT_CONVERTED}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
 VL_VARIANTS = {  # name (the directory under the checkpoint root) -> build_vl_checkpoint's overrides
     # vision depth 3 (hidden 32: 2 heads of 16), patch 8, deepstack at vision layers 0 and 1, MRoPE (2, 3, 3)
     "qwen3_vl_moe": {},
@@ -350,7 +443,11 @@ def load_reference(path: str):
     import torch
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    extra = {}
+    with open(os.path.join(path, "config.json")) as f:
+        if (json.load(f).get("quantization_config") or {}).get("quant_method") == "mxfp4":
+            extra["quantization_config"] = transformers.Mxfp4Config(dequantize=True)  # in float32
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

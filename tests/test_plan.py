@@ -17,6 +17,7 @@ from eprt.entry.capacity import Hardware, Settings, make_plan
 from eprt.model.config import load_config
 from eprt.model.loader import load_model
 from eprt.ops import device
+from eprt.ops.gptoss_ops import Mxfp4Weight
 from eprt.ops.numpy_ops import NumpyOps
 
 
@@ -26,9 +27,12 @@ def _plan(path, **settings):
 
 
 def _resident_bytes(weights) -> int:
-    """Bytes of the distinct arrays a loaded model holds (a tied head is the embedding itself)."""
+    """Bytes of the distinct arrays a loaded model holds (a tied head is the embedding itself; MXFP4
+    experts their blocks and scales)."""
     arrays = [weights.embed, weights.norm, weights.lm_head]
-    arrays += [a for lw in weights.layers for a in vars(lw).values() if isinstance(a, np.ndarray)]
+    for lw in weights.layers:
+        for a in vars(lw).values():
+            arrays += [a] if isinstance(a, np.ndarray) else [a.blocks, a.scales] if isinstance(a, Mxfp4Weight) else []
     return sum({id(a): a.nbytes for a in arrays}.values())
 
 
@@ -102,6 +106,29 @@ def test_a_header_that_disagrees_with_the_config_is_named(checkpoint, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**raw, "intermediate_size": 97}))
     with pytest.raises(ValueError, match="experts.0.w1.weight' has shape .* config implies"):
         _plan(str(tmp_path), ranks=2)
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gpt_oss_weight_bytes_and_windowed_kv_equal_the_engines(ckpt_root, mxfp4):
+    """gpt_oss: fused experts and their biases (float32), sinks, MXFP4 blocks and scales counted as the
+    bytes they stay; a KV block spans max(full, sliding) layers, and the longest sequence leaves room
+    for a prefill chunk's window blocks as the engine's does."""
+    from checkpoints import build_gptoss_checkpoint
+
+    path = build_gptoss_checkpoint(
+        os.path.join(ckpt_root, f"gpt_oss-{'mxfp4' if mxfp4 else 'bf16'}"), "bfloat16", mxfp4
+    )
+    for ranks in (1, 2, 4):
+        _check_weights_match_the_loader(path, ranks)
+    weights = 3 * 64 * 32  # per expert and layer: gate, up, down of D = 64, I = 32
+    per_expert = (weights // 2 + weights // 32 if mxfp4 else 2 * weights) + 4 * (2 * 32 + 64)  # + float32 biases
+    assert _plan(path, ranks=1).weights[0].expert_bytes == 4 * 6 * per_expert  # 4 layers of 6 experts
+    cfg = EngineConfig(model=path, device="cpu", max_batch=4, block_size=4, num_blocks=40, max_prefill_tokens=6)
+    started = startup.start_rank(cfg, "cpu", LocalTransport())
+    kv = _plan(path, ranks=1, dtype="fp32", max_batch=4, block_size=4, num_blocks=40, prefill_chunk=6)
+    pool = started.executor.kv
+    assert kv.kv.bytes_per_block * kv.kv.blocks == sum({id(a): a.nbytes for a in pool.k + pool.v}.values())
+    assert kv.kv.max_model_len == started.max_model_len == (40 - 5) * 4 - 1  # a chunk of 6: 5 window blocks
 
 
 def test_kv_pool_equals_the_engines_allocation_on_the_cpu(checkpoint):

@@ -6,7 +6,7 @@ output's parse extends (so a stream's deltas add up to the answer), and bad fiel
 import json
 
 import pytest
-from chat_checkpoints import TEMPLATES
+from chat_checkpoints import HARMONY, TEMPLATES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -155,6 +155,7 @@ def test_messages_carry_calls_and_results():
     assert got == {
         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}],
         "reasoning_content": "hm",
+        "thinking": "hm",  # (gpt-oss's template reads it so)
     }
     assert message_fields({"role": "tool", "tool_call_id": "c1", "content": "2"}, "m") == {"tool_call_id": "c1"}
     with pytest.raises(FieldError, match="messages\\[2\\].tool_calls"):
@@ -173,8 +174,8 @@ def test_reasoning_parsers_from_templates():
     assert reasoning.detect("<think>{{ x }}</think>") is None  # no family to tell
     with pytest.raises(ValueError, match="choose"):
         reasoning.check_name("deepseek")
-    with pytest.raises(ValueError, match="gpt-oss"):
-        reasoning.check_name("openai_gptoss")
+    reasoning.check_name("openai_gptoss")  # gpt-oss's harmony: served since issue 44 (tests/test_harmony.py)
+    assert reasoning.detect(HARMONY) == "openai_gptoss"
 
 
 class _Tok:

@@ -5,6 +5,8 @@ A sequence of ``L`` tokens holds ``L // block_size + 1`` blocks: always room for
 token. Blocks are identified by their index into the KV pool (``block_table``).
 ``hit_filter`` (hybrid models) shortens a prefix hit to the longest one it accepts: a hit on a
 recurrent-state model is usable only where a state snapshot was saved (docs/hybrid.md).
+``window`` (models with sliding-window layers): those layers' blocks form a second, bounded table
+per sequence in the same pool (``eprt/cache/window.py``); the counts above are the full layers'.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 
+from eprt.cache.window import TAG, WindowGroup, WindowSpec
+
 
 class OutOfBlocks(RuntimeError):
     """An allocation or growth asked for more blocks than are free."""
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True, window: WindowSpec | None = None):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
@@ -38,14 +42,16 @@ class BlockManager:
         self._seeds: dict[Hashable, tuple] = {}  # key -> (adapter, salt) of its hash chain
         # chain hashes of the matched blocks -> how many of them a hit may use (None: all)
         self.hit_filter: Callable[[list[bytes]], int] | None = None
+        self.window = None if window is None else WindowGroup(self, window)  # the sliding layers' tables
 
     # -- queries (no state changes) ----------------------------------------------------
     def blocks_for(self, length: int) -> int:
         return length // self.block_size + 1
 
     def num_free_blocks(self) -> int:
-        """Blocks an allocation may take now: never-used plus evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        """Blocks an allocation may take now: never-used plus evictable cached ones, less what the
+        sequences' windows have reserved and not taken yet."""
+        return len(self._free) + len(self._evictable) - (0 if self.window is None else self.window.reserve)
 
     def num_cached_blocks(self) -> int:
         """Blocks holding a prefix-cache entry, whether a live sequence uses them or not."""
@@ -54,14 +60,16 @@ class BlockManager:
     def match_prefix(self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"") -> int:
         """Prompt tokens a new sequence would reuse: a multiple of block_size, at most
         ``len - 1`` so that at least one prompt token is computed."""
-        return len(self._match(token_ids, adapter, salt)) * self.block_size
+        return len(self._match(token_ids, adapter, salt)[0]) * self.block_size
 
     def mirrored_state(self) -> dict[str, tuple]:
         """The accounting every rank mirrors, as data to hash (``--check-state``): "blocks" (the free
         list in order, the references, each sequence's table) and "prefix cache" (the keyed blocks
         and the evictable ones in LRU order)."""
         tables = sorted(self._tables.items(), key=lambda kv: repr(kv[0]))
+        window = {} if self.window is None else {"window": self.window.mirrored_state()}
         return {
+            **window,
             "blocks": (
                 np.fromiter(self._free, np.int64, len(self._free)),
                 np.asarray(self._refs, np.int64),
@@ -76,14 +84,14 @@ class BlockManager:
     def can_allocate(
         self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"", max_hit: int | None = None
     ) -> bool:
-        return self._cost(token_ids, self._match(token_ids, adapter, salt, max_hit=max_hit)) <= self.num_free_blocks()
+        return self._cost(token_ids, *self._match(token_ids, adapter, salt, max_hit=max_hit)) <= self.num_free_blocks()
 
     def can_grow(self, key: Hashable, new_len: int) -> bool:
         return self.blocks_for(new_len) - len(self._table(key)) <= self.num_free_blocks()
 
     def can_fork(self) -> bool:
-        """Whether a fork (``fork``) can get its one block now."""
-        return self.num_free_blocks() >= 1
+        """Whether a fork (``fork``) can get its one block now (and its window's credits)."""
+        return self.num_free_blocks() >= 1 + (0 if self.window is None else self.window.decode_credits)
 
     def block_table(self, key: Hashable) -> list[int]:
         return list(self._table(key))
@@ -101,26 +109,35 @@ class BlockManager:
             raise KeyError(f"sequence {key!r} already holds blocks")
         if len(token_ids) < 1:
             raise ValueError("cannot allocate an empty prompt")
-        matched = self._match(token_ids, adapter, salt, max_hit=max_hit)
-        if self._cost(token_ids, matched) > self.num_free_blocks():
-            raise OutOfBlocks(
-                f"sequence {key!r} needs {self._cost(token_ids, matched)} blocks, {self.num_free_blocks()} free"
-            )
+        matched, hashes = self._match(token_ids, adapter, salt, max_hit=max_hit)
+        cost = self._cost(token_ids, matched, hashes)
+        if cost > self.num_free_blocks():
+            raise OutOfBlocks(f"sequence {key!r} needs {cost} blocks, {self.num_free_blocks()} free")
         for b in matched:  # claim hits first so eviction cannot take them
             self._evictable.pop(b, None)
             self._refs[b] += 1
         table = matched + [self._take() for _ in range(self.blocks_for(len(token_ids)) - len(matched))]
         self._tables[key] = table
         self._seeds[key] = (adapter, salt)
+        if self.window is not None:
+            prompt = hashes if not self.enabled else self.chain_hashes(token_ids, adapter, salt)
+            self.window.allocate(key, len(token_ids), len(matched) * self.block_size, prompt)
         return len(matched) * self.block_size
 
-    def grow(self, key: Hashable, new_len: int) -> None:
-        """Make room for ``new_len`` tokens (no-op when the blocks are already there)."""
+    def grow(self, key: Hashable, new_len: int, first: int | None = None) -> bool:
+        """Make room for ``new_len`` tokens (no-op when the blocks are already there). ``first``: the
+        step's first query position, which moves the sliding layers' window (needed with ``window``).
+        True when a table changed."""
         table = self._table(key)
         extra = self.blocks_for(new_len) - len(table)
         if extra > self.num_free_blocks():
             raise OutOfBlocks(f"sequence {key!r} needs {extra} more blocks, {self.num_free_blocks()} free")
         table.extend(self._take() for _ in range(extra))
+        if self.window is None:
+            return extra > 0
+        if first is None:
+            raise ValueError(f"sequence {key!r}: growing windowed KV needs the step's first query position")
+        return self.window.grow(key, new_len, first) or extra > 0
 
     def shrink(self, key: Hashable, new_len: int) -> int:
         """Give back the tail blocks beyond what ``new_len`` tokens need (rejected speculative
@@ -137,8 +154,9 @@ class BlockManager:
                 )
         del table[keep:]
         for b in reversed(tail):  # front of the free list: the next grow takes them again
-            self._refs[b] = 0
-            self._free.appendleft(b)
+            self._release(b, front=True)
+        if self.window is not None:
+            self.window.shrink(key, new_len)
         return len(tail)
 
     def fork(self, key: Hashable, new_key: Hashable, length: int) -> tuple[int, int] | None:
@@ -159,6 +177,8 @@ class BlockManager:
         partial = self._take()
         self._tables[new_key] = table[:full] + [partial]
         self._seeds[new_key] = self._seeds[key]
+        if self.window is not None:
+            self.window.fork(key, new_key, length)
         return (table[full], partial) if length % self.block_size else None
 
     def cache(self, key: Hashable, token_ids: Sequence[int]) -> None:
@@ -167,11 +187,14 @@ class BlockManager:
             return
         table = self._table(key)
         n = min(len(token_ids) // self.block_size, len(table))
-        for b, h in zip(table[:n], self._hashes(token_ids, *self._seeds[key])):
+        hashes = self.chain_hashes(token_ids, *self._seeds[key])
+        for b, h in zip(table[:n], hashes):
             if b in self._key_of or h in self._block_of:
                 continue  # already keyed, or the same content lives elsewhere
             self._key_of[b] = h
             self._block_of[h] = b
+        if self.window is not None:
+            self.window.cache(key, hashes)
 
     def free(self, key: Hashable) -> int:
         """Drop the sequence's references; returns how many blocks it held."""
@@ -180,12 +203,9 @@ class BlockManager:
             raise KeyError(f"sequence {key!r} holds no blocks")
         del self._seeds[key]
         for b in reversed(table):  # tail first: the head of a prefix stays longest
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                if b in self._key_of:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
+            self._release(b)
+        if self.window is not None:
+            self.window.free(key)
         return len(table)
 
     # -- internals -----------------------------------------------------------------------
@@ -204,10 +224,29 @@ class BlockManager:
         self._refs[b] = 1
         return b
 
-    def _cost(self, token_ids: Sequence[int], matched: list[int]) -> int:
-        """Free-count cost of allocating: every block except hits that are already live."""
+    def _release(self, b: int, front: bool = False) -> None:
+        """Drop one reference to block b: unreferenced, it is evictable when cached, else free (at the
+        front of the free list with ``front``: the next take has it again)."""
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
+            if b in self._key_of:
+                self._evictable[b] = None
+            elif front:
+                self._free.appendleft(b)
+            else:
+                self._free.append(b)
+
+    def _cost(self, token_ids: Sequence[int], matched: list[int], hashes: list[bytes]) -> int:
+        """Free-count cost of allocating: every block except hits that are already live; with a
+        window, its credits and the cached window blocks its copies read (kept from eviction)."""
         live_hits = sum(1 for b in matched if self._refs[b] > 0)
-        return self.blocks_for(len(token_ids)) - live_hits
+        cost = self.blocks_for(len(token_ids)) - live_hits
+        if self.window is not None:
+            cached = len(matched) * self.block_size
+            lo = self.window.first_block(cached) if matched else 0
+            sources = [self._block_of[h + TAG] for h in hashes[lo : len(matched)]]
+            cost += self.window.credits(len(token_ids), cached) + sum(self._refs[b] == 0 for b in sources)
+        return cost
 
     def chain_hashes(self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"") -> list[bytes]:
         """The content hash of every full block of ``token_ids``, each chained on those before it."""
@@ -215,13 +254,14 @@ class BlockManager:
 
     def cached_prefix_blocks(self, token_ids: Sequence[int], adapter: int = -1, salt: bytes = b"") -> int:
         """Full blocks of the prompt whose KV is cached, whether ``hit_filter`` would let a hit use them."""
-        return len(self._match(token_ids, adapter, salt, filtered=False))
+        return len(self._match(token_ids, adapter, salt, filtered=False)[0])
 
     def _match(
         self, token_ids: Sequence[int], adapter: int, salt: bytes, filtered: bool = True, max_hit: int | None = None
-    ) -> list[int]:
+    ) -> tuple[list[int], list[bytes]]:
+        """The cached blocks a hit would reuse and their chain hashes."""
         if not self.enabled or len(token_ids) < 2:
-            return []
+            return [], []
         limit = (len(token_ids) - 1) // self.block_size
         if max_hit is not None:
             limit = min(limit, max_hit // self.block_size)
@@ -232,9 +272,11 @@ class BlockManager:
                 break
             blocks.append(b)
             hashes.append(h)
+        if filtered and self.window is not None and blocks:
+            blocks = blocks[: self.window.usable_hit(hashes)]
         if filtered and self.hit_filter is not None and blocks:
-            blocks = blocks[: self.hit_filter(hashes)]
-        return blocks
+            blocks = blocks[: self.hit_filter(hashes[: len(blocks)])]
+        return blocks, hashes[: len(blocks)]
 
     def _hashes(self, token_ids: Sequence[int], adapter: int, salt: bytes) -> Iterator[bytes]:
         """Chained content hashes of the full blocks of token_ids."""

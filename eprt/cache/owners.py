@@ -6,15 +6,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from eprt.cache.block_manager import BlockManager
+from eprt.cache.window import WindowSpec
 
 
 class OwnerPools:
     """``pools[r]``: the blocks of rank r's KV pool (``sizes[r]`` blocks), as rank r accounts them."""
 
-    def __init__(self, sizes: Sequence[int], block_size: int, prefix_cache: bool = True):
+    def __init__(
+        self, sizes: Sequence[int], block_size: int, prefix_cache: bool = True, window: WindowSpec | None = None
+    ):
         if not sizes:
             raise ValueError("OwnerPools needs the pool size of at least one rank")
-        self.pools = [BlockManager(int(n), block_size, prefix_cache=prefix_cache) for n in sizes]
+        self.pools = [BlockManager(int(n), block_size, prefix_cache=prefix_cache, window=window) for n in sizes]
 
     def __len__(self) -> int:
         return len(self.pools)

@@ -63,19 +63,19 @@ class Links:
         self._thread.start()
 
     def close(self) -> None:
-        """Say goodbye on every link and stop watching (idempotent)."""
+        """Say goodbye on every link and stop watching (idempotent). The watcher stops only when
+        woken here, after every goodbye is sent: were it to stop on seeing ``_closing`` (woken by a
+        peer's own goodbye meanwhile), it would close links this thread has not said goodbye on
+        yet, and those peers would report this rank dead."""
         if self._closing:
             return
-        self._closing = True
+        self._closing = True  # from here a closed link is no death
         for sock in list(self._links):
             try:
                 sock.send(BYE)
             except OSError:  # closed by the watcher meanwhile
                 pass
-        try:
-            os.write(self._wake_w, b"x")
-        except BrokenPipeError:  # the watcher saw a goodbye meanwhile, and left
-            pass
+        os.write(self._wake_w, b"x")  # (the watcher reads nothing more, and closes every link)
         os.close(self._wake_w)
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -124,9 +124,12 @@ class Links:
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         for sock, peer in self._links.items():
             sel.register(sock, selectors.EVENT_READ, peer)
-        while not self._closing:
+        woken = False
+        while not woken:
             for key, _ in sel.select():
-                if key.data != "wake":
+                if key.data == "wake":
+                    woken = True
+                else:
                     self._readable(key.fileobj, key.data, sel)
         for sock in list(self._links):
             sock.close()

@@ -43,6 +43,7 @@ class DpShardExecutor(ShardExecutor):
         prefix_cache: bool = True,
         image_token_id: int | None = None,
         lora=None,
+        prefill_tokens: int = 0,
     ):
         if model.cfg.is_hybrid:
             raise ValueError(
@@ -52,8 +53,17 @@ class DpShardExecutor(ShardExecutor):
         self.rank = exchange.transport.rank
         if len(pool_sizes) != exchange.transport.size:
             raise ValueError(f"{len(pool_sizes)} pool sizes for a world of {exchange.transport.size} ranks")
-        super().__init__(model, pool_sizes[self.rank], block_size, max_slots, prefix_cache, image_token_id, lora=lora)
-        self.pools = OwnerPools(pool_sizes, block_size, prefix_cache)
+        super().__init__(
+            model,
+            pool_sizes[self.rank],
+            block_size,
+            max_slots,
+            prefix_cache,
+            image_token_id,
+            lora=lora,
+            prefill_tokens=prefill_tokens,
+        )
+        self.pools = OwnerPools(pool_sizes, block_size, prefix_cache, window=self.window)
         self.pools.pools[self.rank] = self.blocks  # this rank's own pool: the blocks its KV lives in
         self.owners = np.full(max_slots, -1, dtype=np.int64)  # [slots] owner rank of each occupied slot
         self._pending: dict[int, tuple] = {}  # slot -> (owner, prompt_hidden) named by OWNER, for its next PREFILL
@@ -117,16 +127,7 @@ class DpShardExecutor(ShardExecutor):
         named = [c.slot for c in chunks]
         if len(set(named)) != len(named):
             raise ExecutorError(f"a prefill group names a slot twice: slots {named}")
-        for c in chunks:
-            if self.slots.get(c.slot) is None:  # first chunk: allocate in the owner's pool, exactly as rank 0 did
-                tokens = [int(t) for t in c.tokens]
-                adapter = self._pending_adapter.pop(c.slot, -1)
-                cached = self.allocate(c.slot, tokens, adapter, vision_rows=c.vision_rows, max_hit=c.chunk_start)
-                if cached != c.chunk_start:
-                    raise ExecutorError(
-                        f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
-                        f"rank 0 sent chunk_start={c.chunk_start}"
-                    )
+        self._allocate_new(chunks)  # first chunks: in the owner's pool, exactly as rank 0 did
         owners = self.owners[np.asarray(named, dtype=np.int64)]  # [G] each chunk's owner
         self.exchange.begin(np.repeat(owners, [c.chunk_len for c in chunks]))  # [N] each token's owner
         self._exchange_lora([self.slots.get(c.slot).adapter for c in chunks], [c.chunk_len for c in chunks])
@@ -135,7 +136,7 @@ class DpShardExecutor(ShardExecutor):
             if owner != self.rank:
                 tokens, end = [int(t) for t in c.tokens], c.chunk_start + c.chunk_len
                 st = self.slots.check_chunk(c.slot, tokens, c.chunk_start, c.chunk_len)
-                self.pools.pools[owner].grow(st.key, end)
+                self.pools.pools[owner].grow(st.key, end, first=c.chunk_start)
                 others.append((st, tokens[c.chunk_start : end]))
         kept = np.fromiter((self.prompt_hidden.get(c.slot, False) for c in chunks), dtype=bool, count=len(chunks))
         if self.rank == 0 and keep_hidden != bool(kept.any()):
@@ -235,7 +236,7 @@ class DpShardExecutor(ShardExecutor):
         and its blocks grown to hold them in its owner's pool."""
         for r in np.flatnonzero(owners != self.rank).tolist():
             st = states[r]
-            self.pools.pools[owners[r]].grow(st.key, st.length + len(appended[r]))
+            self.pools.pools[owners[r]].grow(st.key, st.length + len(appended[r]), first=st.length)
             st.tokens.extend(appended[r])
 
     def _exchange_lora(self, adapters: list, repeats=None) -> None:

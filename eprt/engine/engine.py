@@ -34,7 +34,7 @@ from eprt.engine.expert_load import imbalance
 from eprt.engine.images import EngineImages
 from eprt.engine.isolation import one_by_one
 from eprt.engine.runner import ModelRunner
-from eprt.engine.startup import start_rank
+from eprt.engine.startup import prefill_budget, start_rank
 from eprt.engine.structured import GrammarCompiler, GuidedRows
 from eprt.ops.device import bind_local_gpu, device_choice
 from eprt.scheduler.clock import WallClock
@@ -438,6 +438,7 @@ def launch_engine(args_or_config, transport=None, precheck=None):
         "vocab_size": model_cfg.vocab_size,
         "rope_len": loaded.model.max_len,
         "mtp": executor.mtp,  # the MTP layer (VERIFY_MTP) is loaded
+        "prefill_tokens": prefill_budget(cfg, ops.name, model_cfg),  # bounds what a windowed-KV sequence reserves
     }
     log.info(
         "rank %d/%d: %s on %s, experts [%d, %d), %d KV blocks of %d tokens, KV %d bytes/token (%s), "
@@ -495,7 +496,7 @@ def launch_engine(args_or_config, transport=None, precheck=None):
             loaded.tokenizer.eos_token_ids if loaded.tokenizer is not None else model_cfg.eos_token_ids
         ),
         max_batch=cfg.max_batch,
-        max_prefill_tokens=cfg.prefill_tokens(device),
+        max_prefill_tokens=prefill_budget(cfg, device, model_cfg),
         block_size=cfg.block_size,
         max_model_len=started.max_model_len,
         num_speculative_tokens=0 if spec is None else spec.num_tokens,

@@ -16,9 +16,11 @@ import numpy as np
 from eprt.api import JobFailure
 from eprt.cache.block_manager import BlockManager
 from eprt.cache.snapshots import WORD64, SnapshotIndex, prefill_points, prefix_hash64
-from eprt.comm.protocol import Prefill
+from eprt.cache.window import WindowSpec
+from eprt.comm.protocol import MAX_DRAFTS, Prefill
 from eprt.comm.slots import SlotError, SlotTable
 from eprt.engine.state_check import check_state
+from eprt.engine.window_tables import WindowTables, prefill_window
 from eprt.model.kv_cache import KVCache
 from eprt.model.moe_model import AttnBatch, MoEModel, PrefillPart
 from eprt.model.mrope import mrope_cos_sin, prompt_positions, split_vision_rows, vision_row_width
@@ -42,6 +44,27 @@ def snapshot_budget(cfg, num_blocks: int, block_size: int, itemsize: int, wanted
     per_row = RecurrentState.bytes_per_slot(cfg)
     rows = min(wanted, num_blocks // SNAPSHOT_POOL_SHARE * per_block // per_row)
     return rows, -(-rows * per_row // per_block)
+
+
+def window_spec(cfg, prefill_tokens: int) -> WindowSpec | None:
+    """The sliding layers' window for the block manager (None without sliding-window layers): a
+    prefill chunk is at most ``prefill_tokens`` positions (0: a whole prompt), a decode or verify
+    row 1 + MAX_DRAFTS."""
+    if not cfg.windowed_kv:
+        return None
+    return WindowSpec(cfg.sliding_window, prefill_tokens=prefill_tokens, decode_tokens=1 + MAX_DRAFTS)
+
+
+def _table_cache(max_slots: int, window: WindowSpec | None) -> tuple:
+    """The decoding slots' cached block tables: [slots, MB] int32 of each slot's table, [slots] the
+    block-manager key each row was built for, [slots] the blocks in each row, and with windowed KV its
+    windows' (WindowTables)."""
+    return (
+        np.zeros((max_slots, 8), dtype=np.int32),
+        np.full(max_slots, -1, dtype=np.int64),
+        np.zeros(max_slots, dtype=np.int64),
+        None if window is None else WindowTables(max_slots),
+    )
 
 
 def vision_salt(rows: np.ndarray | None) -> bytes:
@@ -108,6 +131,7 @@ class ShardExecutor:
         image_token_id: int | None = None,
         snapshot_rows: int | None = None,
         lora=None,
+        prefill_tokens: int = 0,  # the largest prefill chunk (0: whole prompts): what a window reserves
     ):
         self.model, self.ops, self.cfg = model, model.ops, model.cfg
         self.lora = model.lora = lora  # LoraSlots (eprt/model/lora.py) or None: no adapters served
@@ -143,7 +167,8 @@ class ShardExecutor:
         self.mtp_catch_up_seconds = 0.0  # the last VERIFY_MTP's catch-up pass, on step_clock
         self.mtp_caught_up = (0, 0)  # the rows and positions it ran
         self.state = RecurrentState(model.ops, model.cfg, max_slots, rows) if model.cfg.is_hybrid else None
-        self.blocks = BlockManager(num_blocks - reserved, block_size, prefix_cache=prefix_cache)
+        self.window = window_spec(model.cfg, prefill_tokens)
+        self.blocks = BlockManager(num_blocks - reserved, block_size, prefix_cache=prefix_cache, window=self.window)
         self.snapshots = SnapshotIndex(rows) if rows else None
         if self.snapshots is not None:
             self.blocks.hit_filter = self.snapshots.usable_blocks
@@ -154,9 +179,7 @@ class ShardExecutor:
         self.image_token_id = image_token_id if image_token_id is not None else model.cfg.image_token_id
         self.compute_logits = True  # workers turn this off: only rank 0 samples
         self.prefill_hidden = None  # [T, D] of the last prefill chunk, when asked to keep it
-        self._tables = np.zeros((max_slots, 8), dtype=np.int32)  # [slots, MB] block table of each decoding slot
-        self._table_key = np.full(max_slots, -1, dtype=np.int64)  # block-manager key each row was built for
-        self._table_len = np.zeros(max_slots, dtype=np.int64)  # blocks in each row
+        self._tables, self._table_key, self._table_len, self.wtables = _table_cache(max_slots, self.window)
 
     @property
     def hidden_size(self) -> int:
@@ -182,6 +205,7 @@ class ShardExecutor:
         salt = vision_salt(vision_rows) if salt is None else salt
         blocks = self._blocks_for_new(slot)
         cached = blocks.allocate(key, [int(t) for t in tokens], adapter, salt, max_hit=max_hit)
+        self._window_copies(blocks, self._holds_kv_of_new(blocks))
         self.slots.occupy(slot, tokens, cached, adapter, vision_rows)
         self._salts[key] = salt
         if self.cfg.mrope_section:
@@ -236,6 +260,7 @@ class ShardExecutor:
         copy = self._blocks_of(slot).fork(st.key, key, st.length)
         if copy is not None and self._holds_kv(slot):
             self.kv.copy_block(*copy)
+        self._window_copies(self._blocks_of(slot), self._holds_kv(slot))
         child = self.slots.occupy(new_slot, st.prompt, 0, st.adapter, st.vision_rows)
         child.tokens.extend(st.tokens)
         self._salts[key] = self._salts[st.key]
@@ -251,6 +276,17 @@ class ShardExecutor:
     def _holds_kv(self, slot: int) -> bool:
         """Whether this rank stores the KV of the sequence in ``slot`` (every rank does, but under dp)."""
         return True
+
+    def _holds_kv_of_new(self, blocks: BlockManager) -> bool:
+        """Whether this rank stores the KV of the sequences in the pool ``blocks`` (its own pool)."""
+        return blocks is self.blocks
+
+    def _window_copies(self, blocks: BlockManager, holds_kv: bool) -> None:
+        """The KV block copies the pool's window asked for (a prefix hit's or a fork's window)."""
+        if blocks.window is not None:
+            for src, dst in blocks.window.pop_copies():
+                if holds_kv:
+                    self.kv.copy_block(src, dst)
 
     def switch_placement(self, epoch: int, table: np.ndarray) -> int:
         """EPLB_PLACEMENT (docs/eplb.md): hold the experts of ``table`` [layers, slots] from the next
@@ -376,19 +412,12 @@ class ShardExecutor:
             raise ExecutorError(f"a prefill group names a slot twice: slots {named}")
         ids, positions, maps, parts, rows, masks = [], [], [], [], [], []
         offset, states = 0, []
+        self._allocate_new(chunks)
         for c in chunks:
             tokens = [int(t) for t in c.tokens]
-            if self.slots.get(c.slot) is None:  # first chunk on a worker: allocate exactly as rank 0 did
-                adapter = self._pending_adapter.pop(c.slot, -1)
-                cached = self.allocate(c.slot, tokens, adapter, vision_rows=c.vision_rows, max_hit=c.chunk_start)
-                if cached != c.chunk_start:
-                    raise ExecutorError(
-                        f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
-                        f"rank 0 sent chunk_start={c.chunk_start}"
-                    )
             st = self.slots.check_chunk(c.slot, tokens, c.chunk_start, c.chunk_len)
             end = c.chunk_start + c.chunk_len
-            self.blocks.grow(st.key, end)
+            self.blocks.grow(st.key, end, first=c.chunk_start)
             pos = np.arange(c.chunk_start, end, dtype=np.int32)  # [T_i]
             table = np.asarray(self.blocks.block_table(st.key), dtype=np.int32)
             ids.append(np.asarray(tokens[c.chunk_start : end], dtype=np.int32))
@@ -406,6 +435,7 @@ class ShardExecutor:
             slot_mapping=np.concatenate(maps),
             state_slots=np.asarray(named, dtype=np.int32),
             parts=tuple(parts),
+            window=prefill_window(self.blocks.window, self.kv, [st.key for st, _ in states], parts),
         )
         self._lora_rows([st.adapter for st, new in states for _ in new])  # each token's adapter
         deepstack = None
@@ -428,6 +458,21 @@ class ShardExecutor:
         last = np.asarray([p.offset + p.length - 1 for p in parts], dtype=np.int32)  # [G]
         return self._output(h[self.ops.index(last)])
 
+    def _allocate_new(self, chunks: list) -> None:
+        """A prefill group's first chunks on a worker: each new sequence allocated exactly as rank 0 did
+        (its prefix hit must be its chunk_start), all before any chunk grows, as rank 0 admitted them
+        before it ran the group (a window's blocks are taken as chunks grow)."""
+        for c in chunks:
+            if self.slots.get(c.slot) is None:
+                adapter = self._pending_adapter.pop(c.slot, -1)
+                tokens = [int(t) for t in c.tokens]
+                cached = self.allocate(c.slot, tokens, adapter, vision_rows=c.vision_rows, max_hit=c.chunk_start)
+                if cached != c.chunk_start:
+                    raise ExecutorError(
+                        f"prefix cache diverged on slot {c.slot}: this rank reuses {cached} tokens, "
+                        f"rank 0 sent chunk_start={c.chunk_start}"
+                    )
+
     def decode(self, slots: list, tokens: list):
         """Append tokens[r] to slots[r] and run one step. Returns logits [B, V] (or None)."""
         return self.decode_forward(self.decode_inputs(slots, tokens))
@@ -448,6 +493,8 @@ class ShardExecutor:
             context_lens=positions + 1,
             state_slots=np.asarray(slots, dtype=np.int32),
         )
+        if self.wtables is not None:  # the sliding layers' tables (windowed KV)
+            batch.window = self.wtables.decode(batch, slots, lengths, bs)
         ids = np.asarray(tokens, dtype=np.int32)
         self._lora_rows([st.adapter for st in states])
         for st, tok in zip(states, tokens):  # the token's KV is stored by the forward pass
@@ -483,26 +530,18 @@ class ShardExecutor:
         keys = np.fromiter((st.key for st in states), dtype=np.int64, count=len(slots))
         need = (lengths + counts + 1) // bs + 1  # blocks for all its positions (as _decode_tables)
         at = np.asarray(slots, dtype=np.int64)  # [B]
-        for r in np.flatnonzero((self._table_key[at] != keys) | (self._table_len[at] < need)):
+        for r in np.flatnonzero(self._stale_rows(at, keys, need, lengths)):
             st = states[r]
-            self.blocks.grow(st.key, st.length + int(counts[r]) + 1)
+            self.blocks.grow(st.key, st.length + int(counts[r]) + 1, first=st.length)
             self._store_table(slots[r], st.key)
         rows = np.repeat(np.arange(len(slots)), counts + 1)  # [N] the batch row of each position
         starts = np.cumsum(counts + 1) - counts - 1  # [B] where each row's positions begin
         positions = lengths[rows] + np.arange(len(rows)) - starts[rows]  # [N]
         block_tables = self._tables[np.asarray(slots, dtype=np.int64)[rows], : int(self._table_len[slots].max())]
-        slot_mapping = block_tables[np.arange(len(rows)), positions // bs] * bs + (positions % bs).astype(np.int32)
-        if len(slots) == 1:  # one sequence: a causal chunk at its end, its KV gathered once (a prefill's pass)
-            table = block_tables[0, : self._table_len[slots[0]]]
-            batch = AttnBatch(positions.astype(np.int32), slot_mapping, block_table=table, start_pos=int(lengths[0]))
-        else:
-            batch = AttnBatch(
-                positions=positions.astype(np.int32),
-                slot_mapping=slot_mapping,
-                block_tables=block_tables,
-                context_lens=(positions + 1).astype(np.int32),
-                query_lens=counts + 1,  # each sequence's KV gathered once for its positions
-            )
+        batch = self._verify_batch(block_tables, positions, lengths, counts, slots)
+        if self.wtables is not None:
+            wt = self.wtables.rows(np.asarray(slots, dtype=np.int64)[rows], block_tables.shape[1])
+            batch.window = self._verify_batch(wt, positions, lengths, counts, slots)
         ids = np.asarray([t for tok, d in zip(tokens, drafts) for t in (tok, *d)], dtype=np.int32)  # [N]
         self._lora_rows([st.adapter for st, d in zip(states, drafts) for _ in range(1 + len(d))])
         h = self.model.hidden_states(self.model.embed(ids), batch, self.kv, self.state)  # [N, D]
@@ -511,6 +550,21 @@ class ShardExecutor:
             st.tokens.extend((int(tok), *(int(t) for t in d)))
         self.slots.open(slots, drafts)
         return self._output(h)
+
+    def _verify_batch(self, block_tables, positions, lengths, counts, slots) -> AttnBatch:
+        """A verify step's batch over block_tables [N, MB] (a row per position)."""
+        bs = self.block_size
+        slot_mapping = block_tables[np.arange(len(positions)), positions // bs] * bs + (positions % bs).astype(np.int32)
+        if len(slots) == 1:  # one sequence: a causal chunk at its end, its KV gathered once (a prefill's pass)
+            table = block_tables[0, : self._table_len[slots[0]]]
+            return AttnBatch(positions.astype(np.int32), slot_mapping, block_table=table, start_pos=int(lengths[0]))
+        return AttnBatch(
+            positions=positions.astype(np.int32),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            context_lens=(positions + 1).astype(np.int32),
+            query_lens=counts + 1,  # each sequence's KV gathered once for its positions
+        )
 
     def accept(self, slots: list, accepted: list) -> None:
         """ACCEPT: close the last VERIFY; row r keeps accepted[r] drafts, the rest of its KV rolls back
@@ -551,7 +605,7 @@ class ShardExecutor:
             raise ExecutorError("VERIFY_MTP: this rank has no MTP layer (it runs without --speculative-method mtp)")
         states = self.slots.check_verify(slots, tokens, [(0,) * int(k) for k in counts])
         for slot, st, k in zip(slots, states, counts):  # the drafting steps write MTP KV up to L + k - 2
-            self.blocks.grow(st.key, st.length + int(k) + 1)
+            self.blocks.grow(st.key, st.length + int(k) + 1, first=st.length)
             self._store_table(slot, st.key)
         drafts = self._mtp_drafts(slots, states, tokens, [int(k) for k in counts])
         return drafts, self.verify(slots, tokens, drafts)
@@ -690,11 +744,19 @@ class ShardExecutor:
         rows = np.asarray(slots, dtype=np.int64)  # [B]
         keys = np.fromiter((st.key for st in states), dtype=np.int64, count=len(states))
         need = (lengths + 1) // self.block_size + 1  # blocks for length + 1 tokens (BlockManager.blocks_for)
-        for r in np.flatnonzero((self._table_key[rows] != keys) | (self._table_len[rows] < need)):
+        for r in np.flatnonzero(self._stale_rows(rows, keys, need, lengths)):
             st = states[r]
-            self.blocks.grow(st.key, st.length + 1)
+            self.blocks.grow(st.key, st.length + 1, first=st.length)
             self._store_table(int(rows[r]), st.key)
         return self._tables[rows, : int(self._table_len[rows].max())]
+
+    def _stale_rows(self, rows: np.ndarray, keys: np.ndarray, need: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """[B] bool: the rows whose cached tables must come from the block manager again: the slot
+        changed hands, the sequence needs a new block, or its window moves on (first query: lengths)."""
+        stale = (self._table_key[rows] != keys) | (self._table_len[rows] < need)
+        if self.wtables is not None:
+            stale |= self.wtables.moved(self.blocks.window, rows, lengths)
+        return stale
 
     def _store_table(self, slot: int, key: int) -> None:
         table = self.blocks.block_table(key)
@@ -706,6 +768,8 @@ class ShardExecutor:
         self._tables[slot, : len(table)] = table
         self._tables[slot, len(table) :] = 0
         self._table_key[slot], self._table_len[slot] = key, len(table)
+        if self.wtables is not None:
+            self.wtables.store(slot, self.blocks.window, key)
 
     def _mrope_chunk(self, key: int, start: int, end: int, rows, mask) -> tuple:
         """MRoPE prefill inputs of the chunk: (main rows [n, D], deepstack (mask, rows [K, n, D]) or

@@ -13,13 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from eprt import env
+from eprt.cache.window import WindowSpec
 from eprt.comm.device_combine import choose_combine
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
 from eprt.engine.dp_executor import DpShardExecutor
 from eprt.engine.eplb import check_same_placement, count_nodes, initial_placement
-from eprt.engine.executor import ShardExecutor
+from eprt.engine.executor import ShardExecutor, window_spec
+from eprt.engine.runner import PREFILL_GROUP_TOKENS
 from eprt.model.kv_cache import KVCache
 from eprt.model.loader import LoadedModel, load_model
 from eprt.model.lora import LoraSlots
@@ -93,7 +95,8 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
         step(lambda: check_dp_features(cfg, loaded.config))
     if agreed < blocks and not dp:
         log.info("rank %d: KV pool of %d blocks, the smallest over the ranks (room here for %d)", rank, agreed, blocks)
-    max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed))
+    window = window_spec(loaded.config, prefill_budget(cfg, device, loaded.config))
+    max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed, window))
     if dp:  # each rank's pool is its own: a sequence's KV lives on its owner only
         executor = step(
             lambda: DpShardExecutor(
@@ -105,6 +108,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
                 prefix_cache=cfg.prefix_cache,
                 image_token_id=cfg.image_token_id,
                 lora=_lora_slots(cfg, ops, loaded),
+                prefill_tokens=prefill_budget(cfg, device, loaded.config),
             )
         )
     else:
@@ -117,6 +121,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
                 prefix_cache=cfg.prefix_cache,
                 image_token_id=cfg.image_token_id,
                 lora=_lora_slots(cfg, ops, loaded),
+                prefill_tokens=prefill_budget(cfg, device, loaded.config),
             )
         )
     log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
@@ -211,12 +216,26 @@ def _combine(transport: Transport, ops: Ops):
     return choose_combine(transport, ops, env.COMBINE.get())
 
 
+def prefill_budget(cfg: EngineConfig, device: str, model_cfg) -> int:
+    """Prompt tokens a tick prefills: ``--max-prefill-tokens`` (by device; 0: whole prompts), with
+    windowed KV at most PREFILL_GROUP_TOKENS, so that a tick's chunks run as one prefill pass: a
+    window's blocks are taken as its chunks grow, and every rank must take them after the tick's
+    admissions, as rank 0 does (docs/design.md, "Sliding-window KV")."""
+    tokens = cfg.prefill_tokens(device)
+    if model_cfg.windowed_kv and not 0 < tokens <= PREFILL_GROUP_TOKENS:
+        return PREFILL_GROUP_TOKENS
+    return tokens
+
+
 def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, model_len: int, sharers: int = 1) -> int:
     """KV blocks this rank has room for (before the ranks agree on the smallest): ``--num-blocks``,
     else enough for every slot to reach the context length, within this rank's share of memory."""
     if cfg.num_blocks:
         return cfg.num_blocks
     wanted = cfg.max_batch * (model_len // cfg.block_size + 1)
+    window = window_spec(model_cfg, prefill_budget(cfg, ops.name, model_cfg))
+    if window is not None:  # and each slot's window (a prefill chunk's at most)
+        wanted += cfg.max_batch * window.span(max(window.prefill_tokens, window.decode_tokens), cfg.block_size)
     per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, ops.kv_itemsize)
     if cfg.speculative_method == "mtp":  # the MTP layer's KV: one more attention layer in every block
         per_block += per_block // model_cfg.num_attention_layers
@@ -228,10 +247,13 @@ def _kv_blocks(cfg: EngineConfig, ops: Ops, model_cfg, model_len: int, sharers: 
     return max(1, min(wanted, int(available * CPU_KV_MEMORY_FRACTION / sharers) // per_block))
 
 
-def _max_model_len(cfg: EngineConfig, model_len: int, blocks: int) -> int:
+def _max_model_len(cfg: EngineConfig, model_len: int, blocks: int, window: WindowSpec | None = None) -> int:
     """The context length: ``--max-model-len`` (refused when the pool cannot hold one such
-    sequence), else the model's, bounded by what one sequence can hold of the pool."""
+    sequence), else the model's, bounded by what one sequence can hold of the pool (with windowed
+    KV, its window's blocks too)."""
     pool_len = blocks * cfg.block_size - 1  # a sequence of L tokens holds L // block_size + 1 blocks
+    if window is not None:
+        pool_len = window.longest(blocks, cfg.block_size)
     if cfg.max_model_len is not None:
         if cfg.max_model_len > pool_len:
             raise ValueError(

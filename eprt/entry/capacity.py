@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from eprt.comm.mpi_transport import REDUCE_SCATTER_MIN_BYTES
 from eprt.comm.protocol import DecodeBatch, PrefillNext, encode
 from eprt.comm.transport import DEFAULT_FRAME_WORDS
+from eprt.engine.executor import window_spec
 from eprt.model.config import ModelConfig
 from eprt.model.kv_cache import KVCache
 from eprt.model.loader import expert_shard
@@ -56,6 +57,24 @@ class Tensor:
     shape: tuple
     read: int
     resident: int
+
+    def resident_bytes(self, itemsize: int) -> int:
+        """Bytes kept on a backend of ``itemsize``: MXFP4 blocks and scales stay bytes, gpt-oss's sinks
+        and expert biases float32, the rest as the backend holds weights."""
+        if self.name.endswith(("_blocks", "_scales")):
+            return self.resident
+        return self.resident * (4 if self.name.endswith((".sinks", "proj_bias")) else itemsize)
+
+    @property
+    def params(self) -> int:
+        """Parameters it holds (an MXFP4 byte holds two, its scales none)."""
+        return (
+            2 * self.resident
+            if self.name.endswith("_blocks")
+            else 0
+            if self.name.endswith("_scales")
+            else self.resident
+        )
 
 
 @dataclass(frozen=True)
@@ -138,7 +157,9 @@ def _replicated_shapes(cfg: ModelConfig) -> list[tuple[str, tuple]]:
         p, a, m = f"model.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}.{cfg.moe_prefix}"
         out += [(f"{p}.input_layernorm.weight", (D,)), (f"{p}.post_attention_layernorm.weight", (D,))]
         out += _mla_shapes(cfg, a) if cfg.mla is not None else _attention_shapes(cfg, a)
-        if sparse:
+        if sparse and cfg.router_linear_bias:  # gpt_oss
+            out += [(f"{m}.router.weight", (E, D)), (f"{m}.router.bias", (E,))]
+        elif sparse:
             out.append((f"{m}.gate.weight", (E, D)))
             if cfg.router_bias:
                 out.append((f"{m}.gate.e_score_correction_bias", (E,)))
@@ -162,6 +183,10 @@ def _attention_shapes(cfg: ModelConfig, a: str) -> list[tuple[str, tuple]]:
     out.append((f"{a}.o_proj.weight", (D, Q)))
     if cfg.qkv_bias:
         out += [(f"{a}.q_proj.bias", (Q,)), (f"{a}.k_proj.bias", (KV,)), (f"{a}.v_proj.bias", (KV,))]
+    if cfg.o_bias:
+        out.append((f"{a}.o_proj.bias", (D,)))
+    if cfg.attention_sinks:
+        out.append((f"{a}.sinks", (cfg.num_heads,)))
     if cfg.qk_norm:
         q_norm, k_norm = ((Dh,), (Dh,)) if cfg.qk_norm == "head" else ((Q,), (KV,))
         out += [(f"{a}.q_norm.weight", q_norm), (f"{a}.k_norm.weight", k_norm)]
@@ -193,6 +218,9 @@ def _expert_shapes(cfg: ModelConfig, start: int, end: int, fused: bool) -> list[
         if not sparse:
             continue
         m = f"model.layers.{i}.{cfg.moe_prefix}.experts"
+        if cfg.swiglu is not None:
+            out += _gptoss_expert_shapes(cfg, m, El)
+            continue
         if fused:
             out += [(f"{m}.gate_up_proj", (E, 2 * I, D), El * 2 * I * D), (f"{m}.down_proj", (E, D, I), El * D * I)]
             continue
@@ -200,6 +228,19 @@ def _expert_shapes(cfg: ModelConfig, start: int, end: int, fused: bool) -> list[
         for e in (s % E for s in range(start, end)):
             out += [(f"{m}.{e}.{g}.weight", (I, D), I * D), (f"{m}.{e}.{u}.weight", (I, D), I * D)]
             out.append((f"{m}.{e}.{d}.weight", (D, I), D * I))
+    return out
+
+
+def _gptoss_expert_shapes(cfg: ModelConfig, m: str, El: int) -> list[tuple[str, tuple, int]]:
+    """gpt-oss's fused expert tensors (eprt/model/gptoss_weights.py), read whole: MXFP4 blocks and scales
+    (resident as bytes) or bf16 [E, D, 2I] / [E, I, D], and the biases."""
+    D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    out = [(f"{m}.gate_up_proj_bias", (E, 2 * I), El * 2 * I), (f"{m}.down_proj_bias", (E, D), El * D)]
+    if cfg.mxfp4 is None:
+        return out + [(f"{m}.gate_up_proj", (E, D, 2 * I), El * 2 * I * D), (f"{m}.down_proj", (E, I, D), El * D * I)]
+    for proj, n, k in (("gate_up_proj", 2 * I, D), ("down_proj", D, I)):
+        out.append((f"{m}.{proj}_blocks", (E, n, k // 32, 16), El * n * k // 2))
+        out.append((f"{m}.{proj}_scales", (E, n, k // 32), El * n * k // 32))
     return out
 
 
@@ -263,15 +304,15 @@ def plan_weights(cfg: ModelConfig, sizes: _Sizes, ranks: int, itemsize: int, red
     for rank in range(ranks):
         start, end = expert_shard(cfg.num_experts + redundant, rank, ranks)
         replicated, experts = rank_tensors(cfg, sizes, start, end)
-        head = sum(t.resident for t in replicated if t.name == "lm_head.weight") * itemsize
+        head = sum(t.resident_bytes(itemsize) for t in replicated if t.name == "lm_head.weight")
         out.append(
             RankWeights(
                 rank=rank,
                 expert_start=start,
                 expert_end=end,
                 read_bytes=sum(t.read for t in replicated + experts),
-                replicated_bytes=sum(t.resident for t in replicated) * itemsize,
-                expert_bytes=sum(t.resident for t in experts) * itemsize,
+                replicated_bytes=sum(t.resident_bytes(itemsize) for t in replicated),
+                expert_bytes=sum(t.resident_bytes(itemsize) for t in experts),
                 lm_head_bytes=head,
             )
         )
@@ -293,6 +334,9 @@ def plan_kv(
     if settings.max_model_len is not None:
         model_len = min(settings.max_model_len, model_len)
     wanted = settings.max_batch * (model_len // bs + 1)
+    window = window_spec(cfg, settings.prefill_chunk)  # windowed KV: each sequence's window blocks besides
+    if window is not None:
+        wanted += settings.max_batch * window.span(max(window.prefill_tokens, window.decode_tokens), bs)
     total = int(hardware.gpu_mem_gib * _GIB)
     rooms, problem = [], ""
     for w in weights:
@@ -313,7 +357,7 @@ def plan_kv(
     blocks = 0 if problem else min(rooms)
     max_len = 0 if problem else model_len
     if not problem:
-        pool_len = blocks * bs - 1  # a sequence of L tokens holds L // block_size + 1 blocks
+        pool_len = blocks * bs - 1 if window is None else window.longest(blocks, bs)  # as startup._max_model_len
         if settings.max_model_len is not None and settings.max_model_len > pool_len:
             problem = (
                 f"--max-model-len {settings.max_model_len} does not fit the KV pool of {blocks} blocks of {bs} "
@@ -513,7 +557,7 @@ def make_plan(
         settings=settings,
         hardware=hardware,
         weight_source=sizes.source,
-        params=sum(t.resident for t in sum(rank_tensors(cfg, sizes, 0, cfg.num_experts), [])),
+        params=sum(t.params for t in sum(rank_tensors(cfg, sizes, 0, cfg.num_experts), [])),
         weights=weights,
         kv=kv,
         decode_wire=wires,

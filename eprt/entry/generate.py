@@ -137,9 +137,11 @@ def _thinking(args, tokenizer):
         parser = reasoning.resolve(args.reasoning_parser, tokenizer) if tokenizer is not None else None
     except ValueError as e:
         raise RequestError(str(e)) from None
-    if parser is None:
+    if parser is None or isinstance(parser, reasoning.HarmonyParser):  # (harmony: split by the server only)
         if args.max_thinking_tokens is not None:
-            raise RequestError("--max-thinking-tokens needs the model's thinking block: give --reasoning-parser")
+            raise RequestError(
+                "--max-thinking-tokens needs the model's thinking block of delimiter tokens: give --reasoning-parser"
+            )
         return None
     return parser.thinking(args.max_thinking_tokens)
 

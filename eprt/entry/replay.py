@@ -127,6 +127,7 @@ def replay(directory: str, model_dir: str | None, rank: int) -> tuple[str, int]:
         h["max_slots"],
         prefix_cache=h["prefix_cache"],
         image_token_id=h["image_token_id"],
+        prefill_tokens=h.get("prefill_tokens", 0),
     )
     executor.compute_logits = False
     logging.getLogger("eprt.comm.worker").setLevel(logging.CRITICAL)  # the report below says it once

@@ -12,6 +12,9 @@ Supported ``model_type`` values share one code path; the differences are data:
                (1 + w) RMSNorms, partial rotary, a gated shared expert (docs/hybrid.md)
     qwen3_vl_moe  qwen3_moe's ``text_config`` with interleaved multimodal RoPE and deepstack inputs;
                its vision encoder runs on rank 0 (eprt/model/vision.py, docs/vision.md)
+    gpt_oss    attention sinks, biases on q/k/v/o, YaRN, sliding-window layers (``layer_types``), a
+               router with a bias and a softmax over its top-k logits, experts with biases and the
+               clamped SwiGLU; MXFP4 experts (``quant_method = "mxfp4"``) or bf16
 FP8 block-scaled checkpoints (``quantization_config.quant_method = "fp8"``) for every type.
 """
 
@@ -34,8 +37,10 @@ SUPPORTED_MODEL_TYPES = (
     "glm4_moe",
     "qwen3_next",
     "qwen3_vl_moe",
+    "gpt_oss",
 )
 LAYER_TYPES = ("full_attention", "linear_attention")
+GPT_OSS_LAYER_TYPES = ("full_attention", "sliding_attention")
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -112,6 +117,23 @@ class Fp8Quantization:
 
 
 @dataclass(frozen=True)
+class Mxfp4Quantization:
+    """MXFP4 experts (gpt-oss): ``X_blocks`` [.., N, K / 32, 16] bytes, two e2m1 values each (the low
+    nibble first), and ``X_scales`` [.., N, K / 32] e8m0 exponents: w = e2m1 * 2^(scale - 127)."""
+
+    block: int = 32
+
+
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation on gate g and up u: g = min(g, limit), u = clip(u, -limit, limit),
+    (u + 1) * g * sigmoid(alpha * g)."""
+
+    alpha: float
+    limit: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -153,6 +175,12 @@ class ModelConfig:
     norm_unit_offset: bool = False  # RMSNorm weights stored as w - 1: the norm multiplies by (1 + w)
     mrope_section: tuple = ()  # qwen3_vl_moe: rope frequencies of the (t, h, w) axes, interleaved; (): 1-D RoPE
     deepstack_layers: int = 0  # qwen3_vl_moe: vision features added to the outputs of the first N layers
+    o_bias: bool = False  # o_proj has a bias (gpt_oss)
+    attention_sinks: bool = False  # a learned logit per query head in the softmax's denominator (gpt_oss)
+    sliding_window: int = 0  # keys a "sliding_attention" layer's query reads, itself included (0: none)
+    router_linear_bias: bool = False  # the router's logits carry a bias (gpt_oss: then softmax over the top-k)
+    swiglu: ClampedSwiglu | None = None  # gpt_oss's experts: biases and the clamped SwiGLU
+    mxfp4: Mxfp4Quantization | None = None  # MXFP4 experts
 
     @property
     def has_shared_expert(self) -> bool:
@@ -165,6 +193,15 @@ class ModelConfig:
 
     def is_linear_layer(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """A sliding-window attention layer: its query at position p reads keys (p - window, p]."""
+        types = self.layer_types
+        return self.sliding_window > 0 and layer < len(types) and types[layer] == "sliding_attention"
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(self.is_sliding_layer(i) for i in range(self.num_layers))
 
     @property
     def num_attention_layers(self) -> int:
@@ -184,10 +221,26 @@ class ModelConfig:
             return self.mla.qk_rope_head_dim
         return self.rotary_dim or self.head_dim
 
+    @property
+    def windowed_kv(self) -> bool:
+        """The sliding-window layers keep their KV in blocks of their own, freed as the window moves on
+        (eprt/cache/block_manager.py, docs/design.md "Sliding-window KV")."""
+        return self.num_sliding_layers > 0
+
+    @property
+    def kv_tensors(self) -> int:
+        """KV arrays of the pool: one per attention layer, or with windowed KV one per pair of a full
+        and a sliding layer (a block is either group's: max(full, sliding) arrays)."""
+        if not self.windowed_kv:
+            return self.num_attention_layers
+        sliding = self.num_sliding_layers
+        return max(sliding, self.num_attention_layers - sliding)
+
     def kv_values_per_token(self) -> int:
-        """KV cache values per token over all layers: latent + rope key (MLA) or K and V of every KV head."""
+        """KV cache values per token slot of a block over its arrays: latent + rope key (MLA) or K and V
+        of every KV head, times ``kv_tensors``."""
         per_layer = self.mla.latent_dim if self.mla is not None else 2 * self.num_kv_heads * self.head_dim
-        return self.num_attention_layers * per_layer
+        return self.kv_tensors * per_layer
 
     def param_count(self) -> int:
         D, I, E = self.hidden_size, self.moe_intermediate_size, self.num_experts
@@ -314,9 +367,11 @@ def _fp8(raw: dict) -> Fp8Quantization | None:
     q = raw.get("quantization_config")
     if q is None:
         return None
+    if isinstance(q, dict) and q.get("quant_method") == "mxfp4":
+        return None  # gpt_oss's MXFP4 experts: _mxfp4
     if not isinstance(q, dict) or q.get("quant_method") != "fp8":
         method = q.get("quant_method") if isinstance(q, dict) else q
-        raise ConfigError(f"quantization_config quant_method {method!r} is not supported (only 'fp8')")
+        raise ConfigError(f"quantization_config quant_method {method!r} is not supported (only 'fp8', 'mxfp4')")
     if q.get("fmt", "e4m3") != "e4m3":
         raise ConfigError(f"quantization_config fmt {q.get('fmt')!r} is not supported (only 'e4m3')")
     block = q.get("weight_block_size")
@@ -325,6 +380,50 @@ def _fp8(raw: dict) -> Fp8Quantization | None:
             f"quantization_config weight_block_size must be two positive integers (e.g. [128, 128]), got {block!r}"
         )
     return Fp8Quantization(block_n=block[0], block_k=block[1])
+
+
+def _mxfp4(raw: dict, model_type: str) -> Mxfp4Quantization | None:
+    q = raw.get("quantization_config")
+    if not (isinstance(q, dict) and q.get("quant_method") == "mxfp4"):
+        return None
+    if model_type != "gpt_oss":
+        raise ConfigError(f"quantization_config quant_method 'mxfp4' is supported for gpt_oss, not {model_type}")
+    return Mxfp4Quantization()
+
+
+def _gpt_oss(raw: dict, common: dict) -> ModelConfig:
+    """gpt-oss: every layer sparse (``intermediate_size`` sizes the experts), sinks, q/k/v/o biases,
+    sliding-window layers by ``layer_types`` (default: even layers), the clamped SwiGLU."""
+    layers = common["num_layers"]
+    intermediate = _int(raw, "intermediate_size")
+    given = raw.get("layer_types")
+    if given is None:
+        given = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if not isinstance(given, list) or len(given) != layers or any(t not in GPT_OSS_LAYER_TYPES for t in given):
+        raise ConfigError(
+            f"config.json field 'layer_types' must list num_hidden_layers={layers} entries of "
+            f"{' or '.join(GPT_OSS_LAYER_TYPES)}, got {given!r}"
+        )
+    window = raw.get("sliding_window")
+    if "sliding_attention" in given:
+        window = _checked_int(window, "sliding_window")
+    bias = bool(raw.get("attention_bias", True))
+    limit = _positive_float(_first(raw, "swiglu_limit", default=7.0), "swiglu_limit")
+    alpha = _positive_float(_first(raw, "swiglu_alpha", default=1.702), "swiglu_alpha")
+    common.update(moe_intermediate_size=intermediate, intermediate_size=intermediate, sparse_layers=(True,) * layers)
+    return ModelConfig(
+        model_type="gpt_oss",
+        norm_topk_prob=True,
+        qkv_bias=bias,
+        o_bias=bias,
+        attention_sinks=True,
+        layer_types=tuple(given),
+        sliding_window=window if "sliding_attention" in given else 0,
+        router_linear_bias=True,
+        swiglu=ClampedSwiglu(alpha=alpha, limit=limit),
+        mxfp4=_mxfp4(raw, "gpt_oss"),
+        **common,
+    )
 
 
 def _routing(raw: dict, model_type: str, experts: int, top_k: int) -> GroupedRouting:
@@ -433,6 +532,7 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
         raise ConfigError(f"unsupported model_type {model_type!r}; eprt supports {', '.join(SUPPORTED_MODEL_TYPES)}")
     if raw.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported")
+    _mxfp4(raw, model_type)  # refused where it is not gpt_oss
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)")
     hidden = _int(raw, "hidden_size")
@@ -477,6 +577,8 @@ def config_from_dict(raw: dict, generation_config: dict | None = None) -> ModelC
 
     if model_type in (*DEEPSEEK_TYPES, "glm4_moe"):
         return _deepseek_like(raw, model_type, common)
+    if model_type == "gpt_oss":
+        return _gpt_oss(raw, common)
     if model_type in ("mixtral", "olmoe"):  # every layer sparse; intermediate_size sizes the experts
         intermediate = _int(raw, "intermediate_size")
         common.update(

@@ -1,6 +1,9 @@
 """The paged KV pool of one rank, sized per architecture: per layer ``k[NB, BS, Hk, Dh]`` and
 ``v[NB, BS, Hk, Dh]``, or for MLA one ``latent[NB, BS, L]`` (compressed latent + roped key);
 a hybrid model's linear-attention layers hold no KV (None; their state: ``recurrent_state.py``).
+With sliding-window layers (windowed KV, ``eprt/cache/window.py``) a block belongs to the full
+layers' tables or to the sliding layers', never both, so the i-th full layer and the i-th sliding
+layer share one array: ``cfg.kv_tensors`` arrays of each.
 
 Block ids come from ``eprt.cache.block_manager.BlockManager``; this class only holds
 the arrays and turns (block table, positions) into flat slots.
@@ -22,7 +25,19 @@ class KVCache:
         self.k, self.v, self.latent = [], [], []
         kept = [not cfg.is_linear_layer(i) for i in range(cfg.num_layers)]  # linear layers: no KV (None)
         kept += [True] * extra_layers
-        if cfg.mla is not None:
+        if cfg.windowed_kv:
+            if extra_layers or cfg.mla is not None:
+                raise ValueError("windowed KV (sliding-window layers) with MLA or an MTP layer is not supported")
+            shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            arrays = [(ops.zeros(shape), ops.zeros(shape)) for _ in range(cfg.kv_tensors)]
+            index = {True: 0, False: 0}  # sliding?: the next array of that group
+            for i in range(cfg.num_layers):
+                sliding = cfg.is_sliding_layer(i)
+                k, v = arrays[index[sliding]]
+                index[sliding] += 1
+                self.k.append(k)
+                self.v.append(v)
+        elif cfg.mla is not None:
             shape = (num_blocks, block_size, cfg.mla.latent_dim)
             self.latent = [ops.zeros(shape) if keep else None for keep in kept]
         else:
@@ -43,14 +58,21 @@ class KVCache:
     @property
     def allocated_bytes_per_token(self) -> int:
         """What the allocated pool holds per token slot (every layer's arrays)."""
-        total = sum(int(a.nbytes) for a in (*self.k, *self.v, *self.latent) if a is not None)
+        total = sum(int(a.nbytes) for a in self._arrays())
         return total // (self.num_blocks * self.block_size)
+
+    def _arrays(self) -> list:
+        """Every array of the pool once (windowed KV shares arrays between layers)."""
+        seen: dict = {}
+        for a in (*self.k, *self.v, *self.latent):
+            if a is not None:
+                seen.setdefault(id(a), a)
+        return list(seen.values())
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` into block ``dst`` in every layer (a forked sequence's partial block)."""
-        for a in (*self.k, *self.v, *self.latent):
-            if a is not None:
-                a[dst] = a[src]  # [BS, ...]
+        for a in self._arrays():
+            a[dst] = a[src]  # [BS, ...]
 
     def slots(self, block_table, positions: np.ndarray) -> np.ndarray:
         """Flat slot of each position: block_table[p // BS] * BS + p % BS.  [T]"""

@@ -118,6 +118,11 @@ def load_model(
         tokenizer = load_tokenizer(model_dir, cfg)
         name = model_dir.rstrip("/").split("/")[-1]
     placement = placement_for(cfg)
+    if placement is not None and cfg.swiglu is not None:
+        raise ValueError(
+            f"EPLB (--num-redundant-experts, --init-expert-placement, --enable-eplb) is not supported for "
+            f"{cfg.model_type} yet: its experts run without EPLB's physical slots"
+        )
     start, end = expert_shard(cfg.num_experts, rank, world) if placement is None else (0, 0)
     local = None if placement is None else placement.local_experts(rank)
     weights = load_weights(source, cfg, ops, start, end, local_experts=local)

@@ -319,6 +319,11 @@ class LoraSlots:
         from eprt.ops.base import Ops
 
         experts = any(t in EXPERT_TARGETS for _, t in adapter.targets)
+        if experts and self.cfg.swiglu is not None:
+            raise LoraError(
+                f"LoRA adapter {path!r} targets the routed experts of {self.cfg.model_type}, whose experts (biases, "
+                "the clamped SwiGLU, MXFP4) take no LoRA deltas yet: use an adapter of the attention projections"
+            )
         if experts and not self.routed_experts:
             raise LoraError(
                 f"LoRA adapter {path!r} targets the routed experts, which EPLB places on physical slots "

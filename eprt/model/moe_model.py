@@ -50,6 +50,7 @@ class AttnBatch:
     state_slots: np.ndarray | None = None  # hybrid models: recurrent-state slot of the sequence [1] or rows [B]
     parts: tuple = ()  # batched prefill: a PrefillPart per sequence, in token order (block_table unused)
     rope_cos_sin: np.ndarray | None = None  # [T, R] per-token cos|sin (3-D MRoPE of image prompts): replaces positions
+    window: AttnBatch | None = None  # windowed KV: the sliding layers' slots and tables (positions as here)
 
     @property
     def is_prefill(self) -> bool:
@@ -138,12 +139,23 @@ _HYBRID_OPS = (
 )
 
 
+_GPT_OSS_OPS = (
+    "attention_sinks_prefill",
+    "attention_sinks_decode",
+    "router_topk_softmax",
+    "moe_experts_swiglu",
+    "swiglu_expert_weights",
+    "mxfp4_expert_weights",
+)
+
+
 def _check_backend(cfg: ModelConfig, ops) -> None:
     """A clear start-up error when the backend lacks an operation this architecture needs."""
     from eprt.ops.base import Ops
 
     needed = (_MLA_OPS if cfg.mla is not None else ()) + (_GROUPED_OPS if cfg.routing is not None else ())
     needed += _HYBRID_OPS if cfg.is_hybrid else ()
+    needed += _GPT_OSS_OPS if cfg.swiglu is not None else ()
     missing = [n for n in needed if getattr(type(ops), n) is getattr(Ops, n)]
     if missing:
         raise NotImplementedError(
@@ -210,6 +222,8 @@ class MoEModel:
         else:  # each token's own cos|sin row
             pos, table = ops.index(np.arange(T, dtype=np.int32)), ops.activation(batch.rope_cos_sin)
         q, k = self._rope(q, pos, table), self._rope(k, pos, table)
+        if cfg.attention_sinks:
+            return self._linear(self._sink_attention(lw, q, k, v, batch, kv, layer), lw.o, layer, "o", lw.o_bias)
         ops.kv_write(kv.k[layer], kv.v[layer], k, v, ops.index(batch.slot_mapping))
         if batch.is_prefill:
             o = self._per_sequence(
@@ -229,6 +243,29 @@ class MoEModel:
         if lw.q_gate is not None:  # Qwen3-Next's gated attention
             o = ops.sigmoid_mul(o, ops.linear(x, lw.q_gate))
         return self._linear(o, lw.o, layer, "o")  # [T, D]
+
+    def _sink_attention(self, lw, q, k, v, batch: AttnBatch, kv: KVCache, layer: int):
+        """gpt-oss's attention over the paged KV: sinks in the denominator; a sliding layer reads the
+        last ``sliding_window`` keys, through its own tables when the KV is windowed. Returns [T, H*Dh]."""
+        ops, sliding = self.ops, self.cfg.is_sliding_layer(layer)
+        window = self.cfg.sliding_window if sliding else 0
+        b = batch.window if sliding and batch.window is not None else batch
+        kc, vc = kv.k[layer], kv.v[layer]
+        ops.kv_write(kc, vc, k, v, ops.index(b.slot_mapping))
+        if b.is_prefill:
+            o = self._per_sequence(
+                b,
+                lambda rows, p: ops.attention_sinks_prefill(
+                    q[rows], kc, vc, ops.index(p.block_table), p.start_pos, self.scale, lw.sinks, window
+                ),
+            )
+        else:
+            tables, lens = ops.index(b.block_tables), ops.index(b.context_lens)
+            if b.query_lens is not None:
+                o = ops.attention_sinks_verify(q, kc, vc, tables, lens, b.query_lens, self.scale, lw.sinks, window)
+            else:
+                o = ops.attention_sinks_decode(q, kc, vc, tables, lens, self.scale, lw.sinks, window)
+        return o.reshape(q.shape[0], -1)  # [T, H*Dh]
 
     def _per_sequence(self, batch: AttnBatch, run: Callable):
         """A prefill's per-sequence step (causal attention over each one's own paged KV) on each
@@ -281,7 +318,14 @@ class MoEModel:
         ops, cfg, local = self.ops, self.cfg, x
         if self.exchange is not None:  # dp attention: the experts see every rank's rows
             x = self.exchange.gather(local)  # [N, D]
-        logits = ops.linear(x, lw.router)  # [T, E]
+        logits = ops.linear(x, lw.router, lw.router_logit_bias)  # [T, E]
+        if cfg.swiglu is not None:  # gpt-oss: softmax over the top-k logits; biased experts, clamped SwiGLU
+            weights, ids = ops.router_topk_softmax(logits, cfg.top_k)  # [T, k]
+            if layer < cfg.num_layers:
+                ops.count_experts(ids, self.expert_counts[layer])
+            args = (lw.w_gate_up, lw.w_down, lw.b_gate_up, lw.b_down, self.w.expert_start)
+            out = self._combine(ops.moe_experts_swiglu(x, weights, ids, *args, cfg.swiglu.alpha, cfg.swiglu.limit))
+            return out
         if cfg.routing is None:
             weights, ids = ops.router(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
         else:

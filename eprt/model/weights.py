@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from eprt.model import gptoss_weights
 from eprt.model.config import Fp8Quantization, ModelConfig
 from eprt.model.safetensors_io import CheckpointError, fp8_e4m3_to_f32
 from eprt.ops.bf16 import bf16_bits_to_f32
@@ -75,6 +76,11 @@ class LayerWeights:
     w_uk: object = None  # MLA absorbed key up-projection [H, C, Dn]
     w_uv: object = None  # MLA value up-projection [H, Dv, C]
     q_gate: object = None  # qwen3_next attention output gate [H*Dh, D] (split from q_proj)
+    o_bias: object = None  # [D] (gpt_oss)
+    sinks: object = None  # [H] float32 attention sink logits (gpt_oss)
+    router_logit_bias: object = None  # [E] added to the router's logits (gpt_oss)
+    b_gate_up: object = None  # [El, 2I] float32 expert biases (gpt_oss)
+    b_down: object = None  # [El, D] float32
     linear: GatedDeltaNetWeights | None = None  # qwen3_next linear-attention layer (then q/k/v/o are None)
 
 
@@ -114,14 +120,14 @@ class Dim:
 
 def _dims(cfg: ModelConfig) -> dict:
     """The named sizes every tensor shape is built from, labelled with their config.json fields."""
-    mixtral_like = cfg.model_type in ("mixtral", "olmoe")
+    mixtral_like = cfg.model_type in ("mixtral", "olmoe", "gpt_oss")
     return {
         "V": Dim(cfg.vocab_size, "vocab_size"),
         "D": Dim(cfg.hidden_size, "hidden_size"),
         "Dh": Dim(cfg.head_dim, "head_dim"),
         "Q": Dim(cfg.num_heads * cfg.head_dim, "num_attention_heads*head_dim"),
         "KV": Dim(cfg.num_kv_heads * cfg.head_dim, "num_key_value_heads*head_dim"),
-        "E": Dim(cfg.num_experts, "num_local_experts" if cfg.model_type == "mixtral" else "num_experts"),
+        "E": Dim(cfg.num_experts, "num_local_experts" if cfg.model_type in ("mixtral", "gpt_oss") else "num_experts"),
         "I": Dim(cfg.moe_intermediate_size, "intermediate_size" if mixtral_like else "moe_intermediate_size"),
         "2I": Dim(
             2 * cfg.moe_intermediate_size, "2*" + ("intermediate_size" if mixtral_like else "moe_intermediate_size")
@@ -447,7 +453,7 @@ def _attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
         out.update(k=W(f"{a}.k_proj.weight", "KV", "D"), v=W(f"{a}.v_proj.weight", "KV", "D"))
     else:
         out.update(_fused_qkv(src, cfg, ops, a))
-    out.update(o=W(f"{a}.o_proj.weight", "D", "Q"))
+    out.update(o=W(f"{a}.o_proj.weight", "D", "Q"), **gptoss_weights.attention_extras(src, cfg, ops, a))
     if cfg.qkv_bias and "qkv" in out:
         host = [_host(src, f"{a}.{p}_proj.bias", (n[d],)) for p, d in (("q", "Q"), ("k", "KV"), ("v", "KV"))]
         out.update(qkv_bias=ops.weight(np.concatenate(_same_dtype(*host))))
@@ -560,6 +566,11 @@ def _load_moe(src: TensorSource, cfg: ModelConfig, ops, lw: LayerWeights, m: str
     """Router (and its score bias), this rank's experts ``ids``, the shared expert(s)."""
     n = _dims(cfg)
     W = lambda name, *shape: _weight(src, ops, name, tuple(n[d] for d in shape))  # noqa: E731
+    if cfg.swiglu is not None:  # gpt_oss: a router with a bias, experts with biases (gptoss_weights.py)
+        lw.router, lw.router_logit_bias = W(f"{m}.router.weight", "E", "D"), W(f"{m}.router.bias", "E")
+        lw.w_gate_up, lw.w_down = gptoss_weights.experts(src, cfg, ops, m, ids)
+        lw.b_gate_up, lw.b_down = gptoss_weights.expert_biases(src, cfg, ops, m, ids)
+        return
     lw.router = W(f"{m}.gate.weight", "E", "D")
     if cfg.router_bias:
         bias = _host(src, f"{m}.gate.e_score_correction_bias", (n["E"],))

@@ -289,6 +289,55 @@ class Ops:
         expert was chosen. Summing this over all ranks gives the MoE output."""
         raise NotImplementedError
 
+    # ---- gpt-oss (eprt/ops/gptoss_ops.py, the NumPy reference) ------------------------------------
+    def mxfp4_expert_weights(self, gate_up_blocks, gate_up_scales, down_blocks, down_scales) -> tuple:
+        """Upload one layer's MXFP4 expert stacks, kept MXFP4: gate_up_blocks[El, 2I, D / 32, 16] uint8
+        (two e2m1 values a byte, the low nibble first), gate_up_scales[El, 2I, D / 32] uint8 (e8m0:
+        2^(s - 127) per 32 weights), down_blocks[El, D, I / 32, 16], down_scales[El, D, I / 32]. Returns
+        (w_gate_up, w_down) as ``moe_experts_swiglu`` reads them (``gptoss_ops.Mxfp4Weight``)."""
+        raise NotImplementedError
+
+    def swiglu_expert_weights(self, gate_up: np.ndarray, down: np.ndarray) -> tuple:
+        """Upload one layer's bf16/float32 expert stacks gate_up[El, 2I, D], down[El, D, I] (as for
+        ``weight``) in the layout ``moe_experts_swiglu`` reads."""
+        raise NotImplementedError
+
+    def attention_sinks_prefill(
+        self, q: Array, k_cache: Array, v_cache: Array, block_table: Array, start_pos: int, scale: float, sinks, window
+    ) -> Array:
+        """``attention_prefill`` with a sink per query head, sinks[H] float32: a logit in the softmax's
+        denominator only (p_j = exp(s_j - m) / (sum_i exp(s_i - m) + exp(sinks[h] - m))). ``window`` > 0:
+        query t reads only keys in (start_pos + t - window, start_pos + t] (the block table's entries
+        before them may be stale); 0: every key before it. Returns [T, H, Dh]."""
+        raise NotImplementedError
+
+    def attention_sinks_decode(
+        self, q: Array, k_cache: Array, v_cache: Array, block_tables: Array, context_lens: Array, scale, sinks, window
+    ) -> Array:
+        """``attention_decode`` with sinks[H] and ``window`` as in ``attention_sinks_prefill``: row b
+        reads keys [max(0, context_lens[b] - window), context_lens[b]). Returns [B, H, Dh]."""
+        raise NotImplementedError
+
+    def attention_sinks_verify(
+        self, q, k_cache, v_cache, block_tables, context_lens, query_lens: np.ndarray, scale: float, sinks, window
+    ) -> Array:
+        """``attention_verify`` with sinks and ``window``; by default one decode row per position."""
+        return self.attention_sinks_decode(q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window)
+
+    def router_topk_softmax(self, logits: Array, top_k: int):
+        """gpt-oss's router: logits[T, E] -> (weights[T, k] float32, ids[T, k] int32): the k largest
+        logits (ties to the lower id), softmax over those k in float32."""
+        raise NotImplementedError
+
+    def moe_experts_swiglu(
+        self, x, weights, ids, w_gate_up, w_down, b_gate_up, b_down, expert_start: int, alpha: float, limit: float
+    ) -> Array:
+        """``moe_experts`` with gpt-oss's experts: h = gate_up_e(x[t]) + b_gate_up[e] ([2I]: gate | up),
+        a = (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), and
+        down_e(a) + b_down[e]; b_gate_up[El, 2I], b_down[El, D] float32; w_gate_up / w_down from
+        ``swiglu_expert_weights`` or ``mxfp4_expert_weights`` (dequantized inside). Returns [T, D] float32."""
+        raise NotImplementedError
+
     # ---- multi-LoRA (eprt/ops/lora_ops.py: LoraRows, the NumPy reference) --------------------------
     def lora_apply(self, y: Array, x: Array, a: Array, b: Array, rows) -> Array:
         """In place and returned: y[T, N] += (x[t] @ a[s].T) @ b[s] for each row t whose adapter slot

@@ -15,15 +15,9 @@ import numpy as np
 
 from eprt.ops.base import GroupedRouting, Ops
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from eprt.ops.kernel_loader import (
-    KERNELS,
-    LAUNCH,
-    MOE_TC_SMEM,
-    MOE_TC_SMEM_FP8,
-    MOE_TC_SMEM_W8A8,
-    get_kernel,
-    get_module,
-)
+from eprt.ops.cupy_gptoss import GptOssCupy
+from eprt.ops.kernel_loader import KERNELS, LAUNCH, MOE_TC_SMEM, MOE_TC_SMEM_FP8, MOE_TC_SMEM_W8A8, get_module
+from eprt.ops.kernel_loader import launch as _launch
 from eprt.ops.lora_ops import LoraRows
 
 # cuBLAS / CUDA library enum values (stable ABI: cublas_api.h, library_types.h).
@@ -39,7 +33,6 @@ _I32 = np.dtype(np.int32)
 _U8 = np.dtype(np.uint8)
 _DTYPE_NAMES = {_BF16: "bf16 (uint16 bits)", _F32: "float32", _I32: "int32", _U8: "float8_e4m3fn (uint8 bytes)"}
 
-_SMEM_DEFAULT = 48 * 1024  # dynamic shared memory usable without opting in
 _ATTN_THREADS = _ATTN_CHUNK = 128  # paged_attention.cu: ATTN_THREADS, ATTN_CHUNK
 _ATTN_GROUP_CAPS = (4, 8, 16)  # attention_*_g{cap} entry points
 _ATTN_MAX_SPLITS = 256  # paged_attention.cu: ATTN_MAX_SPLITS
@@ -118,19 +111,6 @@ def _block(name: str) -> int:
     return LAUNCH[name].threads
 
 
-def _launch(file: str, name: str, grid: tuple, block: int, args: tuple, smem: int = 0) -> None:
-    most = LAUNCH[name]
-    if block > most.threads or (most.smem is not None and smem > most.smem):
-        raise RuntimeError(
-            f"{name}: a launch of {block} threads and {smem} bytes of dynamic shared memory exceeds its entry "
-            f"in kernel_loader.LAUNCH ({most}), which its compiled resource budget is checked against"
-        )
-    kernel = get_kernel(file, name)
-    if smem > _SMEM_DEFAULT:  # opt in to the larger carve-out (sm_80+); callers check the limit
-        kernel.max_dynamic_shared_size_bytes = smem
-    kernel(grid, (block,), args, shared_mem=smem)
-
-
 def _gemm_per_head(x, w, out) -> None:
     """out[T, H, N] = x[T, H, K] @ w[H, N, K].T per head h: one strided-batched cuBLAS call (bf16
     in, fp32 compute, bf16 out). Column-major per head: out_h.T (ld H*N) = op_T(w_h) @ x_h.T (ld H*K)."""
@@ -195,7 +175,7 @@ def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, b
     )
 
 
-class CupyOps(Ops):
+class CupyOps(GptOssCupy, Ops):
     name = "cuda"
     act_dtype = np.uint16  # bfloat16 bits
     kv_itemsize = 2  # bytes per KV cache element (bf16)

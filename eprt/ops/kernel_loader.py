@@ -51,6 +51,15 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "sampling.cu": ("gather_rows_bf16", "gather_rows_f32", "mask_tokens", "edit_tokens", "sample_tokens"),
     "expert_count.cu": ("count_experts",),
     "lora.cu": ("lora_shrink", "lora_expand"),
+    "gptoss.cu": (
+        "router_topk_softmax_bf16",
+        "router_topk_softmax_f32",
+        "attention_sinks",
+        "moe_gate_up_swiglu_bf16",
+        "moe_gate_up_swiglu_mxfp4",
+        "moe_down_bias_bf16",
+        "moe_down_bias_mxfp4",
+    ),
     "gated_delta.cu": tuple(f"causal_conv1d_k{k}" for k in (2, 3, 4))
     + tuple(f"gated_delta_rule_dk{d}" for d in (32, 64, 128))
     + ("delta_rule_gates", "gated_rms_norm", "sigmoid_mul_bf16"),
@@ -117,7 +126,12 @@ LAUNCH: dict[str, Launch] = {
     "delta_rule_gates": Launch(256),
     "gated_rms_norm": Launch(256),
     "sigmoid_mul_bf16": Launch(256),
+    "router_topk_softmax_bf16": Launch(128, OPT_IN),  # TS_WARPS warps
+    "router_topk_softmax_f32": Launch(128, OPT_IN),
+    "attention_sinks": Launch(128, OPT_IN),  # SA_THREADS
+    **_each([k for k in KERNELS["gptoss.cu"] if k.startswith("moe_")], 128),  # SW_THREADS
 }
+SMEM_DEFAULT = 48 * 1024  # dynamic shared memory usable without opting in
 
 COMPILE_OPTIONS = ("--std=c++17",)
 
@@ -197,3 +211,17 @@ def get_kernel(filename: str, name: str):
     if name not in KERNELS.get(filename, ()):
         raise KeyError(f"{filename} does not export a kernel named {name!r}")
     return get_module(filename).get_function(name)
+
+
+def launch(file: str, name: str, grid: tuple, block: int, args: tuple, smem: int = 0) -> None:
+    """Launch entry point ``name`` of ``kernels/<file>``, held to its ``LAUNCH`` entry."""
+    most = LAUNCH[name]
+    if block > most.threads or (most.smem is not None and smem > most.smem):
+        raise RuntimeError(
+            f"{name}: a launch of {block} threads and {smem} bytes of dynamic shared memory exceeds its entry "
+            f"in kernel_loader.LAUNCH ({most}), which its compiled resource budget is checked against"
+        )
+    kernel = get_kernel(file, name)
+    if smem > SMEM_DEFAULT:  # opt in to the larger carve-out (sm_80+); callers check the limit
+        kernel.max_dynamic_shared_size_bytes = smem
+    kernel(grid, (block,), args, shared_mem=smem)

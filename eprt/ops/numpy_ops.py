@@ -10,6 +10,7 @@ from eprt import env
 from eprt.ops import lora_ops
 from eprt.ops.base import Ops
 from eprt.ops.bf16 import bf16_bits_to_f32
+from eprt.ops.gptoss_ops import GptOssOps
 
 
 def _softmax_last(x: np.ndarray) -> np.ndarray:
@@ -74,7 +75,7 @@ def _solve_unit_lower(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-class NumpyOps(Ops):
+class NumpyOps(GptOssOps, Ops):
     name = "cpu"
     xp = np
     act_dtype = np.float32

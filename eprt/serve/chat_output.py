@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from eprt.api import Thinking
 from eprt.scheduler import thinking
-from eprt.serve import reasoning
+from eprt.serve import harmony, reasoning
 from eprt.serve.guided import compile_guide
 from eprt.serve.params import FieldError
 from eprt.serve.stream import TextStream
@@ -50,6 +50,7 @@ class ChatSetup:
     template_args: dict  # chat_template_kwargs and tools, the template's variables
     tools: ToolRequest | None = None
     thinking: Thinking | None = None
+    harmony: bool = False  # gpt-oss's harmony format (its reasoning parser or tool-call parser)
 
     def apply(self, params, engine, guide_field: str | None):
         """``params`` with the thinking block and the guide of tool_choice required or named (compiled
@@ -64,10 +65,13 @@ class ChatSetup:
 
     def output(self, prompt: list):
         """The factory of each choice's ChatOutput (LiveRequest's ``output``), None for plain text."""
+        parallel = self.tools is None or self.tools.parallel
+        if self.harmony and (self.tools is None or not self.tools.guided):
+            calls = self.tools is not None and self.tools.choice == "auto"
+            return functools.partial(HarmonyOutput, prompt=prompt, parallel=parallel, calls=calls)
         fmt = None if self.tools is None else self.tools.output_format()
         if fmt is None and self.thinking is None:
             return None
-        parallel = self.tools is None or self.tools.parallel
         keep = self.tools is not None and self.tools.choice == "auto"  # the tags are text to parse
         return functools.partial(ChatOutput, prompt=prompt, spec=self.thinking, fmt=fmt, parallel=parallel, keep=keep)
 
@@ -93,7 +97,8 @@ def prepare(body: dict, features: ChatFeatures | None) -> ChatSetup:
     args = template_kwargs(body)
     if tools is not None:
         args["tools"] = tools.tools
-    return ChatSetup(args, tools, reasoning.request_thinking(body, features.reasoning))
+    uses = isinstance(features.reasoning, reasoning.HarmonyParser) or features.tools.parser in harmony.TOOL_NAMES
+    return ChatSetup(args, tools, reasoning.request_thinking(body, features.reasoning), uses)
 
 
 class _KeepSpecial:
@@ -126,6 +131,7 @@ class ChatOutput:
         include_stop_str_in_output), then the prompt (a thinking block may open in it), the thinking
         block, the tool-call format, parallel_tool_calls, and ``keep``: special tokens kept in the content."""
         self._state = thinking.begin(spec, prompt)
+        self._reasons = self._state is not None  # the message carries reasoning
         self._reasoning = TextStream(tokenizer, stop_strings, hidden_ids, include_stop)
         content_tok = _KeepSpecial(tokenizer) if keep and tokenizer else tokenizer
         self._content = TextStream(content_tok, stop_strings, hidden_ids, include_stop)
@@ -223,7 +229,7 @@ class ChatOutput:
         ]
         reasoning_text = self.reasoning or None
         msg = {"role": "assistant", "content": parsed.content or (None if calls or reasoning_text else "")}
-        if self._state is not None:
+        if self._reasons:
             msg["reasoning"] = msg["reasoning_content"] = reasoning_text
         if calls:
             msg["tool_calls"] = calls
@@ -233,6 +239,36 @@ class ChatOutput:
     def called(self) -> bool:
         """Whether the answer holds tool calls (its finish_reason is then tool_calls)."""
         return bool(self._sent_args) or bool(self._parsed().calls)
+
+
+class HarmonyOutput(ChatOutput):
+    """gpt-oss's harmony messages (eprt/serve/harmony.py): every token goes to the text, the tags kept;
+    the analysis channel is the reasoning, final the content, messages to functions the tool calls
+    (dropped unless tool_choice is auto)."""
+
+    def __init__(
+        self, tokenizer, stop_strings=(), hidden_ids=(), include_stop=False, *, prompt=(), parallel=True, calls=True
+    ):
+        super().__init__(
+            tokenizer,
+            stop_strings,
+            hidden_ids,
+            include_stop,
+            prompt=prompt,
+            fmt=harmony.HarmonyFormat(),
+            parallel=parallel,
+            keep=True,
+        )
+        self._reasons, self._calls = True, calls
+
+    def _parsed(self):
+        parsed = super()._parsed()
+        parsed.calls = parsed.calls if self._calls else []
+        return parsed
+
+    @property
+    def reasoning(self) -> str:
+        return self._parsed().reasoning
 
 
 def split(tokenizer, prompt, token_ids, spec: Thinking, hidden_ids=()) -> tuple[str, str]:

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from eprt.api import Thinking, is_int
+from eprt.serve import harmony
 from eprt.serve.params import FieldError
 
 log = logging.getLogger("eprt.serve")
@@ -40,7 +41,6 @@ REASONING_PARSERS = {
     "glm45": ReasoningFormat(),
     "kimi_k2": ReasoningFormat(also_ends=("<|tool_calls_section_begin|>",)),
 }
-NOT_YET = {"openai_gptoss": "gpt-oss's harmony channels need the gpt-oss model, which eprt does not serve yet"}
 BUDGET_FIELDS = ("max_thinking_tokens", "thinking_token_budget")  # eprt's name, vLLM's
 
 
@@ -55,6 +55,14 @@ class ReasoningParser:
 
     def thinking(self, budget: int | None = None) -> Thinking:
         return Thinking(self.start, self.end, budget, self.also_ends)
+
+
+@dataclass(frozen=True)
+class HarmonyParser:
+    """gpt-oss's harmony format: its reasoning is the analysis channel's messages, parsed from the
+    output (eprt/serve/harmony.py), not a block of delimiter tokens the scheduler tracks."""
+
+    name: str = harmony.REASONING_NAMES[0]
 
 
 def add_arguments(parser, budget: bool = False) -> None:
@@ -72,22 +80,24 @@ def add_arguments(parser, budget: bool = False) -> None:
         default="auto",
         metavar="NAME",
         help="the model's thinking block, split into the answers' reasoning and counted as reasoning tokens: "
-        f"{', '.join(REASONING_PARSERS)} (vLLM's names), auto (default: from the chat template, when "
+        f"{', '.join((*REASONING_PARSERS, *harmony.REASONING_NAMES))} (vLLM's names; harmony is gpt-oss's "
+        "openai_gptoss), auto (default: from the chat template, when "
         "unambiguous) or none",
     )
 
 
 def check_name(name: str | None) -> None:
     """ValueError naming the choices for an unknown ``--reasoning-parser``."""
-    if name in NOT_YET:
-        raise ValueError(f"--reasoning-parser {name}: {NOT_YET[name]}")
-    if name not in (None, "auto", "none", *REASONING_PARSERS):
-        raise ValueError(f"--reasoning-parser {name!r} is unknown; choose {', '.join(REASONING_PARSERS)}, auto or none")
+    known = (*REASONING_PARSERS, *harmony.REASONING_NAMES)
+    if name not in (None, "auto", "none", *known):
+        raise ValueError(f"--reasoning-parser {name!r} is unknown; choose {', '.join(known)}, auto or none")
 
 
 def detect(template: str | None) -> str | None:
     """The reasoning format a chat template writes, None when it writes no thinking block or the
     family is not clear (then a name must be given)."""
+    if harmony.detect(template):
+        return harmony.REASONING_NAMES[0]
     if not template or THINK not in template and END_THINK not in template:
         return None
     if "<|tool_calls_section_begin|>" in template:
@@ -102,7 +112,7 @@ def detect(template: str | None) -> str | None:
     return None
 
 
-def resolve(name: str | None, tokenizer) -> ReasoningParser | None:
+def resolve(name: str | None, tokenizer) -> ReasoningParser | HarmonyParser | None:
     """``--reasoning-parser`` for this model: None for none (or auto finding none); ValueError when
     the named format's delimiters are not single tokens of the tokenizer."""
     check_name(name)
@@ -111,6 +121,8 @@ def resolve(name: str | None, tokenizer) -> ReasoningParser | None:
     chosen = detect(getattr(tokenizer, "chat_template", None)) if name == "auto" else name
     if chosen is None:
         return None
+    if chosen in harmony.REASONING_NAMES:
+        return _harmony(name, tokenizer)
     fmt = REASONING_PARSERS[chosen]
     ids = [_token_id(tokenizer, text) for text in (fmt.start, fmt.end, *fmt.also_ends)]
     missing = [text for text, i in zip((fmt.start, fmt.end, *fmt.also_ends), ids) if i is None]
@@ -122,6 +134,18 @@ def resolve(name: str | None, tokenizer) -> ReasoningParser | None:
     if name == "auto":
         log.info("reasoning parser: %s (from the chat template; --reasoning-parser none turns it off)", chosen)
     return ReasoningParser(chosen, ids[0], ids[1], tuple(ids[2:]))
+
+
+def _harmony(name: str, tokenizer) -> HarmonyParser | None:
+    missing = [tag for tag in harmony.TAGS if _token_id(tokenizer, tag) is None]
+    if missing and name == "auto":
+        log.info("reasoning parser: the template writes harmony, but %s is no single token: none", missing[0])
+        return None
+    if missing:
+        raise ValueError(f"--reasoning-parser {name}: {missing[0]!r} is not a single token of this tokenizer")
+    if name == "auto":
+        log.info("reasoning parser: openai_gptoss (harmony, from the chat template; --reasoning-parser none: off)")
+    return HarmonyParser()
 
 
 def _token_id(tokenizer, text: str) -> int | None:
@@ -140,10 +164,15 @@ def parse_budget(body: dict) -> int | None:
     return next(iter(given.values()), None)
 
 
-def request_thinking(body: dict, parser: ReasoningParser | None) -> Thinking | None:
+def request_thinking(body: dict, parser: ReasoningParser | HarmonyParser | None) -> Thinking | None:
     """The Thinking of a request: the parser's block with the request's budget; FieldError for a
-    budget without a known thinking block."""
+    budget without a known thinking block (harmony's analysis channel takes none yet)."""
     budget = parse_budget(body)
+    if isinstance(parser, HarmonyParser):
+        if budget is not None:
+            name = next(n for n in BUDGET_FIELDS if body.get(n) is not None)
+            raise FieldError(name, f"{name}: gpt-oss's analysis channel (harmony) takes no thinking budget yet")
+        return None
     if parser is None:
         if budget is not None:
             name = next(n for n in BUDGET_FIELDS if body.get(n) is not None)

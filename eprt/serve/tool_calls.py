@@ -15,10 +15,13 @@ import json
 from dataclasses import dataclass, field
 
 from eprt.api import Guide
+from eprt.serve import harmony
 from eprt.serve.params import FieldError
-from eprt.serve.tool_formats import TOOL_PARSERS, Call, Parsed, json_call, skip_ws, value_end
+from eprt.serve.tool_formats import TOOL_PARSERS as FAMILY_PARSERS
+from eprt.serve.tool_formats import Call, Parsed, json_call, skip_ws, value_end
 
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+TOOL_PARSERS = {**FAMILY_PARSERS, **{name: harmony.HarmonyFormat for name in harmony.TOOL_NAMES}}
 MAX_TOOLS = 128
 ANY_OBJECT = {"type": "object"}
 
@@ -177,6 +180,8 @@ def message_fields(m: dict, where: str) -> dict:
             if not isinstance(m[key], str):
                 raise FieldError("messages", f"{where}.{key} must be a string")
             out["reasoning_content" if key == "reasoning" else key] = m[key]
+    if "reasoning_content" in out:  # gpt-oss's template reads an assistant's analysis as ``thinking``
+        out["thinking"] = out["reasoning_content"]
     return out
 
 

@@ -272,3 +272,35 @@ def test_cusim_nccl_refuses_a_reused_unique_id_and_a_shared_gpu():
     finally:
         fake_cupy.runtime.setDevice(0)
         fake_cupy.set_device_count(1)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_cuda_gpt_oss_mxfp4_tokens_equal_transformers():
+    """gpt_oss with MXFP4 experts (kept MXFP4 on every rank's device, 7 experts split unevenly), windowed
+    KV in blocks of 4, prompts longer than the window (8) prefilled in chunks of 5 that cross it, a prefix
+    hit: the greedy tokens equal transformers' on the dequantized weights at every world size (prompts
+    whose top-2 gaps are all > 0.25, so bf16 activations cannot move them)."""
+    from checkpoints import build_gptoss_checkpoint, reference_greedy
+
+    system = [(4 * i + 5) % 240 + 10 for i in range(14)]
+    prompts, steps, out = [system + [1, 2], system + [3]], 4, None
+    if COMM.rank == 0:
+        root = os.environ.get("EPRT_TEST_CKPT_DIR") or os.path.join(tempfile.gettempdir(), "eprt-mpi-ckpt")
+        path = build_gptoss_checkpoint(
+            os.path.join(root, "gpt_oss-7experts-mxfp4"), "bfloat16", mxfp4=True, num_local_experts=7
+        )
+        refs = [reference_greedy(path, p, steps) for p in prompts]
+        assert min(np.diff(np.sort(logits, axis=1)[:, -2:], axis=1).min() for _, logits in refs) > 0.25
+        out = path, [tokens for tokens, _ in refs]
+    path, want = COMM.bcast(out, root=0)
+    cfg = EngineConfig(model=path, device="cuda", max_batch=2, block_size=4, max_model_len=64, max_prefill_tokens=5)
+    params = SamplingParams(max_tokens=steps, ignore_eos=True)
+    try:
+        with launch_engine(cfg) as engine:
+            got = [engine.generate([GenerationRequest(p, params)])[0] for p in prompts]
+    except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        got = None
+    if COMM.rank == 0:
+        assert [r.token_ids for r in got] == want and got[1].cached_tokens == 12
+    COMM.Barrier()
