@@ -12,8 +12,10 @@
 //   S = Q K^T (mma.sync m16n8k16 bf16, fp32) -> causal / sliding-window mask -> online softmax
 //   (running max and sum per row, exp2 with the scale folded in) -> P as bf16 A fragments ->
 //   O += P V (V fragments by ldmatrix.trans) -> O / sum, bf16.
-// A row attends to positions [max(0, qpos - window + 1), qpos] (window 0: no limit). Blocks run in
-// reverse so the longest rows start first.
+// A row attends to positions [max(0, qpos - window + 1), qpos] (window 0: no limit); the keys a
+// block's tiles round in before its first row's window are zeros, never read (a windowed table holds
+// block 0 where the window has left). sinks[H] (gpt-oss; -inf: none) adds exp(sink_h) to row's softmax
+// denominator and nothing to its numerator. Blocks run in reverse so the longest rows start first.
 // Layouts: q [T, H, DQK]; out [T, H, DV]; cache row of position p: k_cache + slot * kv_stride +
 // kvh * head_stride with slot = block_table[p / BS] * BS + p % BS (GQA: [NB, BS, Hk, Dh], MLA:
 // latent [NB, BS, L] with head_stride 0 and v_cache == k_cache: V is its first DV columns). DQK, DV
@@ -28,6 +30,7 @@ struct FaParams {
     const bf16* k_cache;
     const bf16* v_cache;  // null (passed as k_cache): V is the first DV columns of the K rows (MLA)
     const int* block_table;
+    const float* sinks;  // [H] logits in the denominator only (-inf: no sink)
     bf16* out;
     int T, H, G, DQK, DV, BS, kv_stride, head_stride, start_pos, window, stages;
     float scale_log2;  // softmax scale * log2(e)
@@ -60,15 +63,14 @@ __device__ __forceinline__ const bf16* cache_row(const FaParams& p, const bf16* 
     return cache + slot * p.kv_stride + (long long)kvh * p.head_stride;
 }
 
-// K (and V) of positions [k0, k0 + BN) into stage s; positions from `end` on are zeros.
+// K (and V) of positions [k0, k0 + BN) into stage s; positions outside [lo, end) are zeros.
 template <int BN>
-__device__ __forceinline__ void load_kv(const FaParams& p, const FaSmem& sm, int s, int kvh, int k0, int end) {
-    copy_rows(sm.k(s), sm.ldq, BN, p.DQK,
-              [&](int r) { return k0 + r < end ? cache_row(p, p.k_cache, kvh, k0 + r) : (const bf16*)nullptr; }, p.q);
-    if (p.v_cache)
-        copy_rows(sm.k(s) + BN * sm.ldq, sm.ldv, BN, p.DV,
-                  [&](int r) { return k0 + r < end ? cache_row(p, p.v_cache, kvh, k0 + r) : (const bf16*)nullptr; },
-                  p.q);
+__device__ __forceinline__ void load_kv(const FaParams& p, const FaSmem& sm, int s, int kvh, int k0, int lo, int end) {
+    const auto row = [&](const bf16* cache, int r) {
+        return k0 + r >= lo && k0 + r < end ? cache_row(p, cache, kvh, k0 + r) : (const bf16*)nullptr;
+    };
+    copy_rows(sm.k(s), sm.ldq, BN, p.DQK, [&](int r) { return row(p.k_cache, r); }, p.q);
+    if (p.v_cache) copy_rows(sm.k(s) + BN * sm.ldq, sm.ldv, BN, p.DV, [&](int r) { return row(p.v_cache, r); }, p.q);
 }
 
 // s[j] = the warp's 16 rows x keys [8j, 8j + 8) of the tile, times scale * log2(e), masked to -inf.
@@ -152,18 +154,22 @@ __device__ __forceinline__ void tile_pv(const FaParams& p, const FaSmem& sm, int
     }
 }
 
-// out rows of the lane (row0 + g, row0 + g + 8 of the chunk), columns col0 + 8n + 2t, divided by the sum.
+// out rows of the lane (row0 + g, row0 + g + 8 of the chunk), columns col0 + 8n + 2t, divided by the
+// sum (with the head's sink: o and the sum rescaled to max(m, sink), exp(sink) added to the sum).
 template <int NV>
-__device__ __forceinline__ void store_out(const FaParams& p, int kvh, int row0, int col0, int nv, float l[2],
-                                          const float o[NV][4]) {
+__device__ __forceinline__ void store_out(const FaParams& p, int kvh, int row0, int col0, int nv, const float m[2],
+                                          const float l[2], const float o[NV][4]) {
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const float sum = l[h] + __shfl_xor_sync(FULL_MASK, l[h], 1);
-        const float total = sum + __shfl_xor_sync(FULL_MASK, sum, 2);
+        float total = sum + __shfl_xor_sync(FULL_MASK, sum, 2);
         const int r = row0 + g + 8 * h;
         if (r >= p.T * p.G) continue;
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        const float sink = p.sinks[kvh * p.G + r % p.G] * FA_LOG2E, m_new = fmaxf(m[h], sink);
+        const float alpha = m_new == neg_inf() ? 1.0f : exp2f(m[h] - m_new);
+        total = total * alpha + (sink == neg_inf() ? 0.0f : exp2f(sink - m_new));
+        const float inv = total > 0.0f ? alpha / total : 0.0f;
         bf16* dst = p.out + ((long long)(r / p.G) * p.H + kvh * p.G + r % p.G) * p.DV;
 #pragma unroll
         for (int n = 0; n < NV; ++n) {
@@ -187,7 +193,8 @@ __device__ void flash_block(const FaParams& p) {
     sm.kv = sm.q + FA_ROWS * sm.ldq;
     const int last = min(row0 + FA_ROWS, rows) - 1;
     const int end = p.start_pos + last / p.G + 1;  // keys the block needs: [begin, end)
-    const int begin = p.window ? max(0, p.start_pos + row0 / p.G - p.window + 1) / BN * BN : 0;
+    const int lo = p.window ? max(0, p.start_pos + row0 / p.G - p.window + 1) : 0;  // the first row's first key
+    const int begin = lo / BN * BN;
     int qpos[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -198,7 +205,7 @@ __device__ void flash_block(const FaParams& p) {
         const int R = row0 + r;
         return R < rows ? p.q + ((long long)(R / p.G) * p.H + kvh * p.G + R % p.G) * p.DQK : (const bf16*)nullptr;
     }, p.q);
-    load_kv<BN>(p, sm, 0, kvh, begin, end);
+    load_kv<BN>(p, sm, 0, kvh, begin, lo, end);
     cp_async_commit();
     const int nv = (pad16(p.DV) / 16 + WN - 1) / WN * 2, col0 = (warp % WN) * nv * 8;
     float o[NV][4], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.0f, 0.0f};
@@ -207,7 +214,7 @@ __device__ void flash_block(const FaParams& p) {
     for (int k0 = begin, it = 0; k0 < end; k0 += BN, ++it) {
         const int stage = it % p.stages;
         if (p.stages == 2 && k0 + BN < end) {
-            load_kv<BN>(p, sm, 1 - stage, kvh, k0 + BN, end);
+            load_kv<BN>(p, sm, 1 - stage, kvh, k0 + BN, lo, end);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -220,19 +227,20 @@ __device__ void flash_block(const FaParams& p) {
         tile_pv<BN, NV>(p, sm, stage, s, col0, nv, o);
         __syncthreads();  // done with the stage before it is refilled
         if (p.stages == 1 && k0 + BN < end) {
-            load_kv<BN>(p, sm, 0, kvh, k0 + BN, end);
+            load_kv<BN>(p, sm, 0, kvh, k0 + BN, lo, end);
             cp_async_commit();
         }
     }
-    store_out<NV>(p, kvh, row0 + wr * 16, col0, nv, l, o);
+    store_out<NV>(p, kvh, row0 + wr * 16, col0, nv, m, l, o);
 }
 
-#define FA_ARGS                                                                                                 \
-    const bf16 *__restrict__ q, const bf16 *__restrict__ k_cache, const bf16 *__restrict__ v_cache,             \
-        const int *__restrict__ block_table, bf16 *__restrict__ out, int T, int H, int G, int DQK, int DV, int BS, \
-        int kv_stride, int head_stride, int start_pos, int window, int stages, float scale
+#define FA_ARGS                                                                                                \
+    const bf16 *__restrict__ q, const bf16 *__restrict__ k_cache, const bf16 *__restrict__ v_cache,            \
+        const int *__restrict__ block_table, const float *__restrict__ sinks, bf16 *__restrict__ out, int T,    \
+        int H, int G, int DQK, int DV, int BS, int kv_stride, int head_stride, int start_pos, int window,      \
+        int stages, float scale
 #define FA_PARAMS \
-    FaParams { q, k_cache, v_cache == k_cache ? nullptr : v_cache, block_table, out, T, H, G, DQK, DV, BS, kv_stride, head_stride, start_pos, window, stages, scale * FA_LOG2E }
+    FaParams { q, k_cache, v_cache == k_cache ? nullptr : v_cache, block_table, sinks, out, T, H, G, DQK, DV, BS, kv_stride, head_stride, start_pos, window, stages, scale * FA_LOG2E }
 
 // GQA, head dims up to 64 / 128 / 256 (NV n8 tiles of V per warp).
 extern "C" __global__ void __launch_bounds__(128, 1) flash_attention_d64(FA_ARGS) { flash_block<8, 64, 1>(FA_PARAMS); }

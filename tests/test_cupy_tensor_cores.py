@@ -28,16 +28,18 @@ pytestmark = [
 
 
 def launched(monkeypatch) -> list[str]:
-    """The names of the kernels CupyOps launches from now on."""
-    from eprt.ops import cupy_ops
+    """The names of the kernels CupyOps launches from now on (its own, flash attention's, gpt-oss's)."""
+    from eprt.ops import cupy_flash, cupy_gptoss, cupy_ops, kernel_loader
 
-    names, real = [], cupy_ops._launch
+    names, real = [], kernel_loader.launch
 
     def launch(file, name, *args, **kwargs):
         names.append(name)
         return real(file, name, *args, **kwargs)
 
     monkeypatch.setattr(cupy_ops, "_launch", launch)
+    for module in (cupy_flash, cupy_gptoss):
+        monkeypatch.setattr(module, "launch", launch)
     return names
 
 
@@ -225,8 +227,9 @@ def test_flash_attention_prefill_against_numpy(monkeypatch, case):
 
 
 def test_flash_attention_sliding_window():
-    # the kernel's window (the op contract has none yet): row t sees positions (qpos - 7, qpos]
-    from eprt.ops.cupy_ops import _FLASH_GQA, CupyOps
+    # the kernel's window without sinks (attention_prefill has none): row t sees positions (qpos - 7, qpos]
+    from eprt.ops.cupy_flash import flash_gqa
+    from eprt.ops.cupy_ops import CupyOps
 
     rng = np.random.default_rng(7)
     hk, group, dh, bs, start, T, window = 2, 2, 32, 4, 30, 40, 7
@@ -234,7 +237,7 @@ def test_flash_attention_sliding_window():
     kc, vc, tables = paged_kv(rng, [start + T], bs, hk, dh, spare_blocks=1)
     q = bf16(rng.standard_normal((T, hk * group, dh)))
     kg, vg = g.activation(kc), g.activation(vc)
-    got = g._flash(_FLASH_GQA[0], g.activation(q), kg, vg, g.index(tables[0]), start, 0.2, hk, dh, hk * dh, dh, window)
+    got = flash_gqa(g.activation(q), kg, vg, g.index(tables[0]), start, 0.2, g.smem_limit, window)
     pos = np.arange(start + T)
     keys = kc[tables[0][pos // bs], pos % bs]  # [P, Hk, Dh] in position order
     values = vc[tables[0][pos // bs], pos % bs]
@@ -247,6 +250,51 @@ def test_flash_attention_sliding_window():
             p = np.exp(s - s.max())
             want[t, h] = p @ values[seen, h // group] / p.sum()
     close(g.to_host(got), want, "attention")
+
+
+SINK_CASES = {
+    # Hk, G, Dh, BS, start_pos, T, window
+    "gpt-oss's G 8 and Dh 64, window 16, chunk at 40 over blocks of 4": (2, 8, 64, 4, 40, 37, 16),
+    "full layer (window 0), 9 tokens x G 2: 18 rows": (2, 2, 16, 4, 0, 9, 0),
+    "window beyond the context, Dh 72 padded to 80": (1, 4, 72, 16, 5, 25, 128),
+    "150-token prompt, window 8: 5 row tiles, each from its own first key": (2, 2, 32, 4, 0, 150, 8),
+}
+
+
+def windowed_kv(rng, end, bs, hk, dh, lo):
+    """Caches and a windowed table for positions [0, end) (tests/cusim's pool): the blocks before
+    lo's are ones the window has left, table entries 0 (as eprt/cache/window.py gives kernels), and
+    block 0 holds NaN, so a kernel that reads one of them fails."""
+    need = -(-end // bs)
+    k, v = (bf16(rng.standard_normal((need + 1, bs, hk, dh))) for _ in range(2))
+    k[0] = v[0] = np.nan
+    table = (1 + rng.permutation(need)).astype(np.int32)
+    table[: lo // bs] = 0
+    return k, v, table
+
+
+@pytest.mark.parametrize("case", list(SINK_CASES))
+def test_flash_attention_with_sinks_and_a_window_against_numpy(monkeypatch, case):
+    """gpt-oss's attention_sinks_prefill takes flash_attention from FLASH_MIN_ROWS rows: the sinks in the
+    denominator (one head's sink above every score, one at -inf), keys before a window never read."""
+    from eprt.ops.cupy_ops import CupyOps
+
+    hk, group, dh, bs, start, T, window = SINK_CASES[case]
+    rng = np.random.default_rng(dh + T + window)
+    g, c = CupyOps(), NumpyOps()
+    lo = max(0, start - window + 1) if window else 0
+    kc, vc, table = windowed_kv(rng, start + T, bs, hk, dh, lo)
+    q = bf16(rng.standard_normal((T, hk * group, dh)))
+    sinks = (2 * rng.standard_normal(hk * group)).astype(np.float32)
+    sinks[0], sinks[-1] = 40.0, -np.inf
+    names = launched(monkeypatch)
+    dev = [g.activation(a) for a in (q, kc, vc)]
+    got = g.attention_sinks_prefill(*dev, g.index(table), start, dh**-0.5, g.xp.asarray(sinks), window)
+    assert names == [f"flash_attention_d{next(d for d in (64, 128, 256) if dh <= d)}"]
+    close(g.to_host(got), c.attention_sinks_prefill(q, kc, vc, table, start, dh**-0.5, sinks, window), "attention")
+    few = g.attention_sinks_prefill(dev[0][:1], *dev[1:], g.index(table), start, dh**-0.5, g.xp.asarray(sinks), window)
+    assert names[1:] == ["attention_sinks"] or group >= 16, "below FLASH_MIN_ROWS rows: one block per row"
+    close(g.to_host(few), c.attention_sinks_prefill(q[:1], kc, vc, table, start, dh**-0.5, sinks, window), "attention")
 
 
 MLA_CASES = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from eprt.ops.cupy_flash import flash_gqa
 from eprt.ops.gptoss_ops import MXFP4_BLOCK, Mxfp4Weight
 from eprt.ops.kernel_loader import LAUNCH, launch
 
@@ -71,15 +72,21 @@ class GptOssCupy:
 
     # ---- attention ------------------------------------------------------------------------
     def attention_sinks_prefill(self, q, k_cache, v_cache, block_table, start_pos, scale, sinks, window):
+        """On tensor cores (flash_attention.cu, with the sinks and the window) from FLASH_MIN_ROWS rows of
+        (token, query head of a KV head), else attention_sinks, one block per row."""
+        op = "attention_sinks_prefill"
         T = q.shape[0]
-        _arg("attention_sinks_prefill", "block_table", block_table, _I32, (None,))
+        _arg(op, "block_table", block_table, _I32, (None,))
         _check(
-            "attention_sinks_prefill",
-            block_table.shape[0] * k_cache.shape[1] >= start_pos + T,
+            op,
+            start_pos >= 0 and block_table.shape[0] * k_cache.shape[1] >= start_pos + T,
             f"block table of {block_table.shape[0]} blocks cannot hold positions [0, {start_pos + T})",
         )
+        self._sinks_args(op, q, k_cache, v_cache, sinks, window)
+        flash = flash_gqa(q, k_cache, v_cache, block_table, start_pos, scale, self.smem_limit, window, sinks)
+        if flash is not None:
+            return flash
         lens = cupy.arange(start_pos + 1, start_pos + T + 1, dtype=_I32)  # row t reads keys up to start_pos + t
-        op = "attention_sinks_prefill"
         return self._attend_sinks(op, q, k_cache, v_cache, block_table, 0, lens, scale, sinks, window)
 
     def attention_sinks_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, sinks, window):
@@ -91,14 +98,14 @@ class GptOssCupy:
             "attention_sinks_decode", q, k_cache, v_cache, block_tables, stride, context_lens, scale, sinks, window
         )
 
-    def _attend_sinks(self, op, q, k_cache, v_cache, tables, stride, lens, scale, sinks, window):
-        """One attention_sinks launch: row r of q [R, H, Dh] over keys [max(0, lens[r] - window), lens[r])."""
+    def _sinks_args(self, op, q, k_cache, v_cache, sinks, window) -> int:
+        """Check attention_sinks' q [R, H, Dh], caches [NB, BS, Hk, Dh], sinks [H] and window; its shared memory."""
         _arg(op, "q", q, _BF16, (None, None, None))
-        R, H, Dh = q.shape
+        H, Dh = q.shape[1:]
         _arg(op, "k_cache", k_cache, _BF16, (None, None, None, Dh))
         _arg(op, "v_cache", v_cache, _BF16, k_cache.shape)
         _arg(op, "sinks", sinks, _F32, (H,))
-        BS, Hk = k_cache.shape[1:3]
+        Hk = k_cache.shape[2]
         _check(op, Hk > 0 and H % Hk == 0, f"query heads {H} must be a multiple of KV heads {Hk}")
         G = H // Hk
         _check(op, Dh % 8 == 0, f"head dim must be a multiple of 8, got {Dh}")
@@ -106,6 +113,13 @@ class GptOssCupy:
         _check(op, window >= 0, f"window must be >= 0, got {window}")
         smem = 4 * (G * Dh + G * SA_CHUNK + 3 * G + (G & 1)) + 8 * SA_CHUNK
         _check(op, smem <= self.smem_limit, f"needs {smem} bytes of shared memory (G={G}, Dh={Dh})")
+        return smem
+
+    def _attend_sinks(self, op, q, k_cache, v_cache, tables, stride, lens, scale, sinks, window):
+        """One attention_sinks launch: row r of q [R, H, Dh] over keys [max(0, lens[r] - window), lens[r])."""
+        smem = self._sinks_args(op, q, k_cache, v_cache, sinks, window)
+        R, H, Dh = q.shape
+        BS, Hk = k_cache.shape[1:3]
         out = cupy.empty_like(q)  # [R, H, Dh]
         if R:
             args = (q, k_cache, v_cache, tables, np.int32(stride), lens, sinks, out)

@@ -15,6 +15,7 @@ import numpy as np
 
 from eprt.ops.base import GroupedRouting, Ops
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from eprt.ops.cupy_flash import flash_gqa, flash_mla
 from eprt.ops.cupy_gptoss import GptOssCupy
 from eprt.ops.kernel_loader import KERNELS, LAUNCH, MOE_TC_SMEM, MOE_TC_SMEM_FP8, MOE_TC_SMEM_W8A8, get_module
 from eprt.ops.kernel_loader import launch as _launch
@@ -41,12 +42,6 @@ _ROUTER_WARPS = 4  # router.cu: ROUTER_WARPS
 _GG_WARPS = 4  # moe_grouped_gemm.cu: GG_WARPS
 _MLA_THREADS, _MLA_CHUNK = 128, 32  # mla_attention.cu: MLA_THREADS, MLA_CHUNK
 _MLA_MAX_HEADS = 16  # query heads per block of mla_attention (fewer when shared memory is short)
-FLASH_MIN_ROWS = 16  # prefill: (token, query head of a KV head) rows from which the tensor-core kernel runs
-_FLASH_ROWS = 64  # flash_attention.cu: FA_ROWS query rows per block
-# flash_attention.cu entry points: (kernel, largest DQK and DV, keys per tile, threads)
-_FLASH_GQA = (("flash_attention_d64", 64, 64, 128), ("flash_attention_d128", 128, 64, 128))
-_FLASH_GQA += (("flash_attention_d256", 256, 32, 128),)
-_FLASH_MLA = ("flash_mla", 512, 32, 256)  # DV (C) up to 512; DQK (L) as far as shared memory holds
 MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
 FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), activations quantized
 TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
@@ -459,11 +454,9 @@ class CupyOps(GptOssCupy, Ops):
             f"[0, {start_pos + T}) (start_pos={start_pos})",
         )
         split = T and self._decode_partitions(T * Hk, start_pos + T)[0] > 1
-        if not split and T * (H // Hk) >= FLASH_MIN_ROWS and q.data.ptr % 16 == 0:
-            kernel = next(f for f in _FLASH_GQA if Dh <= f[1])
-            flash = self._flash(kernel, q, k_cache, v_cache, block_table, start_pos, scale, Hk, Dh, Hk * Dh, Dh)
-            if flash is not None:
-                return flash
+        flash = None if split else flash_gqa(q, k_cache, v_cache, block_table, start_pos, scale, self.smem_limit)
+        if flash is not None:
+            return flash
         if split:
             # few rows over a long context (a new turn after a cached prefix): row t is a
             # decode query over start_pos + t + 1 keys, and the split path fills the GPU
@@ -493,27 +486,6 @@ class CupyOps(GptOssCupy, Ops):
                 ),
                 smem,
             )
-        return out
-
-    def _flash(
-        self, kernel, q, k_cache, v_cache, block_table, start_pos, scale, Hk, DV, kv_stride, head_stride, window=0
-    ):
-        """Prefill of one sequence's chunk on tensor cores (flash_attention.cu), or None when its
-        tiles do not fit the shared memory. v_cache is k_cache for MLA (values: the first DV columns);
-        ``window`` > 0 limits each row to its last ``window`` positions (sliding window)."""
-        name, _, keys, threads = kernel
-        T, H, DQK = q.shape
-        G = H // Hk
-        ldq, ldv = -(-DQK // 16) * 16 + 8, -(-DV // 16) * 16 + 8
-        stage = keys * ldq + (0 if v_cache is k_cache else keys * ldv)
-        stages = next((n for n in (2, 1) if 2 * (_FLASH_ROWS * ldq + n * stage) <= self.smem_limit), 0)
-        if not stages:
-            return None
-        out = cupy.empty((T, H, DV), dtype=_BF16)  # [T, H, DV]
-        dims = (T, H, G, DQK, DV, k_cache.shape[1], kv_stride, head_stride, start_pos, window, stages)
-        args = (q, k_cache, v_cache, block_table, out, *map(np.int32, dims), np.float32(scale))
-        grid = (-(-T * G // _FLASH_ROWS), Hk)
-        _launch("flash_attention.cu", name, grid, threads, args, 2 * (_FLASH_ROWS * ldq + stages * stage))
         return out
 
     def attention_decode(self, q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -809,12 +781,11 @@ class CupyOps(GptOssCupy, Ops):
             start_pos >= 0 and MB * BS >= start_pos + T,
             f"block table of {MB} blocks of {BS} cannot hold positions [0, {start_pos + T}) (start_pos={start_pos})",
         )
-        H, L, C = self._mla_args(op, q, latent_cache, value_dim)[:3]
+        H, _, C = self._mla_args(op, q, latent_cache, value_dim)[:3]
         split = T and self._decode_partitions(T * -(-H // _MLA_MAX_HEADS), start_pos + T)[0] > 1
-        if not split and T * H >= FLASH_MIN_ROWS and C <= _FLASH_MLA[1] and q.data.ptr % 16 == 0:
-            flash = self._flash(_FLASH_MLA, q, latent_cache, latent_cache, block_table, start_pos, scale, 1, C, L, 0)
-            if flash is not None:
-                return flash
+        flash = None if split else flash_mla(q, latent_cache, block_table, start_pos, scale, C, self.smem_limit)
+        if flash is not None:
+            return flash
         # row t is a query over keys [0, start_pos + t]: every row shares the table (stride 0)
         lens = cupy.arange(start_pos + 1, start_pos + T + 1, dtype=_I32)  # [T]
         return self._mla_attend(op, q, latent_cache, block_table, 0, lens, MB * BS, scale, value_dim)

@@ -6,15 +6,18 @@ cusim at 1 and 2 ranks, tests/cusim/README.md):
 Every architecture generates on the CuPy backend with its experts split over the ranks, the
 prompts' prefill going through the tensor-core kernels (the grouped expert GEMM, flash
 attention or flash MLA: checked on every rank by the kernels it launched) and decode through
-the CUDA-core ones (up to 2 ranks). Rank 0's tokens must follow the NumPy backend's up to the first difference,
-which must be a near-tie (the rule of tests/test_gpu_end_to_end.py, docs/gpu.md).
+the CUDA-core ones (up to 2 ranks). qwen3_next's full-attention layers take flash attention
+too; gpt_oss's attention with sinks takes it under a sliding window of 8 (the 35-token prompt
+crosses it), its SwiGLU experts stay on CUDA cores (no tensor-core form yet), bf16 and MXFP4.
+Rank 0's tokens must follow the NumPy backend's up to the first difference, which must be a
+near-tie (the rule of tests/test_gpu_end_to_end.py, docs/gpu.md).
 """
 
 import os
 import tempfile
 
 import pytest
-from checkpoints import ARCHS, build_checkpoint
+from checkpoints import ARCHS, HYBRID_ARCHS, build_checkpoint, build_gptoss_checkpoint
 
 from eprt.api import GenerationRequest, SamplingParams
 from eprt.comm.transport import LocalTransport
@@ -26,15 +29,23 @@ COMM = MPI.COMM_WORLD
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_usable(), reason="no usable CUDA device")]
 PROMPTS = [[5, 77, 3], [140, 9, 9, 31, 200, 17, 64, 12, 250, 11], list(range(40, 75))]
 MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
+TC_EXPERTS = {"moe_tc_gate_up", "moe_tc_down"}
+# the kernels each model's generation must launch on every rank
+KERNELS = {arch: TC_EXPERTS | {"flash_mla" if arch in MLA_ARCHS else "flash_attention_d64"} for arch in ARCHS}
+KERNELS.update({arch: TC_EXPERTS | {"flash_attention_d64"} for arch in HYBRID_ARCHS})
+KERNELS.update({f"gpt_oss-{v}": {"flash_attention_d64", f"moe_gate_up_swiglu_{v}"} for v in ("bf16", "mxfp4")})
 
 
-def shared_checkpoint(arch):
-    """tests/test_gpu_end_to_end.py's checkpoint (6 experts, bf16), built on rank 0 if missing: the one
-    benchmarks/gpu_prepare.sh carries to a GPU machine (which cannot build checkpoints)."""
+def shared_checkpoint(model):
+    """tests/test_gpu_end_to_end.py's checkpoint (6 experts, bf16) or test_cupy_gptoss.py's, built on rank 0
+    if missing: the ones benchmarks/gpu_prepare.sh carries to a GPU machine (which cannot build checkpoints)."""
     path = None
     if COMM.rank == 0:
         root = os.environ.get("EPRT_TEST_CKPT_DIR") or os.path.join(tempfile.gettempdir(), "eprt-mpi-ckpt")
-        path = build_checkpoint(arch, os.path.join(root, f"{arch}-bfloat16"), dtype="bfloat16")
+        if model.startswith("gpt_oss-"):
+            path = build_gptoss_checkpoint(os.path.join(root, model), "bfloat16", mxfp4=model.endswith("mxfp4"))
+        else:
+            path = build_checkpoint(model, os.path.join(root, f"{model}-bfloat16"), dtype="bfloat16")
     return COMM.bcast(path, root=0)
 
 
@@ -45,7 +56,7 @@ def generate(cfg, transport=None):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", list(KERNELS))
 def test_tensor_core_prefill_tokens_follow_numpy(monkeypatch, arch):
     from test_cupy_tensor_cores import launched
     from test_gpu_end_to_end import explain_divergence
@@ -58,9 +69,8 @@ def test_tensor_core_prefill_tokens_follow_numpy(monkeypatch, arch):
     except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
         assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
         cuda = None
-    attention = "flash_mla" if arch in MLA_ARCHS else "flash_attention_d64"
-    assert {"moe_tc_gate_up", "moe_tc_down", attention} <= set(names), f"rank {COMM.rank}: {sorted(set(names))}"
-    if COMM.size <= 2:  # at 3 ranks, 3 sequences at top-3 give 9 slots for 2 local experts: tensor cores
+    assert KERNELS[arch] <= set(names), f"rank {COMM.rank}: {sorted(set(names))}"
+    if COMM.size <= 2 and TC_EXPERTS <= KERNELS[arch]:  # at 3 ranks, 9 slots for 2 local experts: tensor cores
         assert "moe_gate_up_silu" in names, "decode's few rows per expert take the CUDA-core kernel"
     if COMM.rank == 0:
         monkeypatch.undo()
