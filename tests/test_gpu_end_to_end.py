@@ -14,7 +14,9 @@ generated before the difference: prefill and decode run different kernels, so a 
 flip in one and not the other); at the first MoE layer where their expert choices differ,
 every flipped position must be a near-tie of the reference router (probability gap between
 its k-th and (k+1)-th expert below ROUTE_TIE). If no routing differs, the tokens themselves must be near-ties:
-each backend's token among the other's top 2 and within LOGIT_TIE of its best logit.
+each backend's token within LOGIT_TIE of the other's best logit, whatever its rank there (qwen3_next's
+prompt [5, 77, 3], token 9: three tokens within 0.008 of each other on the CPU, 1.702 / 1.696 / 1.694,
+so the GPU's choice is the CPU's third).
 DeepSeek-style grouped routing (deepseek_v2/v3, glm4_moe) counts a near-tie in its selection
 values (scores + bias) or in its group scores.
 """
@@ -110,7 +112,7 @@ def route_gap(values: np.ndarray, k: int, grouped: bool) -> float:
 
 
 def near_tie(logits: np.ndarray, token: int) -> bool:
-    return token in np.argsort(logits)[::-1][:2] and logits[token] >= logits.max() - LOGIT_TIE
+    return logits[token] >= logits.max() - LOGIT_TIE
 
 
 def explain_divergence(path, prompt, generated, want, got) -> str | None:
