@@ -697,6 +697,13 @@ MUTATIONS = {
         "flash_attention_prefill",
         "test_cupy_tensor_cores.py",
     ),
+    "flash attention: a window's tiles read keys from blocks the window has left": (
+        "flash_attention.cu",
+        "return k0 + r >= lo && k0 + r < end",
+        "return k0 + r < end",
+        "sinks",
+        "test_cupy_tensor_cores.py",
+    ),
 }
 
 
