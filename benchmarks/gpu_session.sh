@@ -2,7 +2,7 @@
 # One prepared run on a GPU machine without network (docs/gpu.md, "A GPU machine without network"):
 # prepare here with benchmarks/gpu_prepare.sh (checkpoints and wheels into .gpu-carry/), copy the
 # repository with .gpu-carry/, then from its root:
-#   bash benchmarks/gpu_session.sh            # on the GPU: at most ~370 s of stage timeouts
+#   bash benchmarks/gpu_session.sh            # on the GPU: at most ~400 s of stage timeouts
 #   bash benchmarks/gpu_session.sh --cusim    # the CPU dry run (tests/run_all.sh): GPU stages on cusim,
 #                                             # in a venv of the GPU image's packages only
 # First every import the stages need is checked (what is missing is printed, and a stage that cannot
@@ -184,7 +184,7 @@ mpi_files="tests/mpi/test_gpu_expert_parallel_mpi.py tests/mpi/test_gpu_tensor_c
 mpi_pytest='exec python3 -m pytest "$@" --with-mpi '"$mpi_files"' $([ "${PMI_RANK:-0}" = 0 ] && echo "--junitxml=$0")'
 if has mpi4py.MPI pytest_mpi mpiexec; then
   for n in $([ "$cusim" = 1 ] && echo 2 3 || echo 2); do
-    stage "mpi-$n" $([ "$cusim" = 1 ] && echo 600 || echo 90) \
+    stage "mpi-$n" $([ "$cusim" = 1 ] && echo 600 || echo 120) \
       mpiexec -n "$n" bash -c "$mpi_pytest" "$out/mpi-$n.xml" "${pytest_args[@]}" "${gpu_args[@]}" -m gpu
   done
   combine_args=$([ "$cusim" = 1 ] && echo --tiny || echo "--hidden 2048 --rows 1,32,128 --reps 50")
