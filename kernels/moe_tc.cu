@@ -10,6 +10,9 @@
 //   moe_tc_gate_up: h[p, u] = silu(x[tok_p] . w[e, u]) * (x[tok_p] . w[e, I + u]), tok_p =
 //     sorted_slot[p] / k; a tile holds 64 units, their gate and up rows side by side in each warp.
 //   moe_tc_down: y[p, n] = h[p] . w_down[e, n] (fp32 out).
+//   moe_tc_gate_up_swiglu / moe_tc_down_bias: gpt-oss's bf16 experts, the same tiles with the
+//     expert's fp32 biases added and the clamped SwiGLU, (clip(up, -limit, limit) + 1) * g *
+//     sigmoid(alpha * g) with g = min(gate, limit), in place of silu(gate) * up (gptoss.cu's formula).
 // __launch_bounds__(TC_THREADS, 1): without the minimum, ptxas held the fp8 kernels to 128
 // registers on sm_80 and spilled.
 // *_fp8: weights float8_e4m3fn with [block_n, block_k] scales; the bytes go to shared memory as
@@ -255,8 +258,25 @@ __device__ void tc_tile(const bf16* __restrict__ a, const int* __restrict__ sort
     tile_mainloop<FP8>(smem, a_src, b_src, job.K, a, sc, acc);
 }
 
-// h rows of the tile: silu(gate) * up, bf16 (units of N tile blockIdx.y).
-__device__ __forceinline__ void store_gate_up(const TileJob& job, const float acc[2][8][4], bf16* __restrict__ h, int I) {
+// gpt-oss's epilogue: b the expert's biases (gate_up: [2I], down: [D]; null: none), the clamp and alpha.
+struct Bias {
+    const float* b;
+    float alpha, limit;
+};
+
+// The activation of unit u: silu(gate) * up, or with biases gpt-oss's clamped SwiGLU.
+template <bool BIAS>
+__device__ __forceinline__ float gate_act(float gate, float up, const Bias& e, int u, int I) {
+    if (!BIAS) return silu(gate) * up;
+    const float g = fminf(gate + e.b[u], e.limit);
+    up = fminf(fmaxf(up + e.b[I + u], -e.limit), e.limit);
+    return (up + 1.0f) * (g / (1.0f + __expf(-e.alpha * g)));
+}
+
+// h rows of the tile: the activation of each unit, bf16 (units of N tile blockIdx.y).
+template <bool BIAS = false>
+__device__ __forceinline__ void store_gate_up(const TileJob& job, const float acc[2][8][4], bf16* __restrict__ h, int I,
+                                              const Bias& e = Bias{}) {
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
@@ -271,13 +291,16 @@ __device__ __forceinline__ void store_gate_up(const TileJob& job, const float ac
                 if (u >= I) continue;
                 const float* gt = acc[mi][ni] + 2 * half;
                 const float* up = acc[mi][ni + 4] + 2 * half;
-                *reinterpret_cast<u32*>(hr + u) = pack_bf16(silu(gt[0]) * up[0], silu(gt[1]) * up[1]);
+                *reinterpret_cast<u32*>(hr + u) =
+                    pack_bf16(gate_act<BIAS>(gt[0], up[0], e, u, I), gate_act<BIAS>(gt[1], up[1], e, u + 1, I));
             }
         }
 }
 
-// y rows of the tile, fp32 (columns of N tile blockIdx.y).
-__device__ __forceinline__ void store_down(const TileJob& job, const float acc[2][8][4], float* __restrict__ y, int D) {
+// y rows of the tile, fp32 (columns of N tile blockIdx.y), plus the bias with BIAS.
+template <bool BIAS = false>
+__device__ __forceinline__ void store_down(const TileJob& job, const float acc[2][8][4], float* __restrict__ y, int D,
+                                           const Bias& e = Bias{}) {
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
@@ -289,7 +312,9 @@ __device__ __forceinline__ void store_down(const TileJob& job, const float acc[2
 #pragma unroll
             for (int ni = 0; ni < 8; ++ni) {
                 const int n = blockIdx.y * TC_BN + (warp % 2) * 64 + ni * 8 + 2 * t;
-                if (n < D) *reinterpret_cast<float2*>(yr + n) = make_float2(acc[mi][ni][2 * half], acc[mi][ni][2 * half + 1]);
+                if (n >= D) continue;
+                const float b0 = BIAS ? e.b[n] : 0.0f, b1 = BIAS ? e.b[n + 1] : 0.0f;
+                *reinterpret_cast<float2*>(yr + n) = make_float2(acc[mi][ni][2 * half] + b0, acc[mi][ni][2 * half + 1] + b1);
             }
         }
 }
@@ -465,6 +490,28 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) moe_tc_down(
     const bf16* __restrict__ h, const int* __restrict__ offsets, const bf16* __restrict__ w_down, float* __restrict__ y,
     int D, int I, int El) {
     down_tile<false>(h, offsets, reinterpret_cast<const unsigned char*>(w_down), nullptr, y, D, I, El, 1, 1);
+}
+
+// gpt-oss, bf16 experts: b_gate_up [El, 2I], b_down [El, D] fp32.
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) moe_tc_gate_up_swiglu(
+    const bf16* __restrict__ x, const int* __restrict__ sorted_slot, const int* __restrict__ offsets,
+    const bf16* __restrict__ w_gate_up, const float* __restrict__ b_gate_up, bf16* __restrict__ h, int D, int I, int k,
+    int El, float alpha, float limit) {
+    float acc[2][8][4];
+    TileJob job;
+    tc_tile<false, true>(x, sorted_slot, offsets, reinterpret_cast<const unsigned char*>(w_gate_up), nullptr, D, I, k,
+                         El, 1, 1, acc, job);
+    if (job.expert >= 0) store_gate_up<true>(job, acc, h, I, Bias{b_gate_up + (long long)job.expert * 2 * I, alpha, limit});
+}
+
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) moe_tc_down_bias(
+    const bf16* __restrict__ h, const int* __restrict__ offsets, const bf16* __restrict__ w_down,
+    const float* __restrict__ b_down, float* __restrict__ y, int D, int I, int El) {
+    float acc[2][8][4];
+    TileJob job;
+    tc_tile<false, false>(h, nullptr, offsets, reinterpret_cast<const unsigned char*>(w_down), nullptr, D, I, 1, El, 1, 1,
+                          acc, job);
+    if (job.expert >= 0) store_down<true>(job, acc, y, D, Bias{b_down + (long long)job.expert * D, 0.0f, 0.0f});
 }
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) moe_tc_gate_up_fp8(

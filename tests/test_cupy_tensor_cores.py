@@ -86,6 +86,34 @@ def test_moe_tc_against_numpy(monkeypatch, case):
     np.testing.assert_array_equal(g.to_host(g.moe_experts(*args)), got)  # reproducible bits
 
 
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_tc_swiglu_with_biases_against_numpy(monkeypatch, case):
+    """gpt-oss's bf16 experts on the tensor-core tiles: biases, the clamped SwiGLU (limit 0.5: both
+    clamps reached), expert_start > 0 and experts with no rows as in test_moe_tc_against_numpy."""
+    import cupy
+
+    from eprt.ops.cupy_ops import CupyOps
+
+    T, E, El, start, k, D, I, counts = MOE_CASES[case]
+    rng = np.random.default_rng(len(case) + 1)
+    g, c = CupyOps(moe_impl="tc"), NumpyOps()
+    x = bf16(rng.standard_normal((T, D)))
+    gu, down = bf16(rng.standard_normal((El, 2 * I, D)) / D**0.5), bf16(rng.standard_normal((El, D, I)) / I**0.5)
+    b_gu, b_d = (rng.standard_normal(shape).astype(np.float32) * 0.3 for shape in ((El, 2 * I), (El, D)))
+    w, ids = routing(rng, T, E, k, counts)
+    names = launched(monkeypatch)
+    act = (cupy.asarray(b_gu), cupy.asarray(b_d), start, 1.702, 0.5)
+    args = (g.activation(x), cupy.asarray(w), g.index(ids), *g.swiglu_expert_weights(gu, down), *act)
+    got = g.to_host(g.moe_experts_swiglu(*args))
+    assert names == ["moe_permute", "moe_tc_gate_up_swiglu", "moe_tc_down_bias", "moe_combine"]
+    want = c.moe_experts_swiglu(x, w, ids, *c.swiglu_expert_weights(gu, down), b_gu, b_d, start, 1.702, 0.5)
+    close(got, want, "moe", scale=float(np.abs(want).max()) or 1.0)
+    names.clear()
+    auto = CupyOps().moe_experts_swiglu(*args)  # auto: the same choice as moe_experts (_moe_choice)
+    assert ("moe_tc_down_bias" in names) == (T * k >= 4 * El)
+    close(g.to_host(auto), want, "moe", scale=float(np.abs(want).max()) or 1.0)
+
+
 @pytest.mark.parametrize("block", [(128, 128), (24, 32)])
 def test_moe_tc_fp8_against_numpy(monkeypatch, block):
     import cupy

@@ -1,6 +1,8 @@
 """gpt-oss's operations on the GPU (mixed into ``CupyOps``), on ``kernels/gptoss.cu``: the router's
-softmax over its top-k logits, attention with sinks and a window, and the experts with biases and
-the clamped SwiGLU, bf16 or MXFP4 (kept MXFP4 in device memory, dequantized in the GEMM kernels).
+softmax over its top-k logits, attention with sinks and a window (prefill from 16 rows on the tensor
+cores' ``flash_attention.cu``: cupy_flash.py), and the experts with biases and the clamped SwiGLU,
+bf16 or MXFP4 (kept MXFP4 in device memory, dequantized in the GEMM kernels; bf16 on the tensor
+cores' ``moe_tc.cu`` tiles where ``CupyOps.moe_experts`` takes them).
 The expert rows are grouped and combined by ``moe_permute.cu`` and ``moe_combine.cu`` as in
 ``CupyOps.moe_experts``. The NumPy reference and the contract: ``gptoss_ops.py``, ``base.py``.
 """
@@ -12,7 +14,7 @@ import numpy as np
 
 from eprt.ops.cupy_flash import flash_gqa
 from eprt.ops.gptoss_ops import MXFP4_BLOCK, Mxfp4Weight
-from eprt.ops.kernel_loader import LAUNCH, launch
+from eprt.ops.kernel_loader import LAUNCH, MOE_TC_BM, MOE_TC_BN, MOE_TC_SMEM, MOE_TC_UNITS, launch
 
 FILE = "gptoss.cu"
 _BF16, _F32, _I32, _U8 = (np.dtype(t) for t in (np.uint16, np.float32, np.int32, np.uint8))
@@ -42,7 +44,8 @@ def _per_warp(units: int, active: int, sm_count: int) -> int:
 
 
 class GptOssCupy:
-    """gpt-oss's ops of ``CupyOps`` (uses its ``weight``, ``sm_count`` and ``smem_limit``)."""
+    """gpt-oss's ops of ``CupyOps`` (uses its ``weight``, ``sm_count``, ``smem_limit`` and ``_moe_choice``:
+    bf16 experts take the tensor cores where CupyOps' would, MXFP4 ones the CUDA cores)."""
 
     def mxfp4_expert_weights(self, gate_up_blocks, gate_up_scales, down_blocks, down_scales) -> tuple:
         up = lambda a: cupy.asarray(np.ascontiguousarray(a, dtype=np.uint8))  # noqa: E731
@@ -157,21 +160,45 @@ class GptOssCupy:
         offsets, sorted_slot, slot_pos = self._permute_slots(ids, T * k, expert_start, El)
         h = cupy.empty((T * k, I), dtype=_BF16)  # [P, I] (P <= T*k rows used)
         y = cupy.empty((T * k, D), dtype=_F32)  # [P, D]
+        rows = (x, k, offsets, sorted_slot, h, y)
+        act = (np.float32(alpha), np.float32(limit))
+        if not mx and self._moe_choice(T * k, w_gate_up) == "tc":
+            self._swiglu_tc(rows, w_gate_up, w_down, b_gate_up, b_down, act)
+        else:
+            self._swiglu_cuda_cores(rows, w_gate_up, w_down, b_gate_up, b_down, act)
+        block = min(LAUNCH["moe_combine"].threads, max(32, (D + 31) // 32 * 32))
+        launch("moe_combine.cu", "moe_combine", (T,), block, (y, weights, slot_pos, out, np.int32(D), np.int32(k)))
+        return out
+
+    def _swiglu_cuda_cores(self, rows, w_gate_up, w_down, b_gate_up, b_down, act) -> None:
+        """h, then y ([P, D] fp32, sorted rows) on gptoss.cu's grouped CUDA-core kernels, bf16 or MXFP4."""
+        x, k, offsets, sorted_slot, h, y = rows
+        El, I2, D = w_gate_up.shape
+        I, mx = I2 // 2, isinstance(w_gate_up, Mxfp4Weight)
         suffix = "mxfp4" if mx else "bf16"
         gate_up = (w_gate_up.blocks, w_gate_up.scales) if mx else (w_gate_up,)
         down = (w_down.blocks, w_down.scales) if mx else (w_down,)
-        active = min(El, T * k)
+        active = min(El, sorted_slot.shape[0])
         upw = _per_warp(I, active, self.sm_count)
         args = (x, sorted_slot, offsets, *gate_up, b_gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw))
-        grid = (-(-I // (SW_WARPS * upw)), El)
-        launch(FILE, "moe_gate_up_swiglu_" + suffix, grid, 32 * SW_WARPS, (*args, np.float32(alpha), np.float32(limit)))
+        launch(FILE, "moe_gate_up_swiglu_" + suffix, (-(-I // (SW_WARPS * upw)), El), 32 * SW_WARPS, (*args, *act))
         units = (D + 1) // 2
         upw = _per_warp(units, active, self.sm_count)
         args = (h, offsets, *down, b_down, y, np.int32(D), np.int32(I), np.int32(upw))
         launch(FILE, "moe_down_bias_" + suffix, (-(-units // (SW_WARPS * upw)), El), 32 * SW_WARPS, args)
-        block = min(LAUNCH["moe_combine"].threads, max(32, (D + 31) // 32 * 32))
-        launch("moe_combine.cu", "moe_combine", (T,), block, (y, weights, slot_pos, out, np.int32(D), np.int32(k)))
-        return out
+
+    def _swiglu_tc(self, rows, w_gate_up, w_down, b_gate_up, b_down, act) -> None:
+        """h, then y on moe_tc.cu's tensor-core tiles (bf16 experts), one launch per projection over every
+        local expert, as CupyOps._experts_tc with the biases and the clamped SwiGLU."""
+        x, k, offsets, sorted_slot, h, y = rows
+        El, I2, D = w_gate_up.shape
+        I, n = I2 // 2, sorted_slot.shape[0]
+        slots = (n + El * (MOE_TC_BM - 1)) // MOE_TC_BM  # at least the (expert, 64-row tile) pairs
+        dims = (np.int32(D), np.int32(I))
+        args = (x, sorted_slot, offsets, w_gate_up, b_gate_up, h, *dims, np.int32(k), np.int32(El), *act)
+        launch("moe_tc.cu", "moe_tc_gate_up_swiglu", (slots, -(-I // MOE_TC_UNITS)), 128, args, MOE_TC_SMEM)
+        args = (h, offsets, w_down, b_down, y, *dims, np.int32(El))
+        launch("moe_tc.cu", "moe_tc_down_bias", (slots, -(-D // MOE_TC_BN)), 128, args, MOE_TC_SMEM)
 
     def _permute_slots(self, ids, n: int, expert_start: int, El: int) -> tuple:
         """moe_permute.cu's grouping of the n (token, choice) slots by local expert: (offsets [El + 1],

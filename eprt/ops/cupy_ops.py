@@ -17,7 +17,17 @@ from eprt.ops.base import GroupedRouting, Ops
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from eprt.ops.cupy_flash import flash_gqa, flash_mla
 from eprt.ops.cupy_gptoss import GptOssCupy
-from eprt.ops.kernel_loader import KERNELS, LAUNCH, MOE_TC_SMEM, MOE_TC_SMEM_FP8, MOE_TC_SMEM_W8A8, get_module
+from eprt.ops.kernel_loader import (
+    KERNELS,
+    LAUNCH,
+    MOE_TC_BM,
+    MOE_TC_BN,
+    MOE_TC_SMEM,
+    MOE_TC_SMEM_FP8,
+    MOE_TC_SMEM_W8A8,
+    MOE_TC_UNITS,
+    get_module,
+)
 from eprt.ops.kernel_loader import launch as _launch
 from eprt.ops.lora_ops import LoraRows
 
@@ -45,7 +55,6 @@ _MLA_MAX_HEADS = 16  # query heads per block of mla_attention (fewer when shared
 MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
 FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), activations quantized
 TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
-_TC_BM, _TC_UNITS, _TC_BN = 64, 64, 128  # moe_tc.cu: TC_BM rows, gate_up units and down columns per tile
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
 FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
@@ -917,7 +926,7 @@ class CupyOps(GptOssCupy, Ops):
         I, n = I2 // 2, x.shape[0] * k
         h = cupy.empty((n, I), dtype=_BF16)  # [P, I] (P <= T*k rows used)
         y = cupy.empty((n, D), dtype=_F32)  # [P, D]
-        slots = (n + El * (_TC_BM - 1)) // _TC_BM  # at least the (expert, 64-row tile) pairs
+        slots = (n + El * (MOE_TC_BM - 1)) // MOE_TC_BM  # at least the (expert, 64-row tile) pairs
         fp8 = isinstance(w_gate_up, Fp8Weight)
         if fp8 and self._w8a8(w_gate_up, w_down):
             return self._experts_w8a8(x, k, offsets, sorted_slot, w_gate_up, w_down, h, y, slots)
@@ -927,9 +936,9 @@ class CupyOps(GptOssCupy, Ops):
         blocks = lambda w: (np.int32(w.block_n), np.int32(w.block_k)) if fp8 else ()  # noqa: E731
         dims = (np.int32(D), np.int32(I))
         args = (x, sorted_slot, offsets, *gate_up, h, *dims, np.int32(k), np.int32(El), *blocks(w_gate_up))
-        _launch("moe_tc.cu", "moe_tc_gate_up" + suffix, (slots, -(-I // _TC_UNITS)), 128, args, smem)
+        _launch("moe_tc.cu", "moe_tc_gate_up" + suffix, (slots, -(-I // MOE_TC_UNITS)), 128, args, smem)
         args = (h, offsets, *down, y, *dims, np.int32(El), *blocks(w_down))
-        _launch("moe_tc.cu", "moe_tc_down" + suffix, (slots, -(-D // _TC_BN)), 128, args, smem)
+        _launch("moe_tc.cu", "moe_tc_down" + suffix, (slots, -(-D // MOE_TC_BN)), 128, args, smem)
         return y
 
     def _w8a8(self, w_gate_up: Fp8Weight, w_down: Fp8Weight) -> bool:
@@ -974,11 +983,11 @@ class CupyOps(GptOssCupy, Ops):
             np.int32(El),
             *blocks,
         )
-        _launch("moe_tc.cu", "moe_tc_gate_up_w8a8", (slots, -(-I // _TC_UNITS)), 128, args, MOE_TC_SMEM_W8A8)
+        _launch("moe_tc.cu", "moe_tc_gate_up_w8a8", (slots, -(-I // MOE_TC_UNITS)), 128, args, MOE_TC_SMEM_W8A8)
         hq, hs = self._quantize_rows(h, group)
         blocks = (np.int32(w_down.block_n), np.int32(group))
         args = (hq, hs, offsets, w_down.data, w_down.scale, y, *dims, np.int32(El), *blocks)
-        _launch("moe_tc.cu", "moe_tc_down_w8a8", (slots, -(-D // _TC_BN)), 128, args, MOE_TC_SMEM_W8A8)
+        _launch("moe_tc.cu", "moe_tc_down_w8a8", (slots, -(-D // MOE_TC_BN)), 128, args, MOE_TC_SMEM_W8A8)
         return y
 
     def _units_per_warp(self, units: int, active_experts: int) -> int:

@@ -33,6 +33,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "moe_tc_gate_up_w8a8",
         "moe_tc_down_w8a8",
         "fp8_quantize_rows",
+        "moe_tc_gate_up_swiglu",
+        "moe_tc_down_bias",
     ),
     "flash_attention.cu": ("flash_attention_d64", "flash_attention_d128", "flash_attention_d256", "flash_mla"),
     "fp8_linear.cu": ("fp8_linear", "fp8_dequant"),
@@ -87,6 +89,7 @@ OPT_IN = None  # dynamic shared memory up to the device's opt-in limit
 MOE_TC_SMEM = 3 * (64 * 40 * 2 + 128 * 40 * 2)
 MOE_TC_SMEM_FP8 = 3 * (64 * 40 * 2 + 128 * 48)
 MOE_TC_SMEM_W8A8 = 3 * (64 + 128) * 48  # both tiles fp8 bytes
+MOE_TC_BM, MOE_TC_UNITS, MOE_TC_BN = 64, 64, 128  # moe_tc.cu: TC_BM rows, gate_up units and down columns per tile
 LAUNCH: dict[str, Launch] = {
     **_each(KERNELS["rms_norm.cu"], 512),
     **_each(KERNELS["rope.cu"], 256),
@@ -97,7 +100,7 @@ LAUNCH: dict[str, Launch] = {
     "moe_permute": Launch(1024, OPT_IN),  # 32 warps at most
     "moe_gather_rows": Launch(256),
     **_each(KERNELS["moe_grouped_gemm.cu"], 128),
-    **_each(("moe_tc_gate_up", "moe_tc_down"), 128, MOE_TC_SMEM),
+    **_each(("moe_tc_gate_up", "moe_tc_down", "moe_tc_gate_up_swiglu", "moe_tc_down_bias"), 128, MOE_TC_SMEM),
     **_each(("moe_tc_gate_up_fp8", "moe_tc_down_fp8"), 128, MOE_TC_SMEM_FP8),
     **_each(("moe_tc_gate_up_w8a8", "moe_tc_down_w8a8"), 128, MOE_TC_SMEM_W8A8),
     "fp8_quantize_rows": Launch(128),

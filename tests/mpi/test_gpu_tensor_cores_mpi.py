@@ -8,7 +8,8 @@ prompts' prefill going through the tensor-core kernels (the grouped expert GEMM,
 attention or flash MLA: checked on every rank by the kernels it launched) and decode through
 the CUDA-core ones (up to 2 ranks). qwen3_next's full-attention layers take flash attention
 too; gpt_oss's attention with sinks takes it under a sliding window of 8 (the 35-token prompt
-crosses it), its SwiGLU experts stay on CUDA cores (no tensor-core form yet), bf16 and MXFP4.
+crosses it), its bf16 experts the tensor-core tiles with biases and the clamped SwiGLU, its MXFP4
+experts the CUDA-core kernels (no tensor-core form yet).
 Rank 0's tokens must follow the NumPy backend's up to the first difference, which must be a
 near-tie (the rule of tests/test_gpu_end_to_end.py, docs/gpu.md).
 """
@@ -30,10 +31,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_usable(), reason="no 
 PROMPTS = [[5, 77, 3], [140, 9, 9, 31, 200, 17, 64, 12, 250, 11], list(range(40, 75))]
 MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
 TC_EXPERTS = {"moe_tc_gate_up", "moe_tc_down"}
-# the kernels each model's generation must launch on every rank
+# the kernels each model's generation must launch on every rank (prefill), and its decode's CUDA-core experts
 KERNELS = {arch: TC_EXPERTS | {"flash_mla" if arch in MLA_ARCHS else "flash_attention_d64"} for arch in ARCHS}
 KERNELS.update({arch: TC_EXPERTS | {"flash_attention_d64"} for arch in HYBRID_ARCHS})
-KERNELS.update({f"gpt_oss-{v}": {"flash_attention_d64", f"moe_gate_up_swiglu_{v}"} for v in ("bf16", "mxfp4")})
+KERNELS["gpt_oss-bf16"] = {"flash_attention_d64", "moe_tc_gate_up_swiglu", "moe_tc_down_bias"}
+KERNELS["gpt_oss-mxfp4"] = {"flash_attention_d64", "moe_gate_up_swiglu_mxfp4"}
+DECODE_EXPERTS = {"gpt_oss-bf16": "moe_gate_up_swiglu_bf16", "gpt_oss-mxfp4": "moe_gate_up_swiglu_mxfp4"}
 
 
 def shared_checkpoint(model):
@@ -70,8 +73,9 @@ def test_tensor_core_prefill_tokens_follow_numpy(monkeypatch, arch):
         assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
         cuda = None
     assert KERNELS[arch] <= set(names), f"rank {COMM.rank}: {sorted(set(names))}"
-    if COMM.size <= 2 and TC_EXPERTS <= KERNELS[arch]:  # at 3 ranks, 9 slots for 2 local experts: tensor cores
-        assert "moe_gate_up_silu" in names, "decode's few rows per expert take the CUDA-core kernel"
+    if COMM.size <= 2:  # at 3 ranks, 3 sequences at top-3 give 9 slots for 2 local experts: tensor cores
+        decode = DECODE_EXPERTS.get(arch, "moe_gate_up_silu")
+        assert decode in names, "decode's few rows per expert take the CUDA-core kernel"
     if COMM.rank == 0:
         monkeypatch.undo()
         cpu = generate(
