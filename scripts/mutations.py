@@ -39,8 +39,8 @@ MUTATIONS = (
     Mutation(
         "dp mirror grows a token late",
         "eprt/engine/dp_executor.py",
-        "grow(st.key, st.length + len(appended[r]))",
-        "grow(st.key, st.length + len(appended[r]) - 1)",
+        "grow(st.key, st.length + len(appended[r]), first=st.length)",
+        "grow(st.key, st.length + len(appended[r]) - 1, first=st.length)",
         ("tests/mpi/test_dp_attention_mpi.py",),
         ranks=2,
     ),

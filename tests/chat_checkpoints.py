@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 
+from checkpoints import build_gptoss_checkpoint, building
+
 VOCAB = 320
 TAGS = [
     "<|im_start|>",
@@ -224,36 +226,33 @@ def build_chat_checkpoint(checkpoint, root: str, family: str) -> str:
     files linked, plus the byte-level tokenizer and ``family``'s chat template."""
     base = os.path.abspath(checkpoint("qwen3_moe", vocab_size=VOCAB, eos_token_id=EOS, max_position_embeddings=2048))
     out = os.path.join(root, family)
-    if os.path.isfile(os.path.join(out, "chat_template.jinja")):
-        return out
-    os.makedirs(out, exist_ok=True)
-    for name in os.listdir(base):
-        if not os.path.exists(os.path.join(out, name)):
-            os.symlink(os.path.join(base, name), os.path.join(out, name))
-    tok = byte_level_tokenizer()
-    assert tok.token_to_id("<|im_end|>") == EOS and tok.get_vocab_size() <= VOCAB
+    with building(out, done="chat_template.jinja") as temp:
+        if temp is not None:
+            for name in os.listdir(base):
+                os.symlink(os.path.join(base, name), os.path.join(temp[0], name))
+            tok = byte_level_tokenizer()
+            assert tok.token_to_id("<|im_end|>") == EOS and tok.get_vocab_size() <= VOCAB
+            _write_tokenizer(temp[0], tok, "<|im_end|>", TEMPLATES[family])
+    return out
+
+
+def _write_tokenizer(out: str, tok, eos: str, template: str) -> None:
+    """tokenizer.json, a tokenizer_config.json naming ``eos`` (no BOS), and chat_template.jinja last."""
     tok.save(os.path.join(out, "tokenizer.json"))
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "bos_token": None}, f)
+        json.dump({"eos_token": eos, "bos_token": None}, f)
     with open(os.path.join(out, "chat_template.jinja"), "w") as f:
-        f.write(TEMPLATES[family])
-    return out
+        f.write(template)
 
 
 def build_harmony_checkpoint(root: str) -> str:
     """``root``/gpt_oss-harmony: the tiny gpt_oss checkpoint (320 tokens, EOS <|return|> and <|call|>),
     the byte-level tokenizer with harmony's tags (ids 256..262, all special) and the HARMONY template."""
-    from checkpoints import build_gptoss_checkpoint
-
     out = os.path.join(root, "gpt_oss-harmony")
-    if os.path.isfile(os.path.join(out, "chat_template.jinja")):
-        return out
-    eos = [256 + HARMONY_TAGS.index(t) for t in HARMONY_EOS]
-    build_gptoss_checkpoint(out, "bfloat16", vocab_size=VOCAB, eos_token_id=eos, max_position_embeddings=1024)
-    tok = byte_level_tokenizer(HARMONY_TAGS, set(HARMONY_TAGS))
-    tok.save(os.path.join(out, "tokenizer.json"))
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|return|>", "bos_token": None}, f)
-    with open(os.path.join(out, "chat_template.jinja"), "w") as f:
-        f.write(HARMONY)
+    with building(out, done="chat_template.jinja") as temp:
+        if temp is not None:
+            eos = [256 + HARMONY_TAGS.index(t) for t in HARMONY_EOS]
+            kw = dict(vocab_size=VOCAB, eos_token_id=eos, max_position_embeddings=1024)
+            build_gptoss_checkpoint(temp[0], "bfloat16", **kw)
+            _write_tokenizer(temp[0], byte_level_tokenizer(HARMONY_TAGS, set(HARMONY_TAGS)), "<|return|>", HARMONY)
     return out

@@ -7,8 +7,12 @@ and an expert count that splits unevenly over 2, 3 and 4 ranks.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
+import tempfile
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 DEEPSEEK_LIKE = ("deepseek_v2", "deepseek_v3", "glm4_moe")
@@ -135,10 +139,63 @@ _ARCH = {
 }
 
 
+@contextlib.contextmanager
+def building(path: str, *more: str, done: str = "config.json"):
+    """Build the directory ``path`` (and the directories ``more`` beside it) once, safely across
+    processes (pytest-xdist workers, MPI ranks, test phases run at once). Yields None where
+    ``path``/``done`` exists, else one new directory for each of ``path``, ``*more`` to fill. A lock
+    on a hidden ``.NAME.lock`` beside ``path`` lets one process build while the others wait; when the
+    block ends without error the directories move into place, ``path`` last, and a ``*config.json``
+    file last within each (a rename where the target is absent or empty), so a reader that checks
+    ``path``/``done`` never sees half a checkpoint. The temporaries are hidden and removed on error."""
+    if os.path.isfile(os.path.join(path, done)):
+        yield None
+        return
+    parent, name = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    lock_path = os.path.join(parent, f".{name}.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not os.path.isfile(os.path.join(path, done)):  # (else built by the process that held the lock)
+            work = tempfile.mkdtemp(prefix=f".{name}.", dir=parent)
+            try:
+                temps = [os.path.join(work, str(i)) for i in range(1 + len(more))]
+                for temp in temps:
+                    os.mkdir(temp)
+                yield temps
+                for temp, final in reversed(list(zip(temps, (path, *more)))):
+                    _move_into_place(temp, final)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        else:
+            yield None
+        with contextlib.suppress(FileNotFoundError):  # built: whoever holds or opens the lock finds it so
+            os.unlink(lock_path)
+
+
+def _move_into_place(temp: str, final: str) -> None:
+    """Directory ``temp`` renamed to ``final`` (absent or empty), else its files moved into it one by
+    one, the ``*config.json`` ones last."""
+    if not os.path.isdir(final) or not os.listdir(final):
+        os.rename(temp, final)
+        return
+    for entry in sorted(os.listdir(temp), key=lambda e: e.endswith("config.json")):
+        target = os.path.join(final, entry)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(temp, entry), target)
+
+
 def build_checkpoint(arch: str, path: str, dtype: str = "float32", seed: int = 0, **overrides) -> str:
-    """Build and save a random ``arch`` checkpoint at ``path`` (skipped if already there)."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
+    """Build and save a random ``arch`` checkpoint at ``path`` (skipped if already there; safe
+    to call from several processes at once: ``building``)."""
+    with building(path) as temp:
+        if temp is not None:
+            _save_checkpoint(arch, temp[0], dtype, seed, overrides)
+    return path
+
+
+def _save_checkpoint(arch: str, path: str, dtype: str, seed: int, overrides: dict) -> None:
     import torch
     import transformers
 
@@ -157,7 +214,6 @@ def build_checkpoint(arch: str, path: str, dtype: str = "float32", seed: int = 0
     model = model.to(getattr(torch, dtype)).eval()
     model.generation_config.pad_token_id = kw["pad_token_id"]
     model.save_pretrained(path)
-    return path
 
 
 VL_IMAGE, VL_VIDEO, VL_START, VL_END = 250, 251, 248, 249  # qwen3_vl_moe's special token ids in the tiny vocabulary
@@ -211,9 +267,15 @@ def build_gptoss_checkpoint(path: str, dtype: str = "float32", mxfp4: bool = Fal
     """A random gpt_oss checkpoint: biases (zero-initialized by transformers) and sinks random so that
     every one of them is tested. ``mxfp4``: the experts quantized to MXFP4 as the released checkpoints
     store them (``*_blocks`` / ``*_scales``, ``quantization_config.quant_method = "mxfp4"``), the rest
-    in ``dtype``; its transformers reference is ``load_reference`` (dequantized by transformers)."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
+    in ``dtype``; its transformers reference is ``load_reference`` (dequantized by transformers).
+    Built once across processes (``building``)."""
+    with building(path) as temp:
+        if temp is not None:
+            _save_gptoss_checkpoint(temp[0], dtype, mxfp4, seed, overrides)
+    return path
+
+
+def _save_gptoss_checkpoint(path: str, dtype: str, mxfp4: bool, seed: int, overrides: dict) -> None:
     import torch
     import transformers
 
@@ -231,7 +293,6 @@ def build_gptoss_checkpoint(path: str, dtype: str = "float32", mxfp4: bool = Fal
     model.save_pretrained(path)
     if mxfp4:
         _quantize_experts_mxfp4(path)
-    return path
 
 
 def _mxfp4(w):
@@ -336,14 +397,16 @@ def build_vl_checkpoint(
     default a vision tower of depth 3 with deepstack at vision layers 0 and 1 and interleaved MRoPE
     sections (2, 3, 3) of head_dim 16; ``text`` / ``vision``: config fields over those, ``scale``:
     every weight multiplied by it. At most 4 x 4 merged placeholders an image (64 x 64 pixels at patch 8)."""
-    import json
+    with building(path) as temp:
+        if temp is not None:
+            _save_vl_checkpoint(temp[0], _vl_config(text, vision, mrope_section), seed, scale)
+    return path
 
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
+
+def _save_vl_checkpoint(path: str, cfg, seed: int, scale: float) -> None:
     import torch
     import transformers
 
-    cfg = _vl_config(text, vision, mrope_section)
     torch.manual_seed(seed)
     model = transformers.Qwen3VLMoeForConditionalGeneration(cfg).eval()
     if scale != 1.0:
@@ -357,7 +420,6 @@ def build_vl_checkpoint(
     pre = dict(VL_PREPROCESSOR, patch_size=patch, size={"shortest_edge": factor**2, "longest_edge": (4 * factor) ** 2})
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(pre, f, indent=1)
-    return path
 
 
 def load_vl_reference(path: str):
@@ -480,14 +542,16 @@ def build_fp8_copy(source: str, path: str, block: tuple = (128, 128)) -> tuple:
     """An FP8 block-scaled copy of checkpoint ``source`` at ``path`` (F8_E4M3 weights with
     weight_scale_inv, quantization_config in config.json) and, at ``path + "-dequantized"``, the
     float32 checkpoint of its dequantized weights (the transformers reference). Returns both paths."""
-    import json
-    import shutil
+    reference = path + "-dequantized"
+    with building(path, reference) as temp:
+        if temp is not None:
+            _save_fp8_copy(source, temp[0], temp[1], block)
+    return path, reference
 
+
+def _save_fp8_copy(source: str, path: str, reference: str, block: tuple) -> None:
     from safetensors.torch import load_file, save_file
 
-    reference = path + "-dequantized"
-    if os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(reference, "config.json")):
-        return path, reference
     fp8, dequantized = {}, {}
     for name, t in load_file(os.path.join(source, "model.safetensors")).items():
         if _fp8_quantized(name, t):
@@ -522,7 +586,6 @@ def build_fp8_copy(source: str, path: str, block: tuple = (128, 128)) -> tuple:
             shutil.copy(os.path.join(source, "generation_config.json"), out)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg, f, indent=1)
-    return path, reference
 
 
 def reference_greedy(path, prompt, steps):
@@ -555,8 +618,13 @@ def build_mtp_checkpoint(path: str, seed: int = 0, echo: bool = False, echo_laye
     zero expert and shared-expert down projections) but costing a layer's compute, so the MTP
     layer costs 1 / echo_layers of the model, as in a deep model.
     ``overrides``: config fields of the deepseek_v3 checkpoint (expert counts, groups)."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
+    with building(path) as temp:
+        if temp is not None:
+            _save_mtp_checkpoint(temp[0], seed, echo, echo_layers, overrides)
+    return path
+
+
+def _save_mtp_checkpoint(path: str, seed: int, echo: bool, echo_layers: int, overrides: dict) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -604,7 +672,6 @@ def build_mtp_checkpoint(path: str, seed: int = 0, echo: bool = False, echo_laye
     ):
         tensors[mtp + name] = value.float().clone().contiguous()
     save_file(tensors, file, metadata={"format": "pt"})
-    return path
 
 
 COPY_MATCH = 6  # the copy checkpoint's induction head matches the last 6 tokens
@@ -632,8 +699,13 @@ def build_copy_checkpoint(path: str, seed: int = 0, match: int = COPY_MATCH, mtp
     code and previous codes one slot further back), and its decoder layer is layer 1's induction
     head, so it drafts the token after next; fed its own output and its draft, the next one.
     ``overrides``: config fields (the size; heads, head_dim and rope are the construction's)."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
+    with building(path) as temp:
+        if temp is not None:
+            _save_copy_checkpoint(temp[0], seed, match, mtp, overrides)
+    return path
+
+
+def _save_copy_checkpoint(path: str, seed: int, match: int, mtp: bool, overrides: dict) -> None:
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
@@ -718,4 +790,3 @@ def build_copy_checkpoint(path: str, seed: int = 0, match: int = COPY_MATCH, mtp
         with open(config, "w") as f:
             json.dump(cfg, f, indent=2)
     save_file({n: np.ascontiguousarray(x) for n, x in t.items()}, file, metadata={"format": "pt"})
-    return path

@@ -10,23 +10,26 @@ from __future__ import annotations
 import json
 import os
 
+from checkpoints import building, load_reference
+
 
 def peft_adapter(base: str, out: str, seed: int = 1, **lora) -> tuple:
-    """(adapter dir, merged model dir) of a random LoRA adapter on ``base`` (built once)."""
+    """(adapter dir, merged model dir) of a random LoRA adapter on ``base`` (built once, by one
+    process of several: checkpoints.building)."""
     merged = out + "-merged"
-    if not os.path.isfile(os.path.join(merged, "config.json")):
-        import torch
-        from checkpoints import load_reference
-        from peft import LoraConfig, get_peft_model
+    with building(out, merged, done="adapter_config.json") as temp:
+        if temp is not None:
+            import torch
+            from peft import LoraConfig, get_peft_model
 
-        torch.manual_seed(seed)
-        model = get_peft_model(load_reference(base), LoraConfig(init_lora_weights=False, **lora))
-        with torch.no_grad():  # peft's random B is large: keep the deltas a perturbation
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.mul_(0.3)
-        model.save_pretrained(out)
-        model.merge_and_unload().save_pretrained(merged)
+            torch.manual_seed(seed)
+            model = get_peft_model(load_reference(base), LoraConfig(init_lora_weights=False, **lora))
+            with torch.no_grad():  # peft's random B is large: keep the deltas a perturbation
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.mul_(0.3)
+            model.save_pretrained(temp[0])
+            model.merge_and_unload().save_pretrained(temp[1])
     return out, merged
 
 
@@ -35,10 +38,14 @@ def per_expert_adapter(base: str, out: str, arch_names: tuple, seed: int = 1, r:
     layer (expert ranks alternate r and r // 2 through rank_pattern) and q_proj; returns
     (adapter dir, merged model dir)."""
     merged = out + "-merged"
-    if os.path.isfile(os.path.join(merged, "config.json")):
-        return out, merged
+    with building(out, merged, done="adapter_config.json") as temp:
+        if temp is not None:
+            _save_per_expert_adapter(base, temp[0], temp[1], arch_names, seed, r, alpha)
+    return out, merged
+
+
+def _save_per_expert_adapter(base: str, out: str, merged: str, arch_names: tuple, seed: int, r: int, alpha: float):
     import torch
-    from checkpoints import load_reference
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
@@ -70,7 +77,6 @@ def per_expert_adapter(base: str, out: str, arch_names: tuple, seed: int = 1, r:
     with open(os.path.join(out, "adapter_config.json"), "w") as f:
         json.dump(config, f)
     model.save_pretrained(merged)
-    return out, merged
 
 
 def _lora(tensors: dict, key: str, w, r: int, scale: float, g) -> None:

@@ -497,6 +497,7 @@ def test_max_tokens_past_the_context_is_cut_and_a_full_prompt_is_a_line_error(ch
     assert "leaves room for at most 31" in out["full"]["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2], ids=["n1", "mpiexec-n2"])
 def test_a_line_whose_request_fails_is_recorded_and_a_resume_does_not_crash(tmp_path, world):
     """Issue 35: the line {"repetition_penalty": 1e-320, ...} crashed the job on every resume (0 of

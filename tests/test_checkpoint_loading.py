@@ -14,6 +14,7 @@ from eprt.model.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from eprt.ops.numpy_ops import NumpyOps
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_loads_the_same_weights(checkpoint, tmp_path):
     import transformers
 

@@ -176,7 +176,7 @@ def test_eprt_run_writes_the_choices_of_a_line(tmp_path):
     from eprt.serve.batch import run_batch
 
     lines = [
-        {"id": "four", "prompt": "Once upon", "max_tokens": 6, "temperature": 0.8, "seed": 2, "n": 4},
+        {"id": "four", "prompt": "Return the", "max_tokens": 6, "temperature": 0.8, "seed": 2, "n": 4},
         {"id": "best", "prompt": "Once upon", "max_tokens": 6, "temperature": 1.0, "seed": 2, "n": 1, "best_of": 3},
         {"id": "bad", "prompt": "Once upon", "n": 0},
     ]

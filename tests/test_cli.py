@@ -58,6 +58,7 @@ def test_serve_help_needs_no_web_stack():
     assert run.returncode == 2 and "pip install 'eprt[serve]'" in run.stderr and not LOADED.search(run.stderr)
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_before_loading_where_it_can(tmp_path):
     out = tmp_path / "out.jsonl"
     cases = [
@@ -83,6 +84,7 @@ def test_a_bad_prompt_exits_2_and_runs_no_prompt():
     assert run.stdout == ""
 
 
+@pytest.mark.slow
 def test_two_ranks_exit_2_on_bad_input_too(tmp_path):
     """Launchers OR the ranks' exit codes: a worker exiting 1 beside rank 0's 2 made it 3."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}

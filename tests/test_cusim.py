@@ -707,6 +707,7 @@ MUTATIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_gpu_tests_on_cusim_catch_a_mutation(tmp_path, name):
     file, old, new, selection, tests = (*MUTATIONS[name], "test_cupy_ops.py")[:5]
@@ -742,6 +743,7 @@ def test_gpu_tests_on_cusim_catch_a_mutation(tmp_path, name):
     assert proc.returncode == 1 and " failed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["auto", "gathered"])
 def test_gpu_benchmark_script_runs_on_cusim(impl):
     # benchmarks/gpu_session.sh runs it on a GPU when one is lent; a crash there would waste
@@ -793,6 +795,7 @@ def test_gpu_benchmark_script_runs_on_cusim(impl):
         assert not beside, proc.stdout
 
 
+@pytest.mark.slow
 def test_eprt_generate_on_the_cuda_backend_runs_on_cusim():
     # the CLI's GPU path (device binding, KV pool from free memory and
     # --gpu-memory-utilization, CuPy backend, text out) as a user runs it on a GPU node
@@ -824,6 +827,7 @@ def test_eprt_generate_on_the_cuda_backend_runs_on_cusim():
     assert "on cuda" in proc.stderr and "generated 8" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
 @pytest.mark.parametrize("devices", [1, 2])
 def test_combine_benchmark_runs_on_cusim_at_two_ranks(devices):

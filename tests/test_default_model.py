@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from checkpoints import load_reference
 
 from eprt.api import GenerationRequest, SamplingParams
@@ -16,6 +17,8 @@ from eprt.model.tokenizer import ByteTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE_BUDGET = 4 * 1024 * 1024  # bytes: all shipped files of the default model together
+TURN_BOUND = 128  # tokens: a greedy chat reply of the built-in model ends its turn within this
+QUESTIONS = ("What does json.dumps do?", "Hi! Who are you?", "Explain the socket module.", "How do I sort a list?")
 
 
 def readme_command() -> tuple[str, int]:
@@ -57,6 +60,7 @@ def test_shipped_files_are_declared_package_data():
     assert sorted(listed) == sorted(f"default_model/{f}" for f in os.listdir(DEFAULT_MODEL_DIR))
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_transformers():
     import torch
 
@@ -93,6 +97,39 @@ def test_chat_reply_is_text():
     chat = tok.apply_chat_template([{"role": "user", "content": "What does json.dumps do?"}])
     reply = tok.decode(generate([tok.encode(chat)], 40)[0].token_ids)
     assert looks_like_english(reply) and not reply.startswith("<|"), reply
+
+
+def test_chat_template_ends_an_assistant_turn_with_the_models_eos():
+    """The template's end of turn is config.json's eos_token_id: generation stops where a turn ends."""
+    tok, cfg = ByteTokenizer(), load_config(DEFAULT_MODEL_DIR)
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    ids = tok.apply_chat_template([*turns, {"role": "user", "content": "Bye"}], tokenize=True)
+    assert ids == [*b"<|user|>\nHi\n<|assistant|>\nHello.", tok.EOS, *b"<|user|>\nBye\n<|assistant|>\n"]
+    assert tok.encode(tok.apply_chat_template(turns, add_generation_prompt=False))[-1] in cfg.eos_token_ids
+    assert tok.encode("plain <eos> text") == list(b"plain <eos> text")  # only a rendered chat holds special tokens
+
+
+def test_greedy_chat_replies_end_their_turn_within_the_bound():
+    """Trained with <eos> after every assistant reply: a chat's greedy reply stops ("stop", EOS last),
+    on questions like the training exchanges' and on others, well before TURN_BOUND tokens."""
+    tok = ByteTokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True) for q in QUESTIONS]
+    for q, res in zip(QUESTIONS, generate(prompts, TURN_BOUND)):
+        assert res.finish_reason == "stop" and res.token_ids[-1] == tok.EOS, (q, res.finish_reason, res.text)
+        assert looks_like_english(res.text) and "<|" not in res.text, (q, res.text)
+
+
+def test_served_chat_without_max_tokens_ends_its_turn():
+    """The issue's case: a chat request without max_tokens may run to the end of the context; the
+    built-in model's reply ends with finish_reason "stop" within TURN_BOUND tokens instead."""
+    import httpx
+    from test_server import running_server
+
+    body = {"messages": [{"role": "user", "content": "Hello"}]}
+    with launch_engine(EngineConfig(model=None, device="cpu", max_batch=1)) as engine, running_server(engine) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    assert r["choices"][0]["finish_reason"] == "stop", r
+    assert 1 <= r["usage"]["completion_tokens"] <= TURN_BOUND, r["usage"]
 
 
 def test_served_name_is_the_default_model_name():

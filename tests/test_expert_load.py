@@ -41,6 +41,7 @@ def test_imbalance_and_rank_load():
     np.testing.assert_array_equal(rank_load(counts, 3), [14 + 6, 6, 6])  # experts 0-1, 2, 3
 
 
+@pytest.mark.slow
 def test_run_stats_out_then_stats_plot(checkpoint, tmp_path):
     pytest.importorskip("matplotlib")
     path = checkpoint("mixtral")

@@ -170,6 +170,7 @@ _BODY = st.builds(
 )
 
 
+@pytest.mark.slow
 @settings(
     max_examples=120,
     derandomize=True,

@@ -40,6 +40,7 @@ def run(path, prompts, n=32, **kw):
         return engine.generate([GenerationRequest(p, SamplingParams(max_tokens=n)) for p in prompts])
 
 
+@pytest.mark.slow
 def test_greedy_32_tokens_match_transformers(checkpoint, arch):
     path = checkpoint(arch)
     for prompt in PROMPTS[:2]:

@@ -163,3 +163,36 @@ def test_a_tool_result_and_earlier_analysis_render_in_harmony(harmony_server, ck
     assert '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"' in prompt
     assert "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny, 21 C<|end|>" in prompt
     assert "# Instructions\n\nBe brief." in prompt and prompt.endswith("<|start|>assistant")
+
+
+def test_reasoning_effort_is_the_templates_variable(harmony_server, ckpt_root):
+    """vLLM's reasoning_effort reaches the template (gpt-oss's writes 'Reasoning: <effort>' into its
+    system message; medium when absent); a value outside OpenAI's four, a clash with
+    chat_template_kwargs and completions are refused naming the field."""
+    import httpx
+    from tokenizers import Tokenizer
+
+    client, model = harmony_server
+    url = str(client.base_url).removesuffix("/v1/")
+    tok = Tokenizer.from_file(f"{build_harmony_checkpoint(ckpt_root)}/tokenizer.json")
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def rendered(**kw) -> str:
+        r = httpx.post(f"{url}/tokenize", json={"model": model, "messages": messages, **kw}, timeout=60)
+        assert r.status_code == 200, r.text
+        return tok.decode(r.json()["tokens"], skip_special_tokens=False)
+
+    assert "Reasoning: high" in rendered(reasoning_effort="high") and "Reasoning: medium" in rendered()
+    answer = client.chat.completions.create(model=model, messages=messages, max_tokens=1, reasoning_effort="low")
+    assert answer.usage.prompt_tokens == len(tok.encode(rendered(reasoning_effort="low"), add_special_tokens=False).ids)
+    for body, route, word in (
+        ({"messages": messages, "reasoning_effort": "extreme"}, "chat/completions", "must be one of"),
+        (
+            {"messages": messages, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+            "chat/completions",
+            "differs",
+        ),
+        ({"prompt": "Hi", "reasoning_effort": "low"}, "completions", "needs /v1/chat/completions"),
+    ):
+        r = httpx.post(f"{url}/v1/{route}", json={"model": model, "max_tokens": 1, **body}, timeout=60)
+        assert r.status_code == 400 and "reasoning_effort" in r.text and word in r.text, (route, r.text)

@@ -53,7 +53,9 @@ class Resources:
         return per_warp * -(-threads // 32)
 
 
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def needs_nvcc(test):
+    """Skipped without nvcc; slow (nvcc and ptxas over every kernel, for two architectures)."""
+    return pytest.mark.slow(pytest.mark.skipif(NVCC is None, reason="nvcc not found")(test))
 
 
 def entry_points(ptx_text: str) -> set[str]:

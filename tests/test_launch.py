@@ -303,6 +303,7 @@ def job_signal_spec() -> str:
     return re.search(r"^#SBATCH --signal=(\S+)", text, re.M).group(1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("mpiexec"), reason="needs mpiexec (the fake srun starts its 2 tasks with it)")
 @pytest.mark.parametrize("how", ["time limit", "signal to the batch shell"])
 def test_sbatch_tasks_drain_on_sigterm_under_slurm_signal_semantics(tmp_path, how):
@@ -378,6 +379,7 @@ def test_sbatch_tasks_drain_on_sigterm_under_slurm_signal_semantics(tmp_path, ho
     assert all("error" not in r and r["finish_reason"] in ("stop", "length") for r in records)
 
 
+@pytest.mark.slow
 def test_generate_drains_on_sigterm(tmp_path):
     """`eprt generate` (rank 0 of 2): SIGTERM lets the running prompts finish and prints them, the
     queued ones are reported not run, exit 1. Was: killed at once with nothing printed."""

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from checkpoints import building
 
 from eprt.comm.protocol import DecodeBatch
 from eprt.comm.transport import LocalTransport
@@ -38,11 +39,15 @@ def _resident_bytes(weights) -> int:
 
 def _fused_copy(path: str, out: str) -> str:
     """``path`` re-saved with fused expert tensors (experts.gate_up_proj [E, 2I, D], down_proj [E, D, I])."""
+    with building(out) as temp:
+        if temp is not None:
+            _save_fused(path, temp[0])
+    return out
+
+
+def _save_fused(path: str, out: str) -> None:
     from safetensors.numpy import load_file, save_file
 
-    if os.path.isfile(os.path.join(out, "config.json")):
-        return out
-    os.makedirs(out, exist_ok=True)
     cfg = load_config(path)
     tensors = load_file(os.path.join(path, "model.safetensors"))
     g, u, d = cfg.expert_names
@@ -56,7 +61,6 @@ def _fused_copy(path: str, out: str) -> str:
         tensors[f"{m}.down_proj"] = np.stack([tensors.pop(f"{m}.{e}.{d}.weight") for e in experts])
     save_file(tensors, os.path.join(out, "model.safetensors"))
     shutil.copy(os.path.join(path, "config.json"), out)
-    return out
 
 
 def _check_weights_match_the_loader(path: str, ranks: int) -> None:

@@ -9,6 +9,7 @@ import io
 import json
 from pathlib import Path
 
+import pytest
 from fake_engine import FakeEngine
 
 from eprt.api import GenerationRequest, SamplingParams
@@ -23,6 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 class Tty(io.StringIO):
     def isatty(self) -> bool:
         return True
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch):
+    """The bar is cut to the terminal's width (COLUMNS; pytest-xdist's workers say 80, as a narrow
+    terminal would): these checks read whole lines."""
+    monkeypatch.setenv("COLUMNS", "200")
 
 
 def test_the_mode_follows_the_terminal_and_eprt_progress(monkeypatch):

@@ -43,6 +43,7 @@ def eprt_greedy(path, prompts, steps, chunk=0):
     return [list(map(int, np.argmax(r, axis=-1))) for r in rows], rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_tokens_and_logits_match_transformers(checkpoint, dtype, chunk):
@@ -102,6 +103,7 @@ def generate(path, prompts, n=6, **kw):
         return [r.token_ids for r in results], [r.cached_tokens for r in results], engine.stats()
 
 
+@pytest.mark.slow
 def test_chunked_prefill_compaction_and_preemption_keep_outputs(checkpoint):
     path = checkpoint("qwen3_next")
     system = list(range(20, 44))

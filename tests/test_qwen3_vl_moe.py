@@ -126,6 +126,7 @@ def variant(request, ckpt_root):
     return vl_checkpoint(ckpt_root, request.param)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 7])
 def test_every_variant_matches_transformers_processor_and_model(variant, chunk):
     """Expanded prompts and greedy tokens equal transformers' (its PIL processor's pixels and

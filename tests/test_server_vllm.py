@@ -267,6 +267,7 @@ SAMPLES = {
     "tools": {"chat": {"tools": [TOOL], "tool_choice": "none"}},
     "tool_choice": {"chat": {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}},
     "chat_template_kwargs": {"chat": {"chat_template_kwargs": {"enable_thinking": False}}},
+    "reasoning_effort": {"chat": {"reasoning_effort": "low"}},
     "max_thinking_tokens": {"chat": {"max_thinking_tokens": 8}},
     "thinking_token_budget": {"chat": {"thinking_token_budget": 8}},
     "n": {"n": 2},

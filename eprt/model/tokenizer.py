@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.53 / 5.x saves the template
@@ -160,18 +161,29 @@ class Tokenizer:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255 plus <bos>=256, <eos>=257 (the default model's tokenizer)."""
+    """UTF-8 bytes as ids 0..255 plus <bos>=256, <eos>=257 (the default model's tokenizer). Its chat
+    template ends each assistant turn with ``<eos>``, the model's eos_token_id: the turn the model
+    writes ends where generation stops (the default model was trained on exchanges rendered so)."""
 
     BOS, EOS = 256, 257
     vocab_size = 258
+    SPECIAL_TOKENS = {"<bos>": BOS, "<eos>": EOS}
+    END_OF_TURN = "<eos>"  # what the template writes after an assistant's content
 
     def __init__(self):
         self.eos_token_ids = [self.EOS]
         self.chat_template = None
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
-        """The text's bytes; the default model was built without BOS, so none is ever added."""
-        return list(text.encode("utf-8"))
+        """The text's bytes. In a ``ChatPrompt`` the special tokens' texts (``<bos>``, ``<eos>``) are
+        their ids, as transformers parses a rendered chat; the default model was built without BOS,
+        so none is ever added."""
+        if not isinstance(text, ChatPrompt):
+            return list(text.encode("utf-8"))
+        ids = []
+        for i, part in enumerate(re.split("(<bos>|<eos>)", text)):
+            ids += [self.SPECIAL_TOKENS[part]] if i % 2 else list(part.encode("utf-8"))
+        return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -182,8 +194,13 @@ class ByteTokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False, tools=None, **kwargs
     ):
-        text = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages)
-        text += "<|assistant|>\n" if add_generation_prompt else ""
+        """``<|role|>\\n`` and the content of each message, then ``\\n``, or ``<eos>`` after an
+        assistant's; ``<|assistant|>\\n`` opens the reply to generate."""
+        text = "".join(
+            f"<|{m['role']}|>\n{m.get('content') or ''}" + (self.END_OF_TURN if m["role"] == "assistant" else "\n")
+            for m in messages
+        )
+        text = ChatPrompt(text + ("<|assistant|>\n" if add_generation_prompt else ""))
         return self.encode(text) if tokenize else text
 
 

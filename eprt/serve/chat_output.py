@@ -25,6 +25,7 @@ from eprt.serve.tool_formats import Parsed
 
 RESERVED_KWARGS = ("messages", "tools", "documents", "add_generation_prompt")
 MAX_KWARGS = 64
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")  # OpenAI's values; a template variable, as vLLM passes it
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,22 @@ class ChatSetup:
 
 
 def template_kwargs(body: dict) -> dict:
-    value = body.get("chat_template_kwargs")
+    """chat_template_kwargs, and reasoning_effort as the template's variable of that name (gpt-oss's
+    template reads it; a template that does not ignores it, as with vLLM)."""
+    args = _kwargs(body.get("chat_template_kwargs"))
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return args
+    if effort not in REASONING_EFFORTS:
+        raise FieldError(
+            "reasoning_effort", f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}"
+        )
+    if args.setdefault("reasoning_effort", effort) != effort:
+        raise FieldError("reasoning_effort", "reasoning_effort differs from chat_template_kwargs' reasoning_effort")
+    return args
+
+
+def _kwargs(value) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict) or len(value) > MAX_KWARGS or not all(isinstance(k, str) for k in value):

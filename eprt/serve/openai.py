@@ -60,7 +60,6 @@ UNSUPPORTED = {
     "modalities": (lambda v: v not in (None, ["text"]), 'only modalities ["text"] are supported'),
     "prediction": (_set, "prediction (predicted outputs) is not supported"),
     "web_search_options": (_set, "web_search_options is not supported"),
-    "reasoning_effort": (_set, "reasoning_effort is not supported: the model has no reasoning budget"),
     "verbosity": (_set, "verbosity is not supported"),
     "use_beam_search": (_set, "use_beam_search is not supported"),
     "length_penalty": (lambda v: v not in (None, 1, 1.0), "length_penalty needs beam search, which is not supported"),
@@ -89,6 +88,7 @@ CHAT_UNSUPPORTED = {
 # chat's fields that completions refuse (parallel_tool_calls: accepted, no effect)
 COMPLETION_UNSUPPORTED = {
     "tools": (_set, "tools need /v1/chat/completions"),
+    "reasoning_effort": (_set, "reasoning_effort needs /v1/chat/completions (a chat template's variable)"),
     "tool_choice": (lambda v: v not in (None, "none"), "tool_choice needs tools, on /v1/chat/completions"),
     **{
         name: (lambda v: v is not None, f"{name} needs /v1/chat/completions (its thinking block)")
@@ -100,7 +100,7 @@ COMPLETION_UNSUPPORTED = {
 HONOURED = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
 HONOURED |= {"timeout", "echo", "top_logprobs", "return_token_ids", "request_id", "truncate_prompt_tokens", *PROCESSING}
 HONOURED |= {"n", "best_of", "response_format", "structured_outputs", *GUIDED_FIELDS}
-HONOURED |= {*TOOL_FIELDS, *BUDGET_FIELDS, "chat_template_kwargs"}
+HONOURED |= {*TOOL_FIELDS, *BUDGET_FIELDS, "chat_template_kwargs", "reasoning_effort"}
 NO_EFFECT = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -136,6 +136,9 @@ class ChatCompletionRequest(_Processing, ChatCompletionBody):
     )
     parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="the chat template's variables")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="the chat template's reasoning_effort variable (gpt-oss reads it)"
+    )
     max_thinking_tokens: StrictInt | None = Field(None, ge=0, description="needs --reasoning-parser")
     thinking_token_budget: StrictInt | None = Field(None, ge=0, description="vLLM's name of max_thinking_tokens")
 
@@ -211,6 +214,9 @@ class TokenizeRequest(BaseModel):
     return_token_strs: StrictBool = False
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="with messages: as a chat renders them")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="with messages: the template's variables")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="with messages: the template's reasoning_effort variable"
+    )
 
 
 class TokenizeResponse(BaseModel):

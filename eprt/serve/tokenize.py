@@ -19,7 +19,14 @@ from eprt.serve.tool_calls import ToolSettings, parse_tools
 log = logging.getLogger("eprt.serve")
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
-TOKENIZE_FIELDS |= {"continue_final_message", "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "tools"}
+TOKENIZE_FIELDS |= {
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "mm_processor_kwargs",
+    "tools",
+}
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -62,7 +69,7 @@ def _template_args(body: dict) -> dict:
     """A chat's ``tools`` and ``chat_template_kwargs``, the template's variables as a chat request
     gives them (so the count is the chat's prompt_tokens); FieldError naming a bad one."""
     if "prompt" in body:
-        for name in ("tools", "chat_template_kwargs"):
+        for name in ("tools", "chat_template_kwargs", "reasoning_effort"):
             if body.get(name) not in (None, {}, []):
                 raise FieldError(name, f"{name} goes with messages (a chat), not prompt")
         return {}
