@@ -2,16 +2,17 @@
 # One prepared run on a GPU machine without network (docs/gpu.md, "A GPU machine without network"):
 # prepare here with benchmarks/gpu_prepare.sh (checkpoints and wheels into .gpu-carry/), copy the
 # repository with .gpu-carry/, then from its root:
-#   bash benchmarks/gpu_session.sh            # on the GPU: at most ~295 s of stage timeouts
+#   bash benchmarks/gpu_session.sh            # on the GPU: at most ~400 s of stage timeouts
 #   bash benchmarks/gpu_session.sh --cusim    # the CPU dry run (tests/run_all.sh): GPU stages on cusim,
 #                                             # in a venv of the GPU image's packages only
 # First every import the stages need is checked (what is missing is printed, and a stage that cannot
 # run says SKIPPED and fails the session); then the carried wheels install (mpich -> mpiexec, mpi4py,
 # pytest-mpi) and the stages run, each under its own timeout (SIGINT first, so pytest still writes
 # its summary and junit): device facts, kernel budgets, every GPU test (-n 12 with pytest-xdist; -n 2 on cusim),
-# 2-rank expert parallelism through mpiexec (one GPU: the host combine), the combine benchmark,
-# bench_gpu.py at batch 1/32/128. Under ${OUT:-/tmp/eprt-gpu}: session.log, a junit file per pytest
-# stage (rank 0's for MPI) and table.md, the one table for the README. Exit 0 only if all passed.
+# 2-rank expert parallelism and the tensor-core kernels end to end through mpiexec (one GPU: the host
+# combine), the combine benchmark, bench_gpu.py at batch 1/32/128 and its prefill / batch-128 table
+# beside torch. Under ${OUT:-/tmp/eprt-gpu}: session.log, a junit file per pytest stage (rank 0's for
+# MPI) and table.md, the one table for the README. Exit 0 only if all passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -185,10 +186,11 @@ else skipped gpu "missing:$missing"; fi
 built=$(comm -13 <(sort "$carry/ckpt.list" 2>/dev/null) <(ls "$EPRT_TEST_CKPT_DIR" | sort) | tr '\n' ' ')
 
 # rank 0 writes the junit ($0 of the inner shell)
-mpi_pytest='exec python3 -m pytest "$@" --with-mpi tests/mpi/test_gpu_expert_parallel_mpi.py $([ "${PMI_RANK:-0}" = 0 ] && echo "--junitxml=$0")'
+mpi_files="tests/mpi/test_gpu_expert_parallel_mpi.py tests/mpi/test_gpu_tensor_cores_mpi.py"
+mpi_pytest='exec python3 -m pytest "$@" --with-mpi '"$mpi_files"' $([ "${PMI_RANK:-0}" = 0 ] && echo "--junitxml=$0")'
 if has mpi4py.MPI pytest_mpi mpiexec; then
   for n in $([ "$cusim" = 1 ] && echo 2 3 || echo 2); do
-    stage "mpi-$n" $([ "$cusim" = 1 ] && echo 300 || echo 50) \
+    stage "mpi-$n" $([ "$cusim" = 1 ] && echo 600 || echo 120) \
       mpiexec -n "$n" bash -c "$mpi_pytest" "$out/mpi-$n.xml" "${pytest_args[@]}" "${gpu_args[@]}" -m gpu
   done
   combine_args=$([ "$cusim" = 1 ] && echo --tiny || echo "--hidden 2048 --rows 1,32,128 --reps 50")
@@ -199,10 +201,11 @@ else
   skipped combine "missing:$missing"
 fi
 
-bench_args=$([ "$cusim" = 1 ] && echo "--tiny --context 20 --batches 1,3 --steps 1 --attention-contexts 300" ||
+bench_args=$([ "$cusim" = 1 ] &&
+  echo "--tiny --context 20 --batches 1,3 --steps 1 --attention-contexts 300" ||
   echo "--layers 16 --batches 1,32,128 --steps 10")
 # shellcheck disable=SC2086
-stage bench 55 "${run[@]}" benchmarks/bench_gpu.py $bench_args
+stage bench $([ "$cusim" = 1 ] && echo 900 || echo 110) "${run[@]}" benchmarks/bench_gpu.py $bench_args
 
 # ---- the table -----------------------------------------------------------------------------------
 total=$(elapsed)
@@ -217,7 +220,8 @@ status = dict(re.findall(r"\[([\w-]+)\]=\"?([\w]+)\"?", rcs))
 device = re.findall(r"TABLE device=(.*)", log)
 rows = [("device", device[-1] if device else "unknown (the facts stage did not run)")]
 for stage, what in (("kernels", "kernel budgets (ptxas, sm_80/sm_90)"), ("gpu", "GPU tests (ops, end-to-end, fp8, hybrid, "
-                    "sampling, vision, LoRA)"), ("mpi-2", "2-rank expert parallelism (mpiexec -n 2)"), ("mpi-3", "3 ranks")):
+                    "sampling, vision, LoRA)"), ("mpi-2", "2-rank expert parallelism and tensor-core prefill vs NumPy (mpiexec -n 2)"),
+                    ("mpi-3", "3 ranks")):
     files = glob.glob(f"{out}/{stage}.xml")
     if stage not in status:
         continue
@@ -234,6 +238,11 @@ for batch, ms, tps, frac in bench:
     rows.append((f"decode batch {batch}", f"{float(tps):,.0f} tok/s, {ms} ms/step, {frac} of HBM peak"))
 if shape:
     rows.append(("decode model", f"random bf16 {shape[-1][0]}, context {shape[-1][1]} (benchmarks/bench_gpu.py)"))
+torch = re.findall(r"^beside torch (\S+) on (\w+)", log, re.M)
+for what, ours, theirs, ratio in re.findall(r"^\| ((?:prefill|decode|MoE|attention|MLA)[^|]*) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \|$", log, re.M):
+    rows.append((what, f"{ours} tok/s vs torch {theirs} ({ratio}x)"))
+if torch:
+    rows.append(("torch baseline", f"torch {torch[-1][0]} on {torch[-1][1]}: matmul per expert, scaled_dot_product_attention (bench_gpu.py)"))
 combine = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([^|]+) \|$", log, re.M)
 if combine:
     host = ", ".join(f"{t} rows {us} us" for t, us, _ in combine)

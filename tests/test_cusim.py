@@ -2,7 +2,7 @@
 CUDA semantics the kernels rely on and report the mistakes a GPU would punish.
 
 Small kernels here exercise each rule; the mutation tests at the end edit real kernels
-(dropping one barrier) and check the GPU tests, run on cusim, then fail.
+(dropping one barrier, mixing up a tensor-core fragment) and check the GPU tests, run on cusim, then fail.
 """
 
 from __future__ import annotations
@@ -501,7 +501,169 @@ def test_gemmex_follows_cublas_column_major_rules(transa, transb, c_type):
         )
 
 
-# ---- mutations of the real kernels: the GPU tests on cusim must notice each -----------------
+# ---- tensor cores: inline PTX with the fragment layouts of the PTX ISA ----------------------------
+TC_HEADER = '#include "tensor_core.cuh"\n'
+
+
+def tc_module(body: str):
+    return fake_cupy.RawModule(TC_HEADER + body, options=(f"-I{ROOT / 'kernels'}",))
+
+
+MMA_KERNEL = r"""
+// D [16, 8] = A [16, 16] (row-major) x B, B given as Bt [8, 16] ([n][k]), one warp, fragments
+// loaded as documented (layout 0), with a1 and a2 swapped (1), or through ldmatrix from shared
+// memory (2: A and Bt with ldmatrix, 3: B k-major [16][8] with ldmatrix.trans).
+extern "C" __global__ void mma16816(const __nv_bfloat16* A, const __nv_bfloat16* Bt, float* D, int layout) {
+    extern __shared__ __nv_bfloat16 s[];   // A | Bt | B, 16-byte rows
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+    const u32* a32 = reinterpret_cast<const u32*>(A);
+    const u32* b32 = reinterpret_cast<const u32*>(Bt);
+    u32 a[4] = {a32[g * 8 + t], a32[(g + 8) * 8 + t], a32[g * 8 + t + 4], a32[(g + 8) * 8 + t + 4]};
+    u32 b[2] = {b32[g * 8 + t], b32[g * 8 + t + 4]};
+    if (layout == 1) { u32 x = a[1]; a[1] = a[2]; a[2] = x; }
+    if (layout >= 2) {
+        for (int i = lane; i < 256; i += 32) s[i] = A[i];
+        for (int i = lane; i < 128; i += 32) { s[256 + i] = Bt[i]; s[384 + (i % 16) * 8 + i / 16] = Bt[i]; }
+        __syncwarp();
+        load_a(a, s, 16);
+        u32 unused[2];
+        if (layout == 2) load_b_nk(b, unused, s + 256, 16);   // rows 8-15 of the 16 read past Bt: ignored
+        else load_b_kn(b, unused, s + 384, 8);
+    }
+    float c[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+    mma_bf16(c, a, b);
+    D[g * 8 + 2 * t] = c[0]; D[g * 8 + 2 * t + 1] = c[1];
+    D[(g + 8) * 8 + 2 * t] = c[2]; D[(g + 8) * 8 + 2 * t + 1] = c[3];
+}
+"""
+
+
+@pytest.mark.parametrize("layout", [0, 2, 3])
+def test_mma_follows_the_ptx_fragment_layout(layout):
+    from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+    rng = np.random.default_rng(layout)
+    a, bt = f32_to_bf16_bits(rng.standard_normal((16, 16))), f32_to_bf16_bits(rng.standard_normal((8, 16)))
+    want = bf16_bits_to_f32(a).astype(np.float64) @ bf16_bits_to_f32(bt).astype(np.float64).T + 0.5
+    d = fake_cupy.zeros((16, 8), np.float32)
+    tc_module(MMA_KERNEL).get_function("mma16816")((1,), (32,), (dev(a), dev(bt), d, np.int32(layout)), shared_mem=2048)
+    np.testing.assert_allclose(d.get(), want, rtol=1e-6, atol=1e-5)
+
+
+def test_a_wrong_fragment_layout_computes_a_wrong_product():
+    # the same kernel with two A registers swapped (rows g+8 and columns 2t+8 exchanged): a GPU
+    # multiplies a permuted A, and so does cusim; the result must not pass for A x B
+    from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+    rng = np.random.default_rng(0)
+    a, bt = f32_to_bf16_bits(rng.standard_normal((16, 16))), f32_to_bf16_bits(rng.standard_normal((8, 16)))
+    af, bf = bf16_bits_to_f32(a).astype(np.float64), bf16_bits_to_f32(bt).astype(np.float64)
+    d = fake_cupy.zeros((16, 8), np.float32)
+    tc_module(MMA_KERNEL).get_function("mma16816")((1,), (32,), (dev(a), dev(bt), d, np.int32(1)), shared_mem=2048)
+    got = d.get()
+    assert np.abs(got - (af @ bf.T + 0.5)).max() > 0.5
+    swapped = af.copy()  # what the swap means: A[g+8][2t..] read for A[g][2t+8..] and back
+    swapped[:8, 8:], swapped[8:, :8] = af[8:, :8], af[:8, 8:]
+    np.testing.assert_allclose(got, swapped @ bf.T + 0.5, rtol=1e-6, atol=1e-5)
+
+
+def test_fp8_mma_and_conversions_follow_the_ptx_isa():
+    # m16n8k32 e4m3 (sm_89+): A [16, 32] and Bt [8, 32] bytes, fragments of 4 bytes per register
+    # (A: rows g, g+8, columns 4t.. and 16+4t..; B: column g, rows 4t.. and 16+4t..); and the
+    # hardware conversion e4m3x2 -> f16x2 (asm and intrinsic) against NumPy's decode
+    from eprt.model.safetensors_io import fp8_e4m3_to_f32
+
+    m = fake_cupy.RawModule(
+        r"""
+#include <cuda_fp8.h>
+typedef unsigned int u32;
+extern "C" __global__ void mma16832(const unsigned char* A, const unsigned char* Bt, float* D) {
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+    const u32* a32 = reinterpret_cast<const u32*>(A);
+    const u32* b32 = reinterpret_cast<const u32*>(Bt);
+    u32 a[4] = {a32[g * 8 + t], a32[(g + 8) * 8 + t], a32[g * 8 + t + 4], a32[(g + 8) * 8 + t + 4]};
+    u32 b[2] = {b32[g * 8 + t], b32[g * 8 + t + 4]};
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    D[g * 8 + 2 * t] = c[0]; D[g * 8 + 2 * t + 1] = c[1];
+    D[(g + 8) * 8 + 2 * t] = c[2]; D[(g + 8) * 8 + 2 * t + 1] = c[3];
+}
+extern "C" __global__ void cvt(const unsigned short* x, unsigned int* hw, unsigned int* intrinsic) {
+    const int i = threadIdx.x;
+    u32 h;
+    asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(x[i]));
+    hw[i] = h;
+    const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(x[i], __NV_E4M3);
+    intrinsic[i] = r.x | ((u32)r.y << 16);
+}"""
+    )
+    rng = np.random.default_rng(5)
+    a, bt = rng.integers(0, 256, (16, 32), dtype=np.uint8), rng.integers(0, 256, (8, 32), dtype=np.uint8)
+    a[(a & 0x7F) == 0x7F] = 0x38  # no NaN
+    bt[(bt & 0x7F) == 0x7F] = 0x38
+    d = fake_cupy.zeros((16, 8), np.float32)
+    m.get_function("mma16832")((1,), (32,), (dev(a), dev(bt), d))
+    want = fp8_e4m3_to_f32(a).astype(np.float64) @ fp8_e4m3_to_f32(bt).astype(np.float64).T
+    np.testing.assert_allclose(d.get(), want, rtol=0, atol=1e-6 * np.abs(want).max())  # fp32 sums of up to 1e5
+    pairs = np.arange(0, 65536, 257, dtype=np.uint16)  # both bytes of 255 pairs, NaN included
+    hw, intrinsic = fake_cupy.zeros(len(pairs), np.uint32), fake_cupy.zeros(len(pairs), np.uint32)
+    m.get_function("cvt")((1,), (len(pairs),), (dev(pairs), hw, intrinsic))
+    halves = np.stack([hw.get() & 0xFFFF, hw.get() >> 16], 1).astype(np.uint16).view(np.float16)
+    decoded = fp8_e4m3_to_f32(np.stack([pairs & 0xFF, pairs >> 8], 1).astype(np.uint8))
+    np.testing.assert_array_equal(halves.astype(np.float32), decoded)  # exact, NaN where NaN
+    np.testing.assert_array_equal(intrinsic.get(), hw.get())
+
+
+def test_mma_needs_the_whole_warp_and_ldmatrix_shared_memory():
+    m = tc_module(r"""
+extern "C" __global__ void partial(float* out) {
+    if (threadIdx.x == 5) return;
+    u32 a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+    float c[4] = {0, 0, 0, 0};
+    mma_bf16(c, a, b);
+    out[threadIdx.x] = c[0];
+}
+extern "C" __global__ void global_ldsm(const __nv_bfloat16* x, float* out) {
+    u32 a[4];
+    load_a(a, x, 16);
+    out[threadIdx.x] = (float)a[0];
+}""")
+    out = fake_cupy.zeros(32, np.float32)
+    with pytest.raises(LaunchError, match="has exited"):
+        m.get_function("partial")((1,), (32,), (out,))
+    with pytest.raises(LaunchError, match="not a pointer into the dynamic shared memory"):
+        m.get_function("global_ldsm")((1,), (32,), (fake_cupy.zeros(256, np.uint16), out))
+
+
+def test_cp_async_lands_at_issue_or_at_its_wait():
+    m = tc_module(r"""
+extern "C" __global__ void staged(const float* x, float* before, float* after) {
+    extern __shared__ float s[];
+    const int i = threadIdx.x;
+    s[4 * i] = -1.0f;
+    cp_async16(s + 4 * i, x + 4 * i, i % 2 == 0);   // odd threads: zero fill
+    cp_async_commit();
+    before[i] = s[4 * i];   // not waited for: still the old value
+    cp_async_wait<0>();
+    after[i] = s[4 * i];
+}""")
+    x = np.arange(128, dtype=np.float32) + 1
+    landed = np.where(np.arange(32) % 2 == 0, x[::4], 0)
+    seen = set()
+    for _ in range(8):  # per launch, the copies land when issued or only at the wait: both happen
+        before, after = fake_cupy.zeros(32, np.float32), fake_cupy.zeros(32, np.float32)
+        m.get_function("staged")((1,), (32,), (dev(x), before, after), shared_mem=512)
+        np.testing.assert_array_equal(after.get(), landed)
+        assert (before.get() == -1).all() or (before.get() == landed).all()
+        seen.add(float(before.get()[0]))
+    assert seen == {-1.0, 1.0}
+
+
+# ---- mutations of the real kernels (a missing barrier, a wrong fragment layout): the GPU tests
+# on cusim must notice each ----------------------------------------------------------------------
 MUTATIONS = {
     "permute: no barrier between reading and advancing the expert cursor": (
         "moe_permute.cu",
@@ -521,13 +683,34 @@ MUTATIONS = {
         "",
         "attention_decode",
     ),
+    "tensor cores: the weight fragments of two n8 tiles mixed up (a wrong fragment layout)": (
+        "tensor_core.cuh",
+        "b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];",
+        "b0[0] = r[0], b0[1] = r[2], b1[0] = r[1], b1[1] = r[3];",
+        "moe_tc_against",
+        "test_cupy_tensor_cores.py",
+    ),
+    "flash attention: a K/V stage refilled while other warps still read it": (
+        "flash_attention.cu",
+        "__syncthreads();  // done with the stage before it is refilled",
+        "",
+        "flash_attention_prefill",
+        "test_cupy_tensor_cores.py",
+    ),
+    "flash attention: a window's tiles read keys from blocks the window has left": (
+        "flash_attention.cu",
+        "return k0 + r >= lo && k0 + r < end",
+        "return k0 + r < end",
+        "sinks",
+        "test_cupy_tensor_cores.py",
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MUTATIONS))
-def test_gpu_tests_on_cusim_catch_a_missing_barrier(tmp_path, name):
-    file, old, new, selection = MUTATIONS[name]
+def test_gpu_tests_on_cusim_catch_a_mutation(tmp_path, name):
+    file, old, new, selection, tests = (*MUTATIONS[name], "test_cupy_ops.py")[:5]
     kernels = tmp_path / "kernels"
     shutil.copytree(ROOT / "kernels", kernels)
     source = (kernels / file).read_text()
@@ -549,7 +732,7 @@ def test_gpu_tests_on_cusim_catch_a_missing_barrier(tmp_path, name):
             "gpu",
             "-k",
             selection,
-            str(ROOT / "tests" / "test_cupy_ops.py"),
+            str(ROOT / "tests" / tests),
         ],
         cwd=ROOT,
         env=env,
@@ -561,7 +744,7 @@ def test_gpu_tests_on_cusim_catch_a_missing_barrier(tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["grouped", "gathered"])
+@pytest.mark.parametrize("impl", ["auto", "gathered"])
 def test_gpu_benchmark_script_runs_on_cusim(impl):
     # benchmarks/gpu_session.sh runs it on a GPU when one is lent; a crash there would waste
     # the device time, so its whole path (weights, KV, decode steps, byte count) runs here
@@ -583,6 +766,7 @@ def test_gpu_benchmark_script_runs_on_cusim(impl):
             impl,
             "--attention-contexts",
             "300",
+            *(["--prefill", ""] if impl == "gathered" else []),  # the table beside torch once (it is slow here)
         ],
         cwd=ROOT,
         env=env,
@@ -595,6 +779,20 @@ def test_gpu_benchmark_script_runs_on_cusim(impl):
     decode, attention = rows[:2], rows[2:]
     assert [r[0] for r in decode] == ["1", "3"] and all(float(r[2]) > 0 for r in decode), proc.stdout
     assert [r[:2] for r in attention] == [["1", "300"], ["8", "300"]], proc.stdout
+    beside = [
+        line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "tok/s" not in line
+    ]
+    if impl == "auto":  # prefill 24 and 48, decode batch 4, then the components; both sides measured
+        assert [r[0].split(",")[0].strip() for r in beside[:3]] == [
+            "prefill 24 tokens",
+            "prefill 48 tokens",
+            "decode batch 4",
+        ]
+        assert len(beside) == 11 and all(
+            float(r[1].replace(",", "")) > 0 < float(r[2].replace(",", "")) for r in beside
+        )
+    else:
+        assert not beside, proc.stdout
 
 
 @pytest.mark.slow

@@ -15,8 +15,19 @@ import numpy as np
 
 from eprt.ops.base import GroupedRouting, Ops
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from eprt.ops.cupy_flash import flash_gqa, flash_mla
 from eprt.ops.cupy_gptoss import GptOssCupy
-from eprt.ops.kernel_loader import KERNELS, LAUNCH, get_module
+from eprt.ops.kernel_loader import (
+    KERNELS,
+    LAUNCH,
+    MOE_TC_BM,
+    MOE_TC_BN,
+    MOE_TC_SMEM,
+    MOE_TC_SMEM_FP8,
+    MOE_TC_SMEM_W8A8,
+    MOE_TC_UNITS,
+    get_module,
+)
 from eprt.ops.kernel_loader import launch as _launch
 from eprt.ops.lora_ops import LoraRows
 
@@ -41,9 +52,10 @@ _ROUTER_WARPS = 4  # router.cu: ROUTER_WARPS
 _GG_WARPS = 4  # moe_grouped_gemm.cu: GG_WARPS
 _MLA_THREADS, _MLA_CHUNK = 128, 32  # mla_attention.cu: MLA_THREADS, MLA_CHUNK
 _MLA_MAX_HEADS = 16  # query heads per block of mla_attention (fewer when shared memory is short)
-MOE_IMPLS = ("auto", "grouped", "gathered")
+MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
+FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), activations quantized
+TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
-GATHERED_MIN_TOKENS = 256  # "auto": tokens per call from which cuBLAS per expert wins
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
 FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
 _FL_WARPS = 4  # fp8_linear.cu: FL_WARPS
@@ -173,16 +185,22 @@ class CupyOps(GptOssCupy, Ops):
     kv_itemsize = 2  # bytes per KV cache element (bf16)
     fp8_resident = True  # FP8 checkpoints stay FP8 on the device, dequantized inside the GEMMs
 
-    def __init__(self, moe_impl: str = "auto", decode_split: str = "auto", split_keys: int = 512):
-        """``moe_impl``: expert GEMMs (see ``moe_experts``). ``decode_split``: split each decode
+    def __init__(self, moe_impl: str = "auto", decode_split: str = "auto", split_keys: int = 512, fp8_mma: str = "off"):
+        """``moe_impl``: expert GEMMs (``_moe_choice``: "grouped" CUDA cores, "tc" tensor cores,
+        "gathered" cuBLAS per expert after a host sync, "auto" by shape). ``decode_split``: split each decode
         context into partitions of ``split_keys`` keys ("auto": when there are fewer
-        (sequence, KV head) blocks than two per SM, the case of small batches)."""
+        (sequence, KV head) blocks than two per SM, the case of small batches). ``fp8_mma`` "on":
+        FP8 experts on the tensor-core path run W8A8 on sm_89+ (the activations quantized to e4m3 per
+        row and K block, the FP8 tensor cores); "off" (the default) converts the weights to bf16 in
+        the tiles and keeps the activations bf16, closer to the reference's numbers."""
         if moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         if decode_split not in DECODE_SPLITS:
             raise ValueError(f"decode_split must be one of {DECODE_SPLITS}, got {decode_split!r}")
         if split_keys < 1 or split_keys % _ATTN_CHUNK:
             raise ValueError(f"split_keys must be a positive multiple of {_ATTN_CHUNK}, got {split_keys}")
+        if fp8_mma not in FP8_MMAS:
+            raise ValueError(f"fp8_mma must be one of {FP8_MMAS}, got {fp8_mma!r}")
         self.xp = cupy
         self.moe_impl, self.decode_split, self.split_keys = moe_impl, decode_split, split_keys
         rt, dev = cupy.cuda.runtime, cupy.cuda.Device().id
@@ -190,6 +208,9 @@ class CupyOps(GptOssCupy, Ops):
         self._host_waits: list = []  # called before the host waits on the stream (add_host_wait)
         self.sm_count = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev)
         self.smem_limit = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)  # bytes
+        major = rt.deviceGetAttribute(rt.cudaDevAttrComputeCapabilityMajor, dev)
+        minor = rt.deviceGetAttribute(rt.cudaDevAttrComputeCapabilityMinor, dev)
+        self.fp8_mma = fp8_mma == "on" and (major, minor) >= (8, 9)  # FP8 tensor cores exist from sm_89
 
     # ---- data movement -------------------------------------------------------------
     def weight(self, host: np.ndarray):
@@ -441,7 +462,11 @@ class CupyOps(GptOssCupy, Ops):
             f"block table of {block_table.shape[0]} blocks of {BS} cannot hold positions "
             f"[0, {start_pos + T}) (start_pos={start_pos})",
         )
-        if T and self._decode_partitions(T * Hk, start_pos + T)[0] > 1:
+        split = T and self._decode_partitions(T * Hk, start_pos + T)[0] > 1
+        flash = None if split else flash_gqa(q, k_cache, v_cache, block_table, start_pos, scale, self.smem_limit)
+        if flash is not None:
+            return flash
+        if split:
             # few rows over a long context (a new turn after a cached prefix): row t is a
             # decode query over start_pos + t + 1 keys, and the split path fills the GPU
             MB = block_table.shape[0]
@@ -775,6 +800,11 @@ class CupyOps(GptOssCupy, Ops):
             start_pos >= 0 and MB * BS >= start_pos + T,
             f"block table of {MB} blocks of {BS} cannot hold positions [0, {start_pos + T}) (start_pos={start_pos})",
         )
+        H, _, C = self._mla_args(op, q, latent_cache, value_dim)[:3]
+        split = T and self._decode_partitions(T * -(-H // _MLA_MAX_HEADS), start_pos + T)[0] > 1
+        flash = None if split else flash_mla(q, latent_cache, block_table, start_pos, scale, C, self.smem_limit)
+        if flash is not None:
+            return flash
         # row t is a query over keys [0, start_pos + t]: every row shares the table (stride 0)
         lens = cupy.arange(start_pos + 1, start_pos + T + 1, dtype=_I32)  # [T]
         return self._mla_attend(op, q, latent_cache, block_table, 0, lens, MB * BS, scale, value_dim)
@@ -878,9 +908,8 @@ class CupyOps(GptOssCupy, Ops):
             (ids, np.int32(n), np.int32(expert_start), np.int32(El), offsets, sorted_slot, slot_pos),
             4 * (perm_warps + 1) * El,
         )
-        gathered = self.moe_impl == "gathered" or (self.moe_impl == "auto" and T >= GATHERED_MIN_TOKENS)
-        run = self._experts_gathered if gathered else self._experts_grouped
-        y = run(x, k, offsets, sorted_slot, w_gate_up, w_down)  # [P, D] fp32, sorted rows
+        run = {"grouped": self._experts_grouped, "tc": self._experts_tc, "gathered": self._experts_gathered}
+        y = run[self._moe_choice(n, w_gate_up)](x, k, offsets, sorted_slot, w_gate_up, w_down)  # [P, D] fp32
         _launch(
             "moe_combine.cu",
             "moe_combine",
@@ -889,6 +918,87 @@ class CupyOps(GptOssCupy, Ops):
             (y, weights, slot_pos, out, np.int32(D), np.int32(k)),
         )
         return out
+
+    def _moe_choice(self, slots: int, w_gate_up) -> str:
+        """The expert-GEMM implementation of a call with ``slots`` (token, choice) pairs: "auto" takes
+        the tensor-core GEMM from TC_MIN_SLOTS_PER_EXPERT slots per local expert (a prefill, a large
+        decode batch), else the CUDA-core kernel (decode's weight-bandwidth-bound products). FP8
+        weights take the tensor cores only with block_k a multiple of 32 and D, I multiples of 16."""
+        El, I2, D = w_gate_up.shape
+        tc_ok = not isinstance(w_gate_up, Fp8Weight) or (w_gate_up.block_k % 32 == 0 and D % 16 == 0 and I2 % 32 == 0)
+        if self.moe_impl == "auto":
+            return "tc" if tc_ok and slots >= TC_MIN_SLOTS_PER_EXPERT * El else "grouped"
+        return "grouped" if self.moe_impl == "tc" and not tc_ok else self.moe_impl
+
+    def _experts_tc(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
+        """Both expert GEMMs on tensor cores (moe_tc.cu), one launch each over every local expert."""
+        El, I2, D = w_gate_up.shape
+        I, n = I2 // 2, x.shape[0] * k
+        h = cupy.empty((n, I), dtype=_BF16)  # [P, I] (P <= T*k rows used)
+        y = cupy.empty((n, D), dtype=_F32)  # [P, D]
+        slots = (n + El * (MOE_TC_BM - 1)) // MOE_TC_BM  # at least the (expert, 64-row tile) pairs
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        if fp8 and self._w8a8(w_gate_up, w_down):
+            return self._experts_w8a8(x, k, offsets, sorted_slot, w_gate_up, w_down, h, y, slots)
+        suffix, smem = ("_fp8", MOE_TC_SMEM_FP8) if fp8 else ("", MOE_TC_SMEM)
+        gate_up = (w_gate_up.data, w_gate_up.scale) if fp8 else (w_gate_up,)
+        down = (w_down.data, w_down.scale) if fp8 else (w_down,)
+        blocks = lambda w: (np.int32(w.block_n), np.int32(w.block_k)) if fp8 else ()  # noqa: E731
+        dims = (np.int32(D), np.int32(I))
+        args = (x, sorted_slot, offsets, *gate_up, h, *dims, np.int32(k), np.int32(El), *blocks(w_gate_up))
+        _launch("moe_tc.cu", "moe_tc_gate_up" + suffix, (slots, -(-I // MOE_TC_UNITS)), 128, args, smem)
+        args = (h, offsets, *down, y, *dims, np.int32(El), *blocks(w_down))
+        _launch("moe_tc.cu", "moe_tc_down" + suffix, (slots, -(-D // MOE_TC_BN)), 128, args, smem)
+        return y
+
+    def _w8a8(self, w_gate_up: Fp8Weight, w_down: Fp8Weight) -> bool:
+        """Whether FP8 experts run on the FP8 tensor cores: asked for, sm_89+, and an n8 tile within
+        one weight scale row (block_n a multiple of 8) with the same K blocks for both projections."""
+        return (
+            self.fp8_mma
+            and w_gate_up.block_n % 8 == 0
+            and w_down.block_n % 8 == 0
+            and w_gate_up.block_k == w_down.block_k
+        )
+
+    def _quantize_rows(self, a, group: int):
+        """a [R, K] bf16 -> (e4m3 bytes [R, K], scales [R, ceil(K / group)] fp32): per row and group of
+        columns, q = e4m3(a / s) with s = max |a| / 448."""
+        R, K = a.shape
+        q = cupy.empty((R, K), dtype=_U8)
+        scale = cupy.empty((R, -(-K // group)), dtype=_F32)
+        if R:
+            items = R * scale.shape[1]
+            args = (a, q, scale, np.int32(R), np.int32(K), np.int32(group))
+            _launch("moe_tc.cu", "fp8_quantize_rows", (-(-items // 4),), 128, args)
+        return q, scale
+
+    def _experts_w8a8(self, x, k, offsets, sorted_slot, w_gate_up, w_down, h, y, slots):
+        """Both expert GEMMs as e4m3 x e4m3 on the FP8 tensor cores, each projection's input quantized first."""
+        El, I2, D = w_gate_up.shape
+        I, group = I2 // 2, w_gate_up.block_k
+        dims = (np.int32(D), np.int32(I))
+        xq, xs = self._quantize_rows(x, group)
+        blocks = (np.int32(w_gate_up.block_n), np.int32(group))
+        args = (
+            xq,
+            xs,
+            sorted_slot,
+            offsets,
+            w_gate_up.data,
+            w_gate_up.scale,
+            h,
+            *dims,
+            np.int32(k),
+            np.int32(El),
+            *blocks,
+        )
+        _launch("moe_tc.cu", "moe_tc_gate_up_w8a8", (slots, -(-I // MOE_TC_UNITS)), 128, args, MOE_TC_SMEM_W8A8)
+        hq, hs = self._quantize_rows(h, group)
+        blocks = (np.int32(w_down.block_n), np.int32(group))
+        args = (hq, hs, offsets, w_down.data, w_down.scale, y, *dims, np.int32(El), *blocks)
+        _launch("moe_tc.cu", "moe_tc_down_w8a8", (slots, -(-D // MOE_TC_BN)), 128, args, MOE_TC_SMEM_W8A8)
+        return y
 
     def _units_per_warp(self, units: int, active_experts: int) -> int:
         """Spread the chosen experts' work over about 32 warps per SM."""

@@ -25,6 +25,18 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "router.cu": ("router_topk_bf16", "router_topk_f32", "router_grouped_bf16", "router_grouped_f32"),
     "moe_permute.cu": ("moe_permute", "moe_gather_rows"),
     "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down", "moe_gate_up_silu_fp8", "moe_down_fp8"),
+    "moe_tc.cu": (
+        "moe_tc_gate_up",
+        "moe_tc_down",
+        "moe_tc_gate_up_fp8",
+        "moe_tc_down_fp8",
+        "moe_tc_gate_up_w8a8",
+        "moe_tc_down_w8a8",
+        "fp8_quantize_rows",
+        "moe_tc_gate_up_swiglu",
+        "moe_tc_down_bias",
+    ),
+    "flash_attention.cu": ("flash_attention_d64", "flash_attention_d128", "flash_attention_d256", "flash_mla"),
     "fp8_linear.cu": ("fp8_linear", "fp8_dequant"),
     "moe_combine.cu": ("moe_combine",),
     "silu_and_mul.cu": ("silu_and_mul",),
@@ -73,6 +85,11 @@ def _each(names, threads: int, smem: int | None = 0) -> dict[str, Launch]:
 
 
 OPT_IN = None  # dynamic shared memory up to the device's opt-in limit
+# moe_tc.cu: 3 pipeline stages of an A tile [64, 40] bf16 and a B tile [128, 40] bf16 or [128, 48] fp8 bytes
+MOE_TC_SMEM = 3 * (64 * 40 * 2 + 128 * 40 * 2)
+MOE_TC_SMEM_FP8 = 3 * (64 * 40 * 2 + 128 * 48)
+MOE_TC_SMEM_W8A8 = 3 * (64 + 128) * 48  # both tiles fp8 bytes
+MOE_TC_BM, MOE_TC_UNITS, MOE_TC_BN = 64, 64, 128  # moe_tc.cu: TC_BM rows, gate_up units and down columns per tile
 LAUNCH: dict[str, Launch] = {
     **_each(KERNELS["rms_norm.cu"], 512),
     **_each(KERNELS["rope.cu"], 256),
@@ -83,11 +100,17 @@ LAUNCH: dict[str, Launch] = {
     "moe_permute": Launch(1024, OPT_IN),  # 32 warps at most
     "moe_gather_rows": Launch(256),
     **_each(KERNELS["moe_grouped_gemm.cu"], 128),
+    **_each(("moe_tc_gate_up", "moe_tc_down", "moe_tc_gate_up_swiglu", "moe_tc_down_bias"), 128, MOE_TC_SMEM),
+    **_each(("moe_tc_gate_up_fp8", "moe_tc_down_fp8"), 128, MOE_TC_SMEM_FP8),
+    **_each(("moe_tc_gate_up_w8a8", "moe_tc_down_w8a8"), 128, MOE_TC_SMEM_W8A8),
+    "fp8_quantize_rows": Launch(128),
     "fp8_linear": Launch(128),
     "fp8_dequant": Launch(256),
     "moe_combine": Launch(256),
     "silu_and_mul": Launch(256),
     **_each(KERNELS["elementwise.cu"], 256),
+    **_each(("flash_attention_d64", "flash_attention_d128", "flash_attention_d256"), 128, OPT_IN),
+    "flash_mla": Launch(256, OPT_IN),
     "mla_latent_write": Launch(256),
     "mla_attention": Launch(128, OPT_IN),
     "mla_attention_split": Launch(128, OPT_IN),

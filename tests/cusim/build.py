@@ -9,7 +9,9 @@ its arguments the way a GPU launch would fail on them, then runs it.
 
 Rewrites: ``extern __shared__ T a[];`` -> a pointer to the launch's dynamic shared memory;
 ``__shared__ T a[N];`` and ``__shared__ T a;`` -> the block's own copy (fresh, 0xFF-filled, per
-block and template instance). Comments are blanked first; ``static __shared__`` is refused.
+block and template instance); ``asm volatile("ptx" : outputs : inputs : clobbers)`` -> a call of
+cusim's PTX interpreter (``include/cusim_ptx.h``) with the same text and operands. Comments are
+blanked first; ``static __shared__`` is refused.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ _ENTRY = re.compile(
     r"(\w+)\s*\(([^)]*)\)"
 )
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_ASM = re.compile(r"\b(?:asm|__asm__)\s*(?:volatile\s*|__volatile__\s*)?\(")
+_CONSTRAINT = re.compile(r'^"([=+&]*)([a-zA-Z]+)"\s*\((.*)\)$', re.S)
 
 # C parameter type -> (ctypes type, numpy dtype CuPy must be given for it)
 _I32, _U32, _I64, _U64 = np.int32, np.uint32, np.int64, np.uint64
@@ -112,9 +116,71 @@ def _strip_comments(text: str) -> str:
     return _COMMENT.sub(lambda m: "\n" * m[0].count("\n") or " ", text)
 
 
+def _scan(text: str, start: int, stop: str) -> int:
+    """The index of the first ``stop`` character at nesting depth 0 from ``start`` (strings and
+    character literals skipped), or len(text)."""
+    depth, i = 0, start
+    while i < len(text):
+        c = text[i]
+        if c in "\"'":
+            j = i + 1
+            while j < len(text) and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            i = j + 1
+            continue
+        if depth == 0 and c in stop:
+            return i
+        depth += c in "([{"
+        depth -= c in ")]}"
+        i += 1
+    return len(text)
+
+
+def _split(text: str, sep: str) -> list[str]:
+    parts, i = [], 0
+    while i <= len(text):
+        j = _scan(text, i, sep)
+        parts.append(text[i:j])
+        i = j + 1
+    return parts
+
+
+def _asm_operands(section: str, outputs: bool) -> list[str]:
+    calls = []
+    for op in (p.strip() for p in _split(section, ",") if p.strip()):
+        m = _CONSTRAINT.match(op)
+        if not m:
+            raise BuildError(f"cusim cannot read this inline asm operand: {op}")
+        if outputs != ("=" in m[1] or "+" in m[1]):
+            raise BuildError(f"cusim: inline asm operand {op} is in the wrong section")
+        rw = "true" if "+" in m[1] else "false"
+        calls.append(f"cusim::ptx_out({m[3]}, {rw})" if outputs else f"cusim::ptx_in({m[3]})")
+    return calls
+
+
+def rewrite_asm(text: str) -> str:
+    """Every GNU inline asm statement replaced by a call of cusim::ptx with its template and operands."""
+    out, pos = [], 0
+    while m := _ASM.search(text, pos):
+        end = _scan(text, m.end(), ")")
+        if end == len(text):
+            raise BuildError("cusim: an inline asm statement has no closing parenthesis")
+        sections = _split(text[m.end() : end], ":")
+        template = sections[0].strip()
+        if not template.startswith('"'):
+            raise BuildError(f"cusim: inline asm template must be string literals, got {template[:60]}")
+        outs = _asm_operands(sections[1], True) if len(sections) > 1 else []
+        ins = _asm_operands(sections[2], False) if len(sections) > 2 else []
+        call = f"cusim::ptx({template}, {{{', '.join(outs)}}}, {{{', '.join(ins)}}})"
+        statement = text[m.start() : end]  # its newlines follow the call (a macro's keep their backslash)
+        out.append(text[pos : m.start()] + call + ("\\\n" if "\\\n" in statement else "\n") * statement.count("\n"))
+        pos = end + 1
+    return "".join(out) + text[pos:]
+
+
 def rewrite(text: str, site_base: int) -> str:
-    """The source with its __shared__ declarations replaced (see the module docstring)."""
-    text = _strip_comments(text)
+    """The source with its __shared__ declarations and inline asm replaced (see the module docstring)."""
+    text = rewrite_asm(_strip_comments(text))
     if _STATIC_SHARED.search(text):
         raise BuildError("cusim does not support `static __shared__` variables")
     text = _EXTERN_SHARED.sub(lambda m: f"{m[1]}* {m[2]} = reinterpret_cast<{m[1]}*>(cusim::dynamic_shared());", text)
@@ -182,7 +248,7 @@ def build(code: str, include_dirs: list[Path], defines: list[str] = ()) -> Modul
         headers = work / "include"
         headers.mkdir()
         site = 1
-        digest = hashlib.sha256((INCLUDE / "cusim.h").read_bytes() + (INCLUDE / "cuda_bf16.h").read_bytes())
+        digest = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(INCLUDE.glob("*.h"))))
         for folder in include_dirs:  # the project's headers, rewritten like the source
             if (folder / "cuda_bf16.h").exists():
                 continue  # a CUDA toolkit's headers: cusim brings its own

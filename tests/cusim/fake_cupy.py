@@ -523,6 +523,8 @@ def __getattr__(name):  # dtypes and other NumPy names used as cupy.<name>
 # ---- cupy.cuda -----------------------------------------------------------------------------
 class _Runtime:
     cudaDevAttrMultiProcessorCount = 16
+    cudaDevAttrComputeCapabilityMajor = 75
+    cudaDevAttrComputeCapabilityMinor = 76
     cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
     memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice = 1, 2, 3
     _local = threading.local()  # the current device, per host thread as in CUDA
@@ -544,7 +546,8 @@ class _Runtime:
 
     def deviceGetAttribute(self, attr, device):
         self._check(device)
-        return {16: SM_COUNT, 97: SMEM_OPTIN}[attr]
+        major, minor = DEVICE_PROPERTIES["major"], DEVICE_PROPERTIES["minor"]
+        return {16: SM_COUNT, 75: major, 76: minor, 97: SMEM_OPTIN}[attr]
 
     def getDeviceProperties(self, device):
         self._check(device)

@@ -46,6 +46,9 @@
 #ifndef __global__
 #define __global__
 #endif
+#ifndef __CUDA_ARCH__
+#define __CUDA_ARCH__ 900   // the simulated device: an H100/H200 (sm_90); -D__CUDA_ARCH__=800 for Ampere
+#endif
 #define __device__
 #define __host__
 #define __forceinline__ inline
@@ -68,6 +71,13 @@ namespace cusim {
 
 enum State { RUNNABLE, AT_BARRIER, AT_WARP, DONE };
 
+struct AsyncCopy {           // a cp.async issued and not yet waited for
+    unsigned char* dst;
+    const unsigned char* src;
+    int bytes, src_bytes;       // bytes beyond src_bytes are zero-filled
+    int group;                  // -1 until cp.async.commit_group
+};
+
 struct Thread {
     ucontext_t ctx;           // the first entry (makecontext/setcontext)
     jmp_buf jb;               // every later resume (_setjmp/_longjmp: no signal-mask syscall)
@@ -78,6 +88,8 @@ struct Thread {
     unsigned warp_mask = 0;   // AT_WARP: the mask and kind of collective waited on
     int warp_op = 0;
     uint64_t slot = 0;        // this lane's contribution to the collective
+    std::vector<AsyncCopy> copies;   // cp.async: they land at cp.async.wait_group, not before
+    int committed = 0;        // cp.async groups committed so far
 };
 
 struct Launch {
@@ -93,6 +105,7 @@ struct Launch {
     size_t static_bytes = 0;
     std::string error;
     uint64_t rng = 0;
+    bool async_eager = false;   // cp.async copies land at issue (else at their wait), per launch
     volatile bool in_fiber = false;   // a fiber runs (not the scheduler): faults can leave it
 };
 
@@ -512,6 +525,8 @@ inline float max(float a, float b) { return fmaxf(a, b); }
 inline double min(double a, double b) { return fmin(a, b); }
 inline double max(double a, double b) { return fmax(a, b); }
 
+#include "cusim_ptx.h"   // inline PTX: mma.sync, ldmatrix, cvt (rewritten asm statements call cusim::ptx)
+
 // ---- entry points called from Python ------------------------------------------------------------
 // The launch's limit on dynamic shared memory (the kernel attribute; -1: CUDA's default of
 // 48 KiB minus the kernel's static shared memory).
@@ -537,6 +552,7 @@ inline const char* cusim_launch(dim3 grid, dim3 block, size_t smem, uint64_t see
     for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[cusim::next_random() % i]);
     bool first = true;
     const int stickiness = cusim::pick_stickiness();
+    launch.async_eager = cusim::next_random() % 2;
     for (const uint3& b : order) {
         launch.block_idx = b;
         launch.static_smem.clear();
