@@ -35,11 +35,18 @@ def second_device():
 class _Transport:
     any_thread = True
 
-    def send(self, command):
-        pass
 
-    def send_words(self, words):
-        pass
+class _Frames:
+    """The runner's frame writer as DecodeOverlap.decode calls it: what was sent, for which plan item."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, item, command):
+        self.sent.append((item, command))
+
+    def send_words(self, item, command, words):
+        self.sent.append((item, command))
 
     def flush(self):
         pass
@@ -76,11 +83,12 @@ def test_overlap_runs_a_pass_with_host_combines_on_its_helper_thread_on_the_rank
     overlap = DecodeOverlap(executor, _Transport())
     try:
         assert overlap.threaded
-        overlap.decode([0, 1], [5, 6], [0, 1], lambda rows: "plan", thread=True)
+        frames = _Frames()
+        overlap.decode(frames, "step", (0, 1), (5, 6), [0, 1], lambda rows: "plan", thread=True)
         logits = overlap.logits()
     finally:
         overlap.close()
-    assert executor.ran_on.startswith("eprt-forward")
+    assert executor.ran_on.startswith("eprt-forward") and [item for item, _ in frames.sent] == ["step"]
     x = np.arange(128, dtype=np.float32).reshape(2, 64) / 64
     want = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(logits, want, rtol=2e-2, atol=2e-2)
@@ -94,9 +102,10 @@ def test_overlap_launches_inline_when_combines_stay_on_the_device(second_device)
     executor = _Executor(CupyOps(), lambda partial: partial)
     overlap = DecodeOverlap(executor, _Transport())
     assert overlap.launched and not overlap.threaded
-    overlap.decode([0], [5], [0], lambda rows: "plan", thread=True)
+    frames = _Frames()
+    overlap.decode(frames, "step", (0,), (5,), [0], lambda rows: "plan", thread=True)
     overlap.logits()
-    assert executor.ran_on == threading.current_thread().name
+    assert executor.ran_on == threading.current_thread().name and [item for item, _ in frames.sent] == ["step"]
 
 
 def test_a_thread_that_never_set_the_device_cannot_launch_on_the_ranks_arrays(second_device):
