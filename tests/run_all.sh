@@ -8,9 +8,10 @@
 #  2. the layer and style checks (lint-imports, ruff), before anything slow;
 #  3. two lanes at once, each phase's output printed whole when it ends, then a table of the phases:
 #     A: the single-process suite on pytest-xdist workers (tests that share a module's server or
-#        engine stay on one worker), then the CPU experts on the NumPy path;
+#        engine stay on one worker), then the CPU experts on the NumPy path, then tests/mpi at
+#        mpiexec -n 1;
 #     B: the GPU session's dry run on cusim (benchmarks/gpu_prepare.sh + gpu_session.sh --cusim),
-#        then tests/mpi at mpiexec -n 1, 2 and 3 with the ranks' state digests compared.
+#        then tests/mpi at mpiexec -n 2 and 3. tests/mpi runs with the ranks' state digests compared.
 #     Every phase runs even when one fails; the exit status is 0 only if all passed.
 # EPRT_TEST_WORKERS: the xdist workers of lane A (default: the cores, 2 to 8).
 # shellcheck disable=SC2317  # (the phases are functions that phase() calls)
@@ -81,11 +82,12 @@ cusim() { bash benchmarks/gpu_prepare.sh && OUT="$(mktemp -d)" bash benchmarks/g
 # after every step (--check-state; docs/design.md, "State digests").
 mpi() { EPRT_CHECK_STATE=1 mpiexec -n "$1" "${pytest[@]}" --with-mpi tests/mpi; }
 
-echo "== lane A: the single-process tests on $workers xdist workers, then the NumPy path;" \
-  "lane B: the GPU session's dry run on cusim, then tests/mpi at mpiexec -n 1, 2, 3 (${cores} cores)"
+echo "== lane A: the single-process tests on $workers xdist workers, then the NumPy path," \
+  "then tests/mpi at mpiexec -n 1; lane B: the GPU session's dry run on cusim, then tests/mpi at -n 2 and 3 (${cores} cores)"
 {
   phase a1 "single-process tests (-n $workers)" single
   phase a2 "CPU experts on the NumPy path (EPRT_CPU_EXPERTS=numpy)" numpy_path
+  phase a3 "tests/mpi at mpiexec -n 1" mpi 1
 } &
 lane_a=$!
 {
@@ -94,7 +96,7 @@ lane_a=$!
   else
     echo "== skipped: GPU tests on cusim (no g++ here)"
   fi
-  for n in 1 2 3; do phase "b$((n + 1))" "tests/mpi at mpiexec -n $n" mpi "$n"; done
+  for n in 2 3; do phase "b$n" "tests/mpi at mpiexec -n $n" mpi "$n"; done
 } &
 lane_b=$!
 wait "$lane_a" "$lane_b" || true
