@@ -203,7 +203,7 @@ else
 fi
 
 bench_args=$([ "$cusim" = 1 ] &&
-  echo "--tiny --context 20 --batches 1,3 --steps 1 --attention-contexts 300" ||
+  echo "--tiny --context 20 --batches 1,3 --steps 1 --attention-contexts 300 --prefill 24" ||
   echo "--layers 16 --batches 1,32,128 --steps 10")
 # shellcheck disable=SC2086
 stage bench $([ "$cusim" = 1 ] && echo 900 || echo 110) "${run[@]}" benchmarks/bench_gpu.py $bench_args
