@@ -195,6 +195,20 @@ def test_default_threads_share_the_node_among_its_ranks(monkeypatch):
     assert cpu_threads.default_threads({"MPI_LOCALNRANKS": "4"}) == (3, "the 3 core(s) this rank is bound to")
 
 
+def _take_chunks(chunks, counters, lock, work) -> None:
+    """A compute thread's loop over a cpu_pool call: take the next chunk from ``counters[0]`` until
+    none is left, ``work(j)`` it, then count it done in ``counters[1]``."""
+    while True:
+        with lock:
+            j = int(counters[0])
+            counters[0] += 1
+        if j >= chunks:
+            return
+        work(j)
+        with lock:
+            counters[1] += 1
+
+
 def test_pool_threads_take_each_chunk_whole_and_once():
     """cpu_pool: the caller and a helper take chunks from one counter until none is left; the call
     returns when every chunk is done (a slow chunk gives the helper time to join)."""
@@ -205,17 +219,12 @@ def test_pool_threads_take_each_chunk_whole_and_once():
 
     pool, lock, taken = ChunkPool(), threading.Lock(), []
 
+    def work(j):
+        time.sleep(0.02)
+        taken.append((j, threading.current_thread().name))
+
     def chunk_work(chunks, counters):
-        while True:
-            with lock:
-                j = int(counters[0])
-                counters[0] += 1
-            if j >= chunks:
-                return
-            time.sleep(0.02)
-            taken.append((j, threading.current_thread().name))
-            with lock:
-                counters[1] += 1
+        _take_chunks(chunks, counters, lock, work)
 
     for _ in range(3):
         taken.clear()
@@ -251,19 +260,13 @@ def test_pool_names_a_failed_helper():
 
     pool, lock = ChunkPool(), threading.Lock()
 
+    def work(j):
+        if threading.current_thread().name == "eprt-cpu":
+            raise MemoryError("planted")  # the helper's chunk is never done
+        time.sleep(0.02)
+
     def chunk_work(chunks, counters):
-        helper = threading.current_thread().name == "eprt-cpu"
-        while True:
-            with lock:
-                j = int(counters[0])
-                counters[0] += 1
-            if j >= chunks:
-                return
-            if helper:
-                raise MemoryError("planted")  # its chunk is never done
-            time.sleep(0.02)
-            with lock:
-                counters[1] += 1
+        _take_chunks(chunks, counters, lock, work)
 
     with pytest.raises(RuntimeError, match="a compute thread failed: MemoryError"):
         for _ in range(50):  # until the helper takes a chunk
