@@ -143,11 +143,10 @@ def run_trial(
         for c in clients[:streams]:
             assert c.started.wait(60), "a stream did not start:\n" + "".join(log)
         time.sleep(0.2)  # the non-stream requests are running too
-        killed_at = [time.monotonic() + 3600.0]  # /health polled from before the kill (times < 0 then)
-        poller = threading.Thread(target=_poll_health, args=(base, health, killed_at, stop), daemon=True)
-        poller.start()
+        poller = threading.Thread(target=_poll_health, args=(base, health, stop), daemon=True)
+        poller.start()  # /health polled from before the kill
         os.kill(rank_pid(job.pid, victim), sig)
-        killed_at[0] = time.monotonic()
+        killed_at = time.monotonic()
         for t in threads:
             t.join(60)
         try:
@@ -158,8 +157,9 @@ def run_trial(
         stop.set()
         poller.join(5)  # its last request answered or refused
         time.sleep(0.05)  # the log's last lines
-        health = [(round(at - killed_at[0], 3), status) for at, status in health]
-        return Trial(victim, clients, killed_at[0], code, exited_at, health, "".join(log))
+        # an answer's time after the kill: when it came, for a request sent after the kill, else when sent
+        health = [(round((got if sent > killed_at else sent) - killed_at, 3), status) for sent, got, status in health]
+        return Trial(victim, clients, killed_at, code, exited_at, health, "".join(log))
     finally:
         stop.set()
         _kill_tree(job)
@@ -206,9 +206,8 @@ def _request(base: str, client: Client, max_tokens: int) -> None:
     client.started.set()
 
 
-def _poll_health(base: str, health: list, killed_at: list, stop: threading.Event) -> None:
-    """(time.monotonic() at the answer, status) until the server refuses or ``stop``; a request sent
-    before the kill is not taken for an answer after it."""
+def _poll_health(base: str, health: list, stop: threading.Event) -> None:
+    """(time.monotonic() when sent, when answered, status) until the server refuses or ``stop``."""
     with httpx.Client(timeout=1) as client:
         while not stop.is_set():
             sent = time.monotonic()
@@ -216,7 +215,7 @@ def _poll_health(base: str, health: list, killed_at: list, stop: threading.Event
                 status = client.get(base + "/health").status_code
             except httpx.HTTPError:
                 status = "refused"
-            health.append((max(time.monotonic(), killed_at[0]) if sent > killed_at[0] else sent, status))
+            health.append((sent, time.monotonic(), status))
             if status == "refused":
                 return
             time.sleep(0.01)
