@@ -455,11 +455,6 @@ def prompt_text(api: ApiRequest, result: GenerationResult) -> str:
     return api.tokenizer.decode(list(result.prompt_ids))
 
 
-def response_body(api: ApiRequest, result: GenerationResult) -> dict:
-    """The whole answer of a non-streaming request of one choice."""
-    return choices_body(api, [result])
-
-
 def choices_body(api: ApiRequest, results: list, outputs: dict | None = None) -> dict:
     """The whole answer of a non-streaming request, one choice per result (``result.index``).
     ``token_ids`` (an eprt extension) lists the generated ids, so a model without a tokenizer
