@@ -2,12 +2,17 @@
 
     python benchmarks/bench_ep.py [--configs 1:replicated,2:replicated,2:dp] [--workloads expert,long]
     python benchmarks/bench_ep.py --configs 2:replicated:check,2:dp:check --workloads expert   # --check-state's cost
+    python benchmarks/bench_ep.py --configs 2:replicated,2:dp,2:replicated,2:dp --workloads expert,chunked
 
 Builds (once) a Mixtral-style checkpoint whose experts hold ~95% of the weights, then for each
 workload (expert: batch 32 of 16-token prompts; long: batch 16 of 1,024-token prompts, attention-
-heavy) and each configuration (ranks:attention) launches ``mpiexec -n N`` on this same script
-(``--child``), which times on rank 0 the prefill tick of the batch and each decode tick (the median step of the best of
---repeats runs) and
+heavy, each prompt whole in the first tick; chunked: batch 16 of 768-token prompts under the
+default prefill budget, 512 tokens per step on a CPU, so the prefill takes several ticks) and each
+configuration (ranks:attention; list one twice to alternate sides on a noisy machine) launches
+``mpiexec -n N`` on this same script
+(``--child``), which times on rank 0 the batch end to end (submit to the last token), the ticks
+until the last prompt's first token (prefill) and each decode tick (the median step of the best
+of --repeats runs) and
 reads the transport's counters: MPI calls, broadcast bytes and combine bytes per decode step. BLAS
 runs one thread per rank in every configuration so the comparison isolates the parallelism; the
 tables are printed by the parent, with the decode speed-up over the first configuration. A
@@ -39,7 +44,11 @@ EP_MODEL = dict(
     num_experts_per_tok=4,
     max_position_embeddings=2048,
 )
-WORKLOADS = {"expert": dict(batch=32, prompt_len=16, steps=24), "long": dict(batch=16, prompt_len=1024, steps=16)}
+WORKLOADS = {  # chunk: the prefill budget (None: the default, by device; 0: whole prompts)
+    "expert": dict(batch=32, prompt_len=16, steps=24, chunk=0),
+    "long": dict(batch=16, prompt_len=1024, steps=16, chunk=0),
+    "chunked": dict(batch=16, prompt_len=768, steps=24, chunk=None),
+}
 
 
 def child(args) -> None:
@@ -52,7 +61,7 @@ def child(args) -> None:
         device="cpu",
         max_batch=args.batch,
         max_model_len=args.prompt_len + args.steps + 16,
-        max_prefill_tokens=0,  # whole prompts: the first tick prefills them all, every later tick is a decode step
+        max_prefill_tokens=None if args.chunk < 0 else args.chunk,  # 0: whole prompts, all in the first tick
         prefix_cache=False,
         attention=args.attention,
         check_state=args.check,
@@ -60,18 +69,25 @@ def child(args) -> None:
     prompts = [[3 + (7 * i + j) % 4000 for j in range(args.prompt_len)] for i in range(args.batch)]
 
     def measure():
-        """One batch to the end: the first tick prefills every prompt (whole), each later tick is one
-        decode step; returns (prefill s, [decode step s], the transport's counters of one step)."""
+        """One batch to the end: (end to end s, the ticks until every prompt has its first token s,
+        [decode step s]: the ticks after those, the transport's counters of the first of them, the
+        state check's mean s per decode step)."""
         params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
-        handles = [engine.submit(GenerationRequest(p, params)) for p in prompts]
-        ticks, counters, checks = [], [], []
+        started: set = set()  # the prompts with a first token
+        handles = [
+            engine.submit(GenerationRequest(p, params, stream=True, on_token=lambda t, i=i: started.add(i)))
+            for i, p in enumerate(prompts)
+        ]
+        ticks, counters, checks, prefill = [], [], [], 0
         while not all(h.done() for h in handles):
             stats, t, checked[0] = engine.transport.stats.copy(), time.perf_counter(), 0.0
             engine.step()
             ticks.append(time.perf_counter() - t)
             counters.append(engine.transport.stats - stats)
             checks.append(checked[0])
-        return ticks[0], ticks[1:-1], counters[1], statistics.mean(checks[1:-1])  # (the last tick releases all)
+            prefill = prefill or (len(ticks) if len(started) == len(prompts) else 0)
+        decode = slice(prefill, -1)  # (the last tick releases all)
+        return sum(ticks), sum(ticks[:prefill]), ticks[decode], counters[prefill], statistics.mean(checks[decode])
 
     checked = [0.0]
 
@@ -86,20 +102,20 @@ def child(args) -> None:
             runs = [measure() for _ in range(args.repeats + 1)][1:]  # the first warms up
     except SystemExit:
         return  # worker ranks
-    decode = runs[0][2]
-    prefill_s = min(r[0] for r in runs)
-    step_s = min(statistics.median(r[1]) for r in runs)  # each run's median step, the best run's
+    decode = runs[0][3]
+    step_s = min(statistics.median(r[2]) for r in runs)  # each run's median step, the best run's
     print(
         json.dumps(
             {
                 "world": engine.transport.size,
                 "attention": args.attention,
                 "step_ms": 1e3 * step_s,
-                "prefill_ms": 1e3 * prefill_s,
+                "e2e_ms": 1e3 * min(r[0] for r in runs),
+                "prefill_ms": 1e3 * min(r[1] for r in runs),
                 "mpi_calls": decode.mpi_calls,
                 "bcast_bytes": decode.bcast_bytes,
                 "combine_bytes": decode.allsum_bytes,
-                "check_ms": 1e3 * min(r[3] for r in runs) if args.check else None,
+                "check_ms": 1e3 * min(r[4] for r in runs) if args.check else None,
             }
         ),
         flush=True,
@@ -118,6 +134,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--attention", default="replicated", help=argparse.SUPPRESS)
     ap.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -142,19 +159,23 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--dir", args.dir, "--attention", attention]
             cmd += ["--check"] if check == ["check"] else []
             cmd += ["--batch", str(w["batch"]), "--prompt-len", str(w["prompt_len"]), "--steps", str(w["steps"])]
-            cmd += ["--repeats", str(args.repeats)]
+            cmd += ["--repeats", str(args.repeats), "--chunk", str(-1 if w["chunk"] is None else w["chunk"])]
             out = subprocess.run(
                 ["mpiexec", "-n", str(n), *cmd], env=env, capture_output=True, text=True, timeout=900, check=True
             ).stdout
             rows.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
-        print(f"\n{name}: batch {w['batch']}, prompts of {w['prompt_len']} tokens, {w['steps']} decode steps")
+        budget = "whole prompts" if w["chunk"] == 0 else "the default prefill budget"
         print(
-            f"{'ranks':>5} {'attention':>10} {'step ms':>8} {'speed-up':>8} {'prefill ms':>10} {'MPI calls/step':>14} "
-            f"{'bcast B/step':>12} {'combine B/step':>14} {'check ms':>8}"
+            f"\n{name}: batch {w['batch']}, prompts of {w['prompt_len']} tokens ({budget}), {w['steps']} decode steps"
+        )
+        print(
+            f"{'ranks':>5} {'attention':>10} {'e2e ms':>8} {'e2e x':>6} {'step ms':>8} {'speed-up':>8} "
+            f"{'prefill ms':>10} {'MPI calls/step':>14} {'bcast B/step':>12} {'combine B/step':>14} {'check ms':>8}"
         )
         for r in rows:
             print(
-                f"{r['world']:5d} {r['attention']:>10} {r['step_ms']:8.2f} {rows[0]['step_ms'] / r['step_ms']:8.2f} "
+                f"{r['world']:5d} {r['attention']:>10} {r['e2e_ms']:8.0f} {rows[0]['e2e_ms'] / r['e2e_ms']:6.2f} "
+                f"{r['step_ms']:8.2f} {rows[0]['step_ms'] / r['step_ms']:8.2f} "
                 f"{r['prefill_ms']:10.0f} {r['mpi_calls']:14.1f} {r['bcast_bytes']:12.0f} {r['combine_bytes']:14.0f} "
                 f"{'-' if r['check_ms'] is None else format(r['check_ms'], '8.3f'):>8}"
             )

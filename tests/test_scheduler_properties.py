@@ -1,10 +1,12 @@
 """Scheduler properties over random scenarios (arrivals, scripts, limits, cancels, deadlines,
-small KV pools that force preemption, chunked prefill, prefix caching), checked on the
-trace the fake model records and on what each client saw."""
+small KV pools that force preemption, chunked prefill, prefix caching, dp attention's pools and
+prefill budgets per owner rank), checked on the trace the fake model records and on what each
+client saw."""
 
 import dataclasses
 import math
 import re
+from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -187,3 +189,114 @@ def test_without_guards_every_output_is_its_script(sc):
 @given(scenarios(with_guards=True))
 def test_guards_end_each_request_once_for_the_right_reason(sc):
     check_run(sc, with_guards=True)
+
+
+@st.composite
+def dp_scenarios(draw):
+    """A random scenario under dp attention: 2 or 3 owner pools, each at least as large as the
+    largest request needs alone, and a prefill budget per owner."""
+    sc = draw(scenarios(with_guards=False))
+    bs = sc.engine.block_size
+    fits_alone = max((len(r.prompt) + r.max_tokens - 1) // bs + 1 for r in sc.requests)
+    ranks = draw(st.lists(st.integers(fits_alone, fits_alone + 3), min_size=2, max_size=3))
+    engine = dataclasses.replace(sc.engine, rank_blocks=ranks, max_prefill_tokens=draw(st.sampled_from([1, 3, 8])))
+    return Scenario("random dp", engine, sc.requests)
+
+
+@st.composite
+def dp_ample_scenarios(draw):
+    """dp scenarios where every pool has room for every request at once (no preemption), no prefix
+    cache (no affinity) and no choices: there, a head waits only for its owner's budget."""
+    sc = draw(dp_scenarios())
+    requests = [dataclasses.replace(r, choices=[], mode="stream") for r in sc.requests]
+    bs = sc.engine.block_size
+    room = sum((len(r.prompt) + r.max_tokens - 1) // bs + 1 for r in requests)
+    ranks = [room] * len(sc.engine.rank_blocks)
+    return Scenario("random dp", dataclasses.replace(sc.engine, rank_blocks=ranks, prefix_cache=False), requests)
+
+
+@dataclasses.dataclass
+class DpTick:
+    held: int  # slots held at its start
+    prefilling: set  # owner ranks holding an unfinished prefill at its start
+    admitted: int = 0
+    spent: Counter = dataclasses.field(default_factory=Counter)  # prompt tokens of its chunks per owner rank
+
+
+def dp_ticks(lines: list) -> tuple[dict, dict]:
+    """The trace of a dp scenario, per tick ({tick: DpTick}), and the tick each sequence's first
+    chunk ran in ({seq id: tick})."""
+    owner, full, mid = {}, {}, set()  # slot -> owner rank, its prompt's length; slots mid-prefill
+    ticks, first, tick = {}, {}, 0
+    for i, line in enumerate(lines):
+        if line.startswith("-- tick "):
+            tick = int(line.split()[2])
+            ticks[tick] = DpTick(len(owner), {owner[s] for s in mid})
+        elif m := re.fullmatch(r"alloc_sequence\(\) -> slot (\d+) on rank (\d+)", line):
+            owner[int(m[1])] = int(m[2])
+            ticks[tick].admitted += 1
+        elif m := re.fullmatch(r"fork_sequence\(s\d+@(\d+):len=\d+, s\d+\) -> slot (\d+)", line):
+            owner[int(m[2])] = owner[int(m[1])]
+        elif m := re.fullmatch(r"compact_sequence\(s\d+@(\d+):len=\d+, new_slot=(\d+)\)", line):
+            src, dst = int(m[1]), int(m[2])
+            owner[dst], full[dst] = owner.pop(src), full.pop(src, 0)  # (a fork's slot had no PREFILL)
+            if src in mid:
+                mid.remove(src)
+                mid.add(dst)
+        elif m := re.fullmatch(r"ep_broadcast_cmd_for_seq\(seq=(\d+), cmd=0x(fffffff0|fffffff1)\)", line):
+            slot = int(m[1])
+            if m[2] == "fffffff0":  # PREFILL: chunk_len, chunk_start, full_len
+                full[slot] = int(lines[i + 3].removeprefix("ep_broadcast_cmd(").rstrip(")"), 16)
+            else:  # RELEASE
+                mid.discard(slot)
+                del owner[slot]
+        elif m := re.fullmatch(r"prefill\(n=(\d+), s(\d+)@(\d+):len=(\d+), stream=0\)", line):
+            slot = int(m[3])
+            ticks[tick].spent[owner[slot]] += int(m[1])
+            first.setdefault(int(m[2]), tick)
+            (mid.add if int(m[4]) < full[slot] else mid.discard)(slot)
+    assert not mid and not owner
+    return ticks, first
+
+
+def check_owner_budgets(lines: list, budget: int) -> None:
+    """Per tick, each owner rank's chunks take at most ``budget`` prompt tokens, and every owner
+    holding an unfinished prefill when the tick starts prefills some of it in that tick (no owner's
+    attention idles in a prefill step while it has prompt left)."""
+    for k, t in dp_ticks(lines)[0].items():
+        assert all(n <= budget for n in t.spent.values()), f"tick {k}: a rank's chunks exceed {budget}: {t.spent}"
+        assert t.prefilling <= set(t.spent), f"tick {k}: ranks {t.prefilling} hold prompts left, prefilled {t.spent}"
+
+
+def check_owners_busy_while_a_head_waits(lines: list, sc: Scenario) -> None:
+    """In a tick whose prefill lane leaves a slot free while an arrived request is still not
+    admitted (so it waited at the queue's head), every owner rank spent its whole budget."""
+    ticks, first = dp_ticks(lines)
+    for k, t in ticks.items():
+        waiting = [r.id for r in sc.requests if r.arrive_at_tick <= k and first.get(r.id, math.inf) > k]
+        if waiting and t.held + t.admitted < sc.engine.max_batch:
+            every = all(t.spent[r] == sc.engine.max_prefill_tokens for r in range(len(sc.engine.rank_blocks)))
+            assert every, f"tick {k}: {waiting} wait with a slot free while an owner had budget left: {t.spent}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(dp_scenarios())
+def test_dp_prefill_budget_is_per_owner_and_no_owner_with_prompt_left_idles(sc):
+    result = run(sc)
+    check_slots([re.sub(r" on rank \d+$", "", line) for line in result.lines])
+    check_owner_budgets(result.lines, sc.engine.max_prefill_tokens)
+    pools = result.runner.executor.pools.pools  # every rank's mirrored pool, on rank 0
+    assert [p.num_free_blocks() for p in pools] == sc.engine.rank_blocks  # cached blocks allowed
+    for out in result.outcomes:
+        if out.spec.choices or out.rejected:
+            continue  # (forks: their outputs are checked by the replicated properties)
+        assert out.results[0].token_ids == expected_output(out.spec)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dp_ample_scenarios())
+def test_dp_a_head_waits_only_while_every_owner_spends_its_budget(sc):
+    result = run(sc)
+    check_owner_budgets(result.lines, sc.engine.max_prefill_tokens)
+    check_owners_busy_while_a_head_waits(result.lines, sc)
+    assert all(out.results[0].token_ids == expected_output(out.spec) for out in result.outcomes)

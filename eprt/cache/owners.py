@@ -30,13 +30,17 @@ class OwnerPools:
         pool = self.pools[rank]
         return pool.num_blocks - pool.num_free_blocks()
 
-    def choose(self, tokens: Sequence[int], adapter: int = -1, salt: bytes = b"") -> int | None:
+    def choose(
+        self, tokens: Sequence[int], adapter: int = -1, salt: bytes = b"", queued: Sequence[int] | None = None
+    ) -> int | None:
         """The owner of a new prompt among the ranks with room for it: the longest prefix-cache hit
-        first (affinity), then the fewest blocks in use (least KV tokens), then the lowest rank;
-        None when no rank has room now."""
+        first (affinity), then the fewest queued prefill tokens (``queued[r]``: rank r's prompt tokens
+        not computed yet; none when not given), then the fewest blocks in use (least KV tokens), then
+        the lowest rank; None when no rank has room now."""
         best = None
         for rank, pool in enumerate(self.pools):
             if pool.can_allocate(tokens, adapter, salt):
-                key = (-pool.match_prefix(tokens, adapter, salt), self.used_blocks(rank), rank)
+                work = 0 if queued is None else queued[rank]
+                key = (-pool.match_prefix(tokens, adapter, salt), work, self.used_blocks(rank), rank)
                 best = key if best is None else min(best, key)
-        return None if best is None else best[2]
+        return None if best is None else best[-1]

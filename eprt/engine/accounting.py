@@ -79,6 +79,9 @@ class Accounts:
     def free_blocks_in(self, pool: int) -> int:
         return self.pools.free_blocks_in(pool)
 
+    def admission_pool(self, seq) -> int | None:
+        return self.pools.admission_pool(seq, self.state_of(seq).salt)
+
     def state_of(self, seq) -> SeqModelState:
         """The runner's per-sequence state, made once (a preempted sequence keeps it)."""
         if seq.model_state is None:

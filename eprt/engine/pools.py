@@ -33,6 +33,10 @@ class SharedPool:
         """The owner of seq, admitted into ``slot`` now (None: no owners)."""
         return None
 
+    def admission_pool(self, seq, salt: bytes) -> int | None:
+        """The pool seq's admission would take its blocks from: the one pool, 0."""
+        return 0
+
     def owner_frames(self, admission) -> list:
         return []
 
@@ -68,7 +72,21 @@ class DpPools(SharedPool):
         return self.executor.pools.pools[pool].num_free_blocks()
 
     def _owner_for(self, seq, salt: bytes) -> int | None:
-        return self.executor.pools.choose(seq.token_ids[: seq.num_prompt], seq.adapter, salt)
+        prompt = seq.token_ids[: seq.num_prompt]
+        return self.executor.pools.choose(prompt, seq.adapter, salt, queued=self.queued_prefill())
+
+    def queued_prefill(self) -> list[int]:
+        """Each rank's queued prefill tokens: the prompt tokens of the sequences it owns whose KV is
+        not computed yet (those of the chunks planned for this step included)."""
+        queued = [0] * len(self.executor.pools)
+        for slot in self.executor.slots.occupied():
+            st = self.executor.slots.get(slot)
+            queued[int(self.executor.owners[slot])] += max(0, len(st.prompt) - st.length)
+        return queued
+
+    def admission_pool(self, seq, salt: bytes) -> int | None:
+        """The owner ``place`` would choose for seq now (None: no rank has room for its prompt)."""
+        return self._owner_for(seq, salt)
 
     def has_room(self, seq, salt: bytes, max_hit: int | None) -> bool:
         """Whether some rank's pool has the blocks for seq's prompt."""

@@ -36,15 +36,16 @@ def chunk_len(left: int, budget: int | None) -> int:
 # -- prefill lane ------------------------------------------------------------------------------
 def plan_prefill(sched, start: TickStart) -> StepPlan:
     """The tick's start and its prefill lane: unfinished chunked prefills first, then queued
-    sequences in order while the budget, a slot and their blocks allow (first come first served:
-    a head that does not fit waits, and blocks the ones behind it)."""
-    budget = sched.config.max_prefill_tokens or None  # None: unlimited
+    sequences in order while a slot, their blocks and their pool's budget allow (first come first
+    served: a head that does not fit waits, and blocks the ones behind it). The budget is one per
+    pool: under dp attention each owner rank's chunks take up to the whole of it."""
+    budget = pools.PrefillBudget(sched.kv, sched.config.max_prefill_tokens)
     chunks: list = []
     for seq in [s for s in sched._live if s.state is SeqState.PREFILLING]:
-        if budget == 0:
-            return StepPlan(start=start, chunks=tuple(chunks))
-        budget = _chunk(sched, seq, None, budget, chunks)
-    while sched._waiting and budget != 0 and len(sched._live) < sched.config.max_batch:
+        pool = pools.pool_key(sched.kv, seq)
+        if budget.left(pool) != 0:
+            _chunk(sched, seq, None, budget, pool, chunks)
+    while sched._waiting and not budget.exhausted() and len(sched._live) < sched.config.max_batch:
         seq = sched._waiting[0]  # (a fork that found no slot may wait for one)
         if not sched.kv.can_admit(seq):
             if sched._live:
@@ -53,8 +54,11 @@ def plan_prefill(sched, start: TickStart) -> StepPlan:
             error = f"the prompt ({seq.num_prompt} tokens) needs more KV blocks than the whole pool holds"
             sched._finish(seq, ERROR, error=error)
             continue
+        pool = budget.admission(seq)
+        if budget.left(pool) == 0:
+            break  # its owner has spent this tick's budget: it waits for the next tick
         sched._waiting.popleft()
-        budget = _chunk(sched, seq, _admit(sched, seq), budget, chunks)
+        _chunk(sched, seq, _admit(sched, seq), budget, pool, chunks)
     return StepPlan(start=start, chunks=tuple(chunks))
 
 
@@ -70,10 +74,11 @@ def _admit(sched, seq: Sequence):
     return adm
 
 
-def _chunk(sched, seq: Sequence, admission, budget: int | None, chunks: list) -> int | None:
-    """Plan one chunk of seq's prompt (and, after its last one, its forks); returns the budget left."""
+def _chunk(sched, seq: Sequence, admission, budget, pool: int, chunks: list) -> None:
+    """Plan one chunk of seq's prompt within ``pool``'s budget (and, after its last one, its forks)."""
     full, start = seq.num_prompt, seq.len
-    n = chunk_len(full - start, budget)
+    n = chunk_len(full - start, budget.left(pool))
+    budget.spend(pool, n)
     record = sched.kv.plan_chunk(seq, start, n)
     at = row(seq)
     seq.len = start + n
@@ -82,7 +87,6 @@ def _chunk(sched, seq: Sequence, admission, budget: int | None, chunks: list) ->
         seq.state = SeqState.RUNNING
         forks = _fork(sched, seq)
     chunks.append(Chunk(at, n, full, admission, forks, record))
-    return None if budget is None else budget - n
 
 
 def _fork(sched, parent: Sequence) -> tuple:

@@ -56,3 +56,28 @@ def free_after_decode(model, rows: list, block_size: int, read) -> dict:
     if not pooled(model):
         return {0: read(None) - crossing[0]}
     return {pool: read(pool) - crossing[pool] for pool in sorted({model.pool_of(s) for s in rows})}
+
+
+class PrefillBudget:
+    """A tick's prefill budget (docs/scenarios.md, "One run"): ``tokens`` prompt tokens of chunks
+    (0: unlimited) for the one shared pool, or under dp attention for each owner rank's pool, so
+    every owner with prompts to prefill gets its chunks in every prefill step."""
+
+    def __init__(self, model, tokens: int):
+        self.model, self.tokens = model, tokens or None  # None: unlimited
+        self.spent: Counter = Counter()
+
+    def left(self, pool: int) -> int | None:
+        """Tokens ``pool`` may still take this tick (None: unlimited)."""
+        return None if self.tokens is None else self.tokens - self.spent[pool]
+
+    def spend(self, pool: int, n: int) -> None:
+        self.spent[pool] += n
+
+    def exhausted(self) -> bool:
+        """Whether no chunk fits this tick any more (known for the one shared pool only)."""
+        return not pooled(self.model) and self.left(0) == 0
+
+    def admission(self, seq) -> int:
+        """The pool the admission of seq (which ``can_admit``) would prefill in: its owner's."""
+        return self.model.admission_pool(seq) if pooled(self.model) else 0
