@@ -222,8 +222,8 @@ def _add_pool_arguments(g) -> None:
         "--max-prefill-tokens",
         type=int,
         default=None,
-        help=f"chunked prefill: prompt tokens per step (default {DEFAULT_PREFILL_TOKENS['cpu']} on the CPU, "
-        f"{DEFAULT_PREFILL_TOKENS['cuda']} on a GPU; 0: whole prompts)",
+        help=f"chunked prefill: prompt tokens per step, per owner rank under --attention dp (default "
+        f"{DEFAULT_PREFILL_TOKENS['cpu']} on the CPU, {DEFAULT_PREFILL_TOKENS['cuda']} on a GPU; 0: whole prompts)",
     )
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     g.add_argument(

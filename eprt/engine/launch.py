@@ -158,6 +158,7 @@ def rank0_runner(cfg: EngineConfig, device: str, transport, started: Started) ->
         num_speculative_tokens=0 if spec is None else spec.num_tokens,
     )
     chunks = f"{sched_cfg.max_prefill_tokens} tokens" if sched_cfg.max_prefill_tokens else "whole prompts"
+    chunks += " per owner rank" if executor.dp and sched_cfg.max_prefill_tokens else ""
     log.info("max_model_len %d, prefill chunks of %s, up to %d sequences", started.max_model_len, chunks, cfg.max_batch)
     runner.sampler.eos_token_ids, runner.sampler.logprobs_mode = eos, cfg.logprobs_mode
     return runner, sched_cfg

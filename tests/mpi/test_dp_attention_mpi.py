@@ -194,14 +194,15 @@ class _Lines(logging.Handler):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("attention", ["dp", "replicated"])
 def test_startup_log_states_kv_capacity(monkeypatch, attention):
-    """Rank r's pool is 26 + 9r blocks of 4 tokens: dp adds the pools up, replicated takes the smallest."""
+    """Rank r's pool is 26 + 9r blocks of 4 tokens: dp adds the pools up, replicated takes the smallest;
+    under dp the prefill budget is stated per owner rank."""
     from eprt.engine import startup
 
     monkeypatch.setattr(startup, "_kv_blocks", lambda cfg, ops, model_cfg, model_len, sharers: 26 + 9 * COMM.rank)
     lines = _Lines()
     logging.getLogger("eprt.engine").addHandler(lines)
     try:
-        cfg = engine_config(shared_checkpoint("mixtral"), attention=attention)
+        cfg = engine_config(shared_checkpoint("mixtral"), attention=attention, max_prefill_tokens=6)
         _, total = run_dp(cfg, lambda: [GenerationRequest([3, 4])], lambda engine: engine.stats()["total_blocks"])
     finally:
         logging.getLogger("eprt.engine").removeHandler(lines)
@@ -211,6 +212,8 @@ def test_startup_log_states_kv_capacity(monkeypatch, attention):
         stated = [line for line in lines.lines if line.startswith("KV capacity")]
         assert len(stated) == 1 and stated[0].startswith(f"KV capacity {tokens} tokens ("), stated
         assert total * 4 == tokens  # the stats line counts the same blocks
+        per = " per owner rank" if attention == "dp" else ""
+        assert any(f"prefill chunks of 6 tokens{per}, up to" in line for line in lines.lines), lines.lines
 
 
 @pytest.mark.mpi(min_size=1)
