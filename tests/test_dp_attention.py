@@ -134,6 +134,7 @@ def test_auto_attention_picks_dp_only_for_a_multi_rank_job_dp_serves(monkeypatch
     cases = [
         (EngineConfig(), 1, plain, "auto: one rank"),
         (EngineConfig(record_payloads=True), 4, plain, "--record-payloads"),
+        (EngineConfig(overlap=True), 2, plain, "auto: --overlap on"),
         (EngineConfig(speculative_method="mtp"), 2, plain, "dp does not serve --speculative-method mtp yet"),
         (EngineConfig(), 2, hybrid, "qwen3_next checkpoint (recurrent state)"),
     ]

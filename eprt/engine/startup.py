@@ -150,15 +150,17 @@ def check_dp_features(cfg: EngineConfig, model_cfg) -> None:
 
 def choose_attention(cfg: EngineConfig, world: int, model_cfg) -> tuple[str, str]:
     """The job's attention mode and why (logged at start-up): --attention dp or replicated as given;
-    auto picks replicated on one rank, with --record-payloads, or when the job uses something dp
-    does not serve, else DEFAULT_MULTI_RANK_ATTENTION. Every rank decides the same from the same
-    flags and checkpoint."""
+    auto picks replicated on one rank, with --record-payloads, with --overlap on (dp runs no
+    overlap), or when the job uses something dp does not serve, else DEFAULT_MULTI_RANK_ATTENTION.
+    Every rank decides the same from the same flags and checkpoint."""
     if cfg.attention != "auto":
         return cfg.attention, f"--attention {cfg.attention}"
     if world == 1:
         return "replicated", "auto: one rank"
     if cfg.record_payloads:
         return "replicated", "auto: --record-payloads (eprt replay rebuilds replicated attention only)"
+    if cfg.overlap:
+        return "replicated", "auto: --overlap on (dp attention's decode steps run without overlap)"
     unserved = dp_unserved(cfg, model_cfg)
     if unserved:
         return "replicated", f"auto: dp does not serve {', '.join(unserved)} yet"
