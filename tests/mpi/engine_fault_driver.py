@@ -104,7 +104,7 @@ def main() -> int:
         max_model_len=64,
         record_payloads=mode in ("record", "corrupt"),
         dump_dir=os.environ.get("EPRT_DUMP_DIR", "eprt-dumps"),
-        attention="dp" if "dp" in sys.argv[3:] else "auto",
+        attention="dp" if "dp" in sys.argv[3:] else "replicated",  # (not auto: these faults are planted per mode)
         overlap="overlap" in sys.argv[3:],
         check_state=mode in ("drift", "checked"),
     )

@@ -55,9 +55,10 @@ def shared_checkpoint(arch, dtype="float32", **overrides):
 
 
 def engine_config(path, **kw):
-    return EngineConfig(
-        model=path, device="cpu", max_batch=4, block_size=4, max_model_len=96, image_token_id=IMAGE, **kw
-    )
+    """The tests' engine: replicated attention unless ``attention`` says otherwise (not auto, so
+    these tests keep testing replicated attention whichever mode auto picks on 2+ ranks)."""
+    base = dict(model=path, device="cpu", max_batch=4, block_size=4, max_model_len=96, image_token_id=IMAGE)
+    return EngineConfig(**{**base, "attention": "replicated", **kw})
 
 
 def run_everywhere(cfg, reqs_fn):
