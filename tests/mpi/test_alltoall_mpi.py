@@ -1,0 +1,95 @@
+"""The all-to-all MoE exchange (--moe-exchange alltoall; docs/design.md, "All-to-all MoE exchange"),
+written once and run at several world sizes:
+
+    mpiexec -n 1|2|3 python -m pytest --with-mpi tests/mpi/test_alltoall_mpi.py
+
+Greedy tokens with alltoall equal the all-gather exchange's and a single rank's, for three
+architectures (deepseek_v3 with grouped routing: 3 groups of 2 experts, the best 2 compete), both
+attention modes, EPLB off and on (redundant experts; the live rebalances switch placements mid-run),
+and every token's logprobs equal bit for bit. -n 4 runs from a plain ``pytest`` (CI's -n 1 lane):
+``test_four_ranks`` launches its own ``mpiexec -n 4`` job of the same tests.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_eplb_mpi import grouped_checkpoint
+from test_expert_parallel_mpi import COMM, PROMPTS, engine_config, run_single, shared_checkpoint
+
+from eprt.api import GenerationRequest, SamplingParams
+from eprt.comm.world import launcher_world_size
+from eprt.engine.config import EplbConfig
+from eprt.engine.engine import launch_engine
+
+ARCHS = {"qwen3_moe": 7, "mixtral": 7, "deepseek_v3": 6}  # experts in the test checkpoint
+
+
+def checkpoint(arch: str) -> str:
+    return grouped_checkpoint(3) if arch == "deepseek_v3" else shared_checkpoint(arch)
+
+
+def requests():
+    return [GenerationRequest(p, SamplingParams(max_tokens=10, logprobs=2)) for p in PROMPTS]
+
+
+def generate(cfg):
+    """Rank 0: (token ids, every token's logprobs, MoE bytes sent per exchanged layer, exchange used); workers None."""
+    try:
+        with launch_engine(cfg) as engine:
+            results = engine.generate(requests())
+            stats = engine.transport.stats
+            sent = stats.moe_sent_bytes / max(1, stats.moe_layers or stats.allsums)
+            used = "alltoall" if engine.runner.executor.model.alltoall is not None else "allgather"
+            return [r.token_ids for r in results], [_logprobs(r) for r in results], sent, used
+    except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        return None
+
+
+def _logprobs(result) -> str:
+    """Every generated token's logprobs and top-2 alternatives, as text: equal text, equal bits."""
+    return repr([lp.to_json() for lp in result.logprobs])
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("attention", ["replicated", "dp"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_alltoall_tokens_equal_allgather_and_single_rank(arch, attention):
+    path = checkpoint(arch)
+    a2a = generate(engine_config(path, attention=attention, moe_exchange="alltoall"))
+    gather = generate(engine_config(path, attention=attention, moe_exchange="allgather"))
+    redundant = (-ARCHS[arch]) % COMM.size or COMM.size  # physical slots a multiple of the ranks
+    eplb = EplbConfig(num_redundant_experts=redundant + 1, interval=3, window=3)
+    balanced = generate(engine_config(path, attention=attention, moe_exchange="alltoall", eplb=eplb))
+    single = run_single(engine_config(path, moe_exchange="allgather"), requests)
+    if COMM.rank == 0:
+        assert (a2a[3], gather[3], balanced[3]) == ("alltoall", "allgather", "alltoall")
+        tokens = [r.token_ids for r in single]
+        assert a2a[0] == tokens and gather[0] == tokens and balanced[0] == tokens
+        assert all(len(t) > 0 for t in tokens)
+        assert a2a[1] == gather[1] == balanced[1] == [_logprobs(r) for r in single]  # the same bits
+        if COMM.size > 1:
+            assert 0 < a2a[2] < gather[2], f"alltoall sent {a2a[2]:.0f} B a layer, allgather {gather[2]:.0f} B"
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
+@pytest.mark.skipif(launcher_world_size() > 1, reason="launches its own -n 4 job; run once, not per rank")
+def test_four_ranks():
+    """The same comparison at -n 4 (CI's MPI lanes run -n 1, 2 and 3): one job of 4 ranks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
+    here = Path(__file__)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi", str(here)]
+    out = subprocess.run(
+        ["mpiexec", "-n", "4", *cmd, "-k", "equal_allgather and (deepseek_v3 or qwen3_moe)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=here.parent,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout.split("passed")[0][-40:], out.stdout[-2000:]
