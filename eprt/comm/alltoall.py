@@ -26,29 +26,16 @@ import numpy as np
 
 
 class AllToAllExchange:
-    """``routing`` then ``run`` once per MoE layer; ``dp``: the pass's DpExchange under dp
+    """``run`` once per MoE layer; ``dp``: the pass's DpExchange under dp
     attention (its owners and its all-gather), None under replicated attention."""
 
     def __init__(self, transport, xp=np, dp=None):
         self.transport, self.xp, self.dp = transport, xp, dp
 
-    def routing(self, weights, ids) -> tuple[np.ndarray, np.ndarray]:
-        """Every row's routing on every rank, on the host: weights [N, k] float32, ids [N, k] int32.
-        Under dp attention, from this rank's rows (one all-gather of 2k words a row: the metadata that
-        lets every rank know every unit, so no counts travel, and keeps the expert-load counters and
-        EPLB's replica choice global); under replicated attention they are already everywhere."""
-        w, i = self._host(weights).astype(np.float32, copy=False), self._host(ids).astype(np.int32, copy=False)
-        if self.dp is None:
-            return w, i
-        k = w.shape[1]
-        both = self.dp.gather(np.concatenate([w.view(np.int32), i], axis=1))  # [N, 2k] in global order
-        both = self._host(both)
-        return np.ascontiguousarray(both[:, :k]).view(np.float32), np.ascontiguousarray(both[:, k:])
-
     def run(self, x, weights: np.ndarray, ids: np.ndarray, dest: np.ndarray, compute: Callable, per_choice: bool):
         """The routed MoE output of this rank's rows (dp: [n, D]; replicated: every row's, [N, D]).
-        ``x``: this rank's rows (dp) or every row (replicated); ``weights``/``ids`` [N, k] from
-        ``routing`` (ids: what ``compute`` takes, EPLB's slots included); ``dest`` [N, k] the rank
+        ``x``: this rank's rows (dp) or every row (replicated); ``weights``/``ids`` [N, k] on the
+        host, every row's (ids: what ``compute`` takes, EPLB's slots included); ``dest`` [N, k] the rank
         computing each choice; ``compute(x [m, D], weights [m, c], ids [m, c])`` -> float32 [m, D]."""
         P, me, N, k = self.transport.size, self.transport.rank, ids.shape[0], ids.shape[1]
         owner = self._owners(N)  # [N]
@@ -71,7 +58,6 @@ class AllToAllExchange:
         got = self.transport.alltoall_rows(sent, counts_back, np.bincount(rank[owned], minlength=P).tolist())
         local = np.cumsum(owner == me) - 1  # [N] a row's place among this rank's rows
         out = self._fold(got, local[row[owned]], choice[owned], rank[owned], int((owner == me).sum()), k, per_choice)
-        self.transport.stats.moe_layers += 1
         if self.dp is None and P > 1:  # replicated attention: every rank needs every row
             out = self.transport.allgather_rows(out, np.bincount(owner, minlength=P).tolist())
         return self._device(out)

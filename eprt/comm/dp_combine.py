@@ -39,6 +39,16 @@ class DpExchange:
         rows = self.transport.allgather_rows(self._host(x), self.counts)  # [N, D] rank-major
         return self._device(rows if self._inverse is None else rows[self._inverse])
 
+    def routing(self, weights, ids) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's routing in global order on the host, from each owner's rows: weights [n, k]
+        float32 and ids [n, k] here -> [N, k] each (one all-gather of 2k words a row)."""
+        w = self._host(weights).astype(np.float32, copy=False)
+        i = self._host(ids).astype(np.int32, copy=False)
+        k = w.shape[1]
+        both = self.transport.allgather_rows(np.concatenate([w.view(np.int32), i], axis=1), self.counts)
+        both = both if self._inverse is None else both[self._inverse]  # [N, 2k] in global order
+        return np.ascontiguousarray(both[:, :k]).view(np.float32), np.ascontiguousarray(both[:, k:])
+
     def scatter(self, partial):
         """partial [N, D] float32 in global order -> [local rows, D]: this rank's rows summed over ranks."""
         host = self._host(partial)

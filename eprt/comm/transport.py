@@ -81,7 +81,6 @@ class CommStats:
     bcast_bytes: int = 0  # bytes of the broadcast buffers (frames and rows)
     allsums: int = 0  # MoE combines (in a world of one too, where they cost nothing)
     allsum_bytes: int = 0  # bytes this rank contributed to combines
-    moe_layers: int = 0  # MoE layers exchanged (either exchange; a world of one too)
     moe_sent_bytes: int = 0  # MoE exchange bytes this rank put on the wire to other ranks
     moe_recv_bytes: int = 0  # MoE exchange bytes this rank took off the wire from other ranks
     moe_exchange_s: float = 0.0  # wall time inside the MoE exchange's collectives
@@ -326,7 +325,9 @@ class Transport:
         self.wire((sum(send) - send[me]) * width, (sum(recv) - recv[me]) * width)
         began = time.perf_counter()
         out = self.link.alltoall_rows(np.ascontiguousarray(rows), list(send), list(recv))
-        self.stats.moe_exchange_s += time.perf_counter() - began
+        took = time.perf_counter() - began
+        self.stats.moe_exchange_s += took
+        self.recorder.alltoall(list(send), list(recv), width, took, self.collectives)
         return out
 
     def gather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray | None:

@@ -172,6 +172,7 @@ class MoEModel:
         self.exchange = None  # dp attention: eprt.comm.dp_combine.DpExchange (this rank's rows only)
         self.alltoall = None  # --moe-exchange alltoall: eprt.comm.alltoall.AllToAllExchange
         self.expert_rank: np.ndarray | None = None  # [E] the rank holding each expert (alltoall, no EPLB)
+        self.moe_layers_run = 0  # MoE layers run (each one exchange between the ranks): the per-layer figures
         self.expert_counts = ops.zeros((cfg.num_layers, cfg.num_experts), "i32")  # [L, E] tokens routed
         self.slots = None  # eprt.model.placement.ExpertSlots under EPLB: experts on physical slots
         self.max_len = max_len
@@ -317,6 +318,7 @@ class MoEModel:
         return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
 
     def _moe(self, lw, x, layer: int):
+        self.moe_layers_run += 1
         out = self._routed_alltoall(lw, x, layer) if self.alltoall is not None else self._routed(lw, x, layer)
         if lw.shared_gate_up is not None and x.shape[0]:
             up = self.ops.silu_and_mul(self._linear(x, lw.shared_gate_up, layer, "shared_gate_up"))
@@ -342,12 +344,27 @@ class MoEModel:
             ops.count_experts(ids, self.expert_counts[layer])
         return weights, ids
 
+    def _owner_route(self, lw, x, layer: int):
+        """dp attention: every row's routing [N, k] on the host, each row routed by its owner (the
+        router's product over the rows attention gave it, whichever the exchange: the same bits) and
+        the routing all-gathered; counted in the expert load."""
+        if x.shape[0]:
+            weights, ids = self._route(lw, x, layer, count=False)
+        else:  # a rank without rows: it still serves the others' rows
+            weights, ids = np.zeros((0, self.cfg.top_k), np.float32), np.zeros((0, self.cfg.top_k), np.int32)
+        weights, ids = self.exchange.routing(weights, ids)
+        if layer < self.cfg.num_layers:
+            self.ops.count_experts(self.ops.index(ids), self.expert_counts[layer])
+        return weights, ids
+
     def _routed(self, lw, x, layer: int):
         """The routed experts' output, summed over ranks: [T, D] (dp attention: this rank's rows)."""
         ops, cfg = self.ops, self.cfg
         if self.exchange is not None:  # dp attention: the experts see every rank's rows
-            x = self.exchange.gather(x)  # [N, D]
-        weights, ids = self._route(lw, x, layer)
+            weights, ids = self._owner_route(lw, x, layer)
+            x, weights, ids = self.exchange.gather(x), ops.xp.asarray(weights), ops.index(ids)  # [N, D], [N, k]
+        else:
+            weights, ids = self._route(lw, x, layer)
         if cfg.swiglu is not None:  # gpt-oss: biased experts, clamped SwiGLU
             args = (lw.w_gate_up, lw.w_down, lw.b_gate_up, lw.b_down, self.w.expert_start)
             return self._combine(ops.moe_experts_swiglu(x, weights, ids, *args, cfg.swiglu.alpha, cfg.swiglu.limit))
@@ -367,13 +384,10 @@ class MoEModel:
         """``--moe-exchange alltoall``: the rows go to the ranks holding their experts and come back
         summed (eprt.comm.alltoall; the bits of ``_routed``). x: this rank's rows under dp attention."""
         ops, cfg, a2a = self.ops, self.cfg, self.alltoall
-        if x.shape[0]:
-            weights, ids = self._route(lw, x, layer, count=False)
-        else:  # dp attention, a rank without rows: it still serves the others' rows
-            weights, ids = np.zeros((0, cfg.top_k), np.float32), np.zeros((0, cfg.top_k), np.int32)
-        weights, ids = a2a.routing(weights, ids)  # [N, k] every row's, on the host
-        if layer < cfg.num_layers:
-            ops.count_experts(ops.index(ids), self.expert_counts[layer])
+        if self.exchange is not None:
+            weights, ids = self._owner_route(lw, x, layer)
+        else:
+            weights, ids = (np.asarray(ops.to_host(a)) for a in self._route(lw, x, layer))  # [N, k] on the host
         if self.slots is not None:  # EPLB: each choice to the rank of its replica, chosen alike everywhere
             slots = self.slots.choose(ops, ids, layer, lw.w_gate_up)
             start = self.slots.start

@@ -41,10 +41,11 @@ def generate(cfg):
     try:
         with launch_engine(cfg) as engine:
             results = engine.generate(requests())
-            stats = engine.transport.stats
-            sent = stats.moe_sent_bytes / max(1, stats.moe_layers or stats.allsums)
-            used = "alltoall" if engine.runner.executor.model.alltoall is not None else "allgather"
-            return [r.token_ids for r in results], [_logprobs(r) for r in results], sent, used
+            s = engine.stats()
+            assert s["moe_layers"] > 0 and (s["moe_sent_bytes"] > 0) == (COMM.size > 1), s
+            assert ("MoE exchange" in engine.stats_line()) == (COMM.size > 1)
+            sent = s["moe_sent_bytes"] / s["moe_layers"]
+            return [r.token_ids for r in results], [_logprobs(r) for r in results], sent, s["moe_exchange"]
     except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
         assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
         return None
@@ -59,21 +60,33 @@ def _logprobs(result) -> str:
 @pytest.mark.parametrize("attention", ["replicated", "dp"])
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_alltoall_tokens_equal_allgather_and_single_rank(arch, attention):
+    """Tokens equal everywhere; logprobs equal bit for bit between the exchanges (EPLB off, and EPLB
+    on with live rebalances), and to the single rank under replicated attention (dp attention runs
+    attention and the router over each owner's rows: its logits' bits are its own, its tokens not)."""
     path = checkpoint(arch)
-    a2a = generate(engine_config(path, attention=attention, moe_exchange="alltoall"))
-    gather = generate(engine_config(path, attention=attention, moe_exchange="allgather"))
     redundant = (-ARCHS[arch]) % COMM.size or COMM.size  # physical slots a multiple of the ranks
     eplb = EplbConfig(num_redundant_experts=redundant + 1, interval=3, window=3)
-    balanced = generate(engine_config(path, attention=attention, moe_exchange="alltoall", eplb=eplb))
+    runs = {
+        (exchange, balanced): generate(
+            engine_config(path, attention=attention, moe_exchange=exchange, eplb=eplb if balanced else EplbConfig())
+        )
+        for exchange in ("alltoall", "allgather")
+        for balanced in (False, True)
+    }
     single = run_single(engine_config(path, moe_exchange="allgather"), requests)
     if COMM.rank == 0:
-        assert (a2a[3], gather[3], balanced[3]) == ("alltoall", "allgather", "alltoall")
+        assert all(run[3] == exchange for (exchange, _), run in runs.items())
         tokens = [r.token_ids for r in single]
-        assert a2a[0] == tokens and gather[0] == tokens and balanced[0] == tokens
         assert all(len(t) > 0 for t in tokens)
-        assert a2a[1] == gather[1] == balanced[1] == [_logprobs(r) for r in single]  # the same bits
+        for key, run in runs.items():
+            assert run[0] == tokens, key
+        for balanced in (False, True):  # the same bits
+            assert runs["alltoall", balanced][1] == runs["allgather", balanced][1], f"EPLB {balanced}"
+        if attention == "replicated":
+            assert runs["alltoall", False][1] == [_logprobs(r) for r in single]
         if COMM.size > 1:
-            assert 0 < a2a[2] < gather[2], f"alltoall sent {a2a[2]:.0f} B a layer, allgather {gather[2]:.0f} B"
+            a2a, gather = runs["alltoall", False][2], runs["allgather", False][2]
+            assert 0 < a2a < gather, f"alltoall sent {a2a:.0f} B a layer, allgather {gather:.0f} B"
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
