@@ -91,16 +91,11 @@ class AllToAllExchange:
             for j in range(1, k):
                 out = out + every[:, j]
             return np.ascontiguousarray(out)
-        out, start = np.zeros((n, D), np.float32), 0
-        for r in range(self.transport.size):
-            stop = start + int((rank == r).sum())
+        out, start = None, np.concatenate([[0], np.cumsum(np.bincount(rank, minlength=self.transport.size))])
+        for r in range(self.transport.size):  # rank order: the all-gather's parts[0] + parts[1] + ...
             part = np.zeros((n, D), np.float32)
-            part[where[start:stop]] = got[start:stop]
-            if r == 0:
-                out = part
-            else:
-                out += part
-            start = stop
+            part[where[start[r] : start[r + 1]]] = got[start[r] : start[r + 1]]
+            out = part if out is None else np.add(out, part, out=out)
         return out
 
     def _owners(self, N: int) -> np.ndarray:
