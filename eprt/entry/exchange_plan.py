@@ -67,7 +67,8 @@ def render_exchange(cfg, name: str, rows: list[ExchangeRow], batch: int, dtype: 
         f"{links.ib_gbps:g} GB/s per GPU between nodes; uniform routing; latency not counted",
         "",
     ]
-    header = ["ranks", "exchange", "ranks a row visits", "sent/layer", "received/layer", "per step", "link/step", "x"]
+    header = ["ranks", "exchange", "other ranks a row visits", "sent/layer", "received/layer", "per step"]
+    header += ["link/step", "x"]
     table = []
     for r in rows:
         base = next(b for b in rows if b.ranks == r.ranks and b.exchange == "allgather")
