@@ -62,6 +62,20 @@ def generate(cfg):
         return None
 
 
+def agree(check) -> None:
+    """Run ``check`` on rank 0; every rank fails with its message, so ``pytest -x`` stops every rank
+    together (a rank going on to the next test alone would wait for the others forever)."""
+    error = None
+    if COMM.rank == 0:
+        try:
+            check()
+        except AssertionError as e:
+            error = str(e) or repr(e)
+    error = COMM.bcast(error, root=0)
+    if error is not None:
+        pytest.fail(error)
+
+
 def _logprobs(result) -> str:
     """Every generated token's logprobs and top-2 alternatives, as text: equal text, equal bits."""
     return repr([lp.to_json() for lp in result.logprobs])
@@ -86,7 +100,8 @@ def test_alltoall_tokens_equal_allgather_and_single_rank(arch, attention):
         for balanced in (False, True)
     }
     single = run_single(engine_config(path, moe_exchange="allgather"), requests)
-    if COMM.rank == 0:
+
+    def check():
         assert all(run[3] == exchange for (exchange, _), run in runs.items())
         tokens = [r.token_ids for r in single]
         assert all(len(t) > 0 for t in tokens)
@@ -99,6 +114,27 @@ def test_alltoall_tokens_equal_allgather_and_single_rank(arch, attention):
         if COMM.size > 1:
             a2a, gather = runs["alltoall", False][2], runs["allgather", False][2]
             assert 0 < a2a < gather, f"alltoall sent {a2a:.0f} B a layer, allgather {gather:.0f} B"
+
+    agree(check)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("attention", ["replicated", "dp"])
+def test_gpt_oss_experts_through_the_alltoall(attention):
+    """gpt-oss's biased experts and clamped SwiGLU (moe_experts_swiglu; EPLB does not serve it): the
+    same tokens and bits as the all-gather exchange."""
+    from test_gptoss_mpi import engine_config as gptoss_config
+    from test_gptoss_mpi import gptoss_checkpoint
+
+    path, _ = gptoss_checkpoint("bf16")
+    a2a = generate(gptoss_config(path, attention=attention, moe_exchange="alltoall"))
+    gather = generate(gptoss_config(path, attention=attention, moe_exchange="allgather"))
+
+    def check():
+        assert (a2a[3], gather[3]) == ("alltoall", "allgather")
+        assert a2a[0] == gather[0] and a2a[1] == gather[1] and all(len(t) > 0 for t in a2a[0])
+
+    agree(check)
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec not on PATH")
