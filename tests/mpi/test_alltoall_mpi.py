@@ -123,10 +123,17 @@ def test_alltoall_tokens_equal_allgather_and_single_rank(arch, attention):
 def test_gpt_oss_experts_through_the_alltoall(attention):
     """gpt-oss's biased experts and clamped SwiGLU (moe_experts_swiglu; EPLB does not serve it): the
     same tokens and bits as the all-gather exchange."""
+    from checkpoints import build_gptoss_checkpoint
     from test_gptoss_mpi import engine_config as gptoss_config
-    from test_gptoss_mpi import gptoss_checkpoint
 
-    path, _ = gptoss_checkpoint("bf16")
+    path = None
+    if COMM.rank == 0:  # test_gptoss_mpi.py's checkpoint (built once), without its transformers reference
+        path = os.path.join(
+            os.environ.get("EPRT_TEST_CKPT_DIR") or os.path.join(tempfile.gettempdir(), "eprt-mpi-ckpt"),
+            "gpt_oss-7experts-bf16",
+        )
+        build_gptoss_checkpoint(path, num_local_experts=7, dtype="bfloat16")
+    path = COMM.bcast(path, root=0)
     a2a = generate(gptoss_config(path, attention=attention, moe_exchange="alltoall"))
     gather = generate(gptoss_config(path, attention=attention, moe_exchange="allgather"))
 
