@@ -27,20 +27,22 @@ def test_moe_exchange_flag_checked_and_parsed():
     assert engine_config_from_args(parser.parse_args([])).moe_exchange == "auto"
 
 
-def test_auto_picks_alltoall_from_three_ranks_for_what_it_serves():
-    assert startup.choose_exchange(EngineConfig(), 1)[0] == "allgather"
-    assert startup.choose_exchange(EngineConfig(), 2)[0] == "allgather"
-    assert startup.choose_exchange(EngineConfig(), 3) == (
+def test_auto_picks_alltoall_under_dp_attention_from_three_ranks_for_what_it_serves():
+    assert startup.choose_exchange(EngineConfig(), 1, dp=False)[0] == "allgather"
+    assert startup.choose_exchange(EngineConfig(), 2, dp=True)[0] == "allgather"
+    assert startup.choose_exchange(EngineConfig(), 3, dp=True) == (
         "alltoall",
-        "auto: 3 ranks (from 3 on: benchmarks/bench_ep.py --exchange both)",
+        "auto: dp attention on 3 ranks (from 3 on: benchmarks/bench_ep.py)",
     )
-    mode, why = startup.choose_exchange(EngineConfig(enable_lora=True), 4)
+    mode, why = startup.choose_exchange(EngineConfig(), 4, dp=False)
+    assert mode == "allgather" and "replicated attention" in why
+    mode, why = startup.choose_exchange(EngineConfig(enable_lora=True), 4, dp=True)
     assert mode == "allgather" and "LoRA adapters on the routed experts" in why
-    assert startup.choose_exchange(EngineConfig(moe_exchange="allgather"), 8) == (
+    assert startup.choose_exchange(EngineConfig(moe_exchange="allgather"), 8, True) == (
         "allgather",
         "--moe-exchange allgather",
     )
-    assert startup.choose_exchange(EngineConfig(moe_exchange="alltoall"), 1)[0] == "alltoall"
+    assert startup.choose_exchange(EngineConfig(moe_exchange="alltoall"), 1, False)[0] == "alltoall"
 
 
 def test_units_are_row_rank_pairs_or_row_choice_pairs_in_row_order():

@@ -17,8 +17,8 @@ ATTENTION_MODES = ("auto", "dp", "replicated")
 # benchmarks/bench_ep.py decides
 DEFAULT_MULTI_RANK_ATTENTION = "replicated"
 MOE_EXCHANGES = ("auto", "allgather", "alltoall")
-# --moe-exchange auto picks alltoall from this many ranks on (eprt.engine.startup.choose_exchange):
-# benchmarks/bench_ep.py --exchange both decides
+# --moe-exchange auto picks alltoall under dp attention from this many ranks on
+# (eprt.engine.startup.choose_exchange): benchmarks/bench_ep.py --exchange both decides
 ALLTOALL_MIN_RANKS = 3
 
 
@@ -220,8 +220,8 @@ def _add_model_arguments(g) -> None:
         choices=list(MOE_EXCHANGES),
         help="how the MoE layers exchange rows between ranks: allgather (every rank sees every row; bytes grow "
         "with the ranks) or alltoall (a row goes only to the ranks holding its top-k experts and comes back "
-        f"summed; bytes grow with top-k); both give the same bits; auto (default): alltoall from "
-        f"{ALLTOALL_MIN_RANKS} ranks on, allgather below or for what alltoall does not serve; the start-up log "
+        f"summed; bytes grow with top-k); both give the same bits; auto (default): alltoall under dp attention "
+        f"from {ALLTOALL_MIN_RANKS} ranks on, else allgather (and for what alltoall does not serve); the start-up log "
         "says which and why",
     )
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")

@@ -103,7 +103,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed, window))
     executor = step(lambda: _executor(cfg, ops, loaded, transport, every if dp else agreed, prefill_tokens))
     log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
-    exchange, why = choose_exchange(cfg, world)
+    exchange, why = choose_exchange(cfg, world, dp)
     log.info("MoE exchange %s (%s)", exchange, why)
     if exchange == "alltoall":
         use_alltoall(loaded.model, transport, ops, getattr(executor, "exchange", None) if dp else None)
@@ -174,18 +174,22 @@ def choose_attention(cfg: EngineConfig, world: int, model_cfg) -> tuple[str, str
     return "dp", f"auto: {world} ranks, and dp serves everything this job uses"
 
 
-def choose_exchange(cfg: EngineConfig, world: int) -> tuple[str, str]:
+def choose_exchange(cfg: EngineConfig, world: int, dp: bool) -> tuple[str, str]:
     """The job's MoE exchange and why (logged at start-up): --moe-exchange as given; auto picks
-    alltoall from ALLTOALL_MIN_RANKS ranks on, when the job uses nothing it does not serve. Every
-    rank decides the same from the same flags."""
+    alltoall under dp attention from ALLTOALL_MIN_RANKS ranks on, when the job uses nothing it does
+    not serve, else allgather (under replicated attention alltoall moves fewer bytes but runs two
+    collectives a layer where allgather runs one, and lost benchmarks/bench_ep.py's step time:
+    docs/design.md, "All-to-all MoE exchange"). Every rank decides the same from the same flags."""
     if cfg.moe_exchange != "auto":
         return cfg.moe_exchange, f"--moe-exchange {cfg.moe_exchange}"
     if world < ALLTOALL_MIN_RANKS:
         return "allgather", f"auto: {world} rank(s), fewer than {ALLTOALL_MIN_RANKS} (benchmarks/bench_ep.py)"
+    if not dp:
+        return "allgather", "auto: replicated attention (alltoall wins benchmarks/bench_ep.py under dp attention only)"
     unserved = cfg.alltoall_unserved()
     if unserved:
         return "allgather", f"auto: alltoall does not serve {', '.join(unserved)} yet"
-    return "alltoall", f"auto: {world} ranks (from {ALLTOALL_MIN_RANKS} on: benchmarks/bench_ep.py --exchange both)"
+    return "alltoall", f"auto: dp attention on {world} ranks (from {ALLTOALL_MIN_RANKS} on: benchmarks/bench_ep.py)"
 
 
 def use_alltoall(model, transport: Transport, ops: Ops, dp_exchange=None) -> None:
