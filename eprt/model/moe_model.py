@@ -344,25 +344,29 @@ class MoEModel:
             ops.count_experts(ids, self.expert_counts[layer])
         return weights, ids
 
-    def _owner_route(self, lw, x, layer: int):
-        """dp attention: every row's routing [N, k] on the host, each row routed by its owner (the
-        router's product over the rows attention gave it, whichever the exchange: the same bits) and
-        the routing all-gathered; counted in the expert load."""
+    def _owner_route(self, lw, x, layer: int, rows: bool):
+        """dp attention: each row routed by its owner (the router's product over the rows attention gave
+        it, whichever the exchange: the same bits), the routing all-gathered (``rows``: with the rows
+        themselves, in the same all-gather); counted in the expert load. Returns (every rank's rows
+        [N, D] or None, weights [N, k] and ids [N, k] on the host)."""
         if x.shape[0]:
             weights, ids = self._route(lw, x, layer, count=False)
         else:  # a rank without rows: it still serves the others' rows
             weights, ids = np.zeros((0, self.cfg.top_k), np.float32), np.zeros((0, self.cfg.top_k), np.int32)
-        weights, ids = self.exchange.routing(weights, ids)
+        if rows:
+            x, weights, ids = self.exchange.gather_routed(x, weights, ids)
+        else:
+            x, (weights, ids) = None, self.exchange.routing(weights, ids)
         if layer < self.cfg.num_layers:
             self.ops.count_experts(self.ops.index(ids), self.expert_counts[layer])
-        return weights, ids
+        return x, weights, ids
 
     def _routed(self, lw, x, layer: int):
         """The routed experts' output, summed over ranks: [T, D] (dp attention: this rank's rows)."""
         ops, cfg = self.ops, self.cfg
         if self.exchange is not None:  # dp attention: the experts see every rank's rows
-            weights, ids = self._owner_route(lw, x, layer)
-            x, weights, ids = self.exchange.gather(x), ops.xp.asarray(weights), ops.index(ids)  # [N, D], [N, k]
+            x, weights, ids = self._owner_route(lw, x, layer, rows=True)  # [N, D], [N, k]
+            weights, ids = ops.xp.asarray(weights), ops.index(ids)
         else:
             weights, ids = self._route(lw, x, layer)
         if cfg.swiglu is not None:  # gpt-oss: biased experts, clamped SwiGLU
@@ -385,7 +389,7 @@ class MoEModel:
         summed (eprt.comm.alltoall; the bits of ``_routed``). x: this rank's rows under dp attention."""
         ops, cfg, a2a = self.ops, self.cfg, self.alltoall
         if self.exchange is not None:
-            weights, ids = self._owner_route(lw, x, layer)
+            _, weights, ids = self._owner_route(lw, x, layer, rows=False)
         else:
             weights, ids = (np.asarray(ops.to_host(a)) for a in self._route(lw, x, layer))  # [N, k] on the host
         if self.slots is not None:  # EPLB: each choice to the rank of its replica, chosen alike everywhere
