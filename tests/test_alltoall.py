@@ -67,3 +67,24 @@ def test_one_rank_alltoall_counts_layers_and_no_bytes():
     assert (
         stats["moe_layers"] == 4 * 3 and stats["moe_sent_bytes"] == stats["moe_recv_bytes"] == 0
     )  # 4 layers, 3 passes
+
+
+def test_metrics_publish_the_exchange_and_its_counters():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from eprt.serve.metrics import EngineCollector
+
+    stats = dict(moe_exchange="alltoall", moe_layers=8, moe_sent_bytes=4096, moe_recv_bytes=2048)
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(SimpleNamespace(stats=lambda: dict(stats, moe_exchange_seconds=0.5))))
+    text = generate_latest(registry).decode()
+    for line in (
+        'eprt_moe_exchange_info{exchange="alltoall"} 1.0',
+        "eprt_moe_exchange_layers_total 8.0",
+        "eprt_moe_exchange_sent_bytes_total 4096.0",
+        "eprt_moe_exchange_received_bytes_total 2048.0",
+        "eprt_moe_exchange_seconds_total 0.5",
+    ):
+        assert line in text, text

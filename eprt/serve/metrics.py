@@ -82,6 +82,10 @@ class EngineCollector:
             if key in stats:
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, help_text, value=stats[key])
+        if "moe_exchange" in stats:
+            info = GaugeMetricFamily("eprt_moe_exchange_info", "The MoE exchange this job runs", labels=["exchange"])
+            info.add_metric([stats["moe_exchange"]], 1)
+            yield info
         if stats.get("total_blocks"):
             used = 1.0 - stats.get("free_blocks", 0) / stats["total_blocks"]
             yield GaugeMetricFamily("eprt_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", value=used)
