@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["allgather", "alltoall", "both"],
         default=None,
         help="instead of the plan: the MoE exchange's bytes and link time per decode step at each --ranks "
-        "(--max-batch rows per rank, dp attention) for that exchange or both (docs/plan.md)",
+        "(--max-batch rows per rank, dp attention) for that exchange or both; the all-gather's rows stay as the "
+        "base of the x column (docs/plan.md)",
     )
     hw = parser.add_argument_group("hardware (defaults: an H200-class GPU)")
     hw.add_argument("--gpu-mem-gib", type=float, default=_HW.gpu_mem_gib, help=f"GPU memory, GiB ({_HW.gpu_mem_gib:g})")
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ib-gbps", type=float, default=Links.ib_gbps, help=f"--exchange: GB/s a GPU between nodes ({Links.ib_gbps:g})"
     )
     hw.add_argument(
-        "--gpus-per-node", type=int, default=Links.gpus_per_node, help=f"--exchange ({Links.gpus_per_node})"
+        "--gpus-per-node", type=int, default=Links.gpus_per_node, help=f"--exchange: GPUs a node, joined by NVLink ({Links.gpus_per_node})"
     )
     g = parser.add_argument_group("engine settings (as the engine flags)")
     g.add_argument("--max-batch", type=int, default=32, help="sequence slots (32)")
