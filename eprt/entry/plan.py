@@ -56,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ib-gbps", type=float, default=Links.ib_gbps, help=f"--exchange: GB/s a GPU between nodes ({Links.ib_gbps:g})"
     )
     hw.add_argument(
-        "--gpus-per-node", type=int, default=Links.gpus_per_node, help=f"--exchange: GPUs a node, joined by NVLink ({Links.gpus_per_node})"
+        "--gpus-per-node",
+        type=int,
+        default=Links.gpus_per_node,
+        help=f"--exchange: GPUs a node, joined by NVLink ({Links.gpus_per_node})",
     )
     g = parser.add_argument_group("engine settings (as the engine flags)")
     g.add_argument("--max-batch", type=int, default=32, help="sequence slots (32)")
