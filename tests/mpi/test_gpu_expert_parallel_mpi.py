@@ -47,15 +47,14 @@ def test_cuda_tokens_equal_single_rank(arch):
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("attention", ["replicated", "dp"])
-def test_cuda_alltoall_tokens_equal_single_rank(attention):
-    """--moe-exchange alltoall on the CuPy backend: the rows and partials staged through the host
-    (eprt/comm/alltoall.py), the experts' kernels on the device."""
+@pytest.mark.parametrize("attention,exchange", [("replicated", "alltoall"), ("dp", "alltoall"), ("dp", "allgather")])
+def test_cuda_moe_exchanges_tokens_equal_single_rank(attention, exchange):
+    """--moe-exchange alltoall on the CuPy backend (the rows and partials staged through the host:
+    eprt/comm/alltoall.py), and dp attention's all-gather of rows with their routing, the experts'
+    kernels on the device."""
     path = shared_checkpoint("deepseek_v3")
     kw = dict(model=path, device="cuda", max_batch=4, block_size=16, max_model_len=96)
-    assert_tokens_equal_single_rank(
-        EngineConfig(**kw, attention=attention, moe_exchange="alltoall"), EngineConfig(**kw)
-    )
+    assert_tokens_equal_single_rank(EngineConfig(**kw, attention=attention, moe_exchange=exchange), EngineConfig(**kw))
 
 
 def assert_tokens_equal_single_rank(multi_cfg: EngineConfig, single_cfg: EngineConfig) -> None:
