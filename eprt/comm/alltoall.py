@@ -26,8 +26,8 @@ import numpy as np
 
 
 class AllToAllExchange:
-    """``run`` once per MoE layer; ``dp``: the pass's DpExchange under dp
-    attention (its owners and its all-gather), None under replicated attention."""
+    """``run`` once per MoE layer; ``dp``: the pass's DpExchange under dp attention (the rows'
+    owners), None under replicated attention."""
 
     def __init__(self, transport, xp=np, dp=None):
         self.transport, self.xp, self.dp = transport, xp, dp
