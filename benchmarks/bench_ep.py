@@ -3,6 +3,7 @@
     python benchmarks/bench_ep.py [--configs 1:replicated,2:replicated,2:dp] [--workloads expert,long]
     python benchmarks/bench_ep.py --configs 2:replicated:check,2:dp:check --workloads expert   # --check-state's cost
     python benchmarks/bench_ep.py --configs 2:replicated,2:dp,2:replicated,2:dp --workloads expert,chunked
+    python benchmarks/bench_ep.py --configs 2:dp,3:dp,4:dp --workloads expert --exchange both   # the MoE exchanges
 
 Builds (once) a Mixtral-style checkpoint whose experts hold ~95% of the weights, then for each
 workload (expert: batch 32 of 16-token prompts; long: batch 16 of 1,024-token prompts, attention-
@@ -18,6 +19,10 @@ runs one thread per rank in every configuration so the comparison isolates the p
 tables are printed by the parent, with the decode speed-up over the first configuration. A
 configuration ending in ``:check`` runs with ``--check-state``; its "check ms" column is the time rank 0
 spends per decode step in the state check (hashing, the all-gather and the comparison).
+``--exchange both`` runs each configuration with ``--moe-exchange allgather`` and ``alltoall`` and
+adds a table of the MoE exchange's bytes per rank per decode step (rank 0's, counted by the
+transport: sent to and received from other ranks), its time, and alltoall's bytes over allgather's
+beside the target k / P.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def child(args) -> None:
         prefix_cache=False,
         attention=args.attention,
         check_state=args.check,
+        moe_exchange=args.exchange,
     )
     prompts = [[3 + (7 * i + j) % 4000 for j in range(args.prompt_len)] for i in range(args.batch)]
 
@@ -116,10 +122,50 @@ def child(args) -> None:
                 "bcast_bytes": decode.bcast_bytes,
                 "combine_bytes": decode.allsum_bytes,
                 "check_ms": 1e3 * min(r[4] for r in runs) if args.check else None,
+                **exchange_figures(engine, decode),
             }
         ),
         flush=True,
     )
+
+
+def exchange_figures(engine, decode) -> dict:
+    """The MoE exchange of one decode step on rank 0: bytes sent and received (counted by the
+    transport), the exchange's milliseconds and the model's k."""
+    model = engine.runner.executor.model
+    return {
+        "exchange": "alltoall" if model.alltoall is not None else "allgather",
+        "sent_bytes": decode.moe_sent_bytes,
+        "recv_bytes": decode.moe_recv_bytes,
+        "exchange_ms": 1e3 * decode.moe_exchange_s,
+        "top_k": model.cfg.top_k,
+    }
+
+
+def print_exchange(rows: list) -> None:
+    """Bytes per rank per decode step, each exchange beside the all-gather at the same ranks and attention:
+    the target is alltoall <= (k / P) x allgather."""
+    print(
+        f"{'ranks':>5} {'attention':>10} {'exchange':>9} {'sent B/step':>11} {'recv B/step':>11} {'exch ms':>7} "
+        f"{'vs allgather':>12} {'k/P':>5}"
+    )
+    for r in rows:
+        base = next(
+            (
+                b
+                for b in rows
+                if (b["world"], b["attention"], b["exchange"]) == (r["world"], r["attention"], "allgather")
+            ),
+            None,
+        )
+        both = r["sent_bytes"] + r["recv_bytes"]
+        ratio = (
+            "-" if base is None or not base["sent_bytes"] else f"{both / (base['sent_bytes'] + base['recv_bytes']):.3f}"
+        )
+        print(
+            f"{r['world']:5d} {r['attention']:>10} {r['exchange']:>9} {r['sent_bytes']:11d} {r['recv_bytes']:11d} "
+            f"{r['exchange_ms']:7.2f} {ratio:>12} {r['top_k'] / r['world']:5.2f}"
+        )
 
 
 def main() -> None:
@@ -135,6 +181,9 @@ def main() -> None:
     ap.add_argument("--attention", default="replicated", help=argparse.SUPPRESS)
     ap.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--exchange", default="allgather", help="the MoE exchange: allgather, alltoall or both (each config twice)"
+    )
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -155,8 +204,10 @@ def main() -> None:
     for name in args.workloads.split(","):
         w = dict(WORKLOADS[name], **({} if args.steps is None else {"steps": args.steps}))
         rows = []
-        for n, attention, *check in configs:
+        exchanges = ["allgather", "alltoall"] if args.exchange == "both" else [args.exchange]
+        for (n, attention, *check), exchange in [(c, x) for c in configs for x in exchanges]:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--dir", args.dir, "--attention", attention]
+            cmd += ["--exchange", exchange]
             cmd += ["--check"] if check == ["check"] else []
             cmd += ["--batch", str(w["batch"]), "--prompt-len", str(w["prompt_len"]), "--steps", str(w["steps"])]
             cmd += ["--repeats", str(args.repeats), "--chunk", str(-1 if w["chunk"] is None else w["chunk"])]
@@ -170,15 +221,17 @@ def main() -> None:
         )
         print(
             f"{'ranks':>5} {'attention':>10} {'e2e ms':>8} {'e2e x':>6} {'step ms':>8} {'speed-up':>8} "
-            f"{'prefill ms':>10} {'MPI calls/step':>14} {'bcast B/step':>12} {'combine B/step':>14} {'check ms':>8}"
+            f"{'prefill ms':>10} {'MPI calls/step':>14} {'bcast B/step':>12} {'combine B/step':>14} "
+            f"{'check ms':>8} exchange"
         )
         for r in rows:
             print(
                 f"{r['world']:5d} {r['attention']:>10} {r['e2e_ms']:8.0f} {rows[0]['e2e_ms'] / r['e2e_ms']:6.2f} "
                 f"{r['step_ms']:8.2f} {rows[0]['step_ms'] / r['step_ms']:8.2f} "
                 f"{r['prefill_ms']:10.0f} {r['mpi_calls']:14.1f} {r['bcast_bytes']:12.0f} {r['combine_bytes']:14.0f} "
-                f"{'-' if r['check_ms'] is None else format(r['check_ms'], '8.3f'):>8}"
+                f"{'-' if r['check_ms'] is None else format(r['check_ms'], '8.3f'):>8} {r['exchange']}"
             )
+        print_exchange(rows)
 
 
 if __name__ == "__main__":

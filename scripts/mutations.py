@@ -74,6 +74,22 @@ MUTATIONS = (
         ("tests/mpi/test_transport_mpi.py",),
         ranks=3,
     ),
+    Mutation(
+        "alltoall owner sums ranks in reverse",
+        "eprt/comm/alltoall.py",
+        "        for r in range(self.transport.size):",
+        "        for r in reversed(range(self.transport.size)):",
+        ("tests/mpi/test_alltoall_mpi.py", "-k", "replicated and not four"),
+        ranks=3,
+    ),
+    Mutation(
+        "alltoall EPLB owner sums choices in reverse",
+        "eprt/comm/alltoall.py",
+        "            for j in range(1, k):\n                out = out + every[:, j]",
+        "            for j in reversed(range(1, k)):\n                out = out + every[:, j]",
+        ("tests/mpi/test_alltoall_mpi.py", "-k", "replicated and not four"),
+        ranks=3,
+    ),
 )
 
 

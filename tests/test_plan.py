@@ -272,3 +272,32 @@ def test_redundant_expert_slots_cost_what_the_loader_holds(checkpoint, ranks, re
     layers = sum(cfg.sparse_layers)
     assert planned.decode_wire[1].combine_bytes == layers * 4 * cfg.hidden_size * (rows - rows // ranks)
     assert planned.decode_wire[1].combine == "all-gather of each rank's rows"
+
+
+def test_exchange_table_for_deepseek_v3_at_8_32_144(capsys):
+    """--exchange both: the all-gather's bytes follow (P - 1) x rows x D x (2 + 4) plus the routing's
+    all-gather; the all-to-all's, the expected other ranks holding one of a row's k experts."""
+    from eprt.cli import main
+    from eprt.entry.exchange_plan import remote_ranks
+
+    config = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs", "deepseek-v3")
+    argv = ["plan", "--model", config, "--ranks", "8,32,144", "--exchange", "both", "--max-batch", "128"]
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["exchange"]
+    by = {(r["ranks"], r["exchange"]): r for r in rows}
+    assert len(rows) == 6
+    for P in (8, 32, 144):
+        meta = (P - 1) * 128 * 8 * 8
+        assert by[P, "allgather"]["sent_bytes"] == (P - 1) * 128 * 7168 * 6 + meta
+        a2a = by[P, "alltoall"]
+        assert a2a["sent_bytes"] == pytest.approx(a2a["remote_ranks"] * 128 * 7168 * 6 + meta)
+        assert 0 < a2a["remote_ranks"] < min(8, P - 1)
+        assert a2a["step_bytes"] == pytest.approx(2 * 58 * a2a["sent_bytes"])
+    ratio = by[144, "alltoall"]["step_bytes"] / by[144, "allgather"]["step_bytes"]
+    assert 0.05 < ratio < 8 / 144 + 0.002  # about k / P
+    assert remote_ranks(16, 2, 16) == pytest.approx(15 * 2 / 16)  # one expert a rank: (P - 1) k / E
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "InfiniBand 50 GB/s" in table and "NVLink 900 GB/s" in table and "top-8 of 256" in table
+    assert main(["plan", "--model", config, "--ranks", "8,32"]) == 2
+    assert "need --exchange" in capsys.readouterr().err

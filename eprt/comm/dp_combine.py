@@ -1,7 +1,7 @@
 """dp attention's MoE exchange (docs/design.md, "dp attention"): in each forward pass every rank's
-tokens are all-gathered in the batch's global row order, each rank applies its experts to all of
-them, and the partial sums go back to the rows' owners, summed in rank order (the bits of the
-replicated combine). N rows in the pass, D hidden.
+tokens and their routing (each owner routes its own) are all-gathered in the batch's global row
+order, each rank applies its experts to all of them, and the partial sums go back to the rows'
+owners, summed in rank order (the bits of the replicated combine). N rows in the pass, D hidden.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import numpy as np
 
 
 class DpExchange:
-    """``begin(owners)`` once per forward pass, then ``gather`` / ``scatter`` once per MoE layer."""
+    """``begin(owners)`` once per forward pass, then ``gather_routed`` / ``scatter`` once per MoE layer
+    (``routing`` alone for the all-to-all exchange, eprt/comm/alltoall.py)."""
 
     def __init__(self, transport, xp=np):
         self.transport, self.xp = transport, xp
@@ -34,10 +35,26 @@ class DpExchange:
             self._order = np.argsort(owners, kind="stable")
             self._inverse = np.argsort(self._order)
 
-    def gather(self, x):
-        """x [local rows, D] -> [N, D]: every rank's rows, in global order."""
-        rows = self.transport.allgather_rows(self._host(x), self.counts)  # [N, D] rank-major
-        return self._device(rows if self._inverse is None else rows[self._inverse])
+    def routing(self, weights, ids) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's routing in global order on the host, from each owner's rows: weights [n, k]
+        float32 and ids [n, k] here -> [N, k] each (one all-gather of 2k words a row)."""
+        both = self.transport.allgather_rows(_routing_words(self._host(weights), self._host(ids)), self.counts)
+        return _split_routing(both if self._inverse is None else both[self._inverse])
+
+    def gather_routed(self, x, weights, ids):
+        """``gather`` and ``routing`` in one all-gather: x [n, D] with its routing [n, k] -> every rank's
+        rows [N, D] (on x's device) and their weights and ids [N, k] (host), in global order."""
+        host = np.ascontiguousarray(self._host(x))
+        n, width = host.shape[0], host.shape[1] * host.itemsize
+        words = _routing_words(self._host(weights), self._host(ids))  # [n, 2k] int32
+        packed = np.concatenate(
+            [host.view(np.uint8).reshape(n, width), words.view(np.uint8).reshape(n, 4 * words.shape[1])], axis=1
+        )  # [n, width + 8k] bytes
+        every = self.transport.allgather_rows(packed, self.counts)  # [N, width + 8k] bytes, rank-major
+        every = every if self._inverse is None else every[self._inverse]
+        rows = np.ascontiguousarray(every[:, :width]).view(host.dtype)  # [N, D]
+        weights, ids = _split_routing(np.ascontiguousarray(every[:, width:]).view(np.int32))
+        return self._device(rows), weights, ids
 
     def scatter(self, partial):
         """partial [N, D] float32 in global order -> [local rows, D]: this rank's rows summed over ranks."""
@@ -66,3 +83,15 @@ class DpExchange:
 
     def _device(self, a: np.ndarray):
         return a if self.xp is np else self.xp.asarray(a)
+
+
+def _routing_words(weights: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """[n, 2k] int32: each row's k float32 weights (their bits), then its k expert ids."""
+    w, i = weights.astype(np.float32, copy=False), ids.astype(np.int32, copy=False)
+    return np.ascontiguousarray(np.concatenate([w.view(np.int32), i], axis=1))
+
+
+def _split_routing(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, 2k] int32 -> (weights [N, k] float32, ids [N, k] int32)."""
+    k = words.shape[1] // 2
+    return np.ascontiguousarray(words[:, :k]).view(np.float32), np.ascontiguousarray(words[:, k:])

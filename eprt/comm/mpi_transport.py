@@ -109,6 +109,7 @@ class MpiLink:
         if self.size >= 3 and partial.nbytes >= REDUCE_SCATTER_MIN_BYTES:
             return self._reduce_scatter(partial)
         gathered = np.empty((self.size,) + partial.shape, np.float32)  # [P, *partial.shape]
+        self.t.wire((self.size - 1) * partial.nbytes, (self.size - 1) * partial.nbytes)
         self.wait(self.moe.Iallgather(partial, gathered), "the MoE combine")
         out = gathered[0].copy()
         for r in range(1, self.size):
@@ -127,6 +128,8 @@ class MpiLink:
         counts = [bounds[r + 1] - bounds[r] for r in range(P)]
         mine = counts[self.rank]
         parts = np.empty((P, mine), np.float32)  # [P, slice]: every rank's slice
+        both = 4 * ((flat.size - mine) + (P - 1) * mine)  # the reduce-scatter's and the all-gather's, each way
+        self.t.wire(both, both)
         self.t.stats.mpi_calls += 1  # (allsum counted the first)
         self.wait(
             self.moe.Ialltoallv(
@@ -157,6 +160,7 @@ class MpiLink:
         MPI, width, mine = self.MPI, int(np.prod(partial.shape[1:], dtype=np.int64)), counts[self.rank]
         parts = np.empty((self.size, mine) + partial.shape[1:], np.float32)  # [P, mine, D]: every rank's block
         send = [c * width for c in counts]
+        self.t.wire(4 * (sum(send) - send[self.rank]), 4 * (self.size - 1) * mine * width)
         self.t.stats.mpi_calls += 1
         self.wait(
             self.moe.Ialltoallv(
@@ -168,6 +172,20 @@ class MpiLink:
         out = parts[0].copy()
         for r in range(1, self.size):  # rank order: the bits of the replicated combine
             out += parts[r]
+        return out
+
+    def alltoall_rows(self, rows: np.ndarray, send: list[int], recv: list[int]) -> np.ndarray:
+        """One variable all-to-all of rows as bytes (MPI Ialltoallv), blocks in rank order."""
+        width = int(np.prod(rows.shape[1:], dtype=np.int64)) * rows.itemsize  # bytes per row
+        out = np.empty((sum(recv),) + rows.shape[1:], rows.dtype)
+        sizes, got = [c * width for c in send], [c * width for c in recv]
+        self.t.stats.mpi_calls += 1
+        self.wait(
+            self.moe.Ialltoallv(
+                [rows, (sizes, _offsets(sizes)), self.MPI.BYTE], [out, (got, _offsets(got)), self.MPI.BYTE]
+            ),
+            "the MoE all-to-all",
+        )
         return out
 
     def gather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray | None:

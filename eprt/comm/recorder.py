@@ -77,6 +77,12 @@ class Recorder:
             entry["hash"] = digest(partial)
         self._add(entry, collective, result)
 
+    def alltoall(self, send: list, recv: list, width: int, seconds: float, collective: int) -> None:
+        """A MoE all-to-all (--moe-exchange alltoall): rows sent to and received from each rank, the
+        bytes a row, and the time it took (no payload: eprt replay rebuilds the all-gather only)."""
+        entry = {"kind": "alltoall", "send": send, "recv": recv, "row_bytes": width, "ms": round(1e3 * seconds, 3)}
+        self._add(entry, collective, np.zeros(0, np.uint8))
+
     def _add(self, entry: dict, collective: int, data: np.ndarray) -> None:
         entry.update(i=self.entries, t=round(time.time(), 6), collective=collective)
         self.entries += 1

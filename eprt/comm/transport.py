@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -80,6 +81,9 @@ class CommStats:
     bcast_bytes: int = 0  # bytes of the broadcast buffers (frames and rows)
     allsums: int = 0  # MoE combines (in a world of one too, where they cost nothing)
     allsum_bytes: int = 0  # bytes this rank contributed to combines
+    moe_sent_bytes: int = 0  # MoE exchange bytes this rank put on the wire to other ranks
+    moe_recv_bytes: int = 0  # MoE exchange bytes this rank took off the wire from other ranks
+    moe_exchange_s: float = 0.0  # wall time inside the MoE exchange's collectives
     frames: int = 0  # flushes that carried words (rank 0)
     words: int = 0  # logical words sent (rank 0)
 
@@ -255,16 +259,30 @@ class Transport:
             return partial
         self.stats.mpi_calls += 1
         self.stats.allsum_bytes += partial.nbytes
+        began = time.perf_counter()
         result = self.link.sum(np.ascontiguousarray(partial))
+        self.stats.moe_exchange_s += time.perf_counter() - began
         self.recorder.combine(partial, result, self.collectives)
         return result
+
+    def wire(self, sent: int, received: int) -> None:
+        """Count MoE exchange bytes this rank sent to and received from other ranks (the link calls it)."""
+        self.stats.moe_sent_bytes += int(sent)
+        self.stats.moe_recv_bytes += int(received)
 
     # -- dp attention: the MoE exchange and the step's gather (docs/protocol.md, "dp attention") --
     def allgather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray:
         """Every rank's ``rows`` [counts[r], ...] (any dtype, the same trailing shape everywhere),
         concatenated in rank order, on every rank."""
         _dp_begin(self, rows, counts, "allgather_rows")
-        return rows if self.size == 1 else self.link.allgather_rows(np.ascontiguousarray(rows), counts)
+        if self.size == 1:
+            return rows
+        width = rows.nbytes // max(1, rows.shape[0])  # bytes per row
+        self.wire((self.size - 1) * rows.nbytes, (sum(counts) - counts[self.rank]) * width)
+        began = time.perf_counter()
+        out = self.link.allgather_rows(np.ascontiguousarray(rows), counts)
+        self.stats.moe_exchange_s += time.perf_counter() - began
+        return out
 
     def allgather_words(self, words: np.ndarray, labels: list | None = None) -> np.ndarray:
         """Every rank's ``words`` (uint64 [n], the same n everywhere) in rank order [P, n], on every
@@ -282,7 +300,35 @@ class Transport:
         if partial.dtype != np.float32 or partial.shape[0] != sum(counts):
             raise TypeError(f"scatter_sum_rows takes float32 [{sum(counts)}, D], got {partial.dtype} {partial.shape}")
         _dp_begin(self, partial[: counts[self.rank]], counts, "scatter_sum_rows")
-        return partial if self.size == 1 else self.link.scatter_sum_rows(np.ascontiguousarray(partial), counts)
+        if self.size == 1:
+            return partial
+        began = time.perf_counter()
+        out = self.link.scatter_sum_rows(np.ascontiguousarray(partial), counts)
+        self.stats.moe_exchange_s += time.perf_counter() - began
+        return out
+
+    def alltoall_rows(self, rows: np.ndarray, send: list[int], recv: list[int]) -> np.ndarray:
+        """The all-to-all exchange (docs/protocol.md, "MoE exchange"): ``rows`` [sum(send), ...] (any
+        dtype), block r (``send[r]`` rows) meant for rank r; returns the blocks every rank meant for
+        this one, in rank order [sum(recv), ...]. Every rank knows its ``recv`` counts beforehand (the
+        routing is known everywhere), so no counts travel. This rank's own block never leaves it."""
+        P, me = self.size, self.rank
+        if len(send) != P or len(recv) != P or rows.shape[0] != sum(send):
+            raise ValueError(
+                f"alltoall_rows: {rows.shape[0]} rows with send counts {list(send)} and receive counts "
+                f"{list(recv)}; needs {P} counts each and sum(send) rows"
+            )
+        _require_flushed(self, "alltoall_rows")
+        if P == 1:
+            return rows
+        width = rows.nbytes // max(1, rows.shape[0])
+        self.wire((sum(send) - send[me]) * width, (sum(recv) - recv[me]) * width)
+        began = time.perf_counter()
+        out = self.link.alltoall_rows(np.ascontiguousarray(rows), list(send), list(recv))
+        took = time.perf_counter() - began
+        self.stats.moe_exchange_s += took
+        self.recorder.alltoall(list(send), list(recv), width, took, self.collectives)
+        return out
 
     def gather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray | None:
         """Rank 0: every rank's ``rows`` [counts[r], ...] concatenated in rank order; None elsewhere."""

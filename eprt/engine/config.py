@@ -16,6 +16,10 @@ ATTENTION_MODES = ("auto", "dp", "replicated")
 # What --attention auto picks at world size > 1 for a job dp serves (eprt.engine.startup.choose_attention):
 # benchmarks/bench_ep.py decides
 DEFAULT_MULTI_RANK_ATTENTION = "replicated"
+MOE_EXCHANGES = ("auto", "allgather", "alltoall")
+# --moe-exchange auto picks alltoall under dp attention from this many ranks on
+# (eprt.engine.startup.choose_exchange): benchmarks/bench_ep.py --exchange both decides
+ALLTOALL_MIN_RANKS = 3
 
 
 EPLB_POLICIES = ("auto", "contiguous", "global", "hierarchical")
@@ -86,6 +90,16 @@ class EngineConfig:
         return self.enable_lora or bool(self.lora_modules)
 
     attention: str = "auto"  # auto | dp | replicated (auto: eprt.engine.startup.choose_attention)
+    moe_exchange: str = "auto"  # auto | allgather | alltoall (auto: eprt.engine.startup.choose_exchange)
+
+    def alltoall_unserved(self) -> list[str]:
+        """What of this job the all-to-all exchange does not serve yet (auto then picks allgather)."""
+        unserved = [
+            # (under EPLB, LoRA adapters never reach the routed experts: eprt.engine.startup._lora_slots)
+            ("LoRA adapters on the routed experts (--enable-lora / --lora-modules)", self.lora_enabled),
+            ("--record-payloads (eprt replay rebuilds the all-gather exchange only)", self.record_payloads),
+        ]
+        return [what for what, on in unserved if on and not (self.eplb.active and "LoRA" in what)]
 
     def validate(self) -> None:
         for name in ("max_batch", "block_size"):
@@ -112,6 +126,13 @@ class EngineConfig:
             raise ValueError(f"--attention must be auto, dp or replicated, got {self.attention!r}")
         if self.attention == "dp" and self.record_payloads:
             raise ValueError("--record-payloads with --attention dp: eprt replay rebuilds replicated attention only")
+        if self.moe_exchange not in MOE_EXCHANGES:
+            raise ValueError(f"--moe-exchange must be auto, allgather or alltoall, got {self.moe_exchange!r}")
+        if self.moe_exchange == "alltoall" and self.alltoall_unserved():
+            raise ValueError(
+                f"--moe-exchange alltoall does not serve {self.alltoall_unserved()[0]} yet; "
+                "use --moe-exchange allgather"
+            )
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
         if self.cpu_weights is not None and self.cpu_weights not in PRECISIONS:
@@ -192,6 +213,16 @@ def _add_model_arguments(g) -> None:
             else "dp on 2+ ranks, replicated for a job using what dp does not serve"
         )
         + "; the start-up log says which and why",
+    )
+    g.add_argument(
+        "--moe-exchange",
+        default="auto",
+        choices=list(MOE_EXCHANGES),
+        help="how the MoE layers exchange rows between ranks: allgather (every rank sees every row; bytes grow "
+        "with the ranks) or alltoall (a row goes only to the ranks holding its top-k experts and comes back "
+        f"summed; bytes grow with top-k); both give the same bits; auto (default): alltoall under dp attention "
+        f"from {ALLTOALL_MIN_RANKS} ranks on, else allgather (and for what alltoall does not serve); the start-up log "
+        "says which and why",
     )
     g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")
     g.add_argument(
@@ -373,6 +404,7 @@ def engine_config_from_args(args) -> EngineConfig:
         max_loras=getattr(args, "max_loras", 4),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         attention=args.attention,
+        moe_exchange=getattr(args, "moe_exchange", "auto"),
     )
     cfg.validate()
     return cfg

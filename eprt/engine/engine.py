@@ -316,6 +316,7 @@ class Engine:
             f"{s['generation_tokens']}; preemptions {s['preemptions']}; expert load max/mean "
             f"{worst.max():.2f} (layer {int(worst.argmax())})"
             + ("" if self.eplb is None else f"; {self.eplb.summary(self._expert_load)}")
+            + moe_exchange_text(s)
         )
 
     def stats(self) -> dict:
@@ -338,6 +339,14 @@ class Engine:
             spec_verify_steps=self.runner.drafts.verify_steps,
             spec_mean_accepted_length=self.runner.mean_accepted_length(),
         )
+        model, comm = self.runner.executor.model, self.transport.stats
+        out.update(
+            moe_exchange="alltoall" if getattr(model, "alltoall", None) is not None else "allgather",
+            moe_layers=getattr(model, "moe_layers_run", 0),  # (the scripted model runs none)
+            moe_sent_bytes=comm.moe_sent_bytes,
+            moe_recv_bytes=comm.moe_recv_bytes,
+            moe_exchange_seconds=comm.moe_exchange_s,
+        )
         return out
 
     def shutdown(self) -> None:
@@ -351,6 +360,18 @@ class Engine:
         self._refresh_expert_load(time.monotonic())
         log.info("shutdown: %s", self.stats_line())
         close_transport(self.transport, self.config)
+
+
+def moe_exchange_text(s: dict) -> str:
+    """The log line's MoE exchange: rank 0's bytes and time per MoE layer (nothing on one rank)."""
+    layers = s.get("moe_layers", 0)
+    if not layers or not (s["moe_sent_bytes"] or s["moe_recv_bytes"]):
+        return ""
+    return (
+        f"; MoE exchange {s['moe_exchange']}: {s['moe_sent_bytes'] / layers:.0f} B sent, "
+        f"{s['moe_recv_bytes'] / layers:.0f} B received, {1e6 * s['moe_exchange_seconds'] / layers:.0f} us "
+        f"per layer (rank 0, {layers} layers)"
+    )
 
 
 def _submit_all(engine: Engine, reqs: list, strict: bool) -> tuple:

@@ -12,18 +12,21 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from eprt import env
 from eprt.cache.window import WindowSpec
+from eprt.comm.alltoall import AllToAllExchange
 from eprt.comm.device_combine import choose_combine
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
-from eprt.engine.config import DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
+from eprt.engine.config import ALLTOALL_MIN_RANKS, DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
 from eprt.engine.dp_executor import dp_executor
 from eprt.engine.eplb import check_same_placement, count_nodes, initial_placement
 from eprt.engine.executor import ShardExecutor, window_spec
 from eprt.engine.runner import PREFILL_GROUP_TOKENS
 from eprt.model.kv_cache import KVCache
-from eprt.model.loader import LoadedModel, load_model
+from eprt.model.loader import LoadedModel, expert_shard, load_model
 from eprt.model.lora import LoraSlots
 from eprt.ops.base import Ops
 from eprt.ops.device import compute_identity, get_ops
@@ -100,6 +103,10 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed, window))
     executor = step(lambda: _executor(cfg, ops, loaded, transport, every if dp else agreed, prefill_tokens))
     log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
+    exchange, why = choose_exchange(cfg, world, dp)
+    log.info("MoE exchange %s (%s)", exchange, why)
+    if exchange == "alltoall":
+        use_alltoall(loaded.model, transport, ops, getattr(executor, "exchange", None) if dp else None)
     if executor.lora is not None:  # every rank reads its share of each adapter once, so a bad one fails here
         step(lambda: [executor.lora.read(path) for _, path in cfg.lora_modules])
     return Started(ops, loaded, executor, max_model_len, nodes)
@@ -167,6 +174,33 @@ def choose_attention(cfg: EngineConfig, world: int, model_cfg) -> tuple[str, str
     if DEFAULT_MULTI_RANK_ATTENTION != "dp":
         return "replicated", "auto: dp does not win benchmarks/bench_ep.py yet (DEFAULT_MULTI_RANK_ATTENTION)"
     return "dp", f"auto: {world} ranks, and dp serves everything this job uses"
+
+
+def choose_exchange(cfg: EngineConfig, world: int, dp: bool) -> tuple[str, str]:
+    """The job's MoE exchange and why (logged at start-up): --moe-exchange as given; auto picks
+    alltoall under dp attention from ALLTOALL_MIN_RANKS ranks on, when the job uses nothing it does
+    not serve, else allgather (under replicated attention alltoall moves fewer bytes but runs two
+    collectives a layer where allgather runs one, and lost benchmarks/bench_ep.py's step time:
+    docs/design.md, "All-to-all MoE exchange"). Every rank decides the same from the same flags."""
+    if cfg.moe_exchange != "auto":
+        return cfg.moe_exchange, f"--moe-exchange {cfg.moe_exchange}"
+    if world < ALLTOALL_MIN_RANKS:
+        return "allgather", f"auto: {world} rank(s), fewer than {ALLTOALL_MIN_RANKS} (benchmarks/bench_ep.py)"
+    if not dp:
+        return "allgather", "auto: replicated attention (alltoall wins benchmarks/bench_ep.py under dp attention only)"
+    unserved = cfg.alltoall_unserved()
+    if unserved:
+        return "allgather", f"auto: alltoall does not serve {', '.join(unserved)} yet"
+    return "alltoall", f"auto: dp attention on {world} ranks (from {ALLTOALL_MIN_RANKS} on: benchmarks/bench_ep.py)"
+
+
+def use_alltoall(model, transport: Transport, ops: Ops, dp_exchange=None) -> None:
+    """Run ``model``'s MoE layers through the all-to-all exchange (``dp_exchange``: dp attention's)."""
+    model.alltoall = AllToAllExchange(transport, ops.xp, dp_exchange)
+    if model.slots is None:  # EPLB's slots name their ranks themselves
+        E, P = model.cfg.num_experts, transport.size
+        sizes = [b - a for a, b in (expert_shard(E, r, P) for r in range(P))]
+        model.expert_rank = np.repeat(np.arange(P), sizes)
 
 
 def kv_capacity_line(block_size: int, pools: list[int], dp: bool) -> str:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
 from eprt.engine.config import DEFAULT_PREFILL_TOKENS
 from eprt.entry.capacity import DECODE_BATCHES, Hardware, Plan, Settings, make_plan, size
+from eprt.entry.exchange_plan import Links, exchange_json, exchange_rows, render_exchange
 from eprt.model.config import load_config
 from eprt.model.default import DEFAULT_MODEL_DIR
 
@@ -24,7 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Hugging Face MoE checkpoint directory (default: the built-in model)",
     )
-    parser.add_argument("--ranks", type=int, default=1, help="ranks (GPUs) the experts are split over (default 1)")
+    parser.add_argument(
+        "--ranks",
+        type=rank_list,
+        default=[1],
+        help="ranks (GPUs) the experts are split over (default 1); several, comma-separated, with --exchange",
+    )
+    parser.add_argument(
+        "--exchange",
+        choices=["allgather", "alltoall", "both"],
+        default=None,
+        help="instead of the plan: the MoE exchange's bytes and link time per decode step at each --ranks "
+        "(--max-batch rows per rank, dp attention) for that exchange or both; the all-gather's rows stay as the "
+        "base of the x column (docs/plan.md)",
+    )
     hw = parser.add_argument_group("hardware (defaults: an H200-class GPU)")
     hw.add_argument("--gpu-mem-gib", type=float, default=_HW.gpu_mem_gib, help=f"GPU memory, GiB ({_HW.gpu_mem_gib:g})")
     hw.add_argument("--hbm-tbps", type=float, default=_HW.hbm_tbps, help=f"HBM bandwidth, TB/s ({_HW.hbm_tbps:g})")
@@ -36,6 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     hw.add_argument(
         "--tflops", type=float, default=_HW.tflops, help=f"dense compute peak, TFLOP/s ({_HW.tflops:g}: bf16)"
+    )
+    hw.add_argument(
+        "--ib-gbps", type=float, default=Links.ib_gbps, help=f"--exchange: GB/s a GPU between nodes ({Links.ib_gbps:g})"
+    )
+    hw.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=Links.gpus_per_node,
+        help=f"--exchange: GPUs a node, joined by NVLink ({Links.gpus_per_node})",
     )
     g = parser.add_argument_group("engine settings (as the engine flags)")
     g.add_argument("--max-batch", type=int, default=32, help="sequence slots (32)")
@@ -78,9 +102,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
+def rank_list(text: str) -> list[int]:
+    """--ranks: "16" or "8,32,144"."""
+    try:
+        ranks = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ranks takes whole numbers, comma-separated, got {text!r}") from None
+    if any(r < 1 for r in ranks):
+        raise argparse.ArgumentTypeError(f"--ranks must be >= 1, got {text!r}")
+    return ranks
+
+
 def main(args) -> int:
+    model = args.model or DEFAULT_MODEL_DIR
+    if args.exchange is not None:
+        return _exchange(args, model)
+    if len(args.ranks) > 1:
+        print(f"eprt plan: several --ranks ({','.join(map(str, args.ranks))}) need --exchange", file=sys.stderr)
+        return 2
     settings = Settings(
-        ranks=args.ranks,
+        ranks=args.ranks[0],
         max_batch=args.max_batch,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
@@ -93,10 +134,24 @@ def main(args) -> int:
         num_redundant_experts=args.num_redundant_experts,
     )
     hardware = Hardware(args.gpu_mem_gib, args.hbm_tbps, args.link_gbps, args.tflops)
-    model = args.model or DEFAULT_MODEL_DIR
     plan = make_plan(model, load_config(model), settings, hardware, args.attention)
     print(json.dumps(to_json(plan), indent=1) if args.json else render(plan))
     return 0 if not plan.kv.problem else 1
+
+
+def _exchange(args, model: str) -> int:
+    """``--exchange``: the MoE exchange table at each --ranks (link figures: --link-gbps inside a node)."""
+    cfg = load_config(model)
+    links = Links(args.link_gbps, args.ib_gbps, args.gpus_per_node)
+    rows = exchange_rows(cfg, args.ranks, args.max_batch, 2 if args.dtype == "bf16" else 4, links)
+    if args.exchange != "both":
+        rows = [r for r in rows if r.exchange == args.exchange or r.exchange == "allgather"]
+    name = model.rstrip("/").split("/")[-1]
+    if args.json:
+        print(json.dumps(exchange_json(rows, args.max_batch, links), indent=1))
+    else:
+        print(render_exchange(cfg, name, rows, args.max_batch, args.dtype, links))
+    return 0
 
 
 def to_json(plan: Plan) -> dict:

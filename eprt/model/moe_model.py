@@ -170,6 +170,9 @@ class MoEModel:
     ):
         self.cfg, self.w, self.ops, self.combine = cfg, weights, ops, combine
         self.exchange = None  # dp attention: eprt.comm.dp_combine.DpExchange (this rank's rows only)
+        self.alltoall = None  # --moe-exchange alltoall: eprt.comm.alltoall.AllToAllExchange
+        self.expert_rank: np.ndarray | None = None  # [E] the rank holding each expert (alltoall, no EPLB)
+        self.moe_layers_run = 0  # MoE layers run (each one exchange between the ranks): the per-layer figures
         self.expert_counts = ops.zeros((cfg.num_layers, cfg.num_experts), "i32")  # [L, E] tokens routed
         self.slots = None  # eprt.model.placement.ExpertSlots under EPLB: experts on physical slots
         self.max_len = max_len
@@ -315,43 +318,92 @@ class MoEModel:
         return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
 
     def _moe(self, lw, x, layer: int):
-        ops, cfg, local = self.ops, self.cfg, x
-        if self.exchange is not None:  # dp attention: the experts see every rank's rows
-            x = self.exchange.gather(local)  # [N, D]
+        self.moe_layers_run += 1
+        out = self._routed_alltoall(lw, x, layer) if self.alltoall is not None else self._routed(lw, x, layer)
+        if lw.shared_gate_up is not None and x.shape[0]:
+            up = self.ops.silu_and_mul(self._linear(x, lw.shared_gate_up, layer, "shared_gate_up"))
+            s = self._linear(up, lw.shared_down, layer, "shared_down")
+            if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
+                out = self.ops.sigmoid_gate_add(out, s, self.ops.linear(x, lw.shared_gate))  # gate [T, 1]
+            else:  # DeepSeek / GLM shared experts
+                out = self.ops.add(out, s)
+        return out
+
+    def _route(self, lw, x, layer: int, count: bool = True):
+        """The router over x [T, D]: (weights [T, k], ids [T, k]); ``count``: into the expert-load counters
+        (an MTP layer's routing is not counted: EPLB balances the main layers)."""
+        ops, cfg = self.ops, self.cfg
         logits = ops.linear(x, lw.router, lw.router_logit_bias)  # [T, E]
-        if cfg.swiglu is not None:  # gpt-oss: softmax over the top-k logits; biased experts, clamped SwiGLU
-            weights, ids = ops.router_topk_softmax(logits, cfg.top_k)  # [T, k]
-            if layer < cfg.num_layers:
-                ops.count_experts(ids, self.expert_counts[layer])
-            args = (lw.w_gate_up, lw.w_down, lw.b_gate_up, lw.b_down, self.w.expert_start)
-            out = self._combine(ops.moe_experts_swiglu(x, weights, ids, *args, cfg.swiglu.alpha, cfg.swiglu.limit))
-            return out
-        if cfg.routing is None:
+        if cfg.swiglu is not None:  # gpt-oss: softmax over the top-k logits
+            weights, ids = ops.router_topk_softmax(logits, cfg.top_k)
+        elif cfg.routing is None:
             weights, ids = ops.router(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
         else:
             weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
-        if layer < cfg.num_layers:  # (an MTP layer's routing is not counted: EPLB balances the main layers)
+        if count and layer < cfg.num_layers:
             ops.count_experts(ids, self.expert_counts[layer])
+        return weights, ids
+
+    def _owner_route(self, lw, x, layer: int, rows: bool):
+        """dp attention: each row routed by its owner (the router's product over the rows attention gave
+        it, whichever the exchange: the same bits), the routing all-gathered (``rows``: with the rows
+        themselves, in the same all-gather); counted in the expert load. Returns (every rank's rows
+        [N, D] or None, weights [N, k] and ids [N, k] on the host)."""
+        if x.shape[0]:
+            weights, ids = self._route(lw, x, layer, count=False)
+        else:  # a rank without rows: it still serves the others' rows
+            weights, ids = np.zeros((0, self.cfg.top_k), np.float32), np.zeros((0, self.cfg.top_k), np.int32)
+        if rows:
+            x, weights, ids = self.exchange.gather_routed(x, weights, ids)
+        else:
+            x, (weights, ids) = None, self.exchange.routing(weights, ids)
+        if layer < self.cfg.num_layers:
+            self.ops.count_experts(self.ops.index(ids), self.expert_counts[layer])
+        return x, weights, ids
+
+    def _routed(self, lw, x, layer: int):
+        """The routed experts' output, summed over ranks: [T, D] (dp attention: this rank's rows)."""
+        ops, cfg = self.ops, self.cfg
+        if self.exchange is not None:  # dp attention: the experts see every rank's rows
+            x, weights, ids = self._owner_route(lw, x, layer, rows=True)  # [N, D], [N, k]
+            weights, ids = ops.xp.asarray(weights), ops.index(ids)
+        else:
+            weights, ids = self._route(lw, x, layer)
+        if cfg.swiglu is not None:  # gpt-oss: biased experts, clamped SwiGLU
+            args = (lw.w_gate_up, lw.w_down, lw.b_gate_up, lw.b_down, self.w.expert_start)
+            return self._combine(ops.moe_experts_swiglu(x, weights, ids, *args, cfg.swiglu.alpha, cfg.swiglu.limit))
         rows = self.lora_rows if self.exchange is None else self.exchange_lora_rows  # the MoE's rows' adapters
         experts = (None, None) if rows is None else self.lora.experts(layer)
         if experts != (None, None):  # (never under EPLB: LoraSlots.read refuses such adapters there)
             args = (lw.w_gate_up, lw.w_down, self.w.expert_start, rows, *experts)
-            out = self._combine(ops.moe_experts_lora(x, weights, ids, *args))  # [T, D] summed over ranks
-        elif self.slots is None:
+            return self._combine(ops.moe_experts_lora(x, weights, ids, *args))  # [T, D] summed over ranks
+        if self.slots is None:
             partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
-            out = self._combine(partial)  # [T, D] summed over ranks
-        else:  # EPLB: every rank gets every row's sum; under dp attention it keeps its own
-            out = self.slots.moe(ops, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]
-            out = out if self.exchange is None else self.exchange.mine(out)
-        x = local
-        if lw.shared_gate_up is not None and x.shape[0]:
-            up = ops.silu_and_mul(self._linear(x, lw.shared_gate_up, layer, "shared_gate_up"))
-            s = self._linear(up, lw.shared_down, layer, "shared_down")
-            if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
-                out = ops.sigmoid_gate_add(out, s, ops.linear(x, lw.shared_gate))  # gate [T, 1]
-            else:  # DeepSeek / GLM shared experts
-                out = ops.add(out, s)
-        return out
+            return self._combine(partial)  # [T, D] summed over ranks
+        # EPLB: every rank gets every row's sum; under dp attention it keeps its own
+        out = self.slots.moe(ops, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]
+        return out if self.exchange is None else self.exchange.mine(out)
+
+    def _routed_alltoall(self, lw, x, layer: int):
+        """``--moe-exchange alltoall``: the rows go to the ranks holding their experts and come back
+        summed (eprt.comm.alltoall; the bits of ``_routed``). x: this rank's rows under dp attention."""
+        ops, cfg, a2a = self.ops, self.cfg, self.alltoall
+        if self.exchange is not None:
+            _, weights, ids = self._owner_route(lw, x, layer, rows=False)
+        else:
+            weights, ids = (np.asarray(ops.to_host(a)) for a in self._route(lw, x, layer))  # [N, k] on the host
+        if self.slots is not None:  # EPLB: each choice to the rank of its replica, chosen alike everywhere
+            slots = self.slots.choose(ops, ids, layer, lw.w_gate_up)
+            start = self.slots.start
+            run = lambda xs, w, s: ops.moe_experts(xs, w, s, lw.w_gate_up, lw.w_down, start)  # noqa: E731
+            return a2a.run(x, weights, slots, self.slots.placement.slot_rank[slots], run, per_choice=True)
+        start = self.w.expert_start
+        if cfg.swiglu is not None:
+            args = (lw.w_gate_up, lw.w_down, lw.b_gate_up, lw.b_down, start, cfg.swiglu.alpha, cfg.swiglu.limit)
+            run = lambda xs, w, i: ops.moe_experts_swiglu(xs, w, i, *args)  # noqa: E731
+        else:
+            run = lambda xs, w, i: ops.moe_experts(xs, w, i, lw.w_gate_up, lw.w_down, start)  # noqa: E731
+        return a2a.run(x, weights, ids, self.expert_rank[ids], run, per_choice=False)
 
     def _combine(self, partial):
         """The experts' partial sums [T, D] summed over ranks (dp attention: this rank's rows of it)."""

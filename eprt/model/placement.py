@@ -265,9 +265,7 @@ class ExpertSlots:
         the ranks all-gather them (variable length, rank by rank), every rank puts each row back at its
         (token, choice) and adds a token's k rows in choice order, as ``moe_experts`` does."""
         T, k = ids.shape
-        slots = choose_slots(
-            self.placement, self.replicas, layer, np.asarray(ops.to_host(ids)), ops.moe_split_rows(w_gate_up)
-        )
+        slots = self.choose(ops, ids, layer, w_gate_up)
         owner = self.placement.slot_rank[slots.reshape(-1)]  # [T*k] the rank computing each (token, choice)
         order = np.argsort(owner, kind="stable")  # [T*k] rank by rank, each in (token, choice) order
         counts = np.bincount(owner, minlength=self.placement.world)  # [W] rows each rank computes
@@ -286,6 +284,12 @@ class ExpertSlots:
         for j in range(1, k):
             out = out + every[:, j]
         return ops.xp.ascontiguousarray(out)  # [T, D]
+
+    def choose(self, ops, ids, layer: int, w_gate_up) -> np.ndarray:
+        """The physical slot [T, k] of every (token, choice) of ids [T, k], the same on every rank."""
+        return choose_slots(
+            self.placement, self.replicas, layer, np.asarray(ops.to_host(ids)), ops.moe_split_rows(w_gate_up)
+        )
 
     def switch(self, ops, new: Placement, layers) -> int:
         """Hold ``new`` from the next forward pass: each sparse layer keeps the experts it already holds

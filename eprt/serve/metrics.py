@@ -46,6 +46,22 @@ ENGINE_METRICS = {
         "gauge",
         "Tokens emitted per sequence row with drafts in a verify step (accepted drafts + 1)",
     ),
+    "moe_layers": (
+        "eprt_moe_exchange_layers",
+        "counter",
+        "MoE layers rank 0 ran, each one exchange between the ranks (the per-layer figures divide by it)",
+    ),
+    "moe_sent_bytes": ("eprt_moe_exchange_sent_bytes", "counter", "MoE exchange bytes rank 0 sent to other ranks"),
+    "moe_recv_bytes": (
+        "eprt_moe_exchange_received_bytes",
+        "counter",
+        "MoE exchange bytes rank 0 received from other ranks",
+    ),
+    "moe_exchange_seconds": (
+        "eprt_moe_exchange_seconds",
+        "counter",
+        "Seconds rank 0 spent inside the MoE exchange's collectives",
+    ),
     "prompt_tokens_computed": (
         "eprt_prompt_tokens_computed",
         "counter",
@@ -66,6 +82,10 @@ class EngineCollector:
             if key in stats:
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, help_text, value=stats[key])
+        if "moe_exchange" in stats:
+            info = GaugeMetricFamily("eprt_moe_exchange_info", "The MoE exchange this job runs", labels=["exchange"])
+            info.add_metric([stats["moe_exchange"]], 1)
+            yield info
         if stats.get("total_blocks"):
             used = 1.0 - stats.get("free_blocks", 0) / stats["total_blocks"]
             yield GaugeMetricFamily("eprt_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", value=used)

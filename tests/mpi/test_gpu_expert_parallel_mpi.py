@@ -46,6 +46,17 @@ def test_cuda_tokens_equal_single_rank(arch):
     assert_tokens_equal_single_rank(cfg, cfg)
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("attention,exchange", [("replicated", "alltoall"), ("dp", "alltoall"), ("dp", "allgather")])
+def test_cuda_moe_exchanges_tokens_equal_single_rank(attention, exchange):
+    """--moe-exchange alltoall on the CuPy backend (the rows and partials staged through the host:
+    eprt/comm/alltoall.py), and dp attention's all-gather of rows with their routing, the experts'
+    kernels on the device."""
+    path = shared_checkpoint("deepseek_v3")
+    kw = dict(model=path, device="cuda", max_batch=4, block_size=16, max_model_len=96)
+    assert_tokens_equal_single_rank(EngineConfig(**kw, attention=attention, moe_exchange=exchange), EngineConfig(**kw))
+
+
 def assert_tokens_equal_single_rank(multi_cfg: EngineConfig, single_cfg: EngineConfig) -> None:
     """The greedy tokens of PROMPTS on every rank of this job under ``multi_cfg`` equal those of one
     rank (rank 0, a local transport) under ``single_cfg``."""
