@@ -35,6 +35,7 @@ class Passes:
     def __init__(self, ex, output=None):
         self.ex = ex
         self.output = self._logits if output is None else output
+        self.graphs = None  # on a GPU: eprt.engine.cuda_graphs.DecodeGraphs (one metadata copy, graph replays)
 
     def _logits(self, h):
         return self.ex.model.logits(h) if self.ex.compute_logits else None
@@ -131,6 +132,10 @@ class Passes:
         """The device half of a decode step: the forward pass of ``decode_inputs``'s batch."""
         ex = self.ex
         ids, batch, states, lengths = inputs
+        if self.graphs is not None and self.output == self._logits:
+            out = self.graphs.forward(ids, batch)
+            if out is not NotImplemented:
+                return out
         h = ex.model.hidden_states(ex.model.embed(ids), batch, ex.kv, ex.state)  # [B, D]
         if ex.mtp_layer is not None:
             ex.mtp_layer.keep(states, lengths, [1] * len(states), h)

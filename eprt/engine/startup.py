@@ -18,6 +18,7 @@ from eprt.comm.device_combine import choose_combine
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
+from eprt.engine.cuda_graphs import DecodeGraphs
 from eprt.engine.dp_executor import dp_executor
 from eprt.engine.eplb import check_same_placement, count_nodes, initial_placement
 from eprt.engine.executor import ShardExecutor, window_spec
@@ -99,6 +100,8 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     window = window_spec(loaded.config, prefill_tokens)
     max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed, window))
     executor = step(lambda: _executor(cfg, ops, loaded, transport, every if dp else agreed, prefill_tokens))
+    if ops.name == "cuda" and not dp:
+        step(lambda: _decode_graphs(cfg, executor, rank))
     log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
     if executor.lora is not None:  # every rank reads its share of each adapter once, so a bad one fails here
         step(lambda: [executor.lora.read(path) for _, path in cfg.lora_modules])
@@ -121,6 +124,16 @@ def _executor(
     return ShardExecutor(
         model, blocks, bs, slots, cfg.prefix_cache, cfg.image_token_id, lora=lora, prefill_tokens=prefill_tokens
     )
+
+
+def _decode_graphs(cfg: EngineConfig, executor: ShardExecutor, rank: int) -> None:
+    """The GPU's decode steps: one metadata copy, and with --cuda-graphs on every batch bucket
+    captured now, the same on every rank (rank 0 computes the logits, the workers do not)."""
+    executor.compute_logits = rank == 0
+    graphs = executor.passes.graphs = DecodeGraphs(executor, cfg.max_batch, cfg.cuda_graphs)
+    graphs.capture_all()
+    if not cfg.cuda_graphs:
+        log.info("CUDA graphs off (--cuda-graphs off): every decode kernel launched from Python")
 
 
 def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):

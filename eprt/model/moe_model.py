@@ -180,6 +180,7 @@ class MoEModel:
         self.lora = None  # LoraSlots (eprt/model/lora.py) when adapters are served
         self.lora_rows = None  # LoraRows of the forward pass in progress; None: no adapter in the batch
         self.exchange_lora_rows = None  # dp attention: LoraRows of the rows the MoE exchange gathers
+        self.row_mask = None  # [T, 1] int32 on the device, 1 for a real row, 0 for padding (CUDA graph buckets)
 
     # ---- pieces ------------------------------------------------------------------------
     def embed(self, ids: np.ndarray, image_rows: np.ndarray | None = None, image_mask: np.ndarray | None = None):
@@ -322,7 +323,7 @@ class MoEModel:
         if cfg.swiglu is not None:  # gpt-oss: softmax over the top-k logits; biased experts, clamped SwiGLU
             weights, ids = ops.router_topk_softmax(logits, cfg.top_k)  # [T, k]
             if layer < cfg.num_layers:
-                ops.count_experts(ids, self.expert_counts[layer])
+                ops.count_experts(self._counted(ids), self.expert_counts[layer])
             args = (lw.w_gate_up, lw.w_down, lw.b_gate_up, lw.b_down, self.w.expert_start)
             out = self._combine(ops.moe_experts_swiglu(x, weights, ids, *args, cfg.swiglu.alpha, cfg.swiglu.limit))
             return out
@@ -331,7 +332,7 @@ class MoEModel:
         else:
             weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
         if layer < cfg.num_layers:  # (an MTP layer's routing is not counted: EPLB balances the main layers)
-            ops.count_experts(ids, self.expert_counts[layer])
+            ops.count_experts(self._counted(ids), self.expert_counts[layer])
         rows = self.lora_rows if self.exchange is None else self.exchange_lora_rows  # the MoE's rows' adapters
         experts = (None, None) if rows is None else self.lora.experts(layer)
         if experts != (None, None):  # (never under EPLB: LoraSlots.read refuses such adapters there)
@@ -352,6 +353,12 @@ class MoEModel:
             else:  # DeepSeek / GLM shared experts
                 out = ops.add(out, s)
         return out
+
+    def _counted(self, ids):
+        """The expert ids [T, k] the expert load counts: a padded row's are -1 (not counted)."""
+        if self.row_mask is None:
+            return ids
+        return ids * self.row_mask + (self.row_mask - 1)  # [T, k]
 
     def _combine(self, partial):
         """The experts' partial sums [T, D] summed over ranks (dp attention: this rank's rows of it)."""

@@ -214,6 +214,8 @@ def enqueue(who: str, run, allocations=(), signature=(), stream: Stream | None =
 def _identity(v):
     """A pointer to memory allocated during the capture is compared by its place in the capture's
     allocations (a fresh capture allocates anew); everything else by value."""
+    if isinstance(v, tuple):
+        return tuple(_identity(x) for x in v)
     if isinstance(v, _Pointer) and _capture is not None:
         for i, a in enumerate(_capture.allocations):
             if a.contains(v.host, 1):

@@ -1,0 +1,86 @@
+"""CUDA graphs for the decode step (eprt/engine/cuda_graphs.py) against eager launches, on cusim in
+CI: greedy and seeded-sampled tokens with --cuda-graphs on equal off, for every architecture the
+GPU backend serves, at batch sizes that hit and miss the buckets, with rows joining and leaving
+between steps. On cusim each replay is also checked against a fresh capture of the same step (a
+Python scalar or buffer fixed at capture that the step would now pass differently is refused)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eprt.api import GenerationRequest, SamplingParams
+from eprt.engine.cuda_graphs import batch_buckets, bucket_of
+from eprt.engine.engine import EngineConfig, launch_engine
+from eprt.ops.device import cuda_usable
+
+# 5 requests on 3 slots of max-batch 3 (buckets 1, 2, 3): rows join as others finish (different
+# lengths), the batch is 3, 2 and 1 rows at times; with max-batch 3 every size hits a bucket, so
+# the second case runs max-batch 8 (buckets 1, 2, 4, 8): 3, 5, 6 and 7 rows miss and are padded.
+PROMPTS = [[5, 77, 3], [140, 9, 9, 31, 200, 17], list(range(40, 60)), [7, 7, 7, 7], [250, 11]]
+LENGTHS = [6, 3, 8, 5, 4]
+
+
+def generate(path, graphs: bool, max_batch: int, sampled: bool, prompts=PROMPTS, lengths=LENGTHS):
+    """(each request's tokens, graph replays, eager decode steps)."""
+    cfg = EngineConfig(
+        model=path, device="cuda", max_batch=max_batch, block_size=16, max_model_len=96, cuda_graphs=graphs
+    )
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.8 if sampled else 0.0, top_p=0.9 if sampled else 1.0, seed=10 + i)
+        for i, n in enumerate(lengths)
+    ]
+    with launch_engine(cfg) as engine:
+        out = [r.token_ids for r in engine.generate([GenerationRequest(p, s) for p, s in zip(prompts, params)])]
+        graphs_used = engine.runner.executor.passes.graphs
+        return out, graphs_used.replays
+
+
+def test_buckets_are_powers_of_two_to_32_then_steps_of_32():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(3) == (1, 2, 3)
+    assert batch_buckets(32) == (1, 2, 4, 8, 16, 32)
+    assert batch_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 96, 100)
+    assert batch_buckets(128) == (1, 2, 4, 8, 16, 32, 64, 96, 128)
+    assert bucket_of(batch_buckets(128), 33) == 64 and bucket_of(batch_buckets(128), 129) is None
+    with pytest.raises(ValueError, match="max_batch must be >= 1, got 0"):
+        batch_buckets(0)
+
+
+@pytest.mark.parametrize("max_batch", [3, 8])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_usable(), reason="no usable CUDA device")
+def test_graph_tokens_equal_eager_tokens(checkpoint, arch, sampled, max_batch):
+    path = checkpoint(arch, dtype="bfloat16")
+    eager, replays = generate(path, False, max_batch, sampled)
+    assert replays == 0
+    graphs, replays = generate(path, True, max_batch, sampled)
+    assert replays > 0
+    assert graphs == eager
+    assert [len(t) for t in graphs] == LENGTHS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe", "gpt_oss"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_usable(), reason="no usable CUDA device")
+def test_graph_tokens_equal_eager_tokens_every_architecture(checkpoint, arch):
+    path = checkpoint(arch, dtype="bfloat16")
+    for sampled in (False, True):
+        eager, _ = generate(path, False, 8, sampled)
+        graphs, replays = generate(path, True, 8, sampled)
+        assert replays > 0 or arch == "gpt_oss"
+        assert graphs == eager, f"{arch} {'sampled' if sampled else 'greedy'}"
+
+
+def test_padded_rows_are_masked_out_of_the_expert_load():
+    from eprt.model.moe_model import MoEModel
+
+    model = MoEModel.__new__(MoEModel)
+    ids = np.array([[1, 2], [3, 0], [2, 2]], np.int32)
+    model.row_mask = None
+    assert model._counted(ids) is ids
+    model.row_mask = np.array([[1], [1], [0]], np.int32)
+    np.testing.assert_array_equal(model._counted(ids), [[1, 2], [3, 0], [-1, -1]])
