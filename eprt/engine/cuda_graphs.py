@@ -11,7 +11,7 @@ written, context 1, not counted in the expert load) and their outputs dropped. E
 the same buckets in the same order at start-up, so expert parallelism stays in lock step.
 
 Steps the graphs do not cover run eagerly, with the same one metadata copy where the batch allows
-(``eligible``): a batch over the largest bucket, LoRA rows, windowed-KV tables, hybrid recurrent
+(``eligible``): a batch over the largest bucket, LoRA rows, hybrid recurrent
 state, DeepSeek's MTP layer, EPLB's expert slots, dp attention and the host combine (pinned host
 memory: a host wait per layer). B rows in the step, R rows of its bucket, W block-table width, V vocab.
 """
@@ -30,6 +30,7 @@ SMALL_BUCKETS = (1, 2, 4, 8, 16, 32)
 BUCKET_STEP = 32
 CUDA_GRAPHS = ("on", "off")
 _FIELDS = ("ids", "positions", "slot_mapping", "context_lens", "valid")  # [R] int32 each, then tables [R, W]
+_WINDOW_FIELDS = ("window_slot_mapping",)  # windowed KV: the sliding layers' slots, then their tables [R, W]
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -51,38 +52,46 @@ class StepMetadata:
     per step from one of two pinned host buffers (the other may still be in flight on a worker,
     which never waits for its step: each is reused only once its copy is done)."""
 
-    def __init__(self, ops, rows: int, width: int):
+    def __init__(self, ops, rows: int, width: int, windowed: bool = False):
         xp = ops.xp
         self.ops, self.rows, self.width = ops, rows, width
-        n = rows * (len(_FIELDS) + width)
+        self.fields = _FIELDS + (_WINDOW_FIELDS if windowed else ())
+        self.tables = ("block_tables", "window_tables") if windowed else ("block_tables",)
+        n = self._size(rows)
         self.device = xp.zeros(n, dtype=xp.int32)  # persistent: every graph reads its views
         self._host = [np.frombuffer(xp.cuda.alloc_pinned_memory(4 * n), np.int32, n) for _ in range(2)]
         self._copied = [None, None]  # the event after each host buffer's last copy
         self._turn = 0
 
-    def views(self, rows: int) -> dict:
-        """The device views of a step of ``rows`` rows: each field [rows], ``block_tables`` [rows, W]."""
-        out = {name: self.device[i * rows : (i + 1) * rows] for i, name in enumerate(_FIELDS)}
-        start = len(_FIELDS) * rows
-        out["block_tables"] = self.device[start : start + rows * self.width].reshape(rows, self.width)
+    def _size(self, rows: int) -> int:
+        return rows * (len(self.fields) + len(self.tables) * self.width)
+
+    def _split(self, flat, rows: int) -> dict:
+        """``flat`` (the device buffer or a host one) as the fields [rows] and tables [rows, W] of a step."""
+        out = {name: flat[i * rows : (i + 1) * rows] for i, name in enumerate(self.fields)}
+        start, size = len(self.fields) * rows, rows * self.width
+        for i, name in enumerate(self.tables):
+            out[name] = flat[start + i * size : start + (i + 1) * size].reshape(rows, self.width)
         return out
+
+    def views(self, rows: int) -> dict:
+        """The device views of a step of ``rows`` rows: each field [rows], the tables [rows, W]."""
+        return self._split(self.device, rows)
 
     def upload(self, ids, batch, rows: int) -> dict:
         """The step's ``ids`` [B] and decode ``batch`` padded to ``rows`` rows, copied in one go;
         returns the device views."""
-        B, W = len(ids), self.width
+        B, n = len(ids), self._size(rows)
         host = self._next_host()
-        n = rows * (len(_FIELDS) + W)
-        fields = host[: len(_FIELDS) * rows].reshape(len(_FIELDS), rows)
-        fields[:] = 0
-        fields[0, :B] = ids
-        fields[1, :B] = batch.positions
-        fields[2, :B], fields[2, B:] = batch.slot_mapping, -1  # padded rows: no KV written
-        fields[3, :B], fields[3, B:] = batch.context_lens, 1
-        fields[4, :B] = 1  # valid rows
-        tables = host[len(_FIELDS) * rows : n].reshape(rows, W)
-        tables[:] = 0
-        tables[:B, : batch.block_tables.shape[1]] = batch.block_tables
+        host[:n] = 0
+        f = self._split(host, rows)
+        f["ids"][:B], f["positions"][:B], f["valid"][:B] = ids, batch.positions, 1
+        f["slot_mapping"][:B], f["slot_mapping"][B:] = batch.slot_mapping, -1  # padded rows: no KV written
+        f["context_lens"][:B], f["context_lens"][B:] = batch.context_lens, 1
+        f["block_tables"][:B, : batch.block_tables.shape[1]] = batch.block_tables
+        if batch.window is not None:
+            f["window_slot_mapping"][:B], f["window_slot_mapping"][B:] = batch.window.slot_mapping, -1
+            f["window_tables"][:B, : batch.window.block_tables.shape[1]] = batch.window.block_tables
         xp = self.ops.xp
         stream = self.ops.stream
         xp.cuda.runtime.memcpyAsync(
@@ -115,7 +124,7 @@ class DecodeGraphs:
         self.ex, self.ops, self.enabled = ex, ex.ops, enabled
         self.buckets = batch_buckets(max_batch)
         width = -(-ex.model.max_len // ex.block_size) + 1  # every block a sequence can hold
-        self.meta = StepMetadata(ex.ops, self.buckets[-1], width)
+        self.meta = StepMetadata(ex.ops, self.buckets[-1], width, ex.seqs.wtables is not None)
         self.graphs: dict[tuple[int, bool], _Captured] = {}
         self.pool = None  # the graphs' own memory pool
         self.check = getattr(ex.ops.xp, "__cusim__", False)  # cusim: every replay checked against a fresh capture
@@ -125,7 +134,6 @@ class DecodeGraphs:
         """Why this step cannot use the metadata buffer and graphs (None: it can)."""
         ex, model = self.ex, self.ex.model
         reasons = (
-            (batch.window is not None, "windowed-KV tables"),
             (ex.state is not None, "recurrent state"),
             (ex.mtp_layer is not None, "the MTP layer keeps hidden rows"),
             (model.lora_rows is not None, "LoRA rows"),
@@ -171,6 +179,13 @@ class DecodeGraphs:
             block_tables=views["block_tables"],
             context_lens=views["context_lens"],
         )
+        if "window_tables" in views:  # the sliding layers' own slots and tables (windowed KV)
+            batch.window = AttnBatch(
+                positions=batch.positions,
+                slot_mapping=views["window_slot_mapping"],
+                block_tables=views["window_tables"],
+                context_lens=batch.context_lens,
+            )
         model.row_mask = views["valid"].reshape(rows, 1) if masked else None
         try:
             h = model.hidden_states(model.embed(views["ids"]), batch, ex.kv, ex.state)  # [R, D]

@@ -42,6 +42,13 @@ _ptrs = itertools.count(0x5000)
 _streams: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # ptr -> Stream
 flush = None  # fake_cupy._flush: run the queued copies (set by fake_cupy)
 default_pool = None  # fake_cupy's default memory pool (set by fake_cupy)
+_dry = [False]  # count_only(): work is counted (and captured), never run
+
+
+def count_only(on: bool = True) -> None:
+    """Count (and capture) the work issued without running any of it: launch counts of models too
+    large for the simulator to execute (benchmarks/bench_gpu.py --count); outputs hold garbage."""
+    _dry[0] = on
 
 
 def counters() -> dict:
@@ -194,7 +201,7 @@ def allocated(alloc) -> None:
 def enqueue(who: str, run, allocations=(), signature=(), stream: Stream | None = None) -> None:
     """Work on ``stream`` (default: the current one): run now, or recorded while that stream
     captures. ``signature``: the Python values it was issued with (scalars, shapes, pointers),
-    compared by ``Graph.check_replay``. Counts one launch."""
+    compared by ``Graph.check_replay``. Counts one launch when issued, none when captured."""
     stream = current_stream() if stream is None else stream
     if _capture is not None and stream is not _capture.stream:
         if stream.ptr == 0:
@@ -202,13 +209,14 @@ def enqueue(who: str, run, allocations=(), signature=(), stream: Stream | None =
                 f"{who} on the legacy default stream while stream {_capture.stream.ptr:#x} is capturing "
                 f"(cudaErrorStreamCaptureImplicit)"
             )
-    count("launches")
-    if _capture is not None and stream is _capture.stream:
+    if _capture is not None and stream is _capture.stream:  # recorded: issued by the graph's launches
         for a in allocations:
             _capture.kept[id(a)] = a
         _capture.ops.append(((who, *[_identity(v) for v in signature]), run))
         return
-    run()
+    count("launches")
+    if not _dry[0]:
+        run()
 
 
 def _identity(v):
@@ -257,7 +265,7 @@ class Graph:
         flush()
         _local.replaying = True
         try:
-            for _, run in self._ops:
+            for _, run in [] if _dry[0] else self._ops:
                 run()
         finally:
             _local.replaying = False
