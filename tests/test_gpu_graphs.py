@@ -23,10 +23,10 @@ PROMPTS = [[5, 77, 3], [140, 9, 9, 31, 200, 17], list(range(40, 60)), [7, 7, 7, 
 LENGTHS = [6, 3, 8, 5, 4]
 
 
-def generate(path, graphs: bool, max_batch: int, sampled: bool, prompts=PROMPTS, lengths=LENGTHS):
-    """(each request's tokens, graph replays, eager decode steps)."""
+def generate(path, graphs: bool, max_batch: int, sampled: bool, prompts=PROMPTS, lengths=LENGTHS, **kw):
+    """(each request's tokens, the engine's DecodeGraphs)."""
     cfg = EngineConfig(
-        model=path, device="cuda", max_batch=max_batch, block_size=16, max_model_len=96, cuda_graphs=graphs
+        model=path, device="cuda", max_batch=max_batch, block_size=16, max_model_len=96, cuda_graphs=graphs, **kw
     )
     params = [
         SamplingParams(max_tokens=n, temperature=0.8 if sampled else 0.0, top_p=0.9 if sampled else 1.0, seed=10 + i)
@@ -34,8 +34,7 @@ def generate(path, graphs: bool, max_batch: int, sampled: bool, prompts=PROMPTS,
     ]
     with launch_engine(cfg) as engine:
         out = [r.token_ids for r in engine.generate([GenerationRequest(p, s) for p, s in zip(prompts, params)])]
-        graphs_used = engine.runner.executor.passes.graphs
-        return out, graphs_used.replays
+        return out, engine.runner.executor.passes.graphs
 
 
 def test_buckets_are_powers_of_two_to_32_then_steps_of_32():
@@ -56,10 +55,10 @@ def test_buckets_are_powers_of_two_to_32_then_steps_of_32():
 @pytest.mark.skipif(not cuda_usable(), reason="no usable CUDA device")
 def test_graph_tokens_equal_eager_tokens(checkpoint, arch, sampled, max_batch):
     path = checkpoint(arch, dtype="bfloat16")
-    eager, replays = generate(path, False, max_batch, sampled)
-    assert replays == 0
-    graphs, replays = generate(path, True, max_batch, sampled)
-    assert replays > 0
+    eager, used = generate(path, False, max_batch, sampled)
+    assert used.replays == 0
+    graphs, used = generate(path, True, max_batch, sampled)
+    assert used.replays > 0
     assert graphs == eager
     assert [len(t) for t in graphs] == LENGTHS
 
@@ -78,8 +77,8 @@ def test_graph_tokens_equal_eager_tokens_every_architecture(checkpoint, arch, tm
         path = checkpoint(arch, dtype="bfloat16")
     for sampled in (False, True):
         eager, _ = generate(path, False, 8, sampled)
-        graphs, replays = generate(path, True, 8, sampled)
-        assert replays > 0
+        graphs, used = generate(path, True, 8, sampled)
+        assert used.replays > 0
         assert graphs == eager, f"{arch} {'sampled' if sampled else 'greedy'}"
 
 
@@ -92,3 +91,32 @@ def test_padded_rows_are_masked_out_of_the_expert_load():
     assert model._counted(ids) is ids
     model.row_mask = np.array([[1], [1], [0]], np.int32)
     np.testing.assert_array_equal(model._counted(ids), [[1, 2], [3, 0], [-1, -1]])
+
+
+def test_cuda_graphs_flag_reaches_the_engine_config():
+    import argparse
+
+    from eprt.engine.config import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args([])).cuda_graphs is True
+    assert engine_config_from_args(parser.parse_args(["--cuda-graphs", "off"])).cuda_graphs is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cuda-graphs", "maybe"])
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_usable(), reason="no usable CUDA device")
+def test_verify_steps_replayed_from_graphs_give_the_eager_tokens(checkpoint, sampled):
+    """ngram speculation, K = 3: a verify step's positions (1 + its drafts per row) run as decode
+    rows in the graph of their bucket; with several rows in the step (one runs eagerly)."""
+    path = checkpoint("qwen3_moe", dtype="bfloat16")
+    loops = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [12, 13] * 7, [14, 15, 16, 17, 18] * 3]
+    lengths = [12, 9, 14, 10]
+    spec = dict(speculative_method="ngram", num_speculative_tokens=3)
+    eager, _ = generate(path, False, 4, sampled, loops, lengths, **spec)
+    graphs, used = generate(path, True, 4, sampled, loops, lengths, **spec)
+    assert used.verify_replays > 0
+    assert graphs == eager

@@ -128,7 +128,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool], _Captured] = {}
         self.pool = None  # the graphs' own memory pool
         self.check = getattr(ex.ops.xp, "__cusim__", False)  # cusim: every replay checked against a fresh capture
-        self.replays = 0
+        self.replays = self.verify_replays = 0  # graph launches: every step's, verify steps'
 
     def eligible(self, batch) -> str | None:
         """Why this step cannot use the metadata buffer and graphs (None: it can)."""
@@ -160,6 +160,7 @@ class DecodeGraphs:
         self.ops.graph_launched()
         self._add_stats(captured.stats)
         self.replays += 1
+        self.verify_replays += batch.query_lens is not None
         if self.check:  # cusim: the same step captured now must issue what the graph replays
             stats = self._stats()
             fresh = self._capture(rows, views)[0]

@@ -127,10 +127,12 @@ def _executor(
 
 
 def _decode_graphs(cfg: EngineConfig, executor: ShardExecutor, rank: int) -> None:
-    """The GPU's decode steps: one metadata copy, and with --cuda-graphs on every batch bucket
-    captured now, the same on every rank (rank 0 computes the logits, the workers do not)."""
+    """The GPU's decode and verify steps: one metadata copy, and with --cuda-graphs on every bucket
+    of rows captured now, the same on every rank (rank 0 computes the logits, the workers do not)."""
     executor.compute_logits = rank == 0
-    graphs = executor.passes.graphs = DecodeGraphs(executor, cfg.max_batch, cfg.cuda_graphs)
+    spec = cfg.speculative()
+    rows = cfg.max_batch * (1 + (spec.num_tokens if spec is not None else 0))  # a verify step's positions
+    graphs = executor.passes.graphs = DecodeGraphs(executor, rows, cfg.cuda_graphs)
     graphs.capture_all()
     if not cfg.cuda_graphs:
         log.info("CUDA graphs off (--cuda-graphs off): every decode kernel launched from Python")
