@@ -120,8 +120,12 @@ class _Captured:
 class DecodeGraphs:
     """The decode steps of one executor on the GPU: one metadata copy, and graph replays per bucket."""
 
-    def __init__(self, ex, max_batch: int, enabled: bool):
-        self.ex, self.ops, self.enabled = ex, ex.ops, enabled
+    def __init__(self, ex, max_batch: int, enabled: bool, recorded: bool = False):
+        """``max_batch``: the most rows of a step (a verify step's positions); ``enabled``: --cuda-graphs;
+        ``recorded``: --record-payloads (the recorder reads every combine's partial: no graphs)."""
+        self.ex, self.ops = ex, ex.ops
+        self.unable = self._unable(recorded)  # why this job's steps cannot run from the metadata buffer
+        self.enabled = enabled and self.unable is None
         self.buckets = batch_buckets(max_batch)
         width = -(-ex.model.max_len // ex.block_size) + 1  # every block a sequence can hold
         self.meta = StepMetadata(ex.ops, self.buckets[-1], width, ex.seqs.wtables is not None)
@@ -130,16 +134,24 @@ class DecodeGraphs:
         self.check = getattr(ex.ops.xp, "__cusim__", False)  # cusim: every replay checked against a fresh capture
         self.replays = self.verify_replays = 0  # graph launches: every step's, verify steps'
 
-    def eligible(self, batch) -> str | None:
-        """Why this step cannot use the metadata buffer and graphs (None: it can)."""
+    def _unable(self, recorded: bool) -> str | None:
+        """Why no step of this job can run from the metadata buffer and graphs (None: they can)."""
         ex, model = self.ex, self.ex.model
         reasons = (
-            (ex.state is not None, "recurrent state"),
+            (ex.state is not None, "a hybrid model's recurrent state"),
             (ex.mtp_layer is not None, "the MTP layer keeps hidden rows"),
-            (model.lora_rows is not None, "LoRA rows"),
-            (model.slots is not None, "EPLB expert slots"),
+            (model.slots is not None, "EPLB's expert slots"),
             (model.exchange is not None, "dp attention"),
-            (getattr(model.combine, "blocks_host", False), "the host combine"),
+            (getattr(model.combine, "blocks_host", False), "the host combine waits for each layer"),
+            (recorded, "--record-payloads reads every combine"),
+        )
+        return next((why for bad, why in reasons if bad), None)
+
+    def eligible(self, batch) -> str | None:
+        """Why this step cannot use the metadata buffer and graphs (None: it can)."""
+        reasons = (
+            (self.unable is not None, self.unable),
+            (self.ex.model.lora_rows is not None, "LoRA rows"),
             (batch.rope_cos_sin is not None, "per-token rope rows"),
             (len(batch.positions) > self.buckets[-1], "more rows than the largest bucket"),
         )

@@ -132,10 +132,12 @@ def _decode_graphs(cfg: EngineConfig, executor: ShardExecutor, rank: int) -> Non
     executor.compute_logits = rank == 0
     spec = cfg.speculative()
     rows = cfg.max_batch * (1 + (spec.num_tokens if spec is not None else 0))  # a verify step's positions
-    graphs = executor.passes.graphs = DecodeGraphs(executor, rows, cfg.cuda_graphs)
+    graphs = executor.passes.graphs = DecodeGraphs(executor, rows, cfg.cuda_graphs, cfg.record_payloads)
     graphs.capture_all()
     if not cfg.cuda_graphs:
         log.info("CUDA graphs off (--cuda-graphs off): every decode kernel launched from Python")
+    elif graphs.unable is not None:
+        log.info("CUDA graphs off: %s (every decode kernel launched from Python)", graphs.unable)
 
 
 def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):
