@@ -76,10 +76,12 @@ def step_counts(model, batch: int, graphs: bool) -> dict:
         streams.reset_counters()
         logits = ex.decode(slots, [7] * batch)  # [B, V]
         before = streams.counters()
-        ops.argmax(logits)  # the sampled tokens' read
+        ops.argmax_values(logits)  # the greedy tokens' read (RowSampler.greedy)
+        after = streams.counters()
     captured = [c for (rows, _), c in ex.passes.graphs.graphs.items() if rows >= batch]
     in_graph = len(min(captured, key=lambda c: len(c.graph)).graph) if graphs else before["launches"]
-    return {**before, "layers": model.cfg.num_layers, "issued": in_graph}
+    read = {f"read_{k}": after[k] - before[k] for k in ("launches", "h2d_copies", "d2h_copies")}
+    return {**before, **read, "layers": model.cfg.num_layers, "issued": in_graph}
 
 
 def table(root: str | None = None) -> str:
@@ -95,8 +97,8 @@ def table(root: str | None = None) -> str:
     root = root or os.path.join(tempfile.gettempdir(), "eprt-bench-count")
     rows = [
         "| model | batch | mode | host launches / step | graph launches | H2D copies | host syncs | kernels run / step "
-        "| per layer |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| per layer | greedy read: launches, H2D, D2H |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     streams.count_only(True)
     try:
@@ -108,7 +110,8 @@ def table(root: str | None = None) -> str:
                     rows.append(
                         f"| {name} | {batch} | {'graphs' if graphs else 'eager'} | {c['launches']} | "
                         f"{c['graph_launches']} | {c['h2d_copies']} | {c['host_syncs']} | {c['issued']} | "
-                        f"{c['issued'] / c['layers']:.1f} |"
+                        f"{c['issued'] / c['layers']:.1f} | "
+                        f"{c['read_launches']}, {c['read_h2d_copies']}, {c['read_d2h_copies']} |"
                     )
             del model
             gc.collect()

@@ -112,6 +112,7 @@ class StepMetadata:
 class _Captured:
     graph: object
     output: object  # the captured pass's output buffer ([R, V] logits or [R, D] hidden), or None
+    greedy: object  # the greedy tokens and their logits of ``output``, packed (CupyOps.greedy_device), or None
     seconds: float
     nbytes: int
     stats: dict  # the transport's counters a replay adds (the combine's, counted at capture)
@@ -178,7 +179,11 @@ class DecodeGraphs:
             fresh = self._capture(rows, views)[0]
             self._add_stats({k: stats[k] - v for k, v in self._stats().items()})
             captured.graph.check_replay(fresh)
-        return None if captured.output is None else captured.output[:B]
+        if captured.output is None:
+            return None
+        logits = captured.output[:B]
+        self.ops.expect_greedy(logits, captured.greedy, rows)
+        return logits
 
     def _pass(self, views: dict, rows: int, masked: bool = True):
         """The decode forward over the device views of ``rows`` rows (``masked``: some may be padding,
@@ -202,7 +207,7 @@ class DecodeGraphs:
         model.row_mask = views["valid"].reshape(rows, 1) if masked else None
         try:
             h = model.hidden_states(model.embed(views["ids"]), batch, ex.kv, ex.state)  # [R, D]
-            return model.logits(h) if ex.compute_logits else None
+            return model.logits(h) if ex.compute_logits else None  # [R, V]
         finally:
             model.row_mask = None
 
@@ -226,16 +231,17 @@ class DecodeGraphs:
         if key not in self.graphs:
             stats = self._stats()
             t0 = time.perf_counter()
-            graph, output = self._capture(rows, self.meta.views(rows))
+            graph, (output, greedy) = self._capture(rows, self.meta.views(rows))
             took = time.perf_counter() - t0
             delta = {k: v - stats[k] for k, v in self._stats().items()}
             self._add_stats({k: -v for k, v in delta.items()})  # nothing ran yet
             nbytes = getattr(graph, "nbytes", 0)
-            self.graphs[key] = _Captured(graph, output, took, nbytes, delta)
+            self.graphs[key] = _Captured(graph, output, greedy, took, nbytes, delta)
         return self.graphs[key]
 
     def _capture(self, rows: int, views: dict):
-        """(graph, output) of the decode pass over ``rows`` rows, captured on the rank's stream."""
+        """(graph, (output, its greedy tokens packed or None)) of the decode pass over ``rows`` rows,
+        captured on the rank's stream."""
         xp, stream = self.ops.xp, self.ops.stream
         if self.pool is None:
             self.pool = xp.cuda.MemoryPool()
@@ -243,9 +249,10 @@ class DecodeGraphs:
             stream.begin_capture()
             try:
                 output = self._pass(views, rows)
+                greedy = None if output is None else self.ops.greedy_device(output)  # [R * (4 + itemsize)]
             finally:
                 graph = stream.end_capture()
-        return graph, output
+        return graph, (output, greedy)
 
     def _pool_bytes(self) -> int:
         if self.pool is None or self.check:  # cusim keeps one account per device: the graphs' own

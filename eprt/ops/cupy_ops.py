@@ -1090,6 +1090,10 @@ class CupyOps(GptOssCupy, Ops):
         return y
 
     def argmax(self, logits) -> np.ndarray:
+        return self._host(self._argmax(logits)).astype(np.int64)
+
+    def _argmax(self, logits):
+        """The argmax of each row of logits [B, V] on the device: [B] int32."""
         _check("argmax", "logits", logits, (_BF16, _F32), (None, None))
         B, V = logits.shape
         _require("argmax", V > 0, "logits have an empty vocabulary")
@@ -1097,7 +1101,30 @@ class CupyOps(GptOssCupy, Ops):
         if B:
             kernel = "argmax_f32" if logits.dtype == _F32 else "argmax_bf16"
             _launch("argmax.cu", kernel, (B,), 1024, (logits, out, np.int32(V)))
-        return self._host(out).astype(np.int64)
+        return out
+
+    def greedy_device(self, logits):
+        """The greedy tokens of logits [B, V] and their logits, packed on the device for one read by
+        ``argmax_values``: [B * 4 + B * itemsize] bytes (int32 tokens, then the values in the logits' dtype)."""
+        B, V = logits.shape
+        tokens = self._argmax(logits)  # [B]
+        values = logits.reshape(-1)[cupy.arange(B, dtype=_I32) * np.int32(V) + tokens]  # [B]
+        return cupy.concatenate([tokens.view(_U8), values.view(_U8)])
+
+    def expect_greedy(self, logits, packed, rows: int) -> None:
+        """``packed`` (``greedy_device`` of ``rows`` rows, computed in a CUDA graph) holds the greedy
+        tokens of ``logits`` (its first rows): the next ``argmax_values`` of exactly these logits reads
+        it instead of launching again."""
+        self._greedy = (logits.data.ptr, logits.shape, packed, rows)
+
+    def argmax_values(self, logits):
+        memo, self._greedy = getattr(self, "_greedy", None), None
+        if memo is None or memo[:2] != (logits.data.ptr, logits.shape):
+            memo = (None, None, self.greedy_device(logits), logits.shape[0])
+        B, R, packed = logits.shape[0], memo[3], self._host(memo[2])  # one read
+        values = packed[4 * R :].view(logits.dtype)[:B]
+        tokens = packed[: 4 * R].view(np.int32)[:B].astype(np.int64)
+        return tokens, bf16_bits_to_f32(values) if values.dtype == _BF16 else values.astype(np.float32)
 
     # ---- logits processing (kernels/sampling.cu) ---------------------------------------------
     def gather_logits(self, logits, rows: np.ndarray):
