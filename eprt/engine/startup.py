@@ -100,8 +100,6 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     window = window_spec(loaded.config, prefill_tokens)
     max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed, window))
     executor = step(lambda: _executor(cfg, ops, loaded, transport, every if dp else agreed, prefill_tokens))
-    if ops.name == "cuda" and not dp:
-        step(lambda: _decode_graphs(cfg, executor, rank))
     log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
     if executor.lora is not None:  # every rank reads its share of each adapter once, so a bad one fails here
         step(lambda: [executor.lora.read(path) for _, path in cfg.lora_modules])
@@ -113,7 +111,8 @@ def _executor(
 ) -> ShardExecutor:
     """This rank's executor: ``blocks``, every rank's pool sizes under dp attention (each sequence's
     KV lives on its owner only), else the one pool size every rank agreed on; ``prefill_tokens``:
-    the largest prefill chunk (what a windowed-KV sequence reserves)."""
+    the largest prefill chunk (what a windowed-KV sequence reserves). On a GPU with replicated
+    attention its decode steps' metadata buffer and CUDA graphs come with it (``_decode_graphs``)."""
     lora = _lora_slots(cfg, ops, loaded)
     model, bs, slots = loaded.model, cfg.block_size, cfg.max_batch
     if isinstance(blocks, list):
@@ -121,9 +120,12 @@ def _executor(
         return dp_executor(
             model, blocks, bs, slots, exchange, cfg.prefix_cache, cfg.image_token_id, lora, prefill_tokens
         )
-    return ShardExecutor(
+    executor = ShardExecutor(
         model, blocks, bs, slots, cfg.prefix_cache, cfg.image_token_id, lora=lora, prefill_tokens=prefill_tokens
     )
+    if ops.name == "cuda":
+        _decode_graphs(cfg, executor, transport.rank)
+    return executor
 
 
 def _decode_graphs(cfg: EngineConfig, executor: ShardExecutor, rank: int) -> None:
