@@ -124,3 +124,17 @@ def test_verify_steps_replayed_from_graphs_give_the_eager_tokens(checkpoint):
     graphs, used = generate(path, True, 4, loops, lengths, **spec)
     assert used.verify_replays > 0
     assert graphs == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_usable(), reason="no usable CUDA device")
+def test_kernels_are_looked_up_once_and_run_on_the_ranks_own_stream():
+    import cupy
+
+    from eprt.ops import kernel_loader
+    from eprt.ops.cupy_ops import CupyOps
+
+    kernel = kernel_loader.get_kernel("argmax.cu", "argmax_f32")
+    assert kernel_loader.get_kernel("argmax.cu", "argmax_f32") is kernel  # no RawKernel rebuilt per launch
+    ops = CupyOps()
+    assert ops.stream.ptr != 0 and cupy.cuda.get_current_stream() is ops.stream  # never the legacy stream
