@@ -31,6 +31,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -466,7 +467,19 @@ def main(argv=None) -> int:
         action="store_true",
         help="a toy shape, to check the script itself (e.g. on cusim: python -m cusim.run)",
     )
+    p.add_argument(
+        "--count",
+        action="store_true",
+        help="on cusim: kernel launches, H2D copies and host syncs per decode step and layer, eager and with CUDA "
+        "graphs, for a ~115M Qwen3-MoE and a DeepSeek-V3-shaped model (benchmarks/gpu_counts.py)",
+    )
     args = p.parse_args(argv)
+    if args.count:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from gpu_counts import main as count_main
+
+        return count_main()
 
     from eprt.ops import device
 

@@ -129,7 +129,7 @@ skipped() { rcs[$1]=SKIPPED; echo "== stage $1: SKIPPED ($2)"; }
 
 pytest_args=(-q -p no:cacheprovider -rs --tb=short)
 if [ "$cusim" = 1 ]; then
-  gpu_args=(-p cusim.plugin -m gpu)
+  gpu_args=(-p cusim.plugin -m "gpu and not slow")  # the slow ones (every architecture) on the GPU only
   run=(python3 -m cusim.run)
 else
   pytest_args+=(--timeout 60)  # pytest-timeout: a hung test fails alone

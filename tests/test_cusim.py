@@ -165,7 +165,7 @@ def test_async_copies_land_at_synchronize():
     rt = fake_cupy.runtime
     rt.memcpyAsync(host.ctypes.data, src.data.ptr, 16, rt.memcpyDeviceToHost, 0)
     assert np.isnan(host).all()
-    fake_cupy._Stream().synchronize()
+    fake_cupy.streams.Stream().synchronize()
     np.testing.assert_array_equal(host, [0, 1, 2, 3])
 
 

@@ -116,6 +116,7 @@ class DeviceCombine:
         self.transport, self.ops, self.comm = transport, ops, comm
         self._event = None  # recorded after the last collective not yet seen complete
         ops.add_host_wait(self.settle)
+        ops.add_graph_launch(self.mark)
 
     def __call__(self, partial):
         cupy, t = self.ops.xp, self.transport
@@ -153,11 +154,17 @@ class DeviceCombine:
         cupy = self.ops.xp
         peers = self.transport.size - 1
         self.transport.wire(peers * send.nbytes, peers * send.nbytes)
-        stream = cupy.cuda.get_current_stream()
+        stream = cupy.cuda.get_current_stream()  # the rank's own (CupyOps.stream), never the legacy one
         self.comm.allGather(send.data.ptr, gathered.data.ptr, send.size, NCCL_FLOAT32, stream.ptr)
+        if not cupy.cuda.runtime.streamIsCapturing(stream.ptr):  # a graph's: marked after its launch
+            self.mark(stream)
+
+    def mark(self, stream) -> None:
+        """Record the watchdog's event on ``stream``: after the collectives issued (or a graph
+        launched) so far, in stream order."""
         if self._event is None:
-            self._event = cupy.cuda.Event(disable_timing=True)
-        self._event.record(stream)  # covers the earlier collectives too (stream order)
+            self._event = self.ops.xp.cuda.Event(disable_timing=True)
+        self._event.record(stream)
 
     def settle(self) -> None:
         """Wait until the collectives enqueued so far have completed, watching the error

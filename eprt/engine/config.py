@@ -66,6 +66,7 @@ class EngineConfig:
     prefix_cache: bool = True
     batch_prefill: bool = True  # a tick's prefill chunks as one forward pass (off: one pass per sequence)
     overlap: bool = False  # plan a decode step's sampling while its forward pass runs (eprt/engine/overlap.py)
+    cuda_graphs: bool = True  # GPU decode steps replayed from CUDA graphs per batch bucket (eprt/engine/cuda_graphs.py)
     check_state: bool = field(default_factory=env.CHECK_STATE.get)  # compare the ranks' state digests each step
     gpu_memory_utilization: float = 0.9
     image_token_id: int | None = None
@@ -266,7 +267,7 @@ def _add_pool_arguments(g) -> None:
 
 
 def _add_step_arguments(g) -> None:
-    """How a step runs: batched prefill, the overlap."""
+    """How a step runs: batched prefill, the overlap, CUDA graphs."""
     g.add_argument(
         "--batch-prefill",
         choices=("on", "off"),
@@ -280,6 +281,14 @@ def _add_step_arguments(g) -> None:
         help="rank 0 plans a decode step's sampling and encodes the next step's frame while the step's forward "
         "pass runs (on a helper thread on the CPU); default off: not faster on the CPU as measured "
         '(docs/design.md, "Overlap")',
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        choices=("on", "off"),
+        default="on",
+        help="with --device cuda, capture each decode batch-size bucket's forward pass (1, 2, 4, 8, 16, 32, then "
+        "steps of 32 up to --max-batch) as a CUDA graph at start-up and replay it every step; off: launch every "
+        'kernel from Python (default on; ignored on the CPU; docs/gpu.md, "CUDA graphs")',
     )
 
 
@@ -385,6 +394,7 @@ def engine_config_from_args(args) -> EngineConfig:
         prefix_cache=not args.no_prefix_cache,
         batch_prefill=args.batch_prefill == "on",
         overlap=args.overlap == "on",
+        cuda_graphs=getattr(args, "cuda_graphs", "on") == "on",
         check_state=args.check_state or env.CHECK_STATE.get(),
         gpu_memory_utilization=args.gpu_memory_utilization,
         image_token_id=args.image_token_id,

@@ -35,6 +35,7 @@ class Passes:
     def __init__(self, ex, output=None):
         self.ex = ex
         self.output = self._logits if output is None else output
+        self.graphs = None  # on a GPU: eprt.engine.cuda_graphs.DecodeGraphs (one metadata copy, graph replays)
 
     def _logits(self, h):
         return self.ex.model.logits(h) if self.ex.compute_logits else None
@@ -131,10 +132,20 @@ class Passes:
         """The device half of a decode step: the forward pass of ``decode_inputs``'s batch."""
         ex = self.ex
         ids, batch, states, lengths = inputs
+        out = self._graphed(ids, batch)
+        if out is not NotImplemented:
+            return out
         h = ex.model.hidden_states(ex.model.embed(ids), batch, ex.kv, ex.state)  # [B, D]
         if ex.mtp_layer is not None:
             ex.mtp_layer.keep(states, lengths, [1] * len(states), h)
         return self.output(h)
+
+    def _graphed(self, ids, batch):
+        """The pass's output replayed from a CUDA graph (``graphs``, on a GPU), or ``NotImplemented``
+        where it runs eagerly (no graphs, another output, a batch the graphs do not take)."""
+        if self.graphs is None or self.output != self._logits:
+            return NotImplemented
+        return self.graphs.forward(ids, batch)
 
     def verify(self, slots: list, tokens: list, drafts: list):
         """VERIFY: row r appends tokens[r] and its drafts[r] (0..4) to slots[r] in one forward pass.
@@ -153,13 +164,16 @@ class Passes:
         batch = self._verify_batch(slots, counts, lengths)
         ids = np.asarray([t for tok, d in zip(tokens, drafts) for t in (tok, *d)], dtype=np.int32)  # [N]
         ex.adapters.rows([st.adapter for st, d in zip(states, drafts) for _ in range(1 + len(d))])
-        h = ex.model.hidden_states(ex.model.embed(ids), batch, ex.kv, ex.state)  # [N, D]
-        if ex.mtp_layer is not None:
-            ex.mtp_layer.keep(states, lengths, counts + 1, h)
+        out = NotImplemented if batch.query_lens is None else self._graphed(ids, batch)  # rows as decode rows
+        if out is NotImplemented:
+            h = ex.model.hidden_states(ex.model.embed(ids), batch, ex.kv, ex.state)  # [N, D]
+            if ex.mtp_layer is not None:
+                ex.mtp_layer.keep(states, lengths, counts + 1, h)
+            out = self.output(h)
         for st, tok, d in zip(states, tokens, drafts):
             st.tokens.extend((int(tok), *(int(t) for t in d)))
         ex.slots.open(slots, drafts)
-        return self.output(h)
+        return out
 
     def _verify_batch(self, slots: list, counts: np.ndarray, lengths: np.ndarray) -> AttnBatch:
         """A verify pass's positions as decode rows (with windowed KV, the sliding layers' too)."""

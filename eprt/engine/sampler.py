@@ -147,12 +147,10 @@ class RowSampler:
         every row), a RowFailure where its logit is not finite (``sampling.checked``), 0 elsewhere."""
         tokens = [0] * logits.shape[0]
         if rows:
-            ops = self.ops
-            greedy = ops.argmax(logits)
-            picked = [int(greedy[i]) for i in rows]
-            for i, t in zip(rows, picked):
-                tokens[i] = t
-            checked(tokens, rows, ops.to_host(logits[ops.index(np.asarray(rows)), ops.index(np.asarray(picked))]))
+            greedy, values = self.ops.argmax_values(logits)  # on a GPU's graph step: one read, computed in the graph
+            for i in rows:
+                tokens[i] = int(greedy[i])
+            checked(tokens, rows, values[np.asarray(rows)])
         return tokens
 
     def _advance_grammars(self, seqs: list, guided: list, tokens: list) -> None:

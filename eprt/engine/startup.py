@@ -21,6 +21,7 @@ from eprt.comm.device_combine import choose_combine
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import ALLTOALL_MIN_RANKS, DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
+from eprt.engine.cuda_graphs import DecodeGraphs
 from eprt.engine.dp_executor import dp_executor
 from eprt.engine.eplb import check_same_placement, count_nodes, initial_placement
 from eprt.engine.executor import ShardExecutor, window_spec
@@ -117,7 +118,8 @@ def _executor(
 ) -> ShardExecutor:
     """This rank's executor: ``blocks``, every rank's pool sizes under dp attention (each sequence's
     KV lives on its owner only), else the one pool size every rank agreed on; ``prefill_tokens``:
-    the largest prefill chunk (what a windowed-KV sequence reserves)."""
+    the largest prefill chunk (what a windowed-KV sequence reserves). On a GPU with replicated
+    attention its decode steps' metadata buffer and CUDA graphs come with it (``_decode_graphs``)."""
     lora = _lora_slots(cfg, ops, loaded)
     model, bs, slots = loaded.model, cfg.block_size, cfg.max_batch
     if isinstance(blocks, list):
@@ -125,9 +127,26 @@ def _executor(
         return dp_executor(
             model, blocks, bs, slots, exchange, cfg.prefix_cache, cfg.image_token_id, lora, prefill_tokens
         )
-    return ShardExecutor(
+    executor = ShardExecutor(
         model, blocks, bs, slots, cfg.prefix_cache, cfg.image_token_id, lora=lora, prefill_tokens=prefill_tokens
     )
+    if ops.name == "cuda":
+        _decode_graphs(cfg, executor, transport.rank)
+    return executor
+
+
+def _decode_graphs(cfg: EngineConfig, executor: ShardExecutor, rank: int) -> None:
+    """The GPU's decode and verify steps: one metadata copy, and with --cuda-graphs on every bucket
+    of rows captured now, the same on every rank (rank 0 computes the logits, the workers do not)."""
+    executor.compute_logits = rank == 0
+    spec = cfg.speculative()
+    rows = cfg.max_batch * (1 + (spec.num_tokens if spec is not None else 0))  # a verify step's positions
+    graphs = executor.passes.graphs = DecodeGraphs(executor, rows, cfg.cuda_graphs, cfg.record_payloads)
+    graphs.capture_all()
+    if not cfg.cuda_graphs:
+        log.info("CUDA graphs off (--cuda-graphs off): every decode kernel launched from Python")
+    elif graphs.unable is not None:
+        log.info("CUDA graphs off: %s (every decode kernel launched from Python)", graphs.unable)
 
 
 def _lora_slots(cfg: EngineConfig, ops, loaded: LoadedModel):

@@ -183,6 +183,7 @@ class MoEModel:
         self.lora = None  # LoraSlots (eprt/model/lora.py) when adapters are served
         self.lora_rows = None  # LoraRows of the forward pass in progress; None: no adapter in the batch
         self.exchange_lora_rows = None  # dp attention: LoraRows of the rows the MoE exchange gathers
+        self.row_mask = None  # [T, 1] int32 on the device, 1 for a real row, 0 for padding (CUDA graph buckets)
 
     # ---- pieces ------------------------------------------------------------------------
     def embed(self, ids: np.ndarray, image_rows: np.ndarray | None = None, image_mask: np.ndarray | None = None):
@@ -341,7 +342,7 @@ class MoEModel:
         else:
             weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
         if count and layer < cfg.num_layers:
-            ops.count_experts(ids, self.expert_counts[layer])
+            ops.count_experts(self._counted(ids), self.expert_counts[layer])
         return weights, ids
 
     def _owner_route(self, lw, x, layer: int, rows: bool):
@@ -404,6 +405,12 @@ class MoEModel:
         else:
             run = lambda xs, w, i: ops.moe_experts(xs, w, i, lw.w_gate_up, lw.w_down, start)  # noqa: E731
         return a2a.run(x, weights, ids, self.expert_rank[ids], run, per_choice=False)
+
+    def _counted(self, ids):
+        """The expert ids [T, k] the expert load counts: a padded row's are -1 (not counted)."""
+        if self.row_mask is None:
+            return ids
+        return ids * self.row_mask + (self.row_mask - 1)  # [T, k]
 
     def _combine(self, partial):
         """The experts' partial sums [T, D] summed over ranks (dp attention: this rank's rows of it)."""

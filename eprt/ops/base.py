@@ -408,6 +408,12 @@ class Ops:
         """logits[B, V] -> host int64[B] (first maximum wins)."""
         raise NotImplementedError
 
+    def argmax_values(self, logits: Array) -> tuple[np.ndarray, np.ndarray]:
+        """logits[B, V] -> (argmax, host int64 [B]; each row's logit there, host float32 [B])."""
+        tokens = self.argmax(logits)
+        rows = np.arange(len(tokens))
+        return tokens, np.asarray(self.to_host(logits[self.index(rows), self.index(tokens)]), np.float32)
+
     # ---- logits processing on the device (the GPU backend; the host's is eprt.engine.sampling) ----
     def gather_logits(self, logits: Array, rows: np.ndarray) -> Array:
         """logits[B, V], rows[m] (host int) -> a float32 copy [m, V] of those rows."""

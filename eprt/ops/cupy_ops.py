@@ -115,6 +115,14 @@ def _block(name: str) -> int:
     return LAUNCH[name].threads
 
 
+def _cublas_handle(cublas) -> int:
+    """The device's cuBLAS handle, bound to the calling thread's current stream (the rank's own:
+    ``CupyOps.stream``), so a GEMM is ordered with the kernels around it and captured with them."""
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    return handle
+
+
 def _gemm_per_head(x, w, out) -> None:
     """out[T, H, N] = x[T, H, K] @ w[H, N, K].T per head h: one strided-batched cuBLAS call (bf16
     in, fp32 compute, bf16 out). Column-major per head: out_h.T (ld H*N) = op_T(w_h) @ x_h.T (ld H*K)."""
@@ -124,7 +132,7 @@ def _gemm_per_head(x, w, out) -> None:
     N = w.shape[1]
     alpha, beta = np.array(1.0, np.float32), np.array(0.0, np.float32)  # host scalars
     cublas.gemmStridedBatchedEx(
-        cupy.cuda.device.get_cublas_handle(),
+        _cublas_handle(cublas),
         _OP_T,
         _OP_N,
         N,
@@ -157,7 +165,7 @@ def _gemm(m: int, n: int, k: int, a_ptr: int, b_ptr: int, c_ptr: int, c_dtype, b
 
     alpha, beta_ = np.array(1.0, np.float32), np.array(beta, np.float32)  # host scalars
     cublas.gemmEx(
-        cupy.cuda.device.get_cublas_handle(),
+        _cublas_handle(cublas),
         _OP_T,
         _OP_N,
         n,
@@ -206,6 +214,11 @@ class CupyOps(GptOssCupy, Ops):
         rt, dev = cupy.cuda.runtime, cupy.cuda.Device().id
         self.device = dev  # the current device of the thread that made the backend
         self._host_waits: list = []  # called before the host waits on the stream (add_host_wait)
+        self._graph_launches: list = []  # called after each CUDA graph launch (add_graph_launch)
+        # The rank's own stream for every kernel, GEMM, copy and collective: the legacy default
+        # stream synchronizes with every other and cannot be captured into a CUDA graph.
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream.use()
         self.sm_count = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, dev)
         self.smem_limit = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)  # bytes
         major = rt.deviceGetAttribute(rt.cudaDevAttrComputeCapabilityMajor, dev)
@@ -290,6 +303,16 @@ class CupyOps(GptOssCupy, Ops):
 
     def bind_thread(self) -> None:
         cupy.cuda.runtime.setDevice(self.device)
+        self.stream.use()  # CuPy's current stream is per thread too
+
+    def add_graph_launch(self, fn) -> None:
+        """Call ``fn(stream)`` after each CUDA graph launch on the rank's stream (the NCCL combine
+        records its watchdog event there: a graph's collectives are not issued one by one)."""
+        self._graph_launches.append(fn)
+
+    def graph_launched(self) -> None:
+        for fn in self._graph_launches:
+            fn(self.stream)
 
     def to_host(self, a) -> np.ndarray:
         h = self._host(a)
@@ -306,7 +329,7 @@ class CupyOps(GptOssCupy, Ops):
     def synchronize(self) -> None:
         for fn in self._host_waits:
             fn()
-        cupy.cuda.get_current_stream().synchronize()
+        self.stream.synchronize()
 
     def warm_up(self) -> None:
         """Compile (or load from CuPy's cache) every kernel module now, not in the first
@@ -1067,6 +1090,10 @@ class CupyOps(GptOssCupy, Ops):
         return y
 
     def argmax(self, logits) -> np.ndarray:
+        return self._host(self._argmax(logits)).astype(np.int64)
+
+    def _argmax(self, logits):
+        """The argmax of each row of logits [B, V] on the device: [B] int32."""
         _check("argmax", "logits", logits, (_BF16, _F32), (None, None))
         B, V = logits.shape
         _require("argmax", V > 0, "logits have an empty vocabulary")
@@ -1074,7 +1101,30 @@ class CupyOps(GptOssCupy, Ops):
         if B:
             kernel = "argmax_f32" if logits.dtype == _F32 else "argmax_bf16"
             _launch("argmax.cu", kernel, (B,), 1024, (logits, out, np.int32(V)))
-        return self._host(out).astype(np.int64)
+        return out
+
+    def greedy_device(self, logits):
+        """The greedy tokens of logits [B, V] and their logits, packed on the device for one read by
+        ``argmax_values``: [B * 4 + B * itemsize] bytes (int32 tokens, then the values in the logits' dtype)."""
+        B, V = logits.shape
+        tokens = self._argmax(logits)  # [B]
+        values = logits.reshape(-1)[cupy.arange(B, dtype=_I32) * np.int32(V) + tokens]  # [B]
+        return cupy.concatenate([tokens.view(_U8), values.view(_U8)])
+
+    def expect_greedy(self, logits, packed, rows: int) -> None:
+        """``packed`` (``greedy_device`` of ``rows`` rows, computed in a CUDA graph) holds the greedy
+        tokens of ``logits`` (its first rows): the next ``argmax_values`` of exactly these logits reads
+        it instead of launching again."""
+        self._greedy = (logits.data.ptr, logits.shape, packed, rows)
+
+    def argmax_values(self, logits):
+        memo, self._greedy = getattr(self, "_greedy", None), None
+        if memo is None or memo[:2] != (logits.data.ptr, logits.shape):
+            memo = (None, None, self.greedy_device(logits), logits.shape[0])
+        B, R, packed = logits.shape[0], memo[3], self._host(memo[2])  # one read
+        values = packed[4 * R :].view(logits.dtype)[:B]
+        tokens = packed[: 4 * R].view(np.int32)[:B].astype(np.int64)
+        return tokens, bf16_bits_to_f32(values) if values.dtype == _BF16 else values.astype(np.float32)
 
     # ---- logits processing (kernels/sampling.cu) ---------------------------------------------
     def gather_logits(self, logits, rows: np.ndarray):

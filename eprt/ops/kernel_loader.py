@@ -139,6 +139,7 @@ SMEM_DEFAULT = 48 * 1024  # dynamic shared memory usable without opting in
 COMPILE_OPTIONS = ("--std=c++17",)
 
 _modules: dict[tuple[str, int], object] = {}
+_kernels: dict[tuple[str, str, int], object] = {}  # (file, entry point, device) -> its RawKernel, looked up once
 
 
 def kernel_dir() -> Path:
@@ -210,10 +211,17 @@ def get_module(filename: str):
 
 
 def get_kernel(filename: str, name: str):
-    """One ``extern "C"`` entry point of ``kernels/<filename>`` as a ``cupy.RawKernel``."""
-    if name not in KERNELS.get(filename, ()):
-        raise KeyError(f"{filename} does not export a kernel named {name!r}")
-    return get_module(filename).get_function(name)
+    """One ``extern "C"`` entry point of ``kernels/<filename>`` as a ``cupy.RawKernel``, looked up
+    in its module once per (file, name, device) and reused by every launch after."""
+    import cupy
+
+    key = (filename, name, cupy.cuda.Device().id)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        if name not in KERNELS.get(filename, ()):
+            raise KeyError(f"{filename} does not export a kernel named {name!r}")
+        kernel = _kernels[key] = get_module(filename).get_function(name)
+    return kernel
 
 
 def launch(file: str, name: str, grid: tuple, block: int, args: tuple, smem: int = 0) -> None:
@@ -225,6 +233,6 @@ def launch(file: str, name: str, grid: tuple, block: int, args: tuple, smem: int
             f"in kernel_loader.LAUNCH ({most}), which its compiled resource budget is checked against"
         )
     kernel = get_kernel(file, name)
-    if smem > SMEM_DEFAULT:  # opt in to the larger carve-out (sm_80+); callers check the limit
-        kernel.max_dynamic_shared_size_bytes = smem
+    if smem > SMEM_DEFAULT and smem > (kernel.max_dynamic_shared_size_bytes or 0):
+        kernel.max_dynamic_shared_size_bytes = smem  # opt in to the larger carve-out (sm_80+), once per size
     kernel(grid, (block,), args, shared_mem=smem)

@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from . import build as _build
-from . import fake_nccl
+from . import fake_nccl, streams
+from .streams import CaptureError, counters, reset_counters  # noqa: F401 - cusim's API for tests and the bench
 
 PAD = 256
 FILL = 0xFF  # fresh memory: NaN floats, -1 ints
@@ -127,6 +128,7 @@ class _Allocation:
     calling thread's current device."""
 
     def __init__(self, nbytes: int):
+        streams.check_allocation(nbytes)
         self.nbytes = nbytes
         self.device = runtime.getDevice()
         rounded = -(-nbytes // POOL_ROUND) * POOL_ROUND
@@ -138,6 +140,7 @@ class _Allocation:
         self.ptr = base + self.offset  # the host address; device pointers are ptr + DEVICE_OFFSET
         _live[self.ptr] = weakref.ref(self)
         weakref.finalize(self, _freed, self.ptr, self.device, rounded)
+        streams.allocated(self)
 
     def on_current_device(self, who: str) -> None:
         """The caller's thread runs on this allocation's device (CUDA's current device is per
@@ -256,81 +259,94 @@ class ndarray:
         return self._view(self._a.squeeze(axis))
 
     def copy(self):
-        return _device(self._a)
+        return _op("copy", lambda: self._a, self)
 
     def astype(self, dtype, copy=True):
         if not copy and np.dtype(dtype) == self.dtype:
             return self
-        return _device(self._a.astype(dtype))
+        return _op("astype", lambda: self._a.astype(dtype), self)
+
+    def _read(self, who: str) -> np.ndarray:
+        """The host's read of the array: a device-to-host copy and a wait on the stream."""
+        streams.refuse_sync(who)
+        streams.refuse_copy(who, "d2h")
+        _flush()
+        return self._a
 
     def get(self) -> np.ndarray:
-        _flush()  # CuPy's get() synchronizes the stream
-        return self._a.copy()
+        return self._read("ndarray.get()").copy()  # CuPy's get() synchronizes the stream
 
     def item(self):
-        return self._a.item()
+        return self._read("ndarray.item()").item()
 
     def fill(self, value):
-        _flush()
-        self._a.fill(value)
+        _inplace_op("fill", lambda: self._a.fill(value), self)
 
     def __getitem__(self, idx):
         _flush()
         r = self._a[_index(idx)]
-        if isinstance(r, np.ndarray):
-            return self._view(r) if np.may_share_memory(r, self._a) else _device(r)
-        return _device(np.asarray(r))  # CuPy returns 0-d device arrays, not scalars
+        if isinstance(r, np.ndarray) and np.may_share_memory(r, self._a):
+            return self._view(r)
+        return _op("getitem", lambda: _gather(self._a, idx), self, idx)  # 0-d arrays too
 
     def __setitem__(self, idx, value):
-        self._a[_index(idx)] = _operand(value)
+        def run():
+            self._a[_index(idx)] = _operand(value)
+
+        if _host_index(idx):
+            streams.refuse_copy("ndarray.__setitem__ with a host index array", "h2d")
+        _inplace_op("setitem", run, self, idx, value)
 
     def __bool__(self):
-        return bool(self._a)
+        return bool(self._read("bool() of a device array"))
 
     def __int__(self):
-        return int(self._a)
+        return int(self._read("int() of a device array"))
 
     def __float__(self):
-        return float(self._a)
+        return float(self._read("float() of a device array"))
 
     def __index__(self):
-        return self._a.__index__()
+        return self._read("a device array used as an index").__index__()
 
     # -- reductions and arithmetic (device operands or Python/NumPy scalars only)
     def sum(self, *a, **k):
-        return _result(self._a.sum(*a, **k))
+        return _op("sum", lambda: self._a.sum(*a, **k), self)
 
     def max(self, *a, **k):
-        return _result(self._a.max(*a, **k))
+        return _op("max", lambda: self._a.max(*a, **k), self)
 
     def min(self, *a, **k):
-        return _result(self._a.min(*a, **k))
+        return _op("min", lambda: self._a.min(*a, **k), self)
 
     def any(self, *a, **k):
-        return _result(self._a.any(*a, **k))
+        return _op("any", lambda: self._a.any(*a, **k), self)
 
     def all(self, *a, **k):
-        return _result(self._a.all(*a, **k))
+        return _op("all", lambda: self._a.all(*a, **k), self)
 
 
 def _binary(op):
     def method(self, other):
         self._alloc.on_current_device("a device array operation")
-        return _result(op(self._a, _operand(other)))
+        _operand(other)  # refused now, not at a replay
+        return _op(op.__name__, lambda: op(self._a, _operand(other)), self, other)
 
     return method
 
 
 def _rbinary(op):
     def method(self, other):
-        return _result(op(_operand(other), self._a))
+        _operand(other)
+        return _op(op.__name__, lambda: op(_operand(other), self._a), self, other)
 
     return method
 
 
 def _inplace(op):
     def method(self, other):
-        op(self._a, _operand(other), out=self._a)
+        _operand(other)
+        _inplace_op(op.__name__, lambda: op(self._a, _operand(other), out=self._a), self, other)
         return self
 
     return method
@@ -362,8 +378,8 @@ for _name, _op in [
     ("ge", np.greater_equal),
 ]:
     setattr(ndarray, f"__{_name}__", _binary(_op))
-ndarray.__neg__ = lambda self: _result(-self._a)
-ndarray.__abs__ = lambda self: _result(np.abs(self._a))
+ndarray.__neg__ = lambda self: _op("negative", lambda: -self._a, self)
+ndarray.__abs__ = lambda self: _op("absolute", lambda: np.abs(self._a), self)
 ndarray.__hash__ = None
 
 
@@ -392,8 +408,21 @@ def _index(idx):
     return idx
 
 
+def _gather(a: np.ndarray, idx):
+    """``a[idx]`` as a copy; one integer index array wraps around (CuPy does not check bounds, and a
+    capture's buffers hold garbage: the real gather runs at the replay)."""
+    if isinstance(idx, ndarray) and idx.dtype.kind in "iu" and a.ndim:
+        return np.take(a, idx._a, axis=0, mode="wrap")
+    return np.asarray(a[_index(idx)])
+
+
+def _host_index(idx) -> bool:
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    return any(isinstance(i, np.ndarray) and i.ndim > 0 for i in idx)
+
+
 def _device(a) -> ndarray:
-    """A new device allocation holding a copy of host data ``a``."""
+    """A new device allocation holding a copy of host data ``a`` (cusim's own placement)."""
     _flush()
     a = np.asarray(a)
     alloc = _Allocation(a.nbytes)
@@ -403,8 +432,65 @@ def _device(a) -> ndarray:
     return ndarray(view, alloc)
 
 
-def _result(r):
-    return _device(r) if isinstance(r, np.ndarray) else _device(np.asarray(r))
+def _upload(a, who: str) -> ndarray:
+    """Host data ``a`` copied to a new device allocation: a host-to-device copy."""
+    streams.refuse_copy(who, "h2d")
+    return _device(a)
+
+
+def _signature(values) -> tuple:
+    """What an array operation was issued with, for ``Graph.check_replay``: its operands' buffers,
+    shapes and dtypes, Python scalars by value."""
+    out = []
+    for v in values:
+        if isinstance(v, ndarray):
+            out.append((streams.pointer(v._a.__array_interface__["data"][0]), v.shape, str(v.dtype)))
+        elif isinstance(v, tuple):
+            out.append(_signature(v))
+        elif isinstance(v, (int, float, bool, np.generic, str, type(None), slice)):
+            out.append(v)
+        else:
+            out.append(type(v).__name__)
+    return tuple(out)
+
+
+def _allocs(values) -> list:
+    found = []
+    for v in values:
+        if isinstance(v, ndarray):
+            found.append(v._alloc)
+        elif isinstance(v, (tuple, list)):
+            found.extend(_allocs(v))
+    return found
+
+
+def _op(who: str, compute, *operands) -> ndarray:
+    """A CuPy array operation (an elementwise or copy kernel on a GPU): its result in a new device
+    array, computed on the stream; recorded, with the output's buffer, while the stream captures."""
+    _flush()
+    with np.errstate(all="ignore"):  # a capture's buffers hold garbage: only the shape matters then
+        out = _device(np.asarray(compute()))
+    if streams.capturing_current():
+        out._alloc.buffer()[:] = FILL  # nothing ran: the replay computes it
+
+        def run():
+            _flush()
+            out._a[...] = compute()
+
+        streams.enqueue(who, run, _allocs(operands) + [out._alloc], _signature(operands) + _signature((out,)))
+    else:
+        streams.enqueue(who, lambda: None)
+    return out
+
+
+def _inplace_op(who: str, run, *operands) -> None:
+    """An in-place CuPy operation on device arrays: run on the stream, recorded while it captures."""
+
+    def step():
+        _flush()
+        run()
+
+    streams.enqueue(who, step, _allocs(operands), _signature(operands))
 
 
 def _unwrap(v):
@@ -427,7 +513,7 @@ def empty(shape, dtype=np.float64, order="C"):
     return ndarray(view, alloc)
 
 
-def zeros(shape, dtype=np.float64):
+def zeros(shape, dtype=np.float64):  # a memset on the stream
     a = empty(shape, dtype)
     a.fill(0)
     return a
@@ -454,13 +540,13 @@ def zeros_like(a, dtype=None):
 
 
 def arange(*args, dtype=None):
-    return _device(np.arange(*args, dtype=dtype))
+    return _op("arange", lambda: np.arange(*args, dtype=dtype))
 
 
 def asarray(a, dtype=None):
     if isinstance(a, ndarray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
-    return _device(np.asarray(a, dtype=dtype))
+    return _upload(np.asarray(a, dtype=dtype), "cupy.asarray of host data")
 
 
 array = asarray
@@ -468,10 +554,10 @@ array = asarray
 
 def ascontiguousarray(a, dtype=None):
     if not isinstance(a, ndarray):
-        return _device(np.ascontiguousarray(a, dtype=dtype))
+        return _upload(np.ascontiguousarray(a, dtype=dtype), "cupy.ascontiguousarray of host data")
     if a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
-    return _device(np.ascontiguousarray(a._a, dtype=dtype))
+    return _op("ascontiguousarray", lambda: np.ascontiguousarray(a._a, dtype=dtype), a)
 
 
 def asnumpy(a):
@@ -483,15 +569,18 @@ def broadcast_to(a, shape):
 
 
 def take(a, indices, axis=None):
-    return _device(np.take(_unwrap(a), _unwrap(indices), axis=axis))
+    _unwrap(indices)
+    return _op("take", lambda: np.take(_unwrap(a), _unwrap(indices), axis=axis, mode="wrap"), a, indices)
 
 
 def concatenate(arrays, axis=0):
-    return _device(np.concatenate([_unwrap(a) for a in arrays], axis=axis))
+    arrays = tuple(arrays)
+    return _op("concatenate", lambda: np.concatenate([_unwrap(a) for a in arrays], axis=axis), arrays)
 
 
 def stack(arrays, axis=0):
-    return _device(np.stack([_unwrap(a) for a in arrays], axis=axis))
+    arrays = tuple(arrays)
+    return _op("stack", lambda: np.stack([_unwrap(a) for a in arrays], axis=axis), arrays)
 
 
 class _Random:
@@ -504,10 +593,10 @@ class _Random:
         self._rng = np.random.default_rng(seed)
 
     def standard_normal(self, size=None, dtype=np.float64):
-        return _device(self._rng.standard_normal(size, dtype=dtype))
+        return _upload(self._rng.standard_normal(size, dtype=dtype), "cupy.random (drawn on the host here)")
 
     def random(self, size=None, dtype=np.float64):
-        return _device(self._rng.random(size, dtype=dtype))
+        return _upload(self._rng.random(size, dtype=dtype), "cupy.random (drawn on the host here)")
 
 
 random = _Random()
@@ -562,7 +651,11 @@ class _Runtime:
         return max(MEMORY_TOTAL - pool.used - sum(pool.cached), 0), MEMORY_TOTAL
 
     def streamSynchronize(self, stream):
+        streams.refuse_sync("runtime.streamSynchronize")
         _flush()
+
+    def streamIsCapturing(self, stream):
+        return streams.stream_is_capturing(stream)
 
     def memcpyAsync(self, dst, src, nbytes, kind, stream):
         """Queued on the stream: the bytes move at the next synchronize (or stream-ordered
@@ -570,6 +663,8 @@ class _Runtime:
         who = "memcpyAsync"
         if kind not in (self.memcpyDeviceToHost, self.memcpyHostToDevice, self.memcpyDeviceToDevice):
             raise ValueError(f"memcpyAsync: unsupported kind {kind}")
+        if kind != self.memcpyDeviceToDevice:
+            streams.refuse_copy(who, "d2h" if kind == self.memcpyDeviceToHost else "h2d")
         if kind in (self.memcpyDeviceToHost, self.memcpyDeviceToDevice):
             _find(src, nbytes, who + " src")
             src = host_address(src, who)
@@ -580,6 +675,11 @@ class _Runtime:
             dst = host_address(dst, who)
         elif dst >= DEVICE_OFFSET:
             raise _build.LaunchError(f"{who}: dst {dst:#x} is a device pointer, but kind is device to host")
+        if kind == self.memcpyDeviceToDevice:
+            allocs = [_find(src + DEVICE_OFFSET, nbytes, who), _find(dst + DEVICE_OFFSET, nbytes, who)]
+            sig = (streams.pointer(src), streams.pointer(dst), nbytes)
+            streams.enqueue(who, lambda: ctypes.memmove(dst, src, nbytes), allocs, sig, streams.by_ptr(stream))
+            return
         ctypes.memset(dst, FILL, nbytes)
         _pending.append(lambda: ctypes.memmove(dst, src, nbytes))
 
@@ -591,18 +691,6 @@ def _flush() -> None:
     """Run the queued copies: a synchronize, or work ordered after them on the stream."""
     while _pending:
         _pending.pop(0)()
-
-
-class _Stream:
-    ptr = 0
-
-    def synchronize(self):
-        _flush()
-
-    @property
-    def done(self):
-        _flush()  # the simulated device finishes queued work when asked
-        return True
 
 
 class Event:
@@ -617,10 +705,13 @@ class Event:
 
     @property
     def done(self):
+        if streams.capturing_current():
+            raise CaptureError("Event.done (a query of an event) while the stream captures")
         _flush()
         return True
 
     def synchronize(self):
+        streams.refuse_sync("Event.synchronize()")
         _flush()
 
 
@@ -634,6 +725,7 @@ class Device:
         runtime.setDevice(self.id)
 
     def synchronize(self):
+        streams.refuse_sync("Device.synchronize()")
         _flush()
 
     def __enter__(self):
@@ -664,25 +756,45 @@ class RawKernel:
             raise _build.LaunchError(
                 f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} exceeds the device's {SMEM_OPTIN}"
             )
-        touched = []
-
-        def pointer_of(name, i, p, a):
-            if not isinstance(a, ndarray):
-                raise _build.LaunchError(
-                    f"{name}: argument {i} ({p.name}) must be a device array, "
-                    f"got {type(a).__module__}.{type(a).__name__}"
-                )
-            a._alloc.on_current_device(f"{name}: argument {i} ({p.name})")
-            touched.append(a._alloc)
-            return a._a.__array_interface__["data"][0], a.dtype  # the launcher gets host addresses
-
-        _flush()  # earlier copies on the stream complete before the kernel runs
         limit = self.max_dynamic_shared_size_bytes
-        self._kernel.launch(
-            grid, block, tuple(args), int(shared_mem), pointer_of, SMEM_OPTIN, -1 if limit is None else limit
-        )
-        for alloc in touched:
-            alloc.check(self._kernel.name)
+        args = tuple(args)
+
+        def run():
+            touched = []
+
+            def pointer_of(name, i, p, a):
+                if not isinstance(a, ndarray):
+                    raise _build.LaunchError(
+                        f"{name}: argument {i} ({p.name}) must be a device array, "
+                        f"got {type(a).__module__}.{type(a).__name__}"
+                    )
+                a._alloc.on_current_device(f"{name}: argument {i} ({p.name})")
+                touched.append(a._alloc)
+                return a._a.__array_interface__["data"][0], a.dtype  # the launcher gets host addresses
+
+            _flush()  # earlier copies on the stream complete before the kernel runs
+            self._kernel.launch(
+                grid, block, args, int(shared_mem), pointer_of, SMEM_OPTIN, -1 if limit is None else limit
+            )
+            for alloc in touched:
+                alloc.check(self._kernel.name)
+
+        sig = (tuple(grid), tuple(block), int(shared_mem), limit, *_kernel_args(args))
+        streams.enqueue(self._kernel.name, run, _allocs(args), sig)
+
+
+def _kernel_args(args) -> list:
+    """A launch's arguments as ``Graph.check_replay`` compares them: buffers by identity, Python and
+    NumPy scalars by type and value (the value a GPU graph keeps from its capture)."""
+    out = []
+    for a in args:
+        if isinstance(a, ndarray):
+            out.append(streams.pointer(a._a.__array_interface__["data"][0]))
+        elif isinstance(a, np.generic):
+            out.append((a.dtype.str, a.item()))
+        else:
+            out.append(a)
+    return out
 
 
 class RawModule:
@@ -705,7 +817,11 @@ class RawModule:
 
 
 class _MemoryPool:
-    """cupy.get_default_memory_pool(), for the current device."""
+    """cupy.get_default_memory_pool(), for the current device; ``cupy.cuda.MemoryPool()`` another
+    (cusim keeps one device-wide account): a graph's pool, ``using_allocator(pool.malloc)``."""
+
+    def malloc(self, nbytes):
+        raise NotImplementedError("cusim allocates through cupy.empty; pass pool.malloc to using_allocator")
 
     def used_bytes(self):
         return _pool_of(runtime.getDevice()).used
@@ -721,8 +837,9 @@ class _MemoryPool:
 
 
 runtime = _Runtime()
-_stream = _Stream()
 _pool = _MemoryPool()
+streams.flush = _flush
+streams.default_pool = _pool
 
 
 def get_default_memory_pool():
@@ -750,9 +867,37 @@ def _col_major(ptr, rows, cols, ld, kind, who) -> np.ndarray:
     return flat[np.arange(rows)[:, None] + ld * np.arange(cols)[None, :]]
 
 
+_handle_streams: dict[int, int] = {}  # cuBLAS handle -> the stream pointer set on it (0: legacy)
+
+
+def setStream(handle, stream):  # noqa: N802 - cuBLAS's name
+    _handle_streams[int(handle)] = int(stream)
+
+
+def getStream(handle):  # noqa: N802
+    return _handle_streams.get(int(handle), 0)
+
+
 def gemmEx(
     handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, computeType, algo
 ):
+    """On the handle's stream; alpha and beta read from the host now (CUBLAS_POINTER_MODE_HOST: a
+    graph keeps the values of its capture)."""
+    who = "cublas.gemmEx"
+    alpha_v, beta_v = ctypes.c_float.from_address(alpha).value, ctypes.c_float.from_address(beta).value
+    args = (transa, transb, m, n, k, alpha_v, A, Atype, lda, B, Btype, ldb, beta_v, C, Ctype, ldc, computeType)
+    allocs = [a for a in (_maybe_find(p) for p in (A, B, C)) if a is not None]
+    sig = tuple(streams.pointer(v) if i in (6, 9, 13) else v for i, v in enumerate(args))
+    stream = streams.by_ptr(getStream(handle))
+    streams.enqueue(who, lambda: _gemm_now(*args), allocs, sig, stream)
+
+
+def _maybe_find(ptr):
+    host = ptr - DEVICE_OFFSET
+    return next((a for a in (r() for r in list(_live.values())) if a is not None and a.contains(host, 1)), None)
+
+
+def _gemm_now(transa, transb, m, n, k, alpha_v, A, Atype, lda, B, Btype, ldb, beta_v, C, Ctype, ldc, computeType):
     who = "cublas.gemmEx"
     _flush()
     if (Atype, Btype, Ctype) not in ((14, 14, 14), (14, 14, 0), (0, 0, 0)):
@@ -769,8 +914,6 @@ def gemmEx(
     b = _col_major(B, *((k, n) if transb == 0 else (n, k)), ldb, kinds[1], who + " B")
     a = a if transa == 0 else a.T
     b = b if transb == 0 else b.T
-    alpha_v = ctypes.c_float.from_address(alpha).value
-    beta_v = ctypes.c_float.from_address(beta).value
     c = alpha_v * (a.astype(np.float64) @ b.astype(np.float64))
     if beta_v != 0.0:
         c = c + beta_v * _col_major(C, m, n, ldc, kinds[2], who + " C")
@@ -816,13 +959,19 @@ def gemmStridedBatchedEx(
     if batchCount < 0 or min(strideA, strideB, strideC) < 0:
         raise _build.LaunchError(f"cublas.gemmStridedBatchedEx: bad batch {batchCount} or strides")
     size = {0: 4, 14: 2}
-    for i in range(batchCount):
-        gemmEx(
-            handle, transa, transb, m, n, k, alpha,
-            A + i * strideA * size.get(Atype, 0), Atype, lda,
-            B + i * strideB * size.get(Btype, 0), Btype, ldb,
-            beta, C + i * strideC * size.get(Ctype, 0), Ctype, ldc, computeType, algo,
-        )  # fmt: skip
+    alpha_v, beta_v = ctypes.c_float.from_address(alpha).value, ctypes.c_float.from_address(beta).value
+    calls = [
+        (transa, transb, m, n, k, alpha_v,
+         A + i * strideA * size.get(Atype, 0), Atype, lda,
+         B + i * strideB * size.get(Btype, 0), Btype, ldb,
+         beta_v, C + i * strideC * size.get(Ctype, 0), Ctype, ldc, computeType)
+        for i in range(batchCount)
+    ]  # fmt: skip
+    allocs = [a for a in (_maybe_find(p) for p in (A, B, C)) if a is not None]
+    sig = (transa, transb, m, n, k, alpha_v, beta_v, batchCount, strideA, strideB, strideC,
+           *(streams.pointer(p) for p in (A, B, C)), Atype, Btype, Ctype, lda, ldb, ldc)  # fmt: skip
+    stream = streams.by_ptr(getStream(handle))
+    streams.enqueue("cublas.gemmStridedBatchedEx", lambda: [_gemm_now(*c) for c in calls], allocs, sig, stream)
 
 
 def _f32_to_bf16(a: np.ndarray) -> np.ndarray:
@@ -839,10 +988,13 @@ def install() -> None:
     cuda.runtime = runtime
     cuda.Device = Device
     cuda.Event = Event
-    cuda.Stream = _Stream
+    cuda.Stream = streams.Stream
+    cuda.Graph = streams.Graph
+    cuda.MemoryPool = _MemoryPool
+    cuda.using_allocator = streams.using_allocator
     cuda.nccl = fake_nccl
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
-    cuda.get_current_stream = lambda: _stream
+    cuda.get_current_stream = streams.current_stream
     cuda.alloc_pinned_memory = lambda n: PinnedMemory(n)
     cuda.get_cuda_path = lambda: None
     cuda.compiler = types.SimpleNamespace(CompileException=CompileException)
@@ -878,6 +1030,8 @@ def install() -> None:
     cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
     cublas.gemmEx = gemmEx
     cublas.gemmStridedBatchedEx = gemmStridedBatchedEx
+    cublas.setStream = setStream
+    cublas.getStream = getStream
     libs = types.ModuleType("cupy_backends.cuda.libs")
     libs.cublas = cublas
     backends_cuda = types.ModuleType("cupy_backends.cuda")

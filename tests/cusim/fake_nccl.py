@@ -149,11 +149,19 @@ class NcclCommunicator:
         recv.view(np.uint8)[:] = fake_cupy.FILL
         fake_cupy._pending.append(lambda: recv.__setitem__(slice(None), values))
 
-    def _start(self, stream) -> None:
-        from . import fake_cupy
+    def _issue(self, who: str, stream, run, ptrs) -> None:
+        """The collective ``run`` on ``stream`` (a pointer), in stream order: after the work before it
+        (recorded instead while that stream captures: a CUDA graph replays NCCL's kernels)."""
+        from . import fake_cupy, streams
 
-        _int(stream, "stream")
-        fake_cupy._flush()  # the work before it on the stream has run
+        s = streams.by_ptr(_int(stream, "stream"))
+        allocs = [a for a in (fake_cupy._maybe_find(_int(p, who)) for p in ptrs) if a is not None]
+
+        def body():
+            fake_cupy._flush()  # the work before it on the stream has run
+            run()
+
+        streams.enqueue(f"nccl {who}", body, allocs, (*(streams.pointer(p) for p in ptrs),), s)
 
     def _gathered(self, mine: np.ndarray) -> np.ndarray:
         if self._mpi is None:
@@ -175,38 +183,49 @@ class NcclCommunicator:
 
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):  # noqa: N802 - CuPy's names
         count = _int(count, "count")
-        self._start(stream)
-        mine = self._buffer(sendbuf, count, datatype, "allGather sendbuf")
-        recv = self._buffer(recvbuf, count * self._ndev, datatype, "allGather recvbuf")
-        self._deliver(recv, self._gathered(mine.copy()) if count else None)
+
+        def run():
+            mine = self._buffer(sendbuf, count, datatype, "allGather sendbuf")
+            recv = self._buffer(recvbuf, count * self._ndev, datatype, "allGather recvbuf")
+            self._deliver(recv, self._gathered(mine.copy()) if count else None)
+
+        self._issue("allGather", stream, run, (sendbuf, recvbuf))
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
         count = _int(count, "count")
-        self._start(stream)
-        mine = self._buffer(sendbuf, count, datatype, "allReduce sendbuf")
-        recv = self._buffer(recvbuf, count, datatype, "allReduce recvbuf")
-        self._deliver(recv, self._reduced(mine.copy(), _int(op, "op")) if count else None)
+
+        def run():
+            mine = self._buffer(sendbuf, count, datatype, "allReduce sendbuf")
+            recv = self._buffer(recvbuf, count, datatype, "allReduce recvbuf")
+            self._deliver(recv, self._reduced(mine.copy(), _int(op, "op")) if count else None)
+
+        self._issue("allReduce", stream, run, (sendbuf, recvbuf))
 
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
         count = _int(recvcount, "recvcount")
-        self._start(stream)
-        mine = self._buffer(sendbuf, count * self._ndev, datatype, "reduceScatter sendbuf")
-        recv = self._buffer(recvbuf, count, datatype, "reduceScatter recvbuf")
-        if count:
-            self._deliver(
-                recv, self._reduced(mine.copy(), _int(op, "op"))[self._rank * count : (self._rank + 1) * count]
-            )
+
+        def run():
+            mine = self._buffer(sendbuf, count * self._ndev, datatype, "reduceScatter sendbuf")
+            recv = self._buffer(recvbuf, count, datatype, "reduceScatter recvbuf")
+            if count:
+                part = self._reduced(mine.copy(), _int(op, "op"))[self._rank * count : (self._rank + 1) * count]
+                self._deliver(recv, part)
+
+        self._issue("reduceScatter", stream, run, (sendbuf, recvbuf))
 
     def broadcast(self, sendbuf, recvbuf, count, datatype, root, stream):
         count, root = _int(count, "count"), _int(root, "root")
-        self._start(stream)
-        send = self._buffer(sendbuf, count, datatype, "broadcast sendbuf") if self._rank == root else None
-        recv = self._buffer(recvbuf, count, datatype, "broadcast recvbuf")
-        if count:
-            data = send.copy() if send is not None else np.empty(count, recv.dtype)
-            if self._mpi is not None:
-                self._mpi.Bcast(data, root=root)
-            self._deliver(recv, data)
+
+        def run():
+            send = self._buffer(sendbuf, count, datatype, "broadcast sendbuf") if self._rank == root else None
+            recv = self._buffer(recvbuf, count, datatype, "broadcast recvbuf")
+            if count:
+                data = send.copy() if send is not None else np.empty(count, recv.dtype)
+                if self._mpi is not None:
+                    self._mpi.Bcast(data, root=root)
+                self._deliver(recv, data)
+
+        self._issue("broadcast", stream, run, (sendbuf, recvbuf))
 
     def bcast(self, buff, count, datatype, root, stream):
         self.broadcast(buff, buff, count, datatype, root, stream)

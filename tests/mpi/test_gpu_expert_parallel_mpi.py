@@ -315,3 +315,34 @@ def test_cuda_gpt_oss_mxfp4_tokens_equal_transformers():
     if COMM.rank == 0:
         assert [r.token_ids for r in got] == want and got[1].cached_tokens == 12
     COMM.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cuda_graph_tokens_with_the_device_combine_equal_eager_single_rank(nccl_job, monkeypatch):
+    """CUDA graphs with the NCCL combine captured in them, every rank replaying the same buckets:
+    greedy and seeded-sampled tokens (even and odd requests) equal one rank's eager launches
+    (--cuda-graphs off); 5 requests of different lengths on 4 slots, so rows join and leave and
+    batches of 3 miss a bucket."""
+    monkeypatch.setenv("EPRT_COMBINE", "nccl")
+    path = shared_checkpoint("qwen2_moe")
+    prompts = PROMPTS + [[7, 7, 7, 7], [250, 11]]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.8 * (i % 2), top_p=0.9 if i % 2 else 1.0, seed=3 + i)
+        for i, n in enumerate([6, 3, 8, 5, 4])
+    ]
+    requests = [GenerationRequest(p, s) for p, s in zip(prompts, params)]
+    config = lambda graphs: EngineConfig(  # noqa: E731
+        model=path, device="cuda", max_batch=4, block_size=16, max_model_len=96, cuda_graphs=graphs
+    )
+    try:
+        with launch_engine(config(True)) as engine:
+            multi = [r.token_ids for r in engine.generate(requests)]
+            replays = engine.runner.executor.passes.graphs.replays
+    except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        multi = None
+    if COMM.rank == 0:
+        assert replays > 0
+        with launch_engine(config(False), transport=LocalTransport()) as engine:
+            assert multi == [r.token_ids for r in engine.generate(requests)]
+    COMM.Barrier()
