@@ -193,38 +193,45 @@ class MoEModel:
         y = self.ops.linear(x, w, bias)
         return y if self.lora_rows is None else self.lora.apply(y, x, self.lora_rows, layer, target)
 
-    def _attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
-        cfg, ops = self.cfg, self.ops
-        T = x.shape[0]
+    def _qkv(self, lw, x, layer: int):
+        """q [T, H, Dh], k and v [T, Hk, Dh]: row views of one product where the weights are fused."""
+        cfg, ops, T = self.cfg, self.ops, x.shape[0]
         if lw.qkv is not None:  # one product for the three
             qkv = ops.linear(x, lw.qkv, lw.qkv_bias)  # [T, Q + 2KV]
             nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            q, k, v = (ops.xp.ascontiguousarray(qkv[:, a:b]) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, None)))
+            q, k, v = (qkv[:, a:b] for a, b in ((0, nq), (nq, nq + nk), (nq + nk, None)))
             if self.lora_rows is not None:
-                q, k, v = (self.lora.apply(y, x, self.lora_rows, layer, t) for y, t in ((q, "q"), (k, "k"), (v, "v")))
+                q, k, v = (
+                    self.lora.apply(ops.xp.ascontiguousarray(y), x, self.lora_rows, layer, t)
+                    for y, t in ((q, "q"), (k, "k"), (v, "v"))
+                )
         else:
             q = self._linear(x, lw.q, layer, "q", lw.q_bias)  # [T, H*Dh]
             k = self._linear(x, lw.k, layer, "k", lw.k_bias)  # [T, Hk*Dh]
             v = self._linear(x, lw.v, layer, "v", lw.v_bias)
+        if cfg.qk_norm == "full" or cfg.clip_qkv is not None:
+            q, k, v = (ops.xp.ascontiguousarray(a) for a in (q, k, v))
         if cfg.qk_norm == "full":  # OLMoE
             q = ops.rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
             q, k, v = (ops.clip(t, cfg.clip_qkv) for t in (q, k, v))
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # [T, H, Dh]
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hk, Dh]
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm == "head":  # Qwen3-MoE
-            q = ops.rms_norm(q.reshape(-1, cfg.head_dim), lw.q_norm, cfg.rms_norm_eps).reshape(q.shape)
-            k = ops.rms_norm(k.reshape(-1, cfg.head_dim), lw.k_norm, cfg.rms_norm_eps).reshape(k.shape)
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+        return (a.reshape(T, h, cfg.head_dim) for a, h in zip((q, k, v), heads))
+
+    def _attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
+        cfg, ops = self.cfg, self.ops
+        T = x.shape[0]
+        q, k, v = self._qkv(lw, x, layer)
         if batch.rope_cos_sin is None:
             pos, table = ops.index(batch.positions), self.cos_sin
         else:  # each token's own cos|sin row
             pos, table = ops.index(np.arange(T, dtype=np.int32)), ops.activation(batch.rope_cos_sin)
-        q, k = self._rope(q, pos, table), self._rope(k, pos, table)
+        norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm == "head" else None  # Qwen3-MoE's per-head norm
+        slots = ops.index(self._kv_batch(batch, layer).slot_mapping)
+        q = ops.qk_rope_kv_write(q, k, v, norms, cfg.rms_norm_eps, pos, table, kv.k[layer], kv.v[layer], slots)
         if cfg.attention_sinks:
-            return self._linear(self._sink_attention(lw, q, k, v, batch, kv, layer), lw.o, layer, "o", lw.o_bias)
-        ops.kv_write(kv.k[layer], kv.v[layer], k, v, ops.index(batch.slot_mapping))
+            return self._linear(self._sink_attention(lw, q, batch, kv, layer), lw.o, layer, "o", lw.o_bias)
         if batch.is_prefill:
             o = self._per_sequence(
                 batch,
@@ -244,14 +251,20 @@ class MoEModel:
             o = ops.sigmoid_mul(o, ops.linear(x, lw.q_gate))
         return self._linear(o, lw.o, layer, "o")  # [T, D]
 
-    def _sink_attention(self, lw, q, k, v, batch: AttnBatch, kv: KVCache, layer: int):
-        """gpt-oss's attention over the paged KV: sinks in the denominator; a sliding layer reads the
-        last ``sliding_window`` keys, through its own tables when the KV is windowed. Returns [T, H*Dh]."""
-        ops, sliding = self.ops, self.cfg.is_sliding_layer(layer)
-        window = self.cfg.sliding_window if sliding else 0
-        b = batch.window if sliding and batch.window is not None else batch
+    def _kv_batch(self, batch: AttnBatch, layer: int) -> AttnBatch:
+        """The batch whose slots and tables layer ``layer``'s KV uses: a sliding layer's own when
+        the KV is windowed (gpt-oss), else ``batch``."""
+        sliding = self.cfg.attention_sinks and self.cfg.is_sliding_layer(layer)
+        return batch.window if sliding and batch.window is not None else batch
+
+    def _sink_attention(self, lw, q, batch: AttnBatch, kv: KVCache, layer: int):
+        """gpt-oss's attention over the paged KV (this step's keys already written): sinks in the
+        denominator; a sliding layer reads the last ``sliding_window`` keys, through its own tables
+        when the KV is windowed. Returns [T, H*Dh]."""
+        ops = self.ops
+        window = self.cfg.sliding_window if self.cfg.is_sliding_layer(layer) else 0
+        b = self._kv_batch(batch, layer)
         kc, vc = kv.k[layer], kv.v[layer]
-        ops.kv_write(kc, vc, k, v, ops.index(b.slot_mapping))
         if b.is_prefill:
             o = self._per_sequence(
                 b,
@@ -272,15 +285,6 @@ class MoEModel:
         part's rows, concatenated in token order: [T, ..]."""
         outs = [run(slice(p.offset, p.offset + p.length), p) for p in batch.prefill_parts()]
         return outs[0] if len(outs) == 1 else self.ops.xp.concatenate(outs, axis=0)
-
-    def _rope(self, x, pos, table):
-        """Rotate the first rope_dim dims of every head of x[T, H, Dh] (all of them but for partial rotary)."""
-        rd = table.shape[1]
-        if rd == x.shape[-1]:
-            return self.ops.rope(x, pos, table)
-        xp = self.ops.xp
-        rotated = self.ops.rope(xp.ascontiguousarray(x[..., :rd]), pos, table)  # [T, H, rd]
-        return xp.concatenate([rotated, x[..., rd:]], axis=-1)
 
     def _mla_attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
         """Multi-head latent attention: the cache keeps [normed latent | roped key] per token; queries

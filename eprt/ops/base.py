@@ -180,6 +180,14 @@ class Ops:
         slot marks a padding row that is not written."""
         raise NotImplementedError
 
+    def qk_rope_kv_write(self, q, k, v, norms, eps: float, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        """The attention prologue: q[T, H, Dh], k/v[T, Hk, Dh] (row views of one product allowed);
+        ``norms`` None or (q_norm[Dh], k_norm[Dh]): each head RMS-normed first (Qwen3's q/k norm);
+        q and k rotated over the first R columns of each head (cos_sin[P, R], R <= Dh: partial
+        rotary keeps the rest); k and v written to the caches as ``kv_write`` does. Returns the
+        rotated q [T, H, Dh]. Exactly rms_norm, rope and kv_write in that order."""
+        raise NotImplementedError
+
     def attention_prefill(
         self, q: Array, k_cache: Array, v_cache: Array, block_table: Array, start_pos: int, scale: float
     ) -> Array:

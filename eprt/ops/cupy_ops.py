@@ -99,6 +99,16 @@ def _check(op: str, name: str, a, dtypes, shape: tuple | None = None, aligned: b
         raise ValueError(f"{op}: {name} must start on a 16-byte boundary (a row slice of odd width?)")
 
 
+def _row_stride(op: str, name: str, a, shape: tuple) -> int:
+    """Validate a bf16 array whose rows may be spaced (a column slice of one product: [T, ..] with
+    every dim after the first contiguous) and return its row stride in elements."""
+    if not isinstance(a, cupy.ndarray):
+        raise TypeError(f"{op}: {name} must be a cupy array on the GPU, got {type(a).__name__}")
+    _check(op, name, a[:1], _BF16, (None, *shape[1:]))  # one row: its dtype, shape and contiguity
+    _require(op, a.ndim == len(shape), f"{name} has shape {list(a.shape)}, expected {len(shape)} dims")
+    return a.strides[0] // a.itemsize if a.shape[0] > 1 else int(np.prod(a.shape[1:]))
+
+
 def _require(op: str, ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"{op}: {message}")
@@ -434,6 +444,39 @@ class CupyOps(GptOssCupy, Ops):
                 _threads(Hk * Dh // 8, "kv_write"),
                 (k_cache, v_cache, k, v, slot_mapping, np.int32(Hk * Dh)),
             )
+
+    def qk_rope_kv_write(self, q, k, v, norms, eps, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        op = "qk_rope_kv_write"
+        _check(op, "k_cache", k_cache, _BF16, (None, None, None, None))
+        _, _, Hk, Dh = k_cache.shape
+        _check(op, "v_cache", v_cache, _BF16, k_cache.shape)
+        sq, sk, sv = (_row_stride(op, n, a, (None, None, Dh)) for n, a in (("q", q), ("k", k), ("v", v)))
+        T, H = q.shape[:2]
+        _require(op, k.shape == v.shape == (T, Hk, Dh), f"k and v must be [{T}, {Hk}, {Dh}], got {k.shape}, {v.shape}")
+        _require(op, Dh <= 256 and Dh % 2 == 0, f"head dim must be even and at most 256, got {Dh}")
+        _check(op, "positions", positions, _I32, (T,))
+        _check(op, "cos_sin", cos_sin, (_BF16, _F32), (None, None))
+        rd = cos_sin.shape[1]
+        _require(op, 0 < rd <= Dh and rd % 2 == 0, f"cos_sin's width must be even and in [2, {Dh}], got {rd}")
+        _check(op, "slot_mapping", slot_mapping, _I32, (T,))
+        if norms is not None:
+            for name, w in zip(("q_norm", "k_norm"), norms):
+                _check(op, name, w, _BF16, (Dh,))
+        q_norm, k_norm = norms if norms is not None else (q, q)  # (not read without norms)
+        out = cupy.empty((T, H, Dh), dtype=_BF16)  # [T, H, Dh]
+        if T:
+            kernel = "qk_norm_rope_kv_f32" if cos_sin.dtype == _F32 else "qk_norm_rope_kv_bf16"
+            args = (q, k, v, q_norm, k_norm, positions, cos_sin, out, k_cache, v_cache, slot_mapping)
+            dims = (np.int32(H), np.int32(Hk), np.int32(Dh), np.int32(rd), np.int64(sq), np.int64(sk), np.int64(sv))
+            nt = np.int32(_threads(Dh // 4, "rms_norm"))  # rms_norm's block per head: the same sum order
+            _launch(
+                "rope.cu",
+                kernel,
+                (T,),
+                _block(kernel),
+                args + dims + (nt, np.int32(norms is not None), np.float32(eps)),
+            )
+        return out
 
     def _attention_args(self, op, q, k_cache, v_cache):
         """Shared checks; returns (H, Hk, Dh, BS, cap, shared-memory bytes)."""

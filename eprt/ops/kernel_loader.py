@@ -16,7 +16,7 @@ from eprt import env
 
 KERNELS: dict[str, tuple[str, ...]] = {
     "rms_norm.cu": ("rms_norm", "add_rms_norm_bf16", "add_rms_norm_f32"),
-    "rope.cu": ("rope_cs_bf16", "rope_cs_f32"),
+    "rope.cu": ("rope_cs_bf16", "rope_cs_f32", "qk_norm_rope_kv_bf16", "qk_norm_rope_kv_f32"),
     "kv_write.cu": ("kv_write",),
     "paged_attention.cu": tuple(
         f"attention_{kind}_g{g}" for kind in ("decode", "decode_split", "prefill") for g in (4, 8, 16)
@@ -92,7 +92,8 @@ MOE_TC_SMEM_W8A8 = 3 * (64 + 128) * 48  # both tiles fp8 bytes
 MOE_TC_BM, MOE_TC_UNITS, MOE_TC_BN = 64, 64, 128  # moe_tc.cu: TC_BM rows, gate_up units and down columns per tile
 LAUNCH: dict[str, Launch] = {
     **_each(KERNELS["rms_norm.cu"], 512),
-    **_each(KERNELS["rope.cu"], 256),
+    **_each(("rope_cs_bf16", "rope_cs_f32"), 256),
+    **_each(("qk_norm_rope_kv_bf16", "qk_norm_rope_kv_f32"), 128),  # QKR_THREADS
     **_each(KERNELS["kv_write.cu"], 256),
     **_each([k for k in KERNELS["paged_attention.cu"] if k != "attention_split_combine"], 128, OPT_IN),
     "attention_split_combine": Launch(128),

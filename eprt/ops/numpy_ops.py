@@ -228,6 +228,21 @@ class NumpyOps(GptOssOps, Ops):
         k_cache.reshape(nb * bs, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
         v_cache.reshape(nb * bs, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
 
+    def qk_rope_kv_write(self, q, k, v, norms, eps, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))  # [T, H|Hk, Dh]
+        if norms is not None:
+            q, k = (self.rms_norm(a.reshape(-1, a.shape[-1]), w, eps).reshape(a.shape) for a, w in zip((q, k), norms))
+        q, k = (self._rope_head_start(a, positions, cos_sin) for a in (q, k))
+        self.kv_write(k_cache, v_cache, k, v, slot_mapping)
+        return q
+
+    def _rope_head_start(self, x, positions, cos_sin):
+        """x[T, H, Dh] rotated over the first R = cos_sin.shape[1] columns of each head."""
+        rd = cos_sin.shape[1]
+        if rd == x.shape[-1]:
+            return self.rope(x, positions, cos_sin)
+        return np.concatenate([self.rope(np.ascontiguousarray(x[..., :rd]), positions, cos_sin), x[..., rd:]], axis=-1)
+
     def _gather_kv(self, cache, block_table, n):
         bs = cache.shape[1]
         nblocks = (n + bs - 1) // bs

@@ -1,0 +1,106 @@
+"""The fused kernels of issue 39's launch budget (docs/gpu.md, "Launches per layer"), on the GPU or
+cusim: each against the NumPy reference (``NumpyOps``, the ops contract) and bit for bit against
+the unfused GPU ops it replaces, so fusing changed no float result."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eprt.ops.device import cuda_usable
+from eprt.ops.numpy_ops import NumpyOps
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_usable(), reason="no usable CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def g():
+    from eprt.ops.cupy_ops import CupyOps
+
+    return CupyOps()
+
+
+def bf16(a):
+    from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+    return bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(a, np.float32)))
+
+
+def cos_sin_table(positions: int, rd: int) -> np.ndarray:
+    freqs = np.arange(positions, dtype=np.float32)[:, None] * (1e4 ** (-np.arange(0, rd, 2) / rd))[None, :]
+    return np.concatenate([np.cos(freqs), np.sin(freqs)], axis=-1).astype(np.float32)  # [P, rd]
+
+
+def unfused(g, q, k, v, norms, eps, pos, table, kc, vc, slots):
+    """Today's sequence of GPU ops: per-head rms_norm, rope (partial: the first rd columns), kv_write."""
+    xp = g.xp
+    q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
+    if norms is not None:
+        q, k = (g.rms_norm(a.reshape(-1, a.shape[-1]), w, eps).reshape(a.shape) for a, w in zip((q, k), norms))
+    rd = table.shape[1]
+
+    def rope(x):
+        if rd == x.shape[-1]:
+            return g.rope(x, pos, table)
+        return xp.concatenate([g.rope(xp.ascontiguousarray(x[..., :rd]), pos, table), x[..., rd:]], axis=-1)
+
+    q, k = rope(q), rope(k)
+    g.kv_write(kc, vc, k, v, slots)
+    return q
+
+
+@pytest.mark.parametrize(
+    "dh,rd,norm,table_dtype",
+    [
+        (64, 64, True, "f32"),
+        (128, 128, True, "bf16"),
+        (256, 256, True, "f32"),
+        (96, 48, False, "bf16"),
+        (64, 32, True, "bf16"),
+    ],
+)
+def test_qk_rope_kv_write_is_the_unfused_ops_bit_for_bit(g, dh, rd, norm, table_dtype):
+    import cupy
+
+    rng = np.random.default_rng(dh + rd)
+    T, H, Hk, NB, BS = 5, 6, 2, 4, 8
+    qkv = bf16(rng.standard_normal((T, (H + 2 * Hk) * dh)) * 3)  # one product's rows: q | k | v
+    norms_host = [bf16(1 + 0.2 * rng.standard_normal(dh)) for _ in range(2)]
+    pos = rng.integers(0, 60, T).astype(np.int32)
+    slots = np.array([3, 17, -1, 30, 8], np.int32)  # -1: padding, not written
+    table = cos_sin_table(64, rd)
+    eps = 1e-6
+    dq = g.activation(qkv)
+    views = (dq[:, : H * dh], dq[:, H * dh : (H + Hk) * dh], dq[:, (H + Hk) * dh :])
+    q, k, v = (a.reshape(T, n, dh) for a, n in zip(views, (H, Hk, Hk)))
+    norms = tuple(g.weight(w) for w in norms_host) if norm else None
+    dtable = cupy.asarray(table) if table_dtype == "f32" else g.activation(table)
+    caches = [g.zeros((NB, BS, Hk, dh)) for _ in range(4)]
+    got = g.qk_rope_kv_write(q, k, v, norms, eps, g.index(pos), dtable, caches[0], caches[1], g.index(slots))
+    want = unfused(g, q, k, v, norms, eps, g.index(pos), dtable, caches[2], caches[3], g.index(slots))
+    np.testing.assert_array_equal(g.to_host(got), g.to_host(want))
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        np.testing.assert_array_equal(g.to_host(a), g.to_host(b))
+
+    c = NumpyOps()  # the ops contract's reference, in float32
+    host = [qkv[:, : H * dh], qkv[:, H * dh : (H + Hk) * dh], qkv[:, (H + Hk) * dh :]]
+    hq, hk, hv = (a.reshape(T, n, dh) for a, n in zip(host, (H, Hk, Hk)))
+    kc, vc = np.zeros((NB, BS, Hk, dh), np.float32), np.zeros((NB, BS, Hk, dh), np.float32)
+    ref_table = table if table_dtype == "f32" else bf16(table)
+    ref = c.qk_rope_kv_write(hq, hk, hv, norms_host if norm else None, eps, pos, ref_table, kc, vc, slots)
+    np.testing.assert_allclose(g.to_host(got), ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(g.to_host(caches[0]), kc, rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(g.to_host(caches[1]), vc)  # v: a copy
+
+
+def test_qk_rope_kv_write_refuses_what_it_cannot_take(g):
+    T, H, Hk, dh = 2, 4, 2, 64
+    q, k, v = g.zeros((T, H, dh)), g.zeros((T, Hk, dh)), g.zeros((T, Hk, dh))
+    kc, vc = g.zeros((2, 4, Hk, dh)), g.zeros((2, 4, Hk, dh))
+    pos, slots, table = g.index(np.zeros(T, np.int32)), g.index(np.zeros(T, np.int32)), g.zeros((8, dh))
+    with pytest.raises(ValueError, match="cos_sin's width must be even and in"):
+        g.qk_rope_kv_write(q, k, v, None, 1e-6, pos, g.zeros((8, 3)), kc, vc, slots)
+    with pytest.raises(ValueError, match=r"k and v must be \[2, 2, 64\]"):
+        g.qk_rope_kv_write(q, g.zeros((T, 1, dh)), v, None, 1e-6, pos, table, kc, vc, slots)
+    with pytest.raises(ValueError, match="q_norm has shape"):
+        g.qk_rope_kv_write(q, k, v, (g.zeros((32,)), g.zeros((dh,))), 1e-6, pos, table, kc, vc, slots)

@@ -1,0 +1,61 @@
+"""Issue 39's launch budget, counted on cusim: an eager batch-1 decode step launches at most
+DENSE_BUDGET kernels per dense layer and MOE_BUDGET per MoE layer (raw kernels, cuBLAS GEMMs and
+the kernels CuPy launches itself, tests/launch_census.py), for a Qwen3-MoE of the built-in
+benchmark model's widths and for a DeepSeek-V3-shaped model (MLA with a q LoRA, grouped routing,
+a shared expert, a dense first layer). The counts before the fusions: 21 launches per Qwen3 MoE
+layer, 45 per DeepSeek-V3 MoE layer (docs/gpu.md, "Launches per layer")."""
+
+import pytest
+from launch_census import census, per_layer
+
+from eprt.engine.executor import ShardExecutor
+from eprt.model.loader import load_model
+from eprt.ops.device import cuda_usable, get_ops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_usable(), reason="no usable CUDA device")]
+
+DENSE_BUDGET, MOE_BUDGET = 8, 12
+# the built-in benchmark model's widths (benchmarks/bench_decode_cpu.py's ~115M Qwen3-MoE), 3 of its
+# layers, the middle one dense
+QWEN3_115M = dict(
+    vocab_size=512,
+    hidden_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=512,
+    intermediate_size=1024,
+    mlp_only_layers=[1],
+)
+MODELS = {"qwen3_moe": QWEN3_115M, "deepseek_v3": dict(num_hidden_layers=3)}
+
+
+def decode_census(path: str, prompt=(5, 77, 3, 9), token: int = 11):
+    """Per-layer counts ([Counts]) and the step's, of one batch-1 decode step after the prompt's prefill."""
+    model = load_model(path, get_ops("cuda"), max_len=64).model
+    ex = ShardExecutor(model, 8, 16, 1, prefix_cache=False)
+    ex.allocate(0, list(prompt))
+    ex.prefill(0, list(prompt), 0, len(prompt))
+    with census() as c:
+        layers, step = per_layer(c, model, lambda: ex.decode([0], [token]))
+    return model.cfg, layers, step
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_decode_layers_stay_within_the_launch_budget(checkpoint, arch):
+    cfg, layers, step = decode_census(checkpoint(arch, "bfloat16", **MODELS[arch]))
+    assert len(layers) == cfg.num_layers
+    rows = [
+        (i, "moe" if cfg.sparse_layers[i] else "dense", n.launches, n.kernels, n.gemms, n.cupy, n.h2d, n.d2h)
+        for i, n in enumerate(layers)
+    ]
+    print(f"\n{arch}: layer kind launches (kernels gemms cupy) h2d d2h")
+    for r in rows:
+        print("  ", *r)
+    print(f"   step: {step}")
+    assert {kind for _, kind, *_ in rows} == {"moe", "dense"}
+    over = [r for r in rows if r[2] > (MOE_BUDGET if r[1] == "moe" else DENSE_BUDGET)]
+    assert not over, f"{arch}: layers over the budget ({DENSE_BUDGET} dense, {MOE_BUDGET} MoE): {over}"
