@@ -133,9 +133,10 @@ def census():
 def per_layer(c: Census, model, run) -> tuple[list[Counts], Counts]:
     """Run ``run()`` (one forward pass of ``model``, an eprt MoEModel) under census ``c``: the
     counts of each decoder layer (from the end of the previous layer's MLP, so its input norm
-    counts, to the end of its own MLP) and of the whole call."""
+    counts, to the end of its own MLP; layer 0 from the start of ``hidden_states``) and of the
+    whole call. One forward pass per call: a second one's marks would run on."""
     marks, start = [], c.now()
-    originals = {name: getattr(model, name) for name in ("_moe", "_dense_mlp")}
+    originals = {name: getattr(model, name) for name in ("_moe", "_dense_mlp", "hidden_states")}
 
     def marking(fn):
         def wrapper(*args, **kwargs):
@@ -145,12 +146,18 @@ def per_layer(c: Census, model, run) -> tuple[list[Counts], Counts]:
 
         return wrapper
 
+    def starting(fn):  # layer 0 starts where the layers do (its input norm; the embedding is the step's)
+        def wrapper(*args, **kwargs):
+            marks.append(c.now())
+            return fn(*args, **kwargs)
+
+        return wrapper
+
     for name, fn in originals.items():
-        setattr(model, name, marking(fn))
+        setattr(model, name, starting(fn) if name == "hidden_states" else marking(fn))
     try:
         run()
     finally:
         for name in originals:
             delattr(model, name)
-    edges = [start, *marks]
-    return [b - a for a, b in zip(edges, edges[1:])], c.now() - start
+    return [b - a for a, b in zip(marks, marks[1:])], c.now() - start

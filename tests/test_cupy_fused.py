@@ -104,3 +104,64 @@ def test_qk_rope_kv_write_refuses_what_it_cannot_take(g):
         g.qk_rope_kv_write(q, g.zeros((T, 1, dh)), v, None, 1e-6, pos, table, kc, vc, slots)
     with pytest.raises(ValueError, match="q_norm has shape"):
         g.qk_rope_kv_write(q, k, v, (g.zeros((32,)), g.zeros((dh,))), 1e-6, pos, table, kc, vc, slots)
+
+
+def unfused_route(g, logits, top_k, routing, bias, counts, expert_start, El):
+    """Today's launches: router or router_grouped, count_experts, moe_permute."""
+    from eprt.ops.base import GroupedRouting
+
+    if isinstance(routing, GroupedRouting):
+        weights, ids = g.router_grouped(logits, bias, top_k, routing)
+    else:
+        weights, ids = g.router(logits, top_k, routing)
+    g.count_experts(ids, counts)
+    return weights, ids, g._permute(ids, expert_start, El)
+
+
+ROUTINGS = {
+    "softmax": True,
+    "softmax-raw": False,
+    "deepseek_v3": ("sigmoid", 4, 2, "top2_sum", True, 2.5),
+    "deepseek_v2": ("softmax", 4, 3, "max", False, 1.0),
+}
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+def test_route_is_the_unfused_launches_bit_for_bit(g, T, name):
+    import cupy
+
+    from eprt.ops.base import GroupedRouting
+    from eprt.ops.numpy_ops import expert_permutation
+
+    rng = np.random.default_rng(T)
+    E, top_k, expert_start, El = 32, 4, 8, 12  # this rank: experts [8, 20)
+    routing = ROUTINGS[name] if isinstance(ROUTINGS[name], bool) else GroupedRouting(*ROUTINGS[name])
+    logits = bf16(rng.standard_normal((T, E)))
+    logits[0, 3] = logits[0, 5]  # a tie: the lower id wins in both
+    bias = cupy.asarray((0.1 * rng.standard_normal(E)).astype(np.float32))
+    dl = g.activation(logits)
+    counts = [cupy.asarray(np.arange(E, dtype=np.int32)) for _ in range(2)]
+    got = g.route(dl, top_k, routing, bias, counts[0], (expert_start, El))
+    want = unfused_route(g, dl, top_k, routing, bias, counts[1], expert_start, El)
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_array_equal(g.to_host(a), g.to_host(b))
+    np.testing.assert_array_equal(g.to_host(counts[0]), g.to_host(counts[1]))
+    ref = expert_permutation(g.to_host(got[1]), expert_start, El)
+    P = int(ref.offsets[-1])
+    for perm in (got[2], want[2]):
+        np.testing.assert_array_equal(g.to_host(perm.offsets), ref.offsets)
+        np.testing.assert_array_equal(g.to_host(perm.sorted_slot)[:P], ref.sorted_slot)
+        np.testing.assert_array_equal(g.to_host(perm.slot_pos), ref.slot_pos)
+
+
+def test_route_without_counts_or_local_experts(g):
+    rng = np.random.default_rng(3)
+    logits = g.activation(bf16(rng.standard_normal((3, 16))))
+    w, ids, perm = g.route(logits, 2, True, None, None, None)  # no permutation asked: moe_experts permutes
+    assert perm is None and ids.shape == (3, 2)
+    w2, ids2, perm2 = g.route(logits, 2, True, None, None, (0, 16))
+    np.testing.assert_array_equal(g.to_host(ids), g.to_host(ids2))
+    assert int(g.to_host(perm2.offsets)[-1]) == 6
+    with pytest.raises(ValueError, match="top_k must be in"):
+        g.route(logits, 0, True, None, None, (0, 16))

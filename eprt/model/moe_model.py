@@ -330,19 +330,19 @@ class MoEModel:
             args = (lw.w_gate_up, lw.w_down, lw.b_gate_up, lw.b_down, self.w.expert_start)
             out = self._combine(ops.moe_experts_swiglu(x, weights, ids, *args, cfg.swiglu.alpha, cfg.swiglu.limit))
             return out
-        if cfg.routing is None:
-            weights, ids = ops.router(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
-        else:
-            weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
-        if layer < cfg.num_layers:  # (an MTP layer's routing is not counted: EPLB balances the main layers)
-            ops.count_experts(ids, self.expert_counts[layer])
         rows = self.lora_rows if self.exchange is None else self.exchange_lora_rows  # the MoE's rows' adapters
         experts = (None, None) if rows is None else self.lora.experts(layer)
+        plain = experts == (None, None) and self.slots is None  # this rank's own experts, no adapter
+        # (an MTP layer's routing is not counted: EPLB balances the main layers)
+        counts = self.expert_counts[layer] if layer < cfg.num_layers else None
+        own = (self.w.expert_start, self.w.expert_end - self.w.expert_start) if plain else None
+        routing = cfg.norm_topk_prob if cfg.routing is None else cfg.routing
+        weights, ids, perm = ops.route(logits, cfg.top_k, routing, lw.router_bias, counts, own)  # [T, k]
         if experts != (None, None):  # (never under EPLB: LoraSlots.read refuses such adapters there)
             args = (lw.w_gate_up, lw.w_down, self.w.expert_start, rows, *experts)
             out = self._combine(ops.moe_experts_lora(x, weights, ids, *args))  # [T, D] summed over ranks
         elif self.slots is None:
-            partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
+            partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start, perm)
             out = self._combine(partial)  # [T, D] summed over ranks
         else:  # EPLB: every rank gets every row's sum; under dp attention it keeps its own
             out = self.slots.moe(ops, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]

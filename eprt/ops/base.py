@@ -73,6 +73,18 @@ class GroupedRouting:
             raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
 
 
+@dataclass(frozen=True)
+class Permutation:
+    """This rank's (token, choice) slots s = t * k + j grouped by local expert (``Ops.route``,
+    ``Ops.moe_experts``): local expert e owns sorted rows [offsets[e], offsets[e + 1]) (offsets
+    [El + 1], offsets[El] = P), sorted_slot[p] is row p's slot (ascending within an expert; [P] used
+    of its length), slot_pos[T * k] the row of each slot, -1 where its expert is not local."""
+
+    offsets: Any
+    sorted_slot: Any
+    slot_pos: Any
+
+
 class Ops:
     """Abstract backend. Methods return new arrays unless documented otherwise."""
 
@@ -236,6 +248,15 @@ class Ops:
         times ``routing.scaling``."""
         raise NotImplementedError
 
+    def route(self, logits: Array, top_k: int, routing, bias: Array | None, counts: Array | None, local):
+        """A MoE layer's routing: ``router`` (``routing`` a bool: renormalize) or ``router_grouped``
+        (``routing`` a GroupedRouting, ``bias`` its bias), then ``count_experts`` into counts[E] when
+        given, then, when ``local`` = (expert_start, El) is given, the permutation of the slots to this
+        rank's El experts for ``moe_experts``. Returns (weights[T, k], ids[T, k], a Permutation or
+        None: a backend may leave the permutation to ``moe_experts``). The GPU does it all in one launch
+        at decode's token counts (issue 39's launch budget)."""
+        raise NotImplementedError
+
     def add(self, x: Array, y: Array) -> Array:
         """x[T, D] + y[T, D] (float32 accumulation): an ungated shared expert's output."""
         raise NotImplementedError
@@ -298,10 +319,11 @@ class Ops:
         raise NotImplementedError
 
     def moe_experts(
-        self, x: Array, weights: Array, ids: Array, w_gate_up: Array, w_down: Array, expert_start: int
+        self, x: Array, weights: Array, ids: Array, w_gate_up: Array, w_down: Array, expert_start: int, perm=None
     ) -> Array:
         """This rank's share of a MoE layer. x[T, D], weights/ids[T, k], w_gate_up[El, 2I, D],
-        w_down[El, D, I]. Local expert e is global expert expert_start + e. Returns [T, D]
+        w_down[El, D, I]. Local expert e is global expert expert_start + e. ``perm``: the slots'
+        Permutation to these experts from ``route``, or None (the backend permutes). Returns [T, D]
         (float32 accumulation): sum over (t, j) with ids[t, j] local of
         weights[t, j] * down_e(silu_and_mul(gate_up_e(x[t]))); zero rows where no local
         expert was chosen. Summing this over all ranks gives the MoE output."""

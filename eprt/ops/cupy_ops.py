@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from eprt.ops.base import GroupedRouting, Ops
+from eprt.ops.base import GroupedRouting, Ops, Permutation
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from eprt.ops.cupy_flash import flash_gqa, flash_mla
 from eprt.ops.cupy_gptoss import GptOssCupy
@@ -56,6 +56,7 @@ MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
 FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), activations quantized
 TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
+ROUTE_FUSED_MAX_TOKENS = 64  # route: up to this many tokens (decode) in one launch with the permutation
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
 FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
 _FL_WARPS = 4  # fp8_linear.cu: FL_WARPS
@@ -724,43 +725,72 @@ class CupyOps(GptOssCupy, Ops):
         return out
 
     def router_grouped(self, logits, bias, top_k, routing: GroupedRouting):
-        op = "router_grouped"
+        T = logits.shape[0] if isinstance(logits, cupy.ndarray) else 0
+        bias, scalars = self._grouped_args("router_grouped", logits, bias, top_k, routing, _ROUTER_WARPS)
+        weights = cupy.empty((T, top_k), dtype=_F32)  # [T, k]
+        ids = cupy.empty((T, top_k), dtype=_I32)  # [T, k]
+        if T:
+            kernel = "router_grouped_f32" if logits.dtype == _F32 else "router_grouped_bf16"
+            args = (logits, bias, weights, ids, np.int32(T), *scalars)
+            grid = ((T + _ROUTER_WARPS - 1) // _ROUTER_WARPS,)
+            _launch("router.cu", kernel, grid, 32 * _ROUTER_WARPS, args, 4 * _ROUTER_WARPS * 2 * logits.shape[1])
+        return weights, ids
+
+    def _grouped_args(self, op, logits, bias, top_k, routing: GroupedRouting, warps: int) -> tuple:
+        """router_grouped's checks; (the bias [E] float32, the kernel's scalars after T)."""
         _check(op, "logits", logits, (_BF16, _F32), (None, None))
-        T, E = logits.shape
+        E = logits.shape[1]
         _require(op, 1 <= top_k <= min(E, 32), f"top_k must be in [1, min(E={E}, 32)], got {top_k}")
         G = routing.n_group
         _require(op, 1 <= G <= 32 and E % G == 0, f"n_group must divide E={E} and be in [1, 32], got {G}")
         if bias is None:
             bias = cupy.zeros(E, dtype=_F32)
         _check(op, "bias", bias, _F32, (E,))
-        smem = 4 * _ROUTER_WARPS * 2 * E
-        _require(op, smem <= self.smem_limit, f"too many experts for one warp per token: {E}")
-        weights = cupy.empty((T, top_k), dtype=_F32)  # [T, k]
-        ids = cupy.empty((T, top_k), dtype=_I32)  # [T, k]
-        if T:
-            _launch(
-                "router.cu",
-                "router_grouped_f32" if logits.dtype == _F32 else "router_grouped_bf16",
-                ((T + _ROUTER_WARPS - 1) // _ROUTER_WARPS,),
-                32 * _ROUTER_WARPS,
-                (
-                    logits,
-                    bias,
-                    weights,
-                    ids,
-                    np.int32(T),
-                    np.int32(E),
-                    np.int32(top_k),
-                    np.int32(routing.scoring == "sigmoid"),
-                    np.int32(G),
-                    np.int32(routing.topk_group),
-                    np.int32(routing.group_score == "top2_sum"),
-                    np.int32(bool(routing.renormalize)),
-                    np.float32(routing.scaling),
-                ),
-                smem,
+        _require(op, 4 * warps * 2 * E <= self.smem_limit, f"too many experts for one warp per token: {E}")
+        flags = (routing.scoring == "sigmoid", G, routing.topk_group, routing.group_score == "top2_sum")
+        scalars = (E, top_k, *flags, bool(routing.renormalize))
+        return bias, tuple(np.int32(v) for v in scalars) + (np.float32(routing.scaling),)
+
+    def route(self, logits, top_k, routing, bias, counts, local):
+        T = logits.shape[0] if isinstance(logits, cupy.ndarray) else 0
+        if local is None or not 0 < T <= ROUTE_FUSED_MAX_TOKENS:  # separate launches; moe_experts permutes
+            grouped = isinstance(routing, GroupedRouting)
+            weights, ids = (
+                self.router_grouped(logits, bias, top_k, routing) if grouped else self.router(logits, top_k, routing)
             )
-        return weights, ids
+            if counts is not None:
+                self.count_experts(ids, counts)
+            return weights, ids, None
+        return self._route_permute(logits, top_k, routing, bias, counts, *local)
+
+    def _route_permute(self, logits, top_k, routing, bias, counts, expert_start: int, El: int):
+        """route's one launch (router.cu's route_permute_*): one block of W warps, one per token."""
+        op = "route"
+        T, E = logits.shape
+        grouped = isinstance(routing, GroupedRouting)
+        if grouped:
+            bias, scalars = self._grouped_args(op, logits, bias, top_k, routing, 1)
+        else:
+            _check(op, "logits", logits, (_BF16, _F32), (None, None))
+            _require(op, 1 <= top_k <= min(E, 32), f"top_k must be in [1, min(E={E}, 32)], got {top_k}")
+            scalars = (np.int32(E), np.int32(top_k), np.int32(bool(routing)))
+        if counts is not None:
+            _check(op, "counts", counts, _I32, (None,))
+        n, per_warp = T * top_k, (2 if grouped else 1) * E  # routing floats per warp
+        warps = max(1, min(32, max(T, -(-n // 256))))
+        while warps > 1 and 4 * max(warps * per_warp, (warps + 1) * El) > self.smem_limit:
+            warps -= 1
+        smem = 4 * max(warps * per_warp, (warps + 1) * El)
+        _require(op, smem <= self.smem_limit, f"too many experts for one routing block: E={E}, {El} local")
+        weights, ids = cupy.empty((T, top_k), dtype=_F32), cupy.empty((T, top_k), dtype=_I32)  # [T, k]
+        perm = Permutation(cupy.empty(El + 1, dtype=_I32), cupy.empty(n, dtype=_I32), cupy.empty(n, dtype=_I32))
+        tail = (ids if counts is None else counts, np.int32(0 if counts is None else counts.shape[0]))
+        tail += (np.int32(expert_start), np.int32(El), perm.offsets, perm.sorted_slot, perm.slot_pos)
+        kind = ("grouped" if grouped else "topk") + ("_f32" if logits.dtype == _F32 else "_bf16")
+        head = (logits, bias) if grouped else (logits,)
+        args = (*head, weights, ids, np.int32(T), *scalars, *tail)
+        _launch("router.cu", f"route_permute_{kind}", (1,), 32 * warps, args, smem)
+        return weights, ids, perm
 
     # ---- MLA: per-head projections and attention over the paged latent cache -------------
     def head_linear(self, x, w):
@@ -913,7 +943,7 @@ class CupyOps(GptOssCupy, Ops):
             out[idx] = out[idx] + y32 * w
         return out
 
-    def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
+    def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start, perm=None):
         op = "moe_experts"
         fp8 = isinstance(w_gate_up, Fp8Weight)
         _require(op, fp8 == isinstance(w_down, Fp8Weight), "w_gate_up and w_down must both be FP8 or both bf16")
@@ -937,20 +967,12 @@ class CupyOps(GptOssCupy, Ops):
             out.fill(0)
             return out
         n = T * k
-        # moe_permute: one block of W warps, each placing a contiguous range of slots (one warp
-        # per 256 slots); W is capped by the shared memory of its per-warp counts ((W + 1) * El ints)
-        perm_warps = max(1, min(32, -(-n // 256), self.smem_limit // (4 * El) - 1))
-        offsets = cupy.empty(El + 1, dtype=_I32)  # [El + 1]
-        sorted_slot = cupy.empty(n, dtype=_I32)  # [<= T*k]
-        slot_pos = cupy.empty(n, dtype=_I32)  # [T*k]
-        _launch(
-            "moe_permute.cu",
-            "moe_permute",
-            (1,),
-            32 * perm_warps,
-            (ids, np.int32(n), np.int32(expert_start), np.int32(El), offsets, sorted_slot, slot_pos),
-            4 * (perm_warps + 1) * El,
-        )
+        if perm is None:
+            perm = self._permute(ids, expert_start, El)
+        else:
+            _check(op, "perm.offsets", perm.offsets, _I32, (El + 1,))
+            _check(op, "perm.slot_pos", perm.slot_pos, _I32, (n,))
+        offsets, sorted_slot, slot_pos = perm.offsets, perm.sorted_slot, perm.slot_pos
         run = {"grouped": self._experts_grouped, "tc": self._experts_tc, "gathered": self._experts_gathered}
         y = run[self._moe_choice(n, w_gate_up)](x, k, offsets, sorted_slot, w_gate_up, w_down)  # [P, D] fp32
         _launch(
@@ -961,6 +983,16 @@ class CupyOps(GptOssCupy, Ops):
             (y, weights, slot_pos, out, np.int32(D), np.int32(k)),
         )
         return out
+
+    def _permute(self, ids, expert_start: int, El: int) -> Permutation:
+        """moe_permute: one block of W warps, each placing a contiguous range of slots (one warp per
+        256 slots); W is capped by the shared memory of its per-warp counts ((W + 1) * El ints)."""
+        n = ids.size
+        perm_warps = max(1, min(32, -(-n // 256), self.smem_limit // (4 * El) - 1))
+        perm = Permutation(cupy.empty(El + 1, dtype=_I32), cupy.empty(n, dtype=_I32), cupy.empty(n, dtype=_I32))
+        args = (ids, np.int32(n), np.int32(expert_start), np.int32(El), perm.offsets, perm.sorted_slot, perm.slot_pos)
+        _launch("moe_permute.cu", "moe_permute", (1,), 32 * perm_warps, args, 4 * (perm_warps + 1) * El)
+        return perm
 
     def _moe_choice(self, slots: int, w_gate_up) -> str:
         """The expert-GEMM implementation of a call with ``slots`` (token, choice) pairs: "auto" takes

@@ -22,7 +22,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         f"attention_{kind}_g{g}" for kind in ("decode", "decode_split", "prefill") for g in (4, 8, 16)
     )
     + ("attention_split_combine",),
-    "router.cu": ("router_topk_bf16", "router_topk_f32", "router_grouped_bf16", "router_grouped_f32"),
+    "router.cu": ("router_topk_bf16", "router_topk_f32", "router_grouped_bf16", "router_grouped_f32")
+    + tuple(f"route_permute_{kind}_{t}" for kind in ("topk", "grouped") for t in ("bf16", "f32")),
     "moe_permute.cu": ("moe_permute", "moe_gather_rows"),
     "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down", "moe_gate_up_silu_fp8", "moe_down_fp8"),
     "moe_tc.cu": (
@@ -97,7 +98,8 @@ LAUNCH: dict[str, Launch] = {
     **_each(KERNELS["kv_write.cu"], 256),
     **_each([k for k in KERNELS["paged_attention.cu"] if k != "attention_split_combine"], 128, OPT_IN),
     "attention_split_combine": Launch(128),
-    **_each(KERNELS["router.cu"], 128, OPT_IN),
+    **_each([k for k in KERNELS["router.cu"] if k.startswith("router_")], 128, OPT_IN),
+    **_each([k for k in KERNELS["router.cu"] if k.startswith("route_permute_")], 1024, OPT_IN),  # 32 warps at most
     "moe_permute": Launch(1024, OPT_IN),  # 32 warps at most
     "moe_gather_rows": Launch(256),
     **_each(KERNELS["moe_grouped_gemm.cu"], 128),

@@ -9,7 +9,7 @@ import numpy as np
 
 from eprt import env
 from eprt.ops import cpu_threads, cpu_weights, lora_ops
-from eprt.ops.base import Ops
+from eprt.ops.base import GroupedRouting, Ops, Permutation
 from eprt.ops.cpu_weights import ScaledPanels
 from eprt.ops.gptoss_ops import GptOssOps
 
@@ -82,6 +82,18 @@ def _solve_unit_lower(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     for i in range(1, a.shape[-1]):
         x[..., i, :] -= np.einsum("...j,...jd->...d", a[..., i, :i], x[..., :i, :])
     return x
+
+
+def expert_permutation(ids: np.ndarray, expert_start: int, El: int) -> Permutation:
+    """The reference Permutation (base.py) of the slots of ids[T, k] to local experts
+    [expert_start, expert_start + El)."""
+    local = ids.reshape(-1).astype(np.int64) - expert_start  # [T*k]
+    slots = np.flatnonzero((local >= 0) & (local < El))
+    order = slots[np.argsort(local[slots], kind="stable")]  # ascending slots within an expert
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(local[slots], minlength=El))])
+    slot_pos = np.full(local.size, -1, np.int32)
+    slot_pos[order] = np.arange(order.size)
+    return Permutation(offsets.astype(np.int32), order.astype(np.int32), slot_pos)
 
 
 class NumpyOps(GptOssOps, Ops):
@@ -404,7 +416,17 @@ class NumpyOps(GptOssOps, Ops):
         flat = ids.reshape(-1)  # [T*k]
         counts += np.bincount(flat[(flat >= 0) & (flat < len(counts))], minlength=len(counts)).astype(counts.dtype)
 
-    def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
+    def route(self, logits, top_k, routing, bias, counts, local):
+        grouped = isinstance(routing, GroupedRouting)
+        weights, ids = (
+            self.router_grouped(logits, bias, top_k, routing) if grouped else self.router(logits, top_k, routing)
+        )
+        if counts is not None:
+            self.count_experts(ids, counts)
+        return weights, ids, None if local is None else expert_permutation(ids, *local)
+
+    def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start, perm=None):
+        """(``perm`` is not needed here: the experts group their rows themselves.)"""
         T, D = x.shape
         k = ids.shape[1]
         if _panelled(w_gate_up, 3):  # panels (expert_weights): grouping, every group's FFN and the sum, one call
