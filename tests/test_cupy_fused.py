@@ -165,3 +165,28 @@ def test_route_without_counts_or_local_experts(g):
     assert int(g.to_host(perm2.offsets)[-1]) == 6
     with pytest.raises(ValueError, match="top_k must be in"):
         g.route(logits, 0, True, None, None, (0, 16))
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 9])
+def test_gate_up_silu_is_silu_and_mul_of_the_product(g, T):
+    """Up to DENSE_FUSED_MAX_ROWS rows one launch (dense_gate_up_silu), beyond it the product and
+    silu_and_mul. The fused kernel rounds g and up to bf16 as the product's output is rounded, so it
+    differs from the two launches only by the f32 dot products' summation order (cuBLAS's own is
+    unspecified): at most one bf16 step of an element here, and against NumPy the ops' tolerance."""
+    rng = np.random.default_rng(T)
+    D, I = 192, 136
+    x, w = bf16(rng.standard_normal((T, D))), bf16(rng.standard_normal((2 * I, D)) / np.sqrt(D))
+    got = g.to_host(g.gate_up_silu(g.activation(x), g.weight(w)))
+    want = g.to_host(g.silu_and_mul(g.linear(g.activation(x), g.weight(w))))
+    step = np.abs(want) * 2.0**-7 + 1e-30  # one bf16 step at want's magnitude (and under)
+    assert np.all(np.abs(got - want) <= step), np.max(np.abs(got - want) / step)
+    assert np.mean(got == want) > 0.95
+    np.testing.assert_allclose(got, NumpyOps().gate_up_silu(x, w), rtol=2e-2, atol=2e-2)
+
+
+def test_gate_up_silu_refuses_an_odd_weight(g):
+    x = g.zeros((1, 64))
+    with pytest.raises(ValueError, match=r"w must be \[2I, D\]"):
+        g.gate_up_silu(x, g.zeros((7, 64)))
+    with pytest.raises(ValueError, match="x has shape"):
+        g.gate_up_silu(g.zeros((1, 32)), g.zeros((8, 64)))

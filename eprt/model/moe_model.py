@@ -349,7 +349,7 @@ class MoEModel:
             out = out if self.exchange is None else self.exchange.mine(out)
         x = local
         if lw.shared_gate_up is not None and x.shape[0]:
-            up = ops.silu_and_mul(self._linear(x, lw.shared_gate_up, layer, "shared_gate_up"))
+            up = self._gate_up_silu(x, lw.shared_gate_up, layer, "shared_gate_up")
             s = self._linear(up, lw.shared_down, layer, "shared_down")
             if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
                 out = ops.sigmoid_gate_add(out, s, ops.linear(x, lw.shared_gate))  # gate [T, 1]
@@ -361,8 +361,15 @@ class MoEModel:
         """The experts' partial sums [T, D] summed over ranks (dp attention: this rank's rows of it)."""
         return self.combine(partial) if self.exchange is None else self.exchange.scatter(partial)
 
+    def _gate_up_silu(self, x, w, layer: int, target: str):
+        """silu_and_mul of the gate_up product (one fused op without adapters; with them the
+        LoRA delta joins the product first)."""
+        if self.lora_rows is None:
+            return self.ops.gate_up_silu(x, w)
+        return self.ops.silu_and_mul(self._linear(x, w, layer, target))
+
     def _dense_mlp(self, lw, x, layer: int):
-        up = self.ops.silu_and_mul(self._linear(x, lw.mlp_gate_up, layer, "mlp_gate_up"))
+        up = self._gate_up_silu(x, lw.mlp_gate_up, layer, "mlp_gate_up")
         return self._linear(up, lw.mlp_down, layer, "mlp_down")
 
     # ---- forward -----------------------------------------------------------------------

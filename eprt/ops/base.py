@@ -305,6 +305,11 @@ class Ops:
         """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]  [T, I]"""
         raise NotImplementedError
 
+    def gate_up_silu(self, x: Array, w: Array) -> Array:
+        """A dense MLP's (or shared expert's) first half: silu_and_mul(linear(x, w)), x[T, D],
+        w[2I, D] -> [T, I]; the GPU runs it as one launch at decode's row counts."""
+        raise NotImplementedError
+
     def clip(self, x: Array, limit: float) -> Array:
         """Element-wise clamp to [-limit, limit] (OLMoE's clip_qkv). Same shape as x."""
         raise NotImplementedError

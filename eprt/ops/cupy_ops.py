@@ -56,6 +56,7 @@ MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
 FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), activations quantized
 TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
+DENSE_FUSED_MAX_ROWS = 8  # gate_up_silu: up to one GG_MT chunk of rows (each weight read once) in one launch
 ROUTE_FUSED_MAX_TOKENS = 64  # route: up to this many tokens (decode) in one launch with the permutation
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
 FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
@@ -665,6 +666,22 @@ class CupyOps(GptOssCupy, Ops):
                 (x, out, np.int64(out.size), np.int32(I2 // 2)),
             )
         return out
+
+    def gate_up_silu(self, x, w):
+        T = x.shape[0] if isinstance(x, cupy.ndarray) else 0
+        if isinstance(w, Fp8Weight) or not 0 < T <= DENSE_FUSED_MAX_ROWS:
+            return self.silu_and_mul(self.linear(x, w))  # [T, I]
+        op = "gate_up_silu"
+        _check(op, "w", w, _BF16, (None, None), aligned=True)
+        I2, D = w.shape
+        I = I2 // 2
+        _require(op, I2 % 2 == 0 and D % 8 == 0, f"w must be [2I, D] with D a multiple of 8, got {list(w.shape)}")
+        _check(op, "x", x, _BF16, (None, D), aligned=True)
+        h = cupy.empty((T, I), dtype=_BF16)  # [T, I]
+        upw = self._units_per_warp(I, 1)
+        args = (x, w, h, np.int32(T), np.int32(D), np.int32(I), np.int32(upw))
+        _launch("moe_grouped_gemm.cu", "dense_gate_up_silu", (-(-I // (_GG_WARPS * upw)),), 32 * _GG_WARPS, args)
+        return h
 
     def clip(self, x, limit):
         _check("clip", "x", x, _BF16)

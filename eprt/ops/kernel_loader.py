@@ -25,7 +25,13 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "router.cu": ("router_topk_bf16", "router_topk_f32", "router_grouped_bf16", "router_grouped_f32")
     + tuple(f"route_permute_{kind}_{t}" for kind in ("topk", "grouped") for t in ("bf16", "f32")),
     "moe_permute.cu": ("moe_permute", "moe_gather_rows"),
-    "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down", "moe_gate_up_silu_fp8", "moe_down_fp8"),
+    "moe_grouped_gemm.cu": (
+        "moe_gate_up_silu",
+        "moe_down",
+        "moe_gate_up_silu_fp8",
+        "moe_down_fp8",
+        "dense_gate_up_silu",
+    ),
     "moe_tc.cu": (
         "moe_tc_gate_up",
         "moe_tc_down",

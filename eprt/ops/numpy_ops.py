@@ -404,6 +404,9 @@ class NumpyOps(GptOssOps, Ops):
         g, u = x[:, :inter], x[:, inter:]
         return g / (1.0 + np.exp(-g)) * u  # [T, I]
 
+    def gate_up_silu(self, x, w):
+        return self.silu_and_mul(self.linear(x, w))  # [T, I]
+
     def clip(self, x, limit):
         return np.clip(x, -limit, limit)
 
