@@ -190,3 +190,37 @@ def test_gate_up_silu_refuses_an_odd_weight(g):
         g.gate_up_silu(x, g.zeros((7, 64)))
     with pytest.raises(ValueError, match="x has shape"):
         g.gate_up_silu(g.zeros((1, 32)), g.zeros((8, 64)))
+
+
+@pytest.mark.parametrize("T,C,table_dtype", [(1, 64, "f32"), (4, 512, "bf16"), (3, 96, "bf16")])
+def test_mla_prologue_is_the_unfused_ops_bit_for_bit(g, T, C, table_dtype):
+    import cupy
+
+    rng = np.random.default_rng(T * C)
+    H, Dn, R, NB, BS = 4, 16, 8, 3, 4
+    q = bf16(rng.standard_normal((T, H, Dn + R)))
+    compressed = bf16(rng.standard_normal((T, C + R)) * 2)
+    norm, w_uk = bf16(1 + 0.2 * rng.standard_normal(C)), bf16(rng.standard_normal((H, C, Dn)) / 4)
+    pos = rng.integers(0, 30, T).astype(np.int32)
+    slots = np.arange(T, dtype=np.int32) * 3 - (T > 2)  # the first row padding when T > 2
+    table = cos_sin_table(32, R)
+    dtable = cupy.asarray(table) if table_dtype == "f32" else g.activation(table)
+    dq, dc, dn, dw = g.activation(q), g.activation(compressed), g.weight(norm), g.weight(w_uk)
+    dpos, dslots = g.index(pos), g.index(slots)
+    caches = [g.zeros((NB, BS, C + R)) for _ in range(2)]
+    got = g.mla_prologue(dq, dc, dn, 1e-6, dpos, dtable, dw, caches[0], dslots)
+    xp = g.xp  # today's ops, as the model ran them
+    latent = g.rms_norm(xp.ascontiguousarray(dc[:, :C]), dn, 1e-6)
+    k_rope = g.rope(xp.ascontiguousarray(dc[:, None, C:]), dpos, dtable)
+    q_rope = g.rope(xp.ascontiguousarray(dq[:, :, Dn:]), dpos, dtable)
+    q_latent = g.head_linear(xp.ascontiguousarray(dq[:, :, :Dn]), dw)
+    g.latent_write(caches[1], xp.concatenate([latent, k_rope[:, 0]], axis=-1), dslots)
+    want = xp.concatenate([q_latent, q_rope], axis=-1)
+    np.testing.assert_array_equal(g.to_host(got), g.to_host(want))
+    np.testing.assert_array_equal(g.to_host(caches[0]), g.to_host(caches[1]))
+
+    cache = np.zeros((NB, BS, C + R), np.float32)
+    ref_table = table if table_dtype == "f32" else bf16(table)
+    ref = NumpyOps().mla_prologue(q, compressed, norm, 1e-6, pos, ref_table, w_uk, cache, slots)
+    np.testing.assert_allclose(g.to_host(got), ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(g.to_host(caches[0]), cache, rtol=2e-2, atol=2e-2)

@@ -290,19 +290,14 @@ class MoEModel:
         """Multi-head latent attention: the cache keeps [normed latent | roped key] per token; queries
         are absorbed into the latent space (q_nope @ W_UK), so attention reads C + R values per
         position, and the latent output goes up through W_UV."""
-        cfg, ops, xp, m = self.cfg, self.ops, self.ops.xp, self.cfg.mla
+        cfg, ops, m = self.cfg, self.ops, self.cfg.mla
         T, H, C, Dn = x.shape[0], cfg.num_heads, m.kv_lora_rank, m.qk_nope_head_dim
         q_in = x if lw.q_a is None else ops.rms_norm(ops.linear(x, lw.q_a), lw.q_a_norm, MLA_NORM_EPS)
         q = ops.linear(q_in, lw.q).reshape(T, H, Dn + m.qk_rope_head_dim)  # [T, H, Dn+R]
         compressed = ops.linear(x, lw.kv_a)  # [T, C+R]
-        latent = ops.rms_norm(xp.ascontiguousarray(compressed[:, :C]), lw.kv_a_norm, MLA_NORM_EPS)  # [T, C]
-        pos = ops.index(batch.positions)
-        k_rope = ops.rope(xp.ascontiguousarray(compressed[:, None, C:]), pos, self.cos_sin)  # [T, 1, R]
-        q_rope = ops.rope(xp.ascontiguousarray(q[:, :, Dn:]), pos, self.cos_sin)  # [T, H, R]
-        q_latent = ops.head_linear(xp.ascontiguousarray(q[:, :, :Dn]), lw.w_uk)  # [T, H, C]
-        cache = kv.latent[layer]
-        ops.latent_write(cache, xp.concatenate([latent, k_rope[:, 0]], axis=-1), ops.index(batch.slot_mapping))
-        q_all = xp.concatenate([q_latent, q_rope], axis=-1)  # [T, H, C+R]
+        cache, pos, slots = kv.latent[layer], ops.index(batch.positions), ops.index(batch.slot_mapping)
+        args = (MLA_NORM_EPS, pos, self.cos_sin, lw.w_uk, cache, slots)
+        q_all = ops.mla_prologue(q, compressed, lw.kv_a_norm, *args)  # [T, H, C+R]; the cache row written
         if batch.is_prefill:
             o = self._per_sequence(
                 batch,

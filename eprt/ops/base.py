@@ -266,6 +266,13 @@ class Ops:
         (MLA's absorbed key and value up-projections)."""
         raise NotImplementedError
 
+    def mla_prologue(self, q, compressed, kv_a_norm, eps: float, positions, cos_sin, w_uk, latent_cache, slot_mapping):
+        """MLA's attention prologue: q[T, H, Dn + R] (the q product), compressed[T, C + R] (kv_a's),
+        kv_a_norm[C], cos_sin[P, R], w_uk[H, C, Dn]. Writes the cache row [rms_norm(compressed[:, :C])
+        | rope(compressed[:, C:])] at slot_mapping[T] as ``latent_write`` does and returns the query
+        [T, H, C + R] = [head_linear(q[.., :Dn], w_uk) | rope(q[.., Dn:])]. Exactly those ops."""
+        raise NotImplementedError
+
     def latent_write(self, latent_cache: Array, x: Array, slot_mapping: Array) -> None:
         """In place: x[T, L] goes to flat slots slot_mapping[T] of latent_cache[NB, BS, L];
         a negative slot marks a padding row that is not written."""

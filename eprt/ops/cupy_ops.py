@@ -129,11 +129,15 @@ def _block(name: str) -> int:
 
 def _gemm_per_head(x, w, out) -> None:
     """out[T, H, N] = x[T, H, K] @ w[H, N, K].T per head h: one strided-batched cuBLAS call (bf16
-    in, fp32 compute, bf16 out). Column-major per head: out_h.T (ld H*N) = op_T(w_h) @ x_h.T (ld H*K)."""
+    in, fp32 compute, bf16 out). x and out may be views (their last dim contiguous): column-major per
+    head, out_h.T (ld: out's row stride) = op_T(w_h) @ x_h.T (ld: x's row stride)."""
     from cupy_backends.cuda.libs import cublas
 
     T, H, K = x.shape
     N = w.shape[1]
+    (x_row, x_head), (o_row, o_head) = ((a.strides[0] // 2, a.strides[1] // 2) for a in (x, out))
+    if T == 1:  # a one-row view's row stride may be anything; cuBLAS wants ld >= the row's width
+        x_row, o_row = max(x_row, H * K), max(o_row, H * N)
     alpha, beta = np.array(1.0, np.float32), np.array(0.0, np.float32)  # host scalars
     cublas.gemmStridedBatchedEx(
         cupy.cuda.device.get_cublas_handle(),
@@ -149,13 +153,13 @@ def _gemm_per_head(x, w, out) -> None:
         N * K,
         x.data.ptr,
         _R_16BF,
-        H * K,
-        K,
+        x_row,
+        x_head,
         beta.ctypes.data,
         out.data.ptr,
         _R_16BF,
-        H * N,
-        N,
+        o_row,
+        o_head,
         H,
         _COMPUTE_32F,
         _GEMM_DEFAULT,
@@ -820,6 +824,30 @@ class CupyOps(GptOssCupy, Ops):
         elif out.size:
             out.fill(0)
         return out
+
+    def mla_prologue(self, q, compressed, kv_a_norm, eps, positions, cos_sin, w_uk, latent_cache, slot_mapping):
+        op = "mla_prologue"
+        _check(op, "w_uk", w_uk, _BF16, (None, None, None))
+        H, C, Dn = w_uk.shape
+        _check(op, "cos_sin", cos_sin, (_BF16, _F32), (None, None))
+        R = cos_sin.shape[1]
+        _require(op, R % 2 == 0, f"the rope width must be even, got {R}")
+        _check(op, "q", q, _BF16, (None, H, Dn + R))
+        T = q.shape[0]
+        _check(op, "compressed", compressed, _BF16, (T, C + R))
+        _check(op, "kv_a_norm", kv_a_norm, _BF16, (C,))
+        _check(op, "latent_cache", latent_cache, _BF16, (None, None, C + R))
+        _check(op, "positions", positions, _I32, (T,))
+        _check(op, "slot_mapping", slot_mapping, _I32, (T,))
+        q_all = cupy.empty((T, H, C + R), dtype=_BF16)  # [T, H, C+R]
+        if not T:
+            return q_all
+        _gemm_per_head(q[:, :, :Dn], w_uk, q_all[:, :, :C])  # the absorbed query, in place
+        kernel = "mla_prologue_f32" if cos_sin.dtype == _F32 else "mla_prologue_bf16"
+        args = (compressed, kv_a_norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping)
+        dims = (np.int32(C), np.int32(R), np.int32(H), np.int32(Dn), np.float32(eps))
+        _launch("mla_attention.cu", kernel, (T,), _threads(C // 4, "rms_norm"), args + dims)  # rms_norm's block
+        return q_all
 
     def latent_write(self, latent_cache, x, slot_mapping):
         _check("latent_write", "latent_cache", latent_cache, _BF16, (None, None, None), aligned=True)

@@ -55,7 +55,13 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "add_bf16_f32",
         "add_bf16_bf16",
     ),
-    "mla_attention.cu": ("mla_latent_write", "mla_attention", "mla_attention_split"),
+    "mla_attention.cu": (
+        "mla_latent_write",
+        "mla_attention",
+        "mla_attention_split",
+        "mla_prologue_bf16",
+        "mla_prologue_f32",
+    ),
     "argmax.cu": ("argmax_bf16", "argmax_f32"),
     "sampling.cu": ("gather_rows_bf16", "gather_rows_f32", "mask_tokens", "edit_tokens", "sample_tokens"),
     "expert_count.cu": ("count_experts",),
@@ -121,6 +127,7 @@ LAUNCH: dict[str, Launch] = {
     **_each(("flash_attention_d64", "flash_attention_d128", "flash_attention_d256"), 128, OPT_IN),
     "flash_mla": Launch(256, OPT_IN),
     "mla_latent_write": Launch(256),
+    **_each(("mla_prologue_bf16", "mla_prologue_f32"), 512),  # rms_norm's block for the latent width
     "mla_attention": Launch(128, OPT_IN),
     "mla_attention_split": Launch(128, OPT_IN),
     **_each(KERNELS["argmax.cu"], 1024),

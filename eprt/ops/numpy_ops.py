@@ -617,6 +617,15 @@ class NumpyOps(GptOssOps, Ops):
     def head_linear(self, x, w):
         return np.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2)  # [T, H, N]
 
+    def mla_prologue(self, q, compressed, kv_a_norm, eps, positions, cos_sin, w_uk, latent_cache, slot_mapping):
+        C, Dn = w_uk.shape[1:]
+        latent = self.rms_norm(np.ascontiguousarray(compressed[:, :C]), kv_a_norm, eps)  # [T, C]
+        k_rope = self.rope(np.ascontiguousarray(compressed[:, None, C:]), positions, cos_sin)  # [T, 1, R]
+        q_rope = self.rope(np.ascontiguousarray(q[:, :, Dn:]), positions, cos_sin)  # [T, H, R]
+        q_latent = self.head_linear(np.ascontiguousarray(q[:, :, :Dn]), w_uk)  # [T, H, C]
+        self.latent_write(latent_cache, np.concatenate([latent, k_rope[:, 0]], axis=-1), slot_mapping)
+        return np.concatenate([q_latent, q_rope], axis=-1)  # [T, H, C+R]
+
     def latent_write(self, latent_cache, x, slot_mapping):
         nb, bs, width = latent_cache.shape
         keep = slot_mapping >= 0  # negative: padding, skipped
