@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,6 +51,7 @@ class AttnBatch:
     parts: tuple = ()  # batched prefill: a PrefillPart per sequence, in token order (block_table unused)
     rope_cos_sin: np.ndarray | None = None  # [T, R] per-token cos|sin (3-D MRoPE of image prompts): replaces positions
     window: AttnBatch | None = None  # windowed KV: the sliding layers' slots and tables (positions as here)
+    device: dict = field(default_factory=dict, repr=False, compare=False)  # MoEModel.index's uploads, by field
 
     @property
     def is_prefill(self) -> bool:
@@ -188,6 +189,13 @@ class MoEModel:
             h[self.ops.index(np.nonzero(image_mask)[0])] = self.ops.activation(image_rows)
         return h
 
+    def index(self, batch: AttnBatch, name: str):
+        """The int32 field ``name`` of ``batch`` on the device, uploaded once per forward pass: every
+        layer reads the same positions, slots, tables and lengths (issue 39: copies per layer)."""
+        if name not in batch.device:
+            batch.device[name] = self.ops.index(getattr(batch, name))
+        return batch.device[name]
+
     def _linear(self, x, w, layer: int, target: str, bias=None):
         """ops.linear plus the LoRA delta of each row's adapter (nothing more without adapters)."""
         y = self.ops.linear(x, w, bias)
@@ -224,11 +232,11 @@ class MoEModel:
         T = x.shape[0]
         q, k, v = self._qkv(lw, x, layer)
         if batch.rope_cos_sin is None:
-            pos, table = ops.index(batch.positions), self.cos_sin
+            pos, table = self.index(batch, "positions"), self.cos_sin
         else:  # each token's own cos|sin row
             pos, table = ops.index(np.arange(T, dtype=np.int32)), ops.activation(batch.rope_cos_sin)
         norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm == "head" else None  # Qwen3-MoE's per-head norm
-        slots = ops.index(self._kv_batch(batch, layer).slot_mapping)
+        slots = self.index(self._kv_batch(batch, layer), "slot_mapping")
         q = ops.qk_rope_kv_write(q, k, v, norms, cfg.rms_norm_eps, pos, table, kv.k[layer], kv.v[layer], slots)
         if cfg.attention_sinks:
             return self._linear(self._sink_attention(lw, q, batch, kv, layer), lw.o, layer, "o", lw.o_bias)
@@ -240,11 +248,16 @@ class MoEModel:
                 ),
             )
         elif batch.query_lens is not None:
-            tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
+            tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
             o = ops.attention_verify(q, kv.k[layer], kv.v[layer], tables, lens, batch.query_lens, self.scale)
         else:
             o = ops.attention_decode(
-                q, kv.k[layer], kv.v[layer], ops.index(batch.block_tables), ops.index(batch.context_lens), self.scale
+                q,
+                kv.k[layer],
+                kv.v[layer],
+                self.index(batch, "block_tables"),
+                self.index(batch, "context_lens"),
+                self.scale,
             )
         o = o.reshape(T, -1)  # [T, H*Dh]
         if lw.q_gate is not None:  # Qwen3-Next's gated attention
@@ -273,7 +286,7 @@ class MoEModel:
                 ),
             )
         else:
-            tables, lens = ops.index(b.block_tables), ops.index(b.context_lens)
+            tables, lens = self.index(b, "block_tables"), self.index(b, "context_lens")
             if b.query_lens is not None:
                 o = ops.attention_sinks_verify(q, kc, vc, tables, lens, b.query_lens, self.scale, lw.sinks, window)
             else:
@@ -295,7 +308,7 @@ class MoEModel:
         q_in = x if lw.q_a is None else ops.rms_norm(ops.linear(x, lw.q_a), lw.q_a_norm, MLA_NORM_EPS)
         q = ops.linear(q_in, lw.q).reshape(T, H, Dn + m.qk_rope_head_dim)  # [T, H, Dn+R]
         compressed = ops.linear(x, lw.kv_a)  # [T, C+R]
-        cache, pos, slots = kv.latent[layer], ops.index(batch.positions), ops.index(batch.slot_mapping)
+        cache, pos, slots = kv.latent[layer], self.index(batch, "positions"), self.index(batch, "slot_mapping")
         args = (MLA_NORM_EPS, pos, self.cos_sin, lw.w_uk, cache, slots)
         q_all = ops.mla_prologue(q, compressed, lw.kv_a_norm, *args)  # [T, H, C+R]; the cache row written
         if batch.is_prefill:
@@ -306,10 +319,10 @@ class MoEModel:
                 ),
             )
         elif batch.query_lens is not None:
-            tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
+            tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
             o = ops.mla_attention_verify(q_all, cache, tables, lens, batch.query_lens, self.scale, value_dim=C)
         else:
-            tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
+            tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
             o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, value_dim=C)  # [T, H, C]
         return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
 
