@@ -5,7 +5,11 @@ benchmark model's widths and for a DeepSeek-V3-shaped model (MLA with a q LoRA, 
 a shared expert, a dense first layer). The counts before the fusions: 21 launches per Qwen3 MoE
 layer, 45 per DeepSeek-V3 MoE layer (docs/gpu.md, "Launches per layer")."""
 
+import hashlib
+import os
+
 import pytest
+from checkpoints import build_checkpoint
 from launch_census import census, per_layer
 
 from eprt.engine.executor import ShardExecutor
@@ -30,7 +34,29 @@ QWEN3_115M = dict(
     intermediate_size=1024,
     mlp_only_layers=[1],
 )
-MODELS = {"qwen3_moe": QWEN3_115M, "deepseek_v3": dict(num_hidden_layers=3)}
+# DeepSeek-V3's attention and routing widths (q LoRA aside: 384 for 1536): MLA latent 512, rope 64,
+# nope 128, values 128, 8 expert groups with the best 4 kept, top-8; fewer heads (16 of 128), a
+# narrower residual (1024 of 7168) and 16 routed experts (of 256), so cusim builds and runs it in
+# seconds; the counts do not depend on those widths. Layer 0 dense (first_k_dense_replace), 1 shared expert.
+DEEPSEEK_V3_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=1024,
+    num_hidden_layers=3,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=384,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    n_routed_experts=16,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    moe_intermediate_size=256,
+    intermediate_size=2048,
+)
+MODELS = {"qwen3_moe": QWEN3_115M, "deepseek_v3": DEEPSEEK_V3_SHAPE}
 
 
 def decode_census(path: str, prompt=(5, 77, 3, 9), token: int = 11):
@@ -45,8 +71,10 @@ def decode_census(path: str, prompt=(5, 77, 3, 9), token: int = 11):
 
 
 @pytest.mark.parametrize("arch", sorted(MODELS))
-def test_decode_layers_stay_within_the_launch_budget(checkpoint, arch):
-    cfg, layers, step = decode_census(checkpoint(arch, "bfloat16", **MODELS[arch]))
+def test_decode_layers_stay_within_the_launch_budget(ckpt_root, arch):
+    tag = hashlib.sha256(repr(sorted(MODELS[arch].items())).encode()).hexdigest()[:12]  # (a short directory name)
+    path = build_checkpoint(arch, os.path.join(ckpt_root, f"launch-{arch}-{tag}"), dtype="bfloat16", **MODELS[arch])
+    cfg, layers, step = decode_census(path)
     assert len(layers) == cfg.num_layers
     rows = [
         (i, "moe" if cfg.sparse_layers[i] else "dense", n.launches, n.kernels, n.gemms, n.cupy, n.h2d, n.d2h)
