@@ -224,3 +224,35 @@ def test_mla_prologue_is_the_unfused_ops_bit_for_bit(g, T, C, table_dtype):
     ref = NumpyOps().mla_prologue(q, compressed, norm, 1e-6, pos, ref_table, w_uk, cache, slots)
     np.testing.assert_allclose(g.to_host(got), ref, rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(g.to_host(caches[0]), cache, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_rank_sum_is_the_rank_ordered_adds_bit_for_bit(g, P):
+    import cupy
+
+    rng = np.random.default_rng(P)
+    parts = (rng.standard_normal((P, 7, 40)) * 10.0 ** rng.integers(-3, 4, (P, 7, 40))).astype(np.float32)
+    dparts = cupy.asarray(parts)
+    want = dparts[0]
+    for r in range(1, P):  # the device combine's P - 1 adds before rank_sum
+        want = g.add(want, dparts[r])
+    got = g.rank_sum(dparts)
+    np.testing.assert_array_equal(g.to_host(got), g.to_host(want))
+    np.testing.assert_array_equal(g.to_host(got), NumpyOps().rank_sum(parts))
+
+
+@pytest.mark.parametrize("x_dtype", ["f32", "bf16"])
+def test_add_rms_norm_with_extra_is_add_then_add_rms_norm_bit_for_bit(g, x_dtype):
+    import cupy
+
+    rng = np.random.default_rng(7)
+    T, D = 3, 256
+    x = rng.standard_normal((T, D)).astype(np.float32) * 3
+    dx = cupy.asarray(x) if x_dtype == "f32" else g.activation(x)
+    extra, residual, w = (g.activation(rng.standard_normal((T, D))) for _ in range(3))
+    got = g.add_rms_norm(dx, residual, w[0], 1e-6, extra)
+    want = g.add_rms_norm(g.add(dx, extra), residual, w[0], 1e-6)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(g.to_host(a), g.to_host(b))
+    with pytest.raises(ValueError, match="extra has shape"):
+        g.add_rms_norm(dx, residual, w[0], 1e-6, g.activation(np.zeros((T, 8))))

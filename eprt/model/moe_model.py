@@ -327,6 +327,13 @@ class MoEModel:
         return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
 
     def _moe(self, lw, x, layer: int):
+        """The MoE layer's output [T, D] (the shared expert's added)."""
+        out, shared = self._moe_parts(lw, x, layer)
+        return out if shared is None else self.ops.add(out, shared)
+
+    def _moe_parts(self, lw, x, layer: int):
+        """(the MoE layer's output [T, D], an ungated shared expert's output [T, D] not yet added or
+        None): the forward pass folds the add into the next add_rms_norm (one launch fewer)."""
         ops, cfg, local = self.ops, self.cfg, x
         if self.exchange is not None:  # dp attention: the experts see every rank's rows
             x = self.exchange.gather(local)  # [N, D]
@@ -337,7 +344,7 @@ class MoEModel:
                 ops.count_experts(ids, self.expert_counts[layer])
             args = (lw.w_gate_up, lw.w_down, lw.b_gate_up, lw.b_down, self.w.expert_start)
             out = self._combine(ops.moe_experts_swiglu(x, weights, ids, *args, cfg.swiglu.alpha, cfg.swiglu.limit))
-            return out
+            return out, None
         rows = self.lora_rows if self.exchange is None else self.exchange_lora_rows  # the MoE's rows' adapters
         experts = (None, None) if rows is None else self.lora.experts(layer)
         plain = experts == (None, None) and self.slots is None  # this rank's own experts, no adapter
@@ -361,9 +368,9 @@ class MoEModel:
             s = self._linear(up, lw.shared_down, layer, "shared_down")
             if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
                 out = ops.sigmoid_gate_add(out, s, ops.linear(x, lw.shared_gate))  # gate [T, 1]
-            else:  # DeepSeek / GLM shared experts
-                out = ops.add(out, s)
-        return out
+            else:  # DeepSeek / GLM shared experts: added by the caller
+                return out, s
+        return out, None
 
     def _combine(self, partial):
         """The experts' partial sums [T, D] summed over ranks (dp attention: this rank's rows of it)."""
@@ -388,12 +395,12 @@ class MoEModel:
         ops, cfg = self.ops, self.cfg
         if cfg.is_hybrid and (state is None or batch.state_slots is None):
             raise ValueError(f"{cfg.model_type} has linear-attention layers: the forward pass needs their state slots")
-        residual = h
+        residual, shared = h, None  # shared: the last MoE layer's shared expert, added by the next norm
         x = ops.rms_norm(h, self.w.layers[0].input_norm, cfg.rms_norm_eps)
         attention = self._attention if cfg.mla is None else self._mla_attention
         for i, lw in enumerate(self.w.layers):
             if i > 0:
-                x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps)
+                x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps, shared)
             if lw.linear is not None and batch.is_prefill:  # each sequence continues its own state
                 h = self._per_sequence(
                     batch,
@@ -406,10 +413,10 @@ class MoEModel:
             else:
                 h = attention(lw, x, batch, kv, i)
             x, residual = ops.add_rms_norm(h, residual, lw.post_norm, cfg.rms_norm_eps)
-            h = self._moe(lw, x, i) if cfg.sparse_layers[i] else self._dense_mlp(lw, x, i)
+            h, shared = self._moe_parts(lw, x, i) if cfg.sparse_layers[i] else (self._dense_mlp(lw, x, i), None)
             if deepstack is not None and i < len(deepstack[1]):
-                h = self._add_deepstack(h, *deepstack, i)
-        x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps)
+                h, shared = self._add_deepstack(h if shared is None else ops.add(h, shared), *deepstack, i), None
+        x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps, shared)
         return x
 
     def _add_deepstack(self, h, mask, rows, layer: int):

@@ -175,8 +175,9 @@ class Ops:
         """x[T, D], weight[D] -> [T, D]; also used per head (x[T*H, Dh])."""
         raise NotImplementedError
 
-    def add_rms_norm(self, x: Array, residual: Array, weight: Array, eps: float):
-        """Fused residual add: s = x + residual; returns (rms_norm(s), s), both [T, D]."""
+    def add_rms_norm(self, x: Array, residual: Array, weight: Array, eps: float, extra: Array | None = None):
+        """Fused residual add: s = x + residual; returns (rms_norm(s), s), both [T, D]. ``extra``
+        [T, D] (a shared expert's output): s = add(x, extra) + residual, the add as ``add`` does it."""
         raise NotImplementedError
 
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
@@ -259,6 +260,11 @@ class Ops:
 
     def add(self, x: Array, y: Array) -> Array:
         """x[T, D] + y[T, D] (float32 accumulation): an ungated shared expert's output."""
+        raise NotImplementedError
+
+    def rank_sum(self, parts: Array) -> Array:
+        """parts[P, T, D] float32 (every rank's MoE partial) -> [T, D] float32: parts[0] + parts[1] +
+        ... added left to right in rank order, as the host combine sums (the same bits on every rank)."""
         raise NotImplementedError
 
     def head_linear(self, x: Array, w: Array) -> Array:

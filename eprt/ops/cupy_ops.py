@@ -353,21 +353,19 @@ class CupyOps(GptOssCupy, Ops):
             )
         return out
 
-    def add_rms_norm(self, x, residual, weight, eps):
+    def add_rms_norm(self, x, residual, weight, eps, extra=None):
         _check("add_rms_norm", "residual", residual, _BF16, (None, None))
         T, D = residual.shape
         _check("add_rms_norm", "x", x, (_BF16, _F32), (T, D))
         _check("add_rms_norm", "weight", weight, _BF16, (D,))
+        if extra is not None:
+            _check("add_rms_norm", "extra", extra, _BF16, (T, D))
         out, s = cupy.empty_like(residual), cupy.empty_like(residual)
         if T:
             kernel = "add_rms_norm_f32" if x.dtype == _F32 else "add_rms_norm_bf16"
-            _launch(
-                "rms_norm.cu",
-                kernel,
-                (T,),
-                _threads(D // 4, kernel),
-                (x, residual, weight, out, s, np.int32(D), np.float32(eps)),
-            )
+            args = (x, residual, weight, out, s, np.int32(D), np.float32(eps))
+            args += (residual if extra is None else extra, np.int32(extra is not None))  # (not read without)
+            _launch("rms_norm.cu", kernel, (T,), _threads(D // 4, kernel), args)
         return out, s
 
     def linear(self, x, w, bias=None):
@@ -742,6 +740,16 @@ class CupyOps(GptOssCupy, Ops):
                 (min((out.size + 255) // 256, 65536),),
                 256,
                 (x, y, out, np.int64(out.size)),
+            )
+        return out
+
+    def rank_sum(self, parts):
+        _check("rank_sum", "parts", parts, _F32, (None, None, None))
+        out = cupy.empty(parts.shape[1:], dtype=_F32)  # [T, D]
+        if out.size:
+            grid = (min((out.size + 255) // 256, 65536),)
+            _launch(
+                "elementwise.cu", "rank_sum_f32", grid, 256, (parts, out, np.int64(out.size), np.int32(parts.shape[0]))
             )
         return out
 

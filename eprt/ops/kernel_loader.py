@@ -54,6 +54,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "add_f32_bf16",
         "add_bf16_f32",
         "add_bf16_bf16",
+        "rank_sum_f32",
     ),
     "mla_attention.cu": (
         "mla_latent_write",

@@ -179,8 +179,8 @@ class NumpyOps(GptOssOps, Ops):
         var /= x.shape[-1]
         return (x / np.sqrt(var + eps)) * weight
 
-    def add_rms_norm(self, x, residual, weight, eps):
-        s = x + residual  # [T, D]
+    def add_rms_norm(self, x, residual, weight, eps, extra=None):
+        s = (x if extra is None else self.add(x, extra)) + residual  # [T, D]
         return self.rms_norm(s, weight, eps), s
 
     def linear_weight(self, host: np.ndarray) -> np.ndarray:
@@ -613,6 +613,12 @@ class NumpyOps(GptOssOps, Ops):
 
     def add(self, x, y):
         return x + y  # [T, D]
+
+    def rank_sum(self, parts):
+        out = parts[0].copy()
+        for part in parts[1:]:  # in rank order
+            out += part
+        return out  # [T, D]
 
     def head_linear(self, x, w):
         return np.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2)  # [T, H, N]
