@@ -41,6 +41,13 @@ __device__ __forceinline__ void load4(const bf16* p, float out[4]) {
     out[3] = b.y;
 }
 
+// One rotate-half RoPE pair (x1 at column j, x2 at j + half): rope.cu and the fused
+// qk_norm_rope_kv both call this, so they round the same expression the same way.
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s, bf16* o1, bf16* o2) {
+    *o1 = __float2bfloat16(x1 * c - x2 * s);
+    *o2 = __float2bfloat16(x2 * c + x1 * s);
+}
+
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -45,3 +45,16 @@ ADD_ENTRY(add_f32_f32, float, float)
 ADD_ENTRY(add_f32_bf16, float, bf16)
 ADD_ENTRY(add_bf16_f32, bf16, float)
 ADD_ENTRY(add_bf16_bf16, bf16, bf16)
+
+// rank_sum_f32: out = parts[0] + parts[1] + ... + parts[P-1], added left to right in rank order in
+// fp32: the bits of P - 1 add_f32_f32 launches in one (the device combine's rank-ordered sum).
+// parts [P, n], out [n].
+extern "C" __global__ void rank_sum_f32(const float* __restrict__ parts, float* __restrict__ out, long long n,
+                                        int P) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float v = parts[i];
+        for (int r = 1; r < P; ++r) v += parts[(long long)r * n + i];
+        out[i] = v;
+    }
+}

@@ -26,6 +26,62 @@
 #define MLA_WARPS (MLA_THREADS / WARP_SIZE)
 #define MLA_CHUNK WARP_SIZE
 
+// mla_prologue: MLA's attention prologue in one launch (rms_norm, two ropes, the concatenations and
+// mla_latent_write): the cache row [rms_norm(compressed[t, :C]) | rope(compressed[t, C:])] to
+// slot_mapping[t] (negative: padding, not written), and the roped query columns q[t, h, Dn:] to
+// q_all[t, h, C:] (q_all[.., :C] comes from the w_uk product). The norm is rms_norm's bit for bit:
+// the host launches rms_norm's block size for width C, and block_sum adds in the same order; the
+// rotations share rope.cu's rope_rotate. compressed [T, C + R]; norm [C]; q [T, H, Dn + R];
+// cos_sin [P, R]; q_all [T, H, C + R]; latent_cache [NB*BS, C + R]. One block per token.
+template <typename TCS>
+__device__ void mla_prologue_token(const bf16* __restrict__ compressed, const bf16* __restrict__ norm,
+                                   const bf16* __restrict__ q, const int* __restrict__ positions,
+                                   const TCS* __restrict__ cos_sin, bf16* __restrict__ q_all,
+                                   bf16* __restrict__ latent_cache, const int* __restrict__ slot_mapping, int C,
+                                   int R, int H, int Dn, float eps) {
+    __shared__ float scratch[WARP_SIZE];
+    const long long t = blockIdx.x;
+    const int slot = slot_mapping[t], L = C + R, half = R / 2;
+    const bf16* x = compressed + t * L;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < C; d += blockDim.x) {
+        const float v = to_f32(x[d]);
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / C + eps);
+    const TCS* cs = cos_sin + (long long)positions[t] * R;
+    if (slot >= 0) {
+        bf16* row = latent_cache + (long long)slot * L;
+        for (int d = threadIdx.x; d < C; d += blockDim.x)
+            row[d] = __float2bfloat16(to_f32(x[d]) * inv * to_f32(norm[d]));
+        for (int j = threadIdx.x; j < half; j += blockDim.x)
+            rope_rotate(to_f32(x[C + j]), to_f32(x[C + j + half]), to_f32(cs[j]), to_f32(cs[half + j]), row + C + j,
+                        row + C + j + half);
+    }
+    for (int i = threadIdx.x; i < H * half; i += blockDim.x) {
+        const int h = i / half, j = i % half;
+        const bf16* qh = q + (t * H + h) * (Dn + R) + Dn;
+        bf16* oh = q_all + (t * H + h) * L + C;
+        rope_rotate(to_f32(qh[j]), to_f32(qh[j + half]), to_f32(cs[j]), to_f32(cs[half + j]), oh + j, oh + j + half);
+    }
+}
+
+extern "C" __global__ void mla_prologue_bf16(const bf16* compressed, const bf16* norm, const bf16* q,
+                                             const int* positions, const bf16* cos_sin, bf16* q_all,
+                                             bf16* latent_cache, const int* slot_mapping, int C, int R, int H, int Dn,
+                                             float eps) {
+    mla_prologue_token<bf16>(compressed, norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping, C, R, H, Dn,
+                             eps);
+}
+
+extern "C" __global__ void mla_prologue_f32(const bf16* compressed, const bf16* norm, const bf16* q,
+                                            const int* positions, const float* cos_sin, bf16* q_all,
+                                            bf16* latent_cache, const int* slot_mapping, int C, int R, int H, int Dn,
+                                            float eps) {
+    mla_prologue_token<float>(compressed, norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping, C, R, H, Dn,
+                              eps);
+}
+
 extern "C" __global__ void mla_latent_write(bf16* __restrict__ latent_cache, const bf16* __restrict__ x,
                                             const int* __restrict__ slot_mapping, int L) {
     const int slot = slot_mapping[blockIdx.x];

@@ -94,6 +94,35 @@ extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) moe_down(
     down(h, offsets, w, y, D, I, units_per_warp);
 }
 
+// A dense MLP's (or shared expert's) gate_up product with silu_and_mul as its epilogue, for decode's
+// few rows (one launch instead of cuBLAS + silu_and_mul): h[t, u] = silu(g) * up with g and up the
+// row's two dot products rounded to bf16 first, as the product's bf16 output that silu_and_mul reads.
+// x [T, D]; w_gate_up [2I, D]; h [T, I]. Grid ceil(I / (GG_WARPS * units_per_warp)); units: I.
+extern "C" __global__ void __launch_bounds__(GG_THREADS, 1)
+    dense_gate_up_silu(const bf16* __restrict__ x, const bf16* __restrict__ w_gate_up, bf16* __restrict__ h, int T,
+                       int D, int I, int units_per_warp) {
+    const Bf16Rows w{w_gate_up, D};
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int first = (blockIdx.x * GG_WARPS + warp) * units_per_warp;
+    const int last = min(first + units_per_warp, I);
+    for (int u = first; u < last; ++u) {
+        for (int m0 = 0; m0 < T; m0 += GG_MT) {
+            const int mt = min(GG_MT, T - m0);
+            const bf16* xr[GG_MT];
+#pragma unroll
+            for (int m = 0; m < GG_MT; ++m) xr[m] = x + (long long)(m0 + min(m, mt - 1)) * D;
+            float g[GG_MT], up[GG_MT];
+            dot_two_rows(w, u, I + u, xr, mt, D, g, up);
+#pragma unroll
+            for (int m = 0; m < GG_MT; ++m)
+                if (m < mt && lane == m) {
+                    const float gb = to_f32(__float2bfloat16(g[m])), ub = to_f32(__float2bfloat16(up[m]));
+                    h[(long long)(m0 + m) * I + u] = __float2bfloat16(silu(gb) * ub);
+                }
+        }
+    }
+}
+
 // FP8 experts: w_gate_up [El, 2I, D] bytes with scale [El, 2 * ceil(I / bn), ceil(D / bk)] (gate and up
 // blocked separately); w_down [El, D, I] bytes with scale [El, ceil(D / bn), ceil(I / bk)].
 extern "C" __global__ void __launch_bounds__(GG_THREADS, 1) moe_gate_up_silu_fp8(

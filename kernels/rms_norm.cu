@@ -19,21 +19,29 @@ extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __re
         out[d] = __float2bfloat16(to_f32(x[d]) * inv * to_f32(w[d]));
 }
 
+__device__ __forceinline__ float as_x_dtype(float v, const float*) { return v; }
+__device__ __forceinline__ float as_x_dtype(float v, const bf16*) { return to_f32(__float2bfloat16(v)); }
+
 // s = x + residual (stored as bf16 in sum_out); out = rms_norm(s) computed from the stored s,
 // so the residual stream and the normed input agree. x is bf16, or fp32 (a MoE layer's output).
+// has_extra: x + extra[D] first (bf16: a shared expert's output), fp32 and stored as x's dtype as
+// elementwise.cu's add would: the add kernel folded in, the same bits.
 template <typename TX>
 __device__ void add_rms_norm_row(const TX* __restrict__ x, const bf16* __restrict__ residual,
                                  const bf16* __restrict__ w, bf16* __restrict__ out,
-                                 bf16* __restrict__ sum_out, int D, float eps) {
+                                 bf16* __restrict__ sum_out, int D, float eps, const bf16* __restrict__ extra,
+                                 int has_extra) {
     __shared__ float scratch[WARP_SIZE];
     const long long off = (long long)blockIdx.x * D;
     x += off;
+    extra += has_extra ? off : 0;
     residual += off;
     out += off;
     sum_out += off;
     float ss = 0.0f;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        bf16 s = __float2bfloat16(to_f32(x[d]) + to_f32(residual[d]));
+        const float xv = has_extra ? as_x_dtype(to_f32(x[d]) + to_f32(extra[d]), x) : to_f32(x[d]);
+        bf16 s = __float2bfloat16(xv + to_f32(residual[d]));
         sum_out[d] = s;
         float v = to_f32(s);
         ss += v * v;
@@ -45,11 +53,13 @@ __device__ void add_rms_norm_row(const TX* __restrict__ x, const bf16* __restric
 }
 
 extern "C" __global__ void add_rms_norm_bf16(const bf16* x, const bf16* residual, const bf16* w,
-                                             bf16* out, bf16* sum_out, int D, float eps) {
-    add_rms_norm_row<bf16>(x, residual, w, out, sum_out, D, eps);
+                                             bf16* out, bf16* sum_out, int D, float eps, const bf16* extra,
+                                             int has_extra) {
+    add_rms_norm_row<bf16>(x, residual, w, out, sum_out, D, eps, extra, has_extra);
 }
 
 extern "C" __global__ void add_rms_norm_f32(const float* x, const bf16* residual, const bf16* w,
-                                            bf16* out, bf16* sum_out, int D, float eps) {
-    add_rms_norm_row<float>(x, residual, w, out, sum_out, D, eps);
+                                            bf16* out, bf16* sum_out, int D, float eps, const bf16* extra,
+                                            int has_extra) {
+    add_rms_norm_row<float>(x, residual, w, out, sum_out, D, eps, extra, has_extra);
 }

@@ -3,19 +3,16 @@
 // logits [T, E] (bf16 or fp32) -> weights [T, k] fp32, ids [T, k] int32.
 // One warp per token, ROUTER_WARPS tokens per block; the warp keeps the token's E
 // probabilities in shared memory (dynamic: ROUTER_WARPS * E floats). k <= 32 (host-checked).
-#include "common.cuh"
+#include "moe_permute.cuh"
 
 #define ROUTER_WARPS 4
 
+// One warp routes token t; p: the warp's E floats of shared memory.
 template <typename TL>
-__device__ void router_token(const TL* __restrict__ logits, float* __restrict__ weights,
-                             int* __restrict__ ids, int T, int E, int k, int renormalize) {
-    extern __shared__ float smem[];
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int t = blockIdx.x * ROUTER_WARPS + warp;
-    if (t >= T) return;  // whole warp leaves together; no block-wide barrier follows
-    float* p = smem + warp * E;
-    const TL* row = logits + (long long)t * E;
+__device__ void router_row(const TL* __restrict__ logits, float* __restrict__ weights, int* __restrict__ ids,
+                           long long t, int E, int k, int renormalize, float* p) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const TL* row = logits + t * E;
 
     float mx = neg_inf();
     for (int e = lane; e < E; e += WARP_SIZE) {
@@ -57,9 +54,19 @@ __device__ void router_token(const TL* __restrict__ logits, float* __restrict__ 
         __syncwarp();
     }
     if (lane < k) {
-        weights[(long long)t * k + lane] = renormalize ? my_w / picked : my_w;
-        ids[(long long)t * k + lane] = my_id;
+        weights[t * k + lane] = renormalize ? my_w / picked : my_w;
+        ids[t * k + lane] = my_id;
     }
+}
+
+template <typename TL>
+__device__ void router_token(const TL* __restrict__ logits, float* __restrict__ weights,
+                             int* __restrict__ ids, int T, int E, int k, int renormalize) {
+    extern __shared__ float smem[];
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int t = blockIdx.x * ROUTER_WARPS + warp;
+    if (t >= T) return;  // whole warp leaves together; no block-wide barrier follows
+    router_row<TL>(logits, weights, ids, t, E, k, renormalize, smem + warp * E);
 }
 
 extern "C" __global__ void router_topk_bf16(const bf16* logits, float* weights, int* ids, int T,
@@ -84,18 +91,22 @@ __device__ __forceinline__ bool choice_beats(float v, int i, float best_v, int b
     return v == v && (v > best_v || (v == best_v && i < best_i));
 }
 
+struct GroupedArgs {  // router_grouped's parameters
+    int E, k, sigmoid, n_group, topk_group, top2_sum, renormalize;
+    float scaling;
+};
+
+// One warp routes token t; sc: the warp's 2 E floats of shared memory (scores | choice).
 template <typename TL>
-__device__ void router_grouped_token(const TL* __restrict__ logits, const float* __restrict__ bias,
-                                     float* __restrict__ weights, int* __restrict__ ids, int T, int E, int k,
-                                     int sigmoid, int n_group, int topk_group, int top2_sum, int renormalize,
-                                     float scaling) {
-    extern __shared__ float smem[];
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int t = blockIdx.x * ROUTER_WARPS + warp;
-    if (t >= T) return;  // whole warp leaves together; no block-wide barrier follows
-    float* sc = smem + warp * 2 * E;
+__device__ void router_grouped_row(const TL* __restrict__ logits, const float* __restrict__ bias,
+                                   float* __restrict__ weights, int* __restrict__ ids, long long t,
+                                   const GroupedArgs a, float* sc) {
+    const int E = a.E, k = a.k, sigmoid = a.sigmoid, n_group = a.n_group, topk_group = a.topk_group;
+    const int top2_sum = a.top2_sum, renormalize = a.renormalize;
+    const float scaling = a.scaling;
+    const int lane = threadIdx.x % WARP_SIZE;
     float* ch = sc + E;
-    const TL* row = logits + (long long)t * E;
+    const TL* row = logits + t * E;
 
     if (sigmoid) {
         for (int e = lane; e < E; e += WARP_SIZE) sc[e] = 1.0f / (1.0f + __expf(-to_f32(row[e])));
@@ -182,9 +193,22 @@ __device__ void router_grouped_token(const TL* __restrict__ logits, const float*
         __syncwarp();
     }
     if (lane < k) {
-        weights[(long long)t * k + lane] = (renormalize ? my_w / (picked + 1e-20f) : my_w) * scaling;
-        ids[(long long)t * k + lane] = my_id;
+        weights[t * k + lane] = (renormalize ? my_w / (picked + 1e-20f) : my_w) * scaling;
+        ids[t * k + lane] = my_id;
     }
+}
+
+template <typename TL>
+__device__ void router_grouped_token(const TL* __restrict__ logits, const float* __restrict__ bias,
+                                     float* __restrict__ weights, int* __restrict__ ids, int T, int E, int k,
+                                     int sigmoid, int n_group, int topk_group, int top2_sum, int renormalize,
+                                     float scaling) {
+    extern __shared__ float smem[];
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int t = blockIdx.x * ROUTER_WARPS + warp;
+    if (t >= T) return;  // whole warp leaves together; no block-wide barrier follows
+    const GroupedArgs a{E, k, sigmoid, n_group, topk_group, top2_sum, renormalize, scaling};
+    router_grouped_row<TL>(logits, bias, weights, ids, t, a, smem + warp * 2 * E);
 }
 
 extern "C" __global__ void router_grouped_bf16(const bf16* logits, const float* bias, float* weights, int* ids,
@@ -199,4 +223,76 @@ extern "C" __global__ void router_grouped_f32(const float* logits, const float* 
                                               int top2_sum, int renormalize, float scaling) {
     router_grouped_token<float>(logits, bias, weights, ids, T, E, k, sigmoid, n_group, topk_group, top2_sum,
                                 renormalize, scaling);
+}
+
+// Routing, the expert-load count and the permutation of this rank's slots in one launch (decode:
+// issue 39's launch budget): one block of W warps routes token t on warp t % W (router_row or
+// router_grouped_row, so weights and ids are router_topk's / router_grouped's bits), adds each
+// choice to counts[count_E] when count_E > 0 (count_experts: ids outside [0, count_E) skipped), then
+// permutes as moe_permute does (offsets [El + 1], sorted_slot [<= T*k], slot_pos [T*k]).
+// Dynamic shared memory: max(W * per-warp routing floats, (W + 1) * El ints), host-computed.
+__device__ void count_and_permute(const int* __restrict__ ids, int n, int* __restrict__ counts, int count_E,
+                                  int expert_start, int El, int* offsets, int* sorted_slot, int* slot_pos,
+                                  int* smem) {
+    __syncthreads();  // every token's ids written (global memory, visible to the block after the barrier)
+    if (count_E > 0)
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const int e = ids[i];
+            if (e >= 0 && e < count_E) atomicAdd(counts + e, 1);
+        }
+    permute_slots(ids, n, expert_start, El, offsets, sorted_slot, slot_pos, smem);
+}
+
+#define ROUTE_PERMUTE_TAIL                                                                                  \
+    int* counts, int count_E, int expert_start, int El, int* offsets, int* sorted_slot, int* slot_pos
+
+template <typename TL>
+__device__ void route_permute_topk(const TL* logits, float* weights, int* ids, int T, int E, int k,
+                                   int renormalize, ROUTE_PERMUTE_TAIL) {
+    extern __shared__ float smem[];
+    const int W = blockDim.x / WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int t = warp; t < T; t += W) {
+        router_row<TL>(logits, weights, ids, t, E, k, renormalize, smem + warp * E);
+        __syncwarp();  // the warp's routing floats are reused by its next token
+    }
+    count_and_permute(ids, T * k, counts, count_E, expert_start, El, offsets, sorted_slot, slot_pos, (int*)smem);
+}
+
+template <typename TL>
+__device__ void route_permute_grouped(const TL* logits, const float* bias, float* weights, int* ids, int T,
+                                      const GroupedArgs a, ROUTE_PERMUTE_TAIL) {
+    extern __shared__ float smem[];
+    const int W = blockDim.x / WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int t = warp; t < T; t += W) {
+        router_grouped_row<TL>(logits, bias, weights, ids, t, a, smem + warp * 2 * a.E);
+        __syncwarp();
+    }
+    count_and_permute(ids, T * a.k, counts, count_E, expert_start, El, offsets, sorted_slot, slot_pos, (int*)smem);
+}
+
+#define ROUTE_PERMUTE_ARGS counts, count_E, expert_start, El, offsets, sorted_slot, slot_pos
+extern "C" __global__ void route_permute_topk_bf16(const bf16* logits, float* weights, int* ids, int T, int E,
+                                                   int k, int renormalize, ROUTE_PERMUTE_TAIL) {
+    route_permute_topk<bf16>(logits, weights, ids, T, E, k, renormalize, ROUTE_PERMUTE_ARGS);
+}
+
+extern "C" __global__ void route_permute_topk_f32(const float* logits, float* weights, int* ids, int T, int E,
+                                                  int k, int renormalize, ROUTE_PERMUTE_TAIL) {
+    route_permute_topk<float>(logits, weights, ids, T, E, k, renormalize, ROUTE_PERMUTE_ARGS);
+}
+
+extern "C" __global__ void route_permute_grouped_bf16(const bf16* logits, const float* bias, float* weights,
+                                                      int* ids, int T, int E, int k, int sigmoid, int n_group,
+                                                      int topk_group, int top2_sum, int renormalize, float scaling,
+                                                      ROUTE_PERMUTE_TAIL) {
+    const GroupedArgs a{E, k, sigmoid, n_group, topk_group, top2_sum, renormalize, scaling};
+    route_permute_grouped<bf16>(logits, bias, weights, ids, T, a, ROUTE_PERMUTE_ARGS);
+}
+
+extern "C" __global__ void route_permute_grouped_f32(const float* logits, const float* bias, float* weights,
+                                                     int* ids, int T, int E, int k, int sigmoid, int n_group,
+                                                     int topk_group, int top2_sum, int renormalize, float scaling,
+                                                     ROUTE_PERMUTE_TAIL) {
+    const GroupedArgs a{E, k, sigmoid, n_group, topk_group, top2_sum, renormalize, scaling};
+    route_permute_grouped<float>(logits, bias, weights, ids, T, a, ROUTE_PERMUTE_ARGS);
 }

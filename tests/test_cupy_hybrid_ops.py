@@ -129,14 +129,14 @@ def forced(path, device, prompt, split):
     from eprt.ops.device import get_ops
 
     ops = get_ops(device)
-    routes, router = [], ops.router
+    routes, route = [], ops.route
 
-    def recording(logits, top_k, renormalize):
-        weights, ids = router(logits, top_k, renormalize)
+    def recording(*args):
+        weights, ids, perm = route(*args)
         routes.append(np.sort(ops.to_host(ids), axis=1))
-        return weights, ids
+        return weights, ids, perm
 
-    ops.router = recording
+    ops.route = recording
     ex = ShardExecutor(load_model(path, ops, max_len=64).model, 16, 4, 2, prefix_cache=False)
     ex.allocate(1, prompt[:split])
     for start in range(0, split, 3):

@@ -666,7 +666,7 @@ extern "C" __global__ void staged(const float* x, float* before, float* after) {
 # on cusim must notice each ----------------------------------------------------------------------
 MUTATIONS = {
     "permute: no barrier between reading and advancing the expert cursor": (
-        "moe_permute.cu",
+        "moe_permute.cuh",  # (moe_permute.cu's and router.cu's fused route_permute_* share it)
         "__syncwarp();  // all reads of the cursor precede the update",
         "",
         "moe_experts",

@@ -28,6 +28,7 @@ from eprt.api import GenerationRequest, SamplingParams
 from eprt.engine.engine import EngineConfig, launch_engine
 from eprt.engine.executor import ShardExecutor
 from eprt.model.loader import load_model
+from eprt.ops.base import GroupedRouting
 from eprt.ops.device import cuda_usable, get_ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_usable(), reason="no usable CUDA device")]
@@ -52,21 +53,19 @@ def teacher_forced(path, device, prompt, generated=()):
     the prompt's prefill, then a decode step for each of the ``generated`` tokens."""
     ops = get_ops(device)
     routes = []
-    router = ops.router
+    route = ops.route  # every MoE layer's routing (router or router_grouped, the count, the permutation)
 
-    def recording_router(logits, top_k, renormalize):
-        weights, ids = router(logits, top_k, renormalize)
-        routes.append((ops.to_host(logits).astype(np.float64), np.sort(ops.to_host(ids), axis=1), False))
-        return weights, ids
+    def recording_route(logits, top_k, routing, bias, counts, local):
+        weights, ids, perm = route(logits, top_k, routing, bias, counts, local)
+        grouped = isinstance(routing, GroupedRouting)
+        if grouped:
+            choice = grouped_choice(ops.to_host(logits), None if bias is None else ops.to_host(bias), routing)
+        else:
+            choice = ops.to_host(logits).astype(np.float64)
+        routes.append((choice, np.sort(ops.to_host(ids), axis=1), grouped))
+        return weights, ids, perm
 
-    def recording_router_grouped(logits, bias, top_k, routing):
-        weights, ids = router_grouped(logits, bias, top_k, routing)
-        choice = grouped_choice(ops.to_host(logits), None if bias is None else ops.to_host(bias), routing)
-        routes.append((choice, np.sort(ops.to_host(ids), axis=1), True))
-        return weights, ids
-
-    router_grouped = ops.router_grouped
-    ops.router, ops.router_grouped = recording_router, recording_router_grouped
+    ops.route = recording_route
     ex = ShardExecutor(load_model(path, ops, max_len=128).model, 8, 16, 1, prefix_cache=False)
     ex.allocate(0, prompt)
     logits = ex.prefill(0, prompt, 0, len(prompt))

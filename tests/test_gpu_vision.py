@@ -27,16 +27,16 @@ CASES = [
 def run(path, device, prompt, rows, decoded):
     """(logits [1 + steps, V] of the prefill and each decoded token, per MoE call (router probs, ids))."""
     ops, routes = get_ops(device), []
-    router = ops.router
+    route = ops.route
 
-    def recording(logits, top_k, renormalize):
-        weights, ids = router(logits, top_k, renormalize)
+    def recording(logits, *args):
+        weights, ids, perm = route(logits, *args)
         probs = ops.to_host(logits).astype(np.float64)
         probs = np.exp(probs - probs.max(axis=1, keepdims=True))
         routes.append((probs / probs.sum(axis=1, keepdims=True), np.sort(ops.to_host(ids), axis=1)))
-        return weights, ids
+        return weights, ids, perm
 
-    ops.router = recording
+    ops.route = recording
     ex = ShardExecutor(load_model(path, ops, max_len=128).model, 16, 16, 1, prefix_cache=False)
     ex.allocate(0, prompt, vision_rows=rows)
     out = [ops.to_host(ex.prefill(0, prompt, 0, len(prompt), rows))[0]]

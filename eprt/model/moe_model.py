@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,6 +51,7 @@ class AttnBatch:
     parts: tuple = ()  # batched prefill: a PrefillPart per sequence, in token order (block_table unused)
     rope_cos_sin: np.ndarray | None = None  # [T, R] per-token cos|sin (3-D MRoPE of image prompts): replaces positions
     window: AttnBatch | None = None  # windowed KV: the sliding layers' slots and tables (positions as here)
+    device: dict = field(default_factory=dict, repr=False, compare=False)  # MoEModel.index's uploads, by field
 
     @property
     def is_prefill(self) -> bool:
@@ -192,43 +193,57 @@ class MoEModel:
             h[self.ops.index(np.nonzero(image_mask)[0])] = self.ops.activation(image_rows)
         return h
 
+    def index(self, batch: AttnBatch, name: str):
+        """The int32 field ``name`` of ``batch`` on the device, uploaded once per forward pass: every
+        layer reads the same positions, slots, tables and lengths (issue 39: copies per layer)."""
+        if name not in batch.device:
+            batch.device[name] = self.ops.index(getattr(batch, name))
+        return batch.device[name]
+
     def _linear(self, x, w, layer: int, target: str, bias=None):
         """ops.linear plus the LoRA delta of each row's adapter (nothing more without adapters)."""
         y = self.ops.linear(x, w, bias)
         return y if self.lora_rows is None else self.lora.apply(y, x, self.lora_rows, layer, target)
 
-    def _attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
-        cfg, ops = self.cfg, self.ops
-        T = x.shape[0]
+    def _qkv(self, lw, x, layer: int):
+        """q [T, H, Dh], k and v [T, Hk, Dh]: row views of one product where the weights are fused."""
+        cfg, ops, T = self.cfg, self.ops, x.shape[0]
         if lw.qkv is not None:  # one product for the three
             qkv = ops.linear(x, lw.qkv, lw.qkv_bias)  # [T, Q + 2KV]
             nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            q, k, v = (ops.xp.ascontiguousarray(qkv[:, a:b]) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, None)))
+            q, k, v = (qkv[:, a:b] for a, b in ((0, nq), (nq, nq + nk), (nq + nk, None)))
             if self.lora_rows is not None:
-                q, k, v = (self.lora.apply(y, x, self.lora_rows, layer, t) for y, t in ((q, "q"), (k, "k"), (v, "v")))
+                q, k, v = (
+                    self.lora.apply(ops.xp.ascontiguousarray(y), x, self.lora_rows, layer, t)
+                    for y, t in ((q, "q"), (k, "k"), (v, "v"))
+                )
         else:
             q = self._linear(x, lw.q, layer, "q", lw.q_bias)  # [T, H*Dh]
             k = self._linear(x, lw.k, layer, "k", lw.k_bias)  # [T, Hk*Dh]
             v = self._linear(x, lw.v, layer, "v", lw.v_bias)
+        if cfg.qk_norm == "full" or cfg.clip_qkv is not None:
+            q, k, v = (ops.xp.ascontiguousarray(a) for a in (q, k, v))
         if cfg.qk_norm == "full":  # OLMoE
             q = ops.rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
             k = ops.rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
             q, k, v = (ops.clip(t, cfg.clip_qkv) for t in (q, k, v))
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)  # [T, H, Dh]
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)  # [T, Hk, Dh]
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm == "head":  # Qwen3-MoE
-            q = ops.rms_norm(q.reshape(-1, cfg.head_dim), lw.q_norm, cfg.rms_norm_eps).reshape(q.shape)
-            k = ops.rms_norm(k.reshape(-1, cfg.head_dim), lw.k_norm, cfg.rms_norm_eps).reshape(k.shape)
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+        return (a.reshape(T, h, cfg.head_dim) for a, h in zip((q, k, v), heads))
+
+    def _attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
+        cfg, ops = self.cfg, self.ops
+        T = x.shape[0]
+        q, k, v = self._qkv(lw, x, layer)
         if batch.rope_cos_sin is None:
-            pos, table = ops.index(batch.positions), self.cos_sin
+            pos, table = self.index(batch, "positions"), self.cos_sin
         else:  # each token's own cos|sin row
             pos, table = ops.index(np.arange(T, dtype=np.int32)), ops.activation(batch.rope_cos_sin)
-        q, k = self._rope(q, pos, table), self._rope(k, pos, table)
+        norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm == "head" else None  # Qwen3-MoE's per-head norm
+        slots = self.index(self._kv_batch(batch, layer), "slot_mapping")
+        q = ops.qk_rope_kv_write(q, k, v, norms, cfg.rms_norm_eps, pos, table, kv.k[layer], kv.v[layer], slots)
         if cfg.attention_sinks:
-            return self._linear(self._sink_attention(lw, q, k, v, batch, kv, layer), lw.o, layer, "o", lw.o_bias)
-        ops.kv_write(kv.k[layer], kv.v[layer], k, v, ops.index(batch.slot_mapping))
+            return self._linear(self._sink_attention(lw, q, batch, kv, layer), lw.o, layer, "o", lw.o_bias)
         if batch.is_prefill:
             o = self._per_sequence(
                 batch,
@@ -237,25 +252,36 @@ class MoEModel:
                 ),
             )
         elif batch.query_lens is not None:
-            tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
+            tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
             o = ops.attention_verify(q, kv.k[layer], kv.v[layer], tables, lens, batch.query_lens, self.scale)
         else:
             o = ops.attention_decode(
-                q, kv.k[layer], kv.v[layer], ops.index(batch.block_tables), ops.index(batch.context_lens), self.scale
+                q,
+                kv.k[layer],
+                kv.v[layer],
+                self.index(batch, "block_tables"),
+                self.index(batch, "context_lens"),
+                self.scale,
             )
         o = o.reshape(T, -1)  # [T, H*Dh]
         if lw.q_gate is not None:  # Qwen3-Next's gated attention
             o = ops.sigmoid_mul(o, ops.linear(x, lw.q_gate))
         return self._linear(o, lw.o, layer, "o")  # [T, D]
 
-    def _sink_attention(self, lw, q, k, v, batch: AttnBatch, kv: KVCache, layer: int):
-        """gpt-oss's attention over the paged KV: sinks in the denominator; a sliding layer reads the
-        last ``sliding_window`` keys, through its own tables when the KV is windowed. Returns [T, H*Dh]."""
-        ops, sliding = self.ops, self.cfg.is_sliding_layer(layer)
-        window = self.cfg.sliding_window if sliding else 0
-        b = batch.window if sliding and batch.window is not None else batch
+    def _kv_batch(self, batch: AttnBatch, layer: int) -> AttnBatch:
+        """The batch whose slots and tables layer ``layer``'s KV uses: a sliding layer's own when
+        the KV is windowed (gpt-oss), else ``batch``."""
+        sliding = self.cfg.attention_sinks and self.cfg.is_sliding_layer(layer)
+        return batch.window if sliding and batch.window is not None else batch
+
+    def _sink_attention(self, lw, q, batch: AttnBatch, kv: KVCache, layer: int):
+        """gpt-oss's attention over the paged KV (this step's keys already written): sinks in the
+        denominator; a sliding layer reads the last ``sliding_window`` keys, through its own tables
+        when the KV is windowed. Returns [T, H*Dh]."""
+        ops = self.ops
+        window = self.cfg.sliding_window if self.cfg.is_sliding_layer(layer) else 0
+        b = self._kv_batch(batch, layer)
         kc, vc = kv.k[layer], kv.v[layer]
-        ops.kv_write(kc, vc, k, v, ops.index(b.slot_mapping))
         if b.is_prefill:
             o = self._per_sequence(
                 b,
@@ -264,7 +290,7 @@ class MoEModel:
                 ),
             )
         else:
-            tables, lens = ops.index(b.block_tables), ops.index(b.context_lens)
+            tables, lens = self.index(b, "block_tables"), self.index(b, "context_lens")
             if b.query_lens is not None:
                 o = ops.attention_sinks_verify(q, kc, vc, tables, lens, b.query_lens, self.scale, lw.sinks, window)
             else:
@@ -277,32 +303,18 @@ class MoEModel:
         outs = [run(slice(p.offset, p.offset + p.length), p) for p in batch.prefill_parts()]
         return outs[0] if len(outs) == 1 else self.ops.xp.concatenate(outs, axis=0)
 
-    def _rope(self, x, pos, table):
-        """Rotate the first rope_dim dims of every head of x[T, H, Dh] (all of them but for partial rotary)."""
-        rd = table.shape[1]
-        if rd == x.shape[-1]:
-            return self.ops.rope(x, pos, table)
-        xp = self.ops.xp
-        rotated = self.ops.rope(xp.ascontiguousarray(x[..., :rd]), pos, table)  # [T, H, rd]
-        return xp.concatenate([rotated, x[..., rd:]], axis=-1)
-
     def _mla_attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
         """Multi-head latent attention: the cache keeps [normed latent | roped key] per token; queries
         are absorbed into the latent space (q_nope @ W_UK), so attention reads C + R values per
         position, and the latent output goes up through W_UV."""
-        cfg, ops, xp, m = self.cfg, self.ops, self.ops.xp, self.cfg.mla
+        cfg, ops, m = self.cfg, self.ops, self.cfg.mla
         T, H, C, Dn = x.shape[0], cfg.num_heads, m.kv_lora_rank, m.qk_nope_head_dim
         q_in = x if lw.q_a is None else ops.rms_norm(ops.linear(x, lw.q_a), lw.q_a_norm, MLA_NORM_EPS)
         q = ops.linear(q_in, lw.q).reshape(T, H, Dn + m.qk_rope_head_dim)  # [T, H, Dn+R]
         compressed = ops.linear(x, lw.kv_a)  # [T, C+R]
-        latent = ops.rms_norm(xp.ascontiguousarray(compressed[:, :C]), lw.kv_a_norm, MLA_NORM_EPS)  # [T, C]
-        pos = ops.index(batch.positions)
-        k_rope = ops.rope(xp.ascontiguousarray(compressed[:, None, C:]), pos, self.cos_sin)  # [T, 1, R]
-        q_rope = ops.rope(xp.ascontiguousarray(q[:, :, Dn:]), pos, self.cos_sin)  # [T, H, R]
-        q_latent = ops.head_linear(xp.ascontiguousarray(q[:, :, :Dn]), lw.w_uk)  # [T, H, C]
-        cache = kv.latent[layer]
-        ops.latent_write(cache, xp.concatenate([latent, k_rope[:, 0]], axis=-1), ops.index(batch.slot_mapping))
-        q_all = xp.concatenate([q_latent, q_rope], axis=-1)  # [T, H, C+R]
+        cache, pos, slots = kv.latent[layer], self.index(batch, "positions"), self.index(batch, "slot_mapping")
+        args = (MLA_NORM_EPS, pos, self.cos_sin, lw.w_uk, cache, slots)
+        q_all = ops.mla_prologue(q, compressed, lw.kv_a_norm, *args)  # [T, H, C+R]; the cache row written
         if batch.is_prefill:
             o = self._per_sequence(
                 batch,
@@ -311,39 +323,49 @@ class MoEModel:
                 ),
             )
         elif batch.query_lens is not None:
-            tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
+            tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
             o = ops.mla_attention_verify(q_all, cache, tables, lens, batch.query_lens, self.scale, value_dim=C)
         else:
-            tables, lens = ops.index(batch.block_tables), ops.index(batch.context_lens)
+            tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
             o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, value_dim=C)  # [T, H, C]
         return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
 
     def _moe(self, lw, x, layer: int):
+        """The MoE layer's output [T, D] (the shared expert's added)."""
+        out, shared = self._moe_parts(lw, x, layer)
+        return out if shared is None else self.ops.add(out, shared)
+
+    def _moe_parts(self, lw, x, layer: int):
+        """(the MoE layer's output [T, D], an ungated shared expert's output [T, D] not yet added or
+        None): the forward pass folds the add into the next add_rms_norm (one launch fewer)."""
         self.moe_layers_run += 1
         out = self._routed_alltoall(lw, x, layer) if self.alltoall is not None else self._routed(lw, x, layer)
-        if lw.shared_gate_up is not None and x.shape[0]:
-            up = self.ops.silu_and_mul(self._linear(x, lw.shared_gate_up, layer, "shared_gate_up"))
-            s = self._linear(up, lw.shared_down, layer, "shared_down")
-            if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
-                out = self.ops.sigmoid_gate_add(out, s, self.ops.linear(x, lw.shared_gate))  # gate [T, 1]
-            else:  # DeepSeek / GLM shared experts
-                out = self.ops.add(out, s)
-        return out
+        if lw.shared_gate_up is None or not x.shape[0]:
+            return out, None
+        up = self._gate_up_silu(x, lw.shared_gate_up, layer, "shared_gate_up")
+        s = self._linear(up, lw.shared_down, layer, "shared_down")
+        if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
+            return self.ops.sigmoid_gate_add(out, s, self.ops.linear(x, lw.shared_gate)), None  # gate [T, 1]
+        return out, s  # DeepSeek / GLM shared experts: added by the caller
 
-    def _route(self, lw, x, layer: int, count: bool = True):
-        """The router over x [T, D]: (weights [T, k], ids [T, k]); ``count``: into the expert-load counters
-        (an MTP layer's routing is not counted: EPLB balances the main layers)."""
+    def _route(self, lw, x, layer: int, count: bool = True, own=None):
+        """The router over x [T, D]: (weights [T, k], ids [T, k], the permutation to this rank's experts
+        or None); ``count``: into the expert-load counters (an MTP layer's routing is not counted: EPLB
+        balances the main layers); ``own``: (expert_start, El) for the permutation (ops.route)."""
         ops, cfg = self.ops, self.cfg
         logits = ops.linear(x, lw.router, lw.router_logit_bias)  # [T, E]
+        counted = count and layer < cfg.num_layers
         if cfg.swiglu is not None:  # gpt-oss: softmax over the top-k logits
             weights, ids = ops.router_topk_softmax(logits, cfg.top_k)
-        elif cfg.routing is None:
-            weights, ids = ops.router(logits, cfg.top_k, cfg.norm_topk_prob)  # [T, k]
-        else:
-            weights, ids = ops.router_grouped(logits, lw.router_bias, cfg.top_k, cfg.routing)
-        if count and layer < cfg.num_layers:
+            perm, fused = None, False
+        else:  # the count goes into the fused launch unless padded rows (a graph's) must be left out
+            fused = counted and self.row_mask is None
+            counts = self.expert_counts[layer] if fused else None
+            routing = cfg.norm_topk_prob if cfg.routing is None else cfg.routing
+            weights, ids, perm = ops.route(logits, cfg.top_k, routing, lw.router_bias, counts, own)  # [T, k]
+        if counted and not fused:
             ops.count_experts(self._counted(ids), self.expert_counts[layer])
-        return weights, ids
+        return weights, ids, perm
 
     def _owner_route(self, lw, x, layer: int, rows: bool):
         """dp attention: each row routed by its owner (the router's product over the rows attention gave
@@ -351,7 +373,7 @@ class MoEModel:
         themselves, in the same all-gather); counted in the expert load. Returns (every rank's rows
         [N, D] or None, weights [N, k] and ids [N, k] on the host)."""
         if x.shape[0]:
-            weights, ids = self._route(lw, x, layer, count=False)
+            weights, ids, _ = self._route(lw, x, layer, count=False)
         else:  # a rank without rows: it still serves the others' rows
             weights, ids = np.zeros((0, self.cfg.top_k), np.float32), np.zeros((0, self.cfg.top_k), np.int32)
         if rows:
@@ -365,21 +387,24 @@ class MoEModel:
     def _routed(self, lw, x, layer: int):
         """The routed experts' output, summed over ranks: [T, D] (dp attention: this rank's rows)."""
         ops, cfg = self.ops, self.cfg
+        rows = self.lora_rows if self.exchange is None else self.exchange_lora_rows  # the MoE's rows' adapters
+        experts = (None, None) if rows is None or cfg.swiglu is not None else self.lora.experts(layer)
+        perm = None
         if self.exchange is not None:  # dp attention: the experts see every rank's rows
             x, weights, ids = self._owner_route(lw, x, layer, rows=True)  # [N, D], [N, k]
             weights, ids = ops.xp.asarray(weights), ops.index(ids)
         else:
-            weights, ids = self._route(lw, x, layer)
+            plain = experts == (None, None) and self.slots is None  # this rank's own experts, no adapter
+            own = (self.w.expert_start, self.w.expert_end - self.w.expert_start) if plain else None
+            weights, ids, perm = self._route(lw, x, layer, own=own)
         if cfg.swiglu is not None:  # gpt-oss: biased experts, clamped SwiGLU
             args = (lw.w_gate_up, lw.w_down, lw.b_gate_up, lw.b_down, self.w.expert_start)
             return self._combine(ops.moe_experts_swiglu(x, weights, ids, *args, cfg.swiglu.alpha, cfg.swiglu.limit))
-        rows = self.lora_rows if self.exchange is None else self.exchange_lora_rows  # the MoE's rows' adapters
-        experts = (None, None) if rows is None else self.lora.experts(layer)
         if experts != (None, None):  # (never under EPLB: LoraSlots.read refuses such adapters there)
             args = (lw.w_gate_up, lw.w_down, self.w.expert_start, rows, *experts)
             return self._combine(ops.moe_experts_lora(x, weights, ids, *args))  # [T, D] summed over ranks
         if self.slots is None:
-            partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start)
+            partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start, perm)
             return self._combine(partial)  # [T, D] summed over ranks
         # EPLB: every rank gets every row's sum; under dp attention it keeps its own
         out = self.slots.moe(ops, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]
@@ -392,7 +417,7 @@ class MoEModel:
         if self.exchange is not None:
             _, weights, ids = self._owner_route(lw, x, layer, rows=False)
         else:
-            weights, ids = (np.asarray(ops.to_host(a)) for a in self._route(lw, x, layer))  # [N, k] on the host
+            weights, ids = (np.asarray(ops.to_host(a)) for a in self._route(lw, x, layer)[:2])  # [N, k] on the host
         if self.slots is not None:  # EPLB: each choice to the rank of its replica, chosen alike everywhere
             slots = self.slots.choose(ops, ids, layer, lw.w_gate_up)
             start = self.slots.start
@@ -416,8 +441,15 @@ class MoEModel:
         """The experts' partial sums [T, D] summed over ranks (dp attention: this rank's rows of it)."""
         return self.combine(partial) if self.exchange is None else self.exchange.scatter(partial)
 
+    def _gate_up_silu(self, x, w, layer: int, target: str):
+        """silu_and_mul of the gate_up product (one fused op without adapters; with them the
+        LoRA delta joins the product first)."""
+        if self.lora_rows is None:
+            return self.ops.gate_up_silu(x, w)
+        return self.ops.silu_and_mul(self._linear(x, w, layer, target))
+
     def _dense_mlp(self, lw, x, layer: int):
-        up = self.ops.silu_and_mul(self._linear(x, lw.mlp_gate_up, layer, "mlp_gate_up"))
+        up = self._gate_up_silu(x, lw.mlp_gate_up, layer, "mlp_gate_up")
         return self._linear(up, lw.mlp_down, layer, "mlp_down")
 
     # ---- forward -----------------------------------------------------------------------
@@ -428,12 +460,12 @@ class MoEModel:
         ops, cfg = self.ops, self.cfg
         if cfg.is_hybrid and (state is None or batch.state_slots is None):
             raise ValueError(f"{cfg.model_type} has linear-attention layers: the forward pass needs their state slots")
-        residual = h
+        residual, shared = h, None  # shared: the last MoE layer's shared expert, added by the next norm
         x = ops.rms_norm(h, self.w.layers[0].input_norm, cfg.rms_norm_eps)
         attention = self._attention if cfg.mla is None else self._mla_attention
         for i, lw in enumerate(self.w.layers):
             if i > 0:
-                x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps)
+                x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps, shared)
             if lw.linear is not None and batch.is_prefill:  # each sequence continues its own state
                 h = self._per_sequence(
                     batch,
@@ -446,10 +478,10 @@ class MoEModel:
             else:
                 h = attention(lw, x, batch, kv, i)
             x, residual = ops.add_rms_norm(h, residual, lw.post_norm, cfg.rms_norm_eps)
-            h = self._moe(lw, x, i) if cfg.sparse_layers[i] else self._dense_mlp(lw, x, i)
+            h, shared = self._moe_parts(lw, x, i) if cfg.sparse_layers[i] else (self._dense_mlp(lw, x, i), None)
             if deepstack is not None and i < len(deepstack[1]):
-                h = self._add_deepstack(h, *deepstack, i)
-        x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps)
+                h, shared = self._add_deepstack(h if shared is None else ops.add(h, shared), *deepstack, i), None
+        x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps, shared)
         return x
 
     def _add_deepstack(self, h, mask, rows, layer: int):

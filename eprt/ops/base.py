@@ -73,6 +73,18 @@ class GroupedRouting:
             raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
 
 
+@dataclass(frozen=True)
+class Permutation:
+    """This rank's (token, choice) slots s = t * k + j grouped by local expert (``Ops.route``,
+    ``Ops.moe_experts``): local expert e owns sorted rows [offsets[e], offsets[e + 1]) (offsets
+    [El + 1], offsets[El] = P), sorted_slot[p] is row p's slot (ascending within an expert; [P] used
+    of its length), slot_pos[T * k] the row of each slot, -1 where its expert is not local."""
+
+    offsets: Any
+    sorted_slot: Any
+    slot_pos: Any
+
+
 class Ops:
     """Abstract backend. Methods return new arrays unless documented otherwise."""
 
@@ -163,8 +175,9 @@ class Ops:
         """x[T, D], weight[D] -> [T, D]; also used per head (x[T*H, Dh])."""
         raise NotImplementedError
 
-    def add_rms_norm(self, x: Array, residual: Array, weight: Array, eps: float):
-        """Fused residual add: s = x + residual; returns (rms_norm(s), s), both [T, D]."""
+    def add_rms_norm(self, x: Array, residual: Array, weight: Array, eps: float, extra: Array | None = None):
+        """Fused residual add: s = x + residual; returns (rms_norm(s), s), both [T, D]. ``extra``
+        [T, D] (a shared expert's output): s = add(x, extra) + residual, the add as ``add`` does it."""
         raise NotImplementedError
 
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
@@ -178,6 +191,14 @@ class Ops:
     def kv_write(self, k_cache: Array, v_cache: Array, k: Array, v: Array, slot_mapping: Array) -> None:
         """In place: k/v[T, Hk, Dh] go to flat slots slot_mapping[T] of the caches; a negative
         slot marks a padding row that is not written."""
+        raise NotImplementedError
+
+    def qk_rope_kv_write(self, q, k, v, norms, eps: float, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        """The attention prologue: q[T, H, Dh], k/v[T, Hk, Dh] (row views of one product allowed);
+        ``norms`` None or (q_norm[Dh], k_norm[Dh]): each head RMS-normed first (Qwen3's q/k norm);
+        q and k rotated over the first R columns of each head (cos_sin[P, R], R <= Dh: partial
+        rotary keeps the rest); k and v written to the caches as ``kv_write`` does. Returns the
+        rotated q [T, H, Dh]. Exactly rms_norm, rope and kv_write in that order."""
         raise NotImplementedError
 
     def attention_prefill(
@@ -228,13 +249,34 @@ class Ops:
         times ``routing.scaling``."""
         raise NotImplementedError
 
+    def route(self, logits: Array, top_k: int, routing, bias: Array | None, counts: Array | None, local):
+        """A MoE layer's routing: ``router`` (``routing`` a bool: renormalize) or ``router_grouped``
+        (``routing`` a GroupedRouting, ``bias`` its bias), then ``count_experts`` into counts[E] when
+        given, then, when ``local`` = (expert_start, El) is given, the permutation of the slots to this
+        rank's El experts for ``moe_experts``. Returns (weights[T, k], ids[T, k], a Permutation or
+        None: a backend may leave the permutation to ``moe_experts``). The GPU does it all in one launch
+        at decode's token counts (issue 39's launch budget)."""
+        raise NotImplementedError
+
     def add(self, x: Array, y: Array) -> Array:
         """x[T, D] + y[T, D] (float32 accumulation): an ungated shared expert's output."""
+        raise NotImplementedError
+
+    def rank_sum(self, parts: Array) -> Array:
+        """parts[P, T, D] float32 (every rank's MoE partial) -> [T, D] float32: parts[0] + parts[1] +
+        ... added left to right in rank order, as the host combine sums (the same bits on every rank)."""
         raise NotImplementedError
 
     def head_linear(self, x: Array, w: Array) -> Array:
         """Per-head matmul: x[T, H, K], w[H, N, K] -> [T, H, N] with y[t, h] = w[h] @ x[t, h]
         (MLA's absorbed key and value up-projections)."""
+        raise NotImplementedError
+
+    def mla_prologue(self, q, compressed, kv_a_norm, eps: float, positions, cos_sin, w_uk, latent_cache, slot_mapping):
+        """MLA's attention prologue: q[T, H, Dn + R] (the q product), compressed[T, C + R] (kv_a's),
+        kv_a_norm[C], cos_sin[P, R], w_uk[H, C, Dn]. Writes the cache row [rms_norm(compressed[:, :C])
+        | rope(compressed[:, C:])] at slot_mapping[T] as ``latent_write`` does and returns the query
+        [T, H, C + R] = [head_linear(q[.., :Dn], w_uk) | rope(q[.., Dn:])]. Exactly those ops."""
         raise NotImplementedError
 
     def latent_write(self, latent_cache: Array, x: Array, slot_mapping: Array) -> None:
@@ -276,6 +318,11 @@ class Ops:
         """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]  [T, I]"""
         raise NotImplementedError
 
+    def gate_up_silu(self, x: Array, w: Array) -> Array:
+        """A dense MLP's (or shared expert's) first half: silu_and_mul(linear(x, w)), x[T, D],
+        w[2I, D] -> [T, I]; the GPU runs it as one launch at decode's row counts."""
+        raise NotImplementedError
+
     def clip(self, x: Array, limit: float) -> Array:
         """Element-wise clamp to [-limit, limit] (OLMoE's clip_qkv). Same shape as x."""
         raise NotImplementedError
@@ -290,10 +337,11 @@ class Ops:
         raise NotImplementedError
 
     def moe_experts(
-        self, x: Array, weights: Array, ids: Array, w_gate_up: Array, w_down: Array, expert_start: int
+        self, x: Array, weights: Array, ids: Array, w_gate_up: Array, w_down: Array, expert_start: int, perm=None
     ) -> Array:
         """This rank's share of a MoE layer. x[T, D], weights/ids[T, k], w_gate_up[El, 2I, D],
-        w_down[El, D, I]. Local expert e is global expert expert_start + e. Returns [T, D]
+        w_down[El, D, I]. Local expert e is global expert expert_start + e. ``perm``: the slots'
+        Permutation to these experts from ``route``, or None (the backend permutes). Returns [T, D]
         (float32 accumulation): sum over (t, j) with ids[t, j] local of
         weights[t, j] * down_e(silu_and_mul(gate_up_e(x[t]))); zero rows where no local
         expert was chosen. Summing this over all ranks gives the MoE output."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
-from eprt.ops.base import GroupedRouting, Ops
+from eprt.ops.base import GroupedRouting, Ops, Permutation
 from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from eprt.ops.cupy_flash import flash_gqa, flash_mla
 from eprt.ops.cupy_gptoss import GptOssCupy
@@ -56,6 +56,8 @@ MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
 FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), activations quantized
 TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
+DENSE_FUSED_MAX_ROWS = 8  # gate_up_silu: up to one GG_MT chunk of rows (each weight read once) in one launch
+ROUTE_FUSED_MAX_TOKENS = 64  # route: up to this many tokens (decode) in one launch with the permutation
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
 FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
 _FL_WARPS = 4  # fp8_linear.cu: FL_WARPS
@@ -99,6 +101,16 @@ def _check(op: str, name: str, a, dtypes, shape: tuple | None = None, aligned: b
         raise ValueError(f"{op}: {name} must start on a 16-byte boundary (a row slice of odd width?)")
 
 
+def _row_stride(op: str, name: str, a, shape: tuple) -> int:
+    """Validate a bf16 array whose rows may be spaced (a column slice of one product: [T, ..] with
+    every dim after the first contiguous) and return its row stride in elements."""
+    if not isinstance(a, cupy.ndarray):
+        raise TypeError(f"{op}: {name} must be a cupy array on the GPU, got {type(a).__name__}")
+    _check(op, name, a[:1], _BF16, (None, *shape[1:]))  # one row: its dtype, shape and contiguity
+    _require(op, a.ndim == len(shape), f"{name} has shape {list(a.shape)}, expected {len(shape)} dims")
+    return a.strides[0] // a.itemsize if a.shape[0] > 1 else int(np.prod(a.shape[1:]))
+
+
 def _require(op: str, ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"{op}: {message}")
@@ -125,11 +137,15 @@ def _cublas_handle(cublas) -> int:
 
 def _gemm_per_head(x, w, out) -> None:
     """out[T, H, N] = x[T, H, K] @ w[H, N, K].T per head h: one strided-batched cuBLAS call (bf16
-    in, fp32 compute, bf16 out). Column-major per head: out_h.T (ld H*N) = op_T(w_h) @ x_h.T (ld H*K)."""
+    in, fp32 compute, bf16 out). x and out may be views (their last dim contiguous): column-major per
+    head, out_h.T (ld: out's row stride) = op_T(w_h) @ x_h.T (ld: x's row stride)."""
     from cupy_backends.cuda.libs import cublas
 
     T, H, K = x.shape
     N = w.shape[1]
+    (x_row, x_head), (o_row, o_head) = ((a.strides[0] // 2, a.strides[1] // 2) for a in (x, out))
+    if T == 1:  # a one-row view's row stride may be anything; cuBLAS wants ld >= the row's width
+        x_row, o_row = max(x_row, H * K), max(o_row, H * N)
     alpha, beta = np.array(1.0, np.float32), np.array(0.0, np.float32)  # host scalars
     cublas.gemmStridedBatchedEx(
         _cublas_handle(cublas),
@@ -145,13 +161,13 @@ def _gemm_per_head(x, w, out) -> None:
         N * K,
         x.data.ptr,
         _R_16BF,
-        H * K,
-        K,
+        x_row,
+        x_head,
         beta.ctypes.data,
         out.data.ptr,
         _R_16BF,
-        H * N,
-        N,
+        o_row,
+        o_head,
         H,
         _COMPUTE_32F,
         _GEMM_DEFAULT,
@@ -360,21 +376,19 @@ class CupyOps(GptOssCupy, Ops):
             )
         return out
 
-    def add_rms_norm(self, x, residual, weight, eps):
+    def add_rms_norm(self, x, residual, weight, eps, extra=None):
         _check("add_rms_norm", "residual", residual, _BF16, (None, None))
         T, D = residual.shape
         _check("add_rms_norm", "x", x, (_BF16, _F32), (T, D))
         _check("add_rms_norm", "weight", weight, _BF16, (D,))
+        if extra is not None:
+            _check("add_rms_norm", "extra", extra, _BF16, (T, D))
         out, s = cupy.empty_like(residual), cupy.empty_like(residual)
         if T:
             kernel = "add_rms_norm_f32" if x.dtype == _F32 else "add_rms_norm_bf16"
-            _launch(
-                "rms_norm.cu",
-                kernel,
-                (T,),
-                _threads(D // 4, kernel),
-                (x, residual, weight, out, s, np.int32(D), np.float32(eps)),
-            )
+            args = (x, residual, weight, out, s, np.int32(D), np.float32(eps))
+            args += (residual if extra is None else extra, np.int32(extra is not None))  # (not read without)
+            _launch("rms_norm.cu", kernel, (T,), _threads(D // 4, kernel), args)
         return out, s
 
     def linear(self, x, w, bias=None):
@@ -457,6 +471,39 @@ class CupyOps(GptOssCupy, Ops):
                 _threads(Hk * Dh // 8, "kv_write"),
                 (k_cache, v_cache, k, v, slot_mapping, np.int32(Hk * Dh)),
             )
+
+    def qk_rope_kv_write(self, q, k, v, norms, eps, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        op = "qk_rope_kv_write"
+        _check(op, "k_cache", k_cache, _BF16, (None, None, None, None))
+        _, _, Hk, Dh = k_cache.shape
+        _check(op, "v_cache", v_cache, _BF16, k_cache.shape)
+        sq, sk, sv = (_row_stride(op, n, a, (None, None, Dh)) for n, a in (("q", q), ("k", k), ("v", v)))
+        T, H = q.shape[:2]
+        _require(op, k.shape == v.shape == (T, Hk, Dh), f"k and v must be [{T}, {Hk}, {Dh}], got {k.shape}, {v.shape}")
+        _require(op, Dh <= 256 and Dh % 2 == 0, f"head dim must be even and at most 256, got {Dh}")
+        _check(op, "positions", positions, _I32, (T,))
+        _check(op, "cos_sin", cos_sin, (_BF16, _F32), (None, None))
+        rd = cos_sin.shape[1]
+        _require(op, 0 < rd <= Dh and rd % 2 == 0, f"cos_sin's width must be even and in [2, {Dh}], got {rd}")
+        _check(op, "slot_mapping", slot_mapping, _I32, (T,))
+        if norms is not None:
+            for name, w in zip(("q_norm", "k_norm"), norms):
+                _check(op, name, w, _BF16, (Dh,))
+        q_norm, k_norm = norms if norms is not None else (q, q)  # (not read without norms)
+        out = cupy.empty((T, H, Dh), dtype=_BF16)  # [T, H, Dh]
+        if T:
+            kernel = "qk_norm_rope_kv_f32" if cos_sin.dtype == _F32 else "qk_norm_rope_kv_bf16"
+            args = (q, k, v, q_norm, k_norm, positions, cos_sin, out, k_cache, v_cache, slot_mapping)
+            dims = (np.int32(H), np.int32(Hk), np.int32(Dh), np.int32(rd), np.int64(sq), np.int64(sk), np.int64(sv))
+            nt = np.int32(_threads(Dh // 4, "rms_norm"))  # rms_norm's block per head: the same sum order
+            _launch(
+                "rope.cu",
+                kernel,
+                (T,),
+                _block(kernel),
+                args + dims + (nt, np.int32(norms is not None), np.float32(eps)),
+            )
+        return out
 
     def _attention_args(self, op, q, k_cache, v_cache):
         """Shared checks; returns (H, Hk, Dh, BS, cap, shared-memory bytes)."""
@@ -645,6 +692,22 @@ class CupyOps(GptOssCupy, Ops):
             )
         return out
 
+    def gate_up_silu(self, x, w):
+        T = x.shape[0] if isinstance(x, cupy.ndarray) else 0
+        if isinstance(w, Fp8Weight) or not 0 < T <= DENSE_FUSED_MAX_ROWS:
+            return self.silu_and_mul(self.linear(x, w))  # [T, I]
+        op = "gate_up_silu"
+        _check(op, "w", w, _BF16, (None, None), aligned=True)
+        I2, D = w.shape
+        I = I2 // 2
+        _require(op, I2 % 2 == 0 and D % 8 == 0, f"w must be [2I, D] with D a multiple of 8, got {list(w.shape)}")
+        _check(op, "x", x, _BF16, (None, D), aligned=True)
+        h = cupy.empty((T, I), dtype=_BF16)  # [T, I]
+        upw = self._units_per_warp(I, 1)
+        args = (x, w, h, np.int32(T), np.int32(D), np.int32(I), np.int32(upw))
+        _launch("moe_grouped_gemm.cu", "dense_gate_up_silu", (-(-I // (_GG_WARPS * upw)),), 32 * _GG_WARPS, args)
+        return h
+
     def clip(self, x, limit):
         _check("clip", "x", x, _BF16)
         out = cupy.empty_like(x)
@@ -703,44 +766,83 @@ class CupyOps(GptOssCupy, Ops):
             )
         return out
 
+    def rank_sum(self, parts):
+        _check("rank_sum", "parts", parts, _F32, (None, None, None))
+        out = cupy.empty(parts.shape[1:], dtype=_F32)  # [T, D]
+        if out.size:
+            grid = (min((out.size + 255) // 256, 65536),)
+            _launch(
+                "elementwise.cu", "rank_sum_f32", grid, 256, (parts, out, np.int64(out.size), np.int32(parts.shape[0]))
+            )
+        return out
+
     def router_grouped(self, logits, bias, top_k, routing: GroupedRouting):
-        op = "router_grouped"
+        T = logits.shape[0] if isinstance(logits, cupy.ndarray) else 0
+        bias, scalars = self._grouped_args("router_grouped", logits, bias, top_k, routing, _ROUTER_WARPS)
+        weights = cupy.empty((T, top_k), dtype=_F32)  # [T, k]
+        ids = cupy.empty((T, top_k), dtype=_I32)  # [T, k]
+        if T:
+            kernel = "router_grouped_f32" if logits.dtype == _F32 else "router_grouped_bf16"
+            args = (logits, bias, weights, ids, np.int32(T), *scalars)
+            grid = ((T + _ROUTER_WARPS - 1) // _ROUTER_WARPS,)
+            _launch("router.cu", kernel, grid, 32 * _ROUTER_WARPS, args, 4 * _ROUTER_WARPS * 2 * logits.shape[1])
+        return weights, ids
+
+    def _grouped_args(self, op, logits, bias, top_k, routing: GroupedRouting, warps: int) -> tuple:
+        """router_grouped's checks; (the bias [E] float32, the kernel's scalars after T)."""
         _check(op, "logits", logits, (_BF16, _F32), (None, None))
-        T, E = logits.shape
+        E = logits.shape[1]
         _require(op, 1 <= top_k <= min(E, 32), f"top_k must be in [1, min(E={E}, 32)], got {top_k}")
         G = routing.n_group
         _require(op, 1 <= G <= 32 and E % G == 0, f"n_group must divide E={E} and be in [1, 32], got {G}")
         if bias is None:
             bias = cupy.zeros(E, dtype=_F32)
         _check(op, "bias", bias, _F32, (E,))
-        smem = 4 * _ROUTER_WARPS * 2 * E
-        _require(op, smem <= self.smem_limit, f"too many experts for one warp per token: {E}")
-        weights = cupy.empty((T, top_k), dtype=_F32)  # [T, k]
-        ids = cupy.empty((T, top_k), dtype=_I32)  # [T, k]
-        if T:
-            _launch(
-                "router.cu",
-                "router_grouped_f32" if logits.dtype == _F32 else "router_grouped_bf16",
-                ((T + _ROUTER_WARPS - 1) // _ROUTER_WARPS,),
-                32 * _ROUTER_WARPS,
-                (
-                    logits,
-                    bias,
-                    weights,
-                    ids,
-                    np.int32(T),
-                    np.int32(E),
-                    np.int32(top_k),
-                    np.int32(routing.scoring == "sigmoid"),
-                    np.int32(G),
-                    np.int32(routing.topk_group),
-                    np.int32(routing.group_score == "top2_sum"),
-                    np.int32(bool(routing.renormalize)),
-                    np.float32(routing.scaling),
-                ),
-                smem,
+        _require(op, 4 * warps * 2 * E <= self.smem_limit, f"too many experts for one warp per token: {E}")
+        flags = (routing.scoring == "sigmoid", G, routing.topk_group, routing.group_score == "top2_sum")
+        scalars = (E, top_k, *flags, bool(routing.renormalize))
+        return bias, tuple(np.int32(v) for v in scalars) + (np.float32(routing.scaling),)
+
+    def route(self, logits, top_k, routing, bias, counts, local):
+        T = logits.shape[0] if isinstance(logits, cupy.ndarray) else 0
+        if local is None or not 0 < T <= ROUTE_FUSED_MAX_TOKENS:  # separate launches; moe_experts permutes
+            grouped = isinstance(routing, GroupedRouting)
+            weights, ids = (
+                self.router_grouped(logits, bias, top_k, routing) if grouped else self.router(logits, top_k, routing)
             )
-        return weights, ids
+            if counts is not None:
+                self.count_experts(ids, counts)
+            return weights, ids, None
+        return self._route_permute(logits, top_k, routing, bias, counts, *local)
+
+    def _route_permute(self, logits, top_k, routing, bias, counts, expert_start: int, El: int):
+        """route's one launch (router.cu's route_permute_*): one block of W warps, one per token."""
+        op = "route"
+        T, E = logits.shape
+        grouped = isinstance(routing, GroupedRouting)
+        if grouped:
+            bias, scalars = self._grouped_args(op, logits, bias, top_k, routing, 1)
+        else:
+            _check(op, "logits", logits, (_BF16, _F32), (None, None))
+            _require(op, 1 <= top_k <= min(E, 32), f"top_k must be in [1, min(E={E}, 32)], got {top_k}")
+            scalars = (np.int32(E), np.int32(top_k), np.int32(bool(routing)))
+        if counts is not None:
+            _check(op, "counts", counts, _I32, (None,))
+        n, per_warp = T * top_k, (2 if grouped else 1) * E  # routing floats per warp
+        warps = max(1, min(32, max(T, -(-n // 256))))
+        while warps > 1 and 4 * max(warps * per_warp, (warps + 1) * El) > self.smem_limit:
+            warps -= 1
+        smem = 4 * max(warps * per_warp, (warps + 1) * El)
+        _require(op, smem <= self.smem_limit, f"too many experts for one routing block: E={E}, {El} local")
+        weights, ids = cupy.empty((T, top_k), dtype=_F32), cupy.empty((T, top_k), dtype=_I32)  # [T, k]
+        perm = Permutation(cupy.empty(El + 1, dtype=_I32), cupy.empty(n, dtype=_I32), cupy.empty(n, dtype=_I32))
+        tail = (ids if counts is None else counts, np.int32(0 if counts is None else counts.shape[0]))
+        tail += (np.int32(expert_start), np.int32(El), perm.offsets, perm.sorted_slot, perm.slot_pos)
+        kind = ("grouped" if grouped else "topk") + ("_f32" if logits.dtype == _F32 else "_bf16")
+        head = (logits, bias) if grouped else (logits,)
+        args = (*head, weights, ids, np.int32(T), *scalars, *tail)
+        _launch("router.cu", f"route_permute_{kind}", (1,), 32 * warps, args, smem)
+        return weights, ids, perm
 
     # ---- MLA: per-head projections and attention over the paged latent cache -------------
     def head_linear(self, x, w):
@@ -753,6 +855,30 @@ class CupyOps(GptOssCupy, Ops):
         elif out.size:
             out.fill(0)
         return out
+
+    def mla_prologue(self, q, compressed, kv_a_norm, eps, positions, cos_sin, w_uk, latent_cache, slot_mapping):
+        op = "mla_prologue"
+        _check(op, "w_uk", w_uk, _BF16, (None, None, None))
+        H, C, Dn = w_uk.shape
+        _check(op, "cos_sin", cos_sin, (_BF16, _F32), (None, None))
+        R = cos_sin.shape[1]
+        _require(op, R % 2 == 0, f"the rope width must be even, got {R}")
+        _check(op, "q", q, _BF16, (None, H, Dn + R))
+        T = q.shape[0]
+        _check(op, "compressed", compressed, _BF16, (T, C + R))
+        _check(op, "kv_a_norm", kv_a_norm, _BF16, (C,))
+        _check(op, "latent_cache", latent_cache, _BF16, (None, None, C + R))
+        _check(op, "positions", positions, _I32, (T,))
+        _check(op, "slot_mapping", slot_mapping, _I32, (T,))
+        q_all = cupy.empty((T, H, C + R), dtype=_BF16)  # [T, H, C+R]
+        if not T:
+            return q_all
+        _gemm_per_head(q[:, :, :Dn], w_uk, q_all[:, :, :C])  # the absorbed query, in place
+        kernel = "mla_prologue_f32" if cos_sin.dtype == _F32 else "mla_prologue_bf16"
+        args = (compressed, kv_a_norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping)
+        dims = (np.int32(C), np.int32(R), np.int32(H), np.int32(Dn), np.float32(eps))
+        _launch("mla_attention.cu", kernel, (T,), _threads(C // 4, "rms_norm"), args + dims)  # rms_norm's block
+        return q_all
 
     def latent_write(self, latent_cache, x, slot_mapping):
         _check("latent_write", "latent_cache", latent_cache, _BF16, (None, None, None), aligned=True)
@@ -893,7 +1019,7 @@ class CupyOps(GptOssCupy, Ops):
             out[idx] = out[idx] + y32 * w
         return out
 
-    def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
+    def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start, perm=None):
         op = "moe_experts"
         fp8 = isinstance(w_gate_up, Fp8Weight)
         _require(op, fp8 == isinstance(w_down, Fp8Weight), "w_gate_up and w_down must both be FP8 or both bf16")
@@ -917,20 +1043,12 @@ class CupyOps(GptOssCupy, Ops):
             out.fill(0)
             return out
         n = T * k
-        # moe_permute: one block of W warps, each placing a contiguous range of slots (one warp
-        # per 256 slots); W is capped by the shared memory of its per-warp counts ((W + 1) * El ints)
-        perm_warps = max(1, min(32, -(-n // 256), self.smem_limit // (4 * El) - 1))
-        offsets = cupy.empty(El + 1, dtype=_I32)  # [El + 1]
-        sorted_slot = cupy.empty(n, dtype=_I32)  # [<= T*k]
-        slot_pos = cupy.empty(n, dtype=_I32)  # [T*k]
-        _launch(
-            "moe_permute.cu",
-            "moe_permute",
-            (1,),
-            32 * perm_warps,
-            (ids, np.int32(n), np.int32(expert_start), np.int32(El), offsets, sorted_slot, slot_pos),
-            4 * (perm_warps + 1) * El,
-        )
+        if perm is None:
+            perm = self._permute(ids, expert_start, El)
+        else:
+            _check(op, "perm.offsets", perm.offsets, _I32, (El + 1,))
+            _check(op, "perm.slot_pos", perm.slot_pos, _I32, (n,))
+        offsets, sorted_slot, slot_pos = perm.offsets, perm.sorted_slot, perm.slot_pos
         run = {"grouped": self._experts_grouped, "tc": self._experts_tc, "gathered": self._experts_gathered}
         y = run[self._moe_choice(n, w_gate_up)](x, k, offsets, sorted_slot, w_gate_up, w_down)  # [P, D] fp32
         _launch(
@@ -941,6 +1059,16 @@ class CupyOps(GptOssCupy, Ops):
             (y, weights, slot_pos, out, np.int32(D), np.int32(k)),
         )
         return out
+
+    def _permute(self, ids, expert_start: int, El: int) -> Permutation:
+        """moe_permute: one block of W warps, each placing a contiguous range of slots (one warp per
+        256 slots); W is capped by the shared memory of its per-warp counts ((W + 1) * El ints)."""
+        n = ids.size
+        perm_warps = max(1, min(32, -(-n // 256), self.smem_limit // (4 * El) - 1))
+        perm = Permutation(cupy.empty(El + 1, dtype=_I32), cupy.empty(n, dtype=_I32), cupy.empty(n, dtype=_I32))
+        args = (ids, np.int32(n), np.int32(expert_start), np.int32(El), perm.offsets, perm.sorted_slot, perm.slot_pos)
+        _launch("moe_permute.cu", "moe_permute", (1,), 32 * perm_warps, args, 4 * (perm_warps + 1) * El)
+        return perm
 
     def _moe_choice(self, slots: int, w_gate_up) -> str:
         """The expert-GEMM implementation of a call with ``slots`` (token, choice) pairs: "auto" takes

@@ -16,15 +16,22 @@ from eprt import env
 
 KERNELS: dict[str, tuple[str, ...]] = {
     "rms_norm.cu": ("rms_norm", "add_rms_norm_bf16", "add_rms_norm_f32"),
-    "rope.cu": ("rope_cs_bf16", "rope_cs_f32"),
+    "rope.cu": ("rope_cs_bf16", "rope_cs_f32", "qk_norm_rope_kv_bf16", "qk_norm_rope_kv_f32"),
     "kv_write.cu": ("kv_write",),
     "paged_attention.cu": tuple(
         f"attention_{kind}_g{g}" for kind in ("decode", "decode_split", "prefill") for g in (4, 8, 16)
     )
     + ("attention_split_combine",),
-    "router.cu": ("router_topk_bf16", "router_topk_f32", "router_grouped_bf16", "router_grouped_f32"),
+    "router.cu": ("router_topk_bf16", "router_topk_f32", "router_grouped_bf16", "router_grouped_f32")
+    + tuple(f"route_permute_{kind}_{t}" for kind in ("topk", "grouped") for t in ("bf16", "f32")),
     "moe_permute.cu": ("moe_permute", "moe_gather_rows"),
-    "moe_grouped_gemm.cu": ("moe_gate_up_silu", "moe_down", "moe_gate_up_silu_fp8", "moe_down_fp8"),
+    "moe_grouped_gemm.cu": (
+        "moe_gate_up_silu",
+        "moe_down",
+        "moe_gate_up_silu_fp8",
+        "moe_down_fp8",
+        "dense_gate_up_silu",
+    ),
     "moe_tc.cu": (
         "moe_tc_gate_up",
         "moe_tc_down",
@@ -47,8 +54,15 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "add_f32_bf16",
         "add_bf16_f32",
         "add_bf16_bf16",
+        "rank_sum_f32",
     ),
-    "mla_attention.cu": ("mla_latent_write", "mla_attention", "mla_attention_split"),
+    "mla_attention.cu": (
+        "mla_latent_write",
+        "mla_attention",
+        "mla_attention_split",
+        "mla_prologue_bf16",
+        "mla_prologue_f32",
+    ),
     "argmax.cu": ("argmax_bf16", "argmax_f32"),
     "sampling.cu": ("gather_rows_bf16", "gather_rows_f32", "mask_tokens", "edit_tokens", "sample_tokens"),
     "expert_count.cu": ("count_experts",),
@@ -92,11 +106,13 @@ MOE_TC_SMEM_W8A8 = 3 * (64 + 128) * 48  # both tiles fp8 bytes
 MOE_TC_BM, MOE_TC_UNITS, MOE_TC_BN = 64, 64, 128  # moe_tc.cu: TC_BM rows, gate_up units and down columns per tile
 LAUNCH: dict[str, Launch] = {
     **_each(KERNELS["rms_norm.cu"], 512),
-    **_each(KERNELS["rope.cu"], 256),
+    **_each(("rope_cs_bf16", "rope_cs_f32"), 256),
+    **_each(("qk_norm_rope_kv_bf16", "qk_norm_rope_kv_f32"), 128),  # QKR_THREADS
     **_each(KERNELS["kv_write.cu"], 256),
     **_each([k for k in KERNELS["paged_attention.cu"] if k != "attention_split_combine"], 128, OPT_IN),
     "attention_split_combine": Launch(128),
-    **_each(KERNELS["router.cu"], 128, OPT_IN),
+    **_each([k for k in KERNELS["router.cu"] if k.startswith("router_")], 128, OPT_IN),
+    **_each([k for k in KERNELS["router.cu"] if k.startswith("route_permute_")], 1024, OPT_IN),  # 32 warps at most
     "moe_permute": Launch(1024, OPT_IN),  # 32 warps at most
     "moe_gather_rows": Launch(256),
     **_each(KERNELS["moe_grouped_gemm.cu"], 128),
@@ -112,6 +128,7 @@ LAUNCH: dict[str, Launch] = {
     **_each(("flash_attention_d64", "flash_attention_d128", "flash_attention_d256"), 128, OPT_IN),
     "flash_mla": Launch(256, OPT_IN),
     "mla_latent_write": Launch(256),
+    **_each(("mla_prologue_bf16", "mla_prologue_f32"), 512),  # rms_norm's block for the latent width
     "mla_attention": Launch(128, OPT_IN),
     "mla_attention_split": Launch(128, OPT_IN),
     **_each(KERNELS["argmax.cu"], 1024),

@@ -9,7 +9,7 @@ import numpy as np
 
 from eprt import env
 from eprt.ops import cpu_threads, cpu_weights, lora_ops
-from eprt.ops.base import Ops
+from eprt.ops.base import GroupedRouting, Ops, Permutation
 from eprt.ops.cpu_weights import ScaledPanels
 from eprt.ops.gptoss_ops import GptOssOps
 
@@ -82,6 +82,18 @@ def _solve_unit_lower(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     for i in range(1, a.shape[-1]):
         x[..., i, :] -= np.einsum("...j,...jd->...d", a[..., i, :i], x[..., :i, :])
     return x
+
+
+def expert_permutation(ids: np.ndarray, expert_start: int, El: int) -> Permutation:
+    """The reference Permutation (base.py) of the slots of ids[T, k] to local experts
+    [expert_start, expert_start + El)."""
+    local = ids.reshape(-1).astype(np.int64) - expert_start  # [T*k]
+    slots = np.flatnonzero((local >= 0) & (local < El))
+    order = slots[np.argsort(local[slots], kind="stable")]  # ascending slots within an expert
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(local[slots], minlength=El))])
+    slot_pos = np.full(local.size, -1, np.int32)
+    slot_pos[order] = np.arange(order.size)
+    return Permutation(offsets.astype(np.int32), order.astype(np.int32), slot_pos)
 
 
 class NumpyOps(GptOssOps, Ops):
@@ -167,8 +179,8 @@ class NumpyOps(GptOssOps, Ops):
         var /= x.shape[-1]
         return (x / np.sqrt(var + eps)) * weight
 
-    def add_rms_norm(self, x, residual, weight, eps):
-        s = x + residual  # [T, D]
+    def add_rms_norm(self, x, residual, weight, eps, extra=None):
+        s = (x if extra is None else self.add(x, extra)) + residual  # [T, D]
         return self.rms_norm(s, weight, eps), s
 
     def linear_weight(self, host: np.ndarray) -> np.ndarray:
@@ -227,6 +239,21 @@ class NumpyOps(GptOssOps, Ops):
         keep = slot_mapping >= 0  # negative: padding, skipped
         k_cache.reshape(nb * bs, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
         v_cache.reshape(nb * bs, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
+
+    def qk_rope_kv_write(self, q, k, v, norms, eps, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))  # [T, H|Hk, Dh]
+        if norms is not None:
+            q, k = (self.rms_norm(a.reshape(-1, a.shape[-1]), w, eps).reshape(a.shape) for a, w in zip((q, k), norms))
+        q, k = (self._rope_head_start(a, positions, cos_sin) for a in (q, k))
+        self.kv_write(k_cache, v_cache, k, v, slot_mapping)
+        return q
+
+    def _rope_head_start(self, x, positions, cos_sin):
+        """x[T, H, Dh] rotated over the first R = cos_sin.shape[1] columns of each head."""
+        rd = cos_sin.shape[1]
+        if rd == x.shape[-1]:
+            return self.rope(x, positions, cos_sin)
+        return np.concatenate([self.rope(np.ascontiguousarray(x[..., :rd]), positions, cos_sin), x[..., rd:]], axis=-1)
 
     def _gather_kv(self, cache, block_table, n):
         bs = cache.shape[1]
@@ -377,6 +404,9 @@ class NumpyOps(GptOssOps, Ops):
         g, u = x[:, :inter], x[:, inter:]
         return g / (1.0 + np.exp(-g)) * u  # [T, I]
 
+    def gate_up_silu(self, x, w):
+        return self.silu_and_mul(self.linear(x, w))  # [T, I]
+
     def clip(self, x, limit):
         return np.clip(x, -limit, limit)
 
@@ -389,7 +419,17 @@ class NumpyOps(GptOssOps, Ops):
         flat = ids.reshape(-1)  # [T*k]
         counts += np.bincount(flat[(flat >= 0) & (flat < len(counts))], minlength=len(counts)).astype(counts.dtype)
 
-    def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start):
+    def route(self, logits, top_k, routing, bias, counts, local):
+        grouped = isinstance(routing, GroupedRouting)
+        weights, ids = (
+            self.router_grouped(logits, bias, top_k, routing) if grouped else self.router(logits, top_k, routing)
+        )
+        if counts is not None:
+            self.count_experts(ids, counts)
+        return weights, ids, None if local is None else expert_permutation(ids, *local)
+
+    def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start, perm=None):
+        """(``perm`` is not needed here: the experts group their rows themselves.)"""
         T, D = x.shape
         k = ids.shape[1]
         if _panelled(w_gate_up, 3):  # panels (expert_weights): grouping, every group's FFN and the sum, one call
@@ -574,8 +614,23 @@ class NumpyOps(GptOssOps, Ops):
     def add(self, x, y):
         return x + y  # [T, D]
 
+    def rank_sum(self, parts):
+        out = parts[0].copy()
+        for part in parts[1:]:  # in rank order
+            out += part
+        return out  # [T, D]
+
     def head_linear(self, x, w):
         return np.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2)  # [T, H, N]
+
+    def mla_prologue(self, q, compressed, kv_a_norm, eps, positions, cos_sin, w_uk, latent_cache, slot_mapping):
+        C, Dn = w_uk.shape[1:]
+        latent = self.rms_norm(np.ascontiguousarray(compressed[:, :C]), kv_a_norm, eps)  # [T, C]
+        k_rope = self.rope(np.ascontiguousarray(compressed[:, None, C:]), positions, cos_sin)  # [T, 1, R]
+        q_rope = self.rope(np.ascontiguousarray(q[:, :, Dn:]), positions, cos_sin)  # [T, H, R]
+        q_latent = self.head_linear(np.ascontiguousarray(q[:, :, :Dn]), w_uk)  # [T, H, C]
+        self.latent_write(latent_cache, np.concatenate([latent, k_rope[:, 0]], axis=-1), slot_mapping)
+        return np.concatenate([q_latent, q_rope], axis=-1)  # [T, H, C+R]
 
     def latent_write(self, latent_cache, x, slot_mapping):
         nb, bs, width = latent_cache.shape

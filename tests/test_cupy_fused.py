@@ -1,0 +1,258 @@
+"""The fused kernels of issue 39's launch budget (docs/gpu.md, "Launches per layer"), on the GPU or
+cusim: each against the NumPy reference (``NumpyOps``, the ops contract) and bit for bit against
+the unfused GPU ops it replaces, so fusing changed no float result."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eprt.ops.device import cuda_usable
+from eprt.ops.numpy_ops import NumpyOps
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_usable(), reason="no usable CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def g():
+    from eprt.ops.cupy_ops import CupyOps
+
+    return CupyOps()
+
+
+def bf16(a):
+    from eprt.ops.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+    return bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(a, np.float32)))
+
+
+def cos_sin_table(positions: int, rd: int) -> np.ndarray:
+    freqs = np.arange(positions, dtype=np.float32)[:, None] * (1e4 ** (-np.arange(0, rd, 2) / rd))[None, :]
+    return np.concatenate([np.cos(freqs), np.sin(freqs)], axis=-1).astype(np.float32)  # [P, rd]
+
+
+def unfused(g, q, k, v, norms, eps, pos, table, kc, vc, slots):
+    """Today's sequence of GPU ops: per-head rms_norm, rope (partial: the first rd columns), kv_write."""
+    xp = g.xp
+    q, k, v = (xp.ascontiguousarray(a) for a in (q, k, v))
+    if norms is not None:
+        q, k = (g.rms_norm(a.reshape(-1, a.shape[-1]), w, eps).reshape(a.shape) for a, w in zip((q, k), norms))
+    rd = table.shape[1]
+
+    def rope(x):
+        if rd == x.shape[-1]:
+            return g.rope(x, pos, table)
+        return xp.concatenate([g.rope(xp.ascontiguousarray(x[..., :rd]), pos, table), x[..., rd:]], axis=-1)
+
+    q, k = rope(q), rope(k)
+    g.kv_write(kc, vc, k, v, slots)
+    return q
+
+
+@pytest.mark.parametrize(
+    "dh,rd,norm,table_dtype",
+    [
+        (64, 64, True, "f32"),
+        (128, 128, True, "bf16"),
+        (256, 256, True, "f32"),
+        (96, 48, False, "bf16"),
+        (64, 32, True, "bf16"),
+    ],
+)
+def test_qk_rope_kv_write_is_the_unfused_ops_bit_for_bit(g, dh, rd, norm, table_dtype):
+    import cupy
+
+    rng = np.random.default_rng(dh + rd)
+    T, H, Hk, NB, BS = 5, 6, 2, 4, 8
+    qkv = bf16(rng.standard_normal((T, (H + 2 * Hk) * dh)) * 3)  # one product's rows: q | k | v
+    norms_host = [bf16(1 + 0.2 * rng.standard_normal(dh)) for _ in range(2)]
+    pos = rng.integers(0, 60, T).astype(np.int32)
+    slots = np.array([3, 17, -1, 30, 8], np.int32)  # -1: padding, not written
+    table = cos_sin_table(64, rd)
+    eps = 1e-6
+    dq = g.activation(qkv)
+    views = (dq[:, : H * dh], dq[:, H * dh : (H + Hk) * dh], dq[:, (H + Hk) * dh :])
+    q, k, v = (a.reshape(T, n, dh) for a, n in zip(views, (H, Hk, Hk)))
+    norms = tuple(g.weight(w) for w in norms_host) if norm else None
+    dtable = cupy.asarray(table) if table_dtype == "f32" else g.activation(table)
+    caches = [g.zeros((NB, BS, Hk, dh)) for _ in range(4)]
+    got = g.qk_rope_kv_write(q, k, v, norms, eps, g.index(pos), dtable, caches[0], caches[1], g.index(slots))
+    want = unfused(g, q, k, v, norms, eps, g.index(pos), dtable, caches[2], caches[3], g.index(slots))
+    np.testing.assert_array_equal(g.to_host(got), g.to_host(want))
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        np.testing.assert_array_equal(g.to_host(a), g.to_host(b))
+
+    c = NumpyOps()  # the ops contract's reference, in float32
+    host = [qkv[:, : H * dh], qkv[:, H * dh : (H + Hk) * dh], qkv[:, (H + Hk) * dh :]]
+    hq, hk, hv = (a.reshape(T, n, dh) for a, n in zip(host, (H, Hk, Hk)))
+    kc, vc = np.zeros((NB, BS, Hk, dh), np.float32), np.zeros((NB, BS, Hk, dh), np.float32)
+    ref_table = table if table_dtype == "f32" else bf16(table)
+    ref = c.qk_rope_kv_write(hq, hk, hv, norms_host if norm else None, eps, pos, ref_table, kc, vc, slots)
+    np.testing.assert_allclose(g.to_host(got), ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(g.to_host(caches[0]), kc, rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(g.to_host(caches[1]), vc)  # v: a copy
+
+
+def test_qk_rope_kv_write_refuses_what_it_cannot_take(g):
+    T, H, Hk, dh = 2, 4, 2, 64
+    q, k, v = g.zeros((T, H, dh)), g.zeros((T, Hk, dh)), g.zeros((T, Hk, dh))
+    kc, vc = g.zeros((2, 4, Hk, dh)), g.zeros((2, 4, Hk, dh))
+    pos, slots, table = g.index(np.zeros(T, np.int32)), g.index(np.zeros(T, np.int32)), g.zeros((8, dh))
+    with pytest.raises(ValueError, match="cos_sin's width must be even and in"):
+        g.qk_rope_kv_write(q, k, v, None, 1e-6, pos, g.zeros((8, 3)), kc, vc, slots)
+    with pytest.raises(ValueError, match=r"k and v must be \[2, 2, 64\]"):
+        g.qk_rope_kv_write(q, g.zeros((T, 1, dh)), v, None, 1e-6, pos, table, kc, vc, slots)
+    with pytest.raises(ValueError, match="q_norm has shape"):
+        g.qk_rope_kv_write(q, k, v, (g.zeros((32,)), g.zeros((dh,))), 1e-6, pos, table, kc, vc, slots)
+
+
+def unfused_route(g, logits, top_k, routing, bias, counts, expert_start, El):
+    """Today's launches: router or router_grouped, count_experts, moe_permute."""
+    from eprt.ops.base import GroupedRouting
+
+    if isinstance(routing, GroupedRouting):
+        weights, ids = g.router_grouped(logits, bias, top_k, routing)
+    else:
+        weights, ids = g.router(logits, top_k, routing)
+    g.count_experts(ids, counts)
+    return weights, ids, g._permute(ids, expert_start, El)
+
+
+ROUTINGS = {
+    "softmax": True,
+    "softmax-raw": False,
+    "deepseek_v3": ("sigmoid", 4, 2, "top2_sum", True, 2.5),
+    "deepseek_v2": ("softmax", 4, 3, "max", False, 1.0),
+}
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+def test_route_is_the_unfused_launches_bit_for_bit(g, T, name):
+    import cupy
+
+    from eprt.ops.base import GroupedRouting
+    from eprt.ops.numpy_ops import expert_permutation
+
+    rng = np.random.default_rng(T)
+    E, top_k, expert_start, El = 32, 4, 8, 12  # this rank: experts [8, 20)
+    routing = ROUTINGS[name] if isinstance(ROUTINGS[name], bool) else GroupedRouting(*ROUTINGS[name])
+    logits = bf16(rng.standard_normal((T, E)))
+    logits[0, 3] = logits[0, 5]  # a tie: the lower id wins in both
+    bias = cupy.asarray((0.1 * rng.standard_normal(E)).astype(np.float32))
+    dl = g.activation(logits)
+    counts = [cupy.asarray(np.arange(E, dtype=np.int32)) for _ in range(2)]
+    got = g.route(dl, top_k, routing, bias, counts[0], (expert_start, El))
+    want = unfused_route(g, dl, top_k, routing, bias, counts[1], expert_start, El)
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_array_equal(g.to_host(a), g.to_host(b))
+    np.testing.assert_array_equal(g.to_host(counts[0]), g.to_host(counts[1]))
+    ref = expert_permutation(g.to_host(got[1]), expert_start, El)
+    P = int(ref.offsets[-1])
+    for perm in (got[2], want[2]):
+        np.testing.assert_array_equal(g.to_host(perm.offsets), ref.offsets)
+        np.testing.assert_array_equal(g.to_host(perm.sorted_slot)[:P], ref.sorted_slot)
+        np.testing.assert_array_equal(g.to_host(perm.slot_pos), ref.slot_pos)
+
+
+def test_route_without_counts_or_local_experts(g):
+    rng = np.random.default_rng(3)
+    logits = g.activation(bf16(rng.standard_normal((3, 16))))
+    w, ids, perm = g.route(logits, 2, True, None, None, None)  # no permutation asked: moe_experts permutes
+    assert perm is None and ids.shape == (3, 2)
+    w2, ids2, perm2 = g.route(logits, 2, True, None, None, (0, 16))
+    np.testing.assert_array_equal(g.to_host(ids), g.to_host(ids2))
+    assert int(g.to_host(perm2.offsets)[-1]) == 6
+    with pytest.raises(ValueError, match="top_k must be in"):
+        g.route(logits, 0, True, None, None, (0, 16))
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 9])
+def test_gate_up_silu_is_silu_and_mul_of_the_product(g, T):
+    """Up to DENSE_FUSED_MAX_ROWS rows one launch (dense_gate_up_silu), beyond it the product and
+    silu_and_mul. The fused kernel rounds g and up to bf16 as the product's output is rounded, so it
+    differs from the two launches only by the f32 dot products' summation order (cuBLAS's own is
+    unspecified): at most one bf16 step of an element here, and against NumPy the ops' tolerance."""
+    rng = np.random.default_rng(T)
+    D, I = 192, 136
+    x, w = bf16(rng.standard_normal((T, D))), bf16(rng.standard_normal((2 * I, D)) / np.sqrt(D))
+    got = g.to_host(g.gate_up_silu(g.activation(x), g.weight(w)))
+    want = g.to_host(g.silu_and_mul(g.linear(g.activation(x), g.weight(w))))
+    step = np.abs(want) * 2.0**-7 + 1e-30  # one bf16 step at want's magnitude (and under)
+    assert np.all(np.abs(got - want) <= step), np.max(np.abs(got - want) / step)
+    assert np.mean(got == want) > 0.95
+    np.testing.assert_allclose(got, NumpyOps().gate_up_silu(x, w), rtol=2e-2, atol=2e-2)
+
+
+def test_gate_up_silu_refuses_an_odd_weight(g):
+    x = g.zeros((1, 64))
+    with pytest.raises(ValueError, match=r"w must be \[2I, D\]"):
+        g.gate_up_silu(x, g.zeros((7, 64)))
+    with pytest.raises(ValueError, match="x has shape"):
+        g.gate_up_silu(g.zeros((1, 32)), g.zeros((8, 64)))
+
+
+@pytest.mark.parametrize("T,C,table_dtype", [(1, 64, "f32"), (4, 512, "bf16"), (3, 96, "bf16")])
+def test_mla_prologue_is_the_unfused_ops_bit_for_bit(g, T, C, table_dtype):
+    import cupy
+
+    rng = np.random.default_rng(T * C)
+    H, Dn, R, NB, BS = 4, 16, 8, 3, 4
+    q = bf16(rng.standard_normal((T, H, Dn + R)))
+    compressed = bf16(rng.standard_normal((T, C + R)) * 2)
+    norm, w_uk = bf16(1 + 0.2 * rng.standard_normal(C)), bf16(rng.standard_normal((H, C, Dn)) / 4)
+    pos = rng.integers(0, 30, T).astype(np.int32)
+    slots = np.arange(T, dtype=np.int32) * 3 - (T > 2)  # the first row padding when T > 2
+    table = cos_sin_table(32, R)
+    dtable = cupy.asarray(table) if table_dtype == "f32" else g.activation(table)
+    dq, dc, dn, dw = g.activation(q), g.activation(compressed), g.weight(norm), g.weight(w_uk)
+    dpos, dslots = g.index(pos), g.index(slots)
+    caches = [g.zeros((NB, BS, C + R)) for _ in range(2)]
+    got = g.mla_prologue(dq, dc, dn, 1e-6, dpos, dtable, dw, caches[0], dslots)
+    xp = g.xp  # today's ops, as the model ran them
+    latent = g.rms_norm(xp.ascontiguousarray(dc[:, :C]), dn, 1e-6)
+    k_rope = g.rope(xp.ascontiguousarray(dc[:, None, C:]), dpos, dtable)
+    q_rope = g.rope(xp.ascontiguousarray(dq[:, :, Dn:]), dpos, dtable)
+    q_latent = g.head_linear(xp.ascontiguousarray(dq[:, :, :Dn]), dw)
+    g.latent_write(caches[1], xp.concatenate([latent, k_rope[:, 0]], axis=-1), dslots)
+    want = xp.concatenate([q_latent, q_rope], axis=-1)
+    np.testing.assert_array_equal(g.to_host(got), g.to_host(want))
+    np.testing.assert_array_equal(g.to_host(caches[0]), g.to_host(caches[1]))
+
+    cache = np.zeros((NB, BS, C + R), np.float32)
+    ref_table = table if table_dtype == "f32" else bf16(table)
+    ref = NumpyOps().mla_prologue(q, compressed, norm, 1e-6, pos, ref_table, w_uk, cache, slots)
+    np.testing.assert_allclose(g.to_host(got), ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(g.to_host(caches[0]), cache, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_rank_sum_is_the_rank_ordered_adds_bit_for_bit(g, P):
+    import cupy
+
+    rng = np.random.default_rng(P)
+    parts = (rng.standard_normal((P, 7, 40)) * 10.0 ** rng.integers(-3, 4, (P, 7, 40))).astype(np.float32)
+    dparts = cupy.asarray(parts)
+    want = dparts[0]
+    for r in range(1, P):  # the device combine's P - 1 adds before rank_sum
+        want = g.add(want, dparts[r])
+    got = g.rank_sum(dparts)
+    np.testing.assert_array_equal(g.to_host(got), g.to_host(want))
+    np.testing.assert_array_equal(g.to_host(got), NumpyOps().rank_sum(parts))
+
+
+@pytest.mark.parametrize("x_dtype", ["f32", "bf16"])
+def test_add_rms_norm_with_extra_is_add_then_add_rms_norm_bit_for_bit(g, x_dtype):
+    import cupy
+
+    rng = np.random.default_rng(7)
+    T, D = 3, 256
+    x = rng.standard_normal((T, D)).astype(np.float32) * 3
+    dx = cupy.asarray(x) if x_dtype == "f32" else g.activation(x)
+    extra, residual, w = (g.activation(rng.standard_normal((T, D))) for _ in range(3))
+    got = g.add_rms_norm(dx, residual, w[0], 1e-6, extra)
+    want = g.add_rms_norm(g.add(dx, extra), residual, w[0], 1e-6)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(g.to_host(a), g.to_host(b))
+    with pytest.raises(ValueError, match="extra has shape"):
+        g.add_rms_norm(dx, residual, w[0], 1e-6, g.activation(np.zeros((T, 8))))
