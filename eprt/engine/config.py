@@ -158,6 +158,7 @@ class EngineConfig:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     _add_model_arguments(g)
+    _add_parallel_arguments(g)
     _add_pool_arguments(g)
     _add_step_arguments(g)
     _add_debug_arguments(g)
@@ -167,7 +168,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_arguments(g) -> None:
-    """The checkpoint, the device, the attention mode, how requests are seeded and logprobs taken."""
+    """The checkpoint, the device, how requests are seeded and logprobs taken."""
     g.add_argument(
         "--model",
         default=None,
@@ -202,6 +203,17 @@ def _add_model_arguments(g) -> None:
         default=None,
         help="token id of image placeholders (default: the config's image_token_id)",
     )
+    g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")
+    g.add_argument(
+        "--logprobs-mode",
+        choices=("raw", "processed"),
+        default="raw",
+        help="logprobs from the model's logits (raw, vLLM's default) or after penalties, temperature and min-p",
+    )
+
+
+def _add_parallel_arguments(g) -> None:
+    """How the ranks split attention and exchange the MoE layers' rows."""
     g.add_argument(
         "--attention",
         default="auto",
@@ -224,13 +236,6 @@ def _add_model_arguments(g) -> None:
         f"summed; bytes grow with top-k); both give the same bits; auto (default): alltoall under dp attention "
         f"from {ALLTOALL_MIN_RANKS} ranks on, else allgather (and for what alltoall does not serve); the start-up log "
         "says which and why",
-    )
-    g.add_argument("--engine-seed", type=int, default=0, help="seed for requests that bring none")
-    g.add_argument(
-        "--logprobs-mode",
-        choices=("raw", "processed"),
-        default="raw",
-        help="logprobs from the model's logits (raw, vLLM's default) or after penalties, temperature and min-p",
     )
 
 

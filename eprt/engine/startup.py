@@ -47,6 +47,31 @@ class Started:
     nodes: int = 1  # nodes of the job (EPLB's hierarchical policy)
 
 
+def _load(cfg: EngineConfig, device: str, transport: Transport, nodes: int):
+    """This rank's backend (warmed up, described in the log) and its shard of the model."""
+    ops = get_ops(device, cfg.cpu_weights, cfg.cpu_threads)
+    ops.warm_up()
+    if ops.describe():
+        log.info("%s backend: %s", ops.name, ops.describe())
+    rank, world = transport.rank, transport.size
+    placement_for = lambda model_cfg: initial_placement(cfg.eplb, model_cfg, world, nodes)  # noqa: E731
+    combine, gather_rows = _combine(transport, ops)
+    mtp = cfg.speculative_method == "mtp"
+    return ops, load_model(cfg.model, ops, cfg.max_model_len, rank, world, combine, placement_for, gather_rows, mtp=mtp)
+
+
+def _exchange_and_graphs(cfg: EngineConfig, started: Started, transport: Transport, dp: bool) -> None:
+    """The MoE exchange (--moe-exchange), then on a GPU with replicated attention the decode steps'
+    metadata buffer and CUDA graphs, captured with the exchange the steps will run."""
+    exchange, why = choose_exchange(cfg, transport.size, dp)
+    log.info("MoE exchange %s (%s)", exchange, why)
+    executor = started.executor
+    if exchange == "alltoall":
+        use_alltoall(started.loaded.model, transport, started.ops, getattr(executor, "exchange", None) if dp else None)
+    if started.ops.name == "cuda" and not dp:
+        _decode_graphs(cfg, executor, transport.rank)
+
+
 def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     """This rank's backend, model and executor; StartupFailed (on every rank) if any rank failed."""
     rank, world = transport.rank, transport.size
@@ -63,26 +88,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
 
     nodes = count_nodes(transport, cfg.eplb) if cfg.eplb.active else 1
 
-    def load():
-        ops = get_ops(device, cfg.cpu_weights, cfg.cpu_threads)
-        ops.warm_up()
-        if ops.describe():
-            log.info("%s backend: %s", ops.name, ops.describe())
-        placement_for = lambda model_cfg: initial_placement(cfg.eplb, model_cfg, world, nodes)  # noqa: E731
-        combine, gather_rows = _combine(transport, ops)
-        return ops, load_model(
-            cfg.model,
-            ops,
-            cfg.max_model_len,
-            rank,
-            world,
-            combine,
-            placement_for,
-            gather_rows,
-            mtp=cfg.speculative_method == "mtp",
-        )
-
-    ops, loaded = step(load)
+    ops, loaded = step(lambda: _load(cfg, device, transport, nodes))
     if cfg.eplb.active:
         placement = loaded.model.slots.placement
         step(lambda: check_same_placement(transport, placement))
@@ -104,13 +110,11 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     max_model_len = step(lambda: _max_model_len(cfg, loaded.model.max_len, agreed, window))
     executor = step(lambda: _executor(cfg, ops, loaded, transport, every if dp else agreed, prefill_tokens))
     log.info("%s", kv_capacity_line(cfg.block_size, every if dp else [executor.blocks.num_blocks], dp))
-    exchange, why = choose_exchange(cfg, world, dp)
-    log.info("MoE exchange %s (%s)", exchange, why)
-    if exchange == "alltoall":
-        use_alltoall(loaded.model, transport, ops, getattr(executor, "exchange", None) if dp else None)
+    started = Started(ops, loaded, executor, max_model_len, nodes)
+    _exchange_and_graphs(cfg, started, transport, dp)
     if executor.lora is not None:  # every rank reads its share of each adapter once, so a bad one fails here
         step(lambda: [executor.lora.read(path) for _, path in cfg.lora_modules])
-    return Started(ops, loaded, executor, max_model_len, nodes)
+    return started
 
 
 def _executor(
@@ -118,8 +122,7 @@ def _executor(
 ) -> ShardExecutor:
     """This rank's executor: ``blocks``, every rank's pool sizes under dp attention (each sequence's
     KV lives on its owner only), else the one pool size every rank agreed on; ``prefill_tokens``:
-    the largest prefill chunk (what a windowed-KV sequence reserves). On a GPU with replicated
-    attention its decode steps' metadata buffer and CUDA graphs come with it (``_decode_graphs``)."""
+    the largest prefill chunk (what a windowed-KV sequence reserves)."""
     lora = _lora_slots(cfg, ops, loaded)
     model, bs, slots = loaded.model, cfg.block_size, cfg.max_batch
     if isinstance(blocks, list):
@@ -127,12 +130,9 @@ def _executor(
         return dp_executor(
             model, blocks, bs, slots, exchange, cfg.prefix_cache, cfg.image_token_id, lora, prefill_tokens
         )
-    executor = ShardExecutor(
+    return ShardExecutor(
         model, blocks, bs, slots, cfg.prefix_cache, cfg.image_token_id, lora=lora, prefill_tokens=prefill_tokens
     )
-    if ops.name == "cuda":
-        _decode_graphs(cfg, executor, transport.rank)
-    return executor
 
 
 def _decode_graphs(cfg: EngineConfig, executor: ShardExecutor, rank: int) -> None:

@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(--max-batch rows per rank, dp attention) for that exchange or both; the all-gather's rows stay as the "
         "base of the x column (docs/plan.md)",
     )
+    _add_hardware_arguments(parser)
+    _add_engine_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GPU and its links the plan assumes."""
     hw = parser.add_argument_group("hardware (defaults: an H200-class GPU)")
     hw.add_argument("--gpu-mem-gib", type=float, default=_HW.gpu_mem_gib, help=f"GPU memory, GiB ({_HW.gpu_mem_gib:g})")
     hw.add_argument("--hbm-tbps", type=float, default=_HW.hbm_tbps, help=f"HBM bandwidth, TB/s ({_HW.hbm_tbps:g})")
@@ -61,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=Links.gpus_per_node,
         help=f"--exchange: GPUs a node, joined by NVLink ({Links.gpus_per_node})",
     )
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine settings the plan is made for (as the engine's flags)."""
     g = parser.add_argument_group("engine settings (as the engine flags)")
     g.add_argument("--max-batch", type=int, default=32, help="sequence slots (32)")
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
@@ -99,7 +110,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="EPLB's extra expert slots (0): each rank's slots and their memory, per-choice combines (docs/eplb.md)",
     )
-    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
 def rank_list(text: str) -> list[int]:
