@@ -277,7 +277,7 @@ def test_rank0_sends_only_whole_commands_with_their_rows():
         root.send(Prefill(0, 0, 3, (1, 2, 3), vision_rows=3), np.zeros(3, np.float32))
     with pytest.raises(ProtocolError, match="collides with the reserved command words"):
         root.send(Decode1(0, 0xFFFFFFF0))
-    assert root.pending_words == 0 and root.sent == []  # nothing half-sent
+    assert root.queue.pending == 0 and root.sent == []  # nothing half-sent
 
 
 def test_slot_table_leaves_state_unchanged_on_error():

@@ -151,7 +151,7 @@ class DeviceCombine:
         time on the device is not in the exchange's seconds)."""
         cupy = self.ops.xp
         peers = self.transport.size - 1
-        self.transport.wire(peers * send.nbytes, peers * send.nbytes)
+        self.transport.stats.wire(peers * send.nbytes, peers * send.nbytes)
         stream = cupy.cuda.get_current_stream()  # the rank's own (CupyOps.stream), never the legacy one
         self.comm.allGather(send.data.ptr, gathered.data.ptr, send.size, NCCL_FLOAT32, stream.ptr)
         if not cupy.cuda.runtime.streamIsCapturing(stream.ptr):  # a graph's: marked after its launch

@@ -109,7 +109,7 @@ class MpiLink:
         if self.size >= 3 and partial.nbytes >= REDUCE_SCATTER_MIN_BYTES:
             return self._reduce_scatter(partial)
         gathered = np.empty((self.size,) + partial.shape, np.float32)  # [P, *partial.shape]
-        self.t.wire((self.size - 1) * partial.nbytes, (self.size - 1) * partial.nbytes)
+        self.t.stats.wire((self.size - 1) * partial.nbytes, (self.size - 1) * partial.nbytes)
         self.wait(self.moe.Iallgather(partial, gathered), "the MoE combine")
         out = gathered[0].copy()
         for r in range(1, self.size):
@@ -129,7 +129,7 @@ class MpiLink:
         mine = counts[self.rank]
         parts = np.empty((P, mine), np.float32)  # [P, slice]: every rank's slice
         both = 4 * ((flat.size - mine) + (P - 1) * mine)  # the reduce-scatter's and the all-gather's, each way
-        self.t.wire(both, both)
+        self.t.stats.wire(both, both)
         self.t.stats.mpi_calls += 1  # (allsum counted the first)
         self.wait(
             self.moe.Ialltoallv(
@@ -160,7 +160,7 @@ class MpiLink:
         MPI, width, mine = self.MPI, int(np.prod(partial.shape[1:], dtype=np.int64)), counts[self.rank]
         parts = np.empty((self.size, mine) + partial.shape[1:], np.float32)  # [P, mine, D]: every rank's block
         send = [c * width for c in counts]
-        self.t.wire(4 * (sum(send) - send[self.rank]), 4 * (self.size - 1) * mine * width)
+        self.t.stats.wire(4 * (sum(send) - send[self.rank]), 4 * (self.size - 1) * mine * width)
         self.t.stats.mpi_calls += 1
         self.wait(
             self.moe.Ialltoallv(

@@ -87,6 +87,11 @@ class CommStats:
     frames: int = 0  # flushes that carried words (rank 0)
     words: int = 0  # logical words sent (rank 0)
 
+    def wire(self, sent: int, received: int) -> None:
+        """Count MoE exchange bytes this rank sent to and received from other ranks (the link calls it)."""
+        self.moe_sent_bytes += int(sent)
+        self.moe_recv_bytes += int(received)
+
     def copy(self) -> CommStats:
         return CommStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
@@ -190,11 +195,6 @@ class Transport:
         link.bind(self)
 
     # -- rank 0 ------------------------------------------------------------------------------
-    @property
-    def pending_words(self) -> int:
-        """Words queued by ``send`` and not yet flushed."""
-        return self.queue.pending
-
     def send(self, cmd: Command, vision_rows: np.ndarray | None = None) -> None:
         """Queue one command's words (``protocol.encode``); a PREFILL announcing vision rows is
         flushed at once and its ``vision_rows`` [rows, hidden] follow as one broadcast."""
@@ -265,11 +265,6 @@ class Transport:
         self.recorder.combine(partial, result, self.collectives)
         return result
 
-    def wire(self, sent: int, received: int) -> None:
-        """Count MoE exchange bytes this rank sent to and received from other ranks (the link calls it)."""
-        self.stats.moe_sent_bytes += int(sent)
-        self.stats.moe_recv_bytes += int(received)
-
     # -- dp attention: the MoE exchange and the step's gather (docs/protocol.md, "dp attention") --
     def allgather_rows(self, rows: np.ndarray, counts: list[int]) -> np.ndarray:
         """Every rank's ``rows`` [counts[r], ...] (any dtype, the same trailing shape everywhere),
@@ -278,7 +273,7 @@ class Transport:
         if self.size == 1:
             return rows
         width = rows.nbytes // max(1, rows.shape[0])  # bytes per row
-        self.wire((self.size - 1) * rows.nbytes, (sum(counts) - counts[self.rank]) * width)
+        self.stats.wire((self.size - 1) * rows.nbytes, (sum(counts) - counts[self.rank]) * width)
         began = time.perf_counter()
         out = self.link.allgather_rows(np.ascontiguousarray(rows), counts)
         self.stats.moe_exchange_s += time.perf_counter() - began
@@ -322,7 +317,7 @@ class Transport:
         if P == 1:
             return rows
         width = rows.nbytes // max(1, rows.shape[0])
-        self.wire((sum(send) - send[me]) * width, (sum(recv) - recv[me]) * width)
+        self.stats.wire((sum(send) - send[me]) * width, (sum(recv) - recv[me]) * width)
         began = time.perf_counter()
         out = self.link.alltoall_rows(np.ascontiguousarray(rows), list(send), list(recv))
         took = time.perf_counter() - began
@@ -407,9 +402,9 @@ def _require_root(transport: Transport, what: str) -> None:
 
 def _require_flushed(transport: Transport, what: str) -> None:
     """Rank 0 may start a collective only with no words queued: the workers would not join it."""
-    if transport.rank == 0 and transport.pending_words:
+    if transport.rank == 0 and transport.queue.pending:
         raise RuntimeError(
-            f"{what} with {transport.pending_words} command words not flushed: the workers "
+            f"{what} with {transport.queue.pending} command words not flushed: the workers "
             "have not been told to run this forward pass"
         )
 
