@@ -193,7 +193,23 @@ class MoEModel:
         y = self.ops.linear(x, w, bias)
         return y if self.lora_rows is None else self.lora.apply(y, x, self.lora_rows, layer, target)
 
-    def _attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
+    def _one_call_inputs(self, lw, batch: AttnBatch) -> bool:
+        """Whether the layer's q, k and v come from ``Ops.attention_inputs``: one qkv matrix, no
+        adapter in the batch, no or per-head q/k norm, no clipping, rope over whole heads from the
+        model's table, the plain KV write (no sinks or windows)."""
+        cfg = self.cfg
+        return (
+            lw.qkv is not None
+            and self.lora_rows is None
+            and cfg.qk_norm in (None, "head")
+            and cfg.clip_qkv is None
+            and not cfg.attention_sinks
+            and batch.rope_cos_sin is None
+            and self.cos_sin.shape[1] == cfg.head_dim
+        )
+
+    def _qkv(self, lw, x, batch: AttnBatch, layer: int) -> tuple:
+        """(q [T, H, Dh], k, v [T, Hk, Dh]) normed and rotated, every case ``attention_inputs`` does not take."""
         cfg, ops = self.cfg, self.ops
         T = x.shape[0]
         if lw.qkv is not None:  # one product for the three
@@ -221,10 +237,23 @@ class MoEModel:
             pos, table = ops.index(batch.positions), self.cos_sin
         else:  # each token's own cos|sin row
             pos, table = ops.index(np.arange(T, dtype=np.int32)), ops.activation(batch.rope_cos_sin)
-        q, k = self._rope(q, pos, table), self._rope(k, pos, table)
-        if cfg.attention_sinks:
-            return self._linear(self._sink_attention(lw, q, k, v, batch, kv, layer), lw.o, layer, "o", lw.o_bias)
-        ops.kv_write(kv.k[layer], kv.v[layer], k, v, ops.index(batch.slot_mapping))
+        return self._rope(q, pos, table), self._rope(k, pos, table), v
+
+    def _attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
+        cfg, ops = self.cfg, self.ops
+        T = x.shape[0]
+        if self._one_call_inputs(lw, batch):
+            norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm == "head" else (None, None)
+            pos, slots = ops.index(batch.positions), ops.index(batch.slot_mapping)
+            qkv = ops.linear(x, lw.qkv, lw.qkv_bias)  # [T, Q + 2KV]
+            q = ops.attention_inputs(
+                qkv, cfg.num_heads, *norms, cfg.rms_norm_eps, pos, self.cos_sin, kv.k[layer], kv.v[layer], slots
+            )
+        else:
+            q, k, v = self._qkv(lw, x, batch, layer)
+            if cfg.attention_sinks:
+                return self._linear(self._sink_attention(lw, q, k, v, batch, kv, layer), lw.o, layer, "o", lw.o_bias)
+            ops.kv_write(kv.k[layer], kv.v[layer], k, v, ops.index(batch.slot_mapping))
         if batch.is_prefill:
             o = self._per_sequence(
                 batch,

@@ -180,6 +180,26 @@ class Ops:
         slot marks a padding row that is not written."""
         raise NotImplementedError
 
+    def attention_inputs(
+        self, qkv, heads: int, q_norm, k_norm, eps: float, positions, cos_sin, k_cache, v_cache, slot_mapping
+    ) -> Array:
+        """qkv[T, (H + 2 Hk) Dh] (q | k | v) -> q[T, H, Dh], with k and v written to the caches
+        (``kv_write``): q and k normed per head (``rms_norm`` with q_norm / k_norm [Dh]; None: not
+        normed), then rotated (``rope``, cos_sin[P, Dh]: every dim), v as it is. This composition of
+        those ops is the reference; a backend may run it in fewer calls with the same bits."""
+        T, Dh = qkv.shape[0], k_cache.shape[-1]
+        nq, nk = heads * Dh, (qkv.shape[1] - heads * Dh) // 2
+        xp = self.xp
+        q, k, v = (xp.ascontiguousarray(qkv[:, a:b]) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, None)))
+        q, k, v = q.reshape(T, heads, Dh), k.reshape(T, -1, Dh), v.reshape(T, -1, Dh)
+        if q_norm is not None:
+            q = self.rms_norm(q.reshape(-1, Dh), q_norm, eps).reshape(q.shape)
+        if k_norm is not None:
+            k = self.rms_norm(k.reshape(-1, Dh), k_norm, eps).reshape(k.shape)
+        q, k = self.rope(q, positions, cos_sin), self.rope(k, positions, cos_sin)
+        self.kv_write(k_cache, v_cache, k, v, slot_mapping)
+        return q
+
     def attention_prefill(
         self, q: Array, k_cache: Array, v_cache: Array, block_table: Array, start_pos: int, scale: float
     ) -> Array:

@@ -646,6 +646,58 @@ def _rope(x, positions, cos_sin, y):  # pragma: no cover - compiled
                 y[t, h, half + i] = x2 * c + x1 * s
 
 
+@njit(nogil=True, cache=True)
+def _add_rms_norm(x, residual, weight, eps, y, s):  # pragma: no cover - compiled
+    """s = x + residual, then y = ``_rms_norm`` of s: NumpyOps.add_rms_norm's operations, one call."""
+    for t in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            s[t, i] = x[t, i] + residual[t, i]
+    _rms_norm(s, weight, eps, y)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _norm_rope(src, lo, norm, eps, row, dst, normed):  # pragma: no cover - compiled
+    """dst[:Dh] = src[lo : lo + Dh] as ``_rms_norm`` with weight ``norm`` makes it (norm of length 0:
+    as it is), then rotated as ``_rope`` by cos | sin ``row`` [Dh]; ``normed`` [Dh] is scratch."""
+    Dh = dst.shape[0]
+    half = Dh // 2
+    if norm.shape[0]:
+        for i in range(Dh):
+            normed[i] = src[lo + i] * src[lo + i]
+        scale = np.sqrt(_pairwise_sum(normed, Dh) / np.float32(Dh) + eps)
+        for i in range(Dh):
+            normed[i] = (src[lo + i] / scale) * norm[i]
+    else:
+        for i in range(Dh):
+            normed[i] = src[lo + i]
+    for i in range(half):
+        c, s, x1, x2 = row[i], row[half + i], normed[i], normed[half + i]
+        dst[i] = x1 * c - x2 * s
+        dst[half + i] = x2 * c + x1 * s
+
+
+@njit(nogil=True, cache=True)
+def _attention_inputs(qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slots, q):  # pragma: no cover
+    """From qkv [T, (H + 2 Hk) Dh] (q | k | v): q [T, H, Dh] and row t's k and v written to the
+    caches [NB, BS, Hk, Dh] at slot slots[t] (below 0: not written), q and k each head normed
+    (``_rms_norm``'s operations, with q_norm / k_norm [Dh]; length 0: not normed) and rotated by
+    cos_sin[positions[t]] (``_rope``'s), v as it is: the model's steps' bits in one call."""
+    H, Dh = q.shape[1], q.shape[2]
+    BS, Hk = k_cache.shape[1], k_cache.shape[2]
+    normed = np.empty(Dh, np.float32)  # [Dh]
+    for t in range(qkv.shape[0]):
+        row, src = cos_sin[positions[t]], qkv[t]
+        for h in range(H):
+            _norm_rope(src, h * Dh, q_norm, eps, row, q[t, h], normed)
+        slot = slots[t]
+        if slot >= 0:
+            block, at = slot // BS, slot % BS
+            for h in range(Hk):
+                _norm_rope(src, (H + h) * Dh, k_norm, eps, row, k_cache[block, at, h], normed)
+                lo = (H + Hk + h) * Dh
+                v_cache[block, at, h] = src[lo : lo + Dh]
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """[T, D]: RMSNorm of x[T, D] (float32) with the bits of NumpyOps.rms_norm, in one call."""
     y = np.empty(x.shape, dtype=np.float32)  # [T, D]
@@ -658,6 +710,26 @@ def rope(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray) -> np.ndarra
     y = np.empty(x.shape, dtype=np.float32)  # [T, H, Dh]
     _rope(np.ascontiguousarray(x), positions, cos_sin, y)
     return y
+
+
+def add_rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float) -> tuple:
+    """(rms_norm(s), s), s = x + residual (float32 [T, D]): NumpyOps.add_rms_norm's bits in one call."""
+    y, s = np.empty(x.shape, dtype=np.float32), np.empty(x.shape, dtype=np.float32)  # [T, D]
+    _add_rms_norm(np.ascontiguousarray(x), np.ascontiguousarray(residual), weight, np.float32(eps), y, s)
+    return y, s
+
+
+_NO_NORM = np.empty(0, np.float32)  # _attention_inputs' norm weights where a model has none
+
+
+def attention_inputs(qkv, heads: int, q_norm, k_norm, eps: float, positions, cos_sin, k_cache, v_cache, slots):
+    """[T, H, Dh]: Ops.attention_inputs of qkv [T, (H + 2 Hk) Dh] (float32), float32 caches, norms
+    and cos_sin [P, Dh], with the bits of its steps apart, in one call."""
+    q = np.empty((qkv.shape[0], heads, k_cache.shape[3]), dtype=np.float32)  # [T, H, Dh]
+    q_norm, k_norm = (_NO_NORM if w is None else w for w in (q_norm, k_norm))
+    args = (np.ascontiguousarray(qkv), q_norm, k_norm, np.float32(eps), positions, cos_sin, k_cache, v_cache, slots)
+    _attention_inputs(*args, q)
+    return q
 
 
 def kv_write(k_cache, v_cache, k, v, slot_mapping) -> None:
@@ -835,10 +907,24 @@ def warm_up(threads: int = 1) -> None:
     x = np.ones((5, 7), np.float32)  # [n, K]
     rms_norm(x, np.ones(7, np.float32), 1e-6)
     rope(np.ones((2, 1, 8), np.float32), np.zeros(2, np.int32), np.ones((4, 8), np.float32))
+    add_rms_norm(x, x, np.ones(7, np.float32), 1e-6)
     bucket_sums(np.zeros(3, np.int32), np.ones(3, np.float32), 2)
     cache = np.ones((2, 4, 1, 16), np.float32)  # [NB, BS, Hk, Dh]
     rows = np.ones((2, 1, 16), np.float32)  # [T, Hk, Dh]
     kv_write(cache, cache, rows, np.ones((2, 2, 16), np.float32)[:, :1], np.array([1, -1], np.int32))
+    norm, table = np.ones(16, np.float32), np.ones((4, 16), np.float32)
+    attention_inputs(
+        np.ones((2, 48), np.float32),
+        1,
+        norm,
+        None,
+        1e-6,
+        np.zeros(2, np.int32),
+        table,
+        cache,
+        cache,
+        np.array([1, -1], np.int32),
+    )
     count_experts(np.zeros((3, 2), np.int32), np.zeros(4, np.int32))
     router(np.ones((2, 4), np.float32), 2, True)
     q = np.ones((1, 2, 16), np.float32)

@@ -168,8 +168,23 @@ class NumpyOps(GptOssOps, Ops):
         return (x / np.sqrt(var + eps)) * weight
 
     def add_rms_norm(self, x, residual, weight, eps):
+        if self._compiled_rows(x, weight, ndim=2) and residual.dtype == np.float32:  # the same bits, one call
+            return self.kernels.add_rms_norm(x, residual, weight, eps)  # ([T, D], [T, D])
         s = x + residual  # [T, D]
         return self.rms_norm(s, weight, eps), s
+
+    def attention_inputs(self, qkv, heads, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        """On the compiled path one call (``cpu_kernels.attention_inputs``: a decode step of the
+        benchmark model made 4 - 6 calls of it per layer), the reference's bits."""
+        args = (heads, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        norms = [w for w in (q_norm, k_norm) if w is not None]
+        if (
+            self._compiled_rows(qkv, cos_sin, ndim=2)
+            and all(w.dtype == np.float32 for w in norms)
+            and self._compiled_caches(k_cache, v_cache)
+        ):
+            return self.kernels.attention_inputs(qkv, *args)  # [T, H, Dh]
+        return super().attention_inputs(qkv, *args)
 
     def linear_weight(self, host: np.ndarray) -> np.ndarray:
         """On the compiled path a matrix [N, K] with N a multiple of 16 is stored as panels
@@ -280,9 +295,15 @@ class NumpyOps(GptOssOps, Ops):
         return (
             self.experts == "numba"
             and q.shape[-1] % 16 == 0
-            and q.dtype == k_cache.dtype == v_cache.dtype == np.float32
-            and k_cache.flags.c_contiguous
-            and v_cache.flags.c_contiguous
+            and q.dtype == np.float32
+            and (self._compiled_caches(k_cache, v_cache))
+        )
+
+    @staticmethod
+    def _compiled_caches(k_cache, v_cache) -> bool:
+        """Whether the compiled kernels read and write these KV caches in place: float32, C order."""
+        return (
+            k_cache.dtype == v_cache.dtype == np.float32 and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
         )
 
     def _attend_padded(self, q, k_cache, v_cache, block_tables, lens, scale):
