@@ -758,10 +758,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, lens, scale: float, thre
     """[B, H, Dh]: NumpyOps.attention_decode of q[B, H, Dh] over float32 caches [NB, BS, Hk, Dh]
     (Dh a multiple of 16), each row's positions read in place through block_tables[B, MB]."""
     out = np.empty(q.shape, dtype=np.float32)  # [B, H, Dh]
-    tables = np.ascontiguousarray(block_tables, dtype=np.int64)
-    lens = np.asarray(lens, np.int64)
+    tables = np.ascontiguousarray(block_tables, dtype=np.int32)  # (the ops' index arrays: no copy)
+    lens = np.ascontiguousarray(lens, dtype=np.int32)
     args = (np.ascontiguousarray(q), k_cache, v_cache, tables, lens, np.float32(scale), out)
-    share(_decode_attention, args, q.shape[0], threads)
+    if threads == 1 or q.shape[0] == 1:  # one chunk, on this thread
+        _decode_attention(*args, 1, new_counters())
+    else:
+        share(_decode_attention, args, q.shape[0], threads)
     return out
 
 
@@ -810,7 +813,7 @@ def moe(x, local, weights, gate_up, down, threads: int = 1) -> np.ndarray:
     gate_up[El, 2I, D], SiLU and down down[El, D, I] (resident panels, ``cpu_weights``): one call on
     one thread, else the two products shared out (the same bits)."""
     out = np.empty(x.shape, dtype=np.float32)  # [T, D]
-    x, local = np.ascontiguousarray(x), np.ascontiguousarray(local, dtype=np.int64)
+    x, local = np.ascontiguousarray(x), np.ascontiguousarray(local, dtype=np.int32)  # (the router's ids: no copy)
     w = np.ascontiguousarray(weights, dtype=np.float32)
     inter = _size(down)[1]
     if threads > 1:
@@ -895,7 +898,7 @@ def warm_products(kind: str, threads: int = 1) -> None:
         data, scales, block = _triple(single)
         _linear_chunks(_operand_for_call(x, data, block), data, scales, block, np.empty_like(x), 1, new_counters())
     expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
-    local, weights = np.zeros((5, 2), np.int64), np.ones((5, 2), np.float32)
+    local, weights = np.zeros((5, 2), np.int32), np.ones((5, 2), np.float32)
     moe(x, local, weights, gate_up, down)
     if threads > 1:
         _moe_shared(x, local, weights, gate_up, down, 16, np.empty_like(x), threads)
@@ -928,7 +931,7 @@ def warm_up(threads: int = 1) -> None:
     count_experts(np.zeros((3, 2), np.int32), np.zeros(4, np.int32))
     router(np.ones((2, 4), np.float32), 2, True)
     q = np.ones((1, 2, 16), np.float32)
-    decode_attention(q, cache, cache, np.zeros((1, 2), np.int32), np.array([5]), 0.25, threads)
+    decode_attention(q, cache, cache, np.zeros((1, 2), np.int32), np.array([5], np.int32), 0.25, threads)
 
 
 def main(argv=None) -> int:
