@@ -726,9 +726,10 @@ def attention_inputs(qkv, heads: int, q_norm, k_norm, eps: float, positions, cos
     """[T, H, Dh]: Ops.attention_inputs of qkv [T, (H + 2 Hk) Dh] (float32), float32 caches, norms
     and cos_sin [P, Dh], with the bits of its steps apart, in one call."""
     q = np.empty((qkv.shape[0], heads, k_cache.shape[3]), dtype=np.float32)  # [T, H, Dh]
-    q_norm, k_norm = (_NO_NORM if w is None else w for w in (q_norm, k_norm))
-    args = (np.ascontiguousarray(qkv), q_norm, k_norm, np.float32(eps), positions, cos_sin, k_cache, v_cache, slots)
-    _attention_inputs(*args, q)
+    norms = (_NO_NORM if q_norm is None else q_norm, _NO_NORM if k_norm is None else k_norm)
+    _attention_inputs(
+        np.ascontiguousarray(qkv), *norms, np.float32(eps), positions, cos_sin, k_cache, v_cache, slots, q
+    )
     return q
 
 

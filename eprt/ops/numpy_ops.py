@@ -177,10 +177,10 @@ class NumpyOps(GptOssOps, Ops):
         """On the compiled path one call (``cpu_kernels.attention_inputs``: a decode step of the
         benchmark model made 4 - 6 calls of it per layer), the reference's bits."""
         args = (heads, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping)
-        norms = [w for w in (q_norm, k_norm) if w is not None]
         if (
             self._compiled_rows(qkv, cos_sin, ndim=2)
-            and all(w.dtype == np.float32 for w in norms)
+            and (q_norm is None or q_norm.dtype == np.float32)
+            and (k_norm is None or k_norm.dtype == np.float32)
             and self._compiled_caches(k_cache, v_cache)
         ):
             return self.kernels.attention_inputs(qkv, *args)  # [T, H, Dh]
