@@ -1,10 +1,13 @@
 """The NumPy backend's batched attention and grouped expert GEMMs against their definitions
 in eprt/ops/base.py, written here one row, one head and one (token, expert) at a time."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 
 from eprt.ops import numpy_ops
+from eprt.ops.base import Ops
 from eprt.ops.numpy_ops import EXPERT_ROWS_AS_GEMV, NumpyOps, numba_available
 
 # the expert paths: the compiled kernel (numba, the cpu extra) where it imports, and the NumPy fallback
@@ -330,6 +333,31 @@ def test_compiled_rms_norm_and_rope_have_the_numpy_bits():
         table = rng.standard_normal((40, Dh), dtype=np.float32)  # [P, Dh]: cos | sin
         positions = rng.integers(0, 40, T).astype(np.int32)
         np.testing.assert_array_equal(compiled.rope(x, positions, table), plain.rope(x, positions, table))
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba not installed")
+def test_compiled_attention_inputs_have_the_bits_of_the_ops_apart():
+    """NumpyOps.attention_inputs on the compiled path (one call: per-head q/k norm, rope, KV write)
+    gives the bits of Ops' composition of rms_norm, rope and kv_write and of the NumPy path: q, and
+    the caches (a negative slot not written), with and without q/k norms."""
+    rng = np.random.default_rng(23)
+    compiled, plain = NumpyOps("numba"), NumpyOps("numpy")
+    for T, H, Hk, Dh, normed in [(1, 8, 4, 64, True), (5, 4, 2, 16, False), (3, 6, 2, 128, True), (2, 2, 1, 6, True)]:
+        qkv = rng.standard_normal((T, (H + 2 * Hk) * Dh), dtype=np.float32) * 3
+        q_norm, k_norm = (rng.standard_normal(Dh, dtype=np.float32) if normed else None for _ in range(2))
+        table = rng.standard_normal((40, Dh), dtype=np.float32)  # [P, Dh]: cos | sin
+        positions = rng.integers(0, 40, T).astype(np.int32)
+        slots = rng.permutation(24)[:T].astype(np.int32)
+        slots[-1] = -1 if T > 1 else slots[-1]
+        outs = []
+        for run in (compiled.attention_inputs, partial(Ops.attention_inputs, compiled), plain.attention_inputs):
+            k_cache, v_cache = np.zeros((3, 8, Hk, Dh), np.float32), np.zeros((3, 8, Hk, Dh), np.float32)
+            q = run(qkv, H, q_norm, k_norm, 1e-6, positions, table, k_cache, v_cache, slots)
+            outs.append((q, k_cache, v_cache))
+        for got in outs[1:]:
+            for a, b in zip(outs[0], got):
+                np.testing.assert_array_equal(a, b)
+        assert np.count_nonzero(outs[0][2].any(axis=(2, 3))) == np.count_nonzero(slots >= 0)
 
 
 def test_numpy_path_runs_without_the_compiled_kernels():
