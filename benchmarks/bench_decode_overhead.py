@@ -81,7 +81,6 @@ def main() -> None:
     from eprt.engine.engine import EngineConfig, launch_engine
 
     path = build_bf16_copy(build_checkpoint("qwen3_moe", args.dir, **BENCH_MODEL), args.dir + "-bf16")
-    counted = Counted()
     cfg = EngineConfig(
         model=path,
         device="cpu",
@@ -98,7 +97,8 @@ def main() -> None:
             params = SamplingParams(max_tokens=k, ignore_eos=True)
             engine.generate([GenerationRequest(prompt_ids=list(range(3, 19)), params=params)])
 
-        run(3)  # warm-up
+        run(3)  # warm-up: every kernel the runs call compiled (or loaded) before they are wrapped
+        counted = Counted()
         times = np.array([step_times(run, counted, n) for _ in range(args.repeats)])  # [repeats, 2]
         counted.calls = 0
         profile = cProfile.Profile()

@@ -866,7 +866,7 @@ def product(x: np.ndarray, w, threads: int = 1) -> np.ndarray:
     else:
         op = _operand_for_call(x, data, block)
         share(_linear_chunks, (op, data, scales, block, y), data.shape[0], threads)
-    N = _size(w)[0]
+    N = w.rows if isinstance(w, ScaledPanels) else y.shape[1]  # (int8 panels are padded past N)
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 
 

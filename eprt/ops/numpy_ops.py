@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 
@@ -107,18 +108,17 @@ class NumpyOps(GptOssOps, Ops):
         self.fp8_resident = self.precision == "auto" and self.experts == "numba"
         self.threads, why = cpu_threads.resolve_threads(threads)
         self.threads_text = f"{self.threads} thread(s) ({why}), {cpu_threads.set_blas_threads(self.threads)}"
-        self._kernels = None  # eprt.ops.cpu_kernels once imported
         compiled = self.experts == "numba"  # compile each kind's products as its first weights load
         warm = (lambda kind: self.kernels.warm_products(kind, self.threads)) if compiled else (lambda kind: None)
         self.packer = cpu_weights.Packer(self.precision, warm)
 
-    @property
+    @functools.cached_property
     def kernels(self):
-        if self._kernels is None:
-            from eprt.ops import cpu_kernels
+        """eprt.ops.cpu_kernels, imported at the first use (importing numba takes about a second),
+        then a plain attribute (a decode step reads it about 80 times)."""
+        from eprt.ops import cpu_kernels
 
-            self._kernels = cpu_kernels
-        return self._kernels
+        return cpu_kernels
 
     def describe(self) -> str:
         """The expert path and the weights' precision, for the start-up log and the ranks' compute
