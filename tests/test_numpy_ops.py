@@ -332,6 +332,50 @@ def test_compiled_rms_norm_and_rope_have_the_numpy_bits():
         np.testing.assert_array_equal(compiled.rope(x, positions, table), plain.rope(x, positions, table))
 
 
+@pytest.mark.skipif(not numba_available(), reason="numba not installed")
+def test_compiled_attention_prologue_has_the_bits_of_the_ops_apart():
+    """NumpyOps.qk_rope_kv_write on the compiled path (one call: per-head q/k norm, rope, KV write)
+    gives the bits of rms_norm, rope and kv_write apart and of the NumPy path: q, and the caches (a
+    negative slot not written), with and without q/k norms, q/k/v as row views of one product or apart."""
+    rng = np.random.default_rng(23)
+    compiled, plain = NumpyOps("numba"), NumpyOps("numpy")
+    for T, H, Hk, Dh, normed in [(1, 8, 4, 64, True), (5, 4, 2, 16, False), (3, 6, 2, 128, True), (2, 2, 1, 6, True)]:
+        qkv = rng.standard_normal((T, (H + 2 * Hk) * Dh), dtype=np.float32) * 3
+        views = [
+            qkv[:, a:b].reshape(T, -1, Dh) for a, b in ((0, H * Dh), (H * Dh, (H + Hk) * Dh), ((H + Hk) * Dh, None))
+        ]
+        norms = tuple(rng.standard_normal(Dh, dtype=np.float32) for _ in range(2)) if normed else None
+        table = rng.standard_normal((40, Dh), dtype=np.float32)  # [P, Dh]: cos | sin
+        positions = rng.integers(0, 40, T).astype(np.int32)
+        slots = rng.permutation(24)[:T].astype(np.int32)
+        slots[-1] = -1 if T > 1 else slots[-1]
+        outs = []
+        for run, (q, k, v) in [
+            (compiled.qk_rope_kv_write, views),
+            (compiled.qk_rope_kv_write, [np.ascontiguousarray(a) for a in views]),
+            (plain.qk_rope_kv_write, views),
+        ]:
+            k_cache, v_cache = np.zeros((3, 8, Hk, Dh), np.float32), np.zeros((3, 8, Hk, Dh), np.float32)
+            outs.append((run(q, k, v, norms, 1e-6, positions, table, k_cache, v_cache, slots), k_cache, v_cache))
+        want = _prologue_apart(plain, views, norms, positions, table, slots, Hk)
+        for got in outs:
+            for a, b in zip(want, got):
+                np.testing.assert_array_equal(a, b)
+        assert np.count_nonzero(outs[0][2].any(axis=(2, 3))) == np.count_nonzero(slots >= 0)
+
+
+def _prologue_apart(ops, views, norms, positions, table, slots, Hk):
+    """(q, k_cache, v_cache) from rms_norm, rope and kv_write called one by one."""
+    q, k, v = (np.ascontiguousarray(a) for a in views)
+    if norms is not None:
+        q, k = (ops.rms_norm(a.reshape(-1, a.shape[-1]), w, 1e-6).reshape(a.shape) for a, w in zip((q, k), norms))
+    q, k = ops.rope(q, positions, table), ops.rope(k, positions, table)
+    Dh = q.shape[-1]
+    k_cache, v_cache = np.zeros((3, 8, Hk, Dh), np.float32), np.zeros((3, 8, Hk, Dh), np.float32)
+    ops.kv_write(k_cache, v_cache, k, v, slots)
+    return q, k_cache, v_cache
+
+
 def test_numpy_path_runs_without_the_compiled_kernels():
     """The NumPy fallback (no cpu extra) never imports cpu_kernels, which needs numba: expert stacks
     of panel-sized widths, one row and a few, norms and rope."""
@@ -348,7 +392,7 @@ def test_numpy_path_runs_without_the_compiled_kernels():
     ops.linear(x[:1], ops.linear_weight(rng.standard_normal((512, 160), dtype=np.float32)))  # [1, 160] -> [1, 512]
     ops.rms_norm(x, np.ones(160, np.float32), 1e-6)
     ops.rope(x.reshape(3, 2, 80), np.arange(3), rng.standard_normal((5, 80), dtype=np.float32))
-    assert ops._kernels is None
+    assert "kernels" not in vars(ops)  # never imported
 
 
 def test_expert_path_choice(monkeypatch):

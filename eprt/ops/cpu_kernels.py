@@ -646,6 +646,60 @@ def _rope(x, positions, cos_sin, y):  # pragma: no cover - compiled
                 y[t, h, half + i] = x2 * c + x1 * s
 
 
+@njit(nogil=True, cache=True)
+def _add_rms_norm(x, residual, weight, eps, y, s):  # pragma: no cover - compiled
+    """s = x + residual, then y = ``_rms_norm`` of s: NumpyOps.add_rms_norm's operations, one call."""
+    for t in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            s[t, i] = x[t, i] + residual[t, i]
+    _rms_norm(s, weight, eps, y)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _norm_rope(src, lo, norm, eps, row, dst, normed):  # pragma: no cover - compiled
+    """dst[:Dh] = src[lo : lo + Dh] as ``_rms_norm`` with weight ``norm`` makes it (norm of length 0:
+    as it is), then rotated as ``_rope`` by cos | sin ``row`` [Dh]; ``normed`` [Dh] is scratch."""
+    Dh = dst.shape[0]
+    half = Dh // 2
+    if norm.shape[0]:
+        for i in range(Dh):
+            normed[i] = src[lo + i] * src[lo + i]
+        scale = np.sqrt(_pairwise_sum(normed, Dh) / np.float32(Dh) + eps)
+        for i in range(Dh):
+            normed[i] = (src[lo + i] / scale) * norm[i]
+    else:
+        for i in range(Dh):
+            normed[i] = src[lo + i]
+    for i in range(half):
+        c, s, x1, x2 = row[i], row[half + i], normed[i], normed[half + i]
+        dst[i] = x1 * c - x2 * s
+        dst[half + i] = x2 * c + x1 * s
+
+
+@njit(nogil=True, cache=True)
+def _qk_rope_kv_write(
+    q_in, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slots, q
+):  # pragma: no cover
+    """q [T, H, Dh] from q_in [T, H, Dh] and row t's k and v [T, Hk, Dh] written to the caches
+    [NB, BS, Hk, Dh] at slot slots[t] (below 0: not written), q and k each head normed
+    (``_rms_norm``'s operations, with q_norm / k_norm [Dh]; length 0: not normed) and rotated by
+    cos_sin[positions[t]] (``_rope``'s), v as it is: the model's steps' bits in one call. q_in, k
+    and v may be row views of one product."""
+    H, Dh = q.shape[1], q.shape[2]
+    BS, Hk = k_cache.shape[1], k_cache.shape[2]
+    normed = np.empty(Dh, np.float32)  # [Dh]
+    for t in range(q.shape[0]):
+        row = cos_sin[positions[t]]
+        for h in range(H):
+            _norm_rope(q_in[t, h], 0, q_norm, eps, row, q[t, h], normed)
+        slot = slots[t]
+        if slot >= 0:
+            block, at = slot // BS, slot % BS
+            for h in range(Hk):
+                _norm_rope(k[t, h], 0, k_norm, eps, row, k_cache[block, at, h], normed)
+                v_cache[block, at, h] = v[t, h]
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """[T, D]: RMSNorm of x[T, D] (float32) with the bits of NumpyOps.rms_norm, in one call."""
     y = np.empty(x.shape, dtype=np.float32)  # [T, D]
@@ -658,6 +712,26 @@ def rope(x: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray) -> np.ndarra
     y = np.empty(x.shape, dtype=np.float32)  # [T, H, Dh]
     _rope(np.ascontiguousarray(x), positions, cos_sin, y)
     return y
+
+
+def add_rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float) -> tuple:
+    """(rms_norm(s), s), s = x + residual (float32 [T, D]): NumpyOps.add_rms_norm's bits in one call."""
+    y, s = np.empty(x.shape, dtype=np.float32), np.empty(x.shape, dtype=np.float32)  # [T, D]
+    _add_rms_norm(np.ascontiguousarray(x), np.ascontiguousarray(residual), weight, np.float32(eps), y, s)
+    return y, s
+
+
+_NO_NORM = np.empty(0, np.float32)  # _qk_rope_kv_write's norm weights where a model has none
+
+
+def qk_rope_kv_write(q, k, v, q_norm, k_norm, eps: float, positions, cos_sin, k_cache, v_cache, slots):
+    """[T, H, Dh]: Ops.qk_rope_kv_write of float32 q [T, H, Dh], k, v [T, Hk, Dh] (views allowed),
+    float32 caches, norms and cos_sin [P, Dh] (every dim rotated), with the bits of its steps apart,
+    in one call."""
+    out = np.empty(q.shape, dtype=np.float32)  # [T, H, Dh]
+    norms = (_NO_NORM if q_norm is None else q_norm, _NO_NORM if k_norm is None else k_norm)
+    _qk_rope_kv_write(q, k, v, *norms, np.float32(eps), positions, cos_sin, k_cache, v_cache, slots, out)
+    return out
 
 
 def kv_write(k_cache, v_cache, k, v, slot_mapping) -> None:
@@ -686,10 +760,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, lens, scale: float, thre
     """[B, H, Dh]: NumpyOps.attention_decode of q[B, H, Dh] over float32 caches [NB, BS, Hk, Dh]
     (Dh a multiple of 16), each row's positions read in place through block_tables[B, MB]."""
     out = np.empty(q.shape, dtype=np.float32)  # [B, H, Dh]
-    tables = np.ascontiguousarray(block_tables, dtype=np.int64)
-    lens = np.asarray(lens, np.int64)
+    tables = np.ascontiguousarray(block_tables, dtype=np.int32)  # (the ops' index arrays: no copy)
+    lens = np.ascontiguousarray(lens, dtype=np.int32)
     args = (np.ascontiguousarray(q), k_cache, v_cache, tables, lens, np.float32(scale), out)
-    share(_decode_attention, args, q.shape[0], threads)
+    if threads == 1 or q.shape[0] == 1:  # one chunk, on this thread
+        _decode_attention(*args, 1, new_counters())
+    else:
+        share(_decode_attention, args, q.shape[0], threads)
     return out
 
 
@@ -738,7 +815,7 @@ def moe(x, local, weights, gate_up, down, threads: int = 1) -> np.ndarray:
     gate_up[El, 2I, D], SiLU and down down[El, D, I] (resident panels, ``cpu_weights``): one call on
     one thread, else the two products shared out (the same bits)."""
     out = np.empty(x.shape, dtype=np.float32)  # [T, D]
-    x, local = np.ascontiguousarray(x), np.ascontiguousarray(local, dtype=np.int64)
+    x, local = np.ascontiguousarray(x), np.ascontiguousarray(local, dtype=np.int32)  # (the router's ids: no copy)
     w = np.ascontiguousarray(weights, dtype=np.float32)
     inter = _size(down)[1]
     if threads > 1:
@@ -790,7 +867,7 @@ def product(x: np.ndarray, w, threads: int = 1) -> np.ndarray:
     else:
         op = _operand_for_call(x, data, block)
         share(_linear_chunks, (op, data, scales, block, y), data.shape[0], threads)
-    N = _size(w)[0]
+    N = w.rows if isinstance(w, ScaledPanels) else y.shape[1]  # (int8 panels are padded past N)
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 
 
@@ -823,7 +900,7 @@ def warm_products(kind: str, threads: int = 1) -> None:
         data, scales, block = _triple(single)
         _linear_chunks(_operand_for_call(x, data, block), data, scales, block, np.empty_like(x), 1, new_counters())
     expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
-    local, weights = np.zeros((5, 2), np.int64), np.ones((5, 2), np.float32)
+    local, weights = np.zeros((5, 2), np.int32), np.ones((5, 2), np.float32)
     moe(x, local, weights, gate_up, down)
     if threads > 1:
         _moe_shared(x, local, weights, gate_up, down, 16, np.empty_like(x), threads)
@@ -835,14 +912,21 @@ def warm_up(threads: int = 1) -> None:
     x = np.ones((5, 7), np.float32)  # [n, K]
     rms_norm(x, np.ones(7, np.float32), 1e-6)
     rope(np.ones((2, 1, 8), np.float32), np.zeros(2, np.int32), np.ones((4, 8), np.float32))
+    add_rms_norm(x, x, np.ones(7, np.float32), 1e-6)
     bucket_sums(np.zeros(3, np.int32), np.ones(3, np.float32), 2)
     cache = np.ones((2, 4, 1, 16), np.float32)  # [NB, BS, Hk, Dh]
     rows = np.ones((2, 1, 16), np.float32)  # [T, Hk, Dh]
     kv_write(cache, cache, rows, np.ones((2, 2, 16), np.float32)[:, :1], np.array([1, -1], np.int32))
+    norm, table = np.ones(16, np.float32), np.ones((4, 16), np.float32)
+    qkv = np.ones((2, 48), np.float32)  # [T, Q + 2KV]: q, k and v as row views of one product, and apart
+    for q, k, v in ((qkv[:, a : a + 16].reshape(2, 1, 16) for a in (0, 16, 32)), (rows, rows, rows)):
+        qk_rope_kv_write(
+            q, k, v, norm, None, 1e-6, np.zeros(2, np.int32), table, cache, cache, np.array([1, -1], np.int32)
+        )
     count_experts(np.zeros((3, 2), np.int32), np.zeros(4, np.int32))
     router(np.ones((2, 4), np.float32), 2, True)
     q = np.ones((1, 2, 16), np.float32)
-    decode_attention(q, cache, cache, np.zeros((1, 2), np.int32), np.array([5]), 0.25, threads)
+    decode_attention(q, cache, cache, np.zeros((1, 2), np.int32), np.array([5], np.int32), 0.25, threads)
 
 
 def main(argv=None) -> int:

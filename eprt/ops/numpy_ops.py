@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 
@@ -119,18 +120,17 @@ class NumpyOps(GptOssOps, Ops):
         self.fp8_resident = self.precision == "auto" and self.experts == "numba"
         self.threads, why = cpu_threads.resolve_threads(threads)
         self.threads_text = f"{self.threads} thread(s) ({why}), {cpu_threads.set_blas_threads(self.threads)}"
-        self._kernels = None  # eprt.ops.cpu_kernels once imported
         compiled = self.experts == "numba"  # compile each kind's products as its first weights load
         warm = (lambda kind: self.kernels.warm_products(kind, self.threads)) if compiled else (lambda kind: None)
         self.packer = cpu_weights.Packer(self.precision, warm)
 
-    @property
+    @functools.cached_property
     def kernels(self):
-        if self._kernels is None:
-            from eprt.ops import cpu_kernels
+        """eprt.ops.cpu_kernels, imported at the first use (importing numba takes about a second),
+        then a plain attribute (a decode step reads it about 80 times)."""
+        from eprt.ops import cpu_kernels
 
-            self._kernels = cpu_kernels
-        return self._kernels
+        return cpu_kernels
 
     def describe(self) -> str:
         """The expert path and the weights' precision, for the start-up log and the ranks' compute
@@ -180,7 +180,10 @@ class NumpyOps(GptOssOps, Ops):
         return (x / np.sqrt(var + eps)) * weight
 
     def add_rms_norm(self, x, residual, weight, eps, extra=None):
-        s = (x if extra is None else self.add(x, extra)) + residual  # [T, D]
+        x = x if extra is None else self.add(x, extra)  # [T, D]
+        if self._compiled_rows(x, weight, ndim=2) and residual.dtype == np.float32:  # the same bits, one call
+            return self.kernels.add_rms_norm(x, residual, weight, eps)  # ([T, D], [T, D])
+        s = x + residual  # [T, D]
         return self.rms_norm(s, weight, eps), s
 
     def linear_weight(self, host: np.ndarray) -> np.ndarray:
@@ -241,12 +244,25 @@ class NumpyOps(GptOssOps, Ops):
         v_cache.reshape(nb * bs, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
 
     def qk_rope_kv_write(self, q, k, v, norms, eps, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        if self._compiled_prologue(q, k, v, norms, cos_sin, k_cache, v_cache):  # one call, the same bits
+            q_norm, k_norm = (None, None) if norms is None else norms
+            return self.kernels.qk_rope_kv_write(
+                q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping
+            )
         q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))  # [T, H|Hk, Dh]
         if norms is not None:
             q, k = (self.rms_norm(a.reshape(-1, a.shape[-1]), w, eps).reshape(a.shape) for a, w in zip((q, k), norms))
         q, k = (self._rope_head_start(a, positions, cos_sin) for a in (q, k))
         self.kv_write(k_cache, v_cache, k, v, slot_mapping)
         return q
+
+    def _compiled_prologue(self, q, k, v, norms, cos_sin, k_cache, v_cache) -> bool:
+        """Whether ``qk_rope_kv_write`` runs cpu_kernels.qk_rope_kv_write: the compiled path, float32
+        throughout, every dim of a head rotated, caches written in place (a decode step of the
+        benchmark model made 4 - 6 calls of the ops apart per layer)."""
+        f32 = all(a.dtype == np.float32 for a in (q, k, v, *(norms or ())))
+        full = cos_sin.shape[1] == q.shape[-1]
+        return f32 and full and self._compiled_rows(q, cos_sin, ndim=3) and self._compiled_caches(k_cache, v_cache)
 
     def _rope_head_start(self, x, positions, cos_sin):
         """x[T, H, Dh] rotated over the first R = cos_sin.shape[1] columns of each head."""
@@ -307,9 +323,15 @@ class NumpyOps(GptOssOps, Ops):
         return (
             self.experts == "numba"
             and q.shape[-1] % 16 == 0
-            and q.dtype == k_cache.dtype == v_cache.dtype == np.float32
-            and k_cache.flags.c_contiguous
-            and v_cache.flags.c_contiguous
+            and q.dtype == np.float32
+            and (self._compiled_caches(k_cache, v_cache))
+        )
+
+    @staticmethod
+    def _compiled_caches(k_cache, v_cache) -> bool:
+        """Whether the compiled kernels read and write these KV caches in place: float32, C order."""
+        return (
+            k_cache.dtype == v_cache.dtype == np.float32 and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
         )
 
     def _attend_padded(self, q, k_cache, v_cache, block_tables, lens, scale):
