@@ -849,3 +849,35 @@ def test_combine_benchmark_runs_on_cusim_at_two_ranks(devices):
         assert all("not run" in r[2] for r in rows), proc.stdout
     else:
         assert all(float(r[2]) > 0 for r in rows), proc.stdout
+
+
+def test_nccl_stand_in_sends_and_receives_in_groups_and_refuses_a_mismatch():
+    """send/recv as CuPy 14 has them (a rank may send to itself), matched at groupEnd: a recv of
+    another count than the send is refused naming both calls, an ungrouped send too."""
+    from cusim import fake_nccl as nccl
+
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    a, b = fake_cupy.arange(6, dtype=np.float32), fake_cupy.zeros(6, np.float32)
+    nccl.groupStart()
+    comm.send(a.data.ptr + 8, 4, nccl.NCCL_FLOAT32, 0, 0)  # a[2:6] -> b[0:4]
+    comm.recv(b.data.ptr, 4, nccl.NCCL_FLOAT32, 0, 0)
+    comm.send(a.data.ptr, 0, nccl.NCCL_FLOAT32, 0, 0)  # a count of 0 moves nothing
+    comm.recv(0, 0, nccl.NCCL_FLOAT32, 0, 0)
+    nccl.groupEnd()
+    np.testing.assert_array_equal(b.get(), [2, 3, 4, 5, 0, 0])
+    nccl.groupStart()
+    comm.send(a.data.ptr, 4, nccl.NCCL_FLOAT32, 0, 0)
+    comm.recv(b.data.ptr, 3, nccl.NCCL_FLOAT32, 0, 0)
+    with pytest.raises(nccl.NcclError, match=r"rank 0's send #0 of 4 \(datatype 7\) .* rank 0's recv #0 of 3"):
+        nccl.groupEnd()
+    nccl.groupStart()
+    comm.send(a.data.ptr, 4, nccl.NCCL_FLOAT32, 0, 0)
+    comm.recv(b.data.ptr, 4, nccl.NCCL_INT32, 0, 0)
+    with pytest.raises(nccl.NcclError, match=r"send #0 of 4 \(datatype 7\) .* recv #0 of 4 \(datatype 2\)"):
+        nccl.groupEnd()
+    with pytest.raises(nccl.NcclError, match=r"send outside groupStart\(\)/groupEnd\(\)"):
+        comm.send(a.data.ptr, 4, nccl.NCCL_FLOAT32, 0, 0)
+    with pytest.raises(nccl.NcclError, match="groupEnd without groupStart"):
+        nccl.groupEnd()
+    with pytest.raises(TypeError, match="an integer is required"):
+        comm.recv(b, 4, nccl.NCCL_FLOAT32, 0, 0)

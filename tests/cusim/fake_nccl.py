@@ -9,7 +9,13 @@ What the real one does and this one checks (the H200's first contact, docs/gpu.m
   every rank;
 - collectives take raw device pointers, counts, an NCCL datatype and a stream pointer, all as
   ints; they are ordered on the stream (the result lands at the next synchronize or
-  stream-ordered work) and run on the communicator's device only.
+  stream-ordered work) and run on the communicator's device only;
+- point-to-point ``send(ptr, count, datatype, peer, stream)`` / ``recv(...)`` between
+  ``groupStart()`` and ``groupEnd()``: the group runs at ``groupEnd`` (ordered on its stream), the
+  i-th send from rank r to rank p meeting the i-th recv on p from r, which must have the same count
+  and datatype (a real NCCL hangs or corrupts memory on a mismatch; here both ranks get an
+  ``NcclError`` naming the calls). Ungrouped send/recv are refused (between two ranks that both
+  send first they hang a real NCCL), and so is a group over two streams.
 
 The ranks of a communicator are MPI processes (mpi4py, the job's COMM_WORLD; ``ndev`` must be
 its size); a communicator of one rank needs no MPI.
@@ -41,6 +47,9 @@ _DTYPES = {
 }
 available = True
 _used_ids: set[bytes] = set()  # ids this process made a communicator from
+_group: list[tuple] = []  # the open group's (communicator, kind, ptr, count, datatype, peer, stream) calls
+_depth = [0]  # groupStart nesting: the group runs when it returns to 0
+P2P_TAG = 7342  # cusim's NCCL's MPI tag: (kind, count, datatype) lists, then the data (P2P_TAG + 1 + i)
 
 
 class NcclError(RuntimeError):
@@ -60,6 +69,28 @@ def _int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{what}: an integer is required, got {type(value).__name__}")
     return int(value)
+
+
+def groupStart() -> None:  # noqa: N802 - CuPy's name
+    if _depth[0] == 0:
+        _group.clear()
+    _depth[0] += 1
+
+
+def groupEnd() -> None:  # noqa: N802
+    """Run the group's sends and recvs, each communicator's in one stream-ordered step."""
+    if _depth[0] == 0:
+        raise NcclError("ncclInvalidUsage: groupEnd without groupStart")
+    _depth[0] -= 1
+    if _depth[0]:
+        return
+    calls, comms = list(_group), []
+    _group.clear()
+    for call in calls:
+        if not any(c is call[0] for c in comms):
+            comms.append(call[0])
+    for comm in comms:
+        comm._run_group([c[1:] for c in calls if c[0] is comm])
 
 
 class NcclCommunicator:
@@ -229,3 +260,99 @@ class NcclCommunicator:
 
     def bcast(self, buff, count, datatype, root, stream):
         self.broadcast(buff, buff, count, datatype, root, stream)
+
+    # -- point to point (in groups only)
+    def send(self, sendbuf, count, datatype, peer, stream):
+        self._point("send", sendbuf, count, datatype, peer, stream)
+
+    def recv(self, recvbuf, count, datatype, peer, stream):
+        self._point("recv", recvbuf, count, datatype, peer, stream)
+
+    def _point(self, kind: str, ptr, count, datatype, peer, stream) -> None:
+        """Queue one send/recv in the open group, its arguments checked as CuPy converts them."""
+        ptr, count, stream = _int(ptr, f"{kind} buffer"), _int(count, "count"), _int(stream, "stream")
+        datatype, peer = _int(datatype, "datatype"), _int(peer, "peer")
+        if datatype not in _DTYPES:
+            raise NcclError(f"ncclInvalidArgument: {kind}: datatype {datatype}")
+        if not 0 <= peer < self._ndev:
+            raise NcclError(f"ncclInvalidArgument: {kind}: peer {peer} of {self._ndev} ranks")
+        if _depth[0] == 0:
+            raise NcclError(
+                f"cusim: {kind} outside groupStart()/groupEnd() (cusim's NCCL runs point-to-point calls "
+                "in groups only: two ranks that both send first hang a real NCCL)"
+            )
+        _group.append((self, kind, ptr, count, datatype, peer, stream))
+
+    def _run_group(self, calls: list[tuple]) -> None:
+        """This communicator's (kind, ptr, count, datatype, peer, stream) calls of one group, in
+        stream order: the peers' calls checked against these, then the data moved."""
+        streams_used = sorted({c[5] for c in calls})
+        if len(streams_used) > 1:
+            raise NcclError(f"cusim: one group's send/recv on {len(streams_used)} streams; cusim's NCCL takes one")
+
+        def run():
+            posted = {}  # peer -> [(kind, count, datatype)] in call order
+            for kind, _, count, datatype, peer, _ in calls:
+                posted.setdefault(peer, []).append((kind, count, datatype))
+            theirs = self._swap(posted)
+            for peer in posted:
+                _matched(self._rank, peer, posted[peer], theirs[peer])
+            self._move(calls)
+
+        self._issue("send/recv group", streams_used[0], run, [c[1] for c in calls])
+
+    def _swap(self, posted: dict) -> dict:
+        """Each peer's calls toward this rank (a real NCCL's peers match them on the wire)."""
+        out = {self._rank: posted[self._rank]} if self._rank in posted else {}
+        others = [p for p in posted if p != self._rank]
+        if not others:
+            return out
+        from mpi4py import MPI
+
+        requests = [self._mpi.isend(posted[p], dest=p, tag=P2P_TAG) for p in others]
+        out.update({p: self._mpi.recv(source=p, tag=P2P_TAG) for p in others})
+        MPI.Request.Waitall(requests)
+        return out
+
+    def _move(self, calls: list[tuple]) -> None:
+        """The data of matched calls: sent buffers copied now, received ones landing in stream order."""
+        from mpi4py import MPI
+
+        requests, landing, nth, own = [], [], {}, {}
+        for kind, ptr, count, datatype, peer, _ in calls:
+            i = nth[kind, peer] = nth.get((kind, peer), -1) + 1
+            if count == 0:  # matched by a count of 0: nothing moves, the pointer is not read
+                continue
+            buffer = self._buffer(ptr, count, datatype, f"{kind} buffer")
+            if peer == self._rank:
+                own.setdefault(kind, []).append(buffer)
+            elif kind == "send":
+                requests.append(self._mpi.Isend(buffer.copy(), dest=peer, tag=P2P_TAG + 1 + i))
+            else:
+                data = np.empty_like(buffer)
+                requests.append(self._mpi.Irecv(data, source=peer, tag=P2P_TAG + 1 + i))
+                landing.append((buffer, data))
+        landing += [(recv, send.copy()) for send, recv in zip(own.get("send", []), own.get("recv", []))]
+        MPI.Request.Waitall(requests)
+        for buffer, data in landing:
+            self._deliver(buffer, data)
+
+
+def _matched(rank: int, peer: int, mine: list, theirs: list) -> None:
+    """The i-th send of one side toward the other meets the other's i-th recv, same count and datatype."""
+    flip = {"send": "recv", "recv": "send"}
+    for kind in ("send", "recv"):
+        ours = [(n, d) for k, n, d in mine if k == kind]
+        other = [(n, d) for k, n, d in theirs if k == flip[kind]]
+        for i in range(max(len(ours), len(other))):
+            a = ours[i] if i < len(ours) else None
+            b = other[i] if i < len(other) else None
+            if a != b:
+                raise NcclError(
+                    f"ncclInvalidUsage: rank {rank}'s {_call_text(kind, i, a)} with rank {peer} meets rank {peer}'s "
+                    f"{_call_text(flip[kind], i, b)} with rank {rank} (a real NCCL hangs or corrupts memory)"
+                )
+
+
+def _call_text(kind: str, i: int, call: tuple | None) -> str:
+    return f"no {kind} #{i}" if call is None else f"{kind} #{i} of {call[0]} (datatype {call[1]})"
