@@ -27,10 +27,14 @@ import numpy as np
 
 class AllToAllExchange:
     """``run`` once per MoE layer; ``dp``: the pass's DpExchange under dp attention (the rows'
-    owners), None under replicated attention."""
+    owners), None under replicated attention. ``device``: GPU ranks' NCCL combine
+    (eprt.comm.device_combine.DeviceCombine): the rows and partials stay on the device and move by
+    NCCL send/recv (``device.alltoall_rows``); None: through the host (``Transport.alltoall_rows``).
+    Either way the routing (who sends which rows where, and the counts) is worked out on the host."""
 
-    def __init__(self, transport, xp=np, dp=None):
-        self.transport, self.xp, self.dp = transport, xp, dp
+    def __init__(self, transport, xp=np, dp=None, device=None):
+        self.transport, self.xp, self.dp, self.device = transport, xp, dp, device
+        self.wxp = np if device is None else xp  # where the exchanged rows and partials live
 
     def run(self, x, weights: np.ndarray, ids: np.ndarray, dest: np.ndarray, compute: Callable, per_choice: bool):
         """The routed MoE output of this rank's rows (dp: [n, D]; replicated: every row's, [N, D]).
@@ -48,18 +52,19 @@ class AllToAllExchange:
         else:
             w, i = weights[row[mine]], ids[row[mine]]  # [m, k]
         if len(mine):
-            partial = self._host(compute(xs, self.xp.asarray(w), self.xp.asarray(i))).astype(np.float32, copy=False)
+            partial = self._wire(compute(xs, self.xp.asarray(w), self.xp.asarray(i))).astype(np.float32, copy=False)
         else:
-            partial = np.zeros((0, x.shape[1]), np.float32)
-        sent = partial[np.argsort(owner[row[mine]], kind="stable")]  # row order -> grouped by owner
+            partial = self.wxp.zeros((0, x.shape[1]), np.float32)
+        sent = partial[self._at(np.argsort(owner[row[mine]], kind="stable"))]  # row order -> grouped by owner
         owned = np.flatnonzero(owner[row] == me)
         owned = owned[np.argsort(rank[owned], kind="stable")]  # this rank's units, grouped by computing rank
         counts_back = np.bincount(owner[row[by_owner]], minlength=P).tolist()
-        got = self.transport.alltoall_rows(sent, counts_back, np.bincount(rank[owned], minlength=P).tolist())
+        got = self._alltoall(sent, counts_back, np.bincount(rank[owned], minlength=P).tolist())
         local = np.cumsum(owner == me) - 1  # [N] a row's place among this rank's rows
         out = self._fold(got, local[row[owned]], choice[owned], rank[owned], int((owner == me).sum()), k, per_choice)
         if self.dp is None and P > 1:  # replicated attention: every rank needs every row
-            out = self.transport.allgather_rows(out, np.bincount(owner, minlength=P).tolist())
+            gather = self.transport.allgather_rows if self.device is None else self.device.gather_rows
+            out = gather(out, np.bincount(owner, minlength=P).tolist())
         return self._device(out)
 
     def _dispatch(self, x, owner: np.ndarray, row: np.ndarray, rank: np.ndarray, mine: np.ndarray, by_owner):
@@ -71,31 +76,34 @@ class AllToAllExchange:
         local = np.cumsum(owner == me) - 1
         out_units = np.flatnonzero(owner[row] == me)
         out_units = out_units[np.argsort(rank[out_units], kind="stable")]  # grouped by destination, row order
-        host = self._host(x)
-        send = host[local[row[out_units]]] if len(out_units) else host[:0]
+        rows = self._wire(x)
+        send = rows[self._at(local[row[out_units]])] if len(out_units) else rows[:0]
         send_counts = np.bincount(rank[out_units], minlength=P).tolist()
-        got = self.transport.alltoall_rows(send, send_counts, np.bincount(owner[row[by_owner]], minlength=P).tolist())
-        xs = np.empty_like(got)
-        xs[np.argsort(owner[row[mine]], kind="stable")] = got  # grouped by owner -> row order
+        got = self._alltoall(send, send_counts, np.bincount(owner[row[by_owner]], minlength=P).tolist())
+        xs = self.wxp.empty_like(got)
+        if len(got):
+            xs[self._at(np.argsort(owner[row[mine]], kind="stable"))] = got  # grouped by owner -> row order
         return self._device(xs)
 
     def _fold(self, got, where, choice, rank, n: int, k: int, per_choice: bool) -> np.ndarray:
         """This rank's rows [n, D] from the partials ``got`` [u, D] of its units (row ``where``, from
         ``rank``): EPLB, a row's k choice rows added in choice order; else the ranks' partials added
         in rank order, zeros for the ranks that held none of the row's experts."""
-        D = got.shape[1]
+        D, xp = got.shape[1], self.wxp
         if per_choice:
-            every = np.zeros((n, k, D), np.float32)
-            every[where, choice] = got
+            every = xp.zeros((n, k, D), np.float32)
+            if len(where):
+                every[self._at(where), self._at(choice)] = got
             out = every[:, 0]
             for j in range(1, k):
                 out = out + every[:, j]
-            return np.ascontiguousarray(out)
+            return xp.ascontiguousarray(out)
         out, start = None, np.concatenate([[0], np.cumsum(np.bincount(rank, minlength=self.transport.size))])
         for r in range(self.transport.size):  # rank order: the all-gather's parts[0] + parts[1] + ...
-            part = np.zeros((n, D), np.float32)
-            part[where[start[r] : start[r + 1]]] = got[start[r] : start[r + 1]]
-            out = part if out is None else np.add(out, part, out=out)
+            part = xp.zeros((n, D), np.float32)
+            if start[r + 1] > start[r]:
+                part[self._at(where[start[r] : start[r + 1]])] = got[start[r] : start[r + 1]]
+            out = part if out is None else xp.add(out, part, out=out)
         return out
 
     def _owners(self, N: int) -> np.ndarray:
@@ -107,10 +115,23 @@ class AllToAllExchange:
             return rank_major if self.dp._inverse is None else rank_major[self.dp._inverse]
         return (np.arange(N) * P) // max(N, 1)
 
-    def _host(self, a) -> np.ndarray:
-        return a if isinstance(a, np.ndarray) else self.xp.asnumpy(a)
+    def _alltoall(self, rows, send: list[int], recv: list[int]):
+        """The variable all-to-all of ``rows`` (on the wire's side: the device or the host)."""
+        if self.device is None:
+            return self.transport.alltoall_rows(rows, send, recv)
+        return self.device.alltoall_rows(rows, send, recv)
 
-    def _device(self, a: np.ndarray):
+    def _wire(self, a):
+        """``a`` where the exchange moves it: the device (NCCL) or the host."""
+        if self.wxp is np:
+            return a if isinstance(a, np.ndarray) else self.xp.asnumpy(a)
+        return self.wxp.asarray(a)
+
+    def _at(self, index: np.ndarray):
+        """A host index array for the wire's arrays."""
+        return index if self.wxp is np else self.wxp.asarray(index)
+
+    def _device(self, a):
         return a if self.xp is np else self.xp.asarray(a)
 
 

@@ -11,12 +11,15 @@ import json
 import logging
 import time
 
+import numpy as np
+
 from eprt.comm.cuda_staging import Staging
+from eprt.comm.transport import row_bytes
 from eprt.ops.device import device_key
 
 log = logging.getLogger("eprt.engine")
 
-NCCL_FLOAT32 = 7  # ncclFloat32 in nccl.h
+NCCL_UINT8, NCCL_FLOAT32 = 1, 7  # ncclUint8, ncclFloat32 in nccl.h
 NCCL_UNIQUE_ID_BYTES = 128
 POLL_S = 1e-5
 COMBINES = ("auto", "nccl", "host")
@@ -146,6 +149,35 @@ class DeviceCombine:
         t.stats.allsum_bytes += send.nbytes
         return cupy.concatenate([gathered[r, :c] for r, c in enumerate(counts)])  # [sum(counts), D]
 
+    def alltoall_rows(self, rows, send: list[int], recv: list[int]):
+        """The all-to-all MoE exchange on the device (docs/gpu.md, "All-to-all on GPUs"): ``rows``
+        [sum(send), ...] on the device, block r (``send[r]`` rows) meant for rank r -> the blocks meant
+        for this rank in rank order [sum(recv), ...], on the device. NCCL send/recv to every other
+        rank in one group on the rank's stream, as bytes (moved, never reduced: any dtype); the
+        rank's own block is a device copy; blocks of no rows post nothing (the peer's count is 0 too)."""
+        from cupy.cuda import nccl
+
+        cupy, t = self.ops.xp, self.transport
+        rows = cupy.ascontiguousarray(rows)
+        width = row_bytes(rows)
+        out = cupy.empty((sum(recv),) + rows.shape[1:], dtype=rows.dtype)  # [sum(recv), ...]
+        at_send, at_recv = np.cumsum([0, *send]), np.cumsum([0, *recv])
+        t.stats.wire((sum(send) - send[t.rank]) * width, (sum(recv) - recv[t.rank]) * width)
+        stream = cupy.cuda.get_current_stream()
+        nccl.groupStart()
+        try:
+            for r in (r for r in range(t.size) if r != t.rank):
+                if send[r]:
+                    self.comm.send(rows.data.ptr + int(at_send[r]) * width, send[r] * width, NCCL_UINT8, r, stream.ptr)
+                if recv[r]:
+                    self.comm.recv(out.data.ptr + int(at_recv[r]) * width, recv[r] * width, NCCL_UINT8, r, stream.ptr)
+        finally:
+            nccl.groupEnd()
+        out[at_recv[t.rank] : at_recv[t.rank + 1]] = rows[at_send[t.rank] : at_send[t.rank + 1]]
+        self._marked(stream)
+        t.recorder.alltoall(list(send), list(recv), width, 0.0, t.collectives)  # device time: not measured
+        return out
+
     def _all_gather(self, send, gathered) -> None:
         """NCCL's all-gather on the rank's stream (its bytes counted as the host path counts them; its
         time on the device is not in the exchange's seconds)."""
@@ -154,7 +186,11 @@ class DeviceCombine:
         self.transport.stats.wire(peers * send.nbytes, peers * send.nbytes)
         stream = cupy.cuda.get_current_stream()  # the rank's own (CupyOps.stream), never the legacy one
         self.comm.allGather(send.data.ptr, gathered.data.ptr, send.size, NCCL_FLOAT32, stream.ptr)
-        if not cupy.cuda.runtime.streamIsCapturing(stream.ptr):  # a graph's: marked after its launch
+        self._marked(stream)
+
+    def _marked(self, stream) -> None:
+        """``mark`` after collectives issued on ``stream``, unless it captures (a graph's: marked after its launch)."""
+        if not self.ops.xp.cuda.runtime.streamIsCapturing(stream.ptr):
             self.mark(stream)
 
     def mark(self, stream) -> None:

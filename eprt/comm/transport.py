@@ -60,6 +60,11 @@ class StartupFailed(RuntimeError):
         super().__init__("; ".join(f"{ranks_text(ranks)} could not start: {text}" for text, ranks in by_text.items()))
 
 
+def row_bytes(rows: np.ndarray) -> int:
+    """Bytes a row of ``rows`` [n, ...] (from its shape: a rank sending no rows still receives some)."""
+    return rows.dtype.itemsize * int(np.prod(rows.shape[1:]))
+
+
 def ranks_text(ranks: list) -> str:
     """ "rank 3", "ranks 0, 2" or "ranks 0-8"."""
     if len(ranks) == 1:
@@ -272,7 +277,7 @@ class Transport:
         _dp_begin(self, rows, counts, "allgather_rows")
         if self.size == 1:
             return rows
-        width = rows.nbytes // max(1, rows.shape[0])  # bytes per row
+        width = row_bytes(rows)
         self.stats.wire((self.size - 1) * rows.nbytes, (sum(counts) - counts[self.rank]) * width)
         began = time.perf_counter()
         out = self.link.allgather_rows(np.ascontiguousarray(rows), counts)
@@ -316,7 +321,7 @@ class Transport:
         _require_flushed(self, "alltoall_rows")
         if P == 1:
             return rows
-        width = rows.nbytes // max(1, rows.shape[0])
+        width = row_bytes(rows)
         self.stats.wire((sum(send) - send[me]) * width, (sum(recv) - recv[me]) * width)
         began = time.perf_counter()
         out = self.link.alltoall_rows(np.ascontiguousarray(rows), list(send), list(recv))

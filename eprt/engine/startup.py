@@ -17,7 +17,7 @@ import numpy as np
 from eprt import env
 from eprt.cache.window import WindowSpec
 from eprt.comm.alltoall import AllToAllExchange
-from eprt.comm.device_combine import choose_combine
+from eprt.comm.device_combine import DeviceCombine, choose_combine
 from eprt.comm.dp_combine import DpExchange
 from eprt.comm.transport import StartupFailed, Transport
 from eprt.engine.config import ALLTOALL_MIN_RANKS, DEFAULT_MULTI_RANK_ATTENTION, EngineConfig
@@ -214,8 +214,11 @@ def choose_exchange(cfg: EngineConfig, world: int, dp: bool) -> tuple[str, str]:
 
 
 def use_alltoall(model, transport: Transport, ops: Ops, dp_exchange=None) -> None:
-    """Run ``model``'s MoE layers through the all-to-all exchange (``dp_exchange``: dp attention's)."""
-    model.alltoall = AllToAllExchange(transport, ops.xp, dp_exchange)
+    """Run ``model``'s MoE layers through the all-to-all exchange (``dp_exchange``: dp attention's):
+    on GPU ranks with the NCCL combine, by NCCL send/recv on the device; else through the host."""
+    device = model.combine if isinstance(model.combine, DeviceCombine) and hasattr(model.combine.comm, "send") else None
+    log.info("MoE all-to-all: %s", "NCCL send/recv on the device" if device is not None else "through the host")
+    model.alltoall = AllToAllExchange(transport, ops.xp, dp_exchange, device)
     if model.slots is None:  # EPLB's slots name their ranks themselves
         E, P = model.cfg.num_experts, transport.size
         sizes = [b - a for a, b in (expert_shard(E, r, P) for r in range(P))]

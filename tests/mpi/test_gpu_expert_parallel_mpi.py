@@ -57,6 +57,76 @@ def test_cuda_moe_exchanges_tokens_equal_single_rank(attention, exchange):
     assert_tokens_equal_single_rank(EngineConfig(**kw, attention=attention, moe_exchange=exchange), EngineConfig(**kw))
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("attention", ["replicated", "dp"])
+def test_cuda_alltoall_through_nccl_equals_allgather_bitwise(attention, nccl_job, monkeypatch):
+    """--moe-exchange alltoall with the NCCL combine: the rows and the float32 partials move by NCCL
+    send/recv on the device (DeviceCombine.alltoall_rows, no host copy); the tokens and every token's
+    logprobs equal the all-gather exchange's bit for bit, and the tokens equal one rank's."""
+    monkeypatch.setenv("EPRT_COMBINE", "nccl")
+    kw = dict(model=shared_checkpoint("deepseek_v3"), device="cuda", max_batch=4, block_size=16, max_model_len=96)
+    runs = {
+        ex: _generated(EngineConfig(**kw, attention=attention, moe_exchange=ex)) for ex in ("alltoall", "allgather")
+    }
+    if COMM.rank == 0:
+        assert runs["alltoall"][2] == ("NCCL send/recv" if nccl_job != "MpiNccl (the ranks share a GPU)" else "host")
+        assert runs["alltoall"][:2] == runs["allgather"][:2]
+        with launch_engine(EngineConfig(**kw), transport=LocalTransport()) as engine:
+            assert runs["alltoall"][0] == [r.token_ids for r in engine.generate(_requests(logprobs=None))]
+    COMM.Barrier()
+
+
+def _requests(logprobs=2):
+    return [GenerationRequest(p, SamplingParams(max_tokens=10, logprobs=logprobs)) for p in PROMPTS]
+
+
+def _generated(cfg: EngineConfig):
+    """Rank 0: (token ids, every token's logprobs as text, how the all-to-all moved rows); workers None."""
+    try:
+        with launch_engine(cfg) as engine:
+            results = engine.generate(_requests())
+            a2a = engine.runner.executor.model.alltoall
+            how = None if a2a is None else "host" if a2a.device is None else "NCCL send/recv"
+            return [r.token_ids for r in results], [repr([lp.to_json() for lp in r.logprobs]) for r in results], how
+    except SystemExit as e:  # worker ranks leave the engine at SHUTDOWN
+        assert e.code == 0, f"worker rank {COMM.rank} exited with {e.code}"
+        return None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_device_alltoall_rows_is_the_host_alltoall(nccl_job, monkeypatch):
+    """NCCL send/recv in one group: uneven counts (none from rank 1 to rank 0, none to rank 1 itself),
+    bf16 rows (moved as bytes) and float32 ones, equal to Transport.alltoall_rows; bytes counted alike."""
+    import cupy
+
+    from eprt.comm.device_combine import DeviceCombine
+    from eprt.comm.mpi_transport import MpiTransport
+    from eprt.engine import startup
+    from eprt.ops.cupy_ops import CupyOps
+
+    monkeypatch.setenv("EPRT_COMBINE", "nccl")
+    P, me = COMM.size, COMM.rank
+    send = [0 if (me, r) in ((1, 0), (1, 1)) else 1 + (me + 2 * r) % 3 for r in range(P)]
+    recv = [0 if (r, me) in ((1, 0), (1, 1)) else 1 + (r + 2 * me) % 3 for r in range(P)]
+    t = MpiTransport(timeout=60)
+    ops = CupyOps()
+    combine, _ = startup._combine(t, ops)
+    if not hasattr(combine.comm, "send"):
+        closed(t)
+        pytest.skip(f"{nccl_job} has no send/recv")
+    assert isinstance(combine, DeviceCombine), nccl_job
+    for dtype, shape in ((np.uint16, (5,)), (np.float32, (2, 3))):
+        rows = np.random.default_rng(me).integers(0, 60000, (sum(send), *shape)).astype(dtype)
+        before = t.stats.copy()
+        host = t.alltoall_rows(rows, send, recv)
+        by_host, before = t.stats - before, t.stats.copy()
+        device = combine.alltoall_rows(cupy.asarray(rows), send, recv).get()
+        by_nccl = t.stats - before
+        assert device.dtype == dtype and device.shape == host.shape and np.array_equal(device, host)
+        assert (by_nccl.moe_sent_bytes, by_nccl.moe_recv_bytes) == (by_host.moe_sent_bytes, by_host.moe_recv_bytes)
+    closed(t)
+
+
 def assert_tokens_equal_single_rank(multi_cfg: EngineConfig, single_cfg: EngineConfig) -> None:
     """The greedy tokens of PROMPTS on every rank of this job under ``multi_cfg`` equal those of one
     rank (rank 0, a local transport) under ``single_cfg``."""
