@@ -103,7 +103,10 @@ class AllToAllExchange:
             part = xp.zeros((n, D), np.float32)
             if start[r + 1] > start[r]:
                 part[self._at(where[start[r] : start[r + 1]])] = got[start[r] : start[r + 1]]
-            out = part if out is None else xp.add(out, part, out=out)
+            if out is None:
+                out = part
+            else:
+                out += part  # in place: np.add(out, part, out=out)
         return out
 
     def _owners(self, N: int) -> np.ndarray:

@@ -143,7 +143,7 @@ class DecodeGraphs:
             (ex.mtp_layer is not None, "the MTP layer keeps hidden rows"),
             (model.slots is not None, "EPLB's expert slots"),
             (model.exchange is not None, "dp attention"),
-            (model.alltoall is not None, "the all-to-all MoE exchange runs on the host"),
+            (model.alltoall is not None, "the all-to-all MoE exchange reads its routing on the host"),
             (getattr(model.combine, "blocks_host", False), "the host combine waits for each layer"),
             (recorded, "--record-payloads reads every combine"),
         )
