@@ -89,6 +89,59 @@ def _generated(cfg: EngineConfig):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("per_choice", [False, True], ids=["experts", "eplb"])
+def test_device_alltoall_exchange_is_the_allgather_combine_bitwise(nccl_job, monkeypatch, per_choice):
+    """One MoE layer's exchange under replicated attention, rows and partials by NCCL on the device:
+    float32 bits equal to the NCCL all-gather combine of every rank's partial (each rank's experts'
+    weighted outputs added in choice order, the ranks' partials in rank order); EPLB (per choice):
+    a row's k choices added in choice order. Values over 8 decades, so any other order shows."""
+    import cupy
+
+    from eprt.comm.alltoall import AllToAllExchange
+    from eprt.comm.device_combine import DeviceCombine
+    from eprt.comm.mpi_transport import MpiTransport
+    from eprt.engine import startup
+    from eprt.ops.cupy_ops import CupyOps
+
+    monkeypatch.setenv("EPRT_COMBINE", "nccl")
+    P, me, (N, D, k, E) = COMM.size, COMM.rank, (11, 6, 3, 7)
+    g = np.random.default_rng(5)  # the same rows and routing on every rank
+    x = (g.standard_normal((N, D)) * 10.0 ** g.uniform(-4, 4, (N, D))).astype(np.float32)
+    weights, ids = g.random((N, k)).astype(np.float32), np.argsort(g.random((N, E)), axis=1)[:, :k]
+    expert_rank = np.arange(E) * P // E  # [E]
+
+    def outputs(xs, w, i):  # [m, c, D] each choice's weighted expert output, zeros off this rank's experts
+        xs, w, i = (np.asarray(a.get()) for a in (xs, w, i))
+        here = np.full(i.shape, True) if per_choice else expert_rank[i] == me
+        return np.where(here[..., None], w[..., None] * np.tanh(xs[:, None, :] * (1.0 + i[..., None])), 0.0)
+
+    def compute(xs, w, i):  # the experts' partial [m, D]: this rank's choices added in choice order
+        each, out = outputs(xs, w, i).astype(np.float32), np.zeros((xs.shape[0], D), np.float32)
+        for j in range(each.shape[1]):
+            out = out + each[:, j]
+        return cupy.asarray(out)
+
+    t = MpiTransport(timeout=60)
+    ops = CupyOps()
+    combine, _ = startup._combine(t, ops)
+    try:
+        assert isinstance(combine, DeviceCombine) and hasattr(combine.comm, "send"), nccl_job
+        a2a = AllToAllExchange(t, cupy, None, combine)
+        dest = (np.arange(N * k).reshape(N, k) + 1) % P if per_choice else expert_rank[ids]  # EPLB: any replica
+        got = a2a.run(cupy.asarray(x), weights, ids, dest, compute, per_choice).get()
+        if per_choice:
+            each = outputs(*(cupy.asarray(a) for a in (x, weights, ids))).astype(np.float32)  # [N, k, D]
+            want = each[:, 0]
+            for j in range(1, k):
+                want = want + each[:, j]
+        else:
+            want = combine(compute(cupy.asarray(x), cupy.asarray(weights), cupy.asarray(ids))).get()
+    finally:
+        closed(t)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_device_alltoall_rows_is_the_host_alltoall(nccl_job, monkeypatch):
     """NCCL send/recv in one group: uneven counts (none from rank 1 to rank 0, none to rank 1 itself),
     bf16 rows (moved as bytes) and float32 ones, equal to Transport.alltoall_rows; bytes counted alike."""
