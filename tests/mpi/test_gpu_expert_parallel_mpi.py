@@ -5,7 +5,9 @@ it on cusim, the CPU CUDA simulator: tests/cusim/README.md):
 
 Each rank runs its experts' kernels on its GPU and the partial MoE outputs are summed through
 pinned host buffers (eprt/comm/cuda_staging.py), or on the device after an NCCL all-gather
-(eprt/comm/device_combine.py). The tokens must equal a single-rank CuPy run. On cusim the ranks
+(eprt/comm/device_combine.py); with ``--moe-exchange alltoall`` and the NCCL combine the rows and
+partials move by NCCL send/recv on the device (``DeviceCombine.alltoall_rows``), else through the
+host. The tokens must equal a single-rank CuPy run. On cusim the ranks
 get a device each for the NCCL tests (cusim's NCCL, tests/cusim/fake_nccl.py); on a GPU machine
 whose ranks share one GPU (NCCL refuses that) those tests use ``MpiNccl``, an MPI stand-in.
 """
