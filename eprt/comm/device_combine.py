@@ -158,6 +158,8 @@ class DeviceCombine:
         from cupy.cuda import nccl
 
         cupy, t = self.ops.xp, self.transport
+        if len(send) != t.size or len(recv) != t.size or rows.shape[0] != sum(send):
+            raise ValueError(f"alltoall_rows: {rows.shape[0]} rows, send counts {send}, receive counts {recv}")
         rows = cupy.ascontiguousarray(rows)
         width = row_bytes(rows)
         out = cupy.empty((sum(recv),) + rows.shape[1:], dtype=rows.dtype)  # [sum(recv), ...]
