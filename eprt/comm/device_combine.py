@@ -150,7 +150,7 @@ class DeviceCombine:
         return cupy.concatenate([gathered[r, :c] for r, c in enumerate(counts)])  # [sum(counts), D]
 
     def alltoall_rows(self, rows, send: list[int], recv: list[int]):
-        """The all-to-all MoE exchange on the device (docs/gpu.md, "All-to-all on GPUs"): ``rows``
+        """The all-to-all MoE exchange on the device (docs/gpu.md, "MPI with device buffers"): ``rows``
         [sum(send), ...] on the device, block r (``send[r]`` rows) meant for rank r -> the blocks meant
         for this rank in rank order [sum(recv), ...], on the device. NCCL send/recv to every other
         rank in one group on the rank's stream, as bytes (moved, never reduced: any dtype); the
