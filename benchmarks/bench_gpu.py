@@ -386,7 +386,13 @@ class Comparison:
         print(f"beside torch {self.torch.__version__} on {self.device} (tokens/s; the same run, the same device):")
         print("| what | ours tok/s | torch tok/s | ours / torch |\n|---|---|---|---|")
         for what, ours, theirs in self.rows:
-            print(f"| {what} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f} |")
+            print(f"| {what} | {_rate(ours)} | {_rate(theirs)} | {ours / theirs:.2f} |")
+
+
+def _rate(tok_s: float) -> str:
+    """Tokens per second as the table prints them: whole numbers, three figures below 100 (cusim's
+    rates are a few tokens a second and must not print as 0)."""
+    return f"{tok_s:,.0f}" if tok_s >= 100 else f"{tok_s:.3g}"
 
 
 def tm_sdpa(torch, q, k, v, causal: bool):
