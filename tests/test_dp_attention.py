@@ -126,7 +126,8 @@ def test_auto_attention_picks_dp_only_for_a_multi_rank_job_dp_serves(monkeypatch
     assert EngineConfig().attention == "auto"
     assert startup.choose_attention(EngineConfig(attention="dp"), 1, plain) == ("dp", "--attention dp")
     assert startup.choose_attention(EngineConfig(attention="replicated"), 4, plain)[0] == "replicated"
-    monkeypatch.setattr(startup, "DEFAULT_MULTI_RANK_ATTENTION", "dp")
+    assert startup.DEFAULT_MULTI_RANK_ATTENTION == "dp"  # bench_ep.py: docs/design.md, "dp attention"
+    assert startup.choose_attention(EngineConfig(cuda_graphs=False), 2, plain, "cuda")[0] == "dp"
     assert startup.choose_attention(EngineConfig(), 2, plain) == (
         "dp",
         "auto: 2 ranks, and dp serves everything this job uses",
@@ -135,11 +136,12 @@ def test_auto_attention_picks_dp_only_for_a_multi_rank_job_dp_serves(monkeypatch
         (EngineConfig(), 1, plain, "auto: one rank"),
         (EngineConfig(record_payloads=True), 4, plain, "--record-payloads"),
         (EngineConfig(overlap=True), 2, plain, "auto: --overlap on"),
+        (EngineConfig(), 2, plain, "auto: --cuda-graphs on", "cuda"),
         (EngineConfig(speculative_method="mtp"), 2, plain, "dp does not serve --speculative-method mtp yet"),
         (EngineConfig(), 2, hybrid, "qwen3_next checkpoint (recurrent state)"),
     ]
-    for cfg, world, model_cfg, why in cases:
-        mode, reason = startup.choose_attention(cfg, world, model_cfg)
+    for cfg, world, model_cfg, why, *device in cases:
+        mode, reason = startup.choose_attention(cfg, world, model_cfg, *device)
         assert mode == "replicated" and why in reason, (mode, reason)
     monkeypatch.setattr(startup, "DEFAULT_MULTI_RANK_ATTENTION", "replicated")
     assert startup.choose_attention(EngineConfig(), 2, plain) == (

@@ -15,7 +15,7 @@ DEFAULT_PREFILL_TOKENS = {"cpu": 512, "cuda": 2048}
 ATTENTION_MODES = ("auto", "dp", "replicated")
 # What --attention auto picks at world size > 1 for a job dp serves (eprt.engine.startup.choose_attention):
 # benchmarks/bench_ep.py decides
-DEFAULT_MULTI_RANK_ATTENTION = "replicated"
+DEFAULT_MULTI_RANK_ATTENTION = "dp"
 MOE_EXCHANGES = ("auto", "allgather", "alltoall")
 # --moe-exchange auto picks alltoall under dp attention from this many ranks on
 # (eprt.engine.startup.choose_exchange): benchmarks/bench_ep.py --exchange both decides

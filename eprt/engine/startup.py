@@ -98,7 +98,7 @@ def start_rank(cfg: EngineConfig, device: str, transport: Transport) -> Started:
     blocks = step(lambda: _kv_blocks(cfg, ops, loaded.config, loaded.model.max_len, sharers))
     every = [int(b) for b in transport.allgather_text(str(blocks))]
     agreed = min(every)
-    mode, why = choose_attention(cfg, world, loaded.config)
+    mode, why = choose_attention(cfg, world, loaded.config, ops.name)
     log.info("attention %s (%s)", mode, why)
     dp = mode == "dp"
     if dp:
@@ -174,10 +174,11 @@ def check_dp_features(cfg: EngineConfig, model_cfg) -> None:
         raise ValueError(f"--attention dp does not serve {what} yet; use --attention replicated")
 
 
-def choose_attention(cfg: EngineConfig, world: int, model_cfg) -> tuple[str, str]:
+def choose_attention(cfg: EngineConfig, world: int, model_cfg, device: str = "cpu") -> tuple[str, str]:
     """The job's attention mode and why (logged at start-up): --attention dp or replicated as given;
     auto picks replicated on one rank, with --record-payloads, with --overlap on (dp runs no
-    overlap), or when the job uses something dp does not serve, else DEFAULT_MULTI_RANK_ATTENTION.
+    overlap), on a GPU with --cuda-graphs on (dp's decode steps run without graphs), or when the job
+    uses something dp does not serve, else DEFAULT_MULTI_RANK_ATTENTION (``device``: the backend's name).
     Every rank decides the same from the same flags and checkpoint."""
     if cfg.attention != "auto":
         return cfg.attention, f"--attention {cfg.attention}"
@@ -187,6 +188,8 @@ def choose_attention(cfg: EngineConfig, world: int, model_cfg) -> tuple[str, str
         return "replicated", "auto: --record-payloads (eprt replay rebuilds replicated attention only)"
     if cfg.overlap:
         return "replicated", "auto: --overlap on (dp attention's decode steps run without overlap)"
+    if device == "cuda" and cfg.cuda_graphs:
+        return "replicated", "auto: --cuda-graphs on (dp attention's decode steps run without CUDA graphs)"
     unserved = dp_unserved(cfg, model_cfg)
     if unserved:
         return "replicated", f"auto: dp does not serve {', '.join(unserved)} yet"
