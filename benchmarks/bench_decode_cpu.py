@@ -51,21 +51,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-BENCH_MODEL = dict(
-    vocab_size=8192,
-    hidden_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    num_experts=16,
-    num_experts_per_tok=2,
-    moe_intermediate_size=512,
-    mlp_only_layers=[],
-    tie_word_embeddings=False,
-    max_position_embeddings=1024,
-)
-
+from checkpoints import BENCH_MODEL  # noqa: E402  (the ~115M Qwen3-MoE these benchmarks build)
 
 ROOFLINE_MATRICES = 12  # [4096, 1024] float32 weights, 16 MiB each: 192 MiB, past any L3
 

@@ -139,6 +139,24 @@ _ARCH = {
 }
 
 
+# The ~115M Qwen3-MoE the CPU and LoRA benchmarks build (benchmarks/bench_decode_cpu.py, bench_lora.py);
+# tests/test_gpu_launch_budget.py counts launches at its widths.
+BENCH_MODEL = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=512,
+    mlp_only_layers=[],
+    tie_word_embeddings=False,
+    max_position_embeddings=1024,
+)
+
+
 @contextlib.contextmanager
 def building(path: str, *more: str, done: str = "config.json"):
     """Build the directory ``path`` (and the directories ``more`` beside it) once, safely across

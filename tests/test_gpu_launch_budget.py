@@ -8,7 +8,7 @@ launch creeps back. Before the fusions: Qwen3 17 per MoE layer and 13 per dense 
 Also pinned: no host->device copy inside a layer after the first (the pass uploads its index arrays once)."""
 
 import pytest
-from checkpoints import build_checkpoint
+from checkpoints import BENCH_MODEL, build_checkpoint
 
 from eprt.engine.executor import ShardExecutor
 from eprt.model.loader import load_model
@@ -31,19 +31,7 @@ pytestmark = [
 BUDGET = {"qwen3_moe": (8, 12), "deepseek_v3": (13, 18)}  # launches per (dense, MoE) layer; issue 39: (8, 12)
 # the built-in benchmark model's widths (benchmarks/bench_decode_cpu.py's ~115M Qwen3-MoE), 3 of its
 # layers, the middle one dense
-QWEN3_115M = dict(
-    vocab_size=512,
-    hidden_size=512,
-    num_hidden_layers=3,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    num_experts=16,
-    num_experts_per_tok=2,
-    moe_intermediate_size=512,
-    intermediate_size=1024,
-    mlp_only_layers=[1],
-)
+QWEN3_115M = dict(BENCH_MODEL, vocab_size=512, num_hidden_layers=3, intermediate_size=1024, mlp_only_layers=[1])
 # DeepSeek-V3's attention and routing widths (q LoRA aside: 384 for 1536): MLA latent 512, rope 64,
 # nope 128, values 128, 8 expert groups with the best 4 kept, top-8; fewer heads (16 of 128), a
 # narrower residual (1024 of 7168) and 16 routed experts (of 256), so cusim builds and runs it in
