@@ -142,7 +142,6 @@ class DecodeGraphs:
             (ex.state is not None, "a hybrid model's recurrent state"),
             (ex.mtp_layer is not None, "the MTP layer keeps hidden rows"),
             (model.slots is not None, "EPLB's expert slots"),
-            (model.exchange is not None, "dp attention"),
             (model.alltoall is not None, "the all-to-all MoE exchange reads its routing on the host"),
             (getattr(model.combine, "blocks_host", False), "the host combine waits for each layer"),
             (recorded, "--record-payloads reads every combine"),
