@@ -82,18 +82,39 @@ def _prefetch(typingctx, array, i, j):
 @njit(nogil=True, cache=True, inline="always")
 def _quad(acc, x, r, k, v0, v1, v2, v3):  # pragma: no cover - compiled
     """acc + ((x[r, k] v0 + x[r, k+1] v1) + (x[r, k+2] v2 + x[r, k+3] v3)), 16 lanes."""
-    a0, a1 = simd.mul(simd.splat(x[r, k]), v0), simd.mul(simd.splat(x[r, k + 1]), v1)
-    a2, a3 = simd.mul(simd.splat(x[r, k + 2]), v2), simd.mul(simd.splat(x[r, k + 3]), v3)
+    a0, a1 = simd.mul(simd.splat_at(x, r, k), v0), simd.mul(simd.splat_at(x, r, k + 1), v1)
+    a2, a3 = simd.mul(simd.splat_at(x, r, k + 2), v2), simd.mul(simd.splat_at(x, r, k + 3), v3)
     return simd.add(acc, simd.add(simd.add(a0, a1), simd.add(a2, a3)))
 
 
+@intrinsic
+def _prefetch_rows(typingctx, lines, i):
+    """Ask for the 64-byte lines holding rows lines[i : i + 4] of a [n, 16] view into L2 (one
+    llvm.prefetch per line: 4 for float32 rows, 2 bfloat16, 1 FP8, the count fixed at compile time)."""
+    if getattr(lines, "ndim", 0) != 2:
+        return None
+    span = 4 * LANES * lines.dtype.bitwidth // 8  # bytes of four rows
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        index = [context.cast(builder, args[1], signature.args[1], types.intp), context.get_constant(types.intp, 0)]
+        byte = ir.IntType(8).as_pointer()
+        start = builder.bitcast(cgutils.get_item_pointer(context, builder, signature.args[0], ary, index), byte)
+        fnty = ir.FunctionType(ir.VoidType(), [byte, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch")
+        flags = [ir.Constant(ir.IntType(32), v) for v in (0, 2, 1)]  # read, L2, data
+        for offset in range(0, span, 64):
+            builder.call(fn, [builder.gep(start, [ir.Constant(ir.IntType(64), offset)]), *flags])
+        return context.get_dummy_value()
+
+    return types.void(lines, i), codegen
+
+
 @njit(nogil=True, cache=True, inline="always")
-def _ahead(lines, i, step):  # pragma: no cover - compiled
-    """Ask for the 64-byte lines holding rows lines[i : i + 4] of a [n, 16] view into L2, if
-    there: one request per ``step`` rows (a line's rows: 1 float32, 2 bfloat16, 4 FP8)."""
+def _ahead(lines, i):  # pragma: no cover - compiled
+    """Ask for the lines holding rows lines[i : i + 4] of a [n, 16] view into L2, if there."""
     if i + 4 <= lines.shape[0]:
-        for j in range(i, i + 4, step):
-            _prefetch(lines, j, 0)
+        _prefetch_rows(lines, i)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -108,7 +129,7 @@ def _four_rows(panel, k, scale):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _float_panel(x, p, s, block, y, lo, hi, n, lines, ahead, step):  # pragma: no cover - compiled
+def _float_panel(x, p, s, block, y, lo, hi, n, lines, ahead):  # pragma: no cover - compiled
     """y[lo:hi, n : n + 16] = x[lo:hi] @ panel p [K, 16] (float32, bfloat16 or FP8 with scales s
     [K / block, 16] per ``block`` k's; float32 and bfloat16 have one block). Four rows' sums stay in
     registers over the whole of k, every element summed in one order (acc = 0, then acc += (x0 w0
@@ -123,7 +144,7 @@ def _float_panel(x, p, s, block, y, lo, hi, n, lines, ahead, step):  # pragma: n
             scale = simd.load(s, k0 // block, 0)
             for k in range(k0, min(k0 + block, K4), 4):
                 if r == lo:  # the later rows find the panel in cache
-                    _ahead(lines, ahead + k, step)
+                    _ahead(lines, ahead + k)
                 v0, v1, v2, v3 = _four_rows(p, k, scale)
                 s0 = _quad(s0, x, r, k, v0, v1, v2, v3)
                 s1 = _quad(s1, x, r + 1, k, v0, v1, v2, v3)
@@ -131,10 +152,10 @@ def _float_panel(x, p, s, block, y, lo, hi, n, lines, ahead, step):  # pragma: n
                 s3 = _quad(s3, x, r + 3, k, v0, v1, v2, v3)
         for k in range(K4, K):
             v = simd.weights(p, k, simd.load(s, k // block, 0))
-            s0 = simd.add(s0, simd.mul(simd.splat(x[r, k]), v))
-            s1 = simd.add(s1, simd.mul(simd.splat(x[r + 1, k]), v))
-            s2 = simd.add(s2, simd.mul(simd.splat(x[r + 2, k]), v))
-            s3 = simd.add(s3, simd.mul(simd.splat(x[r + 3, k]), v))
+            s0 = simd.add(s0, simd.mul(simd.splat_at(x, r, k), v))
+            s1 = simd.add(s1, simd.mul(simd.splat_at(x, r + 1, k), v))
+            s2 = simd.add(s2, simd.mul(simd.splat_at(x, r + 2, k), v))
+            s3 = simd.add(s3, simd.mul(simd.splat_at(x, r + 3, k), v))
         simd.store(y, r, n, s0)
         simd.store(y, r + 1, n, s1)
         simd.store(y, r + 2, n, s2)
@@ -146,11 +167,11 @@ def _float_panel(x, p, s, block, y, lo, hi, n, lines, ahead, step):  # pragma: n
             scale = simd.load(s, k0 // block, 0)
             for k in range(k0, min(k0 + block, K4), 4):
                 if r == lo:
-                    _ahead(lines, ahead + k, step)
+                    _ahead(lines, ahead + k)
                 v0, v1, v2, v3 = _four_rows(p, k, scale)
                 s0 = _quad(s0, x, r, k, v0, v1, v2, v3)
         for k in range(K4, K):
-            s0 = simd.add(s0, simd.mul(simd.splat(x[r, k]), simd.weights(p, k, simd.load(s, k // block, 0))))
+            s0 = simd.add(s0, simd.mul(simd.splat_at(x, r, k), simd.weights(p, k, simd.load(s, k // block, 0))))
         simd.store(y, r, n, s0)
         r += 1
 
@@ -160,9 +181,9 @@ def _float_panels(x, w, s, block, y, lo, hi, c0, c1):  # pragma: no cover - comp
     """Panels c0..c1 of w [C, K, 16] (scales s [C, K / block, 16]) for rows lo..hi (``_float_panel``)."""
     C, K = w.shape[0], w.shape[1]
     lines = w.reshape(C * K, 16)  # [C K, 16] one k of a panel per row
-    step = 64 // (16 * w.itemsize)
+    ahead = PANEL_PREFETCH_BYTES // (16 * w.itemsize)  # rows of lines
     for c in range(c0, c1):
-        _float_panel(x, w[c], s[c], block, y, lo, hi, 16 * c, lines, c * K + PANEL_PREFETCH_BYTES // 64 * step, step)
+        _float_panel(x, w[c], s[c], block, y, lo, hi, 16 * c, lines, c * K + ahead)
 
 
 @njit(nogil=True, cache=True)

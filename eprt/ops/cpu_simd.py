@@ -93,6 +93,23 @@ def splat(typingctx, x):
 
 
 @intrinsic
+def splat_at(typingctx, array, i, j):
+    """array[i, j] of a float32 matrix in every lane, read through its pointer: i, j >= 0 (no
+    negative-index wrap-around, whose selects were half the instructions of a one-row product)."""
+
+    def codegen(context, builder, signature, args):
+        pointer = _pointer(context, builder, signature.args[0], args[0], args[1:], signature.args[1:], ir.FloatType())
+        value = builder.load(pointer, align=4)
+        undef = ir.Constant(_VECTOR, ir.Undefined)
+        first = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(first, undef, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+
+    if getattr(array, "dtype", None) != types.float32 or getattr(array, "ndim", 0) != 2:
+        return None
+    return lanes(array, i, j), codegen
+
+
+@intrinsic
 def zeros(typingctx):
     def codegen(context, builder, signature, args):
         return ir.Constant(_VECTOR, [0.0] * LANES)
