@@ -288,6 +288,13 @@ def test_compiled_router_kv_write_and_counts_have_the_numpy_results():
             (w1, i1), (w2, i2) = compiled.router(x, k, renormalize), plain.router(x, k, renormalize)
             np.testing.assert_array_equal(i1, i2)
             np.testing.assert_array_equal(w1.view(np.int32), w2.view(np.int32))
+        counts = [np.full(E, trial, np.int32), np.full(E, trial, np.int32)]  # route's count folded into the pick
+        both = zip((compiled, plain), counts)
+        (w1, i1, p1), (w2, i2, p2) = (ops.route(x, k, True, None, c, (0, E)) for ops, c in both)
+        np.testing.assert_array_equal(i1, i2)
+        np.testing.assert_array_equal(w1.view(np.int32), w2.view(np.int32))
+        np.testing.assert_array_equal(counts[0], counts[1])
+        assert p1 is p2 is None  # moe_experts groups its rows itself
     caches = [np.zeros((4, 4, 2, 16), np.float32) for _ in range(4)]  # [NB, BS, Hk, Dh]
     k, v = rng.standard_normal((2, 5, 2, 16)).astype(np.float32)
     slots = np.array([3, -1, 9, 15, 0], np.int32)

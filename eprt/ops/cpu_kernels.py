@@ -593,10 +593,11 @@ def _shift_rows(logits, x):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _top_k_rows(probs, top_k, renormalize, weights, ids):  # pragma: no cover - compiled
+def _top_k_rows(probs, top_k, renormalize, weights, ids, counts):  # pragma: no cover - compiled
     """NumpyOps.router after its exp: probs[t] /= its sum (NumPy's pairwise sum), then the top_k of
     each row as a stable argsort of -probs picks them (ties to the lower id, NaN last), their probs
-    (divided by their sum with ``renormalize``)."""
+    (divided by their sum with ``renormalize``); then ``_count_experts`` of the ids into counts
+    (length 0: not counted)."""
     E = probs.shape[1]
     taken = np.zeros(E, np.bool_)
     for t in range(probs.shape[0]):
@@ -617,6 +618,7 @@ def _top_k_rows(probs, top_k, renormalize, weights, ids):  # pragma: no cover - 
             total = _pairwise_sum(weights[t], top_k)
             for j in range(top_k):
                 weights[t, j] = weights[t, j] / total
+    _count_experts(ids, counts)
 
 
 @njit(nogil=True, cache=True)
@@ -761,14 +763,18 @@ def kv_write(k_cache, v_cache, k, v, slot_mapping) -> None:
     _kv_write(k_cache, v_cache, k, v, slot_mapping)
 
 
-def router(logits, top_k: int, renormalize: bool) -> tuple:
+_NO_COUNTS = np.empty(0, np.int32)  # router's counts where the caller counts nothing
+
+
+def router(logits, top_k: int, renormalize: bool, counts=None) -> tuple:
     """NumpyOps.router's (weights [T, k], ids [T, k]) with its bits in three calls: the shift and the
-    pick compiled, the exp NumPy's own (its vector exp's bits)."""
+    pick compiled, the exp NumPy's own (its vector exp's bits); the pick also adds the ids to
+    counts [E] (int32) when given, as ``count_experts``."""
     x = np.empty(logits.shape, np.float32)  # [T, E]
     _shift_rows(np.ascontiguousarray(logits, dtype=np.float32), x)
     np.exp(x, out=x)
     weights, ids = np.empty((len(x), top_k), np.float32), np.empty((len(x), top_k), np.int32)
-    _top_k_rows(x, top_k, renormalize, weights, ids)
+    _top_k_rows(x, top_k, renormalize, weights, ids, _NO_COUNTS if counts is None else counts)
     return weights, ids
 
 
@@ -945,7 +951,7 @@ def warm_up(threads: int = 1) -> None:
             q, k, v, norm, None, 1e-6, np.zeros(2, np.int32), table, cache, cache, np.array([1, -1], np.int32)
         )
     count_experts(np.zeros((3, 2), np.int32), np.zeros(4, np.int32))
-    router(np.ones((2, 4), np.float32), 2, True)
+    router(np.ones((2, 4), np.float32), 2, True, np.zeros(4, np.int32))
     q = np.ones((1, 2, 16), np.float32)
     decode_attention(q, cache, cache, np.zeros((1, 2), np.int32), np.array([5], np.int32), 0.25, threads)
 

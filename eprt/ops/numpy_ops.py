@@ -401,7 +401,7 @@ class NumpyOps(GptOssOps, Ops):
         return out
 
     def router(self, logits, top_k, renormalize):
-        if self.experts == "numba" and logits.ndim == 2 and logits.shape[1] >= top_k:  # the same bits, 3 calls
+        if self._compiled_router(logits, top_k):  # the same bits, 3 calls
             return self.kernels.router(logits, top_k, renormalize)
         probs = _softmax_last(logits.astype(np.float32, copy=True))  # [T, E]
         # stable sort on -p: ties go to the lower expert id, as torch.topk does on CPU
@@ -442,13 +442,22 @@ class NumpyOps(GptOssOps, Ops):
         counts += np.bincount(flat[(flat >= 0) & (flat < len(counts))], minlength=len(counts)).astype(counts.dtype)
 
     def route(self, logits, top_k, routing, bias, counts, local):
+        """No permutation (``local`` unused): ``moe_experts`` groups its rows itself."""
         grouped = isinstance(routing, GroupedRouting)
+        if not grouped and self._compiled_router(logits, top_k, counts):  # the pick counts too: one call fewer
+            return (*self.kernels.router(logits, top_k, routing, counts), None)
         weights, ids = (
             self.router_grouped(logits, bias, top_k, routing) if grouped else self.router(logits, top_k, routing)
         )
         if counts is not None:
             self.count_experts(ids, counts)
-        return weights, ids, None if local is None else expert_permutation(ids, *local)
+        return weights, ids, None
+
+    def _compiled_router(self, logits, top_k, counts=None) -> bool:
+        """Whether ``router`` (and ``route``'s count) run cpu_kernels.router: the compiled path, [T, E]
+        logits with at least top_k experts, int32 counts [E] if any."""
+        fits = self.experts == "numba" and logits.ndim == 2 and logits.shape[1] >= top_k
+        return fits and (counts is None or (counts.dtype == np.int32 and counts.ndim == 1))
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start, perm=None):
         """(``perm`` is not needed here: the experts group their rows themselves.)"""
