@@ -1,10 +1,13 @@
 """The NumPy backend's batched attention and grouped expert GEMMs against their definitions
 in eprt/ops/base.py, written here one row, one head and one (token, expert) at a time."""
 
+import functools
+
 import numpy as np
 import pytest
 
 from eprt.ops import numpy_ops
+from eprt.ops.base import Ops
 from eprt.ops.numpy_ops import EXPERT_ROWS_AS_GEMV, NumpyOps, numba_available
 
 # the expert paths: the compiled kernel (numba, the cpu extra) where it imports, and the NumPy fallback
@@ -362,6 +365,40 @@ def test_compiled_attention_prologue_has_the_bits_of_the_ops_apart():
             for a, b in zip(want, got):
                 np.testing.assert_array_equal(a, b)
         assert np.count_nonzero(outs[0][2].any(axis=(2, 3))) == np.count_nonzero(slots >= 0)
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba not installed")
+@pytest.mark.parametrize("weights", ["f32", "bf16", "int8"])
+def test_compiled_attention_block_has_the_bits_of_its_ops_apart(weights):
+    """NumpyOps.attention_decode_block on the compiled path (qkv product, prologue, decode attention
+    and o product in one call) gives the bits of Ops' composition of the same ops (each its own
+    call): the output and both caches, with and without q/k norms, a padding slot not written; on
+    2 threads (one row: the same one call) too."""
+    rng = np.random.default_rng(29)
+    for T, H, Hk, Dh, D, normed in [(1, 8, 4, 64, 512, True), (3, 4, 2, 16, 48, False), (2, 2, 1, 32, 32, True)]:
+        host_qkv = rng.standard_normal(((H + 2 * Hk) * Dh, D), dtype=np.float32) * 0.1
+        host_o = rng.standard_normal((D, H * Dh), dtype=np.float32) * 0.1
+        norms = tuple(rng.standard_normal(Dh, dtype=np.float32) for _ in range(2)) if normed else None
+        table = rng.standard_normal((40, Dh), dtype=np.float32)  # [P, Dh]: cos | sin
+        positions = rng.integers(0, 40, T).astype(np.int32)
+        slots = np.arange(T, dtype=np.int32) * 5 + 1
+        slots[-1] = -1 if T > 1 else slots[-1]
+        tables, lens = np.tile(np.array([[2, 0, 1]], np.int32), (T, 1)), rng.integers(1, 24, T).astype(np.int32)
+        x = rng.standard_normal((T, D), dtype=np.float32)
+        before = [rng.standard_normal((3, 8, Hk, Dh), dtype=np.float32) for _ in range(2)]  # k, v caches
+        outs = []
+        for threads, fused in ((1, True), (2, True), (1, False)):
+            ops = NumpyOps("numba", weights=weights, threads=threads)
+            qkv, o = ops.linear_weight(host_qkv), ops.linear_weight(host_o)
+            k_cache, v_cache = (c.copy() for c in before)
+            assert ops._compiled_block(x, qkv, o, norms, table, k_cache, v_cache) == (threads == 1)
+            run = ops.attention_decode_block if fused else functools.partial(Ops.attention_decode_block, ops)
+            args = (norms, 1e-6, positions, table, k_cache, v_cache, slots, tables, lens, 0.125)
+            outs.append((run(x, qkv, o, H, *args), k_cache, v_cache))
+        for got in outs[:2]:
+            for a, b in zip(outs[2], got):
+                np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(outs[2][1], before[0])  # the step's keys were written
 
 
 def _prologue_apart(ops, views, norms, positions, table, slots, Hk):

@@ -231,16 +231,29 @@ class MoEModel:
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
         return (a.reshape(T, h, cfg.head_dim) for a, h in zip((q, k, v), heads))
 
+    def _plain_decode(self, lw, batch: AttnBatch) -> bool:
+        """Whether this layer's attention is ops.attention_decode_block's ops alone: a decode step
+        (no verify rows), fused q, k and v without bias, no adapters, q/k clip, gate or sinks."""
+        cfg = self.cfg
+        plain = lw.qkv is not None and lw.qkv_bias is None and lw.q_gate is None and self.lora_rows is None
+        layer_ok = cfg.qk_norm != "full" and cfg.clip_qkv is None and not cfg.attention_sinks
+        return plain and layer_ok and not batch.is_prefill and batch.query_lens is None and batch.rope_cos_sin is None
+
     def _attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
         cfg, ops = self.cfg, self.ops
         T = x.shape[0]
+        norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm == "head" else None  # Qwen3-MoE's per-head norm
+        slots = self.index(self._kv_batch(batch, layer), "slot_mapping")
+        if self._plain_decode(lw, batch):  # one op (one compiled call on the CPU)
+            cache = (self.index(batch, "positions"), self.cos_sin, kv.k[layer], kv.v[layer], slots)
+            tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
+            args = (norms, cfg.rms_norm_eps, *cache, tables, lens, self.scale)
+            return ops.attention_decode_block(x, lw.qkv, lw.o, cfg.num_heads, *args)  # [T, D]
         q, k, v = self._qkv(lw, x, layer)
         if batch.rope_cos_sin is None:
             pos, table = self.index(batch, "positions"), self.cos_sin
         else:  # each token's own cos|sin row
             pos, table = ops.index(np.arange(T, dtype=np.int32)), ops.activation(batch.rope_cos_sin)
-        norms = (lw.q_norm, lw.k_norm) if cfg.qk_norm == "head" else None  # Qwen3-MoE's per-head norm
-        slots = self.index(self._kv_batch(batch, layer), "slot_mapping")
         q = ops.qk_rope_kv_write(q, k, v, norms, cfg.rms_norm_eps, pos, table, kv.k[layer], kv.v[layer], slots)
         if cfg.attention_sinks:
             return self._linear(self._sink_attention(lw, q, batch, kv, layer), lw.o, layer, "o", lw.o_bias)

@@ -201,6 +201,21 @@ class Ops:
         rotated q [T, H, Dh]. Exactly rms_norm, rope and kv_write in that order."""
         raise NotImplementedError
 
+    def attention_decode_block(
+        self, x, qkv, o, heads: int, norms, eps: float, positions, cos_sin, k_cache, v_cache, slots, tables, lens, scale
+    ) -> Array:
+        """A decode step's attention of x[T, D] with fused q, k and v weights qkv[(H + 2 Hk) Dh, D] (no
+        bias), ``heads`` = H: ``linear`` into [T, Q + 2KV], q, k and v its row views [T, H|Hk, Dh],
+        ``qk_rope_kv_write`` (norms, eps, positions, cos_sin, the caches, slots), ``attention_decode``
+        (tables, lens, scale), then ``linear`` through o[D, H Dh]. Returns [T, D]. Exactly those ops
+        (a backend may run them as one call)."""
+        T, Hk, Dh = x.shape[0], k_cache.shape[-2], k_cache.shape[-1]
+        y = self.linear(x, qkv)  # [T, Q + 2KV]
+        nq, nk = heads * Dh, Hk * Dh
+        q, k, v = (y[:, a:b].reshape(T, -1, Dh) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, nq + 2 * nk)))
+        q = self.qk_rope_kv_write(q, k, v, norms, eps, positions, cos_sin, k_cache, v_cache, slots)
+        return self.linear(self.attention_decode(q, k_cache, v_cache, tables, lens, scale).reshape(T, -1), o)
+
     def attention_prefill(
         self, q: Array, k_cache: Array, v_cache: Array, block_table: Array, start_pos: int, scale: float
     ) -> Array:

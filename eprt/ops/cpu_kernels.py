@@ -701,26 +701,45 @@ def _norm_rope(src, lo, norm, eps, row, dst, normed):  # pragma: no cover - comp
 
 @njit(nogil=True, cache=True)
 def _qk_rope_kv_write(
-    q_in, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slots, q
+    q_in, qo, k, ko, v, vo, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slots, q
 ):  # pragma: no cover
-    """q [T, H, Dh] from q_in [T, H, Dh] and row t's k and v [T, Hk, Dh] written to the caches
-    [NB, BS, Hk, Dh] at slot slots[t] (below 0: not written), q and k each head normed
-    (``_rms_norm``'s operations, with q_norm / k_norm [Dh]; length 0: not normed) and rotated by
-    cos_sin[positions[t]] (``_rope``'s), v as it is: the model's steps' bits in one call. q_in, k
-    and v may be row views of one product."""
+    """q [T, H, Dh] from columns qo.. of q_in [T, H Dh +], and row t's k and v (columns ko.. of k,
+    vo.. of v [T, Hk Dh +]) written to the caches [NB, BS, Hk, Dh] at slot slots[t] (below 0: not
+    written), q and k each head normed (``_rms_norm``'s operations, with q_norm / k_norm [Dh];
+    length 0: not normed) and rotated by cos_sin[positions[t]] (``_rope``'s), v as it is: the
+    model's steps' bits in one call. q_in, k and v may be one product (a qkv)."""
     H, Dh = q.shape[1], q.shape[2]
     BS, Hk = k_cache.shape[1], k_cache.shape[2]
     normed = np.empty(Dh, np.float32)  # [Dh]
     for t in range(q.shape[0]):
         row = cos_sin[positions[t]]
         for h in range(H):
-            _norm_rope(q_in[t, h], 0, q_norm, eps, row, q[t, h], normed)
+            _norm_rope(q_in[t], qo + h * Dh, q_norm, eps, row, q[t, h], normed)
         slot = slots[t]
         if slot >= 0:
             block, at = slot // BS, slot % BS
             for h in range(Hk):
-                _norm_rope(k[t, h], 0, k_norm, eps, row, k_cache[block, at, h], normed)
-                v_cache[block, at, h] = v[t, h]
+                _norm_rope(k[t], ko + h * Dh, k_norm, eps, row, k_cache[block, at, h], normed)
+                for i in range(Dh):
+                    v_cache[block, at, h, i] = v[t, vo + h * Dh + i]
+
+
+@njit(nogil=True, cache=True)
+def _attention_block(x, qkv, o, H, norms, eps, positions, cos_sin, kv, slots, tables, lens, scale, y):
+    """y [T, 16 C] = (attention of x [T, D]) @ o: the qkv product (qkv and o (panels, scales,
+    block) triples) into [T, Q + 2KV], ``_qk_rope_kv_write`` of its H q heads and the k and v
+    after them into the caches kv = (k_cache, v_cache), ``_decode_attention``, the o product:
+    Ops.attention_decode_block's steps with their bits, on this thread, in one call."""
+    T, Hk, Dh = x.shape[0], kv[0].shape[2], kv[0].shape[3]
+    nq, nk = H * Dh, Hk * Dh
+    h = np.empty((T, 16 * qkv[0].shape[0]), np.float32)  # [T, Q + 2KV] (int8: padded to 16)
+    _product(_operand_of(x, qkv[0], qkv[2]), qkv[0], qkv[1], qkv[2], h, 0, T, 0, qkv[0].shape[0])
+    q = np.empty((T, H, Dh), np.float32)  # [T, H, Dh]
+    _qk_rope_kv_write(h, 0, h, nq, h, nq + nk, norms[0], norms[1], eps, positions, cos_sin, kv[0], kv[1], slots, q)
+    a = np.empty((T, H, Dh), np.float32)  # [T, H, Dh]
+    _decode_attention(q, kv[0], kv[1], tables, lens, scale, a, 1, np.zeros(2, np.int64))
+    a2 = a.reshape(T, nq)  # [T, H Dh]
+    _product(_operand_of(a2, o[0], o[2]), o[0], o[1], o[2], y, 0, T, 0, o[0].shape[0])
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -753,8 +772,26 @@ def qk_rope_kv_write(q, k, v, q_norm, k_norm, eps: float, positions, cos_sin, k_
     in one call."""
     out = np.empty(q.shape, dtype=np.float32)  # [T, H, Dh]
     norms = (_NO_NORM if q_norm is None else q_norm, _NO_NORM if k_norm is None else k_norm)
-    _qk_rope_kv_write(q, k, v, *norms, np.float32(eps), positions, cos_sin, k_cache, v_cache, slots, out)
+    q2, k2, v2 = (a.reshape(a.shape[0], a.shape[1] * a.shape[2]) for a in (q, k, v))  # [T, H Dh] (views of views)
+    _qk_rope_kv_write(q2, 0, k2, 0, v2, 0, *norms, np.float32(eps), positions, cos_sin, k_cache, v_cache, slots, out)
     return out
+
+
+def attention_block(
+    x, qkv, o, heads: int, q_norm, k_norm, eps: float, positions, cos_sin, kv, slots, tables, lens, scale
+):
+    """[T, D]: Ops.attention_decode_block of float32 x [T, D] through resident panels qkv [(H + 2 Hk)
+    Dh, D] and o [D, H Dh], float32 caches kv = (k_cache, v_cache) [NB, BS, Hk, Dh] (Dh a multiple
+    of 16), norms and cos_sin [P, Dh] (every dim rotated), with the bits of its ops apart, in one
+    call on this thread."""
+    y = np.empty((x.shape[0], LANES * _triple(o)[0].shape[0]), dtype=np.float32)  # [T, D] (int8: padded to 16)
+    norms = (_NO_NORM if q_norm is None else q_norm, _NO_NORM if k_norm is None else k_norm)
+    tables, lens = np.ascontiguousarray(tables, dtype=np.int32), np.ascontiguousarray(lens, dtype=np.int32)
+    x = np.ascontiguousarray(x)
+    args = (positions, cos_sin, kv, slots, tables, lens, np.float32(scale), y)
+    _attention_block(x, _triple(qkv), _triple(o), heads, norms, np.float32(eps), *args)
+    N = _size(o)[0]
+    return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 
 
 def kv_write(k_cache, v_cache, k, v, slot_mapping) -> None:
@@ -911,6 +948,17 @@ def _sample_weights(kind: str, N: int, K: int, experts: int):
     return cpu_weights.float_panels(ones, kind)
 
 
+def _warm_block(kind: str, o) -> None:
+    """Compile (or load) ``attention_block`` for weights of ``kind`` (o: a [16, 16] of them) with the
+    argument types the model passes: one q head and one kv head of 16 dims, one row."""
+    qkv = _sample_weights(kind, 48, 16, 1)
+    qkv = qkv.take(0) if isinstance(qkv, ScaledPanels) else qkv[0]
+    caches = (np.zeros((2, 4, 1, 16), np.float32), np.zeros((2, 4, 1, 16), np.float32))  # [NB, BS, Hk, Dh]
+    one = np.zeros(1, np.int32)  # positions, slots, lens
+    args = (1e-6, one, np.ones((4, 16), np.float32), caches, one, np.zeros((1, 2), np.int32), one + 1, 0.25)
+    attention_block(np.ones((1, 16), np.float32), qkv, o, 1, None, None, *args)
+
+
 def warm_products(kind: str, threads: int = 1) -> None:
     """Compile (or load from numba's cache) the products of weights of ``kind`` (f32, bf16, fp8, int8;
     mxfp4: gpt-oss's experts, ``mxfp4_cpu``)."""
@@ -923,6 +971,7 @@ def warm_products(kind: str, threads: int = 1) -> None:
     x = np.ones((5, 16), np.float32)  # [n, D]
     single = down.take(0) if isinstance(down, ScaledPanels) else down[0]
     product(x, single)
+    _warm_block(kind, single)
     if threads > 1:  # the shared-out products (those above are too small to be)
         data, scales, block = _triple(single)
         _linear_chunks(_operand_for_call(x, data, block), data, scales, block, np.empty_like(x), 1, new_counters())

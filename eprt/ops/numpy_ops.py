@@ -9,7 +9,7 @@ import logging
 import numpy as np
 
 from eprt import env
-from eprt.ops import cpu_threads, cpu_weights, lora_ops
+from eprt.ops import cpu_pool, cpu_threads, cpu_weights, lora_ops
 from eprt.ops.base import GroupedRouting, Ops, Permutation
 from eprt.ops.cpu_weights import ScaledPanels
 from eprt.ops.gptoss_ops import GptOssOps
@@ -255,6 +255,28 @@ class NumpyOps(GptOssOps, Ops):
         q, k = (self._rope_head_start(a, positions, cos_sin) for a in (q, k))
         self.kv_write(k_cache, v_cache, k, v, slot_mapping)
         return q
+
+    def attention_decode_block(
+        self, x, qkv, o, heads, norms, eps, positions, cos_sin, k_cache, v_cache, slots, tables, lens, scale
+    ):
+        if self._compiled_block(x, qkv, o, norms, cos_sin, k_cache, v_cache):  # one call, the same bits
+            q_norm, k_norm = (None, None) if norms is None else norms
+            args = (eps, positions, cos_sin, (k_cache, v_cache), slots, tables, lens, scale)
+            return self.kernels.attention_block(x, qkv, o, heads, q_norm, k_norm, *args)  # [T, D]
+        args = (norms, eps, positions, cos_sin, k_cache, v_cache, slots, tables, lens, scale)
+        return super().attention_decode_block(x, qkv, o, heads, *args)
+
+    def _compiled_block(self, x, qkv, o, norms, cos_sin, k_cache, v_cache) -> bool:
+        """Whether ``attention_decode_block`` runs cpu_kernels.attention_block (its five calls as one:
+        at batch 1 a call's dispatch and wrappers cost as much as its work): what the compiled
+        prologue and decode attention take, both matrices panels, every step on one thread (one
+        compute thread, or one row whose products are too small to share out)."""
+        Dh, f32 = k_cache.shape[-1], all(a.dtype == np.float32 for a in (x, cos_sin, *(norms or ())))
+        one_thread = self.threads == 1 or (
+            x.shape[0] == 1 and cpu_pool.threads_for(self.threads, max(qkv.nbytes, o.nbytes)) == 1
+        )
+        fits = self.experts == "numba" and f32 and x.ndim == 2 and Dh % 16 == 0 and cos_sin.shape[1] == Dh
+        return fits and one_thread and _panelled(qkv, 2) and _panelled(o, 2) and self._compiled_caches(k_cache, v_cache)
 
     def _compiled_prologue(self, q, k, v, norms, cos_sin, k_cache, v_cache) -> bool:
         """Whether ``qk_rope_kv_write`` runs cpu_kernels.qk_rope_kv_write: the compiled path, float32
