@@ -250,6 +250,25 @@ def test_linear_rows_do_not_depend_on_their_batch(path):
         np.testing.assert_allclose(got, want[:3] + (bias[:N] if N <= 64 else 0), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not numba_available(), reason="numba not installed")
+@pytest.mark.parametrize("weights", ["f32", "bf16"])
+def test_one_row_through_a_large_matrix_sums_in_quads(weights):
+    """One row through a matrix past the panels' prefetch distance (the one-row pass's prefetching
+    and plain loops, their bound inside a panel at k % 4 != 0; K % 4 != 0: the rest too) sums in the
+    quad order (in_quads) of the float32 weights the panels hold, as rows in fours do."""
+    from eprt.ops import cpu_weights
+
+    rng = np.random.default_rng(31)
+    ops = NumpyOps("numba", weights=weights, threads=1)
+    host = rng.standard_normal((256, 509), dtype=np.float32)  # [N, K]
+    held = host if weights == "f32" else cpu_weights.float32(cpu_weights.f32_to_bf16_bits(host))
+    w = ops.linear_weight(host)
+    x = rng.standard_normal((5, 509), dtype=np.float32)
+    want = in_quads(x, held.T)
+    np.testing.assert_array_equal(ops.linear(x[:1], w), want[:1])
+    np.testing.assert_array_equal(ops.linear(x, w), want)  # four rows, then the fifth alone
+
+
 @pytest.mark.parametrize("path", EXPERT_PATHS)
 def test_moe_one_token_path_equals_the_grouped_path(path):
     """Decode at batch 1 takes moe_experts' one-token path; the grouped path gives each token's

@@ -161,13 +161,18 @@ def _float_panel(x, p, s, block, y, lo, hi, n, lines, ahead):  # pragma: no cove
         simd.store(y, r + 2, n, s2)
         simd.store(y, r + 3, n, s3)
         r += 4
+    last = lines.shape[0] - ahead - 4  # the last k whose lines ahead exist
     while r < hi:
         s0 = simd.zeros()
         for k0 in range(0, K4, block):
             scale = simd.load(s, k0 // block, 0)
-            for k in range(k0, min(k0 + block, K4), 4):
-                if r == lo:
-                    _ahead(lines, ahead + k)
+            end = min(k0 + block, K4)
+            mid = min(end, k0 + (last - k0) // 4 * 4 + 4) if r == lo and last >= k0 else k0  # k < mid prefetch
+            for k in range(k0, mid, 4):  # (the bound checked once, not in the loop)
+                _prefetch_rows(lines, ahead + k)
+                v0, v1, v2, v3 = _four_rows(p, k, scale)
+                s0 = _quad(s0, x, r, k, v0, v1, v2, v3)
+            for k in range(mid, end, 4):
                 v0, v1, v2, v3 = _four_rows(p, k, scale)
                 s0 = _quad(s0, x, r, k, v0, v1, v2, v3)
         for k in range(K4, K):
