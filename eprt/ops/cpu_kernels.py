@@ -128,7 +128,7 @@ def _four_rows(panel, k, scale):  # pragma: no cover - compiled
     )
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
 def _float_panel(x, p, s, block, y, lo, hi, n, lines, ahead):  # pragma: no cover - compiled
     """y[lo:hi, n : n + 16] = x[lo:hi] @ panel p [K, 16] (float32, bfloat16 or FP8 with scales s
     [K / block, 16] per ``block`` k's; float32 and bfloat16 have one block). Four rows' sums stay in
