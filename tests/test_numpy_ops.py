@@ -420,6 +420,29 @@ def test_compiled_attention_block_has_the_bits_of_its_ops_apart(weights):
         assert not np.array_equal(outs[2][1], before[0])  # the step's keys were written
 
 
+@pytest.mark.skipif(not numba_available(), reason="numba not installed")
+@pytest.mark.parametrize("weights", ["f32", "bf16", "int8"])
+def test_compiled_route_rows_has_the_bits_of_linear_then_route(weights):
+    """NumpyOps.route_rows on the compiled path (the router's product and shift in one call) gives the
+    bits of Ops' linear then route: weights, ids and the counts; 20 experts (no panels, or padded
+    int8 panels) take the two ops apart."""
+    rng = np.random.default_rng(37)
+    ops = NumpyOps("numba", weights=weights, threads=1)
+    for T, E, D, k in [(1, 16, 512, 2), (5, 64, 48, 8), (3, 32, 32, 1), (2, 20, 32, 2)]:
+        w = ops.linear_weight(rng.standard_normal((E, D), dtype=np.float32))
+        compiled = numpy_ops._panelled(w, 2) and ops.kernels.exact_columns(w) == E  # one call
+        assert compiled == (E % 16 == 0)
+        x = rng.standard_normal((T, D), dtype=np.float32)
+        for renormalize in (True, False):
+            counts = [np.full(E, 3, np.int32) for _ in range(2)]
+            got = ops.route_rows(x, w, None, k, renormalize, None, counts[0], (0, E))
+            want = Ops.route_rows(ops, x, w, None, k, renormalize, None, counts[1], (0, E))
+            np.testing.assert_array_equal(got[0].view(np.int32), want[0].view(np.int32))
+            np.testing.assert_array_equal(got[1], want[1])
+            np.testing.assert_array_equal(counts[0], counts[1])
+            assert got[2] is want[2] is None and counts[0].sum() == 3 * E + T * k
+
+
 def _prologue_apart(ops, views, norms, positions, table, slots, Hk):
     """(q, k_cache, v_cache) from rms_norm, rope and kv_write called one by one."""
     q, k, v = (np.ascontiguousarray(a) for a in views)

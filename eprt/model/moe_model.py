@@ -366,16 +366,16 @@ class MoEModel:
         or None); ``count``: into the expert-load counters (an MTP layer's routing is not counted: EPLB
         balances the main layers); ``own``: (expert_start, El) for the permutation (ops.route)."""
         ops, cfg = self.ops, self.cfg
-        logits = ops.linear(x, lw.router, lw.router_logit_bias)  # [T, E]
         counted = count and layer < cfg.num_layers
         if cfg.swiglu is not None:  # gpt-oss: softmax over the top-k logits
-            weights, ids = ops.router_topk_softmax(logits, cfg.top_k)
+            weights, ids = ops.router_topk_softmax(ops.linear(x, lw.router, lw.router_logit_bias), cfg.top_k)
             perm, fused = None, False
         else:  # the count goes into the fused launch unless padded rows (a graph's) must be left out
             fused = counted and self.row_mask is None
             counts = self.expert_counts[layer] if fused else None
             routing = cfg.norm_topk_prob if cfg.routing is None else cfg.routing
-            weights, ids, perm = ops.route(logits, cfg.top_k, routing, lw.router_bias, counts, own)  # [T, k]
+            args = (cfg.top_k, routing, lw.router_bias, counts, own)
+            weights, ids, perm = ops.route_rows(x, lw.router, lw.router_logit_bias, *args)  # [T, k]
         if counted and not fused:
             ops.count_experts(self._counted(ids), self.expert_counts[layer])
         return weights, ids, perm

@@ -273,6 +273,11 @@ class Ops:
         at decode's token counts (issue 39's launch budget)."""
         raise NotImplementedError
 
+    def route_rows(self, x: Array, router: Array, logit_bias, top_k: int, routing, bias, counts, local):
+        """``route`` of the router's logits linear(x, router, logit_bias) [T, E] over x[T, D]. Exactly
+        those two ops (a backend may run the product with the routing)."""
+        return self.route(self.linear(x, router, logit_bias), top_k, routing, bias, counts, local)
+
     def add(self, x: Array, y: Array) -> Array:
         """x[T, D] + y[T, D] (float32 accumulation): an ungated shared expert's output."""
         raise NotImplementedError

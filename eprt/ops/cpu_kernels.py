@@ -820,6 +820,32 @@ def router(logits, top_k: int, renormalize: bool, counts=None) -> tuple:
     return weights, ids
 
 
+@njit(nogil=True, cache=True)
+def _router_shift(x, w, s, block, logits, shifted):  # pragma: no cover - compiled
+    """logits = x @ w (panels, ``_linear_one``), then shifted = ``_shift_rows`` of them: one call."""
+    _linear_one(x, w, s, block, logits)
+    _shift_rows(logits, shifted)
+
+
+def route_rows(x, w, top_k: int, renormalize: bool, counts=None) -> tuple:
+    """``router``'s (weights, ids) of the logits x[T, D] @ w.T (unpadded panels w [E, D]), the
+    product and the shift in one call, NumPy's exp, then the pick (counting into counts)."""
+    data, scales, block = _triple(w)
+    logits = np.empty((x.shape[0], LANES * data.shape[0]), np.float32)  # [T, E]
+    shifted = np.empty_like(logits)
+    _router_shift(np.ascontiguousarray(x), data, scales, block, logits, shifted)
+    np.exp(shifted, out=shifted)
+    weights, ids = np.empty((len(x), top_k), np.float32), np.empty((len(x), top_k), np.int32)
+    _top_k_rows(shifted, top_k, renormalize, weights, ids, _NO_COUNTS if counts is None else counts)
+    return weights, ids
+
+
+def exact_columns(w) -> int:
+    """N of resident weights w where their products give exactly N columns, else 0 (int8 pads N to 16)."""
+    N = _size(w)[0]
+    return N if N % LANES == 0 else 0
+
+
 def count_experts(ids, counts) -> None:
     """NumpyOps.count_experts in one call."""
     _count_experts(ids, counts)
@@ -977,6 +1003,7 @@ def warm_products(kind: str, threads: int = 1) -> None:
     single = down.take(0) if isinstance(down, ScaledPanels) else down[0]
     product(x, single)
     _warm_block(kind, single)
+    route_rows(x, single, 2, True, np.zeros(16, np.int32))
     if threads > 1:  # the shared-out products (those above are too small to be)
         data, scales, block = _triple(single)
         _linear_chunks(_operand_for_call(x, data, block), data, scales, block, np.empty_like(x), 1, new_counters())

@@ -272,9 +272,7 @@ class NumpyOps(GptOssOps, Ops):
         prologue and decode attention take, both matrices panels, every step on one thread (one
         compute thread, or one row whose products are too small to share out)."""
         Dh, f32 = k_cache.shape[-1], all(a.dtype == np.float32 for a in (x, cos_sin, *(norms or ())))
-        one_thread = self.threads == 1 or (
-            x.shape[0] == 1 and cpu_pool.threads_for(self.threads, max(qkv.nbytes, o.nbytes)) == 1
-        )
+        one_thread = self.threads == 1 or (x.shape[0] == 1 and self._one_thread(qkv) and self._one_thread(o))
         fits = self.experts == "numba" and f32 and x.ndim == 2 and Dh % 16 == 0 and cos_sin.shape[1] == Dh
         return fits and one_thread and _panelled(qkv, 2) and _panelled(o, 2) and self._compiled_caches(k_cache, v_cache)
 
@@ -474,6 +472,20 @@ class NumpyOps(GptOssOps, Ops):
         if counts is not None:
             self.count_experts(ids, counts)
         return weights, ids, None
+
+    def route_rows(self, x, router, logit_bias, top_k, routing, bias, counts, local):
+        """The router's product and its shift in one compiled call where ``route`` would take the
+        compiled router anyway (panels with no padding, no logit bias, one thread: the same bits)."""
+        fits = logit_bias is None and not isinstance(routing, GroupedRouting) and x.ndim == 2 and x.dtype == np.float32
+        panels = fits and self.experts == "numba" and _panelled(router, 2)
+        counted = counts is None or (counts.dtype == np.int32 and counts.ndim == 1)
+        if panels and counted and self.kernels.exact_columns(router) >= top_k and self._one_thread(router):
+            return (*self.kernels.route_rows(x, router, top_k, routing, counts), None)
+        return super().route_rows(x, router, logit_bias, top_k, routing, bias, counts, local)
+
+    def _one_thread(self, w) -> bool:
+        """Whether a product through w runs on this thread alone (``cpu_kernels.product``)."""
+        return self.threads == 1 or cpu_pool.threads_for(self.threads, w.nbytes) == 1
 
     def _compiled_router(self, logits, top_k, counts=None) -> bool:
         """Whether ``router`` (and ``route``'s count) run cpu_kernels.router: the compiled path, [T, E]
