@@ -21,6 +21,7 @@
 // unnormalized output to part_acc [B, P, H, C] and (max, sum) to part_ml [B, P, H, 2], combined
 // by attention_split_combine of paged_attention.cu (an empty partition writes 0, -inf, 0).
 #include "common.cuh"
+#include "weight_rows.cuh"
 
 #define MLA_THREADS 128
 #define MLA_WARPS (MLA_THREADS / WARP_SIZE)
@@ -29,20 +30,47 @@
 // mla_prologue: MLA's attention prologue in one launch (rms_norm, two ropes, the concatenations and
 // mla_latent_write): the cache row [rms_norm(compressed[t, :C]) | rope(compressed[t, C:])] to
 // slot_mapping[t] (negative: padding, not written), and the roped query columns q[t, h, Dn:] to
-// q_all[t, h, C:] (q_all[.., :C] comes from the w_uk product). The norm is rms_norm's bit for bit:
-// the host launches rms_norm's block size for width C, and block_sum adds in the same order; the
-// rotations share rope.cu's rope_rotate. compressed [T, C + R]; norm [C]; q [T, H, Dn + R];
-// cos_sin [P, R]; q_all [T, H, C + R]; latent_cache [NB*BS, C + R]. One block per token.
+// q_all[t, h, C:]. The norm is rms_norm's bit for bit: the host launches rms_norm's block size for
+// width C, and block_sum adds in the same order; the rotations share rope.cu's rope_rotate.
+// compressed [T, ldc] (rows spaced ldc: a column slice of the q_a | kv_a product, C + R wide);
+// norm [C]; q [T, H, Dn + R]; cos_sin [P, R]; q_all [T, H, C + R]; latent_cache [NB*BS, C + R].
+// The absorbed query q_all[t, h, :C] = w_uk[h] @ q[t, h, :Dn] (w_uk [H, C, Dn]): with absorb_blocks
+// = 0 the host computed it (cuBLAS, larger batches); otherwise (decode's few rows, T <= GG_MT, C
+// even, Dn a multiple of 8) blocks [0, absorb_blocks) compute it on CUDA cores, each warp a pair of
+// w_uk rows of one head for every row t (every weight row read once per launch, coalesced), and
+// blocks absorb_blocks + t do token t's prologue. Grid absorb_blocks + T.
+__device__ void mla_absorb_query(const bf16* __restrict__ q, const bf16* __restrict__ w_uk, bf16* __restrict__ q_all,
+                                 int T, int C, int R, int H, int Dn, int units_per_warp) {
+    const Bf16Rows rows{w_uk, Dn};  // [H * C, Dn]
+    const int lane = threadIdx.x % WARP_SIZE, warps = blockDim.x / WARP_SIZE;
+    const int first = (blockIdx.x * warps + threadIdx.x / WARP_SIZE) * units_per_warp;
+    const int last = min(first + units_per_warp, H * C / 2);
+    for (int u = first; u < last; ++u) {
+        const int h = 2 * u / C, c = 2 * u % C;
+        const bf16* xr[GG_MT];
+#pragma unroll
+        for (int m = 0; m < GG_MT; ++m) xr[m] = q + ((long long)min(m, T - 1) * H + h) * (Dn + R);
+        float a0[GG_MT], a1[GG_MT];
+        dot_two_rows(rows, 2 * u, 2 * u + 1, xr, T, Dn, a0, a1);
+#pragma unroll
+        for (int m = 0; m < GG_MT; ++m)
+            if (m < T && lane == m) {
+                bf16* out = q_all + ((long long)m * H + h) * (C + R) + c;
+                out[0] = __float2bfloat16(a0[m]);
+                out[1] = __float2bfloat16(a1[m]);
+            }
+    }
+}
+
 template <typename TCS>
-__device__ void mla_prologue_token(const bf16* __restrict__ compressed, const bf16* __restrict__ norm,
-                                   const bf16* __restrict__ q, const int* __restrict__ positions,
-                                   const TCS* __restrict__ cos_sin, bf16* __restrict__ q_all,
-                                   bf16* __restrict__ latent_cache, const int* __restrict__ slot_mapping, int C,
-                                   int R, int H, int Dn, float eps) {
+__device__ void mla_prologue_token(long long t, const bf16* __restrict__ compressed, int ldc,
+                                   const bf16* __restrict__ norm, const bf16* __restrict__ q,
+                                   const int* __restrict__ positions, const TCS* __restrict__ cos_sin,
+                                   bf16* __restrict__ q_all, bf16* __restrict__ latent_cache,
+                                   const int* __restrict__ slot_mapping, int C, int R, int H, int Dn, float eps) {
     __shared__ float scratch[WARP_SIZE];
-    const long long t = blockIdx.x;
     const int slot = slot_mapping[t], L = C + R, half = R / 2;
-    const bf16* x = compressed + t * L;
+    const bf16* x = compressed + t * ldc;
     float ss = 0.0f;
     for (int d = threadIdx.x; d < C; d += blockDim.x) {
         const float v = to_f32(x[d]);
@@ -66,20 +94,32 @@ __device__ void mla_prologue_token(const bf16* __restrict__ compressed, const bf
     }
 }
 
-extern "C" __global__ void mla_prologue_bf16(const bf16* compressed, const bf16* norm, const bf16* q,
-                                             const int* positions, const bf16* cos_sin, bf16* q_all,
-                                             bf16* latent_cache, const int* slot_mapping, int C, int R, int H, int Dn,
-                                             float eps) {
-    mla_prologue_token<bf16>(compressed, norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping, C, R, H, Dn,
-                             eps);
+template <typename TCS>
+__device__ void mla_prologue(const bf16* compressed, int ldc, const bf16* norm, const bf16* q, const int* positions,
+                             const TCS* cos_sin, bf16* q_all, bf16* latent_cache, const int* slot_mapping,
+                             const bf16* w_uk, int C, int R, int H, int Dn, float eps, int T, int absorb_blocks,
+                             int units_per_warp) {
+    if ((int)blockIdx.x < absorb_blocks)
+        mla_absorb_query(q, w_uk, q_all, T, C, R, H, Dn, units_per_warp);
+    else
+        mla_prologue_token<TCS>(blockIdx.x - absorb_blocks, compressed, ldc, norm, q, positions, cos_sin, q_all,
+                                latent_cache, slot_mapping, C, R, H, Dn, eps);
 }
 
-extern "C" __global__ void mla_prologue_f32(const bf16* compressed, const bf16* norm, const bf16* q,
-                                            const int* positions, const float* cos_sin, bf16* q_all,
-                                            bf16* latent_cache, const int* slot_mapping, int C, int R, int H, int Dn,
-                                            float eps) {
-    mla_prologue_token<float>(compressed, norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping, C, R, H, Dn,
-                              eps);
+extern "C" __global__ void __launch_bounds__(512)
+    mla_prologue_bf16(const bf16* compressed, int ldc, const bf16* norm, const bf16* q, const int* positions,
+                      const bf16* cos_sin, bf16* q_all, bf16* latent_cache, const int* slot_mapping, const bf16* w_uk,
+                      int C, int R, int H, int Dn, float eps, int T, int absorb_blocks, int units_per_warp) {
+    mla_prologue<bf16>(compressed, ldc, norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping, w_uk, C, R, H,
+                       Dn, eps, T, absorb_blocks, units_per_warp);
+}
+
+extern "C" __global__ void __launch_bounds__(512)
+    mla_prologue_f32(const bf16* compressed, int ldc, const bf16* norm, const bf16* q, const int* positions,
+                     const float* cos_sin, bf16* q_all, bf16* latent_cache, const int* slot_mapping, const bf16* w_uk,
+                     int C, int R, int H, int Dn, float eps, int T, int absorb_blocks, int units_per_warp) {
+    mla_prologue<float>(compressed, ldc, norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping, w_uk, C, R, H,
+                        Dn, eps, T, absorb_blocks, units_per_warp);
 }
 
 extern "C" __global__ void mla_latent_write(bf16* __restrict__ latent_cache, const bf16* __restrict__ x,

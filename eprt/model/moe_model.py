@@ -309,9 +309,14 @@ class MoEModel:
         position, and the latent output goes up through W_UV."""
         cfg, ops, m = self.cfg, self.ops, self.cfg.mla
         T, H, C, Dn = x.shape[0], cfg.num_heads, m.kv_lora_rank, m.qk_nope_head_dim
-        q_in = x if lw.q_a is None else ops.rms_norm(ops.linear(x, lw.q_a), lw.q_a_norm, MLA_NORM_EPS)
-        q = ops.linear(q_in, lw.q).reshape(T, H, Dn + m.qk_rope_head_dim)  # [T, H, Dn+R]
-        compressed = ops.linear(x, lw.kv_a)  # [T, C+R]
+        if lw.qkv_a is not None:  # q_a | kv_a in one product: [T, Qr + C+R], two column slices
+            qkv_a = ops.linear(x, lw.qkv_a)
+            q_a, compressed = qkv_a[:, : m.q_lora_rank], qkv_a[:, m.q_lora_rank :]
+        else:  # no q LoRA, or q_a FP8-resident
+            q_a = None if lw.q_a is None else ops.linear(x, lw.q_a)  # [T, Qr]
+            compressed = ops.linear(x, lw.kv_a)  # [T, C+R]
+        q = ops.linear(x, lw.q) if q_a is None else ops.rms_norm_linear(q_a, lw.q_a_norm, MLA_NORM_EPS, lw.q)
+        q = q.reshape(T, H, Dn + m.qk_rope_head_dim)  # [T, H, Dn+R]
         cache, pos, slots = kv.latent[layer], self.index(batch, "positions"), self.index(batch, "slot_mapping")
         args = (MLA_NORM_EPS, pos, self.cos_sin, lw.w_uk, cache, slots)
         q_all = ops.mla_prologue(q, compressed, lw.kv_a_norm, *args)  # [T, H, C+R]; the cache row written

@@ -92,6 +92,9 @@ class Ops:
     xp: Any = None  # the array module (numpy or cupy)
     kv_itemsize = 4  # bytes per KV cache element (float32; the GPU backend stores bf16)
     fp8_resident = False  # True: FP8 checkpoint weights stay FP8 in memory (weight_fp8); else dequantized at load
+    # the loader stacks MLA's q_a and kv_a into one matrix (one product, LayerWeights.qkv_a); a backend
+    # whose product bits depend on the matrix's row count keeps them apart
+    joins_mla_products = True
 
     def moe_split_rows(self, w_gate_up) -> int:
         """EPLB splits an expert's rows over its replicas only in parts of at least this many rows of
@@ -184,6 +187,12 @@ class Ops:
         """x[T, K], w[N, K], bias[N] -> [T, N] (float32 accumulation)."""
         raise NotImplementedError
 
+    def rms_norm_linear(self, x: Array, norm: Array, eps: float, w: Array) -> Array:
+        """linear(rms_norm(x, norm, eps), w): x[T, K] (rows may be spaced: a column slice of a larger
+        product), norm[K], w[N, K] -> [T, N]. MLA's q LoRA (q_a's norm, then q_b); the GPU runs it as
+        one launch at decode's row counts."""
+        raise NotImplementedError
+
     def rope(self, x: Array, positions: Array, cos_sin: Array) -> Array:
         """x[T, H, Dh], positions[T], cos_sin[P, Dh] -> rotated [T, H, Dh]."""
         raise NotImplementedError
@@ -273,10 +282,12 @@ class Ops:
         raise NotImplementedError
 
     def mla_prologue(self, q, compressed, kv_a_norm, eps: float, positions, cos_sin, w_uk, latent_cache, slot_mapping):
-        """MLA's attention prologue: q[T, H, Dn + R] (the q product), compressed[T, C + R] (kv_a's),
-        kv_a_norm[C], cos_sin[P, R], w_uk[H, C, Dn]. Writes the cache row [rms_norm(compressed[:, :C])
-        | rope(compressed[:, C:])] at slot_mapping[T] as ``latent_write`` does and returns the query
-        [T, H, C + R] = [head_linear(q[.., :Dn], w_uk) | rope(q[.., Dn:])]. Exactly those ops."""
+        """MLA's attention prologue: q[T, H, Dn + R] (the q product), compressed[T, C + R] (kv_a's; rows
+        may be spaced: a column slice of the q_a | kv_a product), kv_a_norm[C], cos_sin[P, R],
+        w_uk[H, C, Dn]. Writes the cache row [rms_norm(compressed[:, :C]) | rope(compressed[:, C:])] at
+        slot_mapping[T] as ``latent_write`` does and returns the query [T, H, C + R] =
+        [head_linear(q[.., :Dn], w_uk) | rope(q[.., Dn:])]. Exactly those ops; the GPU runs them as one
+        launch at decode's row counts (w_uk's product on CUDA cores)."""
         raise NotImplementedError
 
     def latent_write(self, latent_cache: Array, x: Array, slot_mapping: Array) -> None:

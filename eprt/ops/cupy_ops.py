@@ -56,6 +56,7 @@ MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
 FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), activations quantized
 TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
+MLA_FUSED_MAX_ROWS = 8  # rms_norm_linear, mla_prologue's w_uk product: on CUDA cores up to one GG_MT chunk of rows
 DENSE_FUSED_MAX_ROWS = 8  # gate_up_silu: up to one GG_MT chunk of rows (each weight read once) in one launch
 ROUTE_FUSED_MAX_TOKENS = 64  # route: up to this many tokens (decode) in one launch with the permutation
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
@@ -404,6 +405,25 @@ class CupyOps(GptOssCupy, Ops):
         if x.shape[0] and N:
             _gemm(x.shape[0], N, K, x.data.ptr, w.data.ptr, out.data.ptr, _BF16, beta=0.0 if bias is None else 1.0)
         return out
+
+    def rms_norm_linear(self, x, norm, eps, w):
+        op = "rms_norm_linear"
+        T = x.shape[0] if isinstance(x, cupy.ndarray) else 0
+        fused = not isinstance(w, Fp8Weight) and 0 < T <= MLA_FUSED_MAX_ROWS and w.ndim == 2 and w.shape[1] % 8 == 0
+        if not fused:  # larger batches, prefill: the unfused ops (cuBLAS)
+            return self.linear(self.rms_norm(cupy.ascontiguousarray(x), norm, eps), w)
+        _check(op, "w", w, _BF16, (None, None), aligned=True)
+        N, K = w.shape
+        ldx = _row_stride(op, "x", x, (T, K))
+        _check(op, "norm", norm, _BF16, (K,))
+        smem = 4 * 32 + 2 * T * K  # block_sum's scratch, the normed rows (bf16)
+        _require(op, smem <= self.smem_limit, f"x's {T} rows of {K} need {smem} bytes of shared memory")
+        y = cupy.empty((T, N), dtype=_BF16)  # [T, N]
+        threads, units = _threads(K // 4, "rms_norm"), -(-N // 2)  # rms_norm's block: its summation order
+        upw = self._units_per_warp(units, 1)
+        args = (x, np.int32(ldx), norm, w, y, np.int32(T), np.int32(K), np.int32(N), np.float32(eps), np.int32(upw))
+        _launch("norm_linear.cu", "rms_norm_linear", (-(-units // (threads // 32 * upw)),), threads, args, smem)
+        return y
 
     def _linear_fp8(self, x, w: Fp8Weight, bias):
         op = "linear"
@@ -865,7 +885,7 @@ class CupyOps(GptOssCupy, Ops):
         _require(op, R % 2 == 0, f"the rope width must be even, got {R}")
         _check(op, "q", q, _BF16, (None, H, Dn + R))
         T = q.shape[0]
-        _check(op, "compressed", compressed, _BF16, (T, C + R))
+        ldc = _row_stride(op, "compressed", compressed, (T, C + R))
         _check(op, "kv_a_norm", kv_a_norm, _BF16, (C,))
         _check(op, "latent_cache", latent_cache, _BF16, (None, None, C + R))
         _check(op, "positions", positions, _I32, (T,))
@@ -873,11 +893,17 @@ class CupyOps(GptOssCupy, Ops):
         q_all = cupy.empty((T, H, C + R), dtype=_BF16)  # [T, H, C+R]
         if not T:
             return q_all
-        _gemm_per_head(q[:, :, :Dn], w_uk, q_all[:, :, :C])  # the absorbed query, in place
+        threads, units = _threads(C // 4, "rms_norm"), H * C // 2  # rms_norm's block for the latent's norm
+        fused = T <= MLA_FUSED_MAX_ROWS and C % 2 == 0 and Dn % 8 == 0 and R % 8 == 0 and q.data.ptr % 16 == 0
+        upw = self._units_per_warp(units, 1) if fused else 1
+        absorb = -(-units // (threads // 32 * upw)) if fused else 0  # blocks of the w_uk product on CUDA cores
+        if not fused:
+            _gemm_per_head(q[:, :, :Dn], w_uk, q_all[:, :, :C])  # the absorbed query, in place (cuBLAS)
         kernel = "mla_prologue_f32" if cos_sin.dtype == _F32 else "mla_prologue_bf16"
-        args = (compressed, kv_a_norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping)
+        args = (compressed, np.int32(ldc), kv_a_norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping, w_uk)
         dims = (np.int32(C), np.int32(R), np.int32(H), np.int32(Dn), np.float32(eps))
-        _launch("mla_attention.cu", kernel, (T,), _threads(C // 4, "rms_norm"), args + dims)  # rms_norm's block
+        dims += (np.int32(T), np.int32(absorb), np.int32(upw))
+        _launch("mla_attention.cu", kernel, (absorb + T,), threads, args + dims)
         return q_all
 
     def latent_write(self, latent_cache, x, slot_mapping):

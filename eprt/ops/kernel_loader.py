@@ -56,6 +56,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "add_bf16_bf16",
         "rank_sum_f32",
     ),
+    "norm_linear.cu": ("rms_norm_linear",),
     "mla_attention.cu": (
         "mla_latent_write",
         "mla_attention",
@@ -128,6 +129,7 @@ LAUNCH: dict[str, Launch] = {
     **_each(("flash_attention_d64", "flash_attention_d128", "flash_attention_d256"), 128, OPT_IN),
     "flash_mla": Launch(256, OPT_IN),
     "mla_latent_write": Launch(256),
+    "rms_norm_linear": Launch(512, OPT_IN),  # rms_norm's block for the width; the T normed rows in shared memory
     **_each(("mla_prologue_bf16", "mla_prologue_f32"), 512),  # rms_norm's block for the latent width
     "mla_attention": Launch(128, OPT_IN),
     "mla_attention_split": Launch(128, OPT_IN),

@@ -102,6 +102,7 @@ class NumpyOps(GptOssOps, Ops):
     xp = np
     act_dtype = np.float32
     kv_itemsize = 4  # bytes per KV cache element (float32)
+    joins_mla_products = False  # linear's bits depend on the rows (panels at multiples of 16, else OpenBLAS)
 
     def __init__(self, experts: str | None = None, weights: str | None = None, threads: int | None = None):
         """``experts``: how small expert groups run: "numba" (cpu_kernels, each expert's weights
@@ -219,6 +220,9 @@ class NumpyOps(GptOssOps, Ops):
         if bias is not None:
             y += bias
         return y
+
+    def rms_norm_linear(self, x, norm, eps, w):
+        return self.linear(self.rms_norm(np.ascontiguousarray(x), norm, eps), w)  # [T, N]
 
     def _compiled_rows(self, x, table, ndim: int) -> bool:
         """Whether the compiled path's row-wise kernels (rms_norm, rope) take x (float32, ``ndim``
