@@ -20,7 +20,16 @@
 // (flash-decoding): partition z covers keys [z * split_keys, (z + 1) * split_keys) and writes its
 // unnormalized output to part_acc [B, P, H, C] and (max, sum) to part_ml [B, P, H, 2], combined
 // by attention_split_combine of paged_attention.cu (an empty partition writes 0, -inf, 0).
+//
+// The value up-projection folded in (decode's few rows; host-checked C a multiple of 8, Dv even):
+// mla_attention_uv rounds a block's outputs o [G, C] to bf16 into shared memory (as the output
+// is) and each warp dots them with pairs of w_uv rows (w_uv [H, Dv, C]: every weight row read once
+// per block), writing out [B, H, Dv] = o_h @ w_uv[h].T rounded to bf16; mla_split_combine_uv merges a
+// split decode's partitions for one (row, head) per block (split_combine.cuh: attention_split_combine's
+// bits) and up-projects the same way. The host spreads a small batch over more blocks (fewer heads per
+// block: a head's arithmetic does not depend on its block-mates) so the weights are read by many SMs.
 #include "common.cuh"
+#include "split_combine.cuh"
 #include "weight_rows.cuh"
 
 #define MLA_THREADS 128
@@ -131,13 +140,32 @@ extern "C" __global__ void mla_latent_write(bf16* __restrict__ latent_cache, con
     for (int i = threadIdx.x; i < L / 8; i += blockDim.x) dst[i] = src[i];
 }
 
+// out [G, Dv] = o_s [G, C] (bf16, shared) up-projected by w [G * Dv, C] (the block's heads of w_uv),
+// each warp a pair of rows (of one head: Dv even) at a time.
+__device__ void mla_up_project(const bf16* o_s, const bf16* __restrict__ w, bf16* __restrict__ out, int G, int Dv,
+                               int C) {
+    const Bf16Rows rows{w, C};
+    const int lane = threadIdx.x % WARP_SIZE, warps = blockDim.x / WARP_SIZE;
+    for (int u = threadIdx.x / WARP_SIZE; u < G * Dv / 2; u += warps) {
+        const bf16* xr[GG_MT];
+#pragma unroll
+        for (int m = 0; m < GG_MT; ++m) xr[m] = o_s + (2 * u / Dv) * C;
+        float a0[GG_MT], a1[GG_MT];
+        dot_two_rows(rows, 2 * u, 2 * u + 1, xr, 1, C, a0, a1);
+        if (lane == 0) {
+            out[2 * u] = __float2bfloat16(a0[0]);
+            out[2 * u + 1] = __float2bfloat16(a1[0]);
+        }
+    }
+}
+
 // Dynamic shared memory (the host computes the same total, in bytes):
 //   k_s bf16 [CHUNK, L] | q_s [G, L] | s_s [G, CHUNK] | m_s [G] | l_s [G] | a_s [G] | acc [G, C]  (fp32)
 __device__ void mla_attend(const bf16* __restrict__ q, const bf16* __restrict__ latent_cache,
                            const int* __restrict__ block_tables, const int* __restrict__ context_lens,
                            bf16* __restrict__ out, float* __restrict__ part_acc, float* __restrict__ part_ml,
                            int H, int L, int C, int BS, int table_stride, int heads_per_block, int split_keys,
-                           float scale) {
+                           float scale, const bf16* __restrict__ w_uv, int Dv) {
     extern __shared__ float smem[];
     bf16* k_s = reinterpret_cast<bf16*>(smem);
     float* q_s = smem + MLA_CHUNK * L / 2;
@@ -220,6 +248,14 @@ __device__ void mla_attend(const bf16* __restrict__ q, const bf16* __restrict__ 
             part_ml[(row + h) * 2] = m_s[h];
             part_ml[(row + h) * 2 + 1] = l_s[h];
         }
+    } else if (w_uv) {  // out [B, H, Dv]; o_s over k_s (MLA_CHUNK * L >= G * C: G <= MLA_CHUNK, C <= L)
+        bf16* o_s = k_s;
+        for (int i = tid; i < G * C; i += MLA_THREADS) {
+            const float l = l_s[i / C];
+            o_s[i] = __float2bfloat16(l > 0.0f ? acc[i] / l : 0.0f);
+        }
+        __syncthreads();
+        mla_up_project(o_s, w_uv + (long long)h0 * Dv * C, out + ((long long)b * H + h0) * Dv, G, Dv, C);
     } else {
         bf16* ob = out + ((long long)b * H + h0) * C;
         for (int i = tid; i < G * C; i += MLA_THREADS) {
@@ -234,7 +270,15 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attention(
     const int* __restrict__ context_lens, bf16* __restrict__ out, int H, int L, int C, int BS, int table_stride,
     int heads_per_block, float scale) {
     mla_attend(q, latent_cache, block_tables, context_lens, out, nullptr, nullptr, H, L, C, BS, table_stride,
-               heads_per_block, 1 << 30, scale);
+               heads_per_block, 1 << 30, scale, nullptr, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attention_uv(
+    const bf16* __restrict__ q, const bf16* __restrict__ latent_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ context_lens, const bf16* __restrict__ w_uv, bf16* __restrict__ out, int H, int L, int C,
+    int BS, int table_stride, int heads_per_block, float scale, int Dv) {
+    mla_attend(q, latent_cache, block_tables, context_lens, out, nullptr, nullptr, H, L, C, BS, table_stride,
+               heads_per_block, 1 << 30, scale, w_uv, Dv);
 }
 
 extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attention_split(
@@ -242,5 +286,18 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS) mla_attention_split(
     const int* __restrict__ context_lens, float* __restrict__ part_acc, float* __restrict__ part_ml, int H, int L,
     int C, int BS, int table_stride, int heads_per_block, int split_keys, float scale) {
     mla_attend(q, latent_cache, block_tables, context_lens, nullptr, part_acc, part_ml, H, L, C, BS, table_stride,
-               heads_per_block, split_keys, scale);
+               heads_per_block, split_keys, scale, nullptr, 0);
+}
+
+// grid (B, H): the partitions of (row b, head h) merged into o [C] (bf16, shared), then out[b, h] =
+// w_uv[h] @ o [Dv]. C <= MLA_MAX_UV_C (host-checked).
+#define MLA_MAX_UV_C 1024
+extern "C" __global__ void __launch_bounds__(MLA_THREADS)
+    mla_split_combine_uv(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                         const bf16* __restrict__ w_uv, bf16* __restrict__ out, int H, int C, int P, int Dv) {
+    __shared__ __align__(16) bf16 o_s[MLA_MAX_UV_C];
+    const int h = blockIdx.y;
+    split_combine_row(part_acc, part_ml, o_s, H, C, P);
+    __syncthreads();
+    mla_up_project(o_s, w_uv + (long long)h * Dv * C, out + ((long long)blockIdx.x * H + h) * Dv, 1, Dv, C);
 }

@@ -308,3 +308,34 @@ def test_add_rms_norm_with_extra_is_add_then_add_rms_norm_bit_for_bit(g, x_dtype
         np.testing.assert_array_equal(g.to_host(a), g.to_host(b))
     with pytest.raises(ValueError, match="extra has shape"):
         g.add_rms_norm(dx, residual, w[0], 1e-6, g.activation(np.zeros((T, 8))))
+
+
+@pytest.mark.parametrize("split", ["off", "on"])
+@pytest.mark.parametrize("lens", [[7], [1, 33, 200], [5] * 9])
+def test_mla_attention_decode_with_w_uv_is_attention_then_head_linear(split, lens):
+    """Up to MLA_FUSED_MAX_ROWS rows the value up-projection runs inside the attention launch (one pass)
+    or the split combine (split): the attention output is rounded to bf16 as before, so only w_uv's
+    product differs from head_linear's (cuBLAS), by one bf16 step at most; beyond them, bit for bit."""
+    from test_cupy_ops import shuffled_tables
+
+    from eprt.ops.cupy_ops import MLA_FUSED_MAX_ROWS, CupyOps
+
+    g = CupyOps(decode_split=split, split_keys=128)
+    rng = np.random.default_rng(len(lens))
+    H, C, R, Dv, bs = 20, 32, 8, 24, 16
+    nb, tables = shuffled_tables(rng, lens, bs, 2)
+    cache, q = bf16(rng.standard_normal((nb, bs, C + R))), bf16(rng.standard_normal((len(lens), H, C + R)))
+    w_uv, scale, lens = bf16(rng.standard_normal((H, Dv, C)) / 4), (C + R) ** -0.5, np.array(lens, np.int32)
+    args = (g.activation(q), g.activation(cache), g.index(tables), g.index(lens), scale, C)
+    got = g.to_host(g.mla_attention_decode(*args, g.weight(w_uv)))
+    want = g.to_host(g.head_linear(g.mla_attention_decode(*args), g.weight(w_uv)))
+    if len(lens) > MLA_FUSED_MAX_ROWS:
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert_within_one_bf16_step(got, want)
+    ref = NumpyOps().mla_attention_decode(q, cache, tables, lens, scale, C, w_uv)
+    np.testing.assert_allclose(got, ref, rtol=3e-2, atol=3e-2)
+    with pytest.raises(
+        ValueError, match=r"mla_attention_decode: w_uv has shape \[20, 24, 16\], expected \[20, \*, 32\]"
+    ):
+        g.mla_attention_decode(*args, g.weight(w_uv[:, :, :16]))

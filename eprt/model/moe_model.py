@@ -127,7 +127,7 @@ def rope_table(cfg: ModelConfig, max_len: int) -> np.ndarray:
 
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with the default eps
-_MLA_OPS = ("head_linear", "latent_write", "mla_attention_prefill", "mla_attention_decode")
+_MLA_OPS = ("head_linear", "latent_write", "mla_attention_prefill", "mla_attention_decode", "rms_norm_linear")
 _GROUPED_OPS = ("router_grouped", "add")
 _HYBRID_OPS = (
     "causal_conv1d",
@@ -332,8 +332,9 @@ class MoEModel:
             o = ops.mla_attention_verify(q_all, cache, tables, lens, batch.query_lens, self.scale, value_dim=C)
         else:
             tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
-            o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, value_dim=C)  # [T, H, C]
-        return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
+            o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, C, lw.w_uv)  # [T, H, Dv]
+            return ops.linear(o.reshape(T, -1), lw.o)  # [T, H*Dv] -> [T, D]
+        return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, C] -> [T, H, Dv] -> [T, D]
 
     def _moe(self, lw, x, layer: int):
         """The MoE layer's output [T, D] (the shared expert's added)."""

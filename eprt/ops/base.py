@@ -305,10 +305,19 @@ class Ops:
         raise NotImplementedError
 
     def mla_attention_decode(
-        self, q: Array, latent_cache: Array, block_tables: Array, context_lens: Array, scale: float, value_dim: int
+        self,
+        q: Array,
+        latent_cache: Array,
+        block_tables: Array,
+        context_lens: Array,
+        scale: float,
+        value_dim: int,
+        w_uv: Array | None = None,
     ) -> Array:
         """Batched decode in the latent space, one query per sequence. q[B, H, L],
-        block_tables[B, MB], context_lens[B] >= 1 (new token included). Returns [B, H, C]."""
+        block_tables[B, MB], context_lens[B] >= 1 (new token included). Returns [B, H, C]; with
+        w_uv[H, Dv, C] (MLA's value up-projection) head_linear(that, w_uv) [B, H, Dv], which the GPU
+        runs inside the attention launches at decode's row counts."""
         raise NotImplementedError
 
     def mla_attention_verify(

@@ -52,6 +52,14 @@ _ROUTER_WARPS = 4  # router.cu: ROUTER_WARPS
 _GG_WARPS = 4  # moe_grouped_gemm.cu: GG_WARPS
 _MLA_THREADS, _MLA_CHUNK = 128, 32  # mla_attention.cu: MLA_THREADS, MLA_CHUNK
 _MLA_MAX_HEADS = 16  # query heads per block of mla_attention (fewer when shared memory is short)
+_MLA_MAX_UV_C = 1024  # mla_attention.cu: MLA_MAX_UV_C, the latent width mla_split_combine_uv takes
+
+
+def _mla_smem(L: int, C: int, g: int) -> int:
+    """mla_attention.cu's dynamic shared memory for g heads per block, in bytes."""
+    return 2 * _MLA_CHUNK * L + 4 * (g * L + g * _MLA_CHUNK + 3 * g + g * C)
+
+
 MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
 FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), activations quantized
 TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
@@ -931,37 +939,44 @@ class CupyOps(GptOssCupy, Ops):
         H, C = q.shape[1], value_dim
         _require(op, 1 <= C <= L, f"value_dim must be in [1, latent width {L}], got {C}")
         heads = min(H, _MLA_MAX_HEADS)
-        smem = lambda g: 2 * _MLA_CHUNK * L + 4 * (g * L + g * _MLA_CHUNK + 3 * g + g * C)  # noqa: E731
-        while heads > 1 and smem(heads) > self.smem_limit:
+        while heads > 1 and _mla_smem(L, C, heads) > self.smem_limit:
             heads //= 2
-        _require(op, smem(heads) <= self.smem_limit, f"needs {smem(heads)} bytes of shared memory (L={L}, C={C})")
-        return H, L, C, BS, max(heads, 1), smem(max(heads, 1))
+        smem = _mla_smem(L, C, max(heads, 1))
+        _require(op, smem <= self.smem_limit, f"needs {smem} bytes of shared memory (L={L}, C={C})")
+        return H, L, C, BS, max(heads, 1), smem
 
-    def _mla_attend(self, op, q, latent_cache, tables, table_stride, lens, max_keys, scale, value_dim):
-        """Rows of q attend to keys [0, lens[b]) of their table; one pass or split (flash-decoding)."""
+    def _mla_attend(self, op, q, latent_cache, tables, table_stride, lens, max_keys, scale, value_dim, w_uv=None):
+        """Rows of q attend to keys [0, lens[b]) of their table; one pass or split (flash-decoding).
+        ``w_uv`` [H, Dv, C] (checked by the caller): the output up-projected in the same launches."""
         H, L, C, BS, heads, smem = self._mla_args(op, q, latent_cache, value_dim)
         B = q.shape[0]
-        out = cupy.empty((B, H, C), dtype=_BF16)  # [B, H, C]
+        if w_uv is not None:  # a small batch over more blocks: w_uv read by more SMs
+            while heads > 1 and B * -(-H // heads) < self.sm_count:
+                heads //= 2
+            smem = _mla_smem(L, C, heads)
+        out = cupy.empty((B, H, C if w_uv is None else w_uv.shape[1]), dtype=_BF16)  # [B, H, C or Dv]
         if not B or not H:
             return out
         head_blocks = -(-H // heads)
         splits, split_keys = self._decode_partitions(B * head_blocks, max_keys)
         common = (np.int32(H), np.int32(L), np.int32(C), np.int32(BS), np.int32(table_stride), np.int32(heads))
         if splits == 1:
-            args = (q, latent_cache, tables, lens, out, *common, np.float32(scale))
-            _launch("mla_attention.cu", "mla_attention", (B, head_blocks), _MLA_THREADS, args, smem)
+            if w_uv is None:
+                args = (q, latent_cache, tables, lens, out, *common, np.float32(scale))
+                _launch("mla_attention.cu", "mla_attention", (B, head_blocks), _MLA_THREADS, args, smem)
+            else:
+                args = (q, latent_cache, tables, lens, w_uv, out, *common, np.float32(scale), np.int32(out.shape[2]))
+                _launch("mla_attention.cu", "mla_attention_uv", (B, head_blocks), _MLA_THREADS, args, smem)
             return out
         part_acc = cupy.empty((B, splits, H, C), dtype=_F32)  # [B, P, H, C]
         part_ml = cupy.empty((B, splits, H, 2), dtype=_F32)  # [B, P, H, (max, sum)]
         args = (q, latent_cache, tables, lens, part_acc, part_ml, *common, np.int32(split_keys), np.float32(scale))
         _launch("mla_attention.cu", "mla_attention_split", (B, head_blocks, splits), _MLA_THREADS, args, smem)
-        _launch(
-            "paged_attention.cu",
-            "attention_split_combine",
-            (B, H),
-            _ATTN_THREADS,
-            (part_acc, part_ml, out, np.int32(H), np.int32(C), np.int32(splits)),
-        )
+        parts = (part_acc, part_ml) if w_uv is None else (part_acc, part_ml, w_uv)
+        name = "attention_split_combine" if w_uv is None else "mla_split_combine_uv"
+        dims = (np.int32(H), np.int32(C), np.int32(splits)) + (() if w_uv is None else (np.int32(out.shape[2]),))
+        file = "paged_attention.cu" if w_uv is None else "mla_attention.cu"
+        _launch(file, name, (B, H), _ATTN_THREADS, (*parts, out, *dims))
         return out
 
     def mla_attention_prefill(self, q, latent_cache, block_table, start_pos, scale, value_dim):
@@ -984,7 +999,7 @@ class CupyOps(GptOssCupy, Ops):
         lens = cupy.arange(start_pos + 1, start_pos + T + 1, dtype=_I32)  # [T]
         return self._mla_attend(op, q, latent_cache, block_table, 0, lens, MB * BS, scale, value_dim)
 
-    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim):
+    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim, w_uv=None):
         op = "mla_attention_decode"
         _check(op, "q", q, _BF16, (None, None, None))
         B = q.shape[0]
@@ -992,7 +1007,18 @@ class CupyOps(GptOssCupy, Ops):
         _check(op, "context_lens", context_lens, _I32, (B,))
         _check(op, "latent_cache", latent_cache, _BF16, (None, None, None))
         MB, BS = block_tables.shape[1], latent_cache.shape[1]
-        return self._mla_attend(op, q, latent_cache, block_tables, MB, context_lens, MB * BS, scale, value_dim)
+        fold = w_uv is not None and self._folds_uv(op, q, w_uv, value_dim)
+        o = self._mla_attend(
+            op, q, latent_cache, block_tables, MB, context_lens, MB * BS, scale, value_dim, w_uv if fold else None
+        )
+        return self.head_linear(o, w_uv) if w_uv is not None and not fold else o
+
+    @staticmethod
+    def _folds_uv(op, q, w_uv, C) -> bool:
+        """Whether decode's up-projection by w_uv [H, Dv, C] runs inside the attention launches (decode's
+        few rows, Dv even, C a multiple of 8 up to MLA_MAX_UV_C) or after them (head_linear: cuBLAS)."""
+        _check(op, "w_uv", w_uv, _BF16, (q.shape[1], None, C), aligned=True)
+        return 0 < q.shape[0] <= MLA_FUSED_MAX_ROWS and w_uv.shape[1] % 2 == 0 and C % 8 == 0 and C <= _MLA_MAX_UV_C
 
     def lora_apply(self, y, x, a, b, rows):
         op = "lora_apply"

@@ -61,6 +61,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "mla_latent_write",
         "mla_attention",
         "mla_attention_split",
+        "mla_attention_uv",
+        "mla_split_combine_uv",
         "mla_prologue_bf16",
         "mla_prologue_f32",
     ),
@@ -133,6 +135,8 @@ LAUNCH: dict[str, Launch] = {
     **_each(("mla_prologue_bf16", "mla_prologue_f32"), 512),  # rms_norm's block for the latent width
     "mla_attention": Launch(128, OPT_IN),
     "mla_attention_split": Launch(128, OPT_IN),
+    "mla_attention_uv": Launch(128, OPT_IN),
+    "mla_split_combine_uv": Launch(128),  # ATTN_THREADS
     **_each(KERNELS["argmax.cu"], 1024),
     "gather_rows_bf16": Launch(1024),
     "gather_rows_f32": Launch(1024),

@@ -686,8 +686,9 @@ class NumpyOps(GptOssOps, Ops):
         mask = np.arange(S)[None, :] <= (start_pos + np.arange(T))[:, None]  # [T, S]
         return self._attend_latent(q, rows, scale, value_dim, mask)
 
-    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim):
-        """Rows gathered padded to the longest context, in batches bounded as attention_decode's."""
+    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim, w_uv=None):
+        """Rows gathered padded to the longest context, in batches bounded as attention_decode's; then
+        w_uv's head_linear when given."""
         B, H, _ = q.shape
         out = np.empty((B, H, value_dim), dtype=np.float32)  # [B, H, C]
         lens = np.asarray(context_lens)
@@ -699,7 +700,7 @@ class NumpyOps(GptOssOps, Ops):
             out[rows] = self._attend_latent_padded(
                 q[rows], latent_cache, block_tables[rows], lens[rows], scale, value_dim
             )
-        return out
+        return out if w_uv is None else self.head_linear(out, w_uv)  # [B, H, C] or [B, H, Dv]
 
     @staticmethod
     def _attend_latent_padded(q, latent_cache, block_tables, lens, scale, value_dim):
