@@ -335,6 +335,12 @@ def test_mla_attention_decode_with_w_uv_is_attention_then_head_linear(split, len
         assert_within_one_bf16_step(got, want)
     ref = NumpyOps().mla_attention_decode(q, cache, tables, lens, scale, C, w_uv)
     np.testing.assert_allclose(got, ref, rtol=3e-2, atol=3e-2)
+    # an identity up-projection is exact in any summation order: the fused launches' attention output
+    # (their own heads per block) is the unfused one bit for bit
+    eye = g.weight(np.broadcast_to(np.eye(C, dtype=np.float32), (H, C, C)).copy())
+    np.testing.assert_array_equal(
+        g.to_host(g.mla_attention_decode(*args, eye)), g.to_host(g.mla_attention_decode(*args))
+    )
     with pytest.raises(
         ValueError, match=r"mla_attention_decode: w_uv has shape \[20, 24, 16\], expected \[20, \*, 32\]"
     ):

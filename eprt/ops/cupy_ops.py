@@ -950,15 +950,14 @@ class CupyOps(GptOssCupy, Ops):
         ``w_uv`` [H, Dv, C] (checked by the caller): the output up-projected in the same launches."""
         H, L, C, BS, heads, smem = self._mla_args(op, q, latent_cache, value_dim)
         B = q.shape[0]
-        if w_uv is not None:  # a small batch over more blocks: w_uv read by more SMs
-            while heads > 1 and B * -(-H // heads) < self.sm_count:
-                heads //= 2
-            smem = _mla_smem(L, C, heads)
         out = cupy.empty((B, H, C if w_uv is None else w_uv.shape[1]), dtype=_BF16)  # [B, H, C or Dv]
         if not B or not H:
             return out
+        splits, split_keys = self._decode_partitions(B * -(-H // heads), max_keys)
+        if w_uv is not None and splits == 1:  # w_uv up-projected inside the pass
+            heads = self._uv_heads(B, H, heads)
+            smem = _mla_smem(L, C, heads)
         head_blocks = -(-H // heads)
-        splits, split_keys = self._decode_partitions(B * head_blocks, max_keys)
         common = (np.int32(H), np.int32(L), np.int32(C), np.int32(BS), np.int32(table_stride), np.int32(heads))
         if splits == 1:
             if w_uv is None:
@@ -1012,6 +1011,15 @@ class CupyOps(GptOssCupy, Ops):
             op, q, latent_cache, block_tables, MB, context_lens, MB * BS, scale, value_dim, w_uv if fold else None
         )
         return self.head_linear(o, w_uv) if w_uv is not None and not fold else o
+
+    def _uv_heads(self, B: int, H: int, heads: int) -> int:
+        """Heads per block of a one-pass decode with w_uv folded in: a small batch spread over about one
+        block per SM, so w_uv is read by many SMs (a head's arithmetic does not depend on its block-mates;
+        each block reads the row's cache, short in a one-pass decode). A split decode keeps its heads (its
+        partitions read the cache once per head group; its combine has a block per head already)."""
+        while heads > 1 and B * -(-H // heads) < self.sm_count:
+            heads //= 2
+        return heads
 
     @staticmethod
     def _folds_uv(op, q, w_uv, C) -> bool:
