@@ -345,3 +345,25 @@ def test_mla_attention_decode_with_w_uv_is_attention_then_head_linear(split, len
         ValueError, match=r"mla_attention_decode: w_uv has shape \[20, 24, 16\], expected \[20, \*, 32\]"
     ):
         g.mla_attention_decode(*args, g.weight(w_uv[:, :, :16]))
+
+
+def test_mla_attention_verify_with_w_uv_is_verify_then_head_linear():
+    """A verify step (2 sequences of 3 and 2 positions) takes the decode's fused launches: one bf16 step
+    from verify + head_linear, and the NumPy reference's verify + head_linear within the ops' tolerance."""
+    from test_cupy_ops import shuffled_tables
+
+    from eprt.ops.cupy_ops import CupyOps
+
+    g, rng = CupyOps(), np.random.default_rng(17)
+    H, C, R, Dv, bs, query_lens = 6, 32, 8, 16, 8, np.array([3, 2])
+    nb, seq_tables = shuffled_tables(rng, [20, 9], bs, 2)
+    tables = np.repeat(seq_tables, query_lens, axis=0)  # [N, MB]: each row its sequence's table
+    lens = np.array([18, 19, 20, 8, 9], np.int32)
+    cache, q = bf16(rng.standard_normal((nb, bs, C + R))), bf16(rng.standard_normal((5, H, C + R)))
+    w_uv, scale = bf16(rng.standard_normal((H, Dv, C)) / 4), (C + R) ** -0.5
+    args = (g.activation(q), g.activation(cache), g.index(tables), g.index(lens), query_lens, scale, C)
+    got = g.to_host(g.mla_attention_verify(*args, g.weight(w_uv)))
+    want = g.to_host(g.head_linear(g.mla_attention_verify(*args), g.weight(w_uv)))
+    assert_within_one_bf16_step(got, want)
+    ref = NumpyOps().mla_attention_verify(q, cache, tables, lens, query_lens, scale, C, w_uv)
+    np.testing.assert_allclose(got, ref, rtol=3e-2, atol=3e-2)

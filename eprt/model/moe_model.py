@@ -327,12 +327,12 @@ class MoEModel:
                     q_all[rows], cache, ops.index(p.block_table), p.start_pos, self.scale, value_dim=C
                 ),
             )
-        elif batch.query_lens is not None:
+        else:  # decode or verify: w_uv's up-projection inside (the GPU's attention launches at few rows)
             tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
-            o = ops.mla_attention_verify(q_all, cache, tables, lens, batch.query_lens, self.scale, value_dim=C)
-        else:
-            tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
-            o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, C, lw.w_uv)  # [T, H, Dv]
+            if batch.query_lens is not None:
+                o = ops.mla_attention_verify(q_all, cache, tables, lens, batch.query_lens, self.scale, C, lw.w_uv)
+            else:
+                o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, C, lw.w_uv)  # [T, H, Dv]
             return ops.linear(o.reshape(T, -1), lw.o)  # [T, H*Dv] -> [T, D]
         return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, C] -> [T, H, Dv] -> [T, D]
 

@@ -329,10 +329,11 @@ class Ops:
         query_lens: np.ndarray,
         scale: float,
         value_dim: int,
+        w_uv: Array | None = None,
     ) -> Array:
         """attention_verify in the latent space: q[N, H, L], rows as in attention_verify.
-        Returns [N, H, C]."""
-        return self.mla_attention_decode(q, latent_cache, block_tables, context_lens, scale, value_dim)
+        Returns [N, H, C], or with w_uv [N, H, Dv] as mla_attention_decode."""
+        return self.mla_attention_decode(q, latent_cache, block_tables, context_lens, scale, value_dim, w_uv)
 
     def silu_and_mul(self, x: Array) -> Array:
         """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]  [T, I]"""

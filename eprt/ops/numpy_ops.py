@@ -415,7 +415,9 @@ class NumpyOps(GptOssOps, Ops):
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return weights.astype(np.float32), ids
 
-    def mla_attention_verify(self, q, latent_cache, block_tables, context_lens, query_lens, scale, value_dim):
+    def mla_attention_verify(
+        self, q, latent_cache, block_tables, context_lens, query_lens, scale, value_dim, w_uv=None
+    ):
         """Each sequence's latent rows gathered once: its rows are a causal chunk at its end."""
         outs, n = [], 0
         for t in np.asarray(query_lens).tolist():
@@ -423,7 +425,8 @@ class NumpyOps(GptOssOps, Ops):
             table = block_tables[n]
             outs.append(self.mla_attention_prefill(q[n : n + t], latent_cache, table, end - t, scale, value_dim))
             n += t
-        return np.concatenate(outs, axis=0)  # [N, H, C]
+        out = np.concatenate(outs, axis=0)  # [N, H, C]
+        return out if w_uv is None else self.head_linear(out, w_uv)  # [N, H, C] or [N, H, Dv]
 
     def silu_and_mul(self, x):
         inter = x.shape[-1] // 2
