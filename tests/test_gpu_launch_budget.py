@@ -2,9 +2,10 @@
 8 kernels per dense layer and 12 per MoE layer (raw kernels, cuBLAS GEMMs and the kernels CuPy
 launches itself, tests/launch_census.py) for a Qwen3-MoE of the built-in benchmark model's widths.
 A DeepSeek-V3-shaped model (MLA with a q LoRA, grouped routing, a shared expert, a dense first
-layer) runs 7 / 8 cuBLAS products per dense / MoE layer, so the budget is out of its reach without
-merging products (docs/gpu.md, "Launches per layer"); its present counts (13 / 18) are pinned instead, so no
-launch creeps back. Before the fusions: Qwen3 17 per MoE layer and 13 per dense one, DeepSeek 29 and 21.
+layer): its MLP side is within the plan (the dense MLP's norm in its gate_up launch, the shared expert in
+the experts' launches), its attention still runs 6 cuBLAS products per layer, so its present counts
+(12 / 16) are pinned instead (docs/gpu.md, "Launches per layer"), so no launch creeps back.
+Before the fusions: Qwen3 17 per MoE layer and 13 per dense one, DeepSeek 29 and 21.
 Also pinned: no host->device copy inside a layer after the first (the pass uploads its index arrays once)."""
 
 import pytest
@@ -28,7 +29,7 @@ pytestmark = [
     pytest.mark.skipif(not on_cusim(), reason="the launch census runs on cusim (tests/cusim)"),
 ]
 
-BUDGET = {"qwen3_moe": (8, 12), "deepseek_v3": (13, 18)}  # launches per (dense, MoE) layer; issue 39: (8, 12)
+BUDGET = {"qwen3_moe": (8, 12), "deepseek_v3": (12, 16)}  # launches per (dense, MoE) layer; issue 39: (8, 12)
 # the built-in benchmark model's widths (benchmarks/bench_decode_cpu.py's ~115M Qwen3-MoE), 3 of its
 # layers, the middle one dense
 QWEN3_115M = dict(BENCH_MODEL, vocab_size=512, num_hidden_layers=3, intermediate_size=1024, mlp_only_layers=[1])

@@ -697,16 +697,43 @@ class CupyOps(GptOssCupy, Ops):
         if isinstance(w, Fp8Weight) or not 0 < T <= DENSE_FUSED_MAX_ROWS:
             return self.silu_and_mul(self.linear(x, w))  # [T, I]
         op = "gate_up_silu"
-        _check(op, "w", w, _BF16, (None, None), aligned=True)
-        I2, D = w.shape
-        I = I2 // 2
-        _require(op, I2 % 2 == 0 and D % 8 == 0, f"w must be [2I, D] with D a multiple of 8, got {list(w.shape)}")
+        I, D = self._gate_up_weight(op, "w", w)
         _check(op, "x", x, _BF16, (None, D), aligned=True)
         h = cupy.empty((T, I), dtype=_BF16)  # [T, I]
         upw = self._units_per_warp(I, 1)
         args = (x, w, h, np.int32(T), np.int32(D), np.int32(I), np.int32(upw))
         _launch("moe_grouped_gemm.cu", "dense_gate_up_silu", (-(-I // (_GG_WARPS * upw)),), 32 * _GG_WARPS, args)
         return h
+
+    @staticmethod
+    def _gate_up_weight(op: str, name: str, w) -> tuple[int, int]:
+        """(I, D) of a gate | up weight [2I, D] the CUDA-core kernels read (D a multiple of 8)."""
+        _check(op, name, w, _BF16, (None, None), aligned=True)
+        I2, D = w.shape
+        _require(op, I2 % 2 == 0 and D % 8 == 0, f"{name} must be [2I, D] with D a multiple of 8, got {list(w.shape)}")
+        return I2 // 2, D
+
+    def add_rms_norm_gate_up_silu(self, x, residual, weight, eps, w_gate_up):
+        op = "add_rms_norm_gate_up_silu"
+        T = residual.shape[0] if isinstance(residual, cupy.ndarray) else 0
+        D = residual.shape[-1] if T else 0
+        smem = 4 * 32 + 2 * T * D  # dense_add_norm_gate_up_silu: scratch, the normed rows
+        fits = isinstance(x, cupy.ndarray) and x.dtype == _BF16 and smem <= self.smem_limit
+        if isinstance(w_gate_up, Fp8Weight) or not fits or not 0 < T <= DENSE_FUSED_MAX_ROWS:
+            return super().add_rms_norm_gate_up_silu(x, residual, weight, eps, w_gate_up)  # the unfused launches
+        _check(op, "residual", residual, _BF16, (None, None))
+        _check(op, "x", x, _BF16, (T, D))
+        _check(op, "weight", weight, _BF16, (D,))
+        I, Dw = self._gate_up_weight(op, "w_gate_up", w_gate_up)
+        _require(op, Dw == D, f"w_gate_up has shape {list(w_gate_up.shape)}, expected [2I, {D}]")
+        h, s = cupy.empty((T, I), dtype=_BF16), cupy.empty_like(residual)  # [T, I], [T, D]
+        upw = self._units_per_warp(I, 1)
+        norm_threads = _threads(D // 4, "add_rms_norm_bf16")  # add_rms_norm's block: its summation order
+        dims = (np.int32(T), np.int32(D), np.int32(I), np.float32(eps), np.int32(norm_threads), np.int32(upw))
+        args = (x, residual, weight, s, w_gate_up, h, *dims)
+        grid = (-(-I // (_GG_WARPS * upw)),)
+        _launch("moe_grouped_gemm.cu", "dense_add_norm_gate_up_silu", grid, 32 * _GG_WARPS, args, smem)
+        return h, s
 
     def clip(self, x, limit):
         _check("clip", "x", x, _BF16)
@@ -1020,6 +1047,34 @@ class CupyOps(GptOssCupy, Ops):
         return out
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start, perm=None):
+        return self._moe(x, weights, ids, w_gate_up, w_down, expert_start, perm)[0]
+
+    def moe_experts_shared(self, x, weights, ids, w_gate_up, w_down, expert_start, perm, shared_gate_up, shared_down):
+        T = x.shape[0] if isinstance(x, cupy.ndarray) else 0
+        k = ids.shape[1] if isinstance(ids, cupy.ndarray) and ids.ndim == 2 else 0
+        routed_bf16 = isinstance(w_gate_up, cupy.ndarray) and w_gate_up.ndim == 3 and w_gate_up.shape[0] > 0
+        fused = (
+            routed_bf16
+            and isinstance(shared_gate_up, cupy.ndarray)
+            and isinstance(shared_down, cupy.ndarray)
+            and 0 < T <= DENSE_FUSED_MAX_ROWS
+            and k > 0
+            and self._moe_choice(T * k, w_gate_up) == "grouped"
+        )
+        if not fused:  # the unfused launches
+            return super().moe_experts_shared(
+                x, weights, ids, w_gate_up, w_down, expert_start, perm, shared_gate_up, shared_down
+            )
+        op = "moe_experts_shared"
+        Is, D = self._gate_up_weight(op, "shared_gate_up", shared_gate_up)
+        _require(op, Is % 8 == 0, f"shared_gate_up's Is must be a multiple of 8, got {Is}")
+        _check(op, "shared_down", shared_down, _BF16, (D, Is), aligned=True)
+        return self._moe(x, weights, ids, w_gate_up, w_down, expert_start, perm, (shared_gate_up, shared_down))
+
+    def _moe(self, x, weights, ids, w_gate_up, w_down, expert_start, perm, shared=None):
+        """moe_experts, and with ``shared`` = (shared_gate_up, shared_down) an ungated shared expert in
+        the grouped kernels' launches (moe_experts_shared checked it): (out [T, D] float32, the shared
+        expert's output [T, D] bf16 or None)."""
         op = "moe_experts"
         fp8 = isinstance(w_gate_up, Fp8Weight)
         _require(op, fp8 == isinstance(w_down, Fp8Weight), "w_gate_up and w_down must both be FP8 or both bf16")
@@ -1041,24 +1096,22 @@ class CupyOps(GptOssCupy, Ops):
         out = cupy.empty((T, D), dtype=_F32)  # [T, D]
         if T == 0 or k == 0 or El == 0:  # El == 0 would launch a grid with gridDim.y = 0
             out.fill(0)
-            return out
+            return out, None
         n = T * k
         if perm is None:
             perm = self._permute(ids, expert_start, El)
         else:
             _check(op, "perm.offsets", perm.offsets, _I32, (El + 1,))
             _check(op, "perm.slot_pos", perm.slot_pos, _I32, (n,))
-        offsets, sorted_slot, slot_pos = perm.offsets, perm.sorted_slot, perm.slot_pos
-        run = {"grouped": self._experts_grouped, "tc": self._experts_tc, "gathered": self._experts_gathered}
-        y = run[self._moe_choice(n, w_gate_up)](x, k, offsets, sorted_slot, w_gate_up, w_down)  # [P, D] fp32
-        _launch(
-            "moe_combine.cu",
-            "moe_combine",
-            (T,),
-            _threads(D, "moe_combine"),
-            (y, weights, slot_pos, out, np.int32(D), np.int32(k)),
-        )
-        return out
+        parts = (x, k, perm.offsets, perm.sorted_slot, w_gate_up, w_down)
+        choice = self._moe_choice(n, w_gate_up)
+        if choice == "grouped":
+            y, s = self._experts_grouped(*parts, shared)  # [P, D] fp32, [T, D] bf16 or None
+        else:
+            y, s = {"tc": self._experts_tc, "gathered": self._experts_gathered}[choice](*parts), None
+        args = (y, weights, perm.slot_pos, out, np.int32(D), np.int32(k))
+        _launch("moe_combine.cu", "moe_combine", (T,), _threads(D, "moe_combine"), args)
+        return out, s
 
     def _permute(self, ids, expert_start: int, El: int) -> Permutation:
         """moe_permute: one block of W warps, each placing a contiguous range of slots (one warp per
@@ -1156,9 +1209,12 @@ class CupyOps(GptOssCupy, Ops):
         want = self.sm_count * 32
         return max(1, min(16, -(-units * active_experts // want)))
 
-    def _experts_grouped(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
+    def _experts_grouped(self, x, k, offsets, sorted_slot, w_gate_up, w_down, shared=None):
+        """Both expert GEMMs on CUDA cores (moe_grouped_gemm.cu), one launch each over every local
+        expert; with ``shared`` (bf16 only) the shared expert's blocks join each launch (grid rows
+        El ..). Returns (y [P, D] fp32, the shared expert's output [T, D] bf16 or None)."""
         El, I2, D = w_gate_up.shape
-        I, n = I2 // 2, x.shape[0] * k
+        I, n, T = I2 // 2, x.shape[0] * k, x.shape[0]
         active = min(El, n)
         h = cupy.empty((n, I), dtype=_BF16)  # [P, I] (P <= T*k rows used)
         y = cupy.empty((n, D), dtype=_F32)  # [P, D]
@@ -1167,25 +1223,27 @@ class CupyOps(GptOssCupy, Ops):
         gate_up = (w_gate_up.data, w_gate_up.scale) if fp8 else (w_gate_up,)
         down = (w_down.data, w_down.scale) if fp8 else (w_down,)
         blocks = (np.int32(w_gate_up.block_n), np.int32(w_gate_up.block_k)) if fp8 else ()
-        upw = self._units_per_warp(I, active)
-        _launch(
-            "moe_grouped_gemm.cu",
-            "moe_gate_up_silu" + suffix,
-            (-(-I // (_GG_WARPS * upw)), El),
-            32 * _GG_WARPS,
-            (x, sorted_slot, offsets, *gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw), *blocks),
-        )
+        sg, sd = shared if shared is not None else (w_gate_up, w_down)  # (not read without)
+        Is, Ts = (sg.shape[0] // 2, T) if shared is not None else (0, 0)
+        hs, ys = cupy.empty((Ts, Is), dtype=_BF16), cupy.empty((Ts, D), dtype=_BF16)  # the shared expert's
+        grid, upw = self._grouped_grid(I, active, Is, El)
+        tail = () if fp8 else (np.int32(El), sg, hs, np.int32(Ts), np.int32(Is))
+        args = (x, sorted_slot, offsets, *gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw))
+        _launch("moe_grouped_gemm.cu", "moe_gate_up_silu" + suffix, grid, 32 * _GG_WARPS, (*args, *blocks, *tail))
         units = (D + 1) // 2
-        upw = self._units_per_warp(units, active)
+        grid, upw = self._grouped_grid(units, active, units if shared is not None else 0, El)
         blocks = (np.int32(w_down.block_n), np.int32(w_down.block_k)) if fp8 else ()
-        _launch(
-            "moe_grouped_gemm.cu",
-            "moe_down" + suffix,
-            (-(-units // (_GG_WARPS * upw)), El),
-            32 * _GG_WARPS,
-            (h, offsets, *down, y, np.int32(D), np.int32(I), np.int32(upw), *blocks),
-        )
-        return y
+        tail = () if fp8 else (np.int32(El), hs, sd, ys, np.int32(Ts), np.int32(Is))
+        args = (h, offsets, *down, y, np.int32(D), np.int32(I), np.int32(upw))
+        _launch("moe_grouped_gemm.cu", "moe_down" + suffix, grid, 32 * _GG_WARPS, (*args, *blocks, *tail))
+        return y, (ys if shared is not None else None)
+
+    def _grouped_grid(self, units: int, active: int, shared_units: int, El: int) -> tuple[tuple, int]:
+        """The grouped kernels' grid and units per warp: ``units`` per routed expert (grid x), a row
+        per local expert, then the rows the shared expert's ``shared_units`` need (0: none)."""
+        upw = self._units_per_warp(units * active + shared_units, 1)
+        gx = -(-units // (_GG_WARPS * upw))
+        return (gx, El + -(-shared_units // (gx * _GG_WARPS * upw))), upw
 
     def _experts_gathered(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
         El, I2, D = w_gate_up.shape
