@@ -1223,9 +1223,10 @@ class CupyOps(GptOssCupy, Ops):
         gate_up = (w_gate_up.data, w_gate_up.scale) if fp8 else (w_gate_up,)
         down = (w_down.data, w_down.scale) if fp8 else (w_down,)
         blocks = (np.int32(w_gate_up.block_n), np.int32(w_gate_up.block_k)) if fp8 else ()
-        sg, sd = shared if shared is not None else (w_gate_up, w_down)  # (not read without)
-        Is, Ts = (sg.shape[0] // 2, T) if shared is not None else (0, 0)
-        hs, ys = cupy.empty((Ts, Is), dtype=_BF16), cupy.empty((Ts, D), dtype=_BF16)  # the shared expert's
+        sg, sd, hs, ys, Is, Ts = w_gate_up, w_down, h, h, 0, 0  # no shared expert: (not read)
+        if shared is not None:
+            (sg, sd), Is, Ts = shared, shared[0].shape[0] // 2, T
+            hs, ys = cupy.empty((T, Is), dtype=_BF16), cupy.empty((T, D), dtype=_BF16)  # its h and output
         grid, upw = self._grouped_grid(I, active, Is, El)
         tail = () if fp8 else (np.int32(El), sg, hs, np.int32(Ts), np.int32(Is))
         args = (x, sorted_slot, offsets, *gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw))
