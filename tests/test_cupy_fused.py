@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_cupy_tensor_cores import launched
 
 from eprt.ops.device import cuda_usable
 from eprt.ops.numpy_ops import NumpyOps
@@ -256,15 +257,6 @@ def test_add_rms_norm_with_extra_is_add_then_add_rms_norm_bit_for_bit(g, x_dtype
         np.testing.assert_array_equal(g.to_host(a), g.to_host(b))
     with pytest.raises(ValueError, match="extra has shape"):
         g.add_rms_norm(dx, residual, w[0], 1e-6, g.activation(np.zeros((T, 8))))
-
-
-def launched(monkeypatch) -> list:
-    """The names of the raw kernels CupyOps launches from here on."""
-    import eprt.ops.cupy_ops as cupy_ops
-
-    names, launch = [], cupy_ops._launch
-    monkeypatch.setattr(cupy_ops, "_launch", lambda file, name, *a: names.append(name) or launch(file, name, *a))
-    return names
 
 
 @pytest.mark.parametrize("T,D", [(1, 64), (3, 520), (8, 2056), (9, 64)])
