@@ -326,6 +326,17 @@ def test_moe_experts_shared_runs_the_shared_expert_in_the_experts_launches(g, mo
     np.testing.assert_allclose(got, ref_s, rtol=5e-2, atol=5e-2)
 
 
+def test_moe_experts_shared_on_tensor_cores_takes_the_separate_launches(g, monkeypatch):
+    """From TC_MIN_SLOTS_PER_EXPERT slots per local expert the experts run on tensor cores: the shared
+    expert then keeps its own launches, the bits of the unfused ops."""
+    _, dev = moe_case(g, 8, El=4, k=3, D=64, I=48, Is=48, seed=5)  # 24 slots >= 4 * 4
+    names = launched(monkeypatch)
+    out, s = g.moe_experts_shared(*dev)
+    assert names == ["moe_permute", "moe_tc_gate_up", "moe_tc_down", "moe_combine", "dense_gate_up_silu"], names
+    np.testing.assert_array_equal(g.to_host(out), g.to_host(g.moe_experts(*dev[:7])))
+    np.testing.assert_array_equal(g.to_host(s), g.to_host(g.linear(g.gate_up_silu(dev[0], dev[7]), dev[8])))
+
+
 def test_moe_experts_shared_refuses_an_odd_shared_expert(g):
     _, dev = moe_case(g, 2, El=4, k=2, D=64, I=16, Is=16, seed=1)
     with pytest.raises(ValueError, match=r"shared_down has shape \[64, 24\], expected \[64, 16\]"):
