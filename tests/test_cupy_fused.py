@@ -341,5 +341,5 @@ def test_moe_experts_shared_refuses_an_odd_shared_expert(g):
     _, dev = moe_case(g, 2, El=4, k=2, D=64, I=16, Is=16, seed=1)
     with pytest.raises(ValueError, match=r"shared_down has shape \[64, 24\], expected \[64, 16\]"):
         g.moe_experts_shared(*dev[:7], dev[7], g.zeros((64, 24)))
-    with pytest.raises(ValueError, match="shared_gate_up's Is must be a multiple of 8"):
+    with pytest.raises(ValueError, match=r"shared_gate_up must be \[2Is, 64\], Is a multiple of 8, got \[24, 64\]"):
         g.moe_experts_shared(*dev[:7], g.zeros((24, 64)), g.zeros((64, 12)))

@@ -706,9 +706,10 @@ class CupyOps(GptOssCupy, Ops):
         return h
 
     @staticmethod
-    def _gate_up_weight(op: str, name: str, w) -> tuple[int, int]:
-        """(I, D) of a gate | up weight [2I, D] the CUDA-core kernels read (D a multiple of 8)."""
-        _check(op, name, w, _BF16, (None, None), aligned=True)
+    def _gate_up_weight(op: str, name: str, w, dtype=_BF16) -> tuple[int, int]:
+        """(I, D) of a gate | up weight [2I, D] the CUDA-core kernels read (D a multiple of 8): bf16, or
+        an Fp8Weight's bytes (dtype uint8)."""
+        _check(op, name, w, dtype, (None, None), aligned=True)
         I2, D = w.shape
         _require(op, I2 % 2 == 0 and D % 8 == 0, f"{name} must be [2I, D] with D a multiple of 8, got {list(w.shape)}")
         return I2 // 2, D
@@ -719,20 +720,24 @@ class CupyOps(GptOssCupy, Ops):
         D = residual.shape[-1] if T else 0
         smem = 4 * 32 + 2 * T * D  # dense_add_norm_gate_up_silu: scratch, the normed rows
         fits = isinstance(x, cupy.ndarray) and x.dtype == _BF16 and smem <= self.smem_limit
-        if isinstance(w_gate_up, Fp8Weight) or not fits or not 0 < T <= DENSE_FUSED_MAX_ROWS:
+        if not fits or not 0 < T <= DENSE_FUSED_MAX_ROWS:
             return super().add_rms_norm_gate_up_silu(x, residual, weight, eps, w_gate_up)  # the unfused launches
         _check(op, "residual", residual, _BF16, (None, None))
         _check(op, "x", x, _BF16, (T, D))
         _check(op, "weight", weight, _BF16, (D,))
-        I, Dw = self._gate_up_weight(op, "w_gate_up", w_gate_up)
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        I, Dw = self._gate_up_weight(op, "w_gate_up", *((w_gate_up.data, _U8) if fp8 else (w_gate_up,)))
         _require(op, Dw == D, f"w_gate_up has shape {list(w_gate_up.shape)}, expected [2I, {D}]")
         h, s = cupy.empty((T, I), dtype=_BF16), cupy.empty_like(residual)  # [T, I], [T, D]
         upw = self._units_per_warp(I, 1)
         norm_threads = _threads(D // 4, "add_rms_norm_bf16")  # add_rms_norm's block: its summation order
         dims = (np.int32(T), np.int32(D), np.int32(I), np.float32(eps), np.int32(norm_threads), np.int32(upw))
-        args = (x, residual, weight, s, w_gate_up, h, *dims)
-        grid = (-(-I // (_GG_WARPS * upw)),)
-        _launch("moe_grouped_gemm.cu", "dense_add_norm_gate_up_silu", grid, 32 * _GG_WARPS, args, smem)
+        blocks = (
+            (np.int32(w_gate_up.block_n), np.int32(w_gate_up.block_k), np.int32(w_gate_up.part_rows)) if fp8 else ()
+        )
+        args = (x, residual, weight, s, *self._fp8_parts(w_gate_up)[:2], h, *dims, *blocks)
+        name = "dense_add_norm_gate_up_silu" + ("_fp8" if fp8 else "")
+        _launch("moe_grouped_gemm.cu", name, (-(-I // (_GG_WARPS * upw)),), 32 * _GG_WARPS, args, smem)
         return h, s
 
     def clip(self, x, limit):
@@ -1050,26 +1055,38 @@ class CupyOps(GptOssCupy, Ops):
         return self._moe(x, weights, ids, w_gate_up, w_down, expert_start, perm)[0]
 
     def moe_experts_shared(self, x, weights, ids, w_gate_up, w_down, expert_start, perm, shared_gate_up, shared_down):
-        T = x.shape[0] if isinstance(x, cupy.ndarray) else 0
-        k = ids.shape[1] if isinstance(ids, cupy.ndarray) and ids.ndim == 2 else 0
-        routed_bf16 = isinstance(w_gate_up, cupy.ndarray) and w_gate_up.ndim == 3 and w_gate_up.shape[0] > 0
-        fused = (
-            routed_bf16
-            and isinstance(shared_gate_up, cupy.ndarray)
-            and isinstance(shared_down, cupy.ndarray)
-            and 0 < T <= DENSE_FUSED_MAX_ROWS
-            and k > 0
-            and self._moe_choice(T * k, w_gate_up) == "grouped"
-        )
-        if not fused:  # the unfused launches
+        if not self._shared_fusable(x, ids, w_gate_up, w_down, shared_gate_up, shared_down):  # the unfused launches
             return super().moe_experts_shared(
                 x, weights, ids, w_gate_up, w_down, expert_start, perm, shared_gate_up, shared_down
             )
         op = "moe_experts_shared"
-        Is, D = self._gate_up_weight(op, "shared_gate_up", shared_gate_up)
-        _require(op, Is % 8 == 0, f"shared_gate_up's Is must be a multiple of 8, got {Is}")
-        _check(op, "shared_down", shared_down, _BF16, (D, Is), aligned=True)
+        fp8 = isinstance(shared_gate_up, Fp8Weight)
+        gu, dn, dtype = (shared_gate_up.data, shared_down.data, _U8) if fp8 else (shared_gate_up, shared_down, _BF16)
+        D = w_gate_up.shape[2]
+        _check(op, "shared_gate_up", gu, dtype, (None, D), aligned=True)
+        Is = gu.shape[0] // 2
+        _require(
+            op,
+            gu.shape[0] % 2 == 0 and Is % 8 == 0,
+            f"shared_gate_up must be [2Is, {D}], Is a multiple of 8, got {list(gu.shape)}",
+        )
+        _check(op, "shared_down", dn, dtype, (D, Is), aligned=True)
         return self._moe(x, weights, ids, w_gate_up, w_down, expert_start, perm, (shared_gate_up, shared_down))
+
+    def _shared_fusable(self, x, ids, w_gate_up, w_down, shared_gate_up, shared_down) -> bool:
+        """Whether moe_experts_shared runs the shared expert in the grouped kernels' launches: up to
+        DENSE_FUSED_MAX_ROWS rows on the CUDA-core path, all weights bf16 or all FP8 with the routed
+        weights' blocks (gate_up's for its gate_up, down's for its down)."""
+        T = x.shape[0] if isinstance(x, cupy.ndarray) else 0
+        k = ids.shape[1] if isinstance(ids, cupy.ndarray) and ids.ndim == 2 else 0
+        weights = (w_gate_up, w_down, shared_gate_up, shared_down)
+        if all(isinstance(w, Fp8Weight) for w in weights):
+            blocks = [(w.block_n, w.block_k) for w in weights]
+            same = blocks[0] == blocks[2] and blocks[1] == blocks[3]
+        else:
+            same = all(isinstance(w, cupy.ndarray) for w in weights)
+        shaped = same and len(w_gate_up.shape) == 3 and w_gate_up.shape[0] > 0
+        return shaped and 0 < T <= DENSE_FUSED_MAX_ROWS and k > 0 and self._moe_choice(T * k, w_gate_up) == "grouped"
 
     def _moe(self, x, weights, ids, w_gate_up, w_down, expert_start, perm, shared=None):
         """moe_experts, and with ``shared`` = (shared_gate_up, shared_down) an ungated shared expert in
@@ -1211,8 +1228,8 @@ class CupyOps(GptOssCupy, Ops):
 
     def _experts_grouped(self, x, k, offsets, sorted_slot, w_gate_up, w_down, shared=None):
         """Both expert GEMMs on CUDA cores (moe_grouped_gemm.cu), one launch each over every local
-        expert; with ``shared`` (bf16 only) the shared expert's blocks join each launch (grid rows
-        El ..). Returns (y [P, D] fp32, the shared expert's output [T, D] bf16 or None)."""
+        expert; with ``shared`` (the weights' format) the shared expert's blocks join each launch
+        (grid rows El ..). Returns (y [P, D] fp32, the shared expert's output [T, D] bf16 or None)."""
         El, I2, D = w_gate_up.shape
         I, n, T = I2 // 2, x.shape[0] * k, x.shape[0]
         active = min(El, n)
@@ -1228,16 +1245,22 @@ class CupyOps(GptOssCupy, Ops):
             (sg, sd), Is, Ts = shared, shared[0].shape[0] // 2, T
             hs, ys = cupy.empty((T, Is), dtype=_BF16), cupy.empty((T, D), dtype=_BF16)  # its h and output
         grid, upw = self._grouped_grid(I, active, Is, El)
-        tail = () if fp8 else (np.int32(El), sg, hs, np.int32(Ts), np.int32(Is))
+        tail = (np.int32(El), *self._fp8_parts(sg), hs, np.int32(Ts), np.int32(Is))
         args = (x, sorted_slot, offsets, *gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw))
         _launch("moe_grouped_gemm.cu", "moe_gate_up_silu" + suffix, grid, 32 * _GG_WARPS, (*args, *blocks, *tail))
         units = (D + 1) // 2
         grid, upw = self._grouped_grid(units, active, units if shared is not None else 0, El)
         blocks = (np.int32(w_down.block_n), np.int32(w_down.block_k)) if fp8 else ()
-        tail = () if fp8 else (np.int32(El), hs, sd, ys, np.int32(Ts), np.int32(Is))
+        tail = (np.int32(El), hs, *self._fp8_parts(sd), ys, np.int32(Ts), np.int32(Is))
         args = (h, offsets, *down, y, np.int32(D), np.int32(I), np.int32(upw))
         _launch("moe_grouped_gemm.cu", "moe_down" + suffix, grid, 32 * _GG_WARPS, (*args, *blocks, *tail))
         return y, (ys if shared is not None else None)
+
+    @staticmethod
+    def _fp8_parts(w) -> tuple:
+        """A shared expert's weight as the grouped kernels take it: bf16 rows, or FP8 bytes, their
+        scales and the rows of a part."""
+        return (w.data, w.scale, np.int32(w.part_rows)) if isinstance(w, Fp8Weight) else (w,)
 
     def _grouped_grid(self, units: int, active: int, shared_units: int, El: int) -> tuple[tuple, int]:
         """The grouped kernels' grid and units per warp: ``units`` per routed expert (grid x), a row
