@@ -281,6 +281,21 @@ def test_add_rms_norm_gate_up_silu_is_the_unfused_ops_bit_for_bit(g, monkeypatch
     np.testing.assert_allclose(g.to_host(h), ref_h, rtol=5e-2, atol=5e-2)
 
 
+def test_add_rms_norm_gate_up_silu_leaves_wide_rows_to_the_two_launches(g, monkeypatch):
+    """Past NORM_FUSED_MAX_SMEM of normed rows per block (4 rows of DeepSeek-V3's 7168) the fused
+    kernel would run too few blocks per SM to stream the weights: add_rms_norm and gate_up_silu."""
+    from eprt.ops.cupy_ops import NORM_FUSED_MAX_SMEM
+
+    D = 7168
+    assert 128 + 2 * 3 * D <= NORM_FUSED_MAX_SMEM < 128 + 2 * 4 * D
+    x, w = g.activation(np.ones((4, D), np.float32)), g.zeros((16, D))
+    for T, kernels in ((3, ["dense_add_norm_gate_up_silu"]), (4, ["add_rms_norm_bf16", "dense_gate_up_silu"])):
+        names = launched(monkeypatch)
+        g.add_rms_norm_gate_up_silu(x[:T], x[:T], x[0], 1e-6, w)
+        assert names == kernels
+        monkeypatch.undo()
+
+
 def test_add_rms_norm_gate_up_silu_refuses_what_it_cannot_take(g):
     x = g.zeros((1, 64))
     with pytest.raises(ValueError, match=r"w_gate_up has shape \[16, 32\], expected \[2I, 64\]"):

@@ -57,6 +57,9 @@ FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), 
 TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
 DENSE_FUSED_MAX_ROWS = 8  # gate_up_silu: up to one GG_MT chunk of rows (each weight read once) in one launch
+# add_rms_norm_gate_up_silu: the normed rows' shared memory per block, at most (4 blocks, 16 warps streaming
+# weights, per Hopper SM; DeepSeek-V3's D 7168: up to 3 rows in one launch)
+NORM_FUSED_MAX_SMEM = 48 * 1024
 ROUTE_FUSED_MAX_TOKENS = 64  # route: up to this many tokens (decode) in one launch with the permutation
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
 FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
@@ -719,7 +722,7 @@ class CupyOps(GptOssCupy, Ops):
         T = residual.shape[0] if isinstance(residual, cupy.ndarray) else 0
         D = residual.shape[-1] if T else 0
         smem = 4 * 32 + 2 * T * D  # dense_add_norm_gate_up_silu: scratch, the normed rows
-        fits = isinstance(x, cupy.ndarray) and x.dtype == _BF16 and smem <= self.smem_limit
+        fits = isinstance(x, cupy.ndarray) and x.dtype == _BF16 and smem <= min(self.smem_limit, NORM_FUSED_MAX_SMEM)
         if not fits or not 0 < T <= DENSE_FUSED_MAX_ROWS:
             return super().add_rms_norm_gate_up_silu(x, residual, weight, eps, w_gate_up)  # the unfused launches
         _check(op, "residual", residual, _BF16, (None, None))
