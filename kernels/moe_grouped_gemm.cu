@@ -8,9 +8,11 @@
 // reduction dim K into 16-byte chunks (coalesced weight reads), then a warp reduction.
 // fp32 accumulation; K (D or I) must be a multiple of 8 and the arrays 16-byte aligned.
 // Weights are bf16, or FP8 with block scales (the *_fp8 entry points), read through weight_rows.cuh.
-// The bf16 entry points also run an ungated shared expert (DeepSeek's, GLM's) on every row t < T
-// in blocks of their own (blockIdx.y >= El; its weights passed apart; T = 0: none), so its two
-// products cost no launch of their own (issue 39); its output stays a bf16 [T, D] of its own.
+// moe_gate_up_silu / moe_down (and their _fp8 pair) also run an ungated shared expert (DeepSeek's,
+// GLM's) on every row t < T in blocks of their own (blockIdx.y >= El; its weights passed apart, of
+// the routed weights' format; T = 0: none), so its two products cost no launch of their own (issue
+// 39); its output stays a bf16 [T, D] of its own. dense_add_norm_gate_up_silu: a dense MLP's
+// post-attention add_rms_norm and gate_up product with silu_and_mul, one launch (below).
 #include "rms_row.cuh"
 #include "weight_rows.cuh"
 
