@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_cupy_tensor_cores import launched
 
 from eprt.ops.device import cuda_usable
 from eprt.ops.numpy_ops import NumpyOps
@@ -367,3 +368,104 @@ def test_mla_attention_verify_with_w_uv_is_verify_then_head_linear():
     assert_within_one_bf16_step(got, want)
     ref = NumpyOps().mla_attention_verify(q, cache, tables, lens, query_lens, scale, C, w_uv)
     np.testing.assert_allclose(got, ref, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("T,D", [(1, 64), (3, 520), (8, 2056), (9, 64)])
+def test_add_rms_norm_gate_up_silu_is_the_unfused_ops_bit_for_bit(g, monkeypatch, T, D):
+    """The post-attention add_rms_norm fused into dense_gate_up_silu: every block normalises the rows
+    itself at add_rms_norm's block size and summation order (D 64: one warp of it; 520: 5 warps, more
+    than the fused block's 4; 2056: its cap of 512 threads, 4 of them per fused thread), so the
+    residual and h equal add_rms_norm then gate_up_silu bit for bit; 9 rows take those two launches."""
+    rng = np.random.default_rng(T * D)
+    I = 40
+    x, res = bf16(rng.standard_normal((T, D)) * 3), bf16(rng.standard_normal((T, D)))
+    norm, w = bf16(1 + 0.2 * rng.standard_normal(D)), bf16(rng.standard_normal((2 * I, D)) / np.sqrt(D))
+    dx, dres, dnorm, dw = g.activation(x), g.activation(res), g.weight(norm), g.weight(w)
+    names = launched(monkeypatch)
+    h, s = g.add_rms_norm_gate_up_silu(dx, dres, dnorm, 1e-6, dw)
+    assert names == (["dense_add_norm_gate_up_silu"] if T <= 8 else ["add_rms_norm_bf16", "silu_and_mul"])
+    n, want_s = g.add_rms_norm(dx, dres, dnorm, 1e-6)
+    np.testing.assert_array_equal(g.to_host(s), g.to_host(want_s))
+    np.testing.assert_array_equal(g.to_host(h), g.to_host(g.gate_up_silu(n, dw)))
+    ref_h, ref_s = NumpyOps().add_rms_norm_gate_up_silu(x, res, norm, 1e-6, w)
+    np.testing.assert_allclose(g.to_host(s), ref_s, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(g.to_host(h), ref_h, rtol=5e-2, atol=5e-2)
+
+
+def test_add_rms_norm_gate_up_silu_leaves_wide_rows_to_the_two_launches(g, monkeypatch):
+    """Past NORM_FUSED_MAX_SMEM of normed rows per block (4 rows of DeepSeek-V3's 7168) the fused
+    kernel would run too few blocks per SM to stream the weights: add_rms_norm and gate_up_silu."""
+    from eprt.ops.cupy_ops import NORM_FUSED_MAX_SMEM
+
+    D = 7168
+    assert 128 + 2 * 3 * D <= NORM_FUSED_MAX_SMEM < 128 + 2 * 4 * D
+    x, w = g.activation(np.ones((4, D), np.float32)), g.zeros((16, D))
+    for T, kernels in ((3, ["dense_add_norm_gate_up_silu"]), (4, ["add_rms_norm_bf16", "dense_gate_up_silu"])):
+        names = launched(monkeypatch)
+        g.add_rms_norm_gate_up_silu(x[:T], x[:T], x[0], 1e-6, w)
+        assert names == kernels
+        monkeypatch.undo()
+
+
+def test_add_rms_norm_gate_up_silu_refuses_what_it_cannot_take(g):
+    x = g.zeros((1, 64))
+    with pytest.raises(ValueError, match=r"w_gate_up has shape \[16, 32\], expected \[2I, 64\]"):
+        g.add_rms_norm_gate_up_silu(x, x, g.zeros((64,)), 1e-6, g.zeros((16, 32)))
+    with pytest.raises(ValueError, match=r"weight has shape \[8\]"):
+        g.add_rms_norm_gate_up_silu(x, x, g.zeros((8,)), 1e-6, g.zeros((16, 64)))
+    with pytest.raises(ValueError, match="x has shape"):
+        g.add_rms_norm_gate_up_silu(g.zeros((1, 32)), x, g.zeros((64,)), 1e-6, g.zeros((16, 64)))
+
+
+def moe_case(g, T: int, El: int, k: int, D: int, I: int, Is: int, seed: int):
+    """Random routed and shared expert weights (host and device) and a routing of T rows."""
+    rng = np.random.default_rng(seed)
+    x = bf16(rng.standard_normal((T, D)))
+    wgu, wd = bf16(rng.standard_normal((El, 2 * I, D)) / np.sqrt(D)), bf16(rng.standard_normal((El, D, I)) / np.sqrt(I))
+    sgu, sd = bf16(rng.standard_normal((2 * Is, D)) / np.sqrt(D)), bf16(rng.standard_normal((D, Is)) / np.sqrt(Is))
+    ids = np.stack([rng.choice(El + 2, k, replace=False) for _ in range(T)]).astype(np.int32)  # some not local
+    weights = rng.random((T, k)).astype(np.float32)
+    host = (x, weights, ids, wgu, wd, 0, None, sgu, sd)
+    dev = (g.activation(x), g.xp.asarray(weights), g.index(ids), g.weight(wgu), g.weight(wd), 0, None)
+    return host, (*dev, g.weight(sgu), g.weight(sd))
+
+
+@pytest.mark.parametrize("T,Is", [(1, 48), (3, 96), (8, 48), (9, 48)])
+def test_moe_experts_shared_runs_the_shared_expert_in_the_experts_launches(g, monkeypatch, T, Is):
+    """The routed output equals moe_experts bit for bit; the shared expert's h is dense_gate_up_silu's
+    arithmetic, its down product on CUDA cores instead of cuBLAS: the f32 sums' order differs, at most
+    one bf16 step of an element (Is 96: DeepSeek-V2's 2 shared experts, one MLP of twice I); 9 rows take
+    the unfused launches."""
+    host, dev = moe_case(g, T, El=16, k=3, D=64, I=48, Is=Is, seed=T * Is)  # grouped: T * k < 4 * El
+    names = launched(monkeypatch)
+    out, s = g.moe_experts_shared(*dev)
+    experts = ["moe_permute", "moe_gate_up_silu", "moe_down", "moe_combine"]
+    assert names == (experts if T <= 8 else [*experts, "silu_and_mul"]), names
+    np.testing.assert_array_equal(g.to_host(out), g.to_host(g.moe_experts(*dev[:7])))
+    want = g.to_host(g.linear(g.gate_up_silu(dev[0], dev[7]), dev[8]))
+    got = g.to_host(s)
+    step = np.abs(want) * 2.0**-7 + 1e-30  # one bf16 step at want's magnitude (and under)
+    assert np.all(np.abs(got - want) <= step), np.max(np.abs(got - want) / step)
+    assert np.mean(got == want) > 0.9
+    ref_out, ref_s = NumpyOps().moe_experts_shared(*host)
+    np.testing.assert_allclose(g.to_host(out), ref_out, rtol=5e-2, atol=5e-2)
+    np.testing.assert_allclose(got, ref_s, rtol=5e-2, atol=5e-2)
+
+
+def test_moe_experts_shared_on_tensor_cores_takes_the_separate_launches(g, monkeypatch):
+    """From TC_MIN_SLOTS_PER_EXPERT slots per local expert the experts run on tensor cores: the shared
+    expert then keeps its own launches, the bits of the unfused ops."""
+    _, dev = moe_case(g, 8, El=4, k=3, D=64, I=48, Is=48, seed=5)  # 24 slots >= 4 * 4
+    names = launched(monkeypatch)
+    out, s = g.moe_experts_shared(*dev)
+    assert names == ["moe_permute", "moe_tc_gate_up", "moe_tc_down", "moe_combine", "dense_gate_up_silu"], names
+    np.testing.assert_array_equal(g.to_host(out), g.to_host(g.moe_experts(*dev[:7])))
+    np.testing.assert_array_equal(g.to_host(s), g.to_host(g.linear(g.gate_up_silu(dev[0], dev[7]), dev[8])))
+
+
+def test_moe_experts_shared_refuses_an_odd_shared_expert(g):
+    _, dev = moe_case(g, 2, El=4, k=2, D=64, I=16, Is=16, seed=1)
+    with pytest.raises(ValueError, match=r"shared_down has shape \[64, 24\], expected \[64, 16\]"):
+        g.moe_experts_shared(*dev[:7], dev[7], g.zeros((64, 24)))
+    with pytest.raises(ValueError, match=r"shared_gate_up must be \[2Is, 64\], Is a multiple of 8, got \[24, 64\]"):
+        g.moe_experts_shared(*dev[:7], g.zeros((24, 64)), g.zeros((64, 12)))

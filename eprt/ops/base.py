@@ -10,6 +10,7 @@ Shape legend used in every backend:
     H query heads               Hk key/value heads (GQA: H % Hk == 0)
     Dh head dim                 E experts in the model, El experts on this rank
     I expert intermediate size  k experts per token (top-k)
+    Is a shared expert's intermediate size (DeepSeek-V2's 2 shared experts: one MLP of 2 x I)
     NB KV blocks in the pool    BS tokens per block    MB max blocks per sequence
     L latent width per token (MLA: kv_lora_rank C + rope dims R)
     S recurrent-state slots     Hv / dk / dv linear-attention value heads, key / value head dims
@@ -344,6 +345,13 @@ class Ops:
         w[2I, D] -> [T, I]; the GPU runs it as one launch at decode's row counts."""
         raise NotImplementedError
 
+    def add_rms_norm_gate_up_silu(self, x: Array, residual: Array, weight: Array, eps: float, w_gate_up: Array):
+        """A dense MLP's post-attention norm and first half: (gate_up_silu(n, w_gate_up) [T, I], s [T, D])
+        with (n, s) = add_rms_norm(x, residual, weight, eps); x, residual [T, D], w_gate_up [2I, D].
+        Exactly those ops (this default); the GPU runs it as one launch at decode's row counts."""
+        n, s = self.add_rms_norm(x, residual, weight, eps)
+        return self.gate_up_silu(n, w_gate_up), s
+
     def clip(self, x: Array, limit: float) -> Array:
         """Element-wise clamp to [-limit, limit] (OLMoE's clip_qkv). Same shape as x."""
         raise NotImplementedError
@@ -367,6 +375,16 @@ class Ops:
         weights[t, j] * down_e(silu_and_mul(gate_up_e(x[t]))); zero rows where no local
         expert was chosen. Summing this over all ranks gives the MoE output."""
         raise NotImplementedError
+
+    def moe_experts_shared(
+        self, x, weights, ids, w_gate_up, w_down, expert_start: int, perm, shared_gate_up, shared_down
+    ):
+        """``moe_experts`` and an ungated shared expert over every row, returned apart: (the experts'
+        [T, D] float32, linear(gate_up_silu(x, shared_gate_up), shared_down) [T, D] of x's dtype) with
+        shared_gate_up [2Is, D], shared_down [D, Is]. Exactly those ops (this default); the GPU runs the
+        shared expert's products inside the experts' launches at decode's row counts."""
+        out = self.moe_experts(x, weights, ids, w_gate_up, w_down, expert_start, perm)
+        return out, self.linear(self.gate_up_silu(x, shared_gate_up), shared_down)
 
     # ---- gpt-oss (eprt/ops/gptoss_ops.py, the NumPy reference) ------------------------------------
     def mxfp4_expert_weights(self, gate_up_blocks, gate_up_scales, down_blocks, down_scales) -> tuple:

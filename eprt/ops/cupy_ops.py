@@ -66,6 +66,9 @@ TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert fr
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
 MLA_FUSED_MAX_ROWS = 8  # rms_norm_linear, mla_prologue's w_uk and decode's w_uv products: CUDA cores, one GG_MT chunk
 DENSE_FUSED_MAX_ROWS = 8  # gate_up_silu: up to one GG_MT chunk of rows (each weight read once) in one launch
+# add_rms_norm_gate_up_silu: the normed rows' shared memory per block, at most (4 blocks, 16 warps streaming
+# weights, per Hopper SM; DeepSeek-V3's D 7168: up to 3 rows in one launch)
+NORM_FUSED_MAX_SMEM = 48 * 1024
 ROUTE_FUSED_MAX_TOKENS = 64  # route: up to this many tokens (decode) in one launch with the permutation
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
 FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
@@ -725,16 +728,48 @@ class CupyOps(GptOssCupy, Ops):
         if isinstance(w, Fp8Weight) or not 0 < T <= DENSE_FUSED_MAX_ROWS:
             return self.silu_and_mul(self.linear(x, w))  # [T, I]
         op = "gate_up_silu"
-        _check(op, "w", w, _BF16, (None, None), aligned=True)
-        I2, D = w.shape
-        I = I2 // 2
-        _require(op, I2 % 2 == 0 and D % 8 == 0, f"w must be [2I, D] with D a multiple of 8, got {list(w.shape)}")
+        I, D = self._gate_up_weight(op, "w", w)
         _check(op, "x", x, _BF16, (None, D), aligned=True)
         h = cupy.empty((T, I), dtype=_BF16)  # [T, I]
         upw = self._units_per_warp(I, 1)
         args = (x, w, h, np.int32(T), np.int32(D), np.int32(I), np.int32(upw))
         _launch("moe_grouped_gemm.cu", "dense_gate_up_silu", (-(-I // (_GG_WARPS * upw)),), 32 * _GG_WARPS, args)
         return h
+
+    @staticmethod
+    def _gate_up_weight(op: str, name: str, w, dtype=_BF16) -> tuple[int, int]:
+        """(I, D) of a gate | up weight [2I, D] the CUDA-core kernels read (D a multiple of 8): bf16, or
+        an Fp8Weight's bytes (dtype uint8)."""
+        _check(op, name, w, dtype, (None, None), aligned=True)
+        I2, D = w.shape
+        _require(op, I2 % 2 == 0 and D % 8 == 0, f"{name} must be [2I, D] with D a multiple of 8, got {list(w.shape)}")
+        return I2 // 2, D
+
+    def add_rms_norm_gate_up_silu(self, x, residual, weight, eps, w_gate_up):
+        op = "add_rms_norm_gate_up_silu"
+        T = residual.shape[0] if isinstance(residual, cupy.ndarray) else 0
+        D = residual.shape[-1] if T else 0
+        smem = 4 * 32 + 2 * T * D  # dense_add_norm_gate_up_silu: scratch, the normed rows
+        fits = isinstance(x, cupy.ndarray) and x.dtype == _BF16 and smem <= min(self.smem_limit, NORM_FUSED_MAX_SMEM)
+        if not fits or not 0 < T <= DENSE_FUSED_MAX_ROWS:
+            return super().add_rms_norm_gate_up_silu(x, residual, weight, eps, w_gate_up)  # the unfused launches
+        _check(op, "residual", residual, _BF16, (None, None))
+        _check(op, "x", x, _BF16, (T, D))
+        _check(op, "weight", weight, _BF16, (D,))
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        I, Dw = self._gate_up_weight(op, "w_gate_up", *((w_gate_up.data, _U8) if fp8 else (w_gate_up,)))
+        _require(op, Dw == D, f"w_gate_up has shape {list(w_gate_up.shape)}, expected [2I, {D}]")
+        h, s = cupy.empty((T, I), dtype=_BF16), cupy.empty_like(residual)  # [T, I], [T, D]
+        upw = self._units_per_warp(I, 1)
+        norm_threads = _threads(D // 4, "add_rms_norm_bf16")  # add_rms_norm's block: its summation order
+        dims = (np.int32(T), np.int32(D), np.int32(I), np.float32(eps), np.int32(norm_threads), np.int32(upw))
+        blocks = (
+            (np.int32(w_gate_up.block_n), np.int32(w_gate_up.block_k), np.int32(w_gate_up.part_rows)) if fp8 else ()
+        )
+        args = (x, residual, weight, s, *self._fp8_parts(w_gate_up)[:2], h, *dims, *blocks)
+        name = "dense_add_norm_gate_up_silu" + ("_fp8" if fp8 else "")
+        _launch("moe_grouped_gemm.cu", name, (-(-I // (_GG_WARPS * upw)),), 32 * _GG_WARPS, args, smem)
+        return h, s
 
     def clip(self, x, limit):
         _check("clip", "x", x, _BF16)
@@ -1080,6 +1115,46 @@ class CupyOps(GptOssCupy, Ops):
         return out
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start, perm=None):
+        return self._moe(x, weights, ids, w_gate_up, w_down, expert_start, perm)[0]
+
+    def moe_experts_shared(self, x, weights, ids, w_gate_up, w_down, expert_start, perm, shared_gate_up, shared_down):
+        if not self._shared_fusable(x, ids, w_gate_up, w_down, shared_gate_up, shared_down):  # the unfused launches
+            return super().moe_experts_shared(
+                x, weights, ids, w_gate_up, w_down, expert_start, perm, shared_gate_up, shared_down
+            )
+        op = "moe_experts_shared"
+        fp8 = isinstance(shared_gate_up, Fp8Weight)
+        gu, dn, dtype = (shared_gate_up.data, shared_down.data, _U8) if fp8 else (shared_gate_up, shared_down, _BF16)
+        D = w_gate_up.shape[2]
+        _check(op, "shared_gate_up", gu, dtype, (None, D), aligned=True)
+        Is = gu.shape[0] // 2
+        _require(
+            op,
+            gu.shape[0] % 2 == 0 and Is % 8 == 0,
+            f"shared_gate_up must be [2Is, {D}], Is a multiple of 8, got {list(gu.shape)}",
+        )
+        _check(op, "shared_down", dn, dtype, (D, Is), aligned=True)
+        return self._moe(x, weights, ids, w_gate_up, w_down, expert_start, perm, (shared_gate_up, shared_down))
+
+    def _shared_fusable(self, x, ids, w_gate_up, w_down, shared_gate_up, shared_down) -> bool:
+        """Whether moe_experts_shared runs the shared expert in the grouped kernels' launches: up to
+        DENSE_FUSED_MAX_ROWS rows on the CUDA-core path, all weights bf16 or all FP8 with the routed
+        weights' blocks (gate_up's for its gate_up, down's for its down)."""
+        T = x.shape[0] if isinstance(x, cupy.ndarray) else 0
+        k = ids.shape[1] if isinstance(ids, cupy.ndarray) and ids.ndim == 2 else 0
+        weights = (w_gate_up, w_down, shared_gate_up, shared_down)
+        if all(isinstance(w, Fp8Weight) for w in weights):
+            blocks = [(w.block_n, w.block_k) for w in weights]
+            same = blocks[0] == blocks[2] and blocks[1] == blocks[3]
+        else:
+            same = all(isinstance(w, cupy.ndarray) for w in weights)
+        shaped = same and len(w_gate_up.shape) == 3 and w_gate_up.shape[0] > 0
+        return shaped and 0 < T <= DENSE_FUSED_MAX_ROWS and k > 0 and self._moe_choice(T * k, w_gate_up) == "grouped"
+
+    def _moe(self, x, weights, ids, w_gate_up, w_down, expert_start, perm, shared=None):
+        """moe_experts, and with ``shared`` = (shared_gate_up, shared_down) an ungated shared expert in
+        the grouped kernels' launches (moe_experts_shared checked it): (out [T, D] float32, the shared
+        expert's output [T, D] bf16 or None)."""
         op = "moe_experts"
         fp8 = isinstance(w_gate_up, Fp8Weight)
         _require(op, fp8 == isinstance(w_down, Fp8Weight), "w_gate_up and w_down must both be FP8 or both bf16")
@@ -1101,24 +1176,22 @@ class CupyOps(GptOssCupy, Ops):
         out = cupy.empty((T, D), dtype=_F32)  # [T, D]
         if T == 0 or k == 0 or El == 0:  # El == 0 would launch a grid with gridDim.y = 0
             out.fill(0)
-            return out
+            return out, None
         n = T * k
         if perm is None:
             perm = self._permute(ids, expert_start, El)
         else:
             _check(op, "perm.offsets", perm.offsets, _I32, (El + 1,))
             _check(op, "perm.slot_pos", perm.slot_pos, _I32, (n,))
-        offsets, sorted_slot, slot_pos = perm.offsets, perm.sorted_slot, perm.slot_pos
-        run = {"grouped": self._experts_grouped, "tc": self._experts_tc, "gathered": self._experts_gathered}
-        y = run[self._moe_choice(n, w_gate_up)](x, k, offsets, sorted_slot, w_gate_up, w_down)  # [P, D] fp32
-        _launch(
-            "moe_combine.cu",
-            "moe_combine",
-            (T,),
-            _threads(D, "moe_combine"),
-            (y, weights, slot_pos, out, np.int32(D), np.int32(k)),
-        )
-        return out
+        parts = (x, k, perm.offsets, perm.sorted_slot, w_gate_up, w_down)
+        choice = self._moe_choice(n, w_gate_up)
+        if choice == "grouped":
+            y, s = self._experts_grouped(*parts, shared)  # [P, D] fp32, [T, D] bf16 or None
+        else:
+            y, s = {"tc": self._experts_tc, "gathered": self._experts_gathered}[choice](*parts), None
+        args = (y, weights, perm.slot_pos, out, np.int32(D), np.int32(k))
+        _launch("moe_combine.cu", "moe_combine", (T,), _threads(D, "moe_combine"), args)
+        return out, s
 
     def _permute(self, ids, expert_start: int, El: int) -> Permutation:
         """moe_permute: one block of W warps, each placing a contiguous range of slots (one warp per
@@ -1216,9 +1289,12 @@ class CupyOps(GptOssCupy, Ops):
         want = self.sm_count * 32
         return max(1, min(16, -(-units * active_experts // want)))
 
-    def _experts_grouped(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
+    def _experts_grouped(self, x, k, offsets, sorted_slot, w_gate_up, w_down, shared=None):
+        """Both expert GEMMs on CUDA cores (moe_grouped_gemm.cu), one launch each over every local
+        expert; with ``shared`` (the weights' format) the shared expert's blocks join each launch
+        (grid rows El ..). Returns (y [P, D] fp32, the shared expert's output [T, D] bf16 or None)."""
         El, I2, D = w_gate_up.shape
-        I, n = I2 // 2, x.shape[0] * k
+        I, n, T = I2 // 2, x.shape[0] * k, x.shape[0]
         active = min(El, n)
         h = cupy.empty((n, I), dtype=_BF16)  # [P, I] (P <= T*k rows used)
         y = cupy.empty((n, D), dtype=_F32)  # [P, D]
@@ -1227,25 +1303,34 @@ class CupyOps(GptOssCupy, Ops):
         gate_up = (w_gate_up.data, w_gate_up.scale) if fp8 else (w_gate_up,)
         down = (w_down.data, w_down.scale) if fp8 else (w_down,)
         blocks = (np.int32(w_gate_up.block_n), np.int32(w_gate_up.block_k)) if fp8 else ()
-        upw = self._units_per_warp(I, active)
-        _launch(
-            "moe_grouped_gemm.cu",
-            "moe_gate_up_silu" + suffix,
-            (-(-I // (_GG_WARPS * upw)), El),
-            32 * _GG_WARPS,
-            (x, sorted_slot, offsets, *gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw), *blocks),
-        )
+        sg, sd, hs, ys, Is, Ts = w_gate_up, w_down, h, h, 0, 0  # no shared expert: (not read)
+        if shared is not None:
+            (sg, sd), Is, Ts = shared, shared[0].shape[0] // 2, T
+            hs, ys = cupy.empty((T, Is), dtype=_BF16), cupy.empty((T, D), dtype=_BF16)  # its h and output
+        grid, upw = self._grouped_grid(I, active, Is, El)
+        tail = (np.int32(El), *self._fp8_parts(sg), hs, np.int32(Ts), np.int32(Is))
+        args = (x, sorted_slot, offsets, *gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw))
+        _launch("moe_grouped_gemm.cu", "moe_gate_up_silu" + suffix, grid, 32 * _GG_WARPS, (*args, *blocks, *tail))
         units = (D + 1) // 2
-        upw = self._units_per_warp(units, active)
+        grid, upw = self._grouped_grid(units, active, units if shared is not None else 0, El)
         blocks = (np.int32(w_down.block_n), np.int32(w_down.block_k)) if fp8 else ()
-        _launch(
-            "moe_grouped_gemm.cu",
-            "moe_down" + suffix,
-            (-(-units // (_GG_WARPS * upw)), El),
-            32 * _GG_WARPS,
-            (h, offsets, *down, y, np.int32(D), np.int32(I), np.int32(upw), *blocks),
-        )
-        return y
+        tail = (np.int32(El), hs, *self._fp8_parts(sd), ys, np.int32(Ts), np.int32(Is))
+        args = (h, offsets, *down, y, np.int32(D), np.int32(I), np.int32(upw))
+        _launch("moe_grouped_gemm.cu", "moe_down" + suffix, grid, 32 * _GG_WARPS, (*args, *blocks, *tail))
+        return y, (ys if shared is not None else None)
+
+    @staticmethod
+    def _fp8_parts(w) -> tuple:
+        """A shared expert's weight as the grouped kernels take it: bf16 rows, or FP8 bytes, their
+        scales and the rows of a part."""
+        return (w.data, w.scale, np.int32(w.part_rows)) if isinstance(w, Fp8Weight) else (w,)
+
+    def _grouped_grid(self, units: int, active: int, shared_units: int, El: int) -> tuple[tuple, int]:
+        """The grouped kernels' grid and units per warp: ``units`` per routed expert (grid x), a row
+        per local expert, then the rows the shared expert's ``shared_units`` need (0: none)."""
+        upw = self._units_per_warp(units * active + shared_units, 1)
+        gx = -(-units // (_GG_WARPS * upw))
+        return (gx, El + -(-shared_units // (gx * _GG_WARPS * upw))), upw
 
     def _experts_gathered(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
         El, I2, D = w_gate_up.shape

@@ -31,6 +31,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "moe_gate_up_silu_fp8",
         "moe_down_fp8",
         "dense_gate_up_silu",
+        "dense_add_norm_gate_up_silu",
+        "dense_add_norm_gate_up_silu_fp8",
     ),
     "moe_tc.cu": (
         "moe_tc_gate_up",
@@ -119,6 +121,7 @@ LAUNCH: dict[str, Launch] = {
     "moe_permute": Launch(1024, OPT_IN),  # 32 warps at most
     "moe_gather_rows": Launch(256),
     **_each(KERNELS["moe_grouped_gemm.cu"], 128),
+    **_each(("dense_add_norm_gate_up_silu", "dense_add_norm_gate_up_silu_fp8"), 128, OPT_IN),  # normed rows [T, D]
     **_each(("moe_tc_gate_up", "moe_tc_down", "moe_tc_gate_up_swiglu", "moe_tc_down_bias"), 128, MOE_TC_SMEM),
     **_each(("moe_tc_gate_up_fp8", "moe_tc_down_fp8"), 128, MOE_TC_SMEM_FP8),
     **_each(("moe_tc_gate_up_w8a8", "moe_tc_down_w8a8"), 128, MOE_TC_SMEM_W8A8),
