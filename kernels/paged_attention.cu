@@ -20,6 +20,7 @@
 //   part_acc [B, P, H, Dh], part_ml [B, P, H, 2] (max, sum); a partition past the context
 //   writes (acc 0, max -inf, sum 0), which the combine weighs 0.
 #include "common.cuh"
+#include "split_combine.cuh"
 
 #define ATTN_THREADS 128
 #define ATTN_WARPS (ATTN_THREADS / WARP_SIZE)
@@ -247,36 +248,10 @@ ATTENTION_ENTRIES(4)
 ATTENTION_ENTRIES(8)
 ATTENTION_ENTRIES(16)
 
-// The partitions of a split decode, merged: grid (B, H), one block per (sequence, head).
-// out[b, h] = sum_p w_p * acc_p / sum_p w_p * l_p with w_p = exp(m_p - max_p m_p); out [B, H, Dh].
-// P <= ATTN_MAX_SPLITS (host-checked).
-#define ATTN_MAX_SPLITS 256
+// The partitions of a split decode, merged: grid (B, H), one block per (sequence, head)
+// (split_combine.cuh's split_combine_row). P <= ATTN_MAX_SPLITS (host-checked).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_split_combine(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, bf16* __restrict__ out,
     int H, int Dh, int P) {
-    __shared__ float w_s[ATTN_MAX_SPLITS];
-    __shared__ float inv_s;
-    const int b = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
-    const long long stride = (long long)H;   // from partition p to p + 1, in (acc row, ml pair)s
-    const float* ml = part_ml + ((long long)b * P * H + h) * 2;
-    if (tid == 0) {   // P is small (context / split_keys): one thread weighs the partitions
-        float mx = neg_inf();
-        for (int p = 0; p < P; ++p) mx = fmaxf(mx, ml[p * stride * 2]);
-        float total = 0.0f;
-        for (int p = 0; p < P; ++p) {
-            const float m = ml[p * stride * 2];
-            const float w = m == neg_inf() ? 0.0f : __expf(m - mx);   // empty partition: 0
-            w_s[p] = w;
-            total += w * ml[p * stride * 2 + 1];
-        }
-        inv_s = total > 0.0f ? 1.0f / total : 0.0f;   // an empty context gives a zero row
-    }
-    __syncthreads();
-    const float* acc = part_acc + ((long long)b * P * H + h) * Dh;
-    bf16* o = out + ((long long)b * H + h) * Dh;
-    for (int d = tid; d < Dh; d += ATTN_THREADS) {
-        float sum = 0.0f;
-        for (int p = 0; p < P; ++p) sum += w_s[p] * acc[p * stride * Dh + d];
-        o[d] = __float2bfloat16(sum * inv_s);
-    }
+    split_combine_row(part_acc, part_ml, out + ((long long)blockIdx.x * H + blockIdx.y) * Dh, H, Dh, P);
 }

@@ -1,6 +1,6 @@
 // RMSNorm, plain and with the residual add fused in front of it.
 // One block per row; rows are D contiguous elements. fp32 statistics, bf16 in and out.
-#include "common.cuh"
+#include "rms_row.cuh"
 
 // out[row] = x[row] * rsqrt(mean(x[row]^2) + eps) * w          x, out [R, D]; w [D]
 extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __restrict__ w,
@@ -19,13 +19,11 @@ extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __re
         out[d] = __float2bfloat16(to_f32(x[d]) * inv * to_f32(w[d]));
 }
 
-__device__ __forceinline__ float as_x_dtype(float v, const float*) { return v; }
-__device__ __forceinline__ float as_x_dtype(float v, const bf16*) { return to_f32(__float2bfloat16(v)); }
-
 // s = x + residual (stored as bf16 in sum_out); out = rms_norm(s) computed from the stored s,
 // so the residual stream and the normed input agree. x is bf16, or fp32 (a MoE layer's output).
 // has_extra: x + extra[D] first (bf16: a shared expert's output), fp32 and stored as x's dtype as
-// elementwise.cu's add would: the add kernel folded in, the same bits.
+// elementwise.cu's add would: the add kernel folded in, the same bits. The row arithmetic is
+// rms_row.cuh's, which dense_add_norm_gate_up_silu repeats at this kernel's block size (same bits).
 template <typename TX>
 __device__ void add_rms_norm_row(const TX* __restrict__ x, const bf16* __restrict__ residual,
                                  const bf16* __restrict__ w, bf16* __restrict__ out,
@@ -38,18 +36,10 @@ __device__ void add_rms_norm_row(const TX* __restrict__ x, const bf16* __restric
     residual += off;
     out += off;
     sum_out += off;
-    float ss = 0.0f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        const float xv = has_extra ? as_x_dtype(to_f32(x[d]) + to_f32(extra[d]), x) : to_f32(x[d]);
-        bf16 s = __float2bfloat16(xv + to_f32(residual[d]));
-        sum_out[d] = s;
-        float v = to_f32(s);
-        ss += v * v;
-    }
-    const float inv = rsqrtf(block_sum(ss, scratch) / D + eps);
+    const float ss = add_row_squares(x, residual, sum_out, D, threadIdx.x, blockDim.x, extra, has_extra);
+    const float inv = rms_inv(block_sum(ss, scratch), D, eps);
     // Each thread re-reads only the elements it wrote itself: no barrier needed for them.
-    for (int d = threadIdx.x; d < D; d += blockDim.x)
-        out[d] = __float2bfloat16(to_f32(sum_out[d]) * inv * to_f32(w[d]));
+    for (int d = threadIdx.x; d < D; d += blockDim.x) out[d] = rms_scaled(sum_out[d], inv, w[d]);
 }
 
 extern "C" __global__ void add_rms_norm_bf16(const bf16* x, const bf16* residual, const bf16* w,

@@ -136,7 +136,7 @@ def per_layer(c: Census, model, run) -> tuple[list[Counts], Counts]:
     counts, to the end of its own MLP; layer 0 from the start of ``hidden_states``) and of the
     whole call. One forward pass per call: a second one's marks would run on."""
     marks, start = [], c.now()
-    originals = {name: getattr(model, name) for name in ("_moe_parts", "_dense_mlp", "hidden_states")}
+    originals = {name: getattr(model, name) for name in ("_mlp", "hidden_states")}  # _mlp: a layer's MLP
 
     def marking(fn):
         def wrapper(*args, **kwargs):

@@ -228,3 +228,44 @@ def test_the_cupy_backend_implements_every_op():
     )
     missing = [n for n in ops if getattr(CupyOps, n) is getattr(Ops, n) and n not in optional]
     assert missing == []
+
+
+@SETTINGS
+@given(
+    H=st.integers(1, 20),
+    C=st.sampled_from([8, 16, 40, 12]),  # 12: not a multiple of 8, head_linear after the attention
+    Dv=st.sampled_from([2, 6, 16, 5]),  # 5: odd, head_linear after the attention
+    lens=st.lists(st.one_of(st.integers(1, 150), st.sampled_from([31, 32, 33, 128, 129])), min_size=1, max_size=9),
+    split=st.sampled_from(["off", "on"]),
+    seed=st.integers(0, 2**16),
+)
+def test_mla_attention_decode_with_w_uv_shapes(H, C, Dv, lens, split, seed):
+    """w_uv's up-projection folded into the decode (up to 8 rows, C a multiple of 8, Dv even) or after it."""
+    from eprt.ops.cupy_ops import CupyOps
+
+    g, c, rng, R, bs = CupyOps(decode_split=split, split_keys=128), NumpyOps(), np.random.default_rng(seed), 8, 16
+    cache, tables = paged_latent(rng, lens, bs, C + R)
+    q, w_uv = bf16(rng.standard_normal((len(lens), H, C + R))), bf16(rng.standard_normal((H, Dv, C)) / np.sqrt(C))
+    scale, lens = (C + R) ** -0.5, np.array(lens, np.int32)
+    args = (g.activation(q), g.activation(cache), g.index(tables), g.index(lens), scale, C, g.weight(w_uv))
+    close(
+        g.to_host(g.mla_attention_decode(*args)),
+        c.mla_attention_decode(q, cache, tables, lens, scale, C, w_uv),
+        "linear",
+    )
+
+
+@SETTINGS
+@given(
+    T=st.integers(1, 10),
+    K=st.sampled_from([8, 24, 64, 200, 12]),  # 12: not a multiple of 8, rms_norm then linear
+    N=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_linear_shapes(ops, T, K, N, seed):
+    g, c = ops
+    rng = np.random.default_rng(seed)
+    wide = bf16(rng.standard_normal((T, K + 3)))  # x: a column slice [T, K]
+    norm, w = bf16(1 + 0.2 * rng.standard_normal(K)), bf16(rng.standard_normal((N, K)) / np.sqrt(K))
+    got = g.rms_norm_linear(g.activation(wide)[:, :K], g.weight(norm), 1e-6, g.weight(w))
+    close(g.to_host(got), c.rms_norm_linear(wide[:, :K], norm, 1e-6, w), "linear", scale=1.5)

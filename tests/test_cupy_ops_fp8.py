@@ -150,3 +150,56 @@ def test_fp8_linear_shapes(ops, T, N, K, bn, bk, with_bias, seed):
 def test_fp8_moe_experts_shapes(T, El, extra, D, I, block, impl, seed):
     E = El + extra
     check_moe(moe_ops(impl), NumpyOps(), np.random.default_rng(seed), T, El, E, min(2, E), D, I, block, extra // 2)
+
+
+@pytest.mark.parametrize("T,Is,block", [(1, 40, (16, 16)), (3, 80, (128, 128)), (8, 40, (24, 8))])
+def test_fp8_shared_expert_in_the_experts_launches_is_the_unfused_ops_bit_for_bit(T, Is, block):
+    """An FP8 shared expert in the grouped FP8 launches (moe_experts_shared): its products are
+    fp8_linear's dot products (weight_rows.cuh's dot_two_rows, the same order) and gate_up_silu's
+    epilogue is silu_and_mul's, so both the routed output and the shared expert's equal the unfused
+    FP8 ops bit for bit; against NumPy the ops' tolerance."""
+    from test_cupy_tensor_cores import launched
+
+    g, c, rng = moe_ops("grouped"), NumpyOps(), np.random.default_rng(T * Is)
+    El, k, D, I = 6, 2, 32, 40
+    raw_gu, s_gu, w_gu = fp8_weight(rng, (El,), 2 * I, D, block, parts=2)
+    raw_d, s_d, w_d = fp8_weight(rng, (El,), D, I, block)
+    raw_sgu, s_sgu, w_sgu = fp8_weight(rng, (), 2 * Is, D, block, parts=2)
+    raw_sd, s_sd, w_sd = fp8_weight(rng, (), D, Is, block)
+    x = bf16(rng.standard_normal((T, D)))
+    ids = np.stack([rng.permutation(El + 1)[:k] for _ in range(T)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1, (T, k)).astype(np.float32)
+    gu, dn = g.weight_fp8(raw_gu, s_gu, *block, I), g.weight_fp8(raw_d, s_d, *block, D)
+    sgu, sd = g.weight_fp8(raw_sgu, s_sgu, *block, Is), g.weight_fp8(raw_sd, s_sd, *block, D)
+    dev = (g.activation(x), g.xp.asarray(weights), g.index(ids), gu, dn, 0, None)
+    with pytest.MonkeyPatch.context() as mp:
+        names = launched(mp)
+        out, s = g.moe_experts_shared(*dev, sgu, sd)
+    assert names == ["moe_permute", "moe_gate_up_silu_fp8", "moe_down_fp8", "moe_combine"], names
+    np.testing.assert_array_equal(g.to_host(out), g.to_host(g.moe_experts(*dev)))
+    np.testing.assert_array_equal(g.to_host(s), g.to_host(g.linear(g.gate_up_silu(dev[0], sgu), sd)))
+    want = c.linear(c.gate_up_silu(x, w_sgu), w_sd)
+    close(g.to_host(s), want, "moe", scale=float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("T,block", [(1, (16, 16)), (5, (128, 128)), (8, (24, 8))])
+def test_fp8_dense_norm_and_gate_up_in_one_launch_is_the_unfused_ops_bit_for_bit(T, block):
+    """An FP8 dense MLP's post-attention norm fused into its gate_up (dense_add_norm_gate_up_silu_fp8):
+    add_rms_norm's bits, then fp8_linear's products and silu_and_mul's epilogue: the bits of
+    add_rms_norm, fp8_linear and silu_and_mul."""
+    from test_cupy_tensor_cores import launched
+
+    g, rng = moe_ops("grouped"), np.random.default_rng(T)
+    D, I = 48, 40
+    raw, scale, w = fp8_weight(rng, (), 2 * I, D, block, parts=2)
+    gw = g.weight_fp8(raw, scale, *block, I)
+    x, r = (g.activation(bf16(rng.standard_normal((T, D)))) for _ in range(2))
+    norm = g.weight(bf16(1 + 0.1 * rng.standard_normal(D)))
+    with pytest.MonkeyPatch.context() as mp:
+        names = launched(mp)
+        h, s = g.add_rms_norm_gate_up_silu(x, r, norm, 1e-6, gw)
+    assert names == ["dense_add_norm_gate_up_silu_fp8"], names
+    n, want_s = g.add_rms_norm(x, r, norm, 1e-6)
+    np.testing.assert_array_equal(g.to_host(s), g.to_host(want_s))
+    np.testing.assert_array_equal(g.to_host(h), g.to_host(g.gate_up_silu(n, gw)))
+    close(g.to_host(h), NumpyOps().gate_up_silu(g.to_host(n), w), "linear", scale=1.0)

@@ -174,3 +174,53 @@ def test_silu_and_mul_shapes(ops, T, I, seed):
     g, c = ops
     x = bf16(3 * np.random.default_rng(seed).standard_normal((T, 2 * I)))
     close(g.to_host(g.silu_and_mul(g.activation(x))), c.silu_and_mul(x), "silu_and_mul")
+
+
+@SETTINGS
+@given(
+    T=st.integers(1, 9),
+    D=st.one_of(st.integers(1, 300).map(lambda n: 8 * n), st.sampled_from([8, 128, 136, 2048, 2056])),
+    I=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+)
+def test_add_rms_norm_gate_up_silu_shapes(ops, T, D, I, seed):
+    """The fused norm at every add_rms_norm block size (1 to 16 warps), bit for bit the two ops."""
+    g, c = ops
+    rng = np.random.default_rng(seed)
+    x, r = bf16(rng.standard_normal((T, D))), bf16(rng.standard_normal((T, D)))
+    w, wgu = bf16(1 + 0.1 * rng.standard_normal(D)), bf16(rng.standard_normal((2 * I, D)) / np.sqrt(D))
+    dx, dr, dw, dwgu = g.activation(x), g.activation(r), g.weight(w), g.weight(wgu)
+    h, s = g.add_rms_norm_gate_up_silu(dx, dr, dw, 1e-6, dwgu)
+    normed, want_s = g.add_rms_norm(dx, dr, dw, 1e-6)
+    np.testing.assert_array_equal(g.to_host(s), g.to_host(want_s))
+    np.testing.assert_array_equal(g.to_host(h), g.to_host(g.gate_up_silu(normed, dwgu)))
+    close(g.to_host(s), c.add_rms_norm(x, r, w, 1e-6)[1], "rms_norm")
+
+
+@SETTINGS
+@given(
+    T=st.integers(1, 9),
+    El=st.integers(1, 9),
+    D=st.sampled_from([8, 24, 264]),
+    I=st.sampled_from([8, 40]),
+    Is=st.sampled_from([8, 40, 80]),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_moe_experts_shared_shapes(T, El, D, I, Is, data, seed):
+    import cupy
+
+    from eprt.ops.cupy_ops import CupyOps
+
+    g, c = CupyOps(moe_impl="grouped"), NumpyOps()
+    k = data.draw(st.integers(1, min(El + 2, 8)), label="top_k")
+    rng = np.random.default_rng(seed)
+    x = bf16(rng.standard_normal((T, D)))
+    wgu, wd = bf16(rng.standard_normal((El, 2 * I, D)) / np.sqrt(D)), bf16(rng.standard_normal((El, D, I)) / np.sqrt(I))
+    sgu, sd = bf16(rng.standard_normal((2 * Is, D)) / np.sqrt(D)), bf16(rng.standard_normal((D, Is)) / np.sqrt(Is))
+    w, ids = c.router(rng.standard_normal((T, El + 2)).astype(np.float32), k, True)  # 2 experts not local
+    dev = (g.activation(x), cupy.asarray(w), g.index(ids), g.weight(wgu), g.weight(wd), 0, None)
+    out, s = g.moe_experts_shared(*dev, g.weight(sgu), g.weight(sd))
+    np.testing.assert_array_equal(g.to_host(out), g.to_host(g.moe_experts(*dev)))
+    want_out, want_s = c.moe_experts_shared(x, w, ids, wgu, wd, 0, None, sgu, sd)
+    close(g.to_host(s), want_s, "moe", scale=max(float(np.abs(want_s).max()), 1e-3))

@@ -1,10 +1,12 @@
 """Issue 39's launch budget, counted on cusim: an eager batch-1 decode step launches at most
 8 kernels per dense layer and 12 per MoE layer (raw kernels, cuBLAS GEMMs and the kernels CuPy
-launches itself, tests/launch_census.py) for a Qwen3-MoE of the built-in benchmark model's widths.
-A DeepSeek-V3-shaped model (MLA with a q LoRA, grouped routing, a shared expert, a dense first
-layer) runs 7 / 8 cuBLAS products per dense / MoE layer, so the budget is out of its reach without
-merging products (docs/gpu.md, "Launches per layer"); its present counts (13 / 18) are pinned instead, so no
-launch creeps back. Before the fusions: Qwen3 17 per MoE layer and 13 per dense one, DeepSeek 29 and 21.
+launches itself, tests/launch_census.py) for a Qwen3-MoE of the built-in benchmark model's widths
+and a DeepSeek-V3-shaped model (MLA with a q LoRA, grouped routing, a shared expert, a dense first
+layer): its attention runs 5 launches from q_a to o (q_a | kv_a as one product, the q LoRA's norm in the
+q_b product, w_uk in mla_prologue, w_uv in mla_attention), 9 before; its MLP 2 (dense: the post-attention
+norm in the gate_up launch, then down) and 6 (MoE: the shared expert inside the experts' launches), 3 and 8
+before (docs/gpu.md, "Launches per layer"). Before the fusions: Qwen3 17 per MoE layer and 13 per dense
+one, DeepSeek 29 and 21; now Qwen3 11 and 7, DeepSeek 12 and 8.
 Also pinned: no host->device copy inside a layer after the first (the pass uploads its index arrays once)."""
 
 import pytest
@@ -28,7 +30,7 @@ pytestmark = [
     pytest.mark.skipif(not on_cusim(), reason="the launch census runs on cusim (tests/cusim)"),
 ]
 
-BUDGET = {"qwen3_moe": (8, 12), "deepseek_v3": (13, 18)}  # launches per (dense, MoE) layer; issue 39: (8, 12)
+BUDGET = {"qwen3_moe": (8, 12), "deepseek_v3": (8, 12)}  # launches per (dense, MoE) layer: issue 39's
 # the built-in benchmark model's widths (benchmarks/bench_decode_cpu.py's ~115M Qwen3-MoE), 3 of its
 # layers, the middle one dense
 QWEN3_115M = dict(BENCH_MODEL, vocab_size=512, num_hidden_layers=3, intermediate_size=1024, mlp_only_layers=[1])

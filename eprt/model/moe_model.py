@@ -127,7 +127,7 @@ def rope_table(cfg: ModelConfig, max_len: int) -> np.ndarray:
 
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with the default eps
-_MLA_OPS = ("head_linear", "latent_write", "mla_attention_prefill", "mla_attention_decode")
+_MLA_OPS = ("head_linear", "latent_write", "mla_attention_prefill", "mla_attention_decode", "rms_norm_linear")
 _GROUPED_OPS = ("router_grouped", "add")
 _HYBRID_OPS = (
     "causal_conv1d",
@@ -322,9 +322,14 @@ class MoEModel:
         position, and the latent output goes up through W_UV."""
         cfg, ops, m = self.cfg, self.ops, self.cfg.mla
         T, H, C, Dn = x.shape[0], cfg.num_heads, m.kv_lora_rank, m.qk_nope_head_dim
-        q_in = x if lw.q_a is None else ops.rms_norm(ops.linear(x, lw.q_a), lw.q_a_norm, MLA_NORM_EPS)
-        q = ops.linear(q_in, lw.q).reshape(T, H, Dn + m.qk_rope_head_dim)  # [T, H, Dn+R]
-        compressed = ops.linear(x, lw.kv_a)  # [T, C+R]
+        if lw.qkv_a is not None:  # q_a | kv_a in one product: [T, Qr + C+R], two column slices
+            qkv_a = ops.linear(x, lw.qkv_a)
+            q_a, compressed = qkv_a[:, : m.q_lora_rank], qkv_a[:, m.q_lora_rank :]
+        else:  # no q LoRA, or q_a FP8-resident
+            q_a = None if lw.q_a is None else ops.linear(x, lw.q_a)  # [T, Qr]
+            compressed = ops.linear(x, lw.kv_a)  # [T, C+R]
+        q = ops.linear(x, lw.q) if q_a is None else ops.rms_norm_linear(q_a, lw.q_a_norm, MLA_NORM_EPS, lw.q)
+        q = q.reshape(T, H, Dn + m.qk_rope_head_dim)  # [T, H, Dn+R]
         cache, pos, slots = kv.latent[layer], self.index(batch, "positions"), self.index(batch, "slot_mapping")
         args = (MLA_NORM_EPS, pos, self.cos_sin, lw.w_uk, cache, slots)
         q_all = ops.mla_prologue(q, compressed, lw.kv_a_norm, *args)  # [T, H, C+R]; the cache row written
@@ -335,13 +340,14 @@ class MoEModel:
                     q_all[rows], cache, ops.index(p.block_table), p.start_pos, self.scale, value_dim=C
                 ),
             )
-        elif batch.query_lens is not None:
+        else:  # decode or verify: w_uv's up-projection inside (the GPU's attention launches at few rows)
             tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
-            o = ops.mla_attention_verify(q_all, cache, tables, lens, batch.query_lens, self.scale, value_dim=C)
-        else:
-            tables, lens = self.index(batch, "block_tables"), self.index(batch, "context_lens")
-            o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, value_dim=C)  # [T, H, C]
-        return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, Dv] -> [T, D]
+            if batch.query_lens is not None:
+                o = ops.mla_attention_verify(q_all, cache, tables, lens, batch.query_lens, self.scale, C, lw.w_uv)
+            else:
+                o = ops.mla_attention_decode(q_all, cache, tables, lens, self.scale, C, lw.w_uv)  # [T, H, Dv]
+            return ops.linear(o.reshape(T, -1), lw.o)  # [T, H*Dv] -> [T, D]
+        return ops.linear(ops.head_linear(o, lw.w_uv).reshape(T, -1), lw.o)  # [T, H, C] -> [T, H, Dv] -> [T, D]
 
     def _moe(self, lw, x, layer: int):
         """The MoE layer's output [T, D] (the shared expert's added)."""
@@ -350,13 +356,21 @@ class MoEModel:
 
     def _moe_parts(self, lw, x, layer: int):
         """(the MoE layer's output [T, D], an ungated shared expert's output [T, D] not yet added or
-        None): the forward pass folds the add into the next add_rms_norm (one launch fewer)."""
+        None): the forward pass folds the add into the next add_rms_norm (one launch fewer). Each rank
+        runs the shared expert over its rows; without adapters, on the rows its experts see (not dp
+        attention's, nor the all-to-all's), inside the experts' launches (ops.moe_experts_shared)."""
         self.moe_layers_run += 1
-        out = self._routed_alltoall(lw, x, layer) if self.alltoall is not None else self._routed(lw, x, layer)
-        if lw.shared_gate_up is None or not x.shape[0]:
+        shared = lw.shared_gate_up is not None and x.shape[0] > 0
+        fuse = shared and lw.shared_gate is None and self.lora_rows is None and self.exchange is None
+        if self.alltoall is not None:
+            out, s = self._routed_alltoall(lw, x, layer), None
+        else:
+            out, s = self._routed(lw, x, layer, fuse)
+        if not shared:
             return out, None
-        up = self._gate_up_silu(x, lw.shared_gate_up, layer, "shared_gate_up")
-        s = self._linear(up, lw.shared_down, layer, "shared_down")
+        if s is None:
+            up = self._gate_up_silu(x, lw.shared_gate_up, layer, "shared_gate_up")
+            s = self._linear(up, lw.shared_down, layer, "shared_down")
         if lw.shared_gate is not None:  # Qwen2-MoE's gated shared expert
             return self.ops.sigmoid_gate_add(out, s, self.ops.linear(x, lw.shared_gate)), None  # gate [T, 1]
         return out, s  # DeepSeek / GLM shared experts: added by the caller
@@ -397,8 +411,10 @@ class MoEModel:
             self.ops.count_experts(self.ops.index(ids), self.expert_counts[layer])
         return x, weights, ids
 
-    def _routed(self, lw, x, layer: int):
-        """The routed experts' output, summed over ranks: [T, D] (dp attention: this rank's rows)."""
+    def _routed(self, lw, x, layer: int, shared: bool = False):
+        """(the routed experts' output, summed over ranks: [T, D] (dp attention: this rank's rows), the
+        shared expert's output [T, D] or None). ``shared``: run the layer's shared expert in the experts'
+        launches where the plain path serves (this rank's experts, replicated attention, no EPLB)."""
         ops, cfg = self.ops, self.cfg
         rows = self.lora_rows if self.exchange is None else self.exchange_lora_rows  # the MoE's rows' adapters
         experts = (None, None) if rows is None or cfg.swiglu is not None else self.lora.experts(layer)
@@ -412,16 +428,20 @@ class MoEModel:
             weights, ids, perm = self._route(lw, x, layer, own=own)
         if cfg.swiglu is not None:  # gpt-oss: biased experts, clamped SwiGLU
             args = (lw.w_gate_up, lw.w_down, lw.b_gate_up, lw.b_down, self.w.expert_start)
-            return self._combine(ops.moe_experts_swiglu(x, weights, ids, *args, cfg.swiglu.alpha, cfg.swiglu.limit))
+            out = ops.moe_experts_swiglu(x, weights, ids, *args, cfg.swiglu.alpha, cfg.swiglu.limit)
+            return self._combine(out), None
         if experts != (None, None):  # (never under EPLB: LoraSlots.read refuses such adapters there)
             args = (lw.w_gate_up, lw.w_down, self.w.expert_start, rows, *experts)
-            return self._combine(ops.moe_experts_lora(x, weights, ids, *args))  # [T, D] summed over ranks
+            return self._combine(ops.moe_experts_lora(x, weights, ids, *args)), None  # [T, D] summed over ranks
         if self.slots is None:
-            partial = ops.moe_experts(x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start, perm)
-            return self._combine(partial)  # [T, D] summed over ranks
+            args = (x, weights, ids, lw.w_gate_up, lw.w_down, self.w.expert_start, perm)
+            if shared:
+                partial, s = ops.moe_experts_shared(*args, lw.shared_gate_up, lw.shared_down)
+                return self._combine(partial), s
+            return self._combine(ops.moe_experts(*args)), None  # [T, D] summed over ranks
         # EPLB: every rank gets every row's sum; under dp attention it keeps its own
         out = self.slots.moe(ops, x, weights, ids, lw.w_gate_up, lw.w_down, layer)  # [T, D]
-        return out if self.exchange is None else self.exchange.mine(out)
+        return (out if self.exchange is None else self.exchange.mine(out)), None
 
     def _routed_alltoall(self, lw, x, layer: int):
         """``--moe-exchange alltoall``: the rows go to the ranks holding their experts and come back
@@ -465,6 +485,19 @@ class MoEModel:
         up = self._gate_up_silu(x, lw.mlp_gate_up, layer, "mlp_gate_up")
         return self._linear(up, lw.mlp_down, layer, "mlp_down")
 
+    def _mlp(self, lw, h, residual, layer: int):
+        """The post-attention norm and the MLP of layer ``layer`` over the attention output h [T, D]:
+        (its output [T, D], a shared expert's output [T, D] not yet added or None, the residual [T, D]).
+        A dense MLP without adapters takes the norm into its gate_up product (one launch at decode)."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        if not self.cfg.sparse_layers[layer] and self.lora_rows is None:
+            up, residual = ops.add_rms_norm_gate_up_silu(h, residual, lw.post_norm, eps, lw.mlp_gate_up)
+            return ops.linear(up, lw.mlp_down), None, residual
+        x, residual = ops.add_rms_norm(h, residual, lw.post_norm, eps)
+        if self.cfg.sparse_layers[layer]:
+            return *self._moe_parts(lw, x, layer), residual
+        return self._dense_mlp(lw, x, layer), None, residual
+
     # ---- forward -----------------------------------------------------------------------
     def hidden_states(self, h, batch: AttnBatch, kv: KVCache, state: RecurrentState | None = None, deepstack=None):
         """Run every layer over h[T, D]; returns the final-normed hidden states [T, D]. ``state``:
@@ -490,8 +523,7 @@ class MoEModel:
                 h = gated_delta_net(ops, cfg, lw.linear, x, state, i, batch.state_slots, False)
             else:
                 h = attention(lw, x, batch, kv, i)
-            x, residual = ops.add_rms_norm(h, residual, lw.post_norm, cfg.rms_norm_eps)
-            h, shared = self._moe_parts(lw, x, i) if cfg.sparse_layers[i] else (self._dense_mlp(lw, x, i), None)
+            h, shared, residual = self._mlp(lw, h, residual, i)
             if deepstack is not None and i < len(deepstack[1]):
                 h, shared = self._add_deepstack(h if shared is None else ops.add(h, shared), *deepstack, i), None
         x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps, shared)

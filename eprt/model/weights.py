@@ -70,9 +70,10 @@ class LayerWeights:
     mlp_gate_up: object = None  # dense layer [2I, D]
     mlp_down: object = None  # dense layer [D, I]
     router_bias: object = None  # [E] e_score_correction_bias (selection only)
-    q_a: object = None  # MLA with q_lora_rank: [Qr, D] (then q is q_b_proj [H*(Dn+R), Qr])
+    q_a: object = None  # MLA with q_lora_rank: [Qr, D] (then q is q_b_proj [H*(Dn+R), Qr]); None in qkv_a
     q_a_norm: object = None  # [Qr]
-    kv_a: object = None  # MLA kv_a_proj_with_mqa [C+R, D]
+    kv_a: object = None  # MLA kv_a_proj_with_mqa [C+R, D]; None where qkv_a holds it
+    qkv_a: object = None  # MLA [Qr + C+R, D]: q_a | kv_a in one matrix (one product), when q_a is not FP8
     kv_a_norm: object = None  # [C]
     w_uk: object = None  # MLA absorbed key up-projection [H, C, Dn]
     w_uv: object = None  # MLA value up-projection [H, Dv, C]
@@ -528,29 +529,44 @@ def _fused_qkv(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
 
 
 def _mla_attention(src: TensorSource, cfg: ModelConfig, ops, a: str) -> dict:
-    """MLA: q (direct or low-rank with its norm), kv_a with its norm, kv_b split into W_UK/W_UV, o."""
+    """MLA: q (direct or low-rank with its norm), kv_a with its norm, kv_b split into W_UK/W_UV, o.
+    With a q LoRA, q_a and kv_a are one matrix ``qkv_a`` (one product, as vLLM's fused_qkv_a_proj),
+    unless q_a stays FP8-resident."""
     n, m, H = _dims(cfg), cfg.mla, cfg.num_heads
     Dn, R, C = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
     W = lambda name, *shape: _weight(src, ops, name, tuple(n[d] for d in shape))  # noqa: E731
     out: dict = dict(k=None, v=None, o=W(f"{a}.o_proj.weight", "D", "HV"))
-    if m.q_lora_rank:
-        out.update(q_a=W(f"{a}.q_a_proj.weight", "Qr", "D"), q_a_norm=W(f"{a}.q_a_layernorm.weight", "Qr"))
-        q = _host(src, f"{a}.q_b_proj.weight", (n["HQ"], n["Qr"]))
-    else:
-        q = _host(src, f"{a}.q_proj.weight", (n["HQ"], n["D"]))
     kv_a = _host(src, f"{a}.kv_a_proj_with_mqa.weight", (n["C+R"], n["D"]))
     if m.rope_interleave:
-        q, kv_a = _deinterleave(q, Dn, R, Dn + R), _deinterleave(kv_a, C, R, C + R)
+        kv_a = _deinterleave(kv_a, C, R, C + R)
+    if m.q_lora_rank:
+        out.update(_mla_q_a(src, ops, a, n, kv_a), q_a_norm=W(f"{a}.q_a_layernorm.weight", "Qr"))
+        q = _host(src, f"{a}.q_b_proj.weight", (n["HQ"], n["Qr"]))
+    else:
+        out.update(kv_a=ops.linear_weight(kv_a))
+        q = _host(src, f"{a}.q_proj.weight", (n["HQ"], n["D"]))
+    if m.rope_interleave:
+        q = _deinterleave(q, Dn, R, Dn + R)
     kv_b = _same_dtype(_host(src, f"{a}.kv_b_proj.weight", (n["HKV"], n["C"])))[0]
     kv_b = kv_b.reshape(H, Dn + m.v_head_dim, C)  # [H, Dn+Dv, C]
     out.update(
         q=ops.linear_weight(q),
-        kv_a=ops.linear_weight(kv_a),
         kv_a_norm=W(f"{a}.kv_a_layernorm.weight", "C"),
         w_uk=ops.weight(np.ascontiguousarray(kv_b[:, :Dn, :].transpose(0, 2, 1))),  # [H, C, Dn]
         w_uv=ops.weight(np.ascontiguousarray(kv_b[:, Dn:, :])),  # [H, Dv, C]
     )
     return out
+
+
+def _mla_q_a(src: TensorSource, ops, a: str, n: dict, kv_a: np.ndarray) -> dict:
+    """q_a and kv_a [C+R, D] (host, de-interleaved) as ``qkv_a`` [Qr + C+R, D], or apart where q_a is
+    FP8-resident or the backend keeps products apart (``ops.joins_mla_products``)."""
+    name = f"{a}.q_a_proj.weight"
+    fp8 = _resident_fp8(src, ops, [name], (n["Qr"], n["D"]))
+    if fp8 is not None or not ops.joins_mla_products:
+        q_a = fp8 if fp8 is not None else _weight(src, ops, name, (n["Qr"], n["D"]))
+        return dict(q_a=q_a, kv_a=ops.linear_weight(kv_a))
+    return dict(qkv_a=ops.linear_weight(np.concatenate(_same_dtype(_host(src, name, (n["Qr"], n["D"])), kv_a))))
 
 
 def load_expert_stack(src: TensorSource, cfg: ModelConfig, ops, layer: int, ids: Sequence[int]) -> tuple:

@@ -10,6 +10,7 @@ Shape legend used in every backend:
     H query heads               Hk key/value heads (GQA: H % Hk == 0)
     Dh head dim                 E experts in the model, El experts on this rank
     I expert intermediate size  k experts per token (top-k)
+    Is a shared expert's intermediate size (DeepSeek-V2's 2 shared experts: one MLP of 2 x I)
     NB KV blocks in the pool    BS tokens per block    MB max blocks per sequence
     L latent width per token (MLA: kv_lora_rank C + rope dims R)
     S recurrent-state slots     Hv / dk / dv linear-attention value heads, key / value head dims
@@ -92,6 +93,9 @@ class Ops:
     xp: Any = None  # the array module (numpy or cupy)
     kv_itemsize = 4  # bytes per KV cache element (float32; the GPU backend stores bf16)
     fp8_resident = False  # True: FP8 checkpoint weights stay FP8 in memory (weight_fp8); else dequantized at load
+    # the loader stacks MLA's q_a and kv_a into one matrix (one product, LayerWeights.qkv_a); a backend
+    # whose product bits depend on the matrix's row count keeps them apart
+    joins_mla_products = True
 
     def moe_split_rows(self, w_gate_up) -> int:
         """EPLB splits an expert's rows over its replicas only in parts of at least this many rows of
@@ -182,6 +186,12 @@ class Ops:
 
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
         """x[T, K], w[N, K], bias[N] -> [T, N] (float32 accumulation)."""
+        raise NotImplementedError
+
+    def rms_norm_linear(self, x: Array, norm: Array, eps: float, w: Array) -> Array:
+        """linear(rms_norm(x, norm, eps), w): x[T, K] (rows may be spaced: a column slice of a larger
+        product), norm[K], w[N, K] -> [T, N]. MLA's q LoRA (q_a's norm, then q_b); the GPU runs it as
+        one launch at decode's row counts."""
         raise NotImplementedError
 
     def rope(self, x: Array, positions: Array, cos_sin: Array) -> Array:
@@ -293,10 +303,12 @@ class Ops:
         raise NotImplementedError
 
     def mla_prologue(self, q, compressed, kv_a_norm, eps: float, positions, cos_sin, w_uk, latent_cache, slot_mapping):
-        """MLA's attention prologue: q[T, H, Dn + R] (the q product), compressed[T, C + R] (kv_a's),
-        kv_a_norm[C], cos_sin[P, R], w_uk[H, C, Dn]. Writes the cache row [rms_norm(compressed[:, :C])
-        | rope(compressed[:, C:])] at slot_mapping[T] as ``latent_write`` does and returns the query
-        [T, H, C + R] = [head_linear(q[.., :Dn], w_uk) | rope(q[.., Dn:])]. Exactly those ops."""
+        """MLA's attention prologue: q[T, H, Dn + R] (the q product), compressed[T, C + R] (kv_a's; rows
+        may be spaced: a column slice of the q_a | kv_a product), kv_a_norm[C], cos_sin[P, R],
+        w_uk[H, C, Dn]. Writes the cache row [rms_norm(compressed[:, :C]) | rope(compressed[:, C:])] at
+        slot_mapping[T] as ``latent_write`` does and returns the query [T, H, C + R] =
+        [head_linear(q[.., :Dn], w_uk) | rope(q[.., Dn:])]. Exactly those ops; the GPU runs them as one
+        launch at decode's row counts (w_uk's product on CUDA cores)."""
         raise NotImplementedError
 
     def latent_write(self, latent_cache: Array, x: Array, slot_mapping: Array) -> None:
@@ -314,10 +326,19 @@ class Ops:
         raise NotImplementedError
 
     def mla_attention_decode(
-        self, q: Array, latent_cache: Array, block_tables: Array, context_lens: Array, scale: float, value_dim: int
+        self,
+        q: Array,
+        latent_cache: Array,
+        block_tables: Array,
+        context_lens: Array,
+        scale: float,
+        value_dim: int,
+        w_uv: Array | None = None,
     ) -> Array:
         """Batched decode in the latent space, one query per sequence. q[B, H, L],
-        block_tables[B, MB], context_lens[B] >= 1 (new token included). Returns [B, H, C]."""
+        block_tables[B, MB], context_lens[B] >= 1 (new token included). Returns [B, H, C]; with
+        w_uv[H, Dv, C] (MLA's value up-projection) head_linear(that, w_uv) [B, H, Dv], which the GPU
+        runs inside the attention launches at decode's row counts."""
         raise NotImplementedError
 
     def mla_attention_verify(
@@ -329,10 +350,11 @@ class Ops:
         query_lens: np.ndarray,
         scale: float,
         value_dim: int,
+        w_uv: Array | None = None,
     ) -> Array:
         """attention_verify in the latent space: q[N, H, L], rows as in attention_verify.
-        Returns [N, H, C]."""
-        return self.mla_attention_decode(q, latent_cache, block_tables, context_lens, scale, value_dim)
+        Returns [N, H, C], or with w_uv [N, H, Dv] as mla_attention_decode."""
+        return self.mla_attention_decode(q, latent_cache, block_tables, context_lens, scale, value_dim, w_uv)
 
     def silu_and_mul(self, x: Array) -> Array:
         """x[T, 2I] -> silu(x[:, :I]) * x[:, I:]  [T, I]"""
@@ -342,6 +364,13 @@ class Ops:
         """A dense MLP's (or shared expert's) first half: silu_and_mul(linear(x, w)), x[T, D],
         w[2I, D] -> [T, I]; the GPU runs it as one launch at decode's row counts."""
         raise NotImplementedError
+
+    def add_rms_norm_gate_up_silu(self, x: Array, residual: Array, weight: Array, eps: float, w_gate_up: Array):
+        """A dense MLP's post-attention norm and first half: (gate_up_silu(n, w_gate_up) [T, I], s [T, D])
+        with (n, s) = add_rms_norm(x, residual, weight, eps); x, residual [T, D], w_gate_up [2I, D].
+        Exactly those ops (this default); the GPU runs it as one launch at decode's row counts."""
+        n, s = self.add_rms_norm(x, residual, weight, eps)
+        return self.gate_up_silu(n, w_gate_up), s
 
     def clip(self, x: Array, limit: float) -> Array:
         """Element-wise clamp to [-limit, limit] (OLMoE's clip_qkv). Same shape as x."""
@@ -366,6 +395,16 @@ class Ops:
         weights[t, j] * down_e(silu_and_mul(gate_up_e(x[t]))); zero rows where no local
         expert was chosen. Summing this over all ranks gives the MoE output."""
         raise NotImplementedError
+
+    def moe_experts_shared(
+        self, x, weights, ids, w_gate_up, w_down, expert_start: int, perm, shared_gate_up, shared_down
+    ):
+        """``moe_experts`` and an ungated shared expert over every row, returned apart: (the experts'
+        [T, D] float32, linear(gate_up_silu(x, shared_gate_up), shared_down) [T, D] of x's dtype) with
+        shared_gate_up [2Is, D], shared_down [D, Is]. Exactly those ops (this default); the GPU runs the
+        shared expert's products inside the experts' launches at decode's row counts."""
+        out = self.moe_experts(x, weights, ids, w_gate_up, w_down, expert_start, perm)
+        return out, self.linear(self.gate_up_silu(x, shared_gate_up), shared_down)
 
     # ---- gpt-oss (eprt/ops/gptoss_ops.py, the NumPy reference) ------------------------------------
     def mxfp4_expert_weights(self, gate_up_blocks, gate_up_scales, down_blocks, down_scales) -> tuple:

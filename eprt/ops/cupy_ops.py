@@ -52,11 +52,23 @@ _ROUTER_WARPS = 4  # router.cu: ROUTER_WARPS
 _GG_WARPS = 4  # moe_grouped_gemm.cu: GG_WARPS
 _MLA_THREADS, _MLA_CHUNK = 128, 32  # mla_attention.cu: MLA_THREADS, MLA_CHUNK
 _MLA_MAX_HEADS = 16  # query heads per block of mla_attention (fewer when shared memory is short)
+_MLA_MAX_UV_C = 1024  # mla_attention.cu: MLA_MAX_UV_C, the latent width mla_split_combine_uv takes
+
+
+def _mla_smem(L: int, C: int, g: int) -> int:
+    """mla_attention.cu's dynamic shared memory for g heads per block, in bytes."""
+    return 2 * _MLA_CHUNK * L + 4 * (g * L + g * _MLA_CHUNK + 3 * g + g * C)
+
+
 MOE_IMPLS = ("auto", "grouped", "tc", "gathered")
 FP8_MMAS = ("off", "on")  # FP8 experts on the FP8 tensor cores (W8A8, sm_89+), activations quantized
 TC_MIN_SLOTS_PER_EXPERT = 4  # "auto": (token, choice) slots per local expert from which tensor cores win
 _CONV_WIDTHS, _DELTA_DK_CAPS = (2, 3, 4), (32, 64, 128)  # gated_delta.cu: causal_conv1d_k*, gated_delta_rule_dk*
+MLA_FUSED_MAX_ROWS = 8  # rms_norm_linear, mla_prologue's w_uk and decode's w_uv products: CUDA cores, one GG_MT chunk
 DENSE_FUSED_MAX_ROWS = 8  # gate_up_silu: up to one GG_MT chunk of rows (each weight read once) in one launch
+# add_rms_norm_gate_up_silu: the normed rows' shared memory per block, at most (4 blocks, 16 warps streaming
+# weights, per Hopper SM; DeepSeek-V3's D 7168: up to 3 rows in one launch)
+NORM_FUSED_MAX_SMEM = 48 * 1024
 ROUTE_FUSED_MAX_TOKENS = 64  # route: up to this many tokens (decode) in one launch with the permutation
 FP8_CUBLAS_MIN_ROWS = 64  # FP8 linear: rows from which dequantized tiles + cuBLAS beat the CUDA-core kernel
 FP8_TILE_ELEMENTS = 1 << 24  # FP8 linear on many rows: weight elements dequantized per cuBLAS tile (32 MB bf16)
@@ -405,6 +417,25 @@ class CupyOps(GptOssCupy, Ops):
             _gemm(x.shape[0], N, K, x.data.ptr, w.data.ptr, out.data.ptr, _BF16, beta=0.0 if bias is None else 1.0)
         return out
 
+    def rms_norm_linear(self, x, norm, eps, w):
+        op = "rms_norm_linear"
+        T = x.shape[0] if isinstance(x, cupy.ndarray) else 0
+        fused = not isinstance(w, Fp8Weight) and 0 < T <= MLA_FUSED_MAX_ROWS and w.ndim == 2 and w.shape[1] % 8 == 0
+        if not fused:  # larger batches, prefill: the unfused ops (cuBLAS)
+            return self.linear(self.rms_norm(cupy.ascontiguousarray(x), norm, eps), w)
+        _check(op, "w", w, _BF16, (None, None), aligned=True)
+        N, K = w.shape
+        ldx = _row_stride(op, "x", x, (T, K))
+        _check(op, "norm", norm, _BF16, (K,))
+        smem = 4 * 32 + 2 * T * K  # block_sum's scratch, the normed rows (bf16)
+        _require(op, smem <= self.smem_limit, f"x's {T} rows of {K} need {smem} bytes of shared memory")
+        y = cupy.empty((T, N), dtype=_BF16)  # [T, N]
+        threads, units = _threads(K // 4, "rms_norm"), -(-N // 2)  # rms_norm's block: its summation order
+        upw = self._units_per_warp(units, 1)
+        args = (x, np.int32(ldx), norm, w, y, np.int32(T), np.int32(K), np.int32(N), np.float32(eps), np.int32(upw))
+        _launch("norm_linear.cu", "rms_norm_linear", (-(-units // (threads // 32 * upw)),), threads, args, smem)
+        return y
+
     def _linear_fp8(self, x, w: Fp8Weight, bias):
         op = "linear"
         _check(op, "w", w.data, _U8, (None, None), aligned=True)
@@ -697,16 +728,48 @@ class CupyOps(GptOssCupy, Ops):
         if isinstance(w, Fp8Weight) or not 0 < T <= DENSE_FUSED_MAX_ROWS:
             return self.silu_and_mul(self.linear(x, w))  # [T, I]
         op = "gate_up_silu"
-        _check(op, "w", w, _BF16, (None, None), aligned=True)
-        I2, D = w.shape
-        I = I2 // 2
-        _require(op, I2 % 2 == 0 and D % 8 == 0, f"w must be [2I, D] with D a multiple of 8, got {list(w.shape)}")
+        I, D = self._gate_up_weight(op, "w", w)
         _check(op, "x", x, _BF16, (None, D), aligned=True)
         h = cupy.empty((T, I), dtype=_BF16)  # [T, I]
         upw = self._units_per_warp(I, 1)
         args = (x, w, h, np.int32(T), np.int32(D), np.int32(I), np.int32(upw))
         _launch("moe_grouped_gemm.cu", "dense_gate_up_silu", (-(-I // (_GG_WARPS * upw)),), 32 * _GG_WARPS, args)
         return h
+
+    @staticmethod
+    def _gate_up_weight(op: str, name: str, w, dtype=_BF16) -> tuple[int, int]:
+        """(I, D) of a gate | up weight [2I, D] the CUDA-core kernels read (D a multiple of 8): bf16, or
+        an Fp8Weight's bytes (dtype uint8)."""
+        _check(op, name, w, dtype, (None, None), aligned=True)
+        I2, D = w.shape
+        _require(op, I2 % 2 == 0 and D % 8 == 0, f"{name} must be [2I, D] with D a multiple of 8, got {list(w.shape)}")
+        return I2 // 2, D
+
+    def add_rms_norm_gate_up_silu(self, x, residual, weight, eps, w_gate_up):
+        op = "add_rms_norm_gate_up_silu"
+        T = residual.shape[0] if isinstance(residual, cupy.ndarray) else 0
+        D = residual.shape[-1] if T else 0
+        smem = 4 * 32 + 2 * T * D  # dense_add_norm_gate_up_silu: scratch, the normed rows
+        fits = isinstance(x, cupy.ndarray) and x.dtype == _BF16 and smem <= min(self.smem_limit, NORM_FUSED_MAX_SMEM)
+        if not fits or not 0 < T <= DENSE_FUSED_MAX_ROWS:
+            return super().add_rms_norm_gate_up_silu(x, residual, weight, eps, w_gate_up)  # the unfused launches
+        _check(op, "residual", residual, _BF16, (None, None))
+        _check(op, "x", x, _BF16, (T, D))
+        _check(op, "weight", weight, _BF16, (D,))
+        fp8 = isinstance(w_gate_up, Fp8Weight)
+        I, Dw = self._gate_up_weight(op, "w_gate_up", *((w_gate_up.data, _U8) if fp8 else (w_gate_up,)))
+        _require(op, Dw == D, f"w_gate_up has shape {list(w_gate_up.shape)}, expected [2I, {D}]")
+        h, s = cupy.empty((T, I), dtype=_BF16), cupy.empty_like(residual)  # [T, I], [T, D]
+        upw = self._units_per_warp(I, 1)
+        norm_threads = _threads(D // 4, "add_rms_norm_bf16")  # add_rms_norm's block: its summation order
+        dims = (np.int32(T), np.int32(D), np.int32(I), np.float32(eps), np.int32(norm_threads), np.int32(upw))
+        blocks = (
+            (np.int32(w_gate_up.block_n), np.int32(w_gate_up.block_k), np.int32(w_gate_up.part_rows)) if fp8 else ()
+        )
+        args = (x, residual, weight, s, *self._fp8_parts(w_gate_up)[:2], h, *dims, *blocks)
+        name = "dense_add_norm_gate_up_silu" + ("_fp8" if fp8 else "")
+        _launch("moe_grouped_gemm.cu", name, (-(-I // (_GG_WARPS * upw)),), 32 * _GG_WARPS, args, smem)
+        return h, s
 
     def clip(self, x, limit):
         _check("clip", "x", x, _BF16)
@@ -865,7 +928,7 @@ class CupyOps(GptOssCupy, Ops):
         _require(op, R % 2 == 0, f"the rope width must be even, got {R}")
         _check(op, "q", q, _BF16, (None, H, Dn + R))
         T = q.shape[0]
-        _check(op, "compressed", compressed, _BF16, (T, C + R))
+        ldc = _row_stride(op, "compressed", compressed, (T, C + R))
         _check(op, "kv_a_norm", kv_a_norm, _BF16, (C,))
         _check(op, "latent_cache", latent_cache, _BF16, (None, None, C + R))
         _check(op, "positions", positions, _I32, (T,))
@@ -873,11 +936,17 @@ class CupyOps(GptOssCupy, Ops):
         q_all = cupy.empty((T, H, C + R), dtype=_BF16)  # [T, H, C+R]
         if not T:
             return q_all
-        _gemm_per_head(q[:, :, :Dn], w_uk, q_all[:, :, :C])  # the absorbed query, in place
+        threads, units = _threads(C // 4, "rms_norm"), H * C // 2  # rms_norm's block for the latent's norm
+        fused = T <= MLA_FUSED_MAX_ROWS and C % 2 == 0 and Dn % 8 == 0 and R % 8 == 0 and q.data.ptr % 16 == 0
+        upw = self._units_per_warp(units, 1) if fused else 1
+        absorb = -(-units // (threads // 32 * upw)) if fused else 0  # blocks of the w_uk product on CUDA cores
+        if not fused:
+            _gemm_per_head(q[:, :, :Dn], w_uk, q_all[:, :, :C])  # the absorbed query, in place (cuBLAS)
         kernel = "mla_prologue_f32" if cos_sin.dtype == _F32 else "mla_prologue_bf16"
-        args = (compressed, kv_a_norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping)
+        args = (compressed, np.int32(ldc), kv_a_norm, q, positions, cos_sin, q_all, latent_cache, slot_mapping, w_uk)
         dims = (np.int32(C), np.int32(R), np.int32(H), np.int32(Dn), np.float32(eps))
-        _launch("mla_attention.cu", kernel, (T,), _threads(C // 4, "rms_norm"), args + dims)  # rms_norm's block
+        dims += (np.int32(T), np.int32(absorb), np.int32(upw))
+        _launch("mla_attention.cu", kernel, (absorb + T,), threads, args + dims)
         return q_all
 
     def latent_write(self, latent_cache, x, slot_mapping):
@@ -905,37 +974,43 @@ class CupyOps(GptOssCupy, Ops):
         H, C = q.shape[1], value_dim
         _require(op, 1 <= C <= L, f"value_dim must be in [1, latent width {L}], got {C}")
         heads = min(H, _MLA_MAX_HEADS)
-        smem = lambda g: 2 * _MLA_CHUNK * L + 4 * (g * L + g * _MLA_CHUNK + 3 * g + g * C)  # noqa: E731
-        while heads > 1 and smem(heads) > self.smem_limit:
+        while heads > 1 and _mla_smem(L, C, heads) > self.smem_limit:
             heads //= 2
-        _require(op, smem(heads) <= self.smem_limit, f"needs {smem(heads)} bytes of shared memory (L={L}, C={C})")
-        return H, L, C, BS, max(heads, 1), smem(max(heads, 1))
+        smem = _mla_smem(L, C, max(heads, 1))
+        _require(op, smem <= self.smem_limit, f"needs {smem} bytes of shared memory (L={L}, C={C})")
+        return H, L, C, BS, max(heads, 1), smem
 
-    def _mla_attend(self, op, q, latent_cache, tables, table_stride, lens, max_keys, scale, value_dim):
-        """Rows of q attend to keys [0, lens[b]) of their table; one pass or split (flash-decoding)."""
+    def _mla_attend(self, op, q, latent_cache, tables, table_stride, lens, max_keys, scale, value_dim, w_uv=None):
+        """Rows of q attend to keys [0, lens[b]) of their table; one pass or split (flash-decoding).
+        ``w_uv`` [H, Dv, C] (checked by the caller): the output up-projected in the same launches."""
         H, L, C, BS, heads, smem = self._mla_args(op, q, latent_cache, value_dim)
         B = q.shape[0]
-        out = cupy.empty((B, H, C), dtype=_BF16)  # [B, H, C]
+        out = cupy.empty((B, H, C if w_uv is None else w_uv.shape[1]), dtype=_BF16)  # [B, H, C or Dv]
         if not B or not H:
             return out
+        splits, split_keys = self._decode_partitions(B * -(-H // heads), max_keys)
+        if w_uv is not None and splits == 1:  # w_uv up-projected inside the pass
+            heads = self._uv_heads(B, H, heads)
+            smem = _mla_smem(L, C, heads)
         head_blocks = -(-H // heads)
-        splits, split_keys = self._decode_partitions(B * head_blocks, max_keys)
         common = (np.int32(H), np.int32(L), np.int32(C), np.int32(BS), np.int32(table_stride), np.int32(heads))
         if splits == 1:
-            args = (q, latent_cache, tables, lens, out, *common, np.float32(scale))
-            _launch("mla_attention.cu", "mla_attention", (B, head_blocks), _MLA_THREADS, args, smem)
+            if w_uv is None:
+                args = (q, latent_cache, tables, lens, out, *common, np.float32(scale))
+                _launch("mla_attention.cu", "mla_attention", (B, head_blocks), _MLA_THREADS, args, smem)
+            else:
+                args = (q, latent_cache, tables, lens, w_uv, out, *common, np.float32(scale), np.int32(out.shape[2]))
+                _launch("mla_attention.cu", "mla_attention_uv", (B, head_blocks), _MLA_THREADS, args, smem)
             return out
         part_acc = cupy.empty((B, splits, H, C), dtype=_F32)  # [B, P, H, C]
         part_ml = cupy.empty((B, splits, H, 2), dtype=_F32)  # [B, P, H, (max, sum)]
         args = (q, latent_cache, tables, lens, part_acc, part_ml, *common, np.int32(split_keys), np.float32(scale))
         _launch("mla_attention.cu", "mla_attention_split", (B, head_blocks, splits), _MLA_THREADS, args, smem)
-        _launch(
-            "paged_attention.cu",
-            "attention_split_combine",
-            (B, H),
-            _ATTN_THREADS,
-            (part_acc, part_ml, out, np.int32(H), np.int32(C), np.int32(splits)),
-        )
+        parts = (part_acc, part_ml) if w_uv is None else (part_acc, part_ml, w_uv)
+        name = "attention_split_combine" if w_uv is None else "mla_split_combine_uv"
+        dims = (np.int32(H), np.int32(C), np.int32(splits)) + (() if w_uv is None else (np.int32(out.shape[2]),))
+        file = "paged_attention.cu" if w_uv is None else "mla_attention.cu"
+        _launch(file, name, (B, H), _ATTN_THREADS, (*parts, out, *dims))
         return out
 
     def mla_attention_prefill(self, q, latent_cache, block_table, start_pos, scale, value_dim):
@@ -958,7 +1033,7 @@ class CupyOps(GptOssCupy, Ops):
         lens = cupy.arange(start_pos + 1, start_pos + T + 1, dtype=_I32)  # [T]
         return self._mla_attend(op, q, latent_cache, block_table, 0, lens, MB * BS, scale, value_dim)
 
-    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim):
+    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim, w_uv=None):
         op = "mla_attention_decode"
         _check(op, "q", q, _BF16, (None, None, None))
         B = q.shape[0]
@@ -966,7 +1041,27 @@ class CupyOps(GptOssCupy, Ops):
         _check(op, "context_lens", context_lens, _I32, (B,))
         _check(op, "latent_cache", latent_cache, _BF16, (None, None, None))
         MB, BS = block_tables.shape[1], latent_cache.shape[1]
-        return self._mla_attend(op, q, latent_cache, block_tables, MB, context_lens, MB * BS, scale, value_dim)
+        fold = w_uv is not None and self._folds_uv(op, q, w_uv, value_dim)
+        o = self._mla_attend(
+            op, q, latent_cache, block_tables, MB, context_lens, MB * BS, scale, value_dim, w_uv if fold else None
+        )
+        return self.head_linear(o, w_uv) if w_uv is not None and not fold else o
+
+    def _uv_heads(self, B: int, H: int, heads: int) -> int:
+        """Heads per block of a one-pass decode with w_uv folded in: a small batch spread over about one
+        block per SM, so w_uv is read by many SMs (a head's arithmetic does not depend on its block-mates;
+        each block reads the row's cache, short in a one-pass decode). A split decode keeps its heads (its
+        partitions read the cache once per head group; its combine has a block per head already)."""
+        while heads > 1 and B * -(-H // heads) < self.sm_count:
+            heads //= 2
+        return heads
+
+    @staticmethod
+    def _folds_uv(op, q, w_uv, C) -> bool:
+        """Whether decode's up-projection by w_uv [H, Dv, C] runs inside the attention launches (decode's
+        few rows, Dv even, C a multiple of 8 up to MLA_MAX_UV_C) or after them (head_linear: cuBLAS)."""
+        _check(op, "w_uv", w_uv, _BF16, (q.shape[1], None, C), aligned=True)
+        return 0 < q.shape[0] <= MLA_FUSED_MAX_ROWS and w_uv.shape[1] % 2 == 0 and C % 8 == 0 and C <= _MLA_MAX_UV_C
 
     def lora_apply(self, y, x, a, b, rows):
         op = "lora_apply"
@@ -1020,6 +1115,46 @@ class CupyOps(GptOssCupy, Ops):
         return out
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start, perm=None):
+        return self._moe(x, weights, ids, w_gate_up, w_down, expert_start, perm)[0]
+
+    def moe_experts_shared(self, x, weights, ids, w_gate_up, w_down, expert_start, perm, shared_gate_up, shared_down):
+        if not self._shared_fusable(x, ids, w_gate_up, w_down, shared_gate_up, shared_down):  # the unfused launches
+            return super().moe_experts_shared(
+                x, weights, ids, w_gate_up, w_down, expert_start, perm, shared_gate_up, shared_down
+            )
+        op = "moe_experts_shared"
+        fp8 = isinstance(shared_gate_up, Fp8Weight)
+        gu, dn, dtype = (shared_gate_up.data, shared_down.data, _U8) if fp8 else (shared_gate_up, shared_down, _BF16)
+        D = w_gate_up.shape[2]
+        _check(op, "shared_gate_up", gu, dtype, (None, D), aligned=True)
+        Is = gu.shape[0] // 2
+        _require(
+            op,
+            gu.shape[0] % 2 == 0 and Is % 8 == 0,
+            f"shared_gate_up must be [2Is, {D}], Is a multiple of 8, got {list(gu.shape)}",
+        )
+        _check(op, "shared_down", dn, dtype, (D, Is), aligned=True)
+        return self._moe(x, weights, ids, w_gate_up, w_down, expert_start, perm, (shared_gate_up, shared_down))
+
+    def _shared_fusable(self, x, ids, w_gate_up, w_down, shared_gate_up, shared_down) -> bool:
+        """Whether moe_experts_shared runs the shared expert in the grouped kernels' launches: up to
+        DENSE_FUSED_MAX_ROWS rows on the CUDA-core path, all weights bf16 or all FP8 with the routed
+        weights' blocks (gate_up's for its gate_up, down's for its down)."""
+        T = x.shape[0] if isinstance(x, cupy.ndarray) else 0
+        k = ids.shape[1] if isinstance(ids, cupy.ndarray) and ids.ndim == 2 else 0
+        weights = (w_gate_up, w_down, shared_gate_up, shared_down)
+        if all(isinstance(w, Fp8Weight) for w in weights):
+            blocks = [(w.block_n, w.block_k) for w in weights]
+            same = blocks[0] == blocks[2] and blocks[1] == blocks[3]
+        else:
+            same = all(isinstance(w, cupy.ndarray) for w in weights)
+        shaped = same and len(w_gate_up.shape) == 3 and w_gate_up.shape[0] > 0
+        return shaped and 0 < T <= DENSE_FUSED_MAX_ROWS and k > 0 and self._moe_choice(T * k, w_gate_up) == "grouped"
+
+    def _moe(self, x, weights, ids, w_gate_up, w_down, expert_start, perm, shared=None):
+        """moe_experts, and with ``shared`` = (shared_gate_up, shared_down) an ungated shared expert in
+        the grouped kernels' launches (moe_experts_shared checked it): (out [T, D] float32, the shared
+        expert's output [T, D] bf16 or None)."""
         op = "moe_experts"
         fp8 = isinstance(w_gate_up, Fp8Weight)
         _require(op, fp8 == isinstance(w_down, Fp8Weight), "w_gate_up and w_down must both be FP8 or both bf16")
@@ -1041,24 +1176,22 @@ class CupyOps(GptOssCupy, Ops):
         out = cupy.empty((T, D), dtype=_F32)  # [T, D]
         if T == 0 or k == 0 or El == 0:  # El == 0 would launch a grid with gridDim.y = 0
             out.fill(0)
-            return out
+            return out, None
         n = T * k
         if perm is None:
             perm = self._permute(ids, expert_start, El)
         else:
             _check(op, "perm.offsets", perm.offsets, _I32, (El + 1,))
             _check(op, "perm.slot_pos", perm.slot_pos, _I32, (n,))
-        offsets, sorted_slot, slot_pos = perm.offsets, perm.sorted_slot, perm.slot_pos
-        run = {"grouped": self._experts_grouped, "tc": self._experts_tc, "gathered": self._experts_gathered}
-        y = run[self._moe_choice(n, w_gate_up)](x, k, offsets, sorted_slot, w_gate_up, w_down)  # [P, D] fp32
-        _launch(
-            "moe_combine.cu",
-            "moe_combine",
-            (T,),
-            _threads(D, "moe_combine"),
-            (y, weights, slot_pos, out, np.int32(D), np.int32(k)),
-        )
-        return out
+        parts = (x, k, perm.offsets, perm.sorted_slot, w_gate_up, w_down)
+        choice = self._moe_choice(n, w_gate_up)
+        if choice == "grouped":
+            y, s = self._experts_grouped(*parts, shared)  # [P, D] fp32, [T, D] bf16 or None
+        else:
+            y, s = {"tc": self._experts_tc, "gathered": self._experts_gathered}[choice](*parts), None
+        args = (y, weights, perm.slot_pos, out, np.int32(D), np.int32(k))
+        _launch("moe_combine.cu", "moe_combine", (T,), _threads(D, "moe_combine"), args)
+        return out, s
 
     def _permute(self, ids, expert_start: int, El: int) -> Permutation:
         """moe_permute: one block of W warps, each placing a contiguous range of slots (one warp per
@@ -1156,9 +1289,12 @@ class CupyOps(GptOssCupy, Ops):
         want = self.sm_count * 32
         return max(1, min(16, -(-units * active_experts // want)))
 
-    def _experts_grouped(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
+    def _experts_grouped(self, x, k, offsets, sorted_slot, w_gate_up, w_down, shared=None):
+        """Both expert GEMMs on CUDA cores (moe_grouped_gemm.cu), one launch each over every local
+        expert; with ``shared`` (the weights' format) the shared expert's blocks join each launch
+        (grid rows El ..). Returns (y [P, D] fp32, the shared expert's output [T, D] bf16 or None)."""
         El, I2, D = w_gate_up.shape
-        I, n = I2 // 2, x.shape[0] * k
+        I, n, T = I2 // 2, x.shape[0] * k, x.shape[0]
         active = min(El, n)
         h = cupy.empty((n, I), dtype=_BF16)  # [P, I] (P <= T*k rows used)
         y = cupy.empty((n, D), dtype=_F32)  # [P, D]
@@ -1167,25 +1303,34 @@ class CupyOps(GptOssCupy, Ops):
         gate_up = (w_gate_up.data, w_gate_up.scale) if fp8 else (w_gate_up,)
         down = (w_down.data, w_down.scale) if fp8 else (w_down,)
         blocks = (np.int32(w_gate_up.block_n), np.int32(w_gate_up.block_k)) if fp8 else ()
-        upw = self._units_per_warp(I, active)
-        _launch(
-            "moe_grouped_gemm.cu",
-            "moe_gate_up_silu" + suffix,
-            (-(-I // (_GG_WARPS * upw)), El),
-            32 * _GG_WARPS,
-            (x, sorted_slot, offsets, *gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw), *blocks),
-        )
+        sg, sd, hs, ys, Is, Ts = w_gate_up, w_down, h, h, 0, 0  # no shared expert: (not read)
+        if shared is not None:
+            (sg, sd), Is, Ts = shared, shared[0].shape[0] // 2, T
+            hs, ys = cupy.empty((T, Is), dtype=_BF16), cupy.empty((T, D), dtype=_BF16)  # its h and output
+        grid, upw = self._grouped_grid(I, active, Is, El)
+        tail = (np.int32(El), *self._fp8_parts(sg), hs, np.int32(Ts), np.int32(Is))
+        args = (x, sorted_slot, offsets, *gate_up, h, np.int32(D), np.int32(I), np.int32(k), np.int32(upw))
+        _launch("moe_grouped_gemm.cu", "moe_gate_up_silu" + suffix, grid, 32 * _GG_WARPS, (*args, *blocks, *tail))
         units = (D + 1) // 2
-        upw = self._units_per_warp(units, active)
+        grid, upw = self._grouped_grid(units, active, units if shared is not None else 0, El)
         blocks = (np.int32(w_down.block_n), np.int32(w_down.block_k)) if fp8 else ()
-        _launch(
-            "moe_grouped_gemm.cu",
-            "moe_down" + suffix,
-            (-(-units // (_GG_WARPS * upw)), El),
-            32 * _GG_WARPS,
-            (h, offsets, *down, y, np.int32(D), np.int32(I), np.int32(upw), *blocks),
-        )
-        return y
+        tail = (np.int32(El), hs, *self._fp8_parts(sd), ys, np.int32(Ts), np.int32(Is))
+        args = (h, offsets, *down, y, np.int32(D), np.int32(I), np.int32(upw))
+        _launch("moe_grouped_gemm.cu", "moe_down" + suffix, grid, 32 * _GG_WARPS, (*args, *blocks, *tail))
+        return y, (ys if shared is not None else None)
+
+    @staticmethod
+    def _fp8_parts(w) -> tuple:
+        """A shared expert's weight as the grouped kernels take it: bf16 rows, or FP8 bytes, their
+        scales and the rows of a part."""
+        return (w.data, w.scale, np.int32(w.part_rows)) if isinstance(w, Fp8Weight) else (w,)
+
+    def _grouped_grid(self, units: int, active: int, shared_units: int, El: int) -> tuple[tuple, int]:
+        """The grouped kernels' grid and units per warp: ``units`` per routed expert (grid x), a row
+        per local expert, then the rows the shared expert's ``shared_units`` need (0: none)."""
+        upw = self._units_per_warp(units * active + shared_units, 1)
+        gx = -(-units // (_GG_WARPS * upw))
+        return (gx, El + -(-shared_units // (gx * _GG_WARPS * upw))), upw
 
     def _experts_gathered(self, x, k, offsets, sorted_slot, w_gate_up, w_down):
         El, I2, D = w_gate_up.shape

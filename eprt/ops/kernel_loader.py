@@ -31,6 +31,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "moe_gate_up_silu_fp8",
         "moe_down_fp8",
         "dense_gate_up_silu",
+        "dense_add_norm_gate_up_silu",
+        "dense_add_norm_gate_up_silu_fp8",
     ),
     "moe_tc.cu": (
         "moe_tc_gate_up",
@@ -56,10 +58,13 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "add_bf16_bf16",
         "rank_sum_f32",
     ),
+    "norm_linear.cu": ("rms_norm_linear",),
     "mla_attention.cu": (
         "mla_latent_write",
         "mla_attention",
         "mla_attention_split",
+        "mla_attention_uv",
+        "mla_split_combine_uv",
         "mla_prologue_bf16",
         "mla_prologue_f32",
     ),
@@ -116,6 +121,7 @@ LAUNCH: dict[str, Launch] = {
     "moe_permute": Launch(1024, OPT_IN),  # 32 warps at most
     "moe_gather_rows": Launch(256),
     **_each(KERNELS["moe_grouped_gemm.cu"], 128),
+    **_each(("dense_add_norm_gate_up_silu", "dense_add_norm_gate_up_silu_fp8"), 128, OPT_IN),  # normed rows [T, D]
     **_each(("moe_tc_gate_up", "moe_tc_down", "moe_tc_gate_up_swiglu", "moe_tc_down_bias"), 128, MOE_TC_SMEM),
     **_each(("moe_tc_gate_up_fp8", "moe_tc_down_fp8"), 128, MOE_TC_SMEM_FP8),
     **_each(("moe_tc_gate_up_w8a8", "moe_tc_down_w8a8"), 128, MOE_TC_SMEM_W8A8),
@@ -128,9 +134,12 @@ LAUNCH: dict[str, Launch] = {
     **_each(("flash_attention_d64", "flash_attention_d128", "flash_attention_d256"), 128, OPT_IN),
     "flash_mla": Launch(256, OPT_IN),
     "mla_latent_write": Launch(256),
+    "rms_norm_linear": Launch(512, OPT_IN),  # rms_norm's block for the width; the T normed rows in shared memory
     **_each(("mla_prologue_bf16", "mla_prologue_f32"), 512),  # rms_norm's block for the latent width
     "mla_attention": Launch(128, OPT_IN),
     "mla_attention_split": Launch(128, OPT_IN),
+    "mla_attention_uv": Launch(128, OPT_IN),
+    "mla_split_combine_uv": Launch(128),  # ATTN_THREADS
     **_each(KERNELS["argmax.cu"], 1024),
     "gather_rows_bf16": Launch(1024),
     "gather_rows_f32": Launch(1024),

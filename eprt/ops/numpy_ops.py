@@ -102,6 +102,7 @@ class NumpyOps(GptOssOps, Ops):
     xp = np
     act_dtype = np.float32
     kv_itemsize = 4  # bytes per KV cache element (float32)
+    joins_mla_products = False  # linear's bits depend on the rows (panels at multiples of 16, else OpenBLAS)
 
     def __init__(self, experts: str | None = None, weights: str | None = None, threads: int | None = None):
         """``experts``: how small expert groups run: "numba" (cpu_kernels, each expert's weights
@@ -219,6 +220,9 @@ class NumpyOps(GptOssOps, Ops):
         if bias is not None:
             y += bias
         return y
+
+    def rms_norm_linear(self, x, norm, eps, w):
+        return self.linear(self.rms_norm(np.ascontiguousarray(x), norm, eps), w)  # [T, N]
 
     def _compiled_rows(self, x, table, ndim: int) -> bool:
         """Whether the compiled path's row-wise kernels (rms_norm, rope) take x (float32, ``ndim``
@@ -431,7 +435,9 @@ class NumpyOps(GptOssOps, Ops):
             weights = weights / weights.sum(axis=-1, keepdims=True)
         return weights.astype(np.float32), ids
 
-    def mla_attention_verify(self, q, latent_cache, block_tables, context_lens, query_lens, scale, value_dim):
+    def mla_attention_verify(
+        self, q, latent_cache, block_tables, context_lens, query_lens, scale, value_dim, w_uv=None
+    ):
         """Each sequence's latent rows gathered once: its rows are a causal chunk at its end."""
         outs, n = [], 0
         for t in np.asarray(query_lens).tolist():
@@ -439,7 +445,8 @@ class NumpyOps(GptOssOps, Ops):
             table = block_tables[n]
             outs.append(self.mla_attention_prefill(q[n : n + t], latent_cache, table, end - t, scale, value_dim))
             n += t
-        return np.concatenate(outs, axis=0)  # [N, H, C]
+        out = np.concatenate(outs, axis=0)  # [N, H, C]
+        return out if w_uv is None else self.head_linear(out, w_uv)  # [N, H, C] or [N, H, Dv]
 
     def silu_and_mul(self, x):
         inter = x.shape[-1] // 2
@@ -725,8 +732,9 @@ class NumpyOps(GptOssOps, Ops):
         mask = np.arange(S)[None, :] <= (start_pos + np.arange(T))[:, None]  # [T, S]
         return self._attend_latent(q, rows, scale, value_dim, mask)
 
-    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim):
-        """Rows gathered padded to the longest context, in batches bounded as attention_decode's."""
+    def mla_attention_decode(self, q, latent_cache, block_tables, context_lens, scale, value_dim, w_uv=None):
+        """Rows gathered padded to the longest context, in batches bounded as attention_decode's; then
+        w_uv's head_linear when given."""
         B, H, _ = q.shape
         out = np.empty((B, H, value_dim), dtype=np.float32)  # [B, H, C]
         lens = np.asarray(context_lens)
@@ -738,7 +746,7 @@ class NumpyOps(GptOssOps, Ops):
             out[rows] = self._attend_latent_padded(
                 q[rows], latent_cache, block_tables[rows], lens[rows], scale, value_dim
             )
-        return out
+        return out if w_uv is None else self.head_linear(out, w_uv)  # [B, H, C] or [B, H, Dv]
 
     @staticmethod
     def _attend_latent_padded(q, latent_cache, block_tables, lens, scale, value_dim):
