@@ -358,10 +358,12 @@ def test_compiled_rms_norm_and_rope_have_the_numpy_bits():
 def test_compiled_attention_prologue_has_the_bits_of_the_ops_apart():
     """NumpyOps.qk_rope_kv_write on the compiled path (one call: per-head q/k norm, rope, KV write)
     gives the bits of rms_norm, rope and kv_write apart and of the NumPy path: q, and the caches (a
-    negative slot not written), with and without q/k norms, q/k/v as row views of one product or apart."""
+    negative slot not written), with and without q/k norms, q/k/v as row views of one product or apart;
+    on 2 threads (8 rows and up: rows shared out) too."""
     rng = np.random.default_rng(23)
-    compiled, plain = NumpyOps("numba"), NumpyOps("numpy")
-    for T, H, Hk, Dh, normed in [(1, 8, 4, 64, True), (5, 4, 2, 16, False), (3, 6, 2, 128, True), (2, 2, 1, 6, True)]:
+    compiled, plain, two = NumpyOps("numba"), NumpyOps("numpy"), NumpyOps("numba", threads=2)
+    cases = [(1, 8, 4, 64, True), (5, 4, 2, 16, False), (3, 6, 2, 128, True), (2, 2, 1, 6, True), (13, 4, 2, 16, True)]
+    for T, H, Hk, Dh, normed in cases:
         qkv = rng.standard_normal((T, (H + 2 * Hk) * Dh), dtype=np.float32) * 3
         views = [
             qkv[:, a:b].reshape(T, -1, Dh) for a, b in ((0, H * Dh), (H * Dh, (H + Hk) * Dh), ((H + Hk) * Dh, None))
@@ -375,6 +377,7 @@ def test_compiled_attention_prologue_has_the_bits_of_the_ops_apart():
         for run, (q, k, v) in [
             (compiled.qk_rope_kv_write, views),
             (compiled.qk_rope_kv_write, [np.ascontiguousarray(a) for a in views]),
+            (two.qk_rope_kv_write, views),
             (plain.qk_rope_kv_write, views),
         ]:
             k_cache, v_cache = np.zeros((3, 8, Hk, Dh), np.float32), np.zeros((3, 8, Hk, Dh), np.float32)
@@ -392,15 +395,16 @@ def test_compiled_attention_block_has_the_bits_of_its_ops_apart(weights):
     """NumpyOps.attention_decode_block on the compiled path (qkv product, prologue, decode attention
     and o product in one call) gives the bits of Ops' composition of the same ops (each its own
     call): the output and both caches, with and without q/k norms, a padding slot not written; on
-    2 threads (one row: the same one call) too."""
+    2 threads (one row: the same one call; 8 rows and up: each step's rows shared out) too."""
     rng = np.random.default_rng(29)
-    for T, H, Hk, Dh, D, normed in [(1, 8, 4, 64, 512, True), (3, 4, 2, 16, 48, False), (2, 2, 1, 32, 32, True)]:
+    cases = [(1, 8, 4, 64, 512, True), (3, 4, 2, 16, 48, False), (2, 2, 1, 32, 32, True), (12, 8, 4, 64, 512, True)]
+    for T, H, Hk, Dh, D, normed in cases:
         host_qkv = rng.standard_normal(((H + 2 * Hk) * Dh, D), dtype=np.float32) * 0.1
         host_o = rng.standard_normal((D, H * Dh), dtype=np.float32) * 0.1
         norms = tuple(rng.standard_normal(Dh, dtype=np.float32) for _ in range(2)) if normed else None
         table = rng.standard_normal((40, Dh), dtype=np.float32)  # [P, Dh]: cos | sin
         positions = rng.integers(0, 40, T).astype(np.int32)
-        slots = np.arange(T, dtype=np.int32) * 5 + 1
+        slots = (np.arange(T, dtype=np.int32) * 5 + 1) % 24  # distinct, some read by other rows
         slots[-1] = -1 if T > 1 else slots[-1]
         tables, lens = np.tile(np.array([[2, 0, 1]], np.int32), (T, 1)), rng.integers(1, 24, T).astype(np.int32)
         x = rng.standard_normal((T, D), dtype=np.float32)
@@ -410,7 +414,7 @@ def test_compiled_attention_block_has_the_bits_of_its_ops_apart(weights):
             ops = NumpyOps("numba", weights=weights, threads=threads)
             qkv, o = ops.linear_weight(host_qkv), ops.linear_weight(host_o)
             k_cache, v_cache = (c.copy() for c in before)
-            assert ops._compiled_block(x, qkv, o, norms, table, k_cache, v_cache) == (threads == 1)
+            assert ops._compiled_block(x, qkv, o, norms, table, k_cache, v_cache) == (threads == 1 or T >= 8)
             run = ops.attention_decode_block if fused else functools.partial(Ops.attention_decode_block, ops)
             args = (norms, 1e-6, positions, table, k_cache, v_cache, slots, tables, lens, 0.125)
             outs.append((run(x, qkv, o, H, *args), k_cache, v_cache))

@@ -706,17 +706,17 @@ def _norm_rope(src, lo, norm, eps, row, dst, normed):  # pragma: no cover - comp
 
 @njit(nogil=True, cache=True)
 def _qk_rope_kv_write(
-    q_in, qo, k, ko, v, vo, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slots, q
+    q_in, qo, k, ko, v, vo, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slots, q, lo, hi
 ):  # pragma: no cover
     """q [T, H, Dh] from columns qo.. of q_in [T, H Dh +], and row t's k and v (columns ko.. of k,
     vo.. of v [T, Hk Dh +]) written to the caches [NB, BS, Hk, Dh] at slot slots[t] (below 0: not
     written), q and k each head normed (``_rms_norm``'s operations, with q_norm / k_norm [Dh];
     length 0: not normed) and rotated by cos_sin[positions[t]] (``_rope``'s), v as it is: the
-    model's steps' bits in one call. q_in, k and v may be one product (a qkv)."""
+    model's steps' bits, for rows lo..hi. q_in, k and v may be one product (a qkv)."""
     H, Dh = q.shape[1], q.shape[2]
     BS, Hk = k_cache.shape[1], k_cache.shape[2]
     normed = np.empty(Dh, np.float32)  # [Dh]
-    for t in range(q.shape[0]):
+    for t in range(lo, hi):
         row = cos_sin[positions[t]]
         for h in range(H):
             _norm_rope(q_in[t], qo + h * Dh, q_norm, eps, row, q[t, h], normed)
@@ -730,21 +730,78 @@ def _qk_rope_kv_write(
 
 
 @njit(nogil=True, cache=True)
-def _attention_block(x, qkv, o, H, norms, eps, positions, cos_sin, kv, slots, tables, lens, scale, y):
-    """y [T, 16 C] = (attention of x [T, D]) @ o: the qkv product (qkv and o (panels, scales,
-    block) triples) into [T, Q + 2KV], ``_qk_rope_kv_write`` of its H q heads and the k and v
-    after them into the caches kv = (k_cache, v_cache), ``_decode_attention``, the o product:
-    Ops.attention_decode_block's steps with their bits, on this thread, in one call."""
-    T, Hk, Dh = x.shape[0], kv[0].shape[2], kv[0].shape[3]
+def _qk_rope_chunks(q_in, k, v, norms, eps, positions, cos_sin, kv, slots, q, chunks, counters):  # pragma: no cover
+    """``_qk_rope_kv_write`` of q_in, k, v (each from column 0) into the caches kv in ``chunks``
+    chunks of rows taken one at a time (``cpu_pool``; each row is its own)."""
+    T = q.shape[0]
+    j = simd.claim(counters, 0)
+    while j < chunks:
+        lo, hi = j * T // chunks, (j + 1) * T // chunks
+        rows = (q, lo, hi)
+        _qk_rope_kv_write(q_in, 0, k, 0, v, 0, norms[0], norms[1], eps, positions, cos_sin, kv[0], kv[1], slots, *rows)
+        simd.claim(counters, 1)
+        j = simd.claim(counters, 0)
+
+
+@njit(nogil=True, cache=True)
+def _qkv_rows(x, qkv, norms, eps, positions, cos_sin, kv, slots, h, q, lo, hi):  # pragma: no cover - compiled
+    """Rows lo..hi of h [T, Q + 2KV] = x [T, D] @ qkv (panels, scales, block), then
+    ``_qk_rope_kv_write`` of its q heads into q [T, H, Dh] and its k and v into the caches kv."""
+    H, Dh, Hk = q.shape[1], q.shape[2], kv[0].shape[2]
     nq, nk = H * Dh, Hk * Dh
-    h = np.empty((T, 16 * qkv[0].shape[0]), np.float32)  # [T, Q + 2KV] (int8: padded to 16)
-    _product(_operand_of(x, qkv[0], qkv[2]), qkv[0], qkv[1], qkv[2], h, 0, T, 0, qkv[0].shape[0])
-    q = np.empty((T, H, Dh), np.float32)  # [T, H, Dh]
-    _qk_rope_kv_write(h, 0, h, nq, h, nq + nk, norms[0], norms[1], eps, positions, cos_sin, kv[0], kv[1], slots, q)
-    a = np.empty((T, H, Dh), np.float32)  # [T, H, Dh]
-    _decode_attention(q, kv[0], kv[1], tables, lens, scale, a, 1, np.zeros(2, np.int64))
-    a2 = a.reshape(T, nq)  # [T, H Dh]
-    _product(_operand_of(a2, o[0], o[2]), o[0], o[1], o[2], y, 0, T, 0, o[0].shape[0])
+    op = _operand(x, qkv[0], qkv[2])
+    _fill(op, x, qkv[2], lo, hi)
+    _product(op, qkv[0], qkv[1], qkv[2], h, lo, hi, 0, qkv[0].shape[0])
+    rows = (q, lo, hi)
+    _qk_rope_kv_write(h, 0, h, nq, h, nq + nk, norms[0], norms[1], eps, positions, cos_sin, kv[0], kv[1], slots, *rows)
+
+
+@njit(nogil=True, cache=True)
+def _attend_o_rows(q, kv, tables, lens, scale, o, a, y, lo, hi):  # pragma: no cover - compiled
+    """Rows lo..hi of a [T, H, Dh] = ``_attend_rows`` of q over the caches kv, then y = a @ o."""
+    T, H, Dh = q.shape[0], q.shape[1], q.shape[2]
+    NB, BS, Hk = kv[0].shape[0], kv[0].shape[1], kv[0].shape[2]
+    keys, values = kv[0].reshape(NB * BS, Hk * Dh), kv[1].reshape(NB * BS, Hk * Dh)  # [slot, Hk Dh]
+    _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, a, lo, hi)
+    a2 = a.reshape(T, H * Dh)  # [T, H Dh]
+    op = _operand(a2, o[0], o[2])
+    _fill(op, a2, o[2], lo, hi)
+    _product(op, o[0], o[1], o[2], y, lo, hi, 0, o[0].shape[0])
+
+
+@njit(nogil=True, cache=True)
+def _attention_block(
+    x, qkv, o, norms, eps, positions, cos_sin, kv, slots, tables, lens, scale, h, q, a, y
+):  # pragma: no cover - compiled
+    """y [T, 16 C] = (attention of x [T, D]) @ o: the qkv product (qkv and o (panels, scales, block)
+    triples) into h [T, Q + 2KV], ``_qk_rope_kv_write`` of its q heads into q [T, H, Dh] and the k
+    and v after them into the caches kv = (k_cache, v_cache), ``_attend_rows`` into a, the o
+    product: Ops.attention_decode_block's steps with their bits, on this thread, in one call."""
+    T = x.shape[0]
+    _qkv_rows(x, qkv, norms, eps, positions, cos_sin, kv, slots, h, q, 0, T)
+    _attend_o_rows(q, kv, tables, lens, scale, o, a, y, 0, T)
+
+
+@njit(nogil=True, cache=True)
+def _qkv_chunks(x, qkv, norms, eps, positions, cos_sin, kv, slots, h, q, chunks, counters):  # pragma: no cover
+    """``_qkv_rows`` of every row in ``chunks`` chunks of rows taken one at a time (``cpu_pool``)."""
+    T = x.shape[0]
+    j = simd.claim(counters, 0)
+    while j < chunks:
+        _qkv_rows(x, qkv, norms, eps, positions, cos_sin, kv, slots, h, q, j * T // chunks, (j + 1) * T // chunks)
+        simd.claim(counters, 1)
+        j = simd.claim(counters, 0)
+
+
+@njit(nogil=True, cache=True)
+def _attend_o_chunks(q, kv, tables, lens, scale, o, a, y, chunks, counters):  # pragma: no cover - compiled
+    """``_attend_o_rows`` of every row in ``chunks`` chunks of rows taken one at a time (``cpu_pool``)."""
+    T = q.shape[0]
+    j = simd.claim(counters, 0)
+    while j < chunks:
+        _attend_o_rows(q, kv, tables, lens, scale, o, a, y, j * T // chunks, (j + 1) * T // chunks)
+        simd.claim(counters, 1)
+        j = simd.claim(counters, 0)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -771,31 +828,40 @@ def add_rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: f
 _NO_NORM = np.empty(0, np.float32)  # _qk_rope_kv_write's norm weights where a model has none
 
 
-def qk_rope_kv_write(q, k, v, q_norm, k_norm, eps: float, positions, cos_sin, k_cache, v_cache, slots):
+def qk_rope_kv_write(q, k, v, q_norm, k_norm, eps: float, positions, cos_sin, k_cache, v_cache, slots, threads=1):
     """[T, H, Dh]: Ops.qk_rope_kv_write of float32 q [T, H, Dh], k, v [T, Hk, Dh] (views allowed),
     float32 caches, norms and cos_sin [P, Dh] (every dim rotated), with the bits of its steps apart,
-    in one call."""
+    in one call (rows shared out over ``threads``, each row whole on one thread)."""
     out = np.empty(q.shape, dtype=np.float32)  # [T, H, Dh]
     norms = (_NO_NORM if q_norm is None else q_norm, _NO_NORM if k_norm is None else k_norm)
     q2, k2, v2 = (a.reshape(a.shape[0], a.shape[1] * a.shape[2]) for a in (q, k, v))  # [T, H Dh] (views of views)
-    _qk_rope_kv_write(q2, 0, k2, 0, v2, 0, *norms, np.float32(eps), positions, cos_sin, k_cache, v_cache, slots, out)
+    args = (q2, k2, v2, norms, np.float32(eps), positions, cos_sin, (k_cache, v_cache), slots, out)
+    threads = threads if q.shape[0] >= ROWS_PER_THREAD * threads else 1
+    share(_qk_rope_chunks, args, q.shape[0], threads)
     return out
 
 
 def attention_block(
-    x, qkv, o, heads: int, q_norm, k_norm, eps: float, positions, cos_sin, kv, slots, tables, lens, scale
+    x, qkv, o, heads: int, q_norm, k_norm, eps: float, positions, cos_sin, kv, slots, tables, lens, scale, threads=1
 ):
     """[T, D]: Ops.attention_decode_block of float32 x [T, D] through resident panels qkv [(H + 2 Hk)
     Dh, D] and o [D, H Dh], float32 caches kv = (k_cache, v_cache) [NB, BS, Hk, Dh] (Dh a multiple
     of 16), norms and cos_sin [P, Dh] (every dim rotated), with the bits of its ops apart, in one
-    call on this thread."""
+    call (with ROWS_PER_THREAD rows a thread and up, two: rows shared out over ``threads``)."""
     y = np.empty((x.shape[0], LANES * _triple(o)[0].shape[0]), dtype=np.float32)  # [T, D] (int8: padded to 16)
     norms = (_NO_NORM if q_norm is None else q_norm, _NO_NORM if k_norm is None else k_norm)
     tables, lens = np.ascontiguousarray(tables, dtype=np.int32), np.ascontiguousarray(lens, dtype=np.int32)
     x = np.ascontiguousarray(x)
-    args = (positions, cos_sin, kv, slots, tables, lens, np.float32(scale), y)
-    _attention_block(x, _triple(qkv), _triple(o), heads, norms, np.float32(eps), *args)
-    N = _size(o)[0]
+    N, T, (qkv, o), Dh = _size(o)[0], x.shape[0], (_triple(qkv), _triple(o)), kv[0].shape[3]
+    h = np.empty((T, LANES * qkv[0].shape[0]), np.float32)  # [T, Q + 2KV] (int8: padded to 16)
+    q, a = np.empty((T, heads, Dh), np.float32), np.empty((T, heads, Dh), np.float32)  # [T, H, Dh]
+    first = (x, qkv, norms, np.float32(eps), positions, cos_sin, kv, slots, h, q)
+    then = (q, kv, tables, lens, np.float32(scale), o, a, y)
+    if threads == 1 or T < ROWS_PER_THREAD * threads:
+        _attention_block(x, qkv, o, *first[2:8], tables, lens, np.float32(scale), h, q, a, y)
+    else:  # each step's rows shared out, the caches all written before any row attends
+        share(_qkv_chunks, first, threads * BLOCK_CHUNKS_PER_THREAD, threads)
+        share(_attend_o_chunks, then, threads * BLOCK_CHUNKS_PER_THREAD, threads)
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 
 
@@ -849,6 +915,10 @@ def exact_columns(w) -> int:
 def count_experts(ids, counts) -> None:
     """NumpyOps.count_experts in one call."""
     _count_experts(ids, counts)
+
+
+ROWS_PER_THREAD = 4  # a prologue or attention block of fewer rows a thread stays on one thread
+BLOCK_CHUNKS_PER_THREAD = 2  # an attention block's chunks a thread (each reads all its weights)
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, lens, scale: float, threads: int = 1) -> np.ndarray:

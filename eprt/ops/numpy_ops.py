@@ -251,7 +251,7 @@ class NumpyOps(GptOssOps, Ops):
         if self._compiled_prologue(q, k, v, norms, cos_sin, k_cache, v_cache):  # one call, the same bits
             q_norm, k_norm = (None, None) if norms is None else norms
             return self.kernels.qk_rope_kv_write(
-                q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping
+                q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping, self.threads
             )
         q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))  # [T, H|Hk, Dh]
         if norms is not None:
@@ -266,7 +266,7 @@ class NumpyOps(GptOssOps, Ops):
         if self._compiled_block(x, qkv, o, norms, cos_sin, k_cache, v_cache):  # one call, the same bits
             q_norm, k_norm = (None, None) if norms is None else norms
             args = (eps, positions, cos_sin, (k_cache, v_cache), slots, tables, lens, scale)
-            return self.kernels.attention_block(x, qkv, o, heads, q_norm, k_norm, *args)  # [T, D]
+            return self.kernels.attention_block(x, qkv, o, heads, q_norm, k_norm, *args, self.threads)  # [T, D]
         args = (norms, eps, positions, cos_sin, k_cache, v_cache, slots, tables, lens, scale)
         return super().attention_decode_block(x, qkv, o, heads, *args)
 
@@ -274,9 +274,11 @@ class NumpyOps(GptOssOps, Ops):
         """Whether ``attention_decode_block`` runs cpu_kernels.attention_block (its five calls as one:
         at batch 1 a call's dispatch and wrappers cost as much as its work): what the compiled
         prologue and decode attention take, both matrices panels, every step on one thread (one
-        compute thread, or one row whose products are too small to share out)."""
+        compute thread, or one row whose products are too small to share out) or rows enough to
+        share out whole (cpu_kernels.ROWS_PER_THREAD a thread: each thread's rows read every weight)."""
         Dh, f32 = k_cache.shape[-1], all(a.dtype == np.float32 for a in (x, cos_sin, *(norms or ())))
         one_thread = self.threads == 1 or (x.shape[0] == 1 and self._one_thread(qkv) and self._one_thread(o))
+        one_thread = one_thread or x.shape[0] >= self.kernels.ROWS_PER_THREAD * self.threads
         fits = self.experts == "numba" and f32 and x.ndim == 2 and Dh % 16 == 0 and cos_sin.shape[1] == Dh
         return fits and one_thread and _panelled(qkv, 2) and _panelled(o, 2) and self._compiled_caches(k_cache, v_cache)
 
