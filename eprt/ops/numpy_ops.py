@@ -278,9 +278,10 @@ class NumpyOps(GptOssOps, Ops):
         share out whole (cpu_kernels.ROWS_PER_THREAD a thread: each thread's rows read every weight)."""
         Dh, f32 = k_cache.shape[-1], all(a.dtype == np.float32 for a in (x, cos_sin, *(norms or ())))
         one_thread = self.threads == 1 or (x.shape[0] == 1 and self._one_thread(qkv) and self._one_thread(o))
-        one_thread = one_thread or x.shape[0] >= self.kernels.ROWS_PER_THREAD * self.threads
+        rows_shared = x.shape[0] >= self.kernels.ROWS_PER_THREAD * self.threads  # each thread's rows whole
         fits = self.experts == "numba" and f32 and x.ndim == 2 and Dh % 16 == 0 and cos_sin.shape[1] == Dh
-        return fits and one_thread and _panelled(qkv, 2) and _panelled(o, 2) and self._compiled_caches(k_cache, v_cache)
+        fits = fits and _panelled(qkv, 2) and _panelled(o, 2) and self._compiled_caches(k_cache, v_cache)
+        return fits and (one_thread or rows_shared)
 
     def _compiled_prologue(self, q, k, v, norms, cos_sin, k_cache, v_cache) -> bool:
         """Whether ``qk_rope_kv_write`` runs cpu_kernels.qk_rope_kv_write: the compiled path, float32
