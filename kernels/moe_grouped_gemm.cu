@@ -119,33 +119,6 @@ __device__ void dense_gate_up_silu_units(const bf16* x, const W& w, bf16* __rest
     }
 }
 
-// s[t, n] = h[t] . w[n] rounded to bf16 (a linear's output) for the rows t < T and this warp's
-// column pairs u in [first, last) (n = 2u, 2u + 1). h [T, K]; w [D, K] rows, bf16 or FP8 (then the
-// bits of fp8_linear's product: the same dot_two_rows); s [T, D].
-template <typename W>
-__device__ void dense_down_units(const bf16* __restrict__ h, const W& w, bf16* __restrict__ s, int T, int D, int K,
-                                 int first, int last) {
-    const int lane = threadIdx.x % WARP_SIZE;
-    for (int u = first; u < last; ++u) {
-        const int n0 = 2 * u, n1 = min(2 * u + 1, D - 1);
-        for (int m0 = 0; m0 < T; m0 += GG_MT) {
-            const int mt = min(GG_MT, T - m0);
-            const bf16* xr[GG_MT];
-#pragma unroll
-            for (int m = 0; m < GG_MT; ++m) xr[m] = h + (long long)(m0 + min(m, mt - 1)) * K;
-            float a0[GG_MT], a1[GG_MT];
-            dot_two_rows(w, n0, n1, xr, mt, K, a0, a1);
-#pragma unroll
-            for (int m = 0; m < GG_MT; ++m)
-                if (m < mt && lane == m) {
-                    bf16* sr = s + (long long)(m0 + m) * D;
-                    sr[n0] = __float2bfloat16(a0[m]);
-                    if (n1 != n0) sr[n1] = __float2bfloat16(a1[m]);
-                }
-        }
-    }
-}
-
 // The shared expert's blocks of the grouped launches (blockIdx.y >= El): its gate_up with silu_and_mul
 // over every row t < T (w: [2Is, D] rows) into h_shared [T, Is], or its down product (w: [D, Is] rows)
 // of h_shared into y_shared [T, D] bf16.

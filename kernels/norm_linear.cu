@@ -9,6 +9,7 @@
 // output is. x [T, ldx] (rows spaced ldx: a column slice of a larger product); norm [K]; w [N, K];
 // y [T, N]. K a multiple of 8 (host-checked). Grid ceil(ceil(N / 2) / (warps * units_per_warp)).
 // Dynamic shared memory: block_sum's WARP_SIZE floats, then the T * K bf16 normed rows.
+#include "rms_row.cuh"
 #include "weight_rows.cuh"
 
 extern "C" __global__ void __launch_bounds__(512) rms_norm_linear(const bf16* __restrict__ x, int ldx,
@@ -19,34 +20,9 @@ extern "C" __global__ void __launch_bounds__(512) rms_norm_linear(const bf16* __
     extern __shared__ uint4 smem_raw[];
     float* scratch = reinterpret_cast<float*>(smem_raw);         // [WARP_SIZE]: block_sum's
     bf16* xn = reinterpret_cast<bf16*>(scratch + WARP_SIZE);  // [T, K]
-    for (int t = 0; t < T; ++t) {
-        const bf16* xt = x + (long long)t * ldx;
-        float ss = 0.0f;
-        for (int d = threadIdx.x; d < K; d += blockDim.x) {
-            const float v = to_f32(xt[d]);
-            ss += v * v;
-        }
-        const float inv = rsqrtf(block_sum(ss, scratch) / K + eps);
-        for (int d = threadIdx.x; d < K; d += blockDim.x)
-            xn[t * K + d] = __float2bfloat16(to_f32(xt[d]) * inv * to_f32(norm[d]));
-    }
+    for (int t = 0; t < T; ++t) rms_norm_row(x + (long long)t * ldx, norm, xn + t * K, K, eps, scratch);
     __syncthreads();
-    const Bf16Rows rows{w, K};
-    const int lane = threadIdx.x % WARP_SIZE, warps = blockDim.x / WARP_SIZE;
+    const int warps = blockDim.x / WARP_SIZE;
     const int first = (blockIdx.x * warps + threadIdx.x / WARP_SIZE) * units_per_warp;
-    const int last = min(first + units_per_warp, (N + 1) / 2);
-    const bf16* xr[GG_MT];
-#pragma unroll
-    for (int m = 0; m < GG_MT; ++m) xr[m] = xn + min(m, T - 1) * K;
-    for (int u = first; u < last; ++u) {
-        const int n0 = 2 * u, n1 = min(n0 + 1, N - 1);
-        float a0[GG_MT], a1[GG_MT];
-        dot_two_rows(rows, n0, n1, xr, T, K, a0, a1);
-#pragma unroll
-        for (int m = 0; m < GG_MT; ++m)
-            if (m < T && lane == m) {
-                y[(long long)m * N + n0] = __float2bfloat16(a0[m]);
-                if (n0 + 1 < N) y[(long long)m * N + n0 + 1] = __float2bfloat16(a1[m]);
-            }
-    }
+    dense_down_units(xn, Bf16Rows{w, K}, y, T, N, K, first, min(first + units_per_warp, (N + 1) / 2));
 }

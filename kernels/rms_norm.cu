@@ -7,16 +7,7 @@ extern "C" __global__ void rms_norm(const bf16* __restrict__ x, const bf16* __re
                                     bf16* __restrict__ out, int D, float eps) {
     __shared__ float scratch[WARP_SIZE];
     const long long row = blockIdx.x;
-    x += row * D;
-    out += row * D;
-    float ss = 0.0f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float v = to_f32(x[d]);
-        ss += v * v;
-    }
-    const float inv = rsqrtf(block_sum(ss, scratch) / D + eps);
-    for (int d = threadIdx.x; d < D; d += blockDim.x)
-        out[d] = __float2bfloat16(to_f32(x[d]) * inv * to_f32(w[d]));
+    rms_norm_row(x + row * D, w, out + row * D, D, eps, scratch);
 }
 
 // s = x + residual (stored as bf16 in sum_out); out = rms_norm(s) computed from the stored s,

@@ -1,5 +1,6 @@
-// add_rms_norm's row arithmetic (rms_norm.cu), shared with the kernels that normalise a row
-// themselves (moe_grouped_gemm.cu's dense_add_norm_gate_up_silu), so both round and sum alike.
+// rms_norm's and add_rms_norm's row arithmetic (rms_norm.cu), shared with the kernels that normalise
+// a row themselves (moe_grouped_gemm.cu's dense_add_norm_gate_up_silu, norm_linear.cu's
+// rms_norm_linear), so they round and sum alike.
 #pragma once
 
 #include "common.cuh"
@@ -31,4 +32,18 @@ __device__ __forceinline__ float rms_inv(float total, int D, float eps) { return
 // One normalised element: s * inv * w, rounded to bf16.
 __device__ __forceinline__ bf16 rms_scaled(bf16 s, float inv, bf16 w) {
     return __float2bfloat16(to_f32(s) * inv * to_f32(w));
+}
+
+// out[d] = x[d] * rsqrt(mean(x^2) + eps) * w[d] for one row of D by the whole block (rms_norm's
+// arithmetic: fp32 sum of squares in the block's order, bf16 out). scratch: block_sum's [WARP_SIZE].
+__device__ __forceinline__ void rms_norm_row(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                             bf16* __restrict__ out, int D, float eps, float* scratch) {
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float v = to_f32(x[d]);
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / D + eps);
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        out[d] = __float2bfloat16(to_f32(x[d]) * inv * to_f32(w[d]));
 }
