@@ -880,9 +880,15 @@ def router(logits, top_k: int, renormalize: bool, counts=None) -> tuple:
     counts [E] (int32) when given, as ``count_experts``."""
     x = np.empty(logits.shape, np.float32)  # [T, E]
     _shift_rows(np.ascontiguousarray(logits, dtype=np.float32), x)
-    np.exp(x, out=x)
-    weights, ids = np.empty((len(x), top_k), np.float32), np.empty((len(x), top_k), np.int32)
-    _top_k_rows(x, top_k, renormalize, weights, ids, _NO_COUNTS if counts is None else counts)
+    return _exp_pick(x, top_k, renormalize, counts)
+
+
+def _exp_pick(shifted, top_k: int, renormalize: bool, counts) -> tuple:
+    """The router's last two steps over its shifted logits [T, E] (overwritten): NumPy's exp in place,
+    then the compiled pick (weights [T, k], ids [T, k]), counting into counts when given."""
+    np.exp(shifted, out=shifted)
+    weights, ids = np.empty((len(shifted), top_k), np.float32), np.empty((len(shifted), top_k), np.int32)
+    _top_k_rows(shifted, top_k, renormalize, weights, ids, _NO_COUNTS if counts is None else counts)
     return weights, ids
 
 
@@ -900,10 +906,7 @@ def route_rows(x, w, top_k: int, renormalize: bool, counts=None) -> tuple:
     logits = np.empty((x.shape[0], LANES * data.shape[0]), np.float32)  # [T, E]
     shifted = np.empty_like(logits)
     _router_shift(np.ascontiguousarray(x), data, scales, block, logits, shifted)
-    np.exp(shifted, out=shifted)
-    weights, ids = np.empty((len(x), top_k), np.float32), np.empty((len(x), top_k), np.int32)
-    _top_k_rows(shifted, top_k, renormalize, weights, ids, _NO_COUNTS if counts is None else counts)
-    return weights, ids
+    return _exp_pick(shifted, top_k, renormalize, counts)
 
 
 def exact_columns(w) -> int:

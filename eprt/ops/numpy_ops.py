@@ -85,6 +85,11 @@ def _solve_unit_lower(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
+def _compiled_counts(counts) -> bool:
+    """Whether the compiled router's pick can count into ``counts``: none, or int32 [E]."""
+    return counts is None or (counts.dtype == np.int32 and counts.ndim == 1)
+
+
 def expert_permutation(ids: np.ndarray, expert_start: int, El: int) -> Permutation:
     """The reference Permutation (base.py) of the slots of ids[T, k] to local experts
     [expert_start, expert_start + El)."""
@@ -487,9 +492,8 @@ class NumpyOps(GptOssOps, Ops):
         """The router's product and its shift in one compiled call where ``route`` would take the
         compiled router anyway (panels with no padding, no logit bias, one thread: the same bits)."""
         fits = logit_bias is None and not isinstance(routing, GroupedRouting) and x.ndim == 2 and x.dtype == np.float32
-        panels = fits and self.experts == "numba" and _panelled(router, 2)
-        counted = counts is None or (counts.dtype == np.int32 and counts.ndim == 1)
-        if panels and counted and self.kernels.exact_columns(router) >= top_k and self._one_thread(router):
+        panels = fits and self.experts == "numba" and _panelled(router, 2) and _compiled_counts(counts)
+        if panels and self.kernels.exact_columns(router) >= top_k and self._one_thread(router):
             return (*self.kernels.route_rows(x, router, top_k, routing, counts), None)
         return super().route_rows(x, router, logit_bias, top_k, routing, bias, counts, local)
 
@@ -501,7 +505,7 @@ class NumpyOps(GptOssOps, Ops):
         """Whether ``router`` (and ``route``'s count) run cpu_kernels.router: the compiled path, [T, E]
         logits with at least top_k experts, int32 counts [E] if any."""
         fits = self.experts == "numba" and logits.ndim == 2 and logits.shape[1] >= top_k
-        return fits and (counts is None or (counts.dtype == np.int32 and counts.ndim == 1))
+        return fits and _compiled_counts(counts)
 
     def moe_experts(self, x, weights, ids, w_gate_up, w_down, expert_start, perm=None):
         """(``perm`` is not needed here: the experts group their rows themselves.)"""
