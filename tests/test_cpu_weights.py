@@ -233,6 +233,54 @@ def test_pool_threads_take_each_chunk_whole_and_once():
     assert {name for _, name in taken} == {threading.current_thread().name, "eprt-cpu"}
 
 
+@pytest.mark.parametrize("units", [1, 2, 7, 64, 1000])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_chunks_cover_every_unit_once_and_shrink(units, threads):
+    """cpu_pool.spans: edges from 0 to units, every chunk at least one unit; shrinking chunks (the
+    first the largest, the last one unit where there are enough), or ``even`` equal ones."""
+    from eprt.ops.cpu_pool import spans
+
+    edges = spans(units, threads)
+    sizes = np.diff(edges)
+    assert edges[0] == 0 and edges[-1] == units and (sizes >= 1).all()
+    assert (np.diff(sizes) <= 0).all() and (threads == 1 or len(sizes) == units or len(sizes) > threads)
+    assert threads == 1 or units < 4 * threads or sizes[-1] == 1
+    even = np.diff(spans(units, threads, even=2))
+    assert even.sum() == units and len(even) == (1 if threads == 1 else min(units, 2 * threads))
+    assert even.max() - even.min() <= 1
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "int8"])
+def test_grouped_chunks_cut_anywhere_give_the_one_chunk_bits(kind):
+    """cpu_kernels._grouped_chunks lays the groups' panels end to end: chunks cut inside a group or
+    across two give the bits of one chunk over everything (the order each element is summed in
+    never depends on the cut)."""
+    from eprt.ops import cpu_kernels
+    from eprt.ops.cpu_pool import new_counters
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((5, 64, 96)).astype(np.float32)  # 5 experts [64, 96]: 4 panels each
+    packed = cpu_weights.int8_panels(w, 32) if kind == "int8" else cpu_weights.float_panels(w, kind)
+    data, scales, block = cpu_kernels._triple(packed)
+    x = rng.standard_normal((11, 96)).astype(np.float32)
+    experts, edges = np.array([0, 2, 3, 4], np.int64), np.array([0, 3, 3, 4, 4, 9, 9, 11], np.int64)
+    op = cpu_kernels._operand_for_call(x, data, block)
+
+    def run(cuts):
+        y = np.zeros((11, 64), np.float32)
+        cuts = np.array(cuts, np.int64)
+        cpu_kernels._grouped_chunks(op, data, scales, block, y, experts, edges, cuts, new_counters())
+        return y
+
+    whole = run([0, 16])
+    for cuts in ([0, 3, 9, 10, 16], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [0, 13, 16]):
+        np.testing.assert_array_equal(run(cuts).view(np.int32), whole.view(np.int32))
+    if kind != "int8":  # (the int8 arithmetic: test_int8_products_are_the_quantization_they_say)
+        dense = cpu_weights.float32(cpu_weights.float_panels(w, kind)).swapaxes(-1, -2).reshape(5, 64, 96)
+        for e, lo, hi in zip(experts, edges[0::2], edges[1::2]):
+            np.testing.assert_allclose(whole[lo:hi], x[lo:hi] @ dense[e].T, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "int8"])
 def test_expert_parallel_placements_keep_the_bits_of_resident_weights(resident, checkpoint, monkeypatch, kind):
     """EPLB over 2 ranks with redundant slots and a switch in mid-decode (bf16 panels are indexed,

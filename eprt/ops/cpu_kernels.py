@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from eprt.ops import cpu_simd as simd
-from eprt.ops.cpu_pool import new_counters, share, threads_for
+from eprt.ops.cpu_pool import new_counters, share, spans, threads_for
 from eprt.ops.cpu_weights import LANES, ScaledPanels, unit_scales
 
 
@@ -58,6 +58,7 @@ _numba_array_math()
 
 PANEL_PREFETCH_BYTES = 32768  # the first rows' pass over a panel asks for the weights this far ahead
 KV_PREFETCH_POSITIONS = 8  # _decode_attention asks for the keys this many positions ahead
+WATCH_SPINS = 40000  # spin-wait hints a pool helper watches for the next call (~1 ms on this machine)
 VERSION = numba.__version__
 
 
@@ -306,13 +307,22 @@ def _fill_for(op, x, block, lo, hi):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _linear_chunks(op, w, s, block, y, chunks, counters):  # pragma: no cover - compiled
-    """y = op @ w for panels w [C, ..], in ``chunks`` chunks of panels taken one at a time
-    (``cpu_pool``): chunk j is panels [j C / chunks, (j + 1) C / chunks) for every row."""
-    C = w.shape[0]
+def await_post(posted, seen):  # pragma: no cover - compiled
+    """Returns when posted[0] != seen (``cpu_pool``: a call was posted) or after WATCH_SPINS
+    spin-wait hints, the GIL released."""
+    for _ in range(WATCH_SPINS):
+        if simd.peek(posted, 0) != seen:
+            return
+        simd.pause()
+
+
+@njit(nogil=True, cache=True)
+def _linear_chunks(op, w, s, block, y, spans, counters):  # pragma: no cover - compiled
+    """y = op @ w for panels w [C, ..], in chunks of panels taken one at a time (``cpu_pool``):
+    chunk j is panels spans[j] .. spans[j + 1] for every row."""
     j = simd.claim(counters, 0)
-    while j < chunks:
-        _product(op, w, s, block, y, 0, y.shape[0], j * C // chunks, (j + 1) * C // chunks)
+    while j < spans.shape[0] - 1:
+        _product(op, w, s, block, y, 0, y.shape[0], spans[j], spans[j + 1])
         simd.claim(counters, 1)
         j = simd.claim(counters, 0)
 
@@ -326,15 +336,21 @@ def _linear_one(x, w, s, block, y):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _grouped_chunks(op, w, s, block, y, experts, edges, chunks, counters):  # pragma: no cover - compiled
-    """y[lo:hi] = op[lo:hi] @ w[e] for each group (experts[i], edges[2i], edges[2i+1]), in
-    ``chunks`` chunks taken one at a time: chunk j is ``_linear_chunks``' panels of every group."""
+def _grouped_chunks(op, w, s, block, y, experts, edges, spans, counters):  # pragma: no cover - compiled
+    """y[lo:hi] = op[lo:hi] @ w[e] for each group (experts[i], edges[2i], edges[2i+1]), in chunks
+    taken one at a time: the groups' panels laid end to end (unit u: group u // C, its panel u % C),
+    chunk j is units spans[j] .. spans[j + 1], so a thread streams long runs of one expert's
+    weights (runs of a few panels from every expert streamed at a third of the speed)."""
     C = w.shape[1]
     j = simd.claim(counters, 0)
-    while j < chunks:
-        for i in range(experts.shape[0]):
-            e, lo, hi = experts[i], edges[2 * i], edges[2 * i + 1]
-            _product(op, w[e], s[e], block, y, lo, hi, j * C // chunks, (j + 1) * C // chunks)
+    while j < spans.shape[0] - 1:
+        u, end = spans[j], spans[j + 1]
+        while u < end:
+            i, c0 = u // C, u % C
+            c1 = min(C, c0 + end - u)
+            e = experts[i]
+            _product(op, w[e], s[e], block, y, edges[2 * i], edges[2 * i + 1], c0, c1)
+            u += c1 - c0
         simd.claim(counters, 1)
         j = simd.claim(counters, 0)
 
@@ -360,18 +376,28 @@ def _silu_mul_rows(h, inter, a):  # pragma: no cover - compiled
             a[r, j] = g / (one + np.exp(-g)) * h[r, inter + j]
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _all_of(w, experts):  # pragma: no cover - compiled
+    """``_grouped_chunks``' spans of one chunk of every panel of the groups of ``experts``."""
+    edges = np.zeros(2, np.int64)
+    edges[1] = experts.shape[0] * w.shape[1]
+    return edges
+
+
 @njit(nogil=True, cache=True)
 def _ffn_grouped(xs, gate_up, down, inter, experts, edges):  # pragma: no cover - compiled
     """Per group: ys[lo:hi] = (silu(g) * u) @ down[e], [g | u] = xs[lo:hi] @ gate_up[e] (each a
     (panels, scales, block) triple), on this thread (``moe`` shares the products out otherwise)."""
     h = np.empty((xs.shape[0], 16 * gate_up[0].shape[1]), np.float32)  # [n, 2I] (int8: padded to 16)
     op = _operand_of(xs, gate_up[0], gate_up[2])
-    _grouped_chunks(op, gate_up[0], gate_up[1], gate_up[2], h, experts, edges, 1, np.zeros(2, np.int64))
+    _grouped_chunks(
+        op, gate_up[0], gate_up[1], gate_up[2], h, experts, edges, _all_of(gate_up[0], experts), np.zeros(2, np.int64)
+    )
     a = np.empty((xs.shape[0], inter), np.float32)  # [n, I]
     _silu_mul_rows(h, inter, a)
     ys = np.empty((xs.shape[0], 16 * down[0].shape[1]), np.float32)  # [n, D] (int8: padded to 16)
     op = _operand_of(a, down[0], down[2])
-    _grouped_chunks(op, down[0], down[1], down[2], ys, experts, edges, 1, np.zeros(2, np.int64))
+    _grouped_chunks(op, down[0], down[1], down[2], ys, experts, edges, _all_of(down[0], experts), np.zeros(2, np.int64))
     return ys
 
 
@@ -501,15 +527,16 @@ def _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, lo, hi):  # 
 
 
 @njit(nogil=True, cache=True)
-def _decode_attention(q, k_cache, v_cache, tables, lens, scale, out, chunks, counters):  # pragma: no cover - compiled
-    """``_attend_rows`` of every row, in ``chunks`` chunks of rows taken one at a time (each row is its own)."""
-    B, Dh = q.shape[0], q.shape[2]
+def _decode_attention(q, k_cache, v_cache, tables, lens, scale, out, spans, counters):  # pragma: no cover - compiled
+    """``_attend_rows`` of every row, in chunks of rows spans[j] .. spans[j + 1] taken one at a time
+    (each row is its own)."""
+    Dh = q.shape[2]
     NB, BS, Hk = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     keys = k_cache.reshape(NB * BS, Hk * Dh)  # [slot, Hk Dh]
     values = v_cache.reshape(NB * BS, Hk * Dh)
     j = simd.claim(counters, 0)
-    while j < chunks:
-        _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, j * B // chunks, (j + 1) * B // chunks)
+    while j < spans.shape[0] - 1:
+        _attend_rows(q, keys, values, BS, Hk, tables, lens, scale, out, spans[j], spans[j + 1])
         simd.claim(counters, 1)
         j = simd.claim(counters, 0)
 
@@ -730,14 +757,12 @@ def _qk_rope_kv_write(
 
 
 @njit(nogil=True, cache=True)
-def _qk_rope_chunks(q_in, k, v, norms, eps, positions, cos_sin, kv, slots, q, chunks, counters):  # pragma: no cover
-    """``_qk_rope_kv_write`` of q_in, k, v (each from column 0) into the caches kv in ``chunks``
-    chunks of rows taken one at a time (``cpu_pool``; each row is its own)."""
-    T = q.shape[0]
+def _qk_rope_chunks(q_in, k, v, norms, eps, positions, cos_sin, kv, slots, q, spans, counters):  # pragma: no cover
+    """``_qk_rope_kv_write`` of q_in, k, v (each from column 0) into the caches kv in chunks of rows
+    spans[j] .. spans[j + 1] taken one at a time (``cpu_pool``; each row is its own)."""
     j = simd.claim(counters, 0)
-    while j < chunks:
-        lo, hi = j * T // chunks, (j + 1) * T // chunks
-        rows = (q, lo, hi)
+    while j < spans.shape[0] - 1:
+        rows = (q, spans[j], spans[j + 1])
         _qk_rope_kv_write(q_in, 0, k, 0, v, 0, norms[0], norms[1], eps, positions, cos_sin, kv[0], kv[1], slots, *rows)
         simd.claim(counters, 1)
         j = simd.claim(counters, 0)
@@ -783,23 +808,21 @@ def _attention_block(
 
 
 @njit(nogil=True, cache=True)
-def _qkv_chunks(x, qkv, norms, eps, positions, cos_sin, kv, slots, h, q, chunks, counters):  # pragma: no cover
-    """``_qkv_rows`` of every row in ``chunks`` chunks of rows taken one at a time (``cpu_pool``)."""
-    T = x.shape[0]
+def _qkv_chunks(x, qkv, norms, eps, positions, cos_sin, kv, slots, h, q, spans, counters):  # pragma: no cover
+    """``_qkv_rows`` of every row in chunks of rows spans[j] .. spans[j + 1] taken one at a time."""
     j = simd.claim(counters, 0)
-    while j < chunks:
-        _qkv_rows(x, qkv, norms, eps, positions, cos_sin, kv, slots, h, q, j * T // chunks, (j + 1) * T // chunks)
+    while j < spans.shape[0] - 1:
+        _qkv_rows(x, qkv, norms, eps, positions, cos_sin, kv, slots, h, q, spans[j], spans[j + 1])
         simd.claim(counters, 1)
         j = simd.claim(counters, 0)
 
 
 @njit(nogil=True, cache=True)
-def _attend_o_chunks(q, kv, tables, lens, scale, o, a, y, chunks, counters):  # pragma: no cover - compiled
-    """``_attend_o_rows`` of every row in ``chunks`` chunks of rows taken one at a time (``cpu_pool``)."""
-    T = q.shape[0]
+def _attend_o_chunks(q, kv, tables, lens, scale, o, a, y, spans, counters):  # pragma: no cover - compiled
+    """``_attend_o_rows`` of every row in chunks of rows spans[j] .. spans[j + 1] taken one at a time."""
     j = simd.claim(counters, 0)
-    while j < chunks:
-        _attend_o_rows(q, kv, tables, lens, scale, o, a, y, j * T // chunks, (j + 1) * T // chunks)
+    while j < spans.shape[0] - 1:
+        _attend_o_rows(q, kv, tables, lens, scale, o, a, y, spans[j], spans[j + 1])
         simd.claim(counters, 1)
         j = simd.claim(counters, 0)
 
@@ -860,8 +883,8 @@ def attention_block(
     if threads == 1 or T < ROWS_PER_THREAD * threads:
         _attention_block(x, qkv, o, *first[2:8], tables, lens, np.float32(scale), h, q, a, y)
     else:  # each step's rows shared out, the caches all written before any row attends
-        share(_qkv_chunks, first, threads * BLOCK_CHUNKS_PER_THREAD, threads)
-        share(_attend_o_chunks, then, threads * BLOCK_CHUNKS_PER_THREAD, threads)
+        share(_qkv_chunks, first, T, threads, even=BLOCK_CHUNKS_PER_THREAD)
+        share(_attend_o_chunks, then, T, threads, even=BLOCK_CHUNKS_PER_THREAD)
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 
 
@@ -932,7 +955,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, lens, scale: float, thre
     lens = np.ascontiguousarray(lens, dtype=np.int32)
     args = (np.ascontiguousarray(q), k_cache, v_cache, tables, lens, np.float32(scale), out)
     if threads == 1 or q.shape[0] == 1:  # one chunk, on this thread
-        _decode_attention(*args, 1, new_counters())
+        _decode_attention(*args, spans(q.shape[0], 1), new_counters())
     else:
         share(_decode_attention, args, q.shape[0], threads)
     return out
@@ -1011,7 +1034,7 @@ def _grouped_product(x, w, experts, edges, threads: int) -> np.ndarray:
     data, scales, block = _triple(w)
     y = np.zeros((x.shape[0], LANES * data.shape[1]), dtype=np.float32)
     op = _operand_for_call(np.ascontiguousarray(x, dtype=np.float32), data, block)
-    share(_grouped_chunks, (op, data, scales, block, y, experts, edges), data.shape[1], threads)
+    share(_grouped_chunks, (op, data, scales, block, y, experts, edges), len(experts) * data.shape[1], threads)
     return y
 
 
@@ -1079,7 +1102,8 @@ def warm_products(kind: str, threads: int = 1) -> None:
     route_rows(x, single, 2, True, np.zeros(16, np.int32))
     if threads > 1:  # the shared-out products (those above are too small to be)
         data, scales, block = _triple(single)
-        _linear_chunks(_operand_for_call(x, data, block), data, scales, block, np.empty_like(x), 1, new_counters())
+        op = _operand_for_call(x, data, block)
+        _linear_chunks(op, data, scales, block, np.empty_like(x), spans(data.shape[0], 1), new_counters())
     expert_rows(x, gate_up, np.zeros(1, np.int64), np.array([0, 5], np.int64))
     local, weights = np.zeros((5, 2), np.int32), np.ones((5, 2), np.float32)
     moe(x, local, weights, gate_up, down)

@@ -5,12 +5,17 @@ time from an atomic counter (``cpu_simd.claim``): the calling thread starts at o
 chunk after chunk, and the pool's threads, woken when the call is posted, take what is left when
 they get a core. So the caller never waits for a thread that has not started (on a busy machine a
 thread can wait milliseconds for a core; a barrier at every call made 2 threads 8x slower than 1
-there), only for chunks already taken. Each chunk is computed whole by one thread, so which
-thread took it never changes a bit. Pure Python: the kernels it runs release the GIL.
+there), only for chunks already taken: the chunks shrink as the call goes on (``spans``), so that
+wait is a small chunk's. A helper that finished a call watches for the next one for about a
+millisecond (compiled, the GIL released: ``cpu_kernels.await_post``) before it sleeps, so the calls
+of a step find it awake (a sleeping thread took 70 - 100 us to join a call on this machine's
+virtual cores, spinning ~30). Each chunk is computed whole by one thread, so which thread took it
+never changes a bit. Pure Python: the kernels it runs release the GIL.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -26,16 +31,21 @@ class ChunkPool:
         self._generation = 0
         self._threads: list = []
         self._one_call = threading.Lock()  # calls from several threads take turns
+        self._posted = np.zeros(1, np.int64)  # the generation of the last call posted, for watching helpers
 
     def _grow(self, helpers: int) -> None:
+        watch = _watcher() if len(self._threads) < helpers else None
         while len(self._threads) < helpers:
-            t = threading.Thread(target=self._help, args=(len(self._threads),), name="eprt-cpu", daemon=True)
+            args = (len(self._threads), watch)
+            t = threading.Thread(target=self._help, args=args, name="eprt-cpu", daemon=True)
             self._threads.append(t)
             t.start()
 
-    def _help(self, index: int) -> None:
+    def _help(self, index: int, watch) -> None:
         seen = 0
         while True:
+            if watch is not None:
+                watch(self._posted, seen)  # returns at the next post, or after about a millisecond
             with self._cond:
                 while self._job is None or self._job[0] == seen:
                     self._cond.wait()
@@ -60,6 +70,7 @@ class ChunkPool:
             with self._cond:
                 self._generation += 1
                 self._job = (self._generation, fn, args, threads - 1, errors)
+                self._posted[0] = self._generation
                 self._cond.notify_all()
             fn(*args)
             while counters[1] < chunks:  # chunks a helper took and is still computing
@@ -70,9 +81,18 @@ class ChunkPool:
                 self._job = None
 
 
+def _watcher():
+    """The compiled watch helpers wait in before they sleep (None without numba: they sleep at once)."""
+    try:
+        from eprt.ops.cpu_kernels import await_post
+    except ImportError:
+        return None
+    return await_post
+
+
 POOL = ChunkPool()
 THREAD_MIN_BYTES = 1 << 18  # a product uses another thread per this many bytes of weights it reads
-CHUNKS_PER_THREAD = 4  # a shared call is cut into this many chunks per thread
+SHRINK = 2  # each chunk of a call is what is left / (SHRINK * threads): the last ones are small
 
 
 def new_counters() -> np.ndarray:
@@ -86,8 +106,26 @@ def threads_for(threads: int, weight_bytes: int) -> int:
     return max(1, min(threads, weight_bytes // THREAD_MIN_BYTES))
 
 
-def share(fn, args: tuple, units: int, threads: int) -> None:
-    """fn(*args, chunks, counters) over ``units`` panels or rows (CHUNKS_PER_THREAD chunks a thread),
-    on ``threads`` threads: the compiled kernels' shared-out calls."""
-    chunks = 1 if threads <= 1 else min(units, CHUNKS_PER_THREAD * threads)
-    POOL.run(fn, (*args, chunks), new_counters(), chunks, threads)
+@functools.lru_cache(maxsize=1024)
+def spans(units: int, threads: int, even: int = 0) -> np.ndarray:
+    """Chunk edges [chunks + 1] over ``units`` panels or rows for ``threads`` threads (chunk j is
+    units edges[j] .. edges[j + 1]; never written): ``even`` > 0, min(units, even * threads) equal
+    chunks (for calls whose every chunk reads all the weights); else chunks of what is left /
+    (SHRINK * threads), at least one unit, so the first are large (few claims) and the last small
+    (little time waiting for another thread's last one)."""
+    if threads <= 1 or units <= 1:
+        return np.array([0, max(units, 0)], np.int64)
+    if even:
+        chunks = min(units, even * threads)
+        return np.array([j * units // chunks for j in range(chunks + 1)], np.int64)
+    edges = [0]
+    while edges[-1] < units:
+        edges.append(edges[-1] + max(1, (units - edges[-1]) // (SHRINK * threads)))
+    return np.array(edges, np.int64)
+
+
+def share(fn, args: tuple, units: int, threads: int, even: int = 0) -> None:
+    """fn(*args, edges, counters) over ``units`` panels or rows in the chunks ``spans`` gives, on
+    ``threads`` threads: the compiled kernels' shared-out calls."""
+    edges = spans(units, threads, even)
+    POOL.run(fn, (*args, edges), new_counters(), len(edges) - 1, threads)

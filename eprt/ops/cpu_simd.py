@@ -19,6 +19,7 @@ LANES = 16
 _VECTOR = ir.VectorType(ir.FloatType(), LANES)
 _INTS = ir.VectorType(ir.IntType(32), LANES)
 VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))  # vpdpbusd on 16 int32 lanes
+_TRIPLE = llvm.get_process_triple()
 
 
 class Lanes(types.Type):
@@ -312,17 +313,52 @@ def scaled(typingctx, acc, correction, scale):
     return lanes(acc, correction, scale), codegen
 
 
+def _item_pointer(context, builder, signature, args):
+    """A pointer to array[i] of a one-dimensional array (args: the array, i)."""
+    ary = context.make_array(signature.args[0])(context, builder, args[0])
+    index = context.cast(builder, args[1], signature.args[1], types.intp)
+    return cgutils.get_item_pointer(context, builder, signature.args[0], ary, [index])
+
+
 @intrinsic
 def claim(typingctx, counters, i):
     """counters[i] += 1 atomically (sequentially consistent); returns the value before: the
     number of the chunk of work this thread takes (or, on a done counter, counts one done)."""
 
     def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        index = context.cast(builder, args[1], signature.args[1], types.intp)
-        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], ary, [index])
+        pointer = _item_pointer(context, builder, signature, args)
         return builder.atomic_rmw("add", pointer, ir.Constant(ir.IntType(64), 1), "seq_cst")
 
     if getattr(counters, "dtype", None) != types.int64:
         return None
     return types.int64(counters, i), codegen
+
+
+@intrinsic
+def peek(typingctx, counters, i):
+    """counters[i], read atomically (acquire): a value another thread writes, read afresh each time."""
+
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_item_pointer(context, builder, signature, args), "acquire", 8)
+
+    if getattr(counters, "dtype", None) != types.int64:
+        return None
+    return types.int64(counters, i), codegen
+
+
+@intrinsic
+def pause(typingctx):
+    """A spin-wait hint: x86's pause, AArch64's yield, else nothing."""
+
+    def codegen(context, builder, signature, args):
+        if _TRIPLE.startswith(("x86_64", "i686", "i386")):
+            name, operands = "llvm.x86.sse2.pause", []
+        elif _TRIPLE.startswith(("aarch64", "arm64")):
+            name, operands = "llvm.aarch64.hint", [ir.Constant(ir.IntType(32), 1)]  # hint #1: yield
+        else:
+            return context.get_dummy_value()
+        fnty = ir.FunctionType(ir.VoidType(), [o.type for o in operands])
+        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), operands)
+        return context.get_dummy_value()
+
+    return types.void(), codegen

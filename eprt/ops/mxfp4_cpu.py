@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit
 
 from eprt.ops import cpu_simd as simd
-from eprt.ops.cpu_pool import share, threads_for
+from eprt.ops.cpu_pool import share, spans, threads_for
 from eprt.ops.mxfp4_format import FP4_VALUES
 
 
@@ -42,13 +42,12 @@ def _expert_rows(xs, blocks, scales, experts, edges, lut, out, o0, o1):  # pragm
 
 
 @njit(nogil=True, cache=True)
-def _expert_chunks(xs, blocks, scales, experts, edges, lut, out, chunks, counters):  # pragma: no cover - compiled
-    """``_expert_rows`` in ``chunks`` chunks taken one at a time (``cpu_pool``): chunk j is output
-    columns [j N / chunks, (j + 1) N / chunks) of every group."""
-    N = blocks.shape[1]
+def _expert_chunks(xs, blocks, scales, experts, edges, lut, out, spans, counters):  # pragma: no cover - compiled
+    """``_expert_rows`` in chunks taken one at a time (``cpu_pool``): chunk j is output columns
+    spans[j] .. spans[j + 1] of every group."""
     j = simd.claim(counters, 0)
-    while j < chunks:
-        _expert_rows(xs, blocks, scales, experts, edges, lut, out, j * N // chunks, (j + 1) * N // chunks)
+    while j < spans.shape[0] - 1:
+        _expert_rows(xs, blocks, scales, experts, edges, lut, out, spans[j], spans[j + 1])
         simd.claim(counters, 1)
         j = simd.claim(counters, 0)
 
@@ -80,4 +79,4 @@ def warm_up(threads: int = 1) -> None:
     expert_rows(xs, blocks, scales, bounds)
     if threads > 1:  # (too small above to be shared out)
         edges, experts = np.array([0, 2], np.int64), np.zeros(1, np.int64)
-        _expert_chunks(xs, blocks, scales, experts, edges, FP4_VALUES, out, 1, np.zeros(2, np.int64))
+        _expert_chunks(xs, blocks, scales, experts, edges, FP4_VALUES, out, spans(2, 1), np.zeros(2, np.int64))
