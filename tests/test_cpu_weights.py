@@ -19,6 +19,7 @@ from checkpoints import (
 from eprt.engine.executor import ShardExecutor
 from eprt.model.loader import load_model
 from eprt.ops import cpu_threads, cpu_weights
+from eprt.ops.bf16 import f32_to_bf16_bits
 from eprt.ops.cpu_weights import ScaledPanels
 from eprt.ops.numpy_ops import NumpyOps, numba_available
 
@@ -250,6 +251,31 @@ def test_chunks_cover_every_unit_once_and_shrink(units, threads):
     assert even.max() - even.min() <= 1
 
 
+@pytest.mark.parametrize("K", [2, 6, 16, 18, 96, 7])
+def test_bf16_panels_pair_their_rows_and_give_the_float32_bits(K):
+    """bf16 panels hold each panel's rows in pairs (one 64-byte line per two k); every row count (the
+    4-row and 1-row passes) and K % 4 tail gives the bits of float32 panels of the same weights; an
+    odd K is held as float32 panels."""
+    from eprt.ops import cpu_kernels
+
+    rng = np.random.default_rng(K)
+    w = f32_to_bf16_bits(rng.standard_normal((32, K)).astype(np.float32))  # [N, K] bf16 bits
+    packed = cpu_weights.float_panels(w, "bf16")
+    plain = cpu_weights.panels(w)  # [2, K, 16] rows in order
+    assert packed.dtype == (np.float32 if K % 2 else np.uint16)
+    if K % 2 == 0:
+        assert packed.shape == plain.shape and not (K > 2 and np.array_equal(packed, plain))
+        np.testing.assert_array_equal(cpu_weights.unpair_rows(packed), plain)
+        line = packed[0, 0:2].reshape(-1)  # the first 64-byte line: rows 0 and 1, as uint16 pairs
+        np.testing.assert_array_equal(line[0::2], plain[0, 0])  # row 0 in the low halves
+        np.testing.assert_array_equal(line[1::2], plain[0, 1])  # row 1 in the high halves
+    wide = cpu_weights.float_panels(cpu_weights.float32(w), "f32")
+    for T in (1, 3, 4, 5, 9):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        got, want = cpu_kernels.product(x, packed), cpu_kernels.product(x, wide)
+        np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+
+
 @pytest.mark.parametrize("kind", ["f32", "bf16", "int8"])
 def test_grouped_chunks_cut_anywhere_give_the_one_chunk_bits(kind):
     """cpu_kernels._grouped_chunks lays the groups' panels end to end: chunks cut inside a group or
@@ -276,7 +302,7 @@ def test_grouped_chunks_cut_anywhere_give_the_one_chunk_bits(kind):
     for cuts in ([0, 3, 9, 10, 16], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [0, 13, 16]):
         np.testing.assert_array_equal(run(cuts).view(np.int32), whole.view(np.int32))
     if kind != "int8":  # (the int8 arithmetic: test_int8_products_are_the_quantization_they_say)
-        dense = cpu_weights.float32(cpu_weights.float_panels(w, kind)).swapaxes(-1, -2).reshape(5, 64, 96)
+        dense = cpu_weights.float32(f32_to_bf16_bits(w)) if kind == "bf16" else w  # the weights held
         for e, lo, hi in zip(experts, edges[0::2], edges[1::2]):
             np.testing.assert_allclose(whole[lo:hi], x[lo:hi] @ dense[e].T, rtol=1e-4, atol=1e-4)
 

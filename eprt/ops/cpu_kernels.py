@@ -120,13 +120,10 @@ def _ahead(lines, i):  # pragma: no cover - compiled
 
 @njit(nogil=True, cache=True, inline="always")
 def _four_rows(panel, k, scale):  # pragma: no cover - compiled
-    """panel[k : k + 4] of a [K, 16] panel as float32 lanes (``simd.weights``)."""
-    return (
-        simd.weights(panel, k, scale),
-        simd.weights(panel, k + 1, scale),
-        simd.weights(panel, k + 2, scale),
-        simd.weights(panel, k + 3, scale),
-    )
+    """Rows k .. k + 3 (k a multiple of 4) of a [K, 16] panel as float32 lanes (``simd.weight_pair``)."""
+    v0, v1 = simd.weight_pair(panel, k, scale)
+    v2, v3 = simd.weight_pair(panel, k + 2, scale)
+    return v0, v1, v2, v3
 
 
 @njit(nogil=True, cache=True, inline="always")

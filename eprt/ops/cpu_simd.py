@@ -204,11 +204,6 @@ def _int_constant(value: int):
     return ir.Constant(_INTS, [value] * LANES)
 
 
-def _widen_bf16(builder, bits):
-    """<16 x i16> bfloat16 bits -> <16 x float>, exactly (the bits become the high halves)."""
-    return builder.bitcast(builder.shl(builder.zext(bits, _INTS), _int_constant(16)), _VECTOR)
-
-
 def _decode_e4m3(builder, raw):
     """<16 x i8> float8_e4m3fn bytes -> <16 x float>, exactly and with normal numbers only (so a
     denormals-are-zero mode cannot touch it): (m + 8 [e > 0]) 2^(max(e, 1) - 10), then the sign.
@@ -226,28 +221,69 @@ def _decode_e4m3(builder, raw):
     return builder.bitcast(builder.or_(builder.bitcast(magnitude, _INTS), sign), _VECTOR)
 
 
+def _bf16_pair(context, builder, array_type, array, k, k_type):
+    """The 64-byte line of a bfloat16 panel holding its rows k - k % 2 and k - k % 2 + 1 (16 uint32
+    lanes, the even row's bits in the low halves: ``cpu_weights.pair_rows``), and those rows as
+    float32 lanes, exactly (the even row's bits shifted up, the odd row's masked)."""
+    even = builder.and_(context.cast(builder, k, k_type, types.intp), ir.Constant(ir.IntType(64), -2))
+    index = (even, context.get_constant(types.intp, 0))
+    raw = builder.load(_pointer(context, builder, array_type, array, index, (types.intp, types.intp), _INTS), align=4)
+    low = builder.bitcast(builder.shl(raw, _int_constant(16)), _VECTOR)
+    high = builder.bitcast(builder.and_(raw, _int_constant(-65536)), _VECTOR)
+    return low, high
+
+
+_WIDTHS = {types.float32: 32, types.uint16: 16, types.uint8: 8}  # a panel's dtype -> bits a weight
+
+
+def _row(context, builder, width, array_type, array, k, k_type, scale):
+    """Row k of a [K, 16] panel of ``width``-bit weights as float32 lanes (``weights``)."""
+    if width == 16:
+        low, high = _bf16_pair(context, builder, array_type, array, k, k_type)
+        return builder.select(builder.trunc(context.cast(builder, k, k_type, types.intp), ir.IntType(1)), high, low)
+    vector = _VECTOR if width == 32 else ir.VectorType(ir.IntType(width), LANES)
+    index = (k, context.get_constant(types.intp, 0))
+    pointer = _pointer(context, builder, array_type, array, index, (k_type, types.intp), vector)
+    raw = builder.load(pointer, align=4 if width == 32 else 1)
+    return raw if width == 32 else builder.fmul(_decode_e4m3(builder, raw), scale)
+
+
 @intrinsic
 def weights(typingctx, panel, k, scale):
-    """The 16 weights panel[k, :16] of a [K, 16] panel as float32 lanes: float32 as stored,
-    bfloat16 bits (uint16) widened, float8_e4m3fn bytes (uint8) decoded and multiplied by
-    ``scale`` (their block's lanes, the product today's load-time dequantization rounds the same
-    way); ``scale`` is ignored for the other two."""
-    width = {types.float32: None, types.uint16: 16, types.uint8: 8}.get(getattr(panel, "dtype", None), -1)
-    if width == -1:
+    """The 16 weights of row k of a [K, 16] panel as float32 lanes: float32 as stored, bfloat16
+    bits (uint16, rows paired: ``cpu_weights.pair_rows``) widened, float8_e4m3fn bytes (uint8)
+    decoded and multiplied by ``scale`` (their block's lanes, the product today's load-time
+    dequantization rounds the same way); ``scale`` is ignored for the other two."""
+    width = _WIDTHS.get(getattr(panel, "dtype", None))
+    if width is None:
         return None
 
     def codegen(context, builder, signature, args):
-        array_type, index_types = signature.args[0], (signature.args[1], types.intp)
-        index = (args[1], context.get_constant(types.intp, 0))
-        if width is None:
-            return builder.load(_pointer(context, builder, array_type, args[0], index, index_types), align=4)
-        vector = ir.VectorType(ir.IntType(width), LANES)
-        raw = builder.load(_pointer(context, builder, array_type, args[0], index, index_types, vector), align=1)
-        if width == 16:
-            return _widen_bf16(builder, raw)
-        return builder.fmul(_decode_e4m3(builder, raw), args[2])
+        return _row(context, builder, width, signature.args[0], args[0], args[1], signature.args[1], args[2])
 
     return lanes(panel, k, scale), codegen
+
+
+@intrinsic
+def weight_pair(typingctx, panel, k, scale):
+    """Rows k and k + 1 (k even) of a [K, 16] panel as two float32 lanes (``weights``): bfloat16
+    panels in one 64-byte load, a shift and a mask (their rows are paired), the others two reads."""
+    width = _WIDTHS.get(getattr(panel, "dtype", None))
+    if width is None:
+        return None
+    pair = types.UniTuple(lanes, 2)
+
+    def codegen(context, builder, signature, args):
+        array_type, k_type = signature.args[0], signature.args[1]
+        if width == 16:
+            rows = _bf16_pair(context, builder, array_type, args[0], args[1], k_type)
+        else:
+            k = context.cast(builder, args[1], k_type, types.intp)
+            after = builder.add(k, context.get_constant(types.intp, 1))
+            rows = [_row(context, builder, width, array_type, args[0], i, types.intp, args[2]) for i in (k, after)]
+        return context.make_tuple(builder, pair, rows)
+
+    return pair(panel, k, scale), codegen
 
 
 @intrinsic

@@ -6,7 +6,10 @@ Every matrix that only the compiled products read is stored as panels of 16 outp
 memory order), at one of four precisions:
 
     f32   float32 panels [.., C, K, 16]
-    bf16  bfloat16 bits (uint16) [.., C, K, 16], widened in registers: w = bits << 16, exact
+    bf16  bfloat16 bits (uint16) [.., C, K, 16], widened in registers: w = bits << 16, exact;
+          each panel's rows paired (``pair_rows``: rows 2i and 2i + 1 interleaved, so a 64-byte
+          line holds two k of the 16 columns, one load and a shift or a mask per row; K even,
+          an odd K is held as f32)
     fp8   float8_e4m3fn bytes (uint8) [.., C, K, 16] and per-lane block scales [.., C, KB, 16]:
           w = e4m3(byte) * scale in float32, the product the load-time dequantization made
     int8  symmetric int8 [.., C, K' / 4, 16, 4] (four consecutive k of one column together, as
@@ -95,10 +98,30 @@ def float32(host: np.ndarray) -> np.ndarray:
 
 def float_panels(host: np.ndarray, precision: str) -> np.ndarray:
     """Panels of host (float32 or bfloat16 bits) at ``precision``: "f32", "bf16" (a float32
-    matrix rounded to nearest even) or "auto" (as stored)."""
+    matrix rounded to nearest even; rows paired, ``pair_rows``) or "auto" (as stored); an odd K
+    is held as f32 (the same weights)."""
     if precision == "f32" or (precision == "auto" and host.dtype != np.uint16):
         return panels(float32(host))
-    return panels(host if host.dtype == np.uint16 else f32_to_bf16_bits(host))
+    bits = host if host.dtype == np.uint16 else f32_to_bf16_bits(host)
+    if host.shape[-1] % 2:  # rows that cannot pair: the same weights held as float32
+        return panels(float32(bits))
+    return pair_rows(panels(bits))
+
+
+def pair_rows(p: np.ndarray) -> np.ndarray:
+    """bfloat16 panels p [.., C, K, 16] (K even) with each panel's rows 2i and 2i + 1 interleaved:
+    element (k, n) of a panel at offset 32 (k // 2) + 2 n + k % 2, so the 64-byte line of rows 2i,
+    2i + 1 read as 16 uint32 lanes holds row 2i's bits in the low halves and row 2i + 1's in the
+    high ones (``cpu_simd.weight_pair``). The shape stays [.., C, K, 16]; index it with
+    ``unpair_rows``."""
+    *lead, K, n = p.shape
+    return np.ascontiguousarray(p.reshape(*lead, K // 2, 2, n).swapaxes(-1, -2)).reshape(p.shape)
+
+
+def unpair_rows(p: np.ndarray) -> np.ndarray:
+    """The panels ``pair_rows`` paired, rows in order again."""
+    *lead, K, n = p.shape
+    return np.ascontiguousarray(p.reshape(*lead, K // 2, n, 2).swapaxes(-1, -2)).reshape(p.shape)
 
 
 def unit_scales(w: np.ndarray) -> np.ndarray:
