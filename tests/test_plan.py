@@ -328,6 +328,38 @@ def test_cli_table_json_and_refusals(checkpoint, capsys):
     assert plan.size(3 << 30) == "3.00 GiB"
 
 
+def test_cli_cpu_weights_table_json_and_refusals(checkpoint, capsys, monkeypatch):
+    """--dtype fp32 --cpu-weights X: the resident precision in the header, the table and the JSON;
+    --cpu-weights with the GPU's dtype, a bad int8 group: exit 2 naming the flag, value and choices."""
+    from eprt.cli import main
+
+    monkeypatch.delenv("EPRT_CPU_WEIGHTS", raising=False)
+    path = _copy(checkpoint, "qwen2_moe", "bf16")
+    argv = ["plan", "--model", path, "--dtype", "fp32"]
+    assert main([*argv, "--cpu-weights", "bf16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["settings"]["cpu_weights"], out["settings"]["int8_group"]) == ("bf16", None)
+    w = out["weights"][0]
+    assert set(w["precisions"]) == {"bf16", "f32"} and sum(w["precisions"].values()) == w["resident_bytes"]
+    assert main(argv) == 0  # --cpu-weights as the engine reads it: EPRT_CPU_WEIGHTS, auto by default
+    table = capsys.readouterr().out
+    assert "CPU backend: weights --cpu-weights auto, KV float32" in table and "bf16 " in table and "held as" in table
+    monkeypatch.setenv("EPRT_CPU_INT8_GROUP", "64")
+    assert main([*argv, "--cpu-weights", "int8"]) == 0
+    assert "--cpu-weights int8, groups of 64 along k" in capsys.readouterr().out
+    monkeypatch.setenv("EPRT_CPU_INT8_GROUP", "48")
+    assert main([*argv, "--cpu-weights", "int8"]) == 2
+    assert "EPRT_CPU_INT8_GROUP must be one of (32, 64), got 48" in capsys.readouterr().err
+    for gpu in (["--cpu-weights", "int8"], ["--cpu-weights", "f32", "--exchange", "both"]):
+        assert main(["plan", "--model", path, *gpu]) == 2
+        err = capsys.readouterr().err
+        assert f"--cpu-weights {gpu[1]} is the CPU backend's (--dtype fp32); --dtype bf16 is the GPU backend" in err
+    with pytest.raises(ValueError, match="int8_group 64 is --cpu-weights int8's, but the CPU weights are bf16"):
+        _plan(path, ranks=1, dtype="fp32", cpu_weights="bf16", int8_group=64)
+    with pytest.raises(ValueError, match=r"int8_group must be one of \(32, 64\), got 16"):
+        _plan(path, ranks=1, dtype="fp32", cpu_weights="int8", int8_group=16)
+
+
 @pytest.mark.parametrize("ranks,redundant", [(2, 2), (4, 3)])
 def test_redundant_expert_slots_cost_what_the_loader_holds(checkpoint, ranks, redundant):
     """EPLB's redundant slots: each rank's slots, read and resident bytes as loaded under the contiguous

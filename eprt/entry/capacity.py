@@ -15,14 +15,13 @@ from eprt.comm.mpi_transport import REDUCE_SCATTER_MIN_BYTES
 from eprt.comm.protocol import DecodeBatch, PrefillNext, encode
 from eprt.comm.transport import DEFAULT_FRAME_WORDS
 from eprt.engine.executor import window_spec
+from eprt.entry.resident import EMBED, HEAD, CpuWeights, Tensor, cpu_held, gpu_held
 from eprt.model.config import ModelConfig
 from eprt.model.kv_cache import KVCache
 from eprt.model.loader import expert_shard
 from eprt.model.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from eprt.ops import cpu_weights
 from eprt.ops.device import pool_blocks
-
-from .resident import EMBED, HEAD, CpuWeights, Tensor, cpu_held, gpu_held
 
 # KV (and a GPU's weights) as the GPU (bf16) or CPU (fp32) backend holds them; the CPU's weights: --cpu-weights
 DEVICE_ITEMSIZE = {"bf16": 2, "fp32": 4}
