@@ -138,6 +138,15 @@ def test_cpu_resident_weights_per_rank_equal_numpy_ops(checkpoint, arch, kind, p
 
 
 @needs_numba
+def test_q_k_v_stay_apart_where_one_stays_fp8(checkpoint):
+    """K and V of 8 rows (one KV head of 8) cannot stay FP8, Q of 32 can: the loader keeps Q FP8 and
+    K and V float32 apart (not one 48-row FP8 matrix)."""
+    source = checkpoint("qwen3_moe", num_key_value_heads=1, head_dim=8)
+    path = build_fp8_copy(source, f"{source}-fp8-16x32", (16, 32))[0]
+    _check_weights_match_the_loader(path, 2, "auto")
+
+
+@needs_numba
 def test_int8_groups_of_64_from_the_environment(checkpoint, monkeypatch):
     monkeypatch.setenv("EPRT_CPU_INT8_GROUP", "64")
     path = _copy(checkpoint, "deepseek_v3", "bf16")  # K = 48 (q_b_proj) and 32 (down_proj) pad to 64
