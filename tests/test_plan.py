@@ -108,6 +108,8 @@ def test_weight_bytes_of_a_bf16_checkpoint_and_of_fused_experts(checkpoint, ckpt
     fused = _fused_copy(checkpoint("olmoe"), os.path.join(ckpt_root, "olmoe-float32-fused"))
     assert "model.layers.0.mlp.experts.gate_up_proj" in capacity.SafetensorsCheckpoint(fused)
     _check_weights_match_the_loader(fused, 4)  # the loader reads a fused tensor whole
+    if numba_available():  # the rank's rows of a fused tensor packed at int8
+        _check_weights_match_the_loader(fused, 2, "int8")
 
 
 needs_numba = pytest.mark.skipif(
