@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from checkpoints import building
+from checkpoints import build_bf16_copy, build_fp8_copy, building
 
 from eprt.comm.protocol import DecodeBatch
 from eprt.comm.transport import LocalTransport
@@ -18,8 +18,9 @@ from eprt.entry.capacity import Hardware, Settings, make_plan
 from eprt.model.config import load_config
 from eprt.model.loader import load_model
 from eprt.ops import device
+from eprt.ops.cpu_weights import ScaledPanels
 from eprt.ops.gptoss_ops import Mxfp4Weight
-from eprt.ops.numpy_ops import NumpyOps
+from eprt.ops.numpy_ops import NumpyOps, numba_available
 
 
 def _plan(path, **settings):
@@ -27,14 +28,26 @@ def _plan(path, **settings):
     return make_plan(path, load_config(path), Settings(**settings), Hardware(**hardware))
 
 
+def _resident_by_precision(weights) -> dict:
+    """Bytes of the distinct arrays a loaded model holds, by precision: float32 arrays f32, bf16 bits
+    (uint16) bf16, ScaledPanels their kind (fp8, int8: bytes and scales), MXFP4 experts their blocks
+    and scales (a tied head is the embedding itself unless int8 made a copy)."""
+    held = {}  # id -> (precision, array)
+    for a in [weights.embed, weights.norm, weights.lm_head, *(v for lw in weights.layers for v in vars(lw).values())]:
+        if isinstance(a, np.ndarray):
+            held[id(a)] = ({np.float32: "f32", np.uint16: "bf16"}[a.dtype.type], a)
+        elif isinstance(a, Mxfp4Weight):
+            held.update({id(p): ("mxfp4", p) for p in (a.blocks, a.scales)})
+        elif isinstance(a, ScaledPanels):
+            held.update({id(p): (a.kind, p) for p in (a.data, a.scales)})
+    out = {}
+    for kind, a in held.values():
+        out[kind] = out.get(kind, 0) + a.nbytes
+    return out
+
+
 def _resident_bytes(weights) -> int:
-    """Bytes of the distinct arrays a loaded model holds (a tied head is the embedding itself; MXFP4
-    experts their blocks and scales)."""
-    arrays = [weights.embed, weights.norm, weights.lm_head]
-    for lw in weights.layers:
-        for a in vars(lw).values():
-            arrays += [a] if isinstance(a, np.ndarray) else [a.blocks, a.scales] if isinstance(a, Mxfp4Weight) else []
-    return sum({id(a): a.nbytes for a in arrays}.values())
+    return sum(_resident_by_precision(weights).values())
 
 
 def _fused_copy(path: str, out: str) -> str:
@@ -63,14 +76,25 @@ def _save_fused(path: str, out: str) -> None:
     shutil.copy(os.path.join(path, "config.json"), out)
 
 
-def _check_weights_match_the_loader(path: str, ranks: int) -> None:
-    fp32 = _plan(path, ranks=ranks, dtype="fp32")
+def _cpu_ops(precision: str) -> NumpyOps:
+    """The CPU backend at --cpu-weights ``precision``: the compiled path's packing where numba is
+    installed (bytes only: the products are not compiled), else the NumPy path (float32)."""
+    if not numba_available():
+        return NumpyOps(experts="numpy", weights=precision)
+    ops = NumpyOps(experts="numba", weights=precision)
+    ops.packer.first = lambda kind: None  # what it holds does not depend on the compiled products
+    return ops
+
+
+def _check_weights_match_the_loader(path: str, ranks: int, precision: str = "f32") -> None:
+    planned = _plan(path, ranks=ranks, dtype="fp32", cpu_weights=precision)
     for rank in range(ranks):
-        loaded = load_model(path, NumpyOps(weights="f32"), 64, rank=rank, world=ranks)  # fp32: --cpu-weights f32
-        w = fp32.weights[rank]
+        loaded = load_model(path, _cpu_ops(precision), 64, rank=rank, world=ranks)
+        w, where = planned.weights[rank], f"rank {rank} of {ranks}, --cpu-weights {precision}"
         assert (w.expert_start, w.expert_end) == (loaded.model.w.expert_start, loaded.model.w.expert_end)
-        assert w.read_bytes == loaded.bytes_read, f"rank {rank} of {ranks}"
-        assert w.resident_bytes == _resident_bytes(loaded.model.w), f"rank {rank} of {ranks}"
+        assert w.read_bytes == loaded.bytes_read, where
+        assert dict(w.precisions) == _resident_by_precision(loaded.model.w), where
+        assert w.resident_bytes == _resident_bytes(loaded.model.w), where
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
@@ -84,6 +108,67 @@ def test_weight_bytes_of_a_bf16_checkpoint_and_of_fused_experts(checkpoint, ckpt
     fused = _fused_copy(checkpoint("olmoe"), os.path.join(ckpt_root, "olmoe-float32-fused"))
     assert "model.layers.0.mlp.experts.gate_up_proj" in capacity.SafetensorsCheckpoint(fused)
     _check_weights_match_the_loader(fused, 4)  # the loader reads a fused tensor whole
+    if numba_available():  # the rank's rows of a fused tensor packed at int8
+        _check_weights_match_the_loader(fused, 2, "int8")
+
+
+needs_numba = pytest.mark.skipif(
+    not numba_available(), reason="the CPU's bf16, FP8 and int8 weights are the compiled path's (the cpu extra)"
+)
+
+
+def _copy(checkpoint, arch: str, kind: str) -> str:
+    """``arch``'s test checkpoint: float32, its bf16 copy or its FP8 copy (blocks of 16 x 32), the
+    copies tests/test_cpu_weights.py loads."""
+    source = checkpoint(arch)
+    if kind == "bf16":
+        return build_bf16_copy(source, f"{source}-bf16copy")
+    return build_fp8_copy(source, f"{source}-fp8-16x32", (16, 32))[0] if kind == "fp8" else source
+
+
+@needs_numba
+@pytest.mark.parametrize(
+    "kind, precision", [("bf16", "auto"), ("bf16", "int8"), ("fp8", "auto"), ("fp8", "int8"), ("float32", "bf16")]
+)
+def test_cpu_resident_weights_per_rank_equal_numpy_ops(checkpoint, arch, kind, precision):
+    """--dtype fp32 --cpu-weights X: each rank's bytes by precision, read and resident, as NumpyOps
+    holds them after load_model (panels of 16 rows at X, FP8 kept with its per-lane scales, int8
+    padded with its group scales, q/k/v apart where one stays FP8, float32 the rest)."""
+    path = _copy(checkpoint, arch, kind)
+    for ranks in (1, 2):
+        _check_weights_match_the_loader(path, ranks, precision)
+
+
+@needs_numba
+def test_q_k_v_stay_apart_where_one_stays_fp8(checkpoint):
+    """K and V of 8 rows (one KV head of 8) cannot stay FP8, Q of 32 can: the loader keeps Q FP8 and
+    K and V float32 apart (not one 48-row FP8 matrix)."""
+    source = checkpoint("qwen3_moe", num_key_value_heads=1, head_dim=8)
+    path = build_fp8_copy(source, f"{source}-fp8-16x32", (16, 32))[0]
+    _check_weights_match_the_loader(path, 2, "auto")
+
+
+@needs_numba
+def test_int8_groups_of_64_from_the_environment(checkpoint, monkeypatch):
+    monkeypatch.setenv("EPRT_CPU_INT8_GROUP", "64")
+    path = _copy(checkpoint, "deepseek_v3", "bf16")  # K = 48 (q_b_proj) and 32 (down_proj) pad to 64
+    assert _plan(path, ranks=1, dtype="fp32", cpu_weights="int8").settings.int8_group == 64
+    _check_weights_match_the_loader(path, 2, "int8")
+
+
+@needs_numba
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])  # an untied head; a tied one (int8: its copy)
+def test_cpu_decode_bound_reads_the_resident_bytes(checkpoint, arch):
+    """At batch 256 every expert is touched (1 - (1 - k/E)^256 rounds to 1): a decode step reads every
+    resident byte but the embedding table, 256 float32 embedding rows, and the head (a tied one: the
+    table, or int8's copy of it), as held at each precision."""
+    path = _copy(checkpoint, arch, "bf16")
+    rows = 256 * load_config(path).hidden_size * 4
+    for precision in ("auto", "f32", "int8"):
+        step = _plan(path, ranks=1, dtype="fp32", cpu_weights=precision).decode[2]
+        w = load_model(path, _cpu_ops(precision), 64).model.w
+        table = 0 if w.lm_head is w.embed else w.embed.nbytes
+        assert (step.batch, step.hbm_bytes) == (256, _resident_bytes(w) - table + rows), precision
 
 
 def test_config_only_directory_counts_by_the_config_dtype(checkpoint, tmp_path):
@@ -124,6 +209,9 @@ def test_gpt_oss_weight_bytes_and_windowed_kv_equal_the_engines(ckpt_root, mxfp4
     )
     for ranks in (1, 2, 4):
         _check_weights_match_the_loader(path, ranks)
+    if numba_available():  # the experts stay MXFP4 under every choice; the rest at it
+        for ranks, precision in ((1, "auto"), (2, "int8"), (2, "bf16")):
+            _check_weights_match_the_loader(path, ranks, precision)
     weights = 3 * 64 * 32  # per expert and layer: gate, up, down of D = 64, I = 32
     per_expert = (weights // 2 + weights // 32 if mxfp4 else 2 * weights) + 4 * (2 * 32 + 64)  # + float32 biases
     assert _plan(path, ranks=1).weights[0].expert_bytes == 4 * 6 * per_expert  # 4 layers of 6 experts
@@ -249,6 +337,38 @@ def test_cli_table_json_and_refusals(checkpoint, capsys):
     assert main(["plan", "--model", path, "--ranks", "7"]) == 2
     assert "--ranks must be in [1, num_experts=6], got 7" in capsys.readouterr().err
     assert plan.size(3 << 30) == "3.00 GiB"
+
+
+def test_cli_cpu_weights_table_json_and_refusals(checkpoint, capsys, monkeypatch):
+    """--dtype fp32 --cpu-weights X: the resident precision in the header, the table and the JSON;
+    --cpu-weights with the GPU's dtype, a bad int8 group: exit 2 naming the flag, value and choices."""
+    from eprt.cli import main
+
+    monkeypatch.delenv("EPRT_CPU_WEIGHTS", raising=False)
+    path = _copy(checkpoint, "qwen2_moe", "bf16")
+    argv = ["plan", "--model", path, "--dtype", "fp32"]
+    assert main([*argv, "--cpu-weights", "bf16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["settings"]["cpu_weights"], out["settings"]["int8_group"]) == ("bf16", None)
+    w = out["weights"][0]
+    assert set(w["precisions"]) == {"bf16", "f32"} and sum(w["precisions"].values()) == w["resident_bytes"]
+    assert main(argv) == 0  # --cpu-weights as the engine reads it: EPRT_CPU_WEIGHTS, auto by default
+    table = capsys.readouterr().out
+    assert "CPU backend: weights --cpu-weights auto, KV float32" in table and "bf16 " in table and "held as" in table
+    monkeypatch.setenv("EPRT_CPU_INT8_GROUP", "64")
+    assert main([*argv, "--cpu-weights", "int8"]) == 0
+    assert "--cpu-weights int8, groups of 64 along k" in capsys.readouterr().out
+    monkeypatch.setenv("EPRT_CPU_INT8_GROUP", "48")
+    assert main([*argv, "--cpu-weights", "int8"]) == 2
+    assert "EPRT_CPU_INT8_GROUP must be one of (32, 64), got 48" in capsys.readouterr().err
+    for gpu in (["--cpu-weights", "int8"], ["--cpu-weights", "f32", "--exchange", "both"]):
+        assert main(["plan", "--model", path, *gpu]) == 2
+        err = capsys.readouterr().err
+        assert f"--cpu-weights {gpu[1]} is the CPU backend's (--dtype fp32); --dtype bf16 is the GPU backend" in err
+    with pytest.raises(ValueError, match="int8_group 64 is --cpu-weights int8's, but the CPU weights are bf16"):
+        _plan(path, ranks=1, dtype="fp32", cpu_weights="bf16", int8_group=64)
+    with pytest.raises(ValueError, match=r"int8_group must be one of \(32, 64\), got 16"):
+        _plan(path, ranks=1, dtype="fp32", cpu_weights="int8", int8_group=16)
 
 
 @pytest.mark.parametrize("ranks,redundant", [(2, 2), (4, 3)])

@@ -8,20 +8,25 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 from eprt.comm.mpi_transport import REDUCE_SCATTER_MIN_BYTES
 from eprt.comm.protocol import DecodeBatch, PrefillNext, encode
 from eprt.comm.transport import DEFAULT_FRAME_WORDS
 from eprt.engine.executor import window_spec
+from eprt.entry.resident import EMBED, HEAD, CpuWeights, Tensor, cpu_held, gpu_held
 from eprt.model.config import ModelConfig
 from eprt.model.kv_cache import KVCache
 from eprt.model.loader import expert_shard
 from eprt.model.safetensors_io import CheckpointError, SafetensorsCheckpoint
+from eprt.ops import cpu_weights
 from eprt.ops.device import pool_blocks
 
-DEVICE_ITEMSIZE = {"bf16": 2, "fp32": 4}  # weights and KV as the GPU (bf16) or CPU (fp32) backend holds them
+# KV (and a GPU's weights) as the GPU (bf16) or CPU (fp32) backend holds them; the CPU's weights: --cpu-weights
+DEVICE_ITEMSIZE = {"bf16": 2, "fp32": 4}
 CHECKPOINT_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}  # config.json's dtype names
+_SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
 DECODE_BATCHES = (1, 32, 256)
 _GIB = 1 << 30
 
@@ -43,38 +48,12 @@ class Settings:
     num_blocks: int = 0  # as --num-blocks: 0 sizes the pool from the GPU's memory
     gpu_memory_utilization: float = 0.9
     reserved_gib: float = 1.0  # memory per GPU besides weights and KV (CUDA context, activations)
-    dtype: str = "bf16"  # how the backend holds weights and KV: bf16 (GPU) or fp32 (CPU)
+    dtype: str = "bf16"  # the backend: bf16 (GPU: weights and KV bf16) or fp32 (CPU: KV float32, weights below)
+    cpu_weights: str | None = None  # the CPU's --cpu-weights (None: EPRT_CPU_WEIGHTS, as the engine reads it)
+    int8_group: int | None = None  # --cpu-weights int8's k group (None: EPRT_CPU_INT8_GROUP)
     context: int = 0  # tokens of context per sequence whose KV a decode step reads
     prefill_chunk: int = 2048  # prompt tokens per prefill chunk (the GPU default)
     num_redundant_experts: int = 0  # EPLB's extra expert slots (docs/eplb.md); > 0: slots, not experts, per rank
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor the loader reads: ``read`` bytes counted by the loader, ``resident`` elements kept."""
-
-    name: str
-    shape: tuple
-    read: int
-    resident: int
-
-    def resident_bytes(self, itemsize: int) -> int:
-        """Bytes kept on a backend of ``itemsize``: MXFP4 blocks and scales stay bytes, gpt-oss's sinks
-        and expert biases float32, the rest as the backend holds weights."""
-        if self.name.endswith(("_blocks", "_scales")):
-            return self.resident
-        return self.resident * (4 if self.name.endswith((".sinks", "proj_bias")) else itemsize)
-
-    @property
-    def params(self) -> int:
-        """Parameters it holds (an MXFP4 byte holds two, its scales none)."""
-        return (
-            2 * self.resident
-            if self.name.endswith("_blocks")
-            else 0
-            if self.name.endswith("_scales")
-            else self.resident
-        )
 
 
 @dataclass(frozen=True)
@@ -83,9 +62,12 @@ class RankWeights:
     expert_start: int
     expert_end: int
     read_bytes: int  # checkpoint bytes the loader reads (LoadedModel.bytes_read)
-    replicated_bytes: int  # resident on the device, in the device dtype
+    replicated_bytes: int  # resident on the device, as the backend holds them
     expert_bytes: int
-    lm_head_bytes: int  # of replicated_bytes: the head (read each step by rank 0 only) when not tied
+    lm_head_bytes: int  # of replicated_bytes: a head apart from the embedding table (untied, or int8's copy)
+    embed_bytes: int = 0  # of replicated_bytes: the embedding table (a tied head reads it)
+    body_params: int = 0  # parameters of the replicated weights besides the embedding and the head
+    precisions: tuple = ()  # (precision, bytes) of replicated_bytes + expert_bytes, the most bytes first
 
     @property
     def resident_bytes(self) -> int:
@@ -245,20 +227,35 @@ def _gptoss_expert_shapes(cfg: ModelConfig, m: str, El: int) -> list[tuple[str, 
 
 
 class _Sizes:
-    """Bytes of each tensor as stored: from the safetensors headers when the directory has them,
-    else from config.json's dtype (a config-only directory)."""
+    """Bytes and dtype of each tensor as stored: from the safetensors headers when the directory has
+    them, else from config.json's dtype (a config-only directory: no tensor is known to be FP8).
+    ``quantized``: config.json names FP8 block scales, so the loader reads a ``.weight``'s
+    ``weight_scale_inv`` with it (``weights.Fp8Source``)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, quantized: bool = False):
         try:
             self.headers = SafetensorsCheckpoint(model_dir)  # reads the headers only
         except CheckpointError as e:
             if "no .safetensors files" not in str(e):
                 raise
             self.headers = None
-        self.itemsize, self.source = 0, "safetensors headers"
+        self.itemsize, self.source, self.quantized, self.dtype_name = 0, "safetensors headers", quantized, ""
         if self.headers is None:
             self.itemsize, dtype = _config_itemsize(model_dir)
-            self.source = f"config.json dtype {dtype}"
+            self.source, self.dtype_name = f"config.json dtype {dtype}", _SAFETENSORS_DTYPE[dtype]
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype name ("BF16", "F32", "F8_E4M3", ...) of a tensor ``stored`` has checked."""
+        return self.dtype_name if self.headers is None else self.headers.info(name).dtype
+
+    def fp8(self, name: str) -> bool:
+        """Whether the loader reads ``name`` as FP8 with block scales."""
+        return (
+            self.quantized
+            and self.headers is not None
+            and name.endswith(".weight")
+            and f"{name}_scale_inv" in self.headers
+        )
 
     def fused(self, cfg: ModelConfig) -> bool:
         first = next((i for i, sparse in enumerate(cfg.sparse_layers) if sparse), None)
@@ -277,7 +274,8 @@ class _Sizes:
                 f"tensor {name!r} has shape {tuple(info.shape)} but the config implies {shape}: "
                 f"config.json does not describe these weights"
             )
-        return info.end - info.start
+        scales = self.headers.info(f"{name}_scale_inv") if self.fp8(name) else None
+        return info.end - info.start + (0 if scales is None else scales.end - scales.start)
 
 
 def _config_itemsize(model_dir: str) -> tuple[int, str]:
@@ -298,22 +296,42 @@ def rank_tensors(cfg: ModelConfig, sizes: _Sizes, start: int, end: int) -> tuple
     return replicated, experts
 
 
-def plan_weights(cfg: ModelConfig, sizes: _Sizes, ranks: int, itemsize: int, redundant: int = 0) -> tuple:
-    """Each rank's weights; with ``redundant`` EPLB slots its expert range is of physical slots."""
+def holding(cfg: ModelConfig, settings: Settings, sizes: _Sizes):
+    """hold(replicated, experts, local experts) -> resident.Held, as the backend holds them: the GPU's
+    bf16, or the CPU's at settings.cpu_weights (``cpu_settings`` resolved it)."""
+    if settings.dtype != "fp32":
+        return lambda replicated, experts, local: gpu_held(replicated, experts, DEVICE_ITEMSIZE[settings.dtype])
+    cpu = CpuWeights(
+        settings.cpu_weights,
+        settings.int8_group or 0,
+        bf16=lambda name: sizes.dtype(name) == "BF16",
+        fp8=sizes.fp8,
+        block_k=cfg.fp8.block_k if cfg.fp8 is not None else 0,
+    )
+    return partial(cpu_held, cfg, cpu=cpu)
+
+
+def plan_weights(cfg: ModelConfig, sizes: _Sizes, ranks: int, hold, redundant: int = 0) -> tuple:
+    """Each rank's weights as ``hold`` (``holding``) keeps them; with ``redundant`` EPLB slots its
+    expert range is of physical slots."""
     out = []
     for rank in range(ranks):
         start, end = expert_shard(cfg.num_experts + redundant, rank, ranks)
         replicated, experts = rank_tensors(cfg, sizes, start, end)
-        head = sum(t.resident_bytes(itemsize) for t in replicated if t.name == "lm_head.weight")
+        held = hold(replicated, experts, end - start)
+        kinds = {k: held.replicated.get(k, 0) + held.experts.get(k, 0) for k in {**held.replicated, **held.experts}}
         out.append(
             RankWeights(
                 rank=rank,
                 expert_start=start,
                 expert_end=end,
                 read_bytes=sum(t.read for t in replicated + experts),
-                replicated_bytes=sum(t.resident_bytes(itemsize) for t in replicated),
-                expert_bytes=sum(t.resident_bytes(itemsize) for t in experts),
-                lm_head_bytes=head,
+                replicated_bytes=sum(held.replicated.values()),
+                expert_bytes=sum(held.experts.values()),
+                lm_head_bytes=held.head,
+                embed_bytes=held.embed,
+                body_params=sum(t.params for t in replicated if t.name not in (EMBED, HEAD)),
+                precisions=tuple(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))),
             )
         )
     return tuple(out)
@@ -465,25 +483,28 @@ def step_bound(
     cfg: ModelConfig, w: RankWeights, batch: int, settings: Settings, hardware: Hardware, wire: Wire
 ) -> StepBound:
     """Lower bounds of one decode step on rank ``w.rank``: the bytes it must read from HBM, receive
-    over the link, and the FLOPs it must do, each at its peak; the step takes at least the largest."""
-    itemsize = DEVICE_ITEMSIZE[settings.dtype]
+    over the link, and the FLOPs it must do, each at its peak; the step takes at least the largest.
+    The weights' bytes are the resident ones (``RankWeights``: the backend's precisions)."""
     D, V, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     expert_elems = 3 * D * cfg.moe_intermediate_size  # one expert, one layer
+    held = w.expert_end - w.expert_start  # slots
     slots = cfg.num_experts + settings.num_redundant_experts
-    local = (w.expert_end - w.expert_start) * cfg.num_experts / slots  # expected share of the experts' tokens
-    embed_elems = V * D
-    head_elems = V * D  # only rank 0 computes logits
-    body_elems = w.replicated_bytes // itemsize - embed_elems - w.lm_head_bytes // itemsize  # per token, all layers
+    local = held * cfg.num_experts / slots  # expected share of the experts' tokens
+    expert_bytes = w.expert_bytes / (held * moe_layers(cfg)) if moe_layers(cfg) else 0  # one, as held
+    body_bytes = w.replicated_bytes - w.embed_bytes - w.lm_head_bytes  # read per step, all layers
+    head_elems, head_bytes = V * D, w.lm_head_bytes or w.embed_bytes  # only rank 0 computes logits
     logits = w.rank == 0
-    kv_read = batch * settings.context * KVCache.bytes_per_block(cfg, 1, itemsize)
+    kv_read = batch * settings.context * KVCache.bytes_per_block(cfg, 1, DEVICE_ITEMSIZE[settings.dtype])
     hbm = (
-        (body_elems + batch * D + (head_elems if logits else 0)) * itemsize
-        + moe_layers(cfg) * experts_touched(local, cfg, batch) * expert_elems * itemsize
+        body_bytes
+        + batch * w.embed_bytes // V  # the batch's embedding rows
+        + (head_bytes if logits else 0)
+        + moe_layers(cfg) * experts_touched(local, cfg, batch) * expert_bytes
         + kv_read
     )
     routed = batch * cfg.top_k * local / cfg.num_experts  # expected (token, local expert) pairs per layer
     attention = 4 * batch * settings.context * cfg.num_heads * cfg.head_dim * layers
-    flops = 2 * batch * (body_elems + (head_elems if logits else 0)) + 2 * routed * expert_elems * moe_layers(cfg)
+    flops = 2 * batch * (w.body_params + (head_elems if logits else 0)) + 2 * routed * expert_elems * moe_layers(cfg)
     flops += attention
     times = {
         "HBM": hbm / (hardware.hbm_tbps * 1e12),
@@ -536,12 +557,41 @@ def check_settings(cfg: ModelConfig, settings: Settings, hardware: Hardware, att
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(hardware, name)}")
 
 
+def cpu_precision(dtype: str, choice: str | None) -> str | None:
+    """The CPU backend's --cpu-weights (``dtype`` fp32; None: EPRT_CPU_WEIGHTS, as the engine reads it),
+    checked; None for the GPU backend, which takes no --cpu-weights."""
+    if dtype == "fp32":
+        return cpu_weights.precision_choice(choice)
+    if choice is not None:
+        raise ValueError(
+            f"--cpu-weights {choice} is the CPU backend's (--dtype fp32); --dtype {dtype} is the GPU backend, "
+            f"which holds its weights in bf16: drop --cpu-weights or give --dtype fp32"
+        )
+    return None
+
+
+def cpu_settings(settings: Settings) -> Settings:
+    """``settings`` with the CPU backend's weights resolved as the engine resolves them: --cpu-weights
+    and, for int8, its k group (None: EPRT_CPU_INT8_GROUP; 32 or 64)."""
+    precision = cpu_precision(settings.dtype, settings.cpu_weights)
+    group = settings.int8_group
+    if group is not None and precision != "int8":
+        raise ValueError(f"int8_group {group} is --cpu-weights int8's, but the CPU weights are {precision}")
+    if precision == "int8":
+        group = cpu_weights.int8_group() if group is None else group
+        if group not in cpu_weights.INT8_GROUPS:
+            raise ValueError(f"int8_group must be one of {cpu_weights.INT8_GROUPS}, got {group}")
+    return replace(settings, cpu_weights=precision, int8_group=group)
+
+
 def make_plan(
     model_dir: str, cfg: ModelConfig, settings: Settings, hardware: Hardware, attention: str = "replicated"
 ) -> Plan:
     check_settings(cfg, settings, hardware, attention)
-    sizes = _Sizes(model_dir)
-    weights = plan_weights(cfg, sizes, settings.ranks, DEVICE_ITEMSIZE[settings.dtype], settings.num_redundant_experts)
+    settings = cpu_settings(settings)
+    sizes = _Sizes(model_dir, quantized=cfg.fp8 is not None)
+    hold = holding(cfg, settings, sizes)
+    weights = plan_weights(cfg, sizes, settings.ranks, hold, settings.num_redundant_experts)
     kv = plan_kv(cfg, settings, hardware, weights, attention)
     eplb = settings.num_redundant_experts > 0
     wires = tuple(decode_wire(cfg, b, settings.ranks, eplb) for b in DECODE_BATCHES)

@@ -11,10 +11,11 @@ import sys
 from dataclasses import asdict
 
 from eprt.engine.config import DEFAULT_PREFILL_TOKENS
-from eprt.entry.capacity import DECODE_BATCHES, Hardware, Plan, Settings, make_plan, size
+from eprt.entry.capacity import DECODE_BATCHES, Hardware, Plan, Settings, cpu_precision, make_plan, size
 from eprt.entry.exchange_plan import Links, exchange_json, exchange_rows, render_exchange
 from eprt.model.config import load_config
 from eprt.model.default import DEFAULT_MODEL_DIR
+from eprt.ops.cpu_weights import PRECISIONS
 
 _HW = Hardware()
 
@@ -88,7 +89,15 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["bf16", "fp32"],
         default="bf16",
-        help="weights and KV as held: bf16 (the GPU backend) or fp32 (the CPU backend)",
+        help="the backend: bf16, the GPU's (weights and KV in bf16), or fp32, the CPU's (activations and KV "
+        "float32, weights as --cpu-weights holds them)",
+    )
+    g.add_argument(
+        "--cpu-weights",
+        choices=PRECISIONS,
+        default=None,
+        help="with --dtype fp32: the CPU's resident weights, as the engine flag (default: EPRT_CPU_WEIGHTS, auto: "
+        "the checkpoint's bf16, FP8 or f32; int8 in groups of EPRT_CPU_INT8_GROUP); the compiled path's ([cpu])",
     )
     g.add_argument(
         "--attention",
@@ -139,6 +148,7 @@ def main(args) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         reserved_gib=args.reserved_gib,
         dtype=args.dtype,
+        cpu_weights=args.cpu_weights,
         context=args.context,
         prefill_chunk=args.prefill_chunk,
         num_redundant_experts=args.num_redundant_experts,
@@ -151,6 +161,7 @@ def main(args) -> int:
 
 def _exchange(args, model: str) -> int:
     """``--exchange``: the MoE exchange table at each --ranks (link figures: --link-gbps inside a node)."""
+    cpu_precision(args.dtype, args.cpu_weights)  # refused with the GPU's dtype; rows are activations either way
     cfg = load_config(model)
     links = Links(args.link_gbps, args.ib_gbps, args.gpus_per_node)
     rows = exchange_rows(cfg, args.ranks, args.max_batch, 2 if args.dtype == "bf16" else 4, links)
@@ -168,6 +179,7 @@ def to_json(plan: Plan) -> dict:
     out = asdict(plan)
     for w, d in zip(plan.weights, out["weights"]):
         d["resident_bytes"] = w.resident_bytes
+        d["precisions"] = dict(w.precisions)
     for wire, d in zip((*plan.decode_wire, plan.prefill_wire), (*out["decode_wire"], out["prefill_wire"])):
         d["total"] = wire.total
     out["decode_wire"] = dict(zip(map(str, DECODE_BATCHES), out["decode_wire"]))
@@ -194,15 +206,29 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def render(plan: Plan) -> str:
     s, hw = plan.settings, plan.hardware
+    unit, memory = ("GPU", "HBM") if s.dtype != "fp32" else ("rank", "memory")  # --gpu-mem-gib, --hbm-tbps
     lines = [
         f"eprt plan: {plan.model} ({plan.model_type}, {count(plan.params)} parameters) on {plan.ranks} "
-        f"rank(s), {plan.attention} attention, weights and KV in {s.dtype}",
-        f"hardware: {hw.gpu_mem_gib:g} GiB per GPU ({s.gpu_memory_utilization:.0%} usable, {s.reserved_gib:g} GiB "
-        f"reserved), HBM {hw.hbm_tbps:g} TB/s, link {hw.link_gbps:g} GB/s, {hw.tflops:g} TFLOP/s",
+        f"rank(s), {plan.attention} attention, {backend(s)}",
+        f"hardware: {hw.gpu_mem_gib:g} GiB per {unit} ({s.gpu_memory_utilization:.0%} usable, {s.reserved_gib:g} GiB "
+        f"reserved), {memory} {hw.hbm_tbps:g} TB/s, link {hw.link_gbps:g} GB/s, {hw.tflops:g} TFLOP/s",
         "",
         f"weights per rank (checkpoint bytes from the {plan.weight_source})",
     ]
     return "\n".join(lines + _weights(plan) + _kv(plan) + _wire(plan) + _bounds(plan))
+
+
+def backend(s: Settings) -> str:
+    """The backend and how it holds weights and KV."""
+    if s.dtype != "fp32":
+        return f"GPU backend: weights and KV in {s.dtype}"
+    group = f", groups of {s.int8_group} along k" if s.cpu_weights == "int8" else ""
+    return f"CPU backend: weights --cpu-weights {s.cpu_weights}{group}, KV float32"
+
+
+def held_as(w) -> str:
+    """A rank's resident precisions with their shares of its bytes, e.g. "bf16 91%, f32 9%"."""
+    return ", ".join(f"{kind} {n / max(w.resident_bytes, 1):.0%}" for kind, n in w.precisions)
 
 
 def _weights(plan: Plan) -> list[str]:
@@ -215,12 +241,13 @@ def _weights(plan: Plan) -> list[str]:
             size(w.replicated_bytes),
             size(w.expert_bytes),
             size(w.resident_bytes),
+            held_as(w),
             "-" if kv.blocks_per_rank[w.rank] is None else str(kv.blocks_per_rank[w.rank]),
         ]
         for w in plan.weights
     ]
     slots = "experts" if not s.num_redundant_experts else f"slots (+{s.num_redundant_experts} redundant)"
-    header = ["rank", slots, "read", "replicated", "experts", f"on device ({s.dtype})", "KV room (blocks)"]
+    header = ["rank", slots, "read", "replicated", "experts", "on device", "held as", "KV room (blocks)"]
     return _table(header, rows)
 
 
