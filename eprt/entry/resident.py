@@ -139,7 +139,8 @@ class CpuWeights:
         if not u.packs:
             return "f32", 4 * n
         as_stored = self.precision == "auto" and all(map(self.bf16, u.names))  # bf16 bits kept, FP8 dequantized
-        return ("bf16", 2 * n) if self.precision == "bf16" or as_stored else ("f32", 4 * n)
+        paired = u.cols % 2 == 0  # (cpu_weights.float_panels: bf16 rows pair; an odd K is held as float32)
+        return ("bf16", 2 * n) if (self.precision == "bf16" or as_stored) and paired else ("f32", 4 * n)
 
 
 def cpu_held(cfg: ModelConfig, replicated: list, experts: list, local: int, cpu: CpuWeights) -> Held:
