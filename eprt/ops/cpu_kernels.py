@@ -56,6 +56,9 @@ def _numba_array_math() -> None:
 
 _numba_array_math()
 
+# numba keys this file's cached kernels on its text alone: the sha256 of cpu_simd.py (whose intrinsics
+# they compile) is written here, so an edit there changes this file too (tests/test_code_shape.py checks)
+SIMD_SOURCE = "5c491c588471b62a"
 PANEL_PREFETCH_BYTES = 32768  # the first rows' pass over a panel asks for the weights this far ahead
 KV_PREFETCH_POSITIONS = 8  # _decode_attention asks for the keys this many positions ahead
 WATCH_SPINS = 40000  # spin-wait hints a pool helper watches for the next call (~1 ms on this machine)

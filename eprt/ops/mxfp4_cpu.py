@@ -16,6 +16,10 @@ from eprt.ops import cpu_simd as simd
 from eprt.ops.cpu_pool import share, spans, threads_for
 from eprt.ops.mxfp4_format import FP4_VALUES
 
+# numba keys this file's cached kernels on its text alone: the sha256 of cpu_simd.py (whose intrinsics
+# they compile) is written here, so an edit there changes this file too (tests/test_code_shape.py checks)
+SIMD_SOURCE = "5c491c588471b62a"
+
 
 @njit(nogil=True, cache=True)
 def _expert_rows(xs, blocks, scales, experts, edges, lut, out, o0, o1):  # pragma: no cover - compiled
