@@ -251,6 +251,30 @@ def test_chunks_cover_every_unit_once_and_shrink(units, threads):
     assert even.max() - even.min() <= 1
 
 
+@pytest.mark.parametrize("kind", ["f32", "bf16", "int8"])
+def test_moe_shared_out_in_one_call_gives_the_one_thread_bits(shared, kind):
+    """cpu_kernels.moe on 2 and 3 threads (``_moe_team``: gate_up, SiLU rows, down, weighted sums as
+    one call, each step's chunks done before the next) gives the one-thread call's bits: 1 to 33
+    tokens, other ranks' experts (ids outside [0, El)) and experts without rows."""
+    from eprt.ops import cpu_kernels
+
+    rng = np.random.default_rng(9)
+    El, D, inter = 6, 64, 48
+    pack = (
+        (lambda w: cpu_weights.int8_panels(w, 32)) if kind == "int8" else (lambda w: cpu_weights.float_panels(w, kind))
+    )
+    gate_up = pack(rng.standard_normal((El, 2 * inter, D)).astype(np.float32))
+    down = pack(rng.standard_normal((El, D, inter)).astype(np.float32))
+    for T in (1, 2, 7, 33):
+        x = rng.standard_normal((T, D)).astype(np.float32)
+        local = rng.integers(-2, El + 2, (T, 2)).astype(np.int32)  # some outside: another rank's
+        weights = rng.random((T, 2)).astype(np.float32)
+        one = cpu_kernels.moe(x, local, weights, gate_up, down, threads=1)
+        for threads in (2, 3):
+            got = cpu_kernels.moe(x, local, weights, gate_up, down, threads=threads)
+            np.testing.assert_array_equal(got.view(np.int32), one.view(np.int32))
+
+
 @pytest.mark.parametrize("K", [2, 6, 16, 18, 96, 7])
 def test_bf16_panels_pair_their_rows_and_give_the_float32_bits(K):
     """bf16 panels hold each panel's rows in pairs (one 64-byte line per two k); every row count (the

@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from eprt.ops import cpu_simd as simd
-from eprt.ops.cpu_pool import new_counters, share, spans, threads_for
+from eprt.ops.cpu_pool import POOL, new_counters, share, spans, threads_for
 from eprt.ops.cpu_weights import LANES, ScaledPanels, unit_scales
 
 
@@ -364,11 +364,11 @@ def _operand_of(x, w, block):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _silu_mul_rows(h, inter, a):  # pragma: no cover - compiled
-    """a[r] = silu(h[r, :I]) * h[r, I:2I] for every row, as NumpyOps writes it, 16 columns at a
+def _silu_mul_rows(h, inter, a, lo, hi):  # pragma: no cover - compiled
+    """a[r] = silu(h[r, :I]) * h[r, I:2I] for rows lo..hi, as NumpyOps writes it, 16 columns at a
     time with cpu_simd.silu_mul's exp (within 1 ulp; NumPy's scalar exp is 10x slower here)."""
     one = np.float32(1.0)
-    for r in range(h.shape[0]):
+    for r in range(lo, hi):
         for j in range(0, inter - inter % 16, 16):
             simd.store(a, r, j, simd.silu_mul(simd.load(h, r, j), simd.load(h, r, inter + j)))
         for j in range(inter - inter % 16, inter):  # (I a multiple of 8: at most 8 columns)
@@ -394,7 +394,7 @@ def _ffn_grouped(xs, gate_up, down, inter, experts, edges):  # pragma: no cover 
         op, gate_up[0], gate_up[1], gate_up[2], h, experts, edges, _all_of(gate_up[0], experts), np.zeros(2, np.int64)
     )
     a = np.empty((xs.shape[0], inter), np.float32)  # [n, I]
-    _silu_mul_rows(h, inter, a)
+    _silu_mul_rows(h, inter, a, 0, xs.shape[0])
     ys = np.empty((xs.shape[0], 16 * down[0].shape[1]), np.float32)  # [n, D] (int8: padded to 16)
     op = _operand_of(a, down[0], down[2])
     _grouped_chunks(op, down[0], down[1], down[2], ys, experts, edges, _all_of(down[0], experts), np.zeros(2, np.int64))
@@ -434,11 +434,11 @@ def _group_rows(x, local, El):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _weigh(ys, place, weights, out):  # pragma: no cover - compiled
+def _weigh(ys, place, weights, out, lo, hi):  # pragma: no cover - compiled
     """out[t] = sum over the k choices of token t in order of weights[t, j] * ys[place[t, j]] (0 where
-    place is -1: another rank's expert)."""
-    T, k = place.shape
-    for t in range(T):
+    place is -1: another rank's expert), for tokens lo..hi."""
+    k = place.shape[1]
+    for t in range(lo, hi):
         for j in range(k):
             i = place[t, j]
             for d in range(out.shape[1]):
@@ -453,7 +453,46 @@ def _moe(x, local, weights, gate_up, down, inter, out):  # pragma: no cover - co
     it: the (token, choice) rows grouped by expert, tokens in order (``_ffn_grouped``), each
     weighted, then added in choice order; one call on this thread."""
     xs, place, chosen, edges = _group_rows(x, local, gate_up[0].shape[0])
-    _weigh(_ffn_grouped(xs, gate_up, down, inter, chosen, edges), place, weights, out)
+    _weigh(_ffn_grouped(xs, gate_up, down, inter, chosen, edges), place, weights, out, 0, x.shape[0])
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _step_done(phases, i, spans):  # pragma: no cover - compiled
+    """Waits (spin-wait hints) until every chunk of step i is done: phases[2 i + 1] counts them."""
+    while simd.peek(phases, 2 * i + 1) < spans.shape[0] - 1:
+        simd.pause()
+
+
+@njit(nogil=True, cache=True)
+def _moe_team(xs, up, down, inter, experts, edges, place, weights, bufs, spans, phases, counters):  # pragma: no cover
+    """``_moe``'s steps after the grouping as one shared call (``cpu_pool``): gate_up's panels (up
+    and down (panels, scales, block) triples, ``_grouped_chunks``), each row's SiLU (and for int8
+    its quantized row), down's panels, then each token's weighted sum (bufs = (h, a, down's
+    operand, ys, out); spans: each step's chunk edges). A thread that runs out of a step's chunks
+    waits for those others took (phases: [taken, done] of the first three steps; counters: the last's)."""
+    h, a, op, ys, out = bufs
+    _grouped_chunks(xs, up[0], up[1], up[2], h, experts, edges, spans[0], phases[0:2])
+    _step_done(phases, 0, spans[0])
+    j = simd.claim(phases, 2)
+    while j < spans[1].shape[0] - 1:
+        _silu_mul_rows(h, inter, a, spans[1][j], spans[1][j + 1])
+        _fill(op, a, down[2], spans[1][j], spans[1][j + 1])
+        simd.claim(phases, 3)
+        j = simd.claim(phases, 2)
+    _step_done(phases, 1, spans[1])
+    _grouped_chunks(op, down[0], down[1], down[2], ys, experts, edges, spans[2], phases[4:6])
+    _step_done(phases, 2, spans[2])
+    j = simd.claim(counters, 0)
+    while j < spans[3].shape[0] - 1:
+        _weigh(ys, place, weights, out, spans[3][j], spans[3][j + 1])
+        simd.claim(counters, 1)
+        j = simd.claim(counters, 0)
+
+
+@njit(nogil=True, cache=True)
+def _unfilled(x, w, block):  # pragma: no cover - compiled
+    """The operand of x for panels like w (``_operand``), not yet filled (int8: its arrays empty)."""
+    return _operand(x, w, block)
 
 
 @njit(nogil=True, cache=True)
@@ -1020,12 +1059,17 @@ def moe(x, local, weights, gate_up, down, threads: int = 1) -> np.ndarray:
 
 
 def _moe_shared(x, local, weights, gate_up, down, inter: int, out, threads: int) -> None:
-    """``_moe``'s steps with its two products shared out over ``threads`` threads (the same bits)."""
+    """``_moe``'s steps shared out over ``threads`` threads in one call (``_moe_team``; the same bits)."""
     xs, place, chosen, edges = _group_rows(x, local, _experts(gate_up))
-    h = _grouped_product(xs, gate_up, chosen, edges, threads)  # [n, 2I]
-    a = np.empty((len(xs), inter), np.float32)  # [n, I]
-    _silu_mul_rows(h, inter, a)
-    _weigh(_grouped_product(a, down, chosen, edges, threads), place, weights, out)
+    up, dn = _triple(gate_up), _triple(down)
+    n, groups = len(xs), len(chosen)
+    h = np.empty((n, LANES * up[0].shape[1]), np.float32)  # [n, 2I] (int8: padded to 16)
+    a = np.empty((n, inter), np.float32)  # [n, I]
+    bufs = (h, a, _unfilled(a, dn[0], dn[2]), np.empty((n, LANES * dn[0].shape[1]), np.float32), out)
+    units = (groups * up[0].shape[1], n, groups * dn[0].shape[1], len(x))
+    steps = tuple(spans(u, threads) for u in units)
+    args = (_operand_for_call(xs, up[0], up[2]), up, dn, inter, chosen, edges, place, weights, bufs, steps)
+    POOL.run(_moe_team, (*args, np.zeros(6, np.int64)), new_counters(), len(steps[3]) - 1, threads)
 
 
 def _grouped_product(x, w, experts, edges, threads: int) -> np.ndarray:

@@ -61,7 +61,7 @@ class ChunkPool:
         (claim(counters, 0) < chunks) and counts each one done (claim(counters, 1)). Returns when
         all ``chunks`` are done."""
         args = (*args, counters)
-        if threads <= 1 or chunks <= 1:
+        if threads <= 1:
             fn(*args)
             return
         with self._one_call:
@@ -128,4 +128,4 @@ def share(fn, args: tuple, units: int, threads: int, even: int = 0) -> None:
     """fn(*args, edges, counters) over ``units`` panels or rows in the chunks ``spans`` gives, on
     ``threads`` threads: the compiled kernels' shared-out calls."""
     edges = spans(units, threads, even)
-    POOL.run(fn, (*args, edges), new_counters(), len(edges) - 1, threads)
+    POOL.run(fn, (*args, edges), new_counters(), len(edges) - 1, threads if len(edges) > 2 else 1)
