@@ -58,10 +58,9 @@ _numba_array_math()
 
 # numba keys this file's cached kernels on its text alone: the sha256 of cpu_simd.py (whose intrinsics
 # they compile) is written here, so an edit there changes this file too (tests/test_code_shape.py checks)
-SIMD_SOURCE = "5c491c588471b62a"
+SIMD_SOURCE = "ab745cec771954dc"
 PANEL_PREFETCH_BYTES = 32768  # the first rows' pass over a panel asks for the weights this far ahead
 KV_PREFETCH_POSITIONS = 8  # _decode_attention asks for the keys this many positions ahead
-WATCH_SPINS = 40000  # spin-wait hints a pool helper watches for the next call (~1 ms on this machine)
 VERSION = numba.__version__
 
 
@@ -304,16 +303,6 @@ def _fill_for(op, x, block, lo, hi):  # pragma: no cover - compiled
     if isinstance(op, types.BaseTuple):
         return lambda op, x, block, lo, hi: _quantize_rows(x, block, op[0], op[1], op[2], lo, hi)
     return lambda op, x, block, lo, hi: None
-
-
-@njit(nogil=True, cache=True)
-def await_post(posted, seen):  # pragma: no cover - compiled
-    """Returns when posted[0] != seen (``cpu_pool``: a call was posted) or after WATCH_SPINS
-    spin-wait hints, the GIL released."""
-    for _ in range(WATCH_SPINS):
-        if simd.peek(posted, 0) != seen:
-            return
-        simd.pause()
 
 
 @njit(nogil=True, cache=True)

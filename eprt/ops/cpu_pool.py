@@ -7,7 +7,7 @@ they get a core. So the caller never waits for a thread that has not started (on
 thread can wait milliseconds for a core; a barrier at every call made 2 threads 8x slower than 1
 there), only for chunks already taken: the chunks shrink as the call goes on (``spans``), so that
 wait is a small chunk's. A helper that finished a call watches for the next one for about a
-millisecond (compiled, the GIL released: ``cpu_kernels.await_post``) before it sleeps, so the calls
+millisecond (compiled, the GIL released: ``cpu_simd.await_post``) before it sleeps, so the calls
 of a step find it awake (a sleeping thread took 70 - 100 us to join a call on this machine's
 virtual cores, spinning ~30). Each chunk is computed whole by one thread, so which thread took it
 never changes a bit. Pure Python: the kernels it runs release the GIL.
@@ -84,7 +84,7 @@ class ChunkPool:
 def _watcher():
     """The compiled watch helpers wait in before they sleep (None without numba: they sleep at once)."""
     try:
-        from eprt.ops.cpu_kernels import await_post
+        from eprt.ops.cpu_simd import await_post
     except ImportError:
         return None
     return await_post

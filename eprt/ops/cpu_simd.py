@@ -3,15 +3,16 @@
 the few operations the kernels use. Multiplies and adds stay apart (no fused multiply-add), as in
 NumPy's float32 expressions. ``weights`` reads 16 weights of a panel at its resident precision
 (float32, bfloat16 bits, float8_e4m3fn bytes times their block scale) as float32 lanes; sixteen
-int32 lanes (``Ints``) hold the int8 kernel's dot products (``dot4``: VNNI where the CPU has it).
-Imported with cpu_kernels only (it needs numba)."""
+int32 lanes (``Ints``) hold the int8 kernel's dot products (``dot4``: VNNI where the CPU has it);
+``claim``, ``peek`` and ``pause`` are the threads' atomics and spin-wait, ``await_post`` the wait
+of cpu_pool's helpers. Imported with the compiled kernels only (it needs numba)."""
 
 from __future__ import annotations
 
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
@@ -398,3 +399,16 @@ def pause(typingctx):
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+WATCH_SPINS = 40000  # spin-wait hints a pool helper watches for the next call (~1 ms on this machine)
+
+
+@njit(nogil=True, cache=True)
+def await_post(posted, seen):  # pragma: no cover - compiled
+    """Returns when posted[0] != seen (``cpu_pool``: a call was posted) or after WATCH_SPINS
+    spin-wait hints, the GIL released."""
+    for _ in range(WATCH_SPINS):
+        if peek(posted, 0) != seen:
+            return
+        pause()

@@ -18,7 +18,7 @@ from eprt.ops.mxfp4_format import FP4_VALUES
 
 # numba keys this file's cached kernels on its text alone: the sha256 of cpu_simd.py (whose intrinsics
 # they compile) is written here, so an edit there changes this file too (tests/test_code_shape.py checks)
-SIMD_SOURCE = "5c491c588471b62a"
+SIMD_SOURCE = "ab745cec771954dc"
 
 
 @njit(nogil=True, cache=True)
