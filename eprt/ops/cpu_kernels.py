@@ -453,14 +453,17 @@ def _step_done(phases, i, spans):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _moe_team(xs, up, down, inter, experts, edges, place, weights, bufs, spans, phases, counters):  # pragma: no cover
-    """``_moe``'s steps after the grouping as one shared call (``cpu_pool``): gate_up's panels (up
-    and down (panels, scales, block) triples, ``_grouped_chunks``), each row's SiLU (and for int8
-    its quantized row), down's panels, then each token's weighted sum (bufs = (h, a, down's
-    operand, ys, out); spans: each step's chunk edges). A thread that runs out of a step's chunks
-    waits for those others took (phases: [taken, done] of the first three steps; counters: the last's)."""
+def _moe_team(
+    op_up, up, down, inter, experts, edges, place, weights, bufs, spans, phases, counters
+):  # pragma: no cover - compiled
+    """``_moe``'s steps after the grouping as one shared call (``cpu_pool``): gate_up's panels (op_up:
+    the grouped rows' operand; up and down (panels, scales, block) triples; ``_grouped_chunks``),
+    each row's SiLU (and for int8 its quantized row), down's panels, then each token's weighted sum
+    (bufs = (h, a, down's operand, ys, out); spans: each step's chunk edges). A thread that runs out
+    of a step's chunks waits for those others took (phases: [taken, done] of the first three steps;
+    counters: the last's)."""
     h, a, op, ys, out = bufs
-    _grouped_chunks(xs, up[0], up[1], up[2], h, experts, edges, spans[0], phases[0:2])
+    _grouped_chunks(op_up, up[0], up[1], up[2], h, experts, edges, spans[0], phases[0:2])
     _step_done(phases, 0, spans[0])
     j = simd.claim(phases, 2)
     while j < spans[1].shape[0] - 1:
