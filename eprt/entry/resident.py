@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from eprt.model.config import ModelConfig
-from eprt.ops.cpu_weights import LANES
+from eprt.ops.cpu_weights import LANES, int8_padded, rows_pair
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
@@ -134,13 +134,13 @@ class CpuWeights:
         if self.stays_fp8(u):  # bytes, and a float32 scale per lane and k block (cpu_weights.fp8_panels)
             return "fp8", n + 4 * u.lead * u.rows * -(-u.cols // self.block_k)
         if self.precision == "int8":  # N padded to 16, K to the group, a float32 scale per (row, group)
-            rows, cols = -(-u.rows // LANES) * LANES, -(-u.cols // self.group) * self.group
+            rows, cols = int8_padded(u.rows, u.cols, self.group)
             return "int8", u.lead * rows * (cols + 4 * (cols // self.group))
         if not u.packs:
             return "f32", 4 * n
         as_stored = self.precision == "auto" and all(map(self.bf16, u.names))  # bf16 bits kept, FP8 dequantized
-        paired = u.cols % 2 == 0  # (cpu_weights.float_panels: bf16 rows pair; an odd K is held as float32)
-        return ("bf16", 2 * n) if (self.precision == "bf16" or as_stored) and paired else ("f32", 4 * n)
+        bf16 = (self.precision == "bf16" or as_stored) and rows_pair(u.cols)  # (an odd K is held as float32)
+        return ("bf16", 2 * n) if bf16 else ("f32", 4 * n)
 
 
 def cpu_held(cfg: ModelConfig, replicated: list, experts: list, local: int, cpu: CpuWeights) -> Held:

@@ -103,9 +103,19 @@ def float_panels(host: np.ndarray, precision: str) -> np.ndarray:
     if precision == "f32" or (precision == "auto" and host.dtype != np.uint16):
         return panels(float32(host))
     bits = host if host.dtype == np.uint16 else f32_to_bf16_bits(host)
-    if host.shape[-1] % 2:  # rows that cannot pair: the same weights held as float32
+    if not rows_pair(host.shape[-1]):  # the same weights held as float32
         return panels(float32(bits))
     return pair_rows(panels(bits))
+
+
+def rows_pair(K: int) -> bool:
+    """Whether bfloat16 panels of K rows (a matrix's K columns) can pair them (``pair_rows``): K even."""
+    return K % 2 == 0
+
+
+def int8_padded(N: int, K: int, group: int) -> tuple:
+    """(N', K') of int8 panels of a [N, K] matrix: N padded to 16, K to the group (``int8_panels``)."""
+    return N + -N % LANES, K + -K % group
 
 
 def pair_rows(p: np.ndarray) -> np.ndarray:
@@ -147,13 +157,13 @@ def int8_panels(host: np.ndarray, group: int) -> ScaledPanels:
     along k: scale = max |w| / 127 (float32), q = rint(w / scale) (0 where the group is all zero)."""
     w = float32(host)
     *lead, N, K = w.shape
-    n_pad, k_pad = -N % LANES, -K % group
-    w = np.pad(w, [(0, 0)] * len(lead) + [(0, n_pad), (0, k_pad)])
-    grouped = w.reshape(*lead, N + n_pad, -1, group)  # [.., N', G', group]
+    rows, cols = int8_padded(N, K, group)
+    w = np.pad(w, [(0, 0)] * len(lead) + [(0, rows - N), (0, cols - K)])
+    grouped = w.reshape(*lead, rows, -1, group)  # [.., N', G', group]
     scale = np.abs(grouped).max(axis=-1) / np.float32(127.0)  # [.., N', G']
     safe = np.where(scale > 0, scale, np.float32(1.0))[..., None]
     q = np.clip(np.rint(grouped / safe), -127, 127).astype(np.int8).reshape(w.shape)  # [.., N', K']
-    quads = q.reshape(*lead, (N + n_pad) // LANES, LANES, (K + k_pad) // 4, 4).swapaxes(-3, -2)
+    quads = q.reshape(*lead, rows // LANES, LANES, cols // 4, 4).swapaxes(-3, -2)
     return ScaledPanels("int8", np.ascontiguousarray(quads), panels(scale.astype(np.float32)), group, N, K)
 
 
