@@ -4,13 +4,14 @@
 
 The model of bench_decode_cpu.py (its bf16 copy, built once), one engine at --weights on one
 thread, 32 new tokens at batch 1 after a one-token run, --repeats times: per decode step the CPU
-time inside the product kernels (cpu_kernels._linear_one: the head, _router_shift: each router's
-product and its logits' shift, _moe: every MoE layer, and _attention_block: each layer's
-attention, its qkv and o products with the prologue and decode attention between them, a small
-part of its time) and outside them (the engine, the norms, the routing's exp and pick, the Python
-around them), min and median over the repeats; then the calls per
-step into compiled kernels from Python and the Python function calls per step (cProfile, the
-counting wrappers left out), which do not depend on the load.
+time inside the product kernels and outside them (the engine, the routing's exp, the Python
+around the calls), min and median over the repeats; then the calls per step into compiled kernels
+from Python and the Python function calls per step (cProfile, the counting wrappers left out),
+which do not depend on the load. The product kernels: cpu_kernels._linear_one (the head), and a
+layer run as one op (``Ops.decode_layer``) in its two calls, _layer_front (its norms, the
+attention's qkv and o products with the prologue and decode attention between them, the router's
+product and shift) and _layer_back (the pick and the experts); for layers run as their ops apart,
+_router_shift, _moe and _attention_block.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-PRODUCTS = ("_linear_one", "_router_shift", "_moe", "_attention_block")
+PRODUCTS = ("_linear_one", "_router_shift", "_moe", "_attention_block", "_layer_front", "_layer_back")
 
 
 class Counted:

@@ -133,10 +133,12 @@ def census():
 def per_layer(c: Census, model, run) -> tuple[list[Counts], Counts]:
     """Run ``run()`` (one forward pass of ``model``, an eprt MoEModel) under census ``c``: the
     counts of each decoder layer (from the end of the previous layer's MLP, so its input norm
-    counts, to the end of its own MLP; layer 0 from the start of ``hidden_states``) and of the
-    whole call. One forward pass per call: a second one's marks would run on."""
+    counts, to the end of its own MLP, or of ``ops.decode_layer`` for a layer run as that op; layer 0
+    from the start of ``hidden_states``) and of the whole call. One forward pass per call: a second
+    one's marks would run on."""
     marks, start = [], c.now()
-    originals = {name: getattr(model, name) for name in ("_mlp", "hidden_states")}  # _mlp: a layer's MLP
+    names = ((model, "_mlp"), (model, "hidden_states"), (model.ops, "decode_layer"))  # _mlp: a layer's MLP
+    originals = {(owner, name): getattr(owner, name) for owner, name in names}
 
     def marking(fn):
         def wrapper(*args, **kwargs):
@@ -153,11 +155,11 @@ def per_layer(c: Census, model, run) -> tuple[list[Counts], Counts]:
 
         return wrapper
 
-    for name, fn in originals.items():
-        setattr(model, name, starting(fn) if name == "hidden_states" else marking(fn))
+    for (owner, name), fn in originals.items():
+        setattr(owner, name, starting(fn) if name == "hidden_states" else marking(fn))
     try:
         run()
     finally:
-        for name in originals:
-            delattr(model, name)
+        for owner, name in originals:
+            delattr(owner, name)
     return [b - a for a, b in zip(marks, marks[1:])], c.now() - start

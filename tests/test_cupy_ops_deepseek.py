@@ -212,8 +212,9 @@ def test_the_cupy_backend_implements_every_op():
     ops = [n for n, f in vars(Ops).items() if callable(f) and not n.startswith("_")]
     # the base's own bodies serve: no work, "", one decode row per verify position, weight's layout,
     # EPLB's splits in parts of any size, FP8 kept wherever fp8_resident says, a tied head is the table,
-    # a decode layer's attention and the routing with its product as the ops they compose (the CPU's
-    # compiled path runs each as one call; the GPU launches the ops: docs/gpu.md)
+    # a decode layer's attention, the routing with its product and a whole plain decode layer as the
+    # ops they compose (the CPU's compiled path runs each as one or two calls; the GPU launches the
+    # ops: docs/gpu.md)
     optional = (
         "synchronize",
         "warm_up",
@@ -229,6 +230,8 @@ def test_the_cupy_backend_implements_every_op():
         "attention_sinks_verify",
         "attention_decode_block",
         "route_rows",
+        "decode_layer_weights",
+        "decode_layer",
     )
     missing = [n for n in ops if getattr(CupyOps, n) is getattr(Ops, n) and n not in optional]
     assert missing == []

@@ -447,6 +447,55 @@ def test_compiled_route_rows_has_the_bits_of_linear_then_route(weights):
             assert got[2] is want[2] is None and counts[0].sum() == 3 * E + T * k
 
 
+def _decode_layer_case(rng, ops, T, E, normed, start):
+    """(DecodeLayer, meta, caches) of random weights: H 4, Hk 2, Dh 16, D 64, I 32, this rank's 8
+    experts from ``start`` of E, top 2."""
+    H, Hk, Dh, D, I, El = 4, 2, 16, 64, 32, 8
+    host = lambda *shape: rng.standard_normal(shape, dtype=np.float32) * 0.2  # noqa: E731
+    norms = (host(Dh) + 1, host(Dh) + 1) if normed else None
+    experts = ops.expert_weights(host(El, 2 * I, D), host(El, D, I))
+    mats = [ops.linear_weight(host(*shape)) for shape in (((H + 2 * Hk) * Dh, D), (D, H * Dh), (E, D))]
+    weights = (host(D) + 1, *mats[:2], norms, host(D) + 1, mats[2], *experts)
+    constants = dict(heads=H, eps=1e-6, scale=0.25, top_k=2, renormalize=normed, local=(start, El))
+    layer = ops.decode_layer_weights(*weights, **constants)
+    positions = rng.integers(0, 40, T).astype(np.int32)
+    slots = (np.arange(T, dtype=np.int32) * 5 + 1) % 24  # distinct, some read by other rows
+    tables, lens = np.tile(np.array([[2, 0, 1]], np.int32), (T, 1)), rng.integers(1, 24, T).astype(np.int32)
+    meta = (positions, host(40, Dh), slots, tables, lens)  # cos_sin [P, Dh]
+    return layer, meta, [host(3, 8, Hk, Dh) for _ in range(2)]
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba not installed")
+@pytest.mark.parametrize("weights", ["f32", "bf16", "int8"])
+def test_compiled_decode_layer_has_the_bits_of_its_ops_apart(weights):
+    """NumpyOps.decode_layer on the compiled path (norms, attention block, router and experts in two
+    calls) gives the bits of Ops' composition of the ops one by one: the MoE partial, the residual,
+    both caches and the expert counts, at layer 0 (no residual) and after, with and without q/k norms
+    and counts, for this rank's experts among others'; 20 experts (no exact router panels) and 2
+    threads take the ops apart."""
+    rng, served = np.random.default_rng(41), 0
+    for T, E, normed, start, threads in [
+        (1, 16, True, 0, 1),
+        (3, 32, False, 8, 1),
+        (2, 20, True, 0, 1),
+        (5, 16, True, 4, 2),
+    ]:
+        ops = NumpyOps("numba", weights=weights, threads=threads)
+        layer, meta, caches = _decode_layer_case(rng, ops, T, E, normed, start)
+        assert (layer.compiled is not None) == (E % 16 == 0)
+        h, residual = rng.standard_normal((T, 64), dtype=np.float32), rng.standard_normal((T, 64), dtype=np.float32)
+        for res, counted in ((None, True), (residual, False)):
+            outs = []
+            for run in (ops.decode_layer, functools.partial(Ops.decode_layer, ops)):
+                kv, counts = [c.copy() for c in caches], np.full(E, 3, np.int32) if counted else None
+                outs.append((*run(h, res, layer, *kv, meta, counts), *kv, counts))
+            for a, b in zip(*outs):
+                np.testing.assert_array_equal(a, b)
+            served += np.count_nonzero(outs[0][0].any(axis=1))  # rows with a choice among this rank's experts
+            assert not np.array_equal(outs[0][2], caches[0]) and (not counted or outs[0][4].sum() == 3 * E + 2 * T)
+    assert served >= 6
+
+
 def _prologue_apart(ops, views, norms, positions, table, slots, Hk):
     """(q, k_cache, v_cache) from rms_norm, rope and kv_write called one by one."""
     q, k, v = (np.ascontiguousarray(a) for a in views)

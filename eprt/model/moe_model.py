@@ -185,6 +185,7 @@ class MoEModel:
         self.lora_rows = None  # LoraRows of the forward pass in progress; None: no adapter in the batch
         self.exchange_lora_rows = None  # dp attention: LoraRows of the rows the MoE exchange gathers
         self.row_mask = None  # [T, 1] int32 on the device, 1 for a real row, 0 for padding (CUDA graph buckets)
+        self.decode_layers = [self._decode_layer(lw, i) for i, lw in enumerate(weights.layers)]  # or None each
 
     # ---- pieces ------------------------------------------------------------------------
     def embed(self, ids: np.ndarray, image_rows: np.ndarray | None = None, image_mask: np.ndarray | None = None):
@@ -231,13 +232,48 @@ class MoEModel:
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
         return (a.reshape(T, h, cfg.head_dim) for a, h in zip((q, k, v), heads))
 
-    def _plain_decode(self, lw, batch: AttnBatch) -> bool:
-        """Whether this layer's attention is ops.attention_decode_block's ops alone: a decode step
-        (no verify rows), fused q, k and v without bias, no adapters, q/k clip, gate or sinks."""
+    def _plain_attention(self, lw) -> bool:
+        """Whether this layer's attention can be ops.attention_decode_block's ops alone: fused q, k and
+        v without bias, no q/k clip, full q/k norm, gate or sinks."""
         cfg = self.cfg
-        plain = lw.qkv is not None and lw.qkv_bias is None and lw.q_gate is None and self.lora_rows is None
-        layer_ok = cfg.qk_norm != "full" and cfg.clip_qkv is None and not cfg.attention_sinks
-        return plain and layer_ok and not batch.is_prefill and batch.query_lens is None and batch.rope_cos_sin is None
+        plain = lw.qkv is not None and lw.qkv_bias is None and lw.q_gate is None
+        return plain and cfg.qk_norm != "full" and cfg.clip_qkv is None and not cfg.attention_sinks
+
+    def _plain_step(self, batch: AttnBatch) -> bool:
+        """Whether the batch is a plain decode step: no prompt or verify rows, no per-token rope
+        table, no adapters."""
+        plain = batch.query_lens is None and batch.rope_cos_sin is None and self.lora_rows is None
+        return plain and not batch.is_prefill
+
+    def _plain_decode(self, lw, batch: AttnBatch) -> bool:
+        """Whether this layer's attention is ops.attention_decode_block's ops alone."""
+        return self._plain_attention(lw) and self._plain_step(batch)
+
+    def _decode_layer(self, lw, layer: int):
+        """ops.decode_layer's weights of a layer whose attention can be attention_decode_block's and
+        whose MLP is routed experts alone (no shared expert), routed by the plain softmax router
+        (no biases, no groups, no gpt-oss router), else None."""
+        cfg = self.cfg
+        moe = cfg.sparse_layers[layer] and lw.linear is None and cfg.mla is None and cfg.swiglu is None
+        moe = moe and cfg.routing is None and lw.shared_gate_up is None and lw.router_bias is None
+        if not (moe and lw.router_logit_bias is None and self._plain_attention(lw)):
+            return None
+        weights = (lw.input_norm, lw.qkv, lw.o, (lw.q_norm, lw.k_norm) if cfg.qk_norm == "head" else None)
+        weights += (lw.post_norm, lw.router, lw.w_gate_up, lw.w_down)
+        local = (self.w.expert_start, self.w.expert_end - self.w.expert_start)
+        constants = dict(heads=cfg.num_heads, eps=cfg.rms_norm_eps, scale=self.scale, top_k=cfg.top_k)
+        return self.ops.decode_layer_weights(*weights, **constants, renormalize=cfg.norm_topk_prob, local=local)
+
+    def _decode_meta(self, batch: AttnBatch):
+        """ops.decode_layer's per-step arguments (positions, cos_sin, slots, tables, lens) where every
+        decode layer of this step may run as that one op: a plain decode step, this rank's own experts
+        (no EPLB, dp attention or all-to-all exchange) and no padded rows; else None."""
+        alone = self.exchange is None and self.alltoall is None and self.slots is None and self.row_mask is None
+        if not (alone and self._plain_step(batch)):
+            return None
+        names = ("positions", "slot_mapping", "block_tables", "context_lens")
+        positions, slots, tables, lens = (self.index(batch, n) for n in names)
+        return positions, self.cos_sin, slots, tables, lens
 
     def _attention(self, lw, x, batch: AttnBatch, kv: KVCache, layer: int):
         cfg, ops = self.cfg, self.ops
@@ -506,28 +542,41 @@ class MoEModel:
         ops, cfg = self.ops, self.cfg
         if cfg.is_hybrid and (state is None or batch.state_slots is None):
             raise ValueError(f"{cfg.model_type} has linear-attention layers: the forward pass needs their state slots")
-        residual, shared = h, None  # shared: the last MoE layer's shared expert, added by the next norm
-        x = ops.rms_norm(h, self.w.layers[0].input_norm, cfg.rms_norm_eps)
-        attention = self._attention if cfg.mla is None else self._mla_attention
+        residual, shared = None, None  # shared: the last MoE layer's shared expert, added by the next norm
+        meta = self._decode_meta(batch)
         for i, lw in enumerate(self.w.layers):
-            if i > 0:
-                x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps, shared)
-            if lw.linear is not None and batch.is_prefill:  # each sequence continues its own state
-                h = self._per_sequence(
-                    batch,
-                    lambda rows, p, i=i, lw=lw, x=x: gated_delta_net(
-                        ops, cfg, lw.linear, x[rows], state, i, np.asarray([p.state_slot], np.int32), True
-                    ),
-                )
-            elif lw.linear is not None:
-                h = gated_delta_net(ops, cfg, lw.linear, x, state, i, batch.state_slots, False)
+            one_op = None if meta is None or shared is not None else self.decode_layers[i]
+            if one_op is not None:  # the whole layer as one op (on the CPU: two compiled calls)
+                self.moe_layers_run += 1
+                partial, residual = ops.decode_layer(h, residual, one_op, kv.k[i], kv.v[i], meta, self.expert_counts[i])
+                h = self._combine(partial)
             else:
-                h = attention(lw, x, batch, kv, i)
-            h, shared, residual = self._mlp(lw, h, residual, i)
+                h, shared, residual = self._layer(lw, h, residual, shared, batch, kv, state, i)
             if deepstack is not None and i < len(deepstack[1]):
                 h, shared = self._add_deepstack(h if shared is None else ops.add(h, shared), *deepstack, i), None
         x, _ = ops.add_rms_norm(h, residual, self.w.norm, cfg.rms_norm_eps, shared)
         return x
+
+    def _layer(self, lw, h, residual, shared, batch: AttnBatch, kv: KVCache, state, i: int):
+        """Layer i over the last layer's output h [T, D] (layer 0: the embeddings, residual None):
+        (its output [T, D], a shared expert's output not yet added or None, the residual [T, D])."""
+        ops, cfg = self.ops, self.cfg
+        if residual is None:
+            x, residual = ops.rms_norm(h, lw.input_norm, cfg.rms_norm_eps), h
+        else:
+            x, residual = ops.add_rms_norm(h, residual, lw.input_norm, cfg.rms_norm_eps, shared)
+        if lw.linear is not None and batch.is_prefill:  # each sequence continues its own state
+            h = self._per_sequence(
+                batch,
+                lambda rows, p: gated_delta_net(
+                    ops, cfg, lw.linear, x[rows], state, i, np.asarray([p.state_slot], np.int32), True
+                ),
+            )
+        elif lw.linear is not None:
+            h = gated_delta_net(ops, cfg, lw.linear, x, state, i, batch.state_slots, False)
+        else:
+            h = (self._attention if cfg.mla is None else self._mla_attention)(lw, x, batch, kv, i)
+        return self._mlp(lw, h, residual, i)
 
     def _add_deepstack(self, h, mask, rows, layer: int):
         """h[T, D] with the layer's deepstack rows [n, D] added at the n masked tokens."""

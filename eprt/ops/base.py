@@ -86,6 +86,30 @@ class Permutation:
     slot_pos: Any
 
 
+@dataclass(frozen=True)
+class DecodeLayer:
+    """One layer's weights for ``Ops.decode_layer`` (``Ops.decode_layer_weights`` makes it): a layer
+    whose attention is ``attention_decode_block``'s ops alone and whose MLP is this rank's routed
+    experts alone, routed by ``route_rows`` without a logit bias, a selection bias or groups.
+    ``compiled``: what a backend keeps to run the layer its own way (None: the ops one by one)."""
+
+    input_norm: Any  # [D]
+    qkv: Any  # [(H + 2 Hk) Dh, D] (``linear_weight``)
+    o: Any  # [D, H Dh]
+    norms: Any  # None or (q_norm [Dh], k_norm [Dh])
+    post_norm: Any  # [D]
+    router: Any  # [E, D]
+    w_gate_up: Any  # [El, 2I, D] (``expert_weights``)
+    w_down: Any  # [El, D, I]
+    heads: int  # H
+    eps: float  # the RMS norms' epsilon (input, q/k, post)
+    scale: float  # attention's softmax scale
+    top_k: int
+    renormalize: bool  # the chosen experts' weights divided by their sum
+    local: tuple  # (expert_start, El): this rank's experts
+    compiled: Any = None
+
+
 class Ops:
     """Abstract backend. Methods return new arrays unless documented otherwise."""
 
@@ -225,6 +249,30 @@ class Ops:
         q, k, v = (y[:, a:b].reshape(T, -1, Dh) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, nq + 2 * nk)))
         q = self.qk_rope_kv_write(q, k, v, norms, eps, positions, cos_sin, k_cache, v_cache, slots)
         return self.linear(self.attention_decode(q, k_cache, v_cache, tables, lens, scale).reshape(T, -1), o)
+
+    def decode_layer_weights(self, *weights, **constants) -> DecodeLayer:
+        """``DecodeLayer``(*weights, **constants) of weights this backend holds (a backend may note in
+        its ``compiled`` field how it runs the layer)."""
+        return DecodeLayer(*weights, **constants)
+
+    def decode_layer(self, h, residual, layer: DecodeLayer, k_cache, v_cache, meta: tuple, counts):
+        """One decode layer (``DecodeLayer``) over h[T, D], the last layer's output summed over the
+        ranks (layer 0: the embeddings, ``residual`` None): ``add_rms_norm`` of h and the residual
+        (layer 0: ``rms_norm`` of h, the residual h) with input_norm, ``attention_decode_block``
+        (meta = (positions, cos_sin, slots, tables, lens), this layer's caches), ``add_rms_norm`` of
+        its output and the residual with post_norm, ``route_rows`` (counting into counts[E] when
+        given), ``moe_experts``. Returns (this rank's MoE partial [T, D], the residual [T, D]).
+        Exactly those ops (a backend may run them as fewer calls)."""
+        L, (positions, cos_sin, slots, tables, lens) = layer, meta
+        if residual is None:
+            x, residual = self.rms_norm(h, L.input_norm, L.eps), h
+        else:
+            x, residual = self.add_rms_norm(h, residual, L.input_norm, L.eps)
+        cache = (positions, cos_sin, k_cache, v_cache, slots, tables, lens, L.scale)
+        a = self.attention_decode_block(x, L.qkv, L.o, L.heads, L.norms, L.eps, *cache)  # [T, D]
+        x, residual = self.add_rms_norm(a, residual, L.post_norm, L.eps)
+        weights, ids, perm = self.route_rows(x, L.router, None, L.top_k, L.renormalize, None, counts, L.local)
+        return self.moe_experts(x, weights, ids, L.w_gate_up, L.w_down, L.local[0], perm), residual
 
     def attention_prefill(
         self, q: Array, k_cache: Array, v_cache: Array, block_table: Array, start_pos: int, scale: float

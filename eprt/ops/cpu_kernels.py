@@ -16,6 +16,8 @@ of seconds; numba caches the result.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 
 import numba
@@ -1098,6 +1100,81 @@ def product(x: np.ndarray, w, threads: int = 1) -> np.ndarray:
     return y if N == y.shape[1] else np.ascontiguousarray(y[:, :N])
 
 
+@njit(nogil=True, cache=True)
+def _layer_front(h, residual, norms, eps, qkv, o, qk_norms, meta, kv, scale, router, bufs):  # pragma: no cover
+    """A decode layer up to its router's shifted logits (``decode_layer``): x = the input norm of h
+    (and the residual; none at layer 0: rms_norm, the residual h), ``_attention_block`` of x, the
+    post-attention ``_add_rms_norm`` into x2 and the residual s2, ``_router_shift`` of x2. norms =
+    (input, post); meta = (positions, cos_sin, slots, tables, lens); bufs = (x, s1, hq, q, a, y, x2,
+    s2, logits, shifted)."""
+    x, s1, hq, q, a, y, x2, s2, logits, shifted = bufs
+    positions, cos_sin, slots, tables, lens = meta
+    if residual.shape[0] == 0:
+        _rms_norm(h, norms[0], eps, x)
+        res = h
+    else:
+        _add_rms_norm(h, residual, norms[0], eps, x, s1)
+        res = s1
+    args = (eps, positions, cos_sin, kv, slots, tables, lens, scale, hq, q, a, y)
+    _attention_block(x, qkv, o, qk_norms, *args)
+    _add_rms_norm(y, res, norms[1], eps, x2, s2)
+    _router_shift(x2, router[0], router[1], router[2], logits, shifted)
+
+
+@njit(nogil=True, cache=True)
+def _layer_back(
+    probs, top_k, renormalize, counts, start, x, gate_up, down, inter, weights, ids, out
+):  # pragma: no cover
+    """A decode layer from its router's exps probs [T, E] (overwritten): ``_top_k_rows`` (counting),
+    then ``_moe`` of x over the choices' local experts (ids less ``start``) into out."""
+    _top_k_rows(probs, top_k, renormalize, weights, ids, counts)
+    local = np.empty_like(ids)  # [T, k]
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            local[t, j] = ids[t, j] - start
+    _moe(x, local, weights, gate_up, down, inter, out)
+
+
+def layer_parts(layer) -> tuple | None:
+    """``decode_layer``'s static arguments for a DecodeLayer of resident panels where its kernels
+    take them (float32 norms, the o product's and the router's columns exact), else None."""
+    mats = (layer.qkv, layer.o, layer.router)
+    vectors = (layer.input_norm, layer.post_norm, *(layer.norms or ()))
+    if any(v.dtype != np.float32 for v in vectors) or exact_columns(layer.router) < layer.top_k:
+        return None
+    if exact_columns(layer.o) != _size(layer.o)[0]:
+        return None
+    norms = (_NO_NORM, _NO_NORM) if layer.norms is None else layer.norms
+    up, down = _triple(layer.w_gate_up), _triple(layer.w_down)
+    return (layer.input_norm, layer.post_norm), tuple(_triple(w) for w in mats), norms, up, down, _size(layer.w_down)[1]
+
+
+_FIRST = np.empty((0, 0), np.float32)  # _layer_front's residual at layer 0 (none)
+
+
+def decode_layer(h, residual, layer, kv, meta, counts) -> tuple:
+    """(this rank's MoE partial [T, D], the residual [T, D]): Ops.decode_layer of float32 h [T, D] in
+    two calls and NumPy's exp between them (the router's), on this thread, with the bits of its ops
+    apart; ``layer.compiled`` is ``layer_parts``'s."""
+    (norms, (qkv, o, router), qk_norms, up, down, inter), (T, D) = layer.compiled, h.shape
+    Dh, E, k = kv[0].shape[3], LANES * router[0].shape[0], layer.top_k
+    x, s1, y, x2, s2, out = np.empty((6, T, D), np.float32)  # [T, D] each
+    q, a = np.empty((2, T, layer.heads, Dh), np.float32)  # [T, H, Dh] each
+    logits, probs = np.empty((2, T, E), np.float32)  # [T, E] each
+    bufs = (x, s1, np.empty((T, LANES * qkv[0].shape[0]), np.float32), q, a, y, x2, s2, logits, probs)
+    residual = _FIRST if residual is None else np.ascontiguousarray(residual)
+    positions, cos_sin, slots, tables, lens = meta
+    i32 = functools.partial(np.ascontiguousarray, dtype=np.int32)
+    meta = (i32(positions), cos_sin, i32(slots), i32(tables), i32(lens))
+    args = (norms, np.float32(layer.eps), qkv, o, qk_norms, meta, kv, np.float32(layer.scale), router, bufs)
+    _layer_front(np.ascontiguousarray(h), residual, *args)
+    np.exp(probs, out=probs)
+    weights, ids = np.empty((T, k), np.float32), np.empty((T, k), np.int32)
+    counts = _NO_COUNTS if counts is None else counts
+    _layer_back(probs, k, layer.renormalize, counts, layer.local[0], x2, up, down, inter, weights, ids, out)
+    return out, s2
+
+
 def _sample_weights(kind: str, N: int, K: int, experts: int):
     """Small resident weights [experts, N, K] of ``kind`` (f32, bf16, fp8, int8) for warm_up."""
     from eprt.ops import cpu_weights
@@ -1122,6 +1199,25 @@ def _warm_block(kind: str, o) -> None:
     attention_block(np.ones((1, 16), np.float32), qkv, o, 1, None, None, *args)
 
 
+def _warm_layer(kind: str, single, gate_up, down) -> None:
+    """Compile (or load) ``decode_layer`` for weights of ``kind`` with the argument types the model
+    passes (``_warm_block``'s attention of 16 dims, 16 experts), at layer 0 and after."""
+    from eprt.ops.base import DecodeLayer
+
+    qkv = _sample_weights(kind, 48, 16, 1)
+    qkv = qkv.take(0) if isinstance(qkv, ScaledPanels) else qkv[0]
+    norm = np.ones(16, np.float32)
+    constants = dict(heads=1, eps=1e-6, scale=0.25, top_k=2, renormalize=True, local=(0, 1))
+    layer = DecodeLayer(norm, qkv, single, (norm, norm), norm, single, gate_up, down, **constants)
+    layer = dataclasses.replace(layer, compiled=layer_parts(layer))
+    caches = (np.zeros((2, 4, 1, 16), np.float32), np.zeros((2, 4, 1, 16), np.float32))  # [NB, BS, Hk, Dh]
+    one = np.zeros(1, np.int32)  # positions, slots, lens
+    meta = (one, np.ones((4, 16), np.float32), one, np.zeros((1, 2), np.int32), one + 1)
+    h = np.ones((1, 16), np.float32)
+    _, residual = decode_layer(h, None, layer, caches, meta, np.zeros(16, np.int32))
+    decode_layer(h, residual, layer, caches, meta, None)
+
+
 def warm_products(kind: str, threads: int = 1) -> None:
     """Compile (or load from numba's cache) the products of weights of ``kind`` (f32, bf16, fp8, int8;
     mxfp4: gpt-oss's experts, ``mxfp4_cpu``)."""
@@ -1136,6 +1232,8 @@ def warm_products(kind: str, threads: int = 1) -> None:
     product(x, single)
     _warm_block(kind, single)
     route_rows(x, single, 2, True, np.zeros(16, np.int32))
+    if kind != "fp8":  # (the loader keeps FP8 q, k and v apart: no attention_decode_block)
+        _warm_layer(kind, single, gate_up, down)
     if threads > 1:  # the shared-out products (those above are too small to be)
         data, scales, block = _triple(single)
         op = _operand_for_call(x, data, block)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -287,6 +288,25 @@ class NumpyOps(GptOssOps, Ops):
         fits = self.experts == "numba" and f32 and x.ndim == 2 and Dh % 16 == 0 and cos_sin.shape[1] == Dh
         fits = fits and _panelled(qkv, 2) and _panelled(o, 2) and self._compiled_caches(k_cache, v_cache)
         return fits and (one_thread or rows_shared)
+
+    def decode_layer_weights(self, *weights, **constants):
+        """On the compiled path with resident panels, the layer notes cpu_kernels.layer_parts (its
+        static arguments: a decode step then runs each such layer in two compiled calls)."""
+        layer = super().decode_layer_weights(*weights, **constants)
+        panels = all(_panelled(w, 2) for w in (layer.qkv, layer.o, layer.router))
+        if self.experts != "numba" or not (panels and _panelled(layer.w_gate_up, 3) and _panelled(layer.w_down, 3)):
+            return layer
+        return dataclasses.replace(layer, compiled=self.kernels.layer_parts(layer))
+
+    def decode_layer(self, h, residual, layer, k_cache, v_cache, meta, counts):
+        """cpu_kernels.decode_layer (two calls, the same bits) on one thread where the layer's panels
+        allow it and the rows, caches and table are those its kernels take; else the ops apart."""
+        cos_sin, Dh = meta[1], k_cache.shape[-1]
+        fits = layer.compiled is not None and self.threads == 1 and h.ndim == 2 and h.shape[0] > 0
+        fits = fits and h.dtype == cos_sin.dtype == np.float32 and Dh % 16 == 0 and cos_sin.shape[1] == Dh
+        if fits and self._compiled_caches(k_cache, v_cache) and _compiled_counts(counts):
+            return self.kernels.decode_layer(h, residual, layer, (k_cache, v_cache), meta, counts)
+        return super().decode_layer(h, residual, layer, k_cache, v_cache, meta, counts)
 
     def _compiled_prologue(self, q, k, v, norms, cos_sin, k_cache, v_cache) -> bool:
         """Whether ``qk_rope_kv_write`` runs cpu_kernels.qk_rope_kv_write: the compiled path, float32
