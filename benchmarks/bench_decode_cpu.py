@@ -181,51 +181,75 @@ def timed_both(fn) -> dict:
     return {c: clock() - start[c] for c, clock in CLOCKS.items()}
 
 
+def eprt_engine(stack, path, max_batch: int, variant: tuple, max_model_len: int = 256):
+    """An engine of ``variant`` (CPU weights, compute threads) on checkpoint ``path``, open on ``stack``."""
+    from eprt.engine.engine import EngineConfig, launch_engine
+
+    weights, threads = variant
+    cfg = EngineConfig(
+        model=path,
+        device="cpu",
+        max_batch=max_batch,
+        max_model_len=max_model_len,
+        prefix_cache=False,
+        cpu_weights=weights,
+        cpu_threads=threads,
+    )
+    return stack.enter_context(launch_engine(cfg))
+
+
+def eprt_run(engine, prompts, threads: int, tokens: dict, key):
+    """run(k): ``prompts`` through ``engine`` to k greedy tokens each (OpenBLAS on ``threads``
+    threads), their ids kept in ``tokens[key]``."""
+    from eprt.api import GenerationRequest, SamplingParams
+    from eprt.ops.cpu_threads import set_blas_threads
+
+    def run(k):
+        set_blas_threads(threads)
+        reqs = [GenerationRequest(prompt_ids=p, params=SamplingParams(max_tokens=k, ignore_eos=True)) for p in prompts]
+        res = engine.generate(reqs)
+        assert all(len(r.token_ids) == k for r in res)
+        tokens[key] = [r.token_ids for r in res]
+
+    return run
+
+
+def decode_timing(n: int):
+    """timing(run) -> {clock: (prefill + n tokens) - (prefill + 1 token)}, back to back."""
+
+    def timing(run):
+        first = timed_both(lambda: run(1))
+        whole = timed_both(lambda: run(n))
+        return {c: whole[c] - first[c] for c in CLOCKS}
+
+    return timing
+
+
+def alternate(runs: dict, repeats: int, between, timing) -> dict:
+    """{clock: {key: seconds of each repeat}}: per repeat ``between()``, then ``timing(run)`` of
+    each of ``runs`` in turn, so the machine's drifts hit them alike."""
+    seconds = {c: {key: [] for key in runs} for c in CLOCKS}
+    for _ in range(repeats):
+        between()
+        for key, run in runs.items():
+            for c, s in timing(run).items():
+                seconds[c][key].append(s)
+    return seconds
+
+
 def bench_variants(path, prompts, n, max_batch, variants, repeats, between):
     """{clock: {variant: decode seconds of each repeat}}, {variant: token ids}: one engine per
     variant (weights, threads), all open, a pair of each in turn per repeat, timed by both clocks,
     ``between()`` before each repeat."""
     import contextlib
 
-    from eprt.api import GenerationRequest, SamplingParams
-    from eprt.engine.engine import EngineConfig, launch_engine
-    from eprt.ops.cpu_threads import set_blas_threads
-
-    seconds, tokens = {c: {v: [] for v in variants} for c in CLOCKS}, {}
+    tokens = {}
     with contextlib.ExitStack() as stack:
         runs = {}
         for v in variants:
-            weights, threads = v
-            cfg = EngineConfig(
-                model=path,
-                device="cpu",
-                max_batch=max_batch,
-                max_model_len=256,
-                prefix_cache=False,
-                cpu_weights=weights,
-                cpu_threads=threads,
-            )
-            engine = stack.enter_context(launch_engine(cfg))
-
-            def run(k, engine=engine, v=v):
-                set_blas_threads(v[1])
-                reqs = [
-                    GenerationRequest(prompt_ids=p, params=SamplingParams(max_tokens=k, ignore_eos=True))
-                    for p in prompts
-                ]
-                res = engine.generate(reqs)
-                assert all(len(r.token_ids) == k for r in res)
-                tokens[v] = [r.token_ids for r in res]
-
-            runs[v] = run
-            run(2)  # warm-up
-        for _ in range(repeats):
-            between()
-            for v, run in runs.items():
-                first = timed_both(lambda run=run: run(1))
-                whole = timed_both(lambda run=run: run(n))
-                for c in CLOCKS:
-                    seconds[c][v].append(whole[c] - first[c])
+            runs[v] = eprt_run(eprt_engine(stack, path, max_batch, v), prompts, v[1], tokens, v)
+            runs[v](2)  # warm-up
+        seconds = alternate(runs, repeats, between, decode_timing(n))
     return seconds, tokens
 
 
