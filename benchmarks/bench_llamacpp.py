@@ -13,10 +13,11 @@ widened at load) against llama.cpp f32, eprt bf16 (resident) against bf16, eprt 
 quantized at load) against q8_0, both sides on --threads threads.
 
 llama.cpp runs in this process through its C API (the llama-cpp-python binding of the same
-source, on the shared libraries of --llama-lib), with its default context settings (flash
-attention auto, a KV stream per sequence); eprt through its engine as bench_decode_cpu.py does
-(``--cpu-weights``, ``--cpu-threads``, prefill in its CPU default 512-token chunks). Both sample
-greedily: llama.cpp's next tokens are the argmax of its logits, taken here.
+source, on the shared libraries of --llama-lib), with its default context settings (a float16
+KV cache, flash attention where it runs, a KV stream per sequence, 512-token ubatches); eprt
+through its engine as bench_decode_cpu.py does (``--cpu-weights``, ``--cpu-threads``, a float32
+KV cache, prefill in its CPU default 512-token chunks). Both sample greedily: llama.cpp's next
+tokens are the argmax of its logits, taken here.
 
 Measured by the wall clock, the six engines open together and run in turn, one of each per
 repeat, so the machine's drifts hit them alike; figures are the median [min, max] of --repeats:
@@ -25,18 +26,26 @@ repeat, so the machine's drifts hit them alike; figures are the median [min, max
 - prefill tok/s: P / (time to the first token of one prompt of P random tokens).
 Tokens: each eprt precision's greedy tokens against llama.cpp's at the same precision, per batch
 (identical rows, and how many tokens agree before the first difference: the model is random, so
-near-ties in its logits can go either way between two correct implementations).
+near-ties in its logits and router can go either way between two correct implementations), and
+eprt f32's against llama.cpp f32 computing as eprt does (a float32 KV cache, no flash attention),
+run once after the timed runs.
 
 llama.cpp, built from the llama-cpp-python sdist's vendored source (no network beyond PyPI):
 
     mkdir -p /tmp/llama && cd /tmp/llama
     pip download --no-binary :all: --no-deps llama-cpp-python -d dl && tar xzf dl/llama_cpp_python-*.tar.gz
     ln -sfn llama_cpp_python-* src
-    cmake -S src/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \\
-        -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \\
-        -DLLAMA_BUILD_SERVER=OFF
+    amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    cmake -S src/vendor/llama.cpp -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \\
+        -DCMAKE_C_FLAGS="$amx" -DCMAKE_CXX_FLAGS="$amx" -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF \\
+        -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \\
+        -DLLAMA_BUILD_APP=OFF
     cmake --build build -j2 --target llama llama-batched-bench llama-bench
     mkdir -p py && cp -r src/llama_cpp py/ && pip install --no-deps --target py diskcache
+
+(-march=native without AMX: on the development machine, a VM whose CPU has AMX, llama.cpp
+0c1e570's AMX q8_0 kernel stops with an illegal instruction, a tile op before its tile
+configuration; f32 and bf16 do not use it.)
 """
 
 from __future__ import annotations
@@ -114,7 +123,7 @@ def load_binding(args):
     sys.path.insert(0, args.llama_py)
     import llama_cpp.llama_cpp as llama
 
-    quiet = llama.ggml_log_callback(lambda level, text, data: None)
+    quiet = llama.llama_log_callback(lambda level, text, data: None)
     llama.llama_log_set(quiet, ctypes.c_void_p())
     llama.llama_backend_init()
     _KEEP.append(quiet)  # the callback must outlive this function
@@ -132,14 +141,19 @@ def llama_model(llama, stack, path: str):
     return model
 
 
-def llama_context(llama, stack, model, seqs: int, seq_len: int, threads: int):
-    """A context of ``seqs`` sequences of up to ``seq_len`` tokens each, one ubatch of up to
-    512 tokens, on ``threads`` threads, freed with ``stack``."""
+def llama_context(llama, stack, model, seqs: int, seq_len: int, threads: int, exact: bool = False):
+    """A context of ``seqs`` sequences of up to ``seq_len`` tokens each (a KV stream each, the
+    default), a batch of up to all of them at once (run in ubatches of the default 512 tokens),
+    on ``threads`` threads, freed with ``stack``. Its defaults otherwise (a float16 KV cache,
+    flash attention where it runs); ``exact``: a float32 KV cache and no flash attention (which
+    takes queries to float16), as eprt computes."""
     params = llama.llama_context_default_params()
-    params.n_ctx = seqs * seq_len
-    params.n_batch = params.n_ubatch = max(512, seqs)
+    params.n_ctx = params.n_batch = seqs * seq_len
     params.n_seq_max = seqs
     params.n_threads = params.n_threads_batch = threads
+    if exact:
+        params.type_k = params.type_v = llama.GGML_TYPE_F32
+        params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
     ctx = llama.llama_init_from_model(model, params)
     if not ctx:
         raise SystemExit("llama.cpp could not create a context")
@@ -207,7 +221,7 @@ def agreement(ours, theirs) -> str:
     return f"{rows}/{len(ours)} rows identical, agreeing prefix median {np.median(same):.0f} min {min(same)}"
 
 
-def report(name: str, count: float, seconds: dict, tokens: dict | None) -> None:
+def report(name: str, count: float, seconds: dict) -> None:
     """One line per pair: tok/s of each side, median [min, max], eprt / llama.cpp per repeat."""
     for weights, outtype in PAIRS:
         ours, theirs = seconds[("eprt", weights)], seconds[("llama.cpp", outtype)]
@@ -217,8 +231,14 @@ def report(name: str, count: float, seconds: dict, tokens: dict | None) -> None:
             f"{spread_tps(count, theirs):>24} {np.median(ratios):6.2f} [{min(ratios):.2f}, {max(ratios):.2f}]",
             flush=True,
         )
-        if tokens is not None:
-            print(f"{'':>16} {'tokens':>12} {agreement(tokens[('eprt', weights)], tokens[('llama.cpp', outtype)])}")
+
+
+def report_tokens(name: str, tokens: dict) -> None:
+    """Each eprt precision's greedy tokens against llama.cpp's, and f32 against llama.cpp's exact f32."""
+    pairs = [(("eprt", w), ("llama.cpp", t)) for w, t in PAIRS] + [(("eprt", "f32"), ("llama.cpp exact", "f32"))]
+    for ours, theirs in pairs:
+        what = f"{ours[1]} / {theirs[1]}{' (f32 KV, no flash attention)' if 'exact' in theirs[0] else ''}"
+        print(f"{name:>16} tokens {what}: {agreement(tokens[ours], tokens[theirs])}", flush=True)
 
 
 def spread_tps(count: float, seconds) -> str:
@@ -227,18 +247,21 @@ def spread_tps(count: float, seconds) -> str:
 
 
 def bench_decode(llama, models, bf16_path, prompts, args) -> None:
-    tokens = {}
+    tokens, name = {}, f"decode batch {len(prompts)}"
     with contextlib.ExitStack() as stack:
         runs = open_pairs(stack, llama, models, bf16_path, prompts, 256, args.threads, tokens)
         seconds = alternate(runs, args.repeats, lambda: None, decode_timing(args.new_tokens))
-    report(f"decode batch {len(prompts)}", len(prompts) * (args.new_tokens - 1), seconds["wall"], tokens)
+        exact = llama_context(llama, stack, models["f32"], len(prompts), 256, args.threads, exact=True)
+        llama_run(llama, stack, exact, models["f32"], prompts, tokens, ("llama.cpp exact", "f32"))(args.new_tokens)
+    report(name, len(prompts) * (args.new_tokens - 1), seconds["wall"])
+    report_tokens(name, tokens)
 
 
 def bench_prefill(llama, models, bf16_path, prompt, args) -> None:
     with contextlib.ExitStack() as stack:
         runs = open_pairs(stack, llama, models, bf16_path, [prompt], len(prompt) + 256, args.threads, {})
         seconds = alternate(runs, args.repeats, lambda: None, lambda run: timed_both(lambda: run(1)))
-    report(f"prefill {len(prompt)}", len(prompt), seconds["wall"], None)
+    report(f"prefill {len(prompt)}", len(prompt), seconds["wall"])
 
 
 def main() -> None:
@@ -266,6 +289,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     vocab = BENCH_MODEL["vocab_size"]
     print(f"model: {bf16_path} and {', '.join(files.values())}; {args.threads} thread(s) each, wall clock")
+    print(f"llama.cpp: {llama.llama_print_system_info().decode().strip()}")
     print(f"{'':>16} {'eprt / llama':>12} {'eprt tok/s':>24} {'llama.cpp tok/s':>24} eprt / llama.cpp")
     with contextlib.ExitStack() as stack:
         models = {t: llama_model(llama, stack, path) for t, path in files.items()}
