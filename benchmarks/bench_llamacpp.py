@@ -110,7 +110,9 @@ def gguf_files(args, checkpoint: str) -> dict:
         if not os.path.exists(path):
             part = path + ".part"
             cmd = [sys.executable, "-c", CONVERT, args.llama_src, checkpoint, "--outtype", outtype, "--outfile", part]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"llama.cpp's converter failed at {outtype}:\n{done.stderr[-2000:]}")
             os.replace(part, path)
         files[outtype] = path
     return files
