@@ -422,3 +422,31 @@ def test_mxfp4_experts_are_the_same_on_1_and_2_threads(shared):
     dense = dequantize_mxfp4(blocks, scales)
     want = np.concatenate([xs[:3] @ dense[0].T, xs[3:] @ dense[2].T])
     np.testing.assert_allclose(one, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_one_op_decode_layers_give_the_bits_of_the_ops_apart(checkpoint, monkeypatch, arch):
+    """With 16 experts (the router in exact panels) each MoE layer of a decode step runs as
+    Ops.decode_layer's compiled calls (MoEModel.decode_layers): the logits of the same model with
+    every layer's ops apart, bit for bit, at each precision on 1 thread and on 2 (the experts shared
+    out), and at float32 the greedy tokens of transformers."""
+    from test_generate import hf_greedy
+
+    from eprt.model.moe_model import MoEModel
+
+    path = checkpoint(arch, num_experts=16) if arch == "qwen3_moe" else checkpoint(arch, num_local_experts=16)
+    sparse = {"qwen3_moe": 2, "mixtral": 3}[arch]  # (qwen3_moe's layer 1 is dense)
+    for weights, threads in (("f32", 1), ("bf16", 1), ("int8", 1), ("bf16", 2)):
+        ops = NumpyOps("numba", weights=weights, threads=threads)
+        got, lm = greedy_logits(path, ops)
+        assert sum(d is not None and d.compiled is not None for d in lm.model.decode_layers) == sparse
+        with monkeypatch.context() as m:
+            m.setattr(MoEModel, "_decode_layer", lambda self, lw, layer: None)  # the ops apart
+            want, apart = greedy_logits(path, NumpyOps("numba", weights=weights, threads=threads))
+        assert apart.model.decode_layers == [None] * len(lm.model.decode_layers)
+        np.testing.assert_array_equal(got, want)
+    with monkeypatch.context() as m:  # a run's decode steps through the one-op layers, against transformers
+        m.setenv("EPRT_CPU_EXPERTS", "numba")
+        from test_generate import run
+
+        assert run(path, [PROMPTS[1]], n=16)[0].token_ids == hf_greedy(path, PROMPTS[1], 16)

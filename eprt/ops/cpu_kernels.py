@@ -1152,10 +1152,16 @@ def layer_parts(layer) -> tuple | None:
 _FIRST = np.empty((0, 0), np.float32)  # _layer_front's residual at layer 0 (none)
 
 
-def decode_layer(h, residual, layer, kv, meta, counts) -> tuple:
+LAYER_ALONE_BYTES = 2 << 20  # a decode layer's attention and router weights it reads on one thread, at most
+
+
+def decode_layer(h, residual, layer, kv, meta, counts, threads: int = 1) -> tuple:
     """(this rank's MoE partial [T, D], the residual [T, D]): Ops.decode_layer of float32 h [T, D] in
-    two calls and NumPy's exp between them (the router's), on this thread, with the bits of its ops
-    apart; ``layer.compiled`` is ``layer_parts``'s."""
+    two calls and NumPy's exp between them (the router's), with the bits of its ops apart: on this
+    thread, but for the experts of a call with ``threads`` > 1 (``moe``'s shared call); the caller
+    keeps the attention weights at most LAYER_ALONE_BYTES there (a product shared out waits for a
+    helper to join, ~15 - 30 us, more than splitting a smaller one saves). ``layer.compiled`` is
+    ``layer_parts``'s."""
     (norms, (qkv, o, router), qk_norms, up, down, inter), (T, D) = layer.compiled, h.shape
     Dh, E, k = kv[0].shape[3], LANES * router[0].shape[0], layer.top_k
     x, s1, y, x2, s2, out = np.empty((6, T, D), np.float32)  # [T, D] each
@@ -1171,6 +1177,9 @@ def decode_layer(h, residual, layer, kv, meta, counts) -> tuple:
     np.exp(probs, out=probs)
     weights, ids = np.empty((T, k), np.float32), np.empty((T, k), np.int32)
     counts = _NO_COUNTS if counts is None else counts
+    if threads > 1:  # the experts shared out (``moe``; the same bits)
+        _top_k_rows(probs, k, layer.renormalize, weights, ids, counts)
+        return moe(x2, ids - np.int32(layer.local[0]), weights, layer.w_gate_up, layer.w_down, threads), s2
     _layer_back(probs, k, layer.renormalize, counts, layer.local[0], x2, up, down, inter, weights, ids, out)
     return out, s2
 

@@ -299,14 +299,24 @@ class NumpyOps(GptOssOps, Ops):
         return dataclasses.replace(layer, compiled=self.kernels.layer_parts(layer))
 
     def decode_layer(self, h, residual, layer, k_cache, v_cache, meta, counts):
-        """cpu_kernels.decode_layer (two calls, the same bits) on one thread where the layer's panels
-        allow it and the rows, caches and table are those its kernels take; else the ops apart."""
+        """cpu_kernels.decode_layer (two calls, the same bits) where the layer's panels allow it, the
+        rows, caches and table are those its kernels take and its attention runs on one thread; else
+        the ops apart."""
         cos_sin, Dh = meta[1], k_cache.shape[-1]
-        fits = layer.compiled is not None and self.threads == 1 and h.ndim == 2 and h.shape[0] > 0
+        fits = layer.compiled is not None and h.ndim == 2 and h.shape[0] > 0 and self._layer_alone(layer, h.shape[0])
         fits = fits and h.dtype == cos_sin.dtype == np.float32 and Dh % 16 == 0 and cos_sin.shape[1] == Dh
         if fits and self._compiled_caches(k_cache, v_cache) and _compiled_counts(counts):
-            return self.kernels.decode_layer(h, residual, layer, (k_cache, v_cache), meta, counts)
+            return self.kernels.decode_layer(h, residual, layer, (k_cache, v_cache), meta, counts, self.threads)
         return super().decode_layer(h, residual, layer, k_cache, v_cache, meta, counts)
+
+    def _layer_alone(self, layer, rows: int) -> bool:
+        """Whether a decode layer's attention and router run on this thread: one compute thread, or
+        fewer rows than the attention block shares out and weights that are not worth sharing
+        (cpu_kernels.LAYER_ALONE_BYTES)."""
+        if self.threads == 1:
+            return True
+        weight_bytes = layer.qkv.nbytes + layer.o.nbytes + layer.router.nbytes
+        return rows < self.kernels.ROWS_PER_THREAD * self.threads and weight_bytes <= self.kernels.LAYER_ALONE_BYTES
 
     def _compiled_prologue(self, q, k, v, norms, cos_sin, k_cache, v_cache) -> bool:
         """Whether ``qk_rope_kv_write`` runs cpu_kernels.qk_rope_kv_write: the compiled path, float32
