@@ -46,6 +46,10 @@ def _threads_from_argv() -> int:
 THREADS = _threads_from_argv()
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = str(THREADS)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from eprt.ops.cpu_threads import limit_blas_spin  # noqa: E402
+
+limit_blas_spin()  # as the eprt command does, before NumPy loads
 
 import numpy as np  # noqa: E402
 

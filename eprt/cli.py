@@ -66,7 +66,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the program itself (not a caller in-process): each rank under its supervisor
         from eprt.comm.launcher import supervise
+        from eprt.ops.cpu_threads import limit_blas_spin
 
+        limit_blas_spin()  # (before anything loads NumPy)
         supervise()
     args = parse(sys.argv[1:] if argv is None else argv)  # argparse's errors exit 2 too
     from eprt.api import EXIT_BAD_INPUT

@@ -450,3 +450,24 @@ def test_one_op_decode_layers_give_the_bits_of_the_ops_apart(checkpoint, monkeyp
         from test_generate import run
 
         assert run(path, [PROMPTS[1]], n=16)[0].token_ids == hf_greedy(path, PROMPTS[1], 16)
+
+
+@pytest.mark.parametrize(
+    "env, first, want",
+    [
+        ({}, "", "20"),  # the compiled path: OpenBLAS's idle threads spin ~0.3 ms, not ~0.1 s
+        ({"EPRT_CPU_EXPERTS": "numpy"}, "", None),  # the NumPy path's products are OpenBLAS's threads' work
+        ({"OPENBLAS_THREAD_TIMEOUT": "5"}, "", "5"),  # the user's setting stays
+        ({}, "import numpy; ", None),  # too late once OpenBLAS is loaded: left alone
+    ],
+)
+def test_blas_spin_is_shortened_before_numpy_loads(env, first, want):
+    """cpu_threads.limit_blas_spin, as the eprt command calls it first (eprt/cli.py), in a fresh process."""
+    import subprocess
+    import sys
+
+    code = f"{first}import os; from eprt.ops import cpu_threads; cpu_threads.limit_blas_spin(); "
+    code += "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
+    base = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "EPRT_CPU_EXPERTS")}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(want)

@@ -55,6 +55,28 @@ def resolve_threads(requested: int | None, environ=None) -> tuple[int, str]:
     return requested, "asked for"
 
 
+BLAS_SPIN_VAR = "OPENBLAS_THREAD_TIMEOUT"  # how long OpenBLAS's idle threads spin: 2^N cycles (default 28)
+BLAS_SPIN = "20"  # ~0.3 ms: hot within a burst of products, then the core is the compiled kernels' again
+
+
+def limit_blas_spin(environ=None) -> bool:
+    """Before NumPy loads OpenBLAS, shorten how long its idle threads spin after a product (by
+    default 2^28 cycles, about 0.1 s, holding a core the compiled kernels' pool threads then wait
+    for: a 512-token prefill on 2 threads ran at the speed of one) to 2^BLAS_SPIN cycles, unless
+    the variable is set or the NumPy expert path is chosen (OpenBLAS's threads are its parallel
+    work: its decode ran ~10% slower with a short spin). Returns whether it set it."""
+    import importlib.util
+    import sys
+
+    environ = os.environ if environ is None else environ
+    if BLAS_SPIN_VAR in environ or "numpy" in sys.modules:  # (once loaded, OpenBLAS has read it)
+        return False
+    if (environ.get(env.CPU_EXPERTS.name) or "auto") == "numpy" or importlib.util.find_spec("numba") is None:
+        return False
+    environ[BLAS_SPIN_VAR] = BLAS_SPIN
+    return True
+
+
 def _openblas_libraries() -> list:
     """The loaded shared libraries whose names say OpenBLAS (NumPy's own copy among them)."""
     try:
