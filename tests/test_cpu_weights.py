@@ -425,11 +425,11 @@ def test_mxfp4_experts_are_the_same_on_1_and_2_threads(shared):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_one_op_decode_layers_give_the_bits_of_the_ops_apart(checkpoint, monkeypatch, arch):
+def test_one_op_decode_layers_give_the_bits_of_the_ops_apart(checkpoint, monkeypatch, shared, arch):
     """With 16 experts (the router in exact panels) each MoE layer of a decode step runs as
     Ops.decode_layer's compiled calls (MoEModel.decode_layers): the logits of the same model with
     every layer's ops apart, bit for bit, at each precision on 1 thread and on 2 (the experts shared
-    out), and at float32 the greedy tokens of transformers."""
+    out, however small: ``shared``), and at float32 the greedy tokens of transformers."""
     from test_generate import hf_greedy
 
     from eprt.model.moe_model import MoEModel

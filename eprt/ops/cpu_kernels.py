@@ -1174,12 +1174,12 @@ def decode_layer(h, residual, layer, kv, meta, counts, threads: int = 1) -> tupl
     meta = (i32(positions), cos_sin, i32(slots), i32(tables), i32(lens))
     args = (norms, np.float32(layer.eps), qkv, o, qk_norms, meta, kv, np.float32(layer.scale), router, bufs)
     _layer_front(np.ascontiguousarray(h), residual, *args)
+    if threads > 1:  # the router's pick, then the experts shared out (``moe``; the same bits)
+        weights, ids = _exp_pick(probs, k, layer.renormalize, counts)
+        return moe(x2, ids - np.int32(layer.local[0]), weights, layer.w_gate_up, layer.w_down, threads), s2
     np.exp(probs, out=probs)
     weights, ids = np.empty((T, k), np.float32), np.empty((T, k), np.int32)
     counts = _NO_COUNTS if counts is None else counts
-    if threads > 1:  # the experts shared out (``moe``; the same bits)
-        _top_k_rows(probs, k, layer.renormalize, weights, ids, counts)
-        return moe(x2, ids - np.int32(layer.local[0]), weights, layer.w_gate_up, layer.w_down, threads), s2
     _layer_back(probs, k, layer.renormalize, counts, layer.local[0], x2, up, down, inter, weights, ids, out)
     return out, s2
 
